@@ -1,0 +1,231 @@
+"""Pass 2, annotate: which decoder layer each node belongs to, and which nodes depend on the tokens.
+
+No per-architecture code: the decoder layers are found as the ``nn.ModuleList`` whose entries are the model's
+``_no_split_modules`` classes (or, failing that, the ModuleList with ``num_hidden_layers`` entries), and a
+node's layer is read from ``node.meta["nn_module_stack"]``.
+
+Facts written:
+
+- ``node.meta["ppsplit.layer"]``: the decoder-layer index, or ``None`` outside the layers.
+- ``node.meta["ppsplit.token"]``: whether the value depends on ``input_ids``. Values that do not (positions,
+  rotary cos/sin, masks, weights) can be recomputed on any stage; values that do have exactly one home stage.
+- ``node.meta["ppsplit.region"]`` (token nodes only): ``0`` before layer 0, ``2i+1`` inside layer ``i``,
+  ``2i+2`` after layer ``i`` and before layer ``i+1``; ``2L`` is the head. A node outside the layers lives in
+  the region right after its latest token input, so work between layers stays with the earlier layer.
+- ``gm.meta["ppsplit.cuts"]``: for each tap id ``j`` in ``[0, L]``, the names of the token values crossing the
+  cut right before layer ``j`` (for ``j = L``: between the last layer and the head). Exactly one value, the
+  residual stream, crosses each cut in a well-formed decoder.
+- ``gm.meta["ppsplit.costs"]``: parameter counts and bytes of the embedding, each layer, and the head.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ppsplit.errors import LayersNotFoundError, TraceError
+from ppsplit.plan import ModelCosts
+
+# Ops whose result depends only on the shape of their tensor argument, never its values.
+SHAPE_OPS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int}
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """Where the decoder layers live: ``model.get_submodule(fqn)`` is an ``nn.ModuleList`` of ``num_layers``."""
+
+    fqn: str
+    num_layers: int
+    layer_class: str
+
+
+def find_layers(model: torch.nn.Module, layers: str | None = None) -> LayerStack:
+    """Locate the decoder-layer ModuleList of ``model``, or check the one named by ``layers``.
+
+    Example::
+
+        find_layers(LlamaForCausalLM(cfg))  # LayerStack(fqn="model.layers", num_layers=32, ...)
+    """
+    if layers is not None:
+        try:
+            mod = model.get_submodule(layers)
+        except AttributeError:
+            raise LayersNotFoundError(f"layers={layers!r} names no submodule of {type(model).__name__}; "
+                                      "pass the dotted name of its decoder-layer ModuleList, e.g. 'model.layers'") from None
+        if not isinstance(mod, torch.nn.ModuleList) or len(mod) == 0:
+            raise LayersNotFoundError(f"layers={layers!r} is a {type(mod).__name__}, not a non-empty nn.ModuleList of "
+                                      "decoder layers; pass the dotted name of the ModuleList, e.g. 'model.layers'")
+        return LayerStack(layers, len(mod), type(mod[0]).__name__)
+
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    expected = getattr(text_config, "num_hidden_layers", None)
+    lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, torch.nn.ModuleList) and len(mod)]
+    by_class = [(n, m) for n, m in lists if all(type(c).__name__ in no_split for c in m)]
+    by_count = [(n, m) for n, m in lists if len(m) == expected]
+    for candidates in (by_class, by_count):
+        if len(candidates) > 1:
+            exact = [(n, m) for n, m in candidates if len(m) == expected]
+            candidates = exact or candidates
+        if len(candidates) == 1:
+            name, mod = candidates[0]
+            return LayerStack(name, len(mod), type(mod[0]).__name__)
+        if len(candidates) > 1:
+            names = ", ".join(n for n, _ in candidates)
+            raise LayersNotFoundError(f"{type(model).__name__} has several candidate decoder-layer lists ({names}); "
+                                      "pass layers='<name>' to choose one")
+    raise LayersNotFoundError(
+        f"could not find the decoder layers of {type(model).__name__}: no nn.ModuleList of its _no_split_modules "
+        f"classes ({', '.join(sorted(no_split)) or 'none declared'}) and none with num_hidden_layers={expected} "
+        "entries; pass layers='<dotted name of the decoder-layer ModuleList>'")
+
+
+def annotate(gm: fx.GraphModule, stack: LayerStack) -> fx.GraphModule:
+    """Write layer indices, token dependence, regions, cut values and costs into the graph's meta."""
+    graph = gm.graph
+    layer_re = re.compile(r"^" + re.escape(stack.fqn) + r"\.(\d+)(?:\.|$)")
+    num_layers = stack.num_layers
+    head_region = 2 * num_layers
+
+    def layer_of(node: fx.Node) -> int | None:
+        if node.op == "get_attr":
+            m = layer_re.match(node.target)
+            return int(m.group(1)) if m else None
+        for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+            m = layer_re.match(_clean_path(path))
+            if m:
+                return int(m.group(1))
+        return None
+
+    nodes = list(graph.nodes)
+    for node in nodes:
+        node.meta["ppsplit.layer"] = layer_of(node)
+        node.meta["ppsplit.token"] = False
+        node.meta.pop("ppsplit.region", None)
+
+    for node in nodes:
+        if node.op == "placeholder":
+            if node.name == "input_ids":
+                node.meta["ppsplit.token"] = True
+                node.meta["ppsplit.region"] = 0
+            continue
+        if node.op != "call_function" or node.target in SHAPE_OPS:
+            continue
+        token_inputs = [a for a in node.all_input_nodes if a.meta["ppsplit.token"]]
+        if not token_inputs:
+            continue
+        node.meta["ppsplit.token"] = True
+        latest = max(a.meta["ppsplit.region"] for a in token_inputs)
+        layer = node.meta["ppsplit.layer"]
+        if layer is None:
+            region = latest + 1 if latest % 2 else latest
+        else:
+            region = 2 * layer + 1
+            if latest > region:
+                src = max(token_inputs, key=lambda a: a.meta["ppsplit.region"])
+                raise TraceError(f"node {node.format_node()} in decoder layer {layer} reads {src.name}, computed "
+                                 "after that layer; ppsplit needs layers that run in index order")
+        node.meta["ppsplit.region"] = region
+        # An in-place write of token data into an otherwise token-free tensor makes that tensor token data.
+        for base in mutated_bases(node):
+            if not base.meta["ppsplit.token"]:
+                base.meta["ppsplit.token"] = True
+                base.meta["ppsplit.region"] = region
+
+    gm.meta["ppsplit.cuts"] = _cuts(nodes, num_layers, head_region)
+    gm.meta["ppsplit.costs"] = _costs(gm, nodes, num_layers, head_region)
+    gm.meta["ppsplit.layers"] = stack
+    return gm
+
+
+def _cuts(nodes: list[fx.Node], num_layers: int, head_region: int) -> dict[int, list[str]]:
+    cuts: dict[int, list[str]] = {j: [] for j in range(num_layers + 1)}
+    for node in nodes:
+        if not node.meta.get("ppsplit.token"):
+            continue
+        region = node.meta["ppsplit.region"]
+        latest_use = max((u.meta["ppsplit.region"] if u.op != "output" else head_region + 1
+                          for u in node.users if u.op == "output" or u.meta.get("ppsplit.token")), default=region)
+        for j in range(num_layers + 1):
+            # Cut j (j < L) sits between region 2j and layer j (2j+1); cut L between the last layer and the head.
+            before, after = (2 * j, 2 * j + 1) if j < num_layers else (head_region - 1, head_region)
+            if region <= before and latest_use >= after:
+                cuts[j].append(node.name)
+    return cuts
+
+
+def _costs(gm: fx.GraphModule, nodes: list[fx.Node], num_layers: int, head_region: int) -> ModelCosts:
+    """Parameter counts per part, attributed through the first token-dependent consumers of each weight."""
+    consumers: dict[fx.Node, set[int]] = {}
+    for node in reversed(nodes):
+        regions: set[int] = set()
+        for user in node.users:
+            if user.meta.get("ppsplit.token"):
+                regions.add(user.meta["ppsplit.region"])
+            else:
+                regions |= consumers.get(user, set())
+        consumers[node] = regions
+
+    params = dict(gm.named_parameters())
+    embed = [0, 0]
+    head = [0, 0]
+    layers = [[0, 0] for _ in range(num_layers)]
+    for node in nodes:
+        if node.op != "get_attr" or node.target not in params:
+            continue
+        p = params[node.target]
+        cost = (p.numel(), p.numel() * p.element_size())
+        parts = set()
+        for region in consumers[node]:
+            if region == 0:
+                parts.add(("embed", 0))
+            elif region >= head_region:
+                parts.add(("head", 0))
+            else:
+                parts.add(("layer", (region - 1) // 2))  # a between-layer region counts with the layer before
+        for kind, i in parts:
+            bucket = embed if kind == "embed" else head if kind == "head" else layers[i]
+            bucket[0] += cost[0]
+            bucket[1] += cost[1]
+    return ModelCosts(
+        embed_params=embed[0], embed_bytes=embed[1], head_params=head[0], head_bytes=head[1],
+        layer_params=tuple(c[0] for c in layers), layer_bytes=tuple(c[1] for c in layers),
+    )
+
+
+def mutated_bases(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose storage ``node`` writes in place (through any chain of views)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.is_mutable:
+        return []
+    bases = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, fx.Node):
+            bases.append(view_base(value))
+    return bases
+
+
+def view_base(node: fx.Node) -> fx.Node:
+    """Follow view ops (select, slice, view, transpose, ...) back to the tensor that owns the storage."""
+    while node.op == "call_function" and _is_view(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns or not schema.arguments:
+        return False
+    ret, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+    return ret is not None and not ret.is_write and first is not None and not first.is_write
+
+
+def _clean_path(path: str) -> str:
+    path = path.split("@", 1)[0]  # "m.model.rotary_emb@1": a module called a second time
+    return path[2:] if path.startswith("m.") else path

@@ -1,0 +1,43 @@
+"""Pass 5, taps: write each tap's value into its slot of the packed aux buffer.
+
+Adds the ``aux`` input ``[n_slots, B, T, H]`` and, right after the node that computes tap ``j`` (the residual
+stream entering layer ``j``), a ``ppsplit::tap_store(aux, slot(j), value)`` on the tap's owner stage.
+
+Facts written: ``node.meta["ppsplit.tap"] = j`` on each store.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+import ppsplit.triton_kernels  # noqa: F401  (registers torch.ops.ppsplit.*)
+from ppsplit.errors import CrossingError
+from ppsplit.plan import SplitPlan
+
+
+def taps(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
+    graph = gm.graph
+    positions = graph.find_nodes(op="placeholder", target="positions")[0]
+    with graph.inserting_after(positions):
+        aux = graph.placeholder("aux")
+    aux.meta["ppsplit.token"] = False
+
+    by_name = {n.name: n for n in graph.nodes}
+    for slot, tap in enumerate(plan.taps):
+        crossing = gm.meta["ppsplit.cuts"][tap]
+        if len(crossing) != 1:
+            where = f"decoder layer {tap}" if tap < plan.num_layers else "the head"
+            raise CrossingError(f"tap {tap} is ambiguous: {len(crossing) or 'no'} token-dependent values enter {where} "
+                                f"({', '.join(crossing) or 'none'}); choose another aux id")
+        value = by_name[crossing[0]]
+        owner = value.meta["ppsplit.stage"]
+        if owner != plan.owner(tap):
+            raise CrossingError(f"tap {tap} is computed by {value.format_node()} on stage {owner}, but stage "
+                                f"{plan.owner(tap)} owns it; choose another aux id")
+        with graph.inserting_after(value):
+            store = graph.call_function(torch.ops.ppsplit.tap_store.default, (aux, slot, value))
+        store.meta.update({"ppsplit.token": True, "ppsplit.stage": owner, "ppsplit.tap": tap,
+                           "ppsplit.layer": value.meta.get("ppsplit.layer"),
+                           "ppsplit.region": value.meta["ppsplit.region"]})
+    graph.lint()
+    return gm

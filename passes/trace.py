@@ -1,0 +1,233 @@
+"""Pass 1, trace: capture a Hugging Face causal LM as one ATen-level FX graph with ``torch.export``.
+
+The graph takes ``(input_ids [B, T], positions [T])`` and returns the logits ``[B, T, V]``. Batch and token
+count are dynamic, so the same graph (and every stage cut from it) serves any ``B`` and ``T``. Parameters and
+buffers are ``get_attr`` nodes named by their original FQNs, so later passes can tell which stage needs which
+tensor, and the emitted stages keep the names a checkpoint uses.
+"""
+from __future__ import annotations
+
+import inspect
+import traceback
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.export import Dim
+
+from ppsplit.errors import TraceError
+
+_PREFIX = "m."  # the wrapper holds the model as ``self.m``
+
+# Nodes that only assert facts about the traced example (dtype, device, symbolic ranges). They would fail
+# once a stage moves to another device and have no effect on values, so the trace drops them.
+_ASSERT_OPS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+    torch.ops.aten.sym_constrain_range.default,
+}
+
+
+@dataclass(frozen=True)
+class TraceInfo:
+    """Facts about a traced graph that later passes need. Stored in ``gm.meta["ppsplit.trace"]``."""
+
+    model_class: str
+    batch_symbol: str  # sympy name of the batch dimension, e.g. "s0"
+    tokens_symbol: str
+    non_persistent: tuple[str, ...]  # buffers that a checkpoint does not hold (rotary inv_freq, ...)
+    constants: tuple[str, ...]  # tensors created inside forward and lifted by export
+    tied: tuple[tuple[str, str], ...]  # (alias, canonical) pairs of parameters that share storage
+
+
+class _Traceable(torch.nn.Module):
+    """Fixes the call convention: ``(input_ids, positions) -> logits``, no cache, no extra outputs."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.m = model
+        accepted = inspect.signature(model.forward).parameters
+        self._pass_positions = "position_ids" in accepted
+        self._pass_use_cache = "use_cache" in accepted
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        kwargs = {}
+        if self._pass_positions:
+            kwargs["position_ids"] = positions.unsqueeze(0)
+        if self._pass_use_cache:
+            kwargs["use_cache"] = False
+        out = self.m(input_ids=input_ids, **kwargs)
+        return out.logits if hasattr(out, "logits") else out[0]
+
+
+def trace(model: torch.nn.Module, *, example_tokens: int = 8) -> fx.GraphModule:
+    """Export ``model`` (real or on the meta device) into an FX graph ``(input_ids, positions) -> logits``.
+
+    Example::
+
+        gm = trace(AutoModelForCausalLM.from_config(cfg))
+        logits = gm(input_ids, torch.arange(input_ids.shape[1]))
+    """
+    device = _model_device(model)
+    vocab = _vocab_size(model)
+    ids = (torch.arange(2 * example_tokens, device=device) % max(vocab, 1)).view(2, example_tokens)
+    positions = torch.arange(example_tokens, device=device)
+    max_tokens = getattr(model.config, "max_position_embeddings", None)
+    tokens = Dim("tokens", min=1, max=max_tokens) if max_tokens and max_tokens > example_tokens else Dim("tokens", min=1)
+    batch = Dim("batch", min=1)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(
+                _Traceable(model), (ids, positions), dynamic_shapes=({0: batch, 1: tokens}, {0: tokens}), strict=False
+            )
+    except Exception as e:  # export raises many types; all mean "this model cannot be captured as is"
+        raise TraceError(_describe_export_failure(model, e)) from e
+    finally:
+        model.train(was_training)
+
+    gm = _unlift(ep, model)
+    in_ids = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
+    b_sym, t_sym = (str(s.node.expr) if isinstance(s, torch.SymInt) else str(s) for s in in_ids.meta["val"].shape)
+    sig = ep.graph_signature
+    gm.meta["ppsplit.trace"] = TraceInfo(
+        model_class=type(model).__name__,
+        batch_symbol=b_sym,
+        tokens_symbol=t_sym,
+        non_persistent=tuple(_strip(n) for n in sig.non_persistent_buffers),
+        constants=tuple(_strip(n) for n in sig.inputs_to_lifted_tensor_constants.values()),
+        tied=_tied_parameters(model),
+    )
+    return gm
+
+
+def _unlift(ep: torch.export.ExportedProgram, model: torch.nn.Module) -> fx.GraphModule:
+    """Turn the lifted parameter/buffer placeholders into ``get_attr`` nodes named by their FQNs."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    graph = ep.graph_module.graph
+    root = torch.nn.Module()
+    sig = ep.graph_signature
+    non_persistent = set(sig.non_persistent_buffers)
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            continue
+        fqn = spec.target
+        if spec.kind == InputKind.PARAMETER:
+            tensor = ep.state_dict[fqn]
+        elif spec.kind == InputKind.BUFFER:
+            tensor = ep.constants[fqn] if fqn in non_persistent else ep.state_dict[fqn]
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            tensor = ep.constants[fqn]
+        else:
+            raise TraceError(f"torch.export produced an input of kind {spec.kind} ({spec.arg.name}), which ppsplit does not handle")
+        name = _strip(fqn)
+        _set_tensor(root, name, tensor, parameter=spec.kind == InputKind.PARAMETER,
+                    persistent=spec.kind == InputKind.BUFFER and fqn not in non_persistent)
+        node = placeholders[spec.arg.name]
+        with graph.inserting_before(first_op):
+            attr = graph.create_node("get_attr", name)  # get_attr() would warn: the tensor lives in `root`
+        attr.meta = dict(node.meta)
+        node.replace_all_uses_with(attr)
+        graph.erase_node(node)
+
+    # Buffer mutations (a KV cache) come back as extra outputs of the functional graph: write them back
+    # in place, so the graph itself carries the side effect.
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    user_outs = []
+    for spec, value in zip(sig.output_specs, outs):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            with graph.inserting_before(output):
+                buf = graph.create_node("get_attr", _strip(spec.target))
+                graph.call_function(torch.ops.aten.copy_.default, (buf, value))
+        elif spec.kind == OutputKind.USER_OUTPUT:
+            user_outs.append(value)
+        else:
+            raise TraceError(f"torch.export produced an output of kind {spec.kind}, which ppsplit does not handle")
+    output.args = (user_outs[0],)
+
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERT_OPS and not node.users:
+            graph.erase_node(node)
+    gm = fx.GraphModule(root, graph, class_name=type(model).__name__ + "Graph")
+    copy_buffer_persistence(gm, root)
+    gm.graph.lint()
+    return gm
+
+
+def _set_tensor(root: torch.nn.Module, fqn: str, tensor: torch.Tensor, *, parameter: bool, persistent: bool) -> None:
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    if parameter:
+        mod.register_parameter(leaf, tensor if isinstance(tensor, torch.nn.Parameter) else torch.nn.Parameter(tensor, requires_grad=False))
+    else:
+        mod.register_buffer(leaf, tensor, persistent=persistent)
+
+
+def copy_buffer_persistence(dst: torch.nn.Module, src: torch.nn.Module) -> None:
+    """``fx.GraphModule`` copies every buffer as persistent; keep the source's non-persistent set."""
+    for name, mod in src.named_modules():
+        if not mod._non_persistent_buffers_set:
+            continue
+        try:
+            target = dst.get_submodule(name)
+        except AttributeError:
+            continue
+        target._non_persistent_buffers_set |= {b for b in mod._non_persistent_buffers_set if b in target._buffers}
+
+
+def _strip(fqn: str) -> str:
+    return fqn[len(_PREFIX):] if fqn.startswith(_PREFIX) else fqn
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None and hasattr(emb, "num_embeddings"):
+        return emb.num_embeddings
+    return int(getattr(model.config, "vocab_size", 2))
+
+
+def _tied_parameters(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
+    first: dict[int, str] = {}
+    tied = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied.append((name, first[id(p)]))
+        else:
+            first[id(p)] = name
+    return tuple(tied)
+
+
+def _describe_export_failure(model: torch.nn.Module, e: Exception) -> str:
+    """One line: which model, the first line of torch's complaint, and the model-code line that caused it."""
+    msg = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    where = ""
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        if "/torch/" not in frame.filename and "ppsplit" not in frame.filename:
+            where = f" at {frame.filename.rsplit('/', 2)[-1]}:{frame.lineno} `{(frame.line or '').strip()}`"
+            break
+    else:
+        # Export errors often quote the user frame inside the message ("File ..., line N").
+        for line in str(e).splitlines():
+            if "File " in line and "line" in line and "/torch/" not in line:
+                where = " at " + line.strip()
+                break
+    return (f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {msg[:300]}{where}. "
+            "ppsplit needs a model that torch.export traces non-strict with dynamic batch and token sizes; "
+            "rewrite that line without data-dependent Python control flow, or report the model.")

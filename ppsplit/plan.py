@@ -1,0 +1,165 @@
+"""The split plan: pure data that says which layers each stage runs and where each tap goes.
+
+A ``SplitPlan`` is what ``ppsplit inspect`` prints and what ``plan.json`` stores. It is computed by
+``ppsplit.passes.plan.make_plan`` and applied by the partition, taps and emit passes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Parameter counts and bytes of the embedding (stage 0), each decoder layer, and the head (last stage)."""
+
+    embed_params: int
+    head_params: int
+    layer_params: tuple[int, ...]
+    embed_bytes: int = 0
+    head_bytes: int = 0
+    layer_bytes: tuple[int, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_params)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Stage ``index`` runs decoder layers ``[start, end)``; ``params``/``bytes`` count what it holds."""
+
+    index: int
+    start: int
+    end: int
+    cost: float
+    params: int
+    bytes: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Stage ranges, costs and taps of one split. ``taps`` are the slots: distinct tap ids, ascending.
+
+    Example::
+
+        plan.owner(16)    # the stage that computes tap 16
+        plan.slot(16)     # its index in the packed aux buffer
+        plan.filled(1)    # how many slots are written once stage 1 has run (the prefix it sends)
+    """
+
+    num_layers: int
+    hidden_size: int
+    dtype: str
+    stages: tuple[StagePlan, ...]
+    taps: tuple[int, ...] = ()
+    balance: str = "layers"
+    model_class: str = ""
+    layers_fqn: str = ""
+    costs: ModelCosts | None = None
+    fused: tuple[tuple[str, ...], ...] = ()  # per stage: one line per tap store, fused or not (the fuse pass)
+    version: int = field(default=PLAN_VERSION)
+
+    def __post_init__(self):
+        if list(self.taps) != sorted(set(self.taps)):
+            raise ValueError(f"plan taps must be distinct and ascending, got {self.taps}")
+        expected = 0
+        for i, s in enumerate(self.stages):
+            if s.index != i or s.start != expected or s.end <= s.start:
+                raise ValueError(f"stage {i} covers layers [{s.start}, {s.end}); stages must be contiguous, "
+                                 "in order and non-empty")
+            expected = s.end
+        if expected != self.num_layers:
+            raise ValueError(f"stages cover {expected} layers but the model has {self.num_layers}")
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.taps)
+
+    def stage_of_layer(self, layer: int) -> int:
+        for s in self.stages:
+            if s.start <= layer < s.end:
+                return s.index
+        raise ValueError(f"layer {layer} is outside [0, {self.num_layers})")
+
+    def owner(self, tap: int) -> int:
+        """The stage that computes tap ``tap``: ``start < tap <= end``, stage 0 for tap 0."""
+        return 0 if tap == 0 else self.stage_of_layer(tap - 1)
+
+    def slot(self, tap: int) -> int:
+        return self.taps.index(tap)
+
+    def filled(self, stage: int) -> int:
+        """Number of slots written after ``stage`` has run: the aux prefix that it sends on."""
+        end = self.stages[stage].end
+        return sum(1 for t in self.taps if t <= end)
+
+    def slots_of(self, stage: int) -> range:
+        return range(self.filled(stage - 1) if stage else 0, self.filled(stage))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SplitPlan":
+        d = dict(d)
+        if d.get("version", PLAN_VERSION) > PLAN_VERSION:
+            raise ValueError(f"plan version {d['version']} is newer than this ppsplit understands ({PLAN_VERSION}); "
+                             "upgrade ppsplit")
+        d["stages"] = tuple(StagePlan(**s) for s in d["stages"])
+        d["taps"] = tuple(d.get("taps", ()))
+        d["fused"] = tuple(tuple(f) for f in d.get("fused", ()))
+        if d.get("costs") is not None:
+            c = dict(d["costs"])
+            c["layer_params"] = tuple(c["layer_params"])
+            c["layer_bytes"] = tuple(c.get("layer_bytes", ()))
+            d["costs"] = ModelCosts(**c)
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "SplitPlan":
+        return cls.from_dict(json.loads(text))
+
+    def describe(self) -> str:
+        """A human-readable table of stages and taps (what ``ppsplit inspect`` prints)."""
+        lines = [f"{self.model_class or 'model'}: {self.num_layers} layers, hidden {self.hidden_size}, {self.dtype}, "
+                 f"pp={self.pp}, balance={self.balance}, {self.n_slots} aux slots"]
+        head = f"{'stage':>5}  {'layers':>9}  {'params':>12}  {'bytes':>10}  {'cost':>10}  {'taps owned':<14} {'sends':<12}"
+        lines.append(head)
+        for s in self.stages:
+            owned = ",".join(str(self.taps[k]) for k in self.slots_of(s.index)) or "-"
+            role = "+embed" if s.index == 0 else ""
+            role += "+head" if s.index == self.pp - 1 else ""
+            sends = "logits" if s.index == self.pp - 1 else f"h + aux[:{self.filled(s.index)}]"
+            lines.append(f"{s.index:>5}  {f'{s.start}-{s.end - 1}':>9}  {s.params:>12,}  {_fmt_bytes(s.bytes):>10}  "
+                         f"{s.cost:>10.4g}  {owned:<14} {sends:<12} {role}")
+            for f in (self.fused[s.index] if s.index < len(self.fused) else ()):
+                lines.append(f"{'':>7}{f}")
+        if self.taps:
+            lines.append(f"{'tap':>5}  {'slot':>4}  {'owner':>5}  meaning")
+            for k, t in enumerate(self.taps):
+                meaning = "residual entering layer %d" % t if t < self.num_layers else "output of the last layer"
+                lines.append(f"{t:>5}  {k:>4}  {self.owner(t):>5}  {meaning}")
+        return "\n".join(lines)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
