@@ -26,6 +26,7 @@ import torch
 from torch import fx
 
 from ppsplit.errors import LayersNotFoundError, TraceError
+from ppsplit.passes.trace import module_path
 from ppsplit.plan import ModelCosts
 
 # Ops whose result depends only on the shape of their tensor argument, never its values.
@@ -95,14 +96,16 @@ def annotate(gm: fx.GraphModule, stack: LayerStack) -> fx.GraphModule:
             m = layer_re.match(node.target)
             return int(m.group(1)) if m else None
         for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
-            m = layer_re.match(_clean_path(path))
+            m = layer_re.match(module_path(path))
             if m:
                 return int(m.group(1))
         return None
 
     nodes = list(graph.nodes)
     for node in nodes:
-        node.meta["ppsplit.layer"] = layer_of(node)
+        # Size arithmetic (SymInt values) is shared by every layer that needs it: it belongs to none.
+        is_size = isinstance(node.meta.get("val"), (torch.SymInt, int)) and node.op == "call_function"
+        node.meta["ppsplit.layer"] = None if is_size else layer_of(node)
         node.meta["ppsplit.token"] = False
         node.meta.pop("ppsplit.region", None)
 
@@ -224,8 +227,3 @@ def _is_view(node: fx.Node) -> bool:
         return False
     ret, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
     return ret is not None and not ret.is_write and first is not None and not first.is_write
-
-
-def _clean_path(path: str) -> str:
-    path = path.split("@", 1)[0]  # "m.model.rotary_emb@1": a module called a second time
-    return path[2:] if path.startswith("m.") else path

@@ -90,6 +90,7 @@ def trace(model: torch.nn.Module, *, example_tokens: int = 8) -> fx.GraphModule:
         model.train(was_training)
 
     gm = _unlift(ep, model)
+    _untie(gm, _tied_parameters(model))
     in_ids = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
     b_sym, t_sym = (str(s.node.expr) if isinstance(s, torch.SymInt) else str(s) for s in in_ids.meta["val"].shape)
     sig = ep.graph_signature
@@ -159,6 +160,56 @@ def _unlift(ep: torch.export.ExportedProgram, model: torch.nn.Module) -> fx.Grap
     copy_buffer_persistence(gm, root)
     gm.graph.lint()
     return gm
+
+
+def _untie(gm: fx.GraphModule, tied: tuple[tuple[str, str], ...]) -> None:
+    """Export keeps one name for a tensor shared by several parameters (a tied embedding and lm_head). Give each
+    use the name of the module that reads it, so the head's stage holds ``lm_head.weight``, not the embedding."""
+    groups: dict[str, set[str]] = {}
+    for alias, canonical in tied:
+        group = groups.setdefault(canonical, {canonical})
+        group.add(alias)
+        groups[alias] = group
+    if not groups:
+        return
+    graph = gm.graph
+    attrs = {n.target: n for n in graph.nodes if n.op == "get_attr"}
+    for node in list(attrs.values()):
+        group = groups.get(node.target)
+        if not group:
+            continue
+        for user in list(node.users):
+            paths = [module_path(p) for p, _ in (user.meta.get("nn_module_stack") or {}).values()]
+            owners = [a for a in group if a.rpartition(".")[0] in paths]
+            name = max(owners, key=lambda a: paths.index(a.rpartition(".")[0])) if owners else node.target
+            if name == node.target:
+                continue
+            if name not in attrs:
+                if not hasattr_path(gm, name):
+                    _set_tensor(gm, name, gm.get_parameter(node.target), parameter=True, persistent=True)
+                with graph.inserting_after(node):
+                    attrs[name] = graph.create_node("get_attr", name)
+                attrs[name].meta = dict(node.meta)
+            user.replace_input_with(node, attrs[name])
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+
+
+def hasattr_path(mod: torch.nn.Module, fqn: str) -> bool:
+    try:
+        mod.get_parameter(fqn)
+        return True
+    except AttributeError:
+        return False
+
+
+def module_path(path: str) -> str:
+    """A module path from ``nn_module_stack`` without the wrapper prefix or a repeated-call suffix (``@1``)."""
+    path = path.split("@", 1)[0]
+    return _strip(path)
 
 
 def _set_tensor(root: torch.nn.Module, fqn: str, tensor: torch.Tensor, *, parameter: bool, persistent: bool) -> None:

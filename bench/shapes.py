@@ -1,0 +1,25 @@
+"""Full-size model shapes (published configs) for benchmarks; weights are random or on the meta device."""
+from transformers import AutoConfig
+
+SHAPES = {
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "gemma-2-9b": dict(model_type="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                       num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                       max_position_embeddings=8192, sliding_window=4096),
+    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768),
+}
+
+
+def config(name: str, **overrides):
+    kw = dict(SHAPES[name])
+    kw.update(overrides)
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)

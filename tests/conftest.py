@@ -1,0 +1,34 @@
+import os
+import warnings
+
+import pytest
+import torch
+
+from tests.models import tiny_model
+
+warnings.filterwarnings("ignore", message=".*Consider using tensor.detach.*")
+
+_TRACED: dict = {}
+
+
+@pytest.fixture(scope="session")
+def traced_cache():
+    """(model, traced graph) per architecture: one trace serves every split of that model."""
+    import ppsplit
+
+    def get(arch: str):
+        if arch not in _TRACED:
+            model = tiny_model(arch)
+            _TRACED[arch] = (model, ppsplit.trace_model(model))
+        return _TRACED[arch]
+
+    return get
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the device machine (see README)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
