@@ -30,6 +30,8 @@ from ppsplit.passes.trace import module_path
 from ppsplit.plan import ModelCosts
 
 # Ops whose result depends only on the shape of their tensor argument, never its values.
+_CACHE_RE = re.compile(r"^kv_cache\.(\d+)\.")
+
 SHAPE_OPS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int}
 
 
@@ -93,7 +95,7 @@ def annotate(gm: fx.GraphModule, stack: LayerStack) -> fx.GraphModule:
 
     def layer_of(node: fx.Node) -> int | None:
         if node.op == "get_attr":
-            m = layer_re.match(node.target)
+            m = layer_re.match(node.target) or _CACHE_RE.match(node.target)
             return int(m.group(1)) if m else None
         for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
             m = layer_re.match(module_path(path))
@@ -172,6 +174,11 @@ def _costs(gm: fx.GraphModule, nodes: list[fx.Node], num_layers: int, head_regio
                 regions |= consumers.get(user, set())
         consumers[node] = regions
 
+    cache = [0] * num_layers
+    for name, buf in gm.named_buffers():
+        m = _CACHE_RE.match(name)
+        if m:
+            cache[int(m.group(1))] += buf.numel() * buf.element_size()
     params = dict(gm.named_parameters())
     embed = [0, 0]
     head = [0, 0]
@@ -196,6 +203,7 @@ def _costs(gm: fx.GraphModule, nodes: list[fx.Node], num_layers: int, head_regio
     return ModelCosts(
         embed_params=embed[0], embed_bytes=embed[1], head_params=head[0], head_bytes=head[1],
         layer_params=tuple(c[0] for c in layers), layer_bytes=tuple(c[1] for c in layers),
+        layer_cache_bytes=tuple(cache) if any(cache) else (),
     )
 
 

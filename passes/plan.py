@@ -35,7 +35,8 @@ POLICIES: dict[str, BalancePolicy] = {"layers": balance_layers, "params": balanc
 
 
 def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers",
-              hidden_size: int = 0, dtype: str = "", model_class: str = "", layers_fqn: str = "") -> SplitPlan:
+              hidden_size: int = 0, dtype: str = "", model_class: str = "", layers_fqn: str = "",
+              max_batch: int = 0, max_len: int = 0) -> SplitPlan:
     """Compute a ``SplitPlan`` for ``pp`` stages and the given tap ids (vLLM numbering, duplicates collapse).
 
     Example::
@@ -73,10 +74,13 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
         if i == pp - 1:
             params, nbytes = params + costs.head_params, nbytes + costs.head_bytes
         cost = float(n) if name == "layers" else float(params)
-        stages.append(StagePlan(index=i, start=start, end=end, cost=cost, params=params, bytes=nbytes))
+        cache = sum(costs.layer_cache_bytes[start:end]) if costs.layer_cache_bytes else 0
+        stages.append(StagePlan(index=i, start=start, end=end, cost=cost, params=params, bytes=nbytes,
+                                cache_bytes=cache))
         start = end
     return SplitPlan(num_layers=num_layers, hidden_size=hidden_size, dtype=dtype, stages=tuple(stages), taps=slots,
-                     balance=name, model_class=model_class, layers_fqn=layers_fqn, costs=costs)
+                     balance=name, model_class=model_class, layers_fqn=layers_fqn, costs=costs,
+                     max_batch=max_batch, max_len=max_len)
 
 
 def plan(gm: fx.GraphModule, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers") -> SplitPlan:
@@ -88,9 +92,11 @@ def plan(gm: fx.GraphModule, pp: int, taps: Sequence[int] = (), *, balance: Bala
     if hidden is cut0:
         raise ConfigError("the traced graph feeds input_ids straight into layer 0; ppsplit needs an embedding")
     val = hidden.meta["val"]
+    info = gm.meta["ppsplit.trace"]
+    cache = info.cache
     return make_plan(costs, pp, taps, balance=balance, hidden_size=int(val.shape[-1]),
-                     dtype=str(val.dtype).replace("torch.", ""), model_class=gm.meta["ppsplit.trace"].model_class,
-                     layers_fqn=stack.fqn)
+                     dtype=str(val.dtype).replace("torch.", ""), model_class=info.model_class, layers_fqn=stack.fqn,
+                     max_batch=cache.batch_size if cache else 0, max_len=cache.max_len if cache else 0)
 
 
 def check_pp(pp: int, num_layers: int) -> None:

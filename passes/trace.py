@@ -15,7 +15,8 @@ import torch
 from torch import fx
 from torch.export import Dim
 
-from ppsplit.errors import TraceError
+from ppsplit.cache import CacheConfig, PositionedCache
+from ppsplit.errors import ConfigError, TraceError
 
 _PREFIX = "m."  # the wrapper holds the model as ``self.m``
 
@@ -34,35 +35,80 @@ class TraceInfo:
     """Facts about a traced graph that later passes need. Stored in ``gm.meta["ppsplit.trace"]``."""
 
     model_class: str
+    cache: CacheConfig | None
     batch_symbol: str  # sympy name of the batch dimension, e.g. "s0"
     tokens_symbol: str
     non_persistent: tuple[str, ...]  # buffers that a checkpoint does not hold (rotary inv_freq, ...)
     constants: tuple[str, ...]  # tensors created inside forward and lifted by export
     tied: tuple[tuple[str, str], ...]  # (alias, canonical) pairs of parameters that share storage
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
 
 
 class _Traceable(torch.nn.Module):
-    """Fixes the call convention: ``(input_ids, positions) -> logits``, no cache, no extra outputs."""
+    """Fixes the call convention: ``(input_ids, positions) -> logits``, and owns the static KV cache, if any."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, cache: CacheConfig | None = None, num_layers: int = 0):
         super().__init__()
         self.m = model
         accepted = inspect.signature(model.forward).parameters
         self._pass_positions = "position_ids" in accepted
         self._pass_use_cache = "use_cache" in accepted
+        # transformers renamed `past_key_values` to `cache` in 5.24.
+        self._cache_kw = next((k for k in ("cache", "past_key_values") if k in accepted), None)
+        self.kv = None
+        if cache is not None:
+            if self._cache_kw is None or not self._pass_positions:
+                raise ConfigError(f"{type(model).__name__}.forward takes no cache and position_ids, so ppsplit cannot "
+                                  "give its stages a KV cache; split it without cache=")
+            self.kv = PositionedCache(num_layers, cache.max_len)
+            self.kv_cache = torch.nn.Module()
+            device = _model_device(model)
+            for i, (k_shape, v_shape, dtype) in self._record_kv_shapes(device).items():
+                layer = torch.nn.Module()
+                layer.register_buffer("keys", torch.zeros(cache.batch_size, k_shape[0], cache.max_len, *k_shape[1:],
+                                                          dtype=dtype, device=device), persistent=False)
+                layer.register_buffer("values", torch.zeros(cache.batch_size, v_shape[0], cache.max_len, *v_shape[1:],
+                                                            dtype=dtype, device=device), persistent=False)
+                self.kv_cache.add_module(str(i), layer)
+
+    def _record_kv_shapes(self, device) -> dict:
+        """Run one token through the model with a recording cache to learn each layer's K/V heads, dims, dtype."""
+        self.kv.recording = True
+        self.kv.positions = torch.zeros(1, dtype=torch.long, device=device)
+        try:
+            with torch.no_grad():
+                self.m(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), position_ids=self.kv.positions[None],
+                       use_cache=True, **{self._cache_kw: self.kv})
+        finally:
+            self.kv.recording = False
+        shapes = {i: layer.shapes for i, layer in enumerate(self.kv.layers) if layer.shapes is not None}
+        if not shapes:
+            raise ConfigError(f"{type(self.m).__name__} wrote nothing into the cache it was given, so ppsplit cannot "
+                              "give its stages a KV cache; split it without cache=")
+        return shapes
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         kwargs = {}
         if self._pass_positions:
             kwargs["position_ids"] = positions.unsqueeze(0)
         if self._pass_use_cache:
-            kwargs["use_cache"] = False
+            kwargs["use_cache"] = self.kv is not None
+        if self.kv is not None:
+            # Bind the buffers on every call: export swaps module buffers for traced stand-ins.
+            self.kv.bind({int(i): (layer.keys, layer.values) for i, layer in self.kv_cache.named_children()})
+            self.kv.positions = positions
+            kwargs[self._cache_kw] = self.kv
         out = self.m(input_ids=input_ids, **kwargs)
         return out.logits if hasattr(out, "logits") else out[0]
 
 
-def trace(model: torch.nn.Module, *, example_tokens: int = 8) -> fx.GraphModule:
+def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layers: int = 0,
+          example_tokens: int = 8) -> fx.GraphModule:
     """Export ``model`` (real or on the meta device) into an FX graph ``(input_ids, positions) -> logits``.
+
+    With ``cache``, the graph owns a static KV cache (``kv_cache.<layer>.keys/values`` buffers, one per layer of
+    the ``num_layers``) that each call writes at ``positions``.
 
     Example::
 
@@ -71,19 +117,27 @@ def trace(model: torch.nn.Module, *, example_tokens: int = 8) -> fx.GraphModule:
     """
     device = _model_device(model)
     vocab = _vocab_size(model)
-    ids = (torch.arange(2 * example_tokens, device=device) % max(vocab, 1)).view(2, example_tokens)
-    positions = torch.arange(example_tokens, device=device)
     max_tokens = getattr(model.config, "max_position_embeddings", None)
-    tokens = Dim("tokens", min=1, max=max_tokens) if max_tokens and max_tokens > example_tokens else Dim("tokens", min=1)
-    batch = Dim("batch", min=1)
+    max_batch = None
+    if cache is not None:
+        max_tokens = cache.max_len if not max_tokens else min(max_tokens, cache.max_len)
+        max_batch = cache.batch_size
+    example_tokens = min(example_tokens, max_tokens) if max_tokens else example_tokens
+    example_batch = min(2, max_batch) if max_batch else 2
+    ids = (torch.arange(example_batch * example_tokens, device=device) % max(vocab, 1)).view(example_batch, example_tokens)
+    positions = torch.arange(example_tokens, device=device)
+    tokens = _dim("tokens", example_tokens, max_tokens)
+    batch = _dim("batch", example_batch, max_batch)
 
     was_training = model.training
     model.eval()
     try:
+        wrapper = _Traceable(model, cache, num_layers)
         with torch.no_grad():
-            ep = torch.export.export(
-                _Traceable(model), (ids, positions), dynamic_shapes=({0: batch, 1: tokens}, {0: tokens}), strict=False
-            )
+            ep = torch.export.export(wrapper, (ids, positions), dynamic_shapes=({0: batch, 1: tokens}, {0: tokens}),
+                                     strict=False)
+    except ConfigError:
+        raise
     except Exception as e:  # export raises many types; all mean "this model cannot be captured as is"
         raise TraceError(_describe_export_failure(model, e)) from e
     finally:
@@ -92,17 +146,26 @@ def trace(model: torch.nn.Module, *, example_tokens: int = 8) -> fx.GraphModule:
     gm = _unlift(ep, model)
     _untie(gm, _tied_parameters(model))
     in_ids = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
-    b_sym, t_sym = (str(s.node.expr) if isinstance(s, torch.SymInt) else str(s) for s in in_ids.meta["val"].shape)
+    b_sym, t_sym = (str(d.node.expr) if isinstance(d, torch.SymInt) else "" for d in in_ids.meta["val"].shape)
     sig = ep.graph_signature
     gm.meta["ppsplit.trace"] = TraceInfo(
         model_class=type(model).__name__,
+        cache=cache,
         batch_symbol=b_sym,
         tokens_symbol=t_sym,
         non_persistent=tuple(_strip(n) for n in sig.non_persistent_buffers),
         constants=tuple(_strip(n) for n in sig.inputs_to_lifted_tensor_constants.values()),
         tied=_tied_parameters(model),
+        **_generation_ids(model),
     )
     return gm
+
+
+def _dim(name: str, example: int, maximum: int | None):
+    """A dynamic dimension, or ``None`` (static) when only one size is allowed."""
+    if maximum is not None and maximum <= 1:
+        return None
+    return Dim(name, min=1, max=maximum) if maximum is not None else Dim(name, min=1)
 
 
 def _unlift(ep: torch.export.ExportedProgram, model: torch.nn.Module) -> fx.GraphModule:
@@ -252,6 +315,14 @@ def _vocab_size(model: torch.nn.Module) -> int:
     if emb is not None and hasattr(emb, "num_embeddings"):
         return emb.num_embeddings
     return int(getattr(model.config, "vocab_size", 2))
+
+
+def _generation_ids(model: torch.nn.Module) -> dict:
+    gen = getattr(model, "generation_config", None) or getattr(model, "config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    pad = getattr(gen, "pad_token_id", None)
+    return {"eos_token_id": eos, "pad_token_id": pad}
 
 
 def _tied_parameters(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:

@@ -1,11 +1,14 @@
 """ppsplit: split any Hugging Face decoder into pipeline stages that carry EAGLE-3 taps in one packed buffer."""
+from ppsplit.cache import CacheConfig
 from ppsplit.errors import ConfigError, CrossingError, LayersNotFoundError, PpsplitError, TraceError
 from ppsplit.plan import ModelCosts, SplitPlan, StagePlan
 from ppsplit.runtime import SplitModel
 from ppsplit.api import SplitOptions, split_model, trace_model
+from ppsplit.cuda_graphs import CapturedStage, cuda_graph
 
 __all__ = [
-    "ConfigError", "CrossingError", "LayersNotFoundError", "PpsplitError", "TraceError",
+    "CacheConfig", "ConfigError", "CrossingError", "LayersNotFoundError", "PpsplitError", "TraceError",
     "ModelCosts", "SplitPlan", "StagePlan", "SplitModel", "SplitOptions", "split_model", "trace_model",
+    "CapturedStage", "cuda_graph",
 ]
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ from typing import Sequence, Union
 import torch
 from torch import fx
 
+from ppsplit.cache import CacheConfig
 from ppsplit.errors import ConfigError
 from ppsplit.passes.annotate import annotate, find_layers
 from ppsplit.passes.emit import emit
@@ -78,7 +79,7 @@ def parse_aux(aux: Aux) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def trace_model(model: torch.nn.Module, *, layers: str | None = None) -> fx.GraphModule:
+def trace_model(model: torch.nn.Module, *, layers: str | None = None, cache: CacheConfig | None = None) -> fx.GraphModule:
     """Trace and annotate ``model`` once; pass the result to ``split_model`` to split it several ways.
 
     Example::
@@ -90,19 +91,21 @@ def trace_model(model: torch.nn.Module, *, layers: str | None = None) -> fx.Grap
     stack = find_layers(model, layers)
     start = time.perf_counter()
     log.info("tracing %s (%d decoder layers) with torch.export", type(model).__name__, stack.num_layers)
-    gm = annotate(trace(model), stack)
+    gm = annotate(trace(model, cache=cache, num_layers=stack.num_layers), stack)
     log.info("traced %d nodes in %.1fs", len(gm.graph.nodes), time.perf_counter() - start)
     return gm
 
 
 def split_model(model: torch.nn.Module | fx.GraphModule, pp: int, aux: Aux = None, *, balance: Balance = "layers",
-                aux_convention: str = "vllm", layers: str | None = None) -> SplitModel:
+                aux_convention: str = "vllm", layers: str | None = None, cache: CacheConfig | None = None) -> SplitModel:
     """Split a Hugging Face decoder LM into ``pp`` pipeline stages that carry the taps ``aux``.
 
     ``aux``: ``None`` (no taps), ``"eagle3"`` (``2, L//2, L-3``), or tap ids (``"2,16,29"`` or a list) in vLLM's
     numbering: tap ``j`` is the residual stream entering layer ``j``, tap ``L`` the last layer's output.
     ``balance``: ``"layers"``, ``"params"``, a list of layer counts, or ``f(costs, pp) -> counts``.
-    The stages share the model's parameters (no copy).
+    ``cache``: ``CacheConfig(batch_size, max_len)`` gives every stage a static KV cache for its layers; then
+    ``positions`` are the cache positions of the new tokens and the same stages serve prefill, decode and
+    verification. The stages share the model's parameters (no copy).
 
     Example::
 
@@ -113,15 +116,19 @@ def split_model(model: torch.nn.Module | fx.GraphModule, pp: int, aux: Aux = Non
     if isinstance(model, fx.GraphModule) and "ppsplit.layers" in model.meta:
         traced = model
         opts.taps(traced.meta["ppsplit.layers"].num_layers)
+        if cache is not None and traced.meta["ppsplit.trace"].cache != cache:
+            raise ConfigError(f"the traced graph was made with cache={traced.meta['ppsplit.trace'].cache}, not {cache}; "
+                              "pass cache= to trace_model instead")
     else:
         opts.taps(find_layers(model, layers).num_layers)  # fail on bad options before the slow trace
-        traced = trace_model(model, layers=layers)
+        traced = trace_model(model, layers=layers, cache=cache)
     stack = traced.meta["ppsplit.layers"]
     gm = _fresh_copy(traced)
     plan = make_split_plan(gm, opts.pp, opts.taps(stack.num_layers), balance=opts.balance)
     gm = partition(gm, plan)
     gm = add_taps(gm, plan)
-    return SplitModel(plan, emit(gm, plan))
+    info = traced.meta["ppsplit.trace"]
+    return SplitModel(plan, emit(gm, plan), eos_token_id=info.eos_token_id, pad_token_id=info.pad_token_id)
 
 
 def _fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:

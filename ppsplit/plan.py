@@ -22,6 +22,7 @@ class ModelCosts:
     embed_bytes: int = 0
     head_bytes: int = 0
     layer_bytes: tuple[int, ...] = ()
+    layer_cache_bytes: tuple[int, ...] = ()  # static KV cache per layer, when the split has one
 
     @property
     def num_layers(self) -> int:
@@ -38,6 +39,7 @@ class StagePlan:
     cost: float
     params: int
     bytes: int
+    cache_bytes: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -64,6 +66,8 @@ class SplitPlan:
     model_class: str = ""
     layers_fqn: str = ""
     costs: ModelCosts | None = None
+    max_batch: int = 0  # static KV cache shape (0: no cache)
+    max_len: int = 0
     fused: tuple[tuple[str, ...], ...] = ()  # per stage: one line per tap store, fused or not (the fuse pass)
     version: int = field(default=PLAN_VERSION)
 
@@ -124,6 +128,7 @@ class SplitPlan:
             c = dict(d["costs"])
             c["layer_params"] = tuple(c["layer_params"])
             c["layer_bytes"] = tuple(c.get("layer_bytes", ()))
+            c["layer_cache_bytes"] = tuple(c.get("layer_cache_bytes", ()))
             d["costs"] = ModelCosts(**c)
         return cls(**d)
 
@@ -136,8 +141,9 @@ class SplitPlan:
 
     def describe(self) -> str:
         """A human-readable table of stages and taps (what ``ppsplit inspect`` prints)."""
+        cache = f", KV cache {self.max_batch} x {self.max_len} tokens" if self.max_len else ""
         lines = [f"{self.model_class or 'model'}: {self.num_layers} layers, hidden {self.hidden_size}, {self.dtype}, "
-                 f"pp={self.pp}, balance={self.balance}, {self.n_slots} aux slots"]
+                 f"pp={self.pp}, balance={self.balance}, {self.n_slots} aux slots{cache}"]
         head = f"{'stage':>5}  {'layers':>9}  {'params':>12}  {'bytes':>10}  {'cost':>10}  {'taps owned':<14} {'sends':<12}"
         lines.append(head)
         for s in self.stages:
@@ -145,8 +151,9 @@ class SplitPlan:
             role = "+embed" if s.index == 0 else ""
             role += "+head" if s.index == self.pp - 1 else ""
             sends = "logits" if s.index == self.pp - 1 else f"h + aux[:{self.filled(s.index)}]"
+            cache = f"  cache {_fmt_bytes(s.cache_bytes)}" if s.cache_bytes else ""
             lines.append(f"{s.index:>5}  {f'{s.start}-{s.end - 1}':>9}  {s.params:>12,}  {_fmt_bytes(s.bytes):>10}  "
-                         f"{s.cost:>10.4g}  {owned:<14} {sends:<12} {role}")
+                         f"{s.cost:>10.4g}  {owned:<14} {sends:<12} {role}{cache}")
             for f in (self.fused[s.index] if s.index < len(self.fused) else ()):
                 lines.append(f"{'':>7}{f}")
         if self.taps:

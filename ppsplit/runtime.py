@@ -26,10 +26,14 @@ class SplitModel(torch.nn.Module):
         features = split.drafter_inputs(aux)           # [B, T, 3 * H], the EAGLE-3 input
     """
 
-    def __init__(self, plan: SplitPlan, stages: Sequence[torch.nn.Module]):
+    def __init__(self, plan: SplitPlan, stages: Sequence[torch.nn.Module], *,
+                 eos_token_id: Sequence[int] = (), pad_token_id: int | None = None):
         super().__init__()
         self.plan = plan
         self.stages = torch.nn.ModuleList(stages)
+        self.eos_token_id = tuple(eos_token_id)
+        self.pad_token_id = pad_token_id
+        self.graphs: dict[tuple[int, int], list] = {}  # (batch, tokens) -> one CapturedStage per stage
 
     @property
     def dtype(self) -> torch.dtype:
@@ -53,8 +57,11 @@ class SplitModel(torch.nn.Module):
         batch, tokens = input_ids.shape
         if positions is None:
             positions = torch.arange(tokens, device=input_ids.device)
+        captured = self.graphs.get((batch, tokens))
         x, aux = input_ids, None
         for k, stage in enumerate(self.stages):
+            if captured is not None:
+                stage = captured[k]
             dev = stage_device(stage)
             if aux is None:
                 aux = self.new_aux(batch, tokens, dev)
@@ -67,7 +74,65 @@ class SplitModel(torch.nn.Module):
             x, aux = stage(x.to(dev), positions.to(dev), aux)
         return x, aux
 
+    def capture(self, batch: int, tokens: Sequence[int]) -> "SplitModel":
+        """Capture every stage as a CUDA graph for each token count (e.g. ``[prompt, 1, K + 1]``); calls whose
+        ``(batch, tokens)`` match a bucket then replay graphs. Buckets share each stage's KV cache and one
+        memory pool. Capture before the cache holds live sequences (capture writes it)."""
+        from ppsplit.cuda_graphs import CapturedStage
+
+        pool = torch.cuda.graph_pool_handle()
+        for t in tokens:
+            self.graphs[(batch, t)] = [CapturedStage(stage, batch, t, pool=pool) for stage in self.stages]
+        return self
+
     def drafter_inputs(self, aux: torch.Tensor) -> torch.Tensor:
         """The EAGLE-3 input ``[B, T, n_slots * H]``: the taps concatenated along hidden, ascending tap id."""
         n, batch, tokens, hidden = aux.shape
         return aux.permute(1, 2, 0, 3).reshape(batch, tokens, n * hidden)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding through the stages with their KV caches: one prefill, then one token per step.
+
+        Matches ``model.generate(input_ids, do_sample=False, max_new_tokens=...)``: a sequence that has emitted
+        an end-of-sequence token continues with padding, and decoding stops when all have.
+
+        Example::
+
+            split = split_model(model, pp=2, cache=CacheConfig(batch_size=1, max_len=256))
+            out = split.generate(input_ids, max_new_tokens=32)   # [B, T + new]
+        """
+        batch, prompt = input_ids.shape
+        self._check_cache(batch, prompt + max_new_tokens)
+        device = input_ids.device
+        eos = torch.tensor(self.eos_token_id, device=device, dtype=torch.long)
+        pad = self.pad_token_id if self.pad_token_id is not None else (self.eos_token_id or (0,))[0]
+        logits, _ = self(input_ids, torch.arange(prompt, device=device))
+        out = [input_ids]
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        for step in range(max_new_tokens):
+            token = logits[:, -1].argmax(-1)
+            if len(eos):
+                token = torch.where(done, torch.full_like(token, pad), token)
+                done |= torch.isin(token, eos)
+            out.append(token[:, None])
+            if step == max_new_tokens - 1 or (len(eos) and bool(done.all())):
+                break
+            logits, _ = self(token[:, None], torch.tensor([prompt + step], device=device))
+        return torch.cat(out, dim=1)
+
+    def _check_cache(self, batch: int, length: int) -> None:
+        from ppsplit.errors import ConfigError
+
+        if not self.plan.max_len:
+            raise ConfigError("this split has no KV cache: pass cache=CacheConfig(batch_size, max_len) to split_model")
+        if batch > self.plan.max_batch or length > self.plan.max_len:
+            raise ConfigError(f"batch {batch} x {length} tokens does not fit the KV cache of {self.plan.max_batch} x "
+                              f"{self.plan.max_len}; split with a larger CacheConfig")
+
+    def reset_cache(self) -> None:
+        """Zero every stage's KV cache (not needed for correctness: positions overwrite, the mask hides the rest)."""
+        for stage in self.stages:
+            for name, buf in stage.named_buffers():
+                if name.startswith("kv_cache."):
+                    buf.zero_()

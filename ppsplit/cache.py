@@ -1,0 +1,111 @@
+"""Static KV cache owned by the stages: ``CacheConfig(batch_size, max_len)``.
+
+Each decoder layer's keys and values live in two buffers ``kv_cache.<layer>.keys`` / ``.values`` of shape
+``[batch_size, kv_heads, max_len, head_dim]``. A step writes its ``T`` new keys and values at ``positions`` (the
+cache positions of the new tokens) and attends over the whole buffer under a causal mask on those positions.
+Nothing else is remembered between steps: there is no length counter. A rejected draft token leaves stale
+entries beyond the accepted position; the mask hides them, and the next step's ``positions`` overwrite them.
+
+The layer classes plug into Hugging Face's ``Cache`` interface (``update``, ``get_mask_sizes``,
+``get_query_offset``), so the model's own attention and mask code run unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, StaticLayer
+
+from ppsplit.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A static KV cache for up to ``batch_size`` sequences of up to ``max_len`` tokens (prompt included).
+
+    Example::
+
+        split = split_model(model, pp=4, aux="eagle3", cache=CacheConfig(batch_size=8, max_len=4096))
+    """
+
+    batch_size: int
+    max_len: int
+
+    def __post_init__(self):
+        for name in ("batch_size", "max_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"CacheConfig.{name} must be a positive integer, but got {value!r}")
+
+
+class _PositionedLayer(StaticLayer):
+    """One layer's static cache, written at the cache's current ``positions``."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: "PositionedCache", max_cache_len: int):
+        super().__init__(max_cache_len=max_cache_len)
+        self.owner = owner
+        self.shapes: tuple | None = None  # ((kv_heads, k_dim), (kv_heads, v_dim), dtype) seen by a recording run
+
+    def lazy_initialization(self, key_states, value_states):  # buffers are bound by the owner, never allocated here
+        raise RuntimeError("ppsplit cache layer used before its buffers were bound")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.owner.recording:
+            self.shapes = (tuple(key_states.shape[1:2]) + tuple(key_states.shape[3:]),
+                           tuple(value_states.shape[1:2]) + tuple(value_states.shape[3:]), key_states.dtype)
+            return key_states, value_states
+        positions = self.owner.positions
+        batch = key_states.shape[0]
+        # Batches smaller than the cache use its leading rows.
+        keys = self.keys[:batch].index_copy_(2, positions, key_states)
+        values = self.values[:batch].index_copy_(2, positions, value_states)
+        return keys, values
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        if self.owner.recording:
+            query_length = args[0] if args and isinstance(args[0], int) else self.owner.positions.shape[0]
+            return query_length, 0
+        return self.max_cache_len, 0
+
+    def get_seq_length(self, *args, **kwargs):
+        # The query offset HF's masks use: the position of the first new token (a tensor, so no host sync).
+        return 0 if self.owner.recording else self.owner.positions[0]
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self) -> int:  # transformers < 5.16
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.keys is not None:
+            self.keys.zero_()
+            self.values.zero_()
+
+
+class PositionedCache(Cache):
+    """The cache object handed to the model while tracing; its tensors are the wrapper's buffers."""
+
+    def __init__(self, num_layers: int, max_len: int):
+        super().__init__(layers=[_PositionedLayer(self, max_len) for _ in range(num_layers)])
+        self.positions: torch.Tensor | None = None
+        self.recording = False
+
+    def get_query_offset(self, layer_idx: int = 0):
+        return self.layers[layer_idx].get_seq_length()
+
+    def bind(self, tensors: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for i, (keys, values) in tensors.items():
+            layer = self.layers[i]
+            layer.keys, layer.values = keys, values
+            layer.is_initialized = True
+            layer.device = keys.device
+            layer.batch_size, layer.num_heads = keys.shape[:2]
+            layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
+
+
+def cache_buffer_name(layer: int, kind: str) -> str:
+    return f"kv_cache.{layer}.{kind}"
