@@ -7,7 +7,10 @@ tensor, and the emitted stages keep the names a checkpoint uses.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import sys
 import traceback
 from dataclasses import dataclass
 
@@ -133,7 +136,7 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     model.eval()
     try:
         wrapper = _Traceable(model, cache, num_layers)
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_torch_logs():
             ep = torch.export.export(wrapper, (ids, positions), dynamic_shapes=({0: batch, 1: tokens}, {0: tokens}),
                                      strict=False)
     except ConfigError:
@@ -159,6 +162,16 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         **_generation_ids(model),
     )
     return gm
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """On failure, export prints the partial graph to stderr; ppsplit reports the error in one line instead.
+    What export writes on success is passed on."""
+    captured = io.StringIO()
+    with contextlib.redirect_stderr(captured):
+        yield
+    sys.stderr.write(captured.getvalue())
 
 
 def _dim(name: str, example: int, maximum: int | None):
