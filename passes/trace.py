@@ -232,10 +232,32 @@ def _unlift(ep: torch.export.ExportedProgram, model: torch.nn.Module) -> fx.Grap
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ASSERT_OPS and not node.users:
             graph.erase_node(node)
+        elif _is_identity_cast(node):
+            # `x.to(x.dtype)` returns x itself, so export may route later uses of x through the cast
+            # (an fp32 model's residual read through the norm's upcast). Use x directly.
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
     gm = fx.GraphModule(root, graph, class_name=type(model).__name__ + "Graph")
     copy_buffer_persistence(gm, root)
     gm.graph.lint()
     return gm
+
+
+_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
+          torch.ops.aten.type_as.default}
+
+
+def _is_identity_cast(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target not in _CASTS or not isinstance(node.args[0], fx.Node):
+        return False
+    src, out = node.args[0].meta.get("val"), node.meta.get("val")
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    copy = node.kwargs.get("copy", False) or (node.target is torch.ops.aten.to.dtype and len(node.args) > 3
+                                              and node.args[3])
+    same = (src.dtype == out.dtype and src.device == out.device and src.shape == out.shape
+            and src.stride() == out.stride())
+    return same and not copy and "memory_format" not in node.kwargs
 
 
 def _untie(gm: fx.GraphModule, tied: tuple[tuple[str, str], ...]) -> None:

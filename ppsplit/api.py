@@ -1,6 +1,7 @@
 """``split_model``: the one public verb, and the options it validates."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from ppsplit.cache import CacheConfig
 from ppsplit.errors import ConfigError
 from ppsplit.passes.annotate import annotate, find_layers
 from ppsplit.passes.emit import emit
+from ppsplit.passes.fuse import fuse as fuse_kernels
 from ppsplit.passes.partition import partition
 from ppsplit.passes.plan import Balance, check_pp, check_tap, plan as make_split_plan
 from ppsplit.passes.taps import taps as add_taps
@@ -34,8 +36,12 @@ class SplitOptions:
     balance: Balance = "layers"
     aux_convention: str = "vllm"
     layers: str | None = None
+    fuse: bool | str = True
 
     def __post_init__(self):
+        if self.fuse not in (True, False, "norms"):
+            raise ConfigError(f"fuse must be True (fuse taps, adds and norms into Triton kernels), 'norms' (fuse adds "
+                              f"and norms, keep a separate store per tap) or False, but got {self.fuse!r}")
         if not isinstance(self.pp, int) or isinstance(self.pp, bool) or self.pp < 1:
             raise ConfigError(f"pp must be a positive number of stages, but got {self.pp!r}")
         if self.aux_convention not in CONVENTIONS:
@@ -97,7 +103,8 @@ def trace_model(model: torch.nn.Module, *, layers: str | None = None, cache: Cac
 
 
 def split_model(model: torch.nn.Module | fx.GraphModule, pp: int, aux: Aux = None, *, balance: Balance = "layers",
-                aux_convention: str = "vllm", layers: str | None = None, cache: CacheConfig | None = None) -> SplitModel:
+                aux_convention: str = "vllm", layers: str | None = None, cache: CacheConfig | None = None,
+                fuse: bool | str = True) -> SplitModel:
     """Split a Hugging Face decoder LM into ``pp`` pipeline stages that carry the taps ``aux``.
 
     ``aux``: ``None`` (no taps), ``"eagle3"`` (``2, L//2, L-3``), or tap ids (``"2,16,29"`` or a list) in vLLM's
@@ -105,14 +112,16 @@ def split_model(model: torch.nn.Module | fx.GraphModule, pp: int, aux: Aux = Non
     ``balance``: ``"layers"``, ``"params"``, a list of layer counts, or ``f(costs, pp) -> counts``.
     ``cache``: ``CacheConfig(batch_size, max_len)`` gives every stage a static KV cache for its layers; then
     ``positions`` are the cache positions of the new tokens and the same stages serve prefill, decode and
-    verification. The stages share the model's parameters (no copy).
+    verification. ``fuse``: ``True`` folds each tap store, with the residual add and norm around it, into one
+    Triton kernel (and fuses the other add+norm pairs the same way); ``"norms"`` keeps a separate store per tap;
+    ``False`` keeps the traced ops. The stages share the model's parameters (no copy).
 
     Example::
 
         split = split_model(AutoModelForCausalLM.from_config(cfg), pp=4, aux="2,16,29")
         logits, aux = split(input_ids)
     """
-    opts = SplitOptions(pp=pp, aux=aux, balance=balance, aux_convention=aux_convention, layers=layers)
+    opts = SplitOptions(pp=pp, aux=aux, balance=balance, aux_convention=aux_convention, layers=layers, fuse=fuse)
     if isinstance(model, fx.GraphModule) and "ppsplit.layers" in model.meta:
         traced = model
         opts.taps(traced.meta["ppsplit.layers"].num_layers)
@@ -127,6 +136,9 @@ def split_model(model: torch.nn.Module | fx.GraphModule, pp: int, aux: Aux = Non
     plan = make_split_plan(gm, opts.pp, opts.taps(stack.num_layers), balance=opts.balance)
     gm = partition(gm, plan)
     gm = add_taps(gm, plan)
+    if opts.fuse:
+        gm = fuse_kernels(gm, plan, taps=opts.fuse is True)
+        plan = dataclasses.replace(plan, fused=gm.meta["ppsplit.fused"])
     info = traced.meta["ppsplit.trace"]
     return SplitModel(plan, emit(gm, plan), eos_token_id=info.eos_token_id, pad_token_id=info.pad_token_id)
 

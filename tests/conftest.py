@@ -1,8 +1,14 @@
 import os
+
+import torch
+
+# Triton kernels run on CPU tensors through the interpreter; it must be chosen before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import warnings
 
 import pytest
-import torch
 
 from tests.models import tiny_model
 
