@@ -50,8 +50,7 @@ class NormMatch:
 def fuse(gm: fx.GraphModule, plan: SplitPlan, *, taps: bool = True) -> fx.GraphModule:
     """Rewrite add/norm/tap-store groups into fused ops (``taps=False`` fuses the norms but keeps plain stores)."""
     graph = gm.graph
-    stores = {n.args[2]: n for n in graph.nodes if n.target is ops.tap_store.default}
-    replaced: dict[fx.Node, fx.Node] = {}
+    replaced: dict[fx.Node, fx.Node] = {}  # nodes this pass rewrote -> their replacement
     report: dict[int, list[str]] = {s: [] for s in range(plan.pp)}
     counts: dict[int, int] = {s: 0 for s in range(plan.pp)}
 
@@ -61,7 +60,7 @@ def fuse(gm: fx.GraphModule, plan: SplitPlan, *, taps: bool = True) -> fx.GraphM
         add = _producer_add(value)
         if add is not None and add.meta.get("ppsplit.stage") != stage:
             add = None  # the norm runs on the next stage: only the add and the store can fuse here
-        store = stores.get(value) if taps else None
+        store = _store_of(value) if taps else None
         if store is not None and store.meta.get("ppsplit.stage") != stage:
             store = None
         norm_args = (match.weight, match.bias)
@@ -96,12 +95,12 @@ def fuse(gm: fx.GraphModule, plan: SplitPlan, *, taps: bool = True) -> fx.GraphM
         what = ("add+" if add is not None else "") + match.kind + ("+store" if store is not None else "")
         fused.meta["ppsplit.fused"] = what
         match.output.replace_all_uses_with(y)
+        replaced[match.output] = y
         for node in reversed(match.nodes):
             graph.erase_node(node)
         if store is not None:
             fused.meta["ppsplit.tap"] = store.meta["ppsplit.tap"]
             report[stage].append(_line(plan, store.meta["ppsplit.tap"], what, match.path))
-            del stores[value]
             graph.erase_node(store)
         else:
             counts[stage] += 1
@@ -110,7 +109,8 @@ def fuse(gm: fx.GraphModule, plan: SplitPlan, *, taps: bool = True) -> fx.GraphM
             replaced[add] = s
 
     # Taps whose norm is elsewhere: fuse the residual add that produces them, else keep the plain store.
-    for value, store in list(stores.items()):
+    for store in [n for n in graph.nodes if n.target is ops.tap_store.default]:
+        value = store.args[2]
         stage, tap = store.meta["ppsplit.stage"], store.meta["ppsplit.tap"]
         add = _producer_add(value) if taps else None
         if add is None or add.meta.get("ppsplit.stage") != stage:
@@ -131,6 +131,10 @@ def fuse(gm: fx.GraphModule, plan: SplitPlan, *, taps: bool = True) -> fx.GraphM
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _store_of(value: fx.Node) -> fx.Node | None:
+    return next((u for u in value.users if u.target is ops.tap_store.default and u.args[2] is value), None)
 
 
 def _replace(gm: fx.GraphModule, old: fx.Node, new: fx.Node) -> None:

@@ -57,13 +57,15 @@ class _Traceable(torch.nn.Module):
         accepted = inspect.signature(model.forward).parameters
         self._pass_positions = "position_ids" in accepted
         self._pass_use_cache = "use_cache" in accepted
+        self._pass_mask = "attention_mask" in accepted
         # transformers renamed `past_key_values` to `cache` in 5.24.
         self._cache_kw = next((k for k in ("cache", "past_key_values") if k in accepted), None)
         self.kv = None
         if cache is not None:
-            if self._cache_kw is None or not self._pass_positions:
-                raise ConfigError(f"{type(model).__name__}.forward takes no cache and position_ids, so ppsplit cannot "
-                                  "give its stages a KV cache; split it without cache=")
+            if self._cache_kw is None:
+                raise ConfigError(f"{type(model).__name__}.forward takes no cache, so ppsplit cannot give its stages "
+                                  "a KV cache; split it without cache=")
+            self.max_len = cache.max_len
             self.kv = PositionedCache(num_layers, cache.max_len)
             self.kv_cache = torch.nn.Module()
             device = _model_device(model)
@@ -79,10 +81,11 @@ class _Traceable(torch.nn.Module):
         """Run one token through the model with a recording cache to learn each layer's K/V heads, dims, dtype."""
         self.kv.recording = True
         self.kv.positions = torch.zeros(1, dtype=torch.long, device=device)
+        kwargs = {"position_ids": self.kv.positions[None]} if self._pass_positions else {}
         try:
             with torch.no_grad():
-                self.m(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), position_ids=self.kv.positions[None],
-                       use_cache=True, **{self._cache_kw: self.kv})
+                self.m(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True,
+                       **{self._cache_kw: self.kv}, **kwargs)
         finally:
             self.kv.recording = False
         shapes = {i: layer.shapes for i, layer in enumerate(self.kv.layers) if layer.shapes is not None}
@@ -102,6 +105,12 @@ class _Traceable(torch.nn.Module):
             self.kv.bind({int(i): (layer.keys, layer.values) for i, layer in self.kv_cache.named_children()})
             self.kv.positions = positions
             kwargs[self._cache_kw] = self.kv
+            if self._pass_mask:
+                # A mask over the whole cache, all visible: models that would otherwise size their padding mask
+                # from the cache length (a data-dependent .item()) take its width instead; the causal part still
+                # comes from `positions`.
+                kwargs["attention_mask"] = torch.ones(input_ids.shape[0], self.max_len, dtype=torch.long,
+                                                      device=input_ids.device)
         out = self.m(input_ids=input_ids, **kwargs)
         return out.logits if hasattr(out, "logits") else out[0]
 
@@ -175,9 +184,9 @@ def _quiet_torch_logs():
 
 
 def _dim(name: str, example: int, maximum: int | None):
-    """A dynamic dimension, or ``None`` (static) when only one size is allowed."""
+    """A dynamic dimension, or a static one when only one size is allowed."""
     if maximum is not None and maximum <= 1:
-        return None
+        return Dim.STATIC
     return Dim(name, min=1, max=maximum) if maximum is not None else Dim(name, min=1)
 
 
@@ -232,7 +241,7 @@ def _unlift(ep: torch.export.ExportedProgram, model: torch.nn.Module) -> fx.Grap
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ASSERT_OPS and not node.users:
             graph.erase_node(node)
-        elif _is_identity_cast(node):
+        elif _is_identity_cast(node) or _is_identity_arith(node):
             # `x.to(x.dtype)` returns x itself, so export may route later uses of x through the cast
             # (an fp32 model's residual read through the norm's upcast). Use x directly.
             node.replace_all_uses_with(node.args[0])
@@ -258,6 +267,20 @@ def _is_identity_cast(node: fx.Node) -> bool:
     same = (src.dtype == out.dtype and src.device == out.device and src.shape == out.shape
             and src.stride() == out.stride())
     return same and not copy and "memory_format" not in node.kwargs
+
+
+def _is_identity_arith(node: fx.Node) -> bool:
+    """``x + 0``, ``x - 0``, ``x * 1``, ``x / 1`` that leave dtype and shape alone (rotary's ``cos * 1.0``)."""
+    if node.op != "call_function" or len(node.args) != 2 or node.kwargs or not isinstance(node.args[0], fx.Node):
+        return False
+    neutral = {torch.ops.aten.add.Tensor: 0, torch.ops.aten.sub.Tensor: 0, torch.ops.aten.mul.Tensor: 1,
+               torch.ops.aten.div.Tensor: 1}.get(node.target)
+    other = node.args[1]
+    if neutral is None or isinstance(other, bool) or not isinstance(other, (int, float)) or other != neutral:
+        return False
+    src, out = node.args[0].meta.get("val"), node.meta.get("val")
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dtype == out.dtype
+            and src.shape == out.shape and src.stride() == out.stride())
 
 
 def _untie(gm: fx.GraphModule, tied: tuple[tuple[str, str], ...]) -> None:

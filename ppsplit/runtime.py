@@ -60,9 +60,9 @@ class SplitModel(torch.nn.Module):
         captured = self.graphs.get((batch, tokens))
         x, aux = input_ids, None
         for k, stage in enumerate(self.stages):
+            dev = stage_device(stage)
             if captured is not None:
                 stage = captured[k]
-            dev = stage_device(stage)
             if aux is None:
                 aux = self.new_aux(batch, tokens, dev)
             elif aux.device != dev:

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one device call: install ppsplit there (no network: no build isolation,
+# no dependencies), run the GPU tests, then the benchmarks. Logs go to $OUT.
+#   bash bench/run_gpu.sh [tests] [kernel] [anchor] [pipeline]      (default: all)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/ppsplit-out}
+mkdir -p "$OUT"
+what=${*:-tests kernel anchor pipeline}
+python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.txt" 2>&1 || { cat "$OUT/install.txt"; exit 1; }
+python3 - <<'PY' | tee "$OUT/env.txt"
+import torch, triton, transformers
+print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, "
+      f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}")
+PY
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,memory.used --format=csv | tee -a "$OUT/env.txt"
+for step in $what; do
+  echo "=== $step"
+  case $step in
+    tests)    python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 ;;
+    kernel)   python3 bench/tap_kernel.py 2>&1 | tee "$OUT/tap_kernel.txt" ;;
+    anchor)   [ -f .anchor/tap_anchor.py ] && python3 .anchor/tap_anchor.py 2>&1 | tee "$OUT/anchor.txt" ;;
+    pipeline) python3 bench/pipeline.py 2>&1 | tee "$OUT/pipeline.txt" ;;
+    *)        python3 bench/pipeline.py --sections "$step" 2>&1 | tee "$OUT/pipeline_$step.txt" ;;
+  esac
+done
