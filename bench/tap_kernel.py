@@ -50,6 +50,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--tokens", default="1,16,128,2048,8192,32768")
+    ap.add_argument("--sweep", action="store_true", help="also time num_warps variants at T=2048 and 8192")
     args = ap.parse_args()
     H = args.hidden
     dev, dt = "cuda", torch.bfloat16
@@ -98,6 +99,18 @@ def main():
                gb_ind_tap / copy_bw, t_eager_tap * 1e3, *(v * 1e3 for v in g))
         print(" ".join(f"{v:>12.0f}" if i in (0, 3, 7) else f"{v:>12.2f}" if i in (4, 8) else f"{v:>12.1f}"
                        for i, v in enumerate(row)), flush=True)
+    if args.sweep:
+        print("num_warps sweep (add + rms + store, us):")
+        for T in (2048, 8192):
+            x = torch.randn(T, H, device=dev, dtype=dt)
+            r, w = torch.randn_like(x), torch.randn(H, device=dev, dtype=dt)
+            aux, out = torch.empty(3, T, H, device=dev, dtype=dt), (torch.empty_like(x), torch.empty_like(x))
+            row = []
+            for nw in (2, 4, 8, 16, 32):
+                t = bench(lambda: launch_tap_kernel(x, r, w, None, aux[1], EPS, "rms", want_s=True, out=out,
+                                                    num_warps=nw))
+                row.append(f"w{nw}={t * 1e3:.1f} ({5 * T * H * 2 / t / 1e6 / copy_bw:.2f})")
+            print(f"  T={T}: " + "  ".join(row), flush=True)
     print(f"check: fused output equals the HF op sequence (s, slot exact; y rel. err < 1e-2), norm_reference "
           f"{norm_reference.__name__}")
 

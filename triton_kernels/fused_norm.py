@@ -110,7 +110,7 @@ def _warps(block: int) -> int:
 
 
 def launch_tap_kernel(x, r, weight, bias, aux_slot, eps: float, kind: str, *, want_s: bool, wrap=lambda k: k,
-                      out: tuple = (None, None)):
+                      out: tuple = (None, None), num_warps: int | None = None):
     """Run the fused kernel on ``x`` (and ``r``): returns ``(s or None, y or None)``. ``aux_slot`` is the
     contiguous ``[..., H]`` slot to store ``s`` into, or ``None``; ``out`` optionally gives the ``s`` and ``y``
     buffers. Works on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (the kernel tests)."""
@@ -128,7 +128,7 @@ def launch_tap_kernel(x, r, weight, bias, aux_slot, eps: float, kind: str, *, wa
         x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, s2, y2,
         aux_slot if aux_slot is not None else x2, x2.stride(0), r2.stride(0), s2.stride(0), y2.stride(0), n_cols, eps,
         HAS_ADD=r is not None, NORM=KINDS[kind], HAS_BIAS=bias is not None, STORE=aux_slot is not None,
-        BLOCK=block, num_warps=_warps(block))
+        BLOCK=block, num_warps=num_warps or _warps(block))
     return s, y
 
 
