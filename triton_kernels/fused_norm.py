@@ -55,10 +55,9 @@ def norm_reference(kind: str, s: torch.Tensor, weight: torch.Tensor, bias: Optio
 if HAVE_TRITON:
 
     @triton.jit
-    def _tap_kernel(X, R, W, B, S, Y, AUX, stride_x, stride_r, stride_s, stride_y, n_cols, eps,
-                    HAS_ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE: tl.constexpr,
-                    BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def _tap_row(X, R, W, B, S, Y, AUX, row, stride_x, stride_r, stride_s, stride_y, n_cols, eps,
+                 HAS_ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE: tl.constexpr,
+                 BLOCK: tl.constexpr):
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         dtype = X.dtype.element_ty
@@ -92,6 +91,19 @@ if HAVE_TRITON:
             tl.store(Y + row * stride_y + cols, y.to(dtype), mask=mask)
 
     @triton.jit
+    def _tap_kernel(X, R, W, B, S, Y, AUX, n_rows, stride_x, stride_r, stride_s, stride_y, n_cols, eps,
+                    HAS_ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE: tl.constexpr,
+                    BLOCK: tl.constexpr, PERSISTENT: tl.constexpr, STAGES: tl.constexpr):
+        if PERSISTENT:
+            # A grid of a few programs per SM, each looping over rows: the next row's loads overlap this one's math.
+            for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0), num_stages=STAGES):
+                _tap_row(X, R, W, B, S, Y, AUX, tl.cast(row, tl.int64), stride_x, stride_r, stride_s, stride_y, n_cols, eps,
+                         HAS_ADD, NORM, HAS_BIAS, STORE, BLOCK)
+        else:
+            _tap_row(X, R, W, B, S, Y, AUX, tl.program_id(0).to(tl.int64), stride_x, stride_r, stride_s, stride_y,
+                     n_cols, eps, HAS_ADD, NORM, HAS_BIAS, STORE, BLOCK)
+
+    @triton.jit
     def _store_kernel(V, AUX, stride_v, n_cols, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -110,7 +122,8 @@ def _warps(block: int) -> int:
 
 
 def launch_tap_kernel(x, r, weight, bias, aux_slot, eps: float, kind: str, *, want_s: bool, wrap=lambda k: k,
-                      out: tuple = (None, None), num_warps: int | None = None):
+                      out: tuple = (None, None), num_warps: int | None = None, programs: int | None = None,
+                      stages: int = 1):
     """Run the fused kernel on ``x`` (and ``r``): returns ``(s or None, y or None)``. ``aux_slot`` is the
     contiguous ``[..., H]`` slot to store ``s`` into, or ``None``; ``out`` optionally gives the ``s`` and ``y``
     buffers. Works on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (the kernel tests)."""
@@ -124,11 +137,13 @@ def launch_tap_kernel(x, r, weight, bias, aux_slot, eps: float, kind: str, *, wa
     if aux_slot is not None and not aux_slot.is_contiguous():
         raise ValueError("the aux slot must be contiguous")
     block = triton.next_power_of_2(n_cols)
-    wrap(_tap_kernel)[(x2.shape[0],)](
+    n_rows = x2.shape[0]
+    persistent = programs is not None and programs < n_rows
+    wrap(_tap_kernel)[(programs if persistent else n_rows,)](
         x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, s2, y2,
-        aux_slot if aux_slot is not None else x2, x2.stride(0), r2.stride(0), s2.stride(0), y2.stride(0), n_cols, eps,
-        HAS_ADD=r is not None, NORM=KINDS[kind], HAS_BIAS=bias is not None, STORE=aux_slot is not None,
-        BLOCK=block, num_warps=num_warps or _warps(block))
+        aux_slot if aux_slot is not None else x2, n_rows, x2.stride(0), r2.stride(0), s2.stride(0), y2.stride(0),
+        n_cols, eps, HAS_ADD=r is not None, NORM=KINDS[kind], HAS_BIAS=bias is not None, STORE=aux_slot is not None,
+        BLOCK=block, PERSISTENT=persistent, STAGES=stages, num_warps=num_warps or _warps(block))
     return s, y
 
 
