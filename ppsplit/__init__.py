@@ -5,10 +5,11 @@ from ppsplit.plan import ModelCosts, SplitPlan, StagePlan
 from ppsplit.runtime import SplitModel
 from ppsplit.api import SplitOptions, split_model, trace_model
 from ppsplit.cuda_graphs import CapturedStage, cuda_graph
+from ppsplit.compile import compile_model, load, load_stage
 
 __all__ = [
     "CacheConfig", "ConfigError", "CrossingError", "LayersNotFoundError", "PpsplitError", "TraceError",
     "ModelCosts", "SplitPlan", "StagePlan", "SplitModel", "SplitOptions", "split_model", "trace_model",
-    "CapturedStage", "cuda_graph",
+    "CapturedStage", "cuda_graph", "compile_model", "load", "load_stage",
 ]
 __version__ = "0.1.0"

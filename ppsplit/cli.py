@@ -1,19 +1,38 @@
-"""Command line: ``ppsplit plan MODEL --pp N --aux ids``.
+"""ppsplit: split a Hugging Face decoder into pipeline stages that carry EAGLE-3 taps.
 
-Every ``PpsplitError`` is printed as one line on stderr with exit code 2, without a traceback.
+    ppsplit compile MODEL --pp 4 --aux 2,16,29 [-o DIR]     write per-stage artifacts
+    ppsplit inspect DIR                                     print a compiled folder's plan
+    ppsplit plan MODEL --pp 4 --aux eagle3                  print the plan only (meta device, writes nothing)
+
+Every ppsplit error is printed as one line on stderr with exit code 2, without a traceback.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import time
 import warnings
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ppsplit", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ppsplit", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("compile", help="split MODEL and write per-stage programs and weights to a folder")
+    _add_split_args(p)
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the config's)")
+    p.add_argument("--max-batch", type=int, default=None, help="give every stage a static KV cache of this batch")
+    p.add_argument("--max-len", type=int, default=None, help="... and this many tokens (prompt included)")
+    p.add_argument("-o", "--output", default=None, help="output folder (default: <model name>-pp<N>)")
+    p.add_argument("--force", action="store_true", help="replace the output folder if it exists")
+    p.add_argument("--no-fuse", action="store_true", help="keep the traced ops (no Triton tap/norm kernels)")
+
+    p = sub.add_parser("inspect", help="print the stages and taps of a compiled folder")
+    p.add_argument("folder")
 
     p = sub.add_parser("plan", help="trace MODEL on the meta device and print the split plan (writes nothing)")
     _add_split_args(p)
@@ -22,37 +41,83 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="ppsplit: %(message)s", stream=sys.stderr)
     warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from ppsplit.errors import PpsplitError
 
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return {"plan": cmd_plan}[args.command](args)
+        return {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan}[args.command](args)
     except PpsplitError as e:
         print(f"ppsplit: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("ppsplit: interrupted", file=sys.stderr)
+        print("ppsplit: interrupted; nothing was written", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # unwinds through the compile's cleanup
 
 
 def _add_split_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="'demo', a local checkpoint folder, or a hub id in the local HF cache")
+    p.add_argument("model", help="'demo', a local checkpoint folder, or a hub id (local HF cache, else downloaded)")
     p.add_argument("--pp", type=int, required=True, help="number of pipeline stages")
     p.add_argument("--aux", default=None, help="tap ids like 2,16,29, or 'eagle3' for (2, L//2, L-3)")
     p.add_argument("--aux-convention", choices=("vllm", "sglang"), default="vllm",
                    help="vllm: tap j enters layer j; sglang: the same tensor numbered j-1")
     p.add_argument("--balance", default="layers", help="layers, params, or explicit counts like 8,9,9,6")
-    p.add_argument("--layers", default=None, help="dotted name of the decoder-layer ModuleList (found automatically)")
 
 
 def _balance(text: str):
-    if "," in text or text.isdigit():
-        from ppsplit.errors import ConfigError
+    from ppsplit.errors import ConfigError
 
-        try:
-            return [int(x) for x in text.split(",")]
-        except ValueError:
-            raise ConfigError(f"--balance must be layers, params, or layer counts like 8,8,8,8, but got {text!r}") from None
-    return text
+    if text in ("layers", "params"):
+        return text
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--balance must be layers, params, or layer counts like 8,8,8,8, but got {text!r}") from None
+
+
+def _cache(args):
+    from ppsplit.cache import CacheConfig
+    from ppsplit.errors import ConfigError
+
+    if args.max_batch is None and args.max_len is None:
+        return None
+    if args.max_batch is None or args.max_len is None:
+        raise ConfigError("--max-batch and --max-len go together: pass both to give the stages a KV cache")
+    return CacheConfig(batch_size=args.max_batch, max_len=args.max_len)
+
+
+def cmd_compile(args) -> int:
+    import ppsplit
+
+    out = args.output or f"{os.path.basename(os.path.normpath(args.model)).replace('/', '--')}-pp{args.pp}"
+    path = ppsplit.compile_model(args.model, out, pp=args.pp, aux=args.aux, aux_convention=args.aux_convention,
+                                 balance=_balance(args.balance), dtype=args.dtype, cache=_cache(args),
+                                 force=args.force, fuse=not args.no_fuse, progress=sys.stderr.isatty())
+    print(ppsplit.compile.load_plan(path).describe())
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from ppsplit.compile import _read_json, load_plan
+
+    plan = load_plan(args.folder)
+    manifest = _read_json(os.path.join(args.folder, "manifest.json"))
+    print(plan.describe())
+    print(f"source {manifest.get('source')}, {manifest.get('dtype')}, compiled with ppsplit {manifest.get('ppsplit')}, "
+          f"torch {manifest.get('torch')}, transformers {manifest.get('transformers')}")
+    print(f"{'stage':>5}  {'program':<14} {'weights':<20} {'bytes':>12} {'tensors':>8}")
+    for k, files in enumerate(manifest.get("stages", [])):
+        program = _read_json(os.path.join(args.folder, files["program"]))
+        stored = sum(1 for t in program["tensors"] if t["init"] == "file")
+        print(f"{k:>5}  {files['program']:<14} {files['weights']:<20} {files['bytes']:>12,} {stored:>8}")
+    return 0
 
 
 def cmd_plan(args) -> int:
@@ -60,12 +125,11 @@ def cmd_plan(args) -> int:
     from ppsplit.source import load_config, meta_model
 
     start = time.perf_counter()
-    config = load_config(args.model)
-    model = meta_model(config)
     opts = ppsplit.SplitOptions(pp=args.pp, aux=args.aux, balance=_balance(args.balance),
-                                aux_convention=args.aux_convention, layers=args.layers)
-    split = ppsplit.split_model(model, opts.pp, opts.aux, balance=opts.balance, aux_convention=opts.aux_convention,
-                                layers=opts.layers)
+                                aux_convention=args.aux_convention)
+    config = load_config(args.model)
+    split = ppsplit.split_model(meta_model(config), opts.pp, opts.aux, balance=opts.balance,
+                                aux_convention=opts.aux_convention)
     print(split.plan.to_json() if args.json else split.plan.describe())
     logging.getLogger("ppsplit").info("planned in %.1fs", time.perf_counter() - start)
     return 0

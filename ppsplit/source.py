@@ -1,32 +1,84 @@
-"""Resolve a MODEL argument (built-in demo, local checkpoint folder, or hub id) to a config and a model."""
+"""Resolve a MODEL argument (built-in demo, local checkpoint folder, or hub id) to a checkpoint folder."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 
-from ppsplit.demo import DEMO_NAME, demo_config
+from ppsplit.demo import DEMO_NAME, demo_config, demo_model
 from ppsplit.errors import ConfigError
+
+DEMO_VERSION = 1
+
+
+def cache_dir() -> str:
+    return os.environ.get("PPSPLIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ppsplit")
+
+
+def resolve_model(model: str) -> str:
+    """A local folder holding ``config.json`` and safetensors weights for MODEL.
+
+    ``demo`` is written once into ``$PPSPLIT_CACHE`` (default ``~/.cache/ppsplit``); a hub id is looked up in the
+    local Hugging Face cache, then downloaded where the network allows.
+    """
+    if model == DEMO_NAME:
+        return materialize_demo()
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ConfigError(f"{model} is a folder without config.json; pass a checkpoint folder saved with "
+                              "save_pretrained, a hub id, or 'demo'")
+        return model
+    if os.path.exists(model):
+        raise ConfigError(f"{model} is a file; pass a checkpoint folder, a hub id, or 'demo'")
+    if not _looks_like_hub_id(model):
+        raise ConfigError(f"{model} does not exist; pass a checkpoint folder, a hub id like org/name, or 'demo'")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors"]
+    try:
+        return snapshot_download(model, allow_patterns=patterns, local_files_only=True)
+    except Exception:  # not cached: try the network
+        pass
+    try:
+        return snapshot_download(model, allow_patterns=patterns)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"{model} is not a local folder, not in the local Hugging Face cache, and could not be "
+                          f"downloaded ({type(e).__name__}: {first}); pass a checkpoint folder or 'demo'") from None
+
+
+def materialize_demo() -> str:
+    """Save the demo model (seeded random weights) as a checkpoint, once; later calls reuse it."""
+    folder = os.path.join(cache_dir(), f"demo-v{DEMO_VERSION}")
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return folder
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = f"{folder}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        demo_model().save_pretrained(tmp, safe_serialization=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
 
 
 def load_config(model: str):
-    """The transformers config of MODEL; a one-line ``ConfigError`` saying what to fix if there is none."""
+    """The transformers config of MODEL (a name or folder); a ``ConfigError`` saying what to fix if there is none."""
     if model == DEMO_NAME:
         return demo_config()
     from transformers import AutoConfig
 
-    if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
-        raise ConfigError(f"{model} is a folder without config.json; pass a checkpoint folder saved with "
-                          "save_pretrained, a hub id, or 'demo'")
-    if not os.path.isdir(model) and (os.sep in model.strip("./") and os.path.exists(os.path.dirname(model) or ".")
-                                     and not _looks_like_hub_id(model)):
-        raise ConfigError(f"{model} does not exist; pass a checkpoint folder, a hub id, or 'demo'")
+    folder = resolve_model(model)
     try:
-        config = AutoConfig.from_pretrained(model)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"cannot read a config for {model!r}: {first}; pass a checkpoint folder with config.json, "
-                          "a hub id in the local Hugging Face cache, or 'demo'") from None
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"cannot read the config of {model}: {first}; pass a checkpoint folder with a valid "
+                          "config.json, a hub id, or 'demo'") from None
     check_decoder(config, model)
     return config
 
@@ -36,8 +88,7 @@ def check_decoder(config, name: str) -> None:
 
     if getattr(config, "is_encoder_decoder", False):
         raise ConfigError(f"{name} is an encoder-decoder model ({config.model_type}); ppsplit splits decoder-only LMs")
-    mapping = AutoModelForCausalLM._model_mapping
-    if type(config) not in mapping:
+    if type(config) not in AutoModelForCausalLM._model_mapping:
         raise ConfigError(f"{name} ({config.model_type}) is not a decoder LM that transformers can build with "
                           "AutoModelForCausalLM; pass a causal language model")
 
@@ -52,4 +103,5 @@ def meta_model(config) -> torch.nn.Module:
 
 def _looks_like_hub_id(name: str) -> bool:
     parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "/"))
+    return 1 <= len(parts) <= 2 and all(parts) and not name.startswith((".", "/", "~")) \
+        and all(c.isalnum() or c in "-_." for p in parts for c in p)

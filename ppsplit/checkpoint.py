@@ -1,0 +1,125 @@
+"""Reading a Hugging Face checkpoint tensor by tensor, and writing safetensors files one tensor at a time."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Callable, Iterable
+
+import torch
+
+from ppsplit.errors import ConfigError
+
+ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+
+
+class Checkpoint:
+    """The safetensors shards of a checkpoint folder: which shard holds each tensor, and its header entry.
+
+    Every shard header is read (and so validated) on construction; no tensor data is read until ``read``.
+    """
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        index = os.path.join(folder, "model.safetensors.index.json")
+        single = os.path.join(folder, "model.safetensors")
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise ConfigError(f"{index} is not a readable safetensors index ({type(e).__name__}: {e}); "
+                                  "re-save the checkpoint with save_pretrained") from None
+            shards = sorted(set(weight_map.values()))
+        elif os.path.isfile(single):
+            shards = ["model.safetensors"]
+            weight_map = None
+        else:
+            raise ConfigError(f"{folder} holds no safetensors weights (model.safetensors or "
+                              "model.safetensors.index.json); save the model with save_pretrained(safe_serialization=True)")
+        self.headers: dict[str, dict] = {}
+        for shard in shards:
+            self.headers[shard] = _read_header(os.path.join(folder, shard))
+        self.where: dict[str, str] = {}
+        for shard, header in self.headers.items():
+            for name in header:
+                if name != "__metadata__":
+                    self.where[name] = shard
+        if weight_map is not None:
+            for name, shard in weight_map.items():
+                if self.where.get(name) != shard:
+                    raise ConfigError(f"the index maps {name} to {shard}, but that shard does not hold it: the "
+                                      "checkpoint is incomplete or corrupt; re-download or re-save it")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    @property
+    def nbytes(self) -> int:
+        return sum(os.path.getsize(os.path.join(self.folder, s)) for s in self.headers)
+
+    def read(self, names: Iterable[str]):
+        """Yield ``(name, tensor)`` for ``names``, grouped by shard, each shard opened with ``safe_open`` once."""
+        from safetensors import safe_open
+
+        by_shard: dict[str, list[str]] = {}
+        for name in names:
+            by_shard.setdefault(self.where[name], []).append(name)
+        for shard, shard_names in by_shard.items():
+            path = os.path.join(self.folder, shard)
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for name in shard_names:
+                        yield name, f.get_tensor(name)
+            except (OSError, RuntimeError, ValueError) as e:
+                raise ConfigError(f"cannot read {shard}: {e}; the shard is corrupt or truncated, re-download it") from None
+
+
+def _read_header(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"shard {os.path.basename(path)} listed in the index is missing from "
+                          f"{os.path.dirname(path)}; re-download the checkpoint")
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error) as e:
+        raise ConfigError(f"shard {os.path.basename(path)} is not a valid safetensors file ({e}); "
+                          "re-download the checkpoint") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise ConfigError(f"shard {os.path.basename(path)} is truncated ({size} bytes, header promises "
+                          f"{8 + n + end}); re-download the checkpoint")
+    return header
+
+
+def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]],
+                      tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict | None = None,
+                      progress: Callable[[int], None] = lambda n: None) -> int:
+    """Write a safetensors file whose header is known up front (``entries``: name, shape, dtype), consuming
+    ``tensors`` one at a time in the same order: memory holds one tensor, never the file. Returns bytes written."""
+    header: dict = {"__metadata__": {k: str(v) for k, v in (metadata or {}).items()}}
+    offset = 0
+    sizes = []
+    for name, shape, dtype in entries:
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        sizes.append(nbytes)
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for (name, shape, dtype), nbytes, (got, tensor) in zip(entries, sizes, tensors):
+            if got != name or tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"writing {name} {tuple(shape)}: got {got} {tuple(tensor.shape)}")
+            data = tensor.detach().to(dtype).contiguous().view(-1).view(torch.uint8)
+            f.write(memoryview(data.numpy()))
+            progress(nbytes)
+    return 8 + len(raw) + offset
