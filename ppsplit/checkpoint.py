@@ -40,8 +40,9 @@ class Checkpoint:
             raise ConfigError(f"{folder} holds no safetensors weights (model.safetensors or "
                               "model.safetensors.index.json); save the model with save_pretrained(safe_serialization=True)")
         self.headers: dict[str, dict] = {}
+        self._header_len: dict[str, int] = {}
         for shard in shards:
-            self.headers[shard] = _read_header(os.path.join(folder, shard))
+            self.headers[shard], self._header_len[shard] = _read_header(os.path.join(folder, shard))
         self.where: dict[str, str] = {}
         for shard, header in self.headers.items():
             for name in header:
@@ -59,6 +60,26 @@ class Checkpoint:
     @property
     def nbytes(self) -> int:
         return sum(os.path.getsize(os.path.join(self.folder, s)) for s in self.headers)
+
+    def raw_range(self, name: str) -> "RawRange":
+        """Where ``name``'s bytes lie in its shard (offsets from the header validated on construction)."""
+        shard = self.where[name]
+        header = self.headers[shard]
+        start, end = header[name]["data_offsets"]
+        base = 8 + self._header_len[shard]
+        return RawRange(os.path.join(self.folder, shard), base + start, end - start, header[name]["dtype"],
+                        tuple(header[name]["shape"]))
+
+    def read_one(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = os.path.join(self.folder, self.where[name])
+        try:
+            with safe_open(path, framework="pt") as f:
+                return f.get_tensor(name)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise ConfigError(f"cannot read {self.where[name]}: {e}; the shard is corrupt or truncated, "
+                              "re-download it") from None
 
     def read(self, names: Iterable[str]):
         """Yield ``(name, tensor)`` for ``names``, grouped by shard, each shard opened with ``safe_open`` once."""
@@ -95,7 +116,32 @@ def _read_header(path: str) -> dict:
     if 8 + n + end > size:
         raise ConfigError(f"shard {os.path.basename(path)} is truncated ({size} bytes, header promises "
                           f"{8 + n + end}); re-download the checkpoint")
-    return header
+    return header, n
+
+
+class RawRange:
+    """A tensor's bytes in a safetensors shard, copied as they are when no dtype conversion is needed."""
+
+    def __init__(self, path: str, offset: int, nbytes: int, dtype: str, shape: tuple):
+        self.path, self.offset, self.nbytes, self.dtype, self.shape = path, offset, nbytes, dtype, shape
+
+    def copy_to(self, out) -> None:
+        with open(self.path, "rb") as src:
+            offset, left = self.offset, self.nbytes
+            try:
+                while left:  # in the kernel, like cp: no page faults through a mapping, no Python buffers
+                    done = os.copy_file_range(src.fileno(), out.fileno(), left, offset)
+                    if done == 0:
+                        raise OSError("unexpected end of shard")
+                    offset, left = offset + done, left - done
+            except (AttributeError, OSError):
+                src.seek(offset)
+                while left:
+                    chunk = src.read(min(left, 64 << 20))
+                    if not chunk:
+                        raise ConfigError(f"{self.path} ended early; the shard is truncated, re-download it")
+                    out.write(chunk)
+                    left -= len(chunk)
 
 
 def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]],
@@ -119,7 +165,13 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]],
         for (name, shape, dtype), nbytes, (got, tensor) in zip(entries, sizes, tensors):
             if got != name or tuple(tensor.shape) != tuple(shape):
                 raise ValueError(f"writing {name} {tuple(shape)}: got {got} {tuple(tensor.shape)}")
-            data = tensor.detach().to(dtype).contiguous().view(-1).view(torch.uint8)
-            f.write(memoryview(data.numpy()))
+            if isinstance(tensor, RawRange):
+                if tensor.dtype != ST_DTYPES[dtype] or tensor.nbytes != nbytes:
+                    raise ValueError(f"{name}: stored as {tensor.dtype}, wanted {ST_DTYPES[dtype]}")
+                f.flush()
+                tensor.copy_to(f)
+            else:
+                data = tensor.detach().to(dtype).contiguous().view(-1).view(torch.uint8)
+                f.write(memoryview(data.numpy()))
             progress(nbytes)
     return 8 + len(raw) + offset

@@ -26,7 +26,7 @@ from torch import fx
 
 from ppsplit.api import SplitOptions, split_model
 from ppsplit.cache import CacheConfig
-from ppsplit.checkpoint import Checkpoint, write_safetensors
+from ppsplit.checkpoint import ST_DTYPES, Checkpoint, write_safetensors
 from ppsplit.errors import ConfigError
 from ppsplit.plan import SplitPlan
 from ppsplit.program import ProgramError, graph_from_json, graph_to_json
@@ -185,11 +185,12 @@ def _write(tmp: str, split: SplitModel, stage_specs: list, checkpoint: Checkpoin
             own = dict(stage.named_parameters(remove_duplicate=False)) | dict(stage.named_buffers(remove_duplicate=False))
 
             def tensors(in_file=in_file, own=own):
-                from_ckpt = [s for s in in_file if s["source"]]
-                reads = checkpoint.read(s["source"] for s in from_ckpt)
                 for s in in_file:
                     if s["source"]:
-                        _, t = next(reads)
+                        raw = checkpoint.raw_range(s["source"])
+                        # Same dtype: copy the bytes; otherwise read the tensor with safe_open and convert.
+                        same = raw.dtype == ST_DTYPES[getattr(torch, s["dtype"])]
+                        t = raw if same else checkpoint.read_one(s["source"])
                     else:  # a buffer computed at init or a constant captured by the trace
                         t = buffers.get(s["name"], own[s["name"]])
                     yield s["name"], t
