@@ -200,3 +200,19 @@ def test_loading_never_runs_code_from_the_folder(compiled, tmp_path):
     (bad / "stage_0.json").write_text(json.dumps(program))
     with pytest.raises(ppsplit.ConfigError, match="not an allowed operator"):
         ppsplit.load_stage(str(bad), 0)
+
+
+@pytest.mark.gpu
+def test_load_stages_onto_gpus(compiled):
+    """Each stage loads straight onto its device (stage k on GPU k when there are enough GPUs)."""
+    n = torch.cuda.device_count()
+    devices = [f"cuda:{k % n}" for k in range(3)]
+    split = ppsplit.load(str(compiled), devices)
+    cpu = ppsplit.load(str(compiled))
+    ids = torch.randint(3, VOCAB, (2, 7))
+    with torch.no_grad():
+        logits, aux = split(ids.to(devices[0]))
+        ref_logits, ref_aux = cpu(ids)
+    assert logits.device == torch.device(devices[-1])
+    torch.testing.assert_close(logits.cpu(), ref_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(aux.cpu(), ref_aux, atol=1e-4, rtol=1e-4)
