@@ -145,9 +145,14 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     model.eval()
     try:
         wrapper = _Traceable(model, cache, num_layers)
-        with torch.no_grad(), _quiet_torch_logs():
-            ep = torch.export.export(wrapper, (ids, positions), dynamic_shapes=({0: batch, 1: tokens}, {0: tokens}),
-                                     strict=False)
+        try:
+            ep = _export(wrapper, ids, positions, batch, tokens)
+        except torch._dynamo.exc.UserError as e:
+            if "Constraints violated" not in str(e):
+                raise
+            # Older torch (2.11) cannot prove some guards that always hold (`min(16*T, 32*T) == 16*T`) and refuses
+            # named ranges; AUTO dims accept them. The result is checked below: sizes must stay dynamic.
+            ep = _export(wrapper, ids, positions, _auto(batch), _auto(tokens))
     except ConfigError:
         raise
     except Exception as e:  # export raises many types; all mean "this model cannot be captured as is"
@@ -159,6 +164,10 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     _untie(gm, _tied_parameters(model))
     in_ids = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
     b_sym, t_sym = (str(d.node.expr) if isinstance(d, torch.SymInt) else "" for d in in_ids.meta["val"].shape)
+    for name, dim, sym in (("batch", batch, b_sym), ("token count", tokens, t_sym)):
+        if dim is not Dim.STATIC and not sym:
+            raise TraceError(f"torch.export fixed the {name} of {type(model).__name__} to the traced example instead of "
+                             "keeping it dynamic; the stages would only accept that size. Report the model")
     sig = ep.graph_signature
     gm.meta["ppsplit.trace"] = TraceInfo(
         model_class=type(model).__name__,
@@ -171,6 +180,21 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         **_generation_ids(model),
     )
     return gm
+
+
+def _export(wrapper, ids, positions, batch, tokens):
+    with torch.no_grad(), _quiet_torch_logs():
+        return torch.export.export(wrapper, (ids, positions), dynamic_shapes=({0: batch, 1: tokens}, {0: tokens}),
+                                   strict=False)
+
+
+def _auto(dim):
+    if dim is Dim.STATIC:
+        return dim
+    try:
+        return Dim.AUTO(min=dim.min, max=dim.max) if dim.max < int(1e15) else Dim.AUTO(min=dim.min)
+    except TypeError:  # torch without ranged hints
+        return Dim.AUTO
 
 
 @contextlib.contextmanager
