@@ -175,7 +175,8 @@ def _register(name: str, mutates: tuple[str, ...]):
 def tap_store(aux: torch.Tensor, slot: int, value: torch.Tensor) -> None:
     """``aux[slot] = value``: the store of one tap that no kernel could absorb."""
     if _use_triton(value):
-        launch_store_kernel(value, aux[slot], wrap=wrap_triton)
+        with torch.cuda.device(value.device):
+            launch_store_kernel(value, aux[slot], wrap=wrap_triton)
     else:
         _copy_rows(aux[slot], value)
 
@@ -184,7 +185,8 @@ def tap_store(aux: torch.Tensor, slot: int, value: torch.Tensor) -> None:
 def add_store(x: torch.Tensor, r: torch.Tensor, aux: torch.Tensor, slot: int) -> torch.Tensor:
     """``s = x + r; aux[slot] = s`` (a tap on a stage boundary: its norm runs on the next stage)."""
     if _use_triton(x):
-        return launch_tap_kernel(x, r, None, None, aux[slot], 0.0, "none", want_s=True, wrap=wrap_triton)[0]
+        with torch.cuda.device(x.device):
+            return launch_tap_kernel(x, r, None, None, aux[slot], 0.0, "none", want_s=True, wrap=wrap_triton)[0]
     s = x + r
     _copy_rows(aux[slot], s)
     return s
@@ -195,7 +197,8 @@ def add_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: Optio
              kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + r; y = norm(s)``: the residual add and the next norm in one kernel (no tap here)."""
     if _use_triton(x):
-        return launch_tap_kernel(x, r, weight, bias, None, eps, kind, want_s=True, wrap=wrap_triton)
+        with torch.cuda.device(x.device):
+            return launch_tap_kernel(x, r, weight, bias, None, eps, kind, want_s=True, wrap=wrap_triton)
     s = x + r
     return s, norm_reference(kind, s, weight, bias, eps)
 
@@ -205,7 +208,8 @@ def add_norm_store(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias:
                    aux: torch.Tensor, slot: int, eps: float, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + r; aux[slot] = s; y = norm(s)`` in one kernel."""
     if _use_triton(x):
-        return launch_tap_kernel(x, r, weight, bias, aux[slot], eps, kind, want_s=True, wrap=wrap_triton)
+        with torch.cuda.device(x.device):
+            return launch_tap_kernel(x, r, weight, bias, aux[slot], eps, kind, want_s=True, wrap=wrap_triton)
     s = x + r
     _copy_rows(aux[slot], s)
     return s, norm_reference(kind, s, weight, bias, eps)
@@ -215,7 +219,8 @@ def add_norm_store(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias:
 def norm(s: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, kind: str) -> torch.Tensor:
     """``y = norm(s)`` in one kernel."""
     if _use_triton(s):
-        return launch_tap_kernel(s, None, weight, bias, None, eps, kind, want_s=False, wrap=wrap_triton)[1]
+        with torch.cuda.device(s.device):
+            return launch_tap_kernel(s, None, weight, bias, None, eps, kind, want_s=False, wrap=wrap_triton)[1]
     return norm_reference(kind, s, weight, bias, eps)
 
 
@@ -224,6 +229,7 @@ def norm_store(s: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                eps: float, kind: str) -> torch.Tensor:
     """``aux[slot] = s; y = norm(s)`` in one kernel (tap 0: the embedding output entering layer 0's norm)."""
     if _use_triton(s):
-        return launch_tap_kernel(s, None, weight, bias, aux[slot], eps, kind, want_s=False, wrap=wrap_triton)[1]
+        with torch.cuda.device(s.device):  # Triton launches on the current device, not the tensors'
+            return launch_tap_kernel(s, None, weight, bias, aux[slot], eps, kind, want_s=False, wrap=wrap_triton)[1]
     _copy_rows(aux[slot], s)
     return norm_reference(kind, s, weight, bias, eps)
