@@ -216,3 +216,22 @@ def test_load_stages_onto_gpus(compiled):
     assert logits.device == torch.device(devices[-1])
     torch.testing.assert_close(logits.cpu(), ref_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(aux.cpu(), ref_aux, atol=1e-4, rtol=1e-4)
+
+
+def test_hub_id_resolves_through_the_local_cache(checkpoint, tmp_path, monkeypatch, capsys):
+    """A hub id is looked up in the local Hugging Face cache (no network needed when it is there)."""
+    import shutil
+
+    import huggingface_hub.constants as hub
+
+    snapshot = tmp_path / "hub" / "models--ppsplit--tiny-llama" / "snapshots" / "0123abcd"
+    shutil.copytree(checkpoint, snapshot)
+    (tmp_path / "hub" / "models--ppsplit--tiny-llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--ppsplit--tiny-llama" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    assert main(["compile", "ppsplit/tiny-llama", "--pp", "2", "-o", str(tmp_path / "out")]) == 0
+    assert ppsplit.compile.load_plan(str(tmp_path / "out")).pp == 2
+    code, errors = run_cli(["compile", "ppsplit/not-there", "--pp", "2", "-o", str(tmp_path / "x")], capsys)
+    assert code == 2 and "not in the local Hugging Face cache" in errors[0]
+    assert not (tmp_path / "x").exists()
