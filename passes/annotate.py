@@ -25,12 +25,13 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ppsplit.cache import CACHE_PREFIX
 from ppsplit.errors import LayersNotFoundError, TraceError
 from ppsplit.passes.trace import module_path
 from ppsplit.plan import ModelCosts
 
 # Ops whose result depends only on the shape of their tensor argument, never its values.
-_CACHE_RE = re.compile(r"^kv_cache\.(\d+)\.")
+_CACHE_RE = re.compile(r"^" + CACHE_PREFIX + r"\.(\d+)\.")
 
 SHAPE_OPS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int}
 

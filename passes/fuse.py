@@ -24,6 +24,7 @@ from torch import fx
 from torch.fx.node import map_aggregate
 
 import ppsplit.triton_kernels  # noqa: F401  (registers torch.ops.ppsplit.*)
+from ppsplit.passes.trace import module_path
 from ppsplit.plan import SplitPlan
 from ppsplit.triton_kernels import norm_reference
 
@@ -225,8 +226,6 @@ def find_norms(gm: fx.GraphModule, hidden: int) -> list[NormMatch]:
 
 
 def stack_path(node: fx.Node) -> str:
-    from ppsplit.passes.trace import module_path
-
     stack = node.meta.get("nn_module_stack") or {}
     return module_path(list(stack.values())[-1][0]) if stack else ""
 

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch.export import Dim
 
-from ppsplit.cache import CacheConfig, PositionedCache
+from ppsplit.cache import CACHE_PREFIX, CacheConfig, PositionedCache
 from ppsplit.errors import ConfigError, TraceError
 
 _PREFIX = "m."  # the wrapper holds the model as ``self.m``
@@ -41,8 +41,6 @@ class TraceInfo:
     cache: CacheConfig | None
     batch_symbol: str  # sympy name of the batch dimension, e.g. "s0"
     tokens_symbol: str
-    non_persistent: tuple[str, ...]  # buffers that a checkpoint does not hold (rotary inv_freq, ...)
-    constants: tuple[str, ...]  # tensors created inside forward and lifted by export
     tied: tuple[tuple[str, str], ...]  # (alias, canonical) pairs of parameters that share storage
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -67,7 +65,8 @@ class _Traceable(torch.nn.Module):
                                   "a KV cache; split it without cache=")
             self.max_len = cache.max_len
             self.kv = PositionedCache(num_layers, cache.max_len)
-            self.kv_cache = torch.nn.Module()
+            self.add_module(CACHE_PREFIX, torch.nn.Module())
+            self.kv_cache = getattr(self, CACHE_PREFIX)
             device = _model_device(model)
             for i, (k_shape, v_shape, dtype) in self._record_kv_shapes(device).items():
                 layer = torch.nn.Module()
@@ -168,14 +167,11 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         if dim is not Dim.STATIC and not sym:
             raise TraceError(f"torch.export fixed the {name} of {type(model).__name__} to the traced example instead of "
                              "keeping it dynamic; the stages would only accept that size. Report the model")
-    sig = ep.graph_signature
     gm.meta["ppsplit.trace"] = TraceInfo(
         model_class=type(model).__name__,
         cache=cache,
         batch_symbol=b_sym,
         tokens_symbol=t_sym,
-        non_persistent=tuple(_strip(n) for n in sig.non_persistent_buffers),
-        constants=tuple(_strip(n) for n in sig.inputs_to_lifted_tensor_constants.values()),
         tied=_tied_parameters(model),
         **_generation_ids(model),
     )

@@ -107,5 +107,8 @@ class PositionedCache(Cache):
             layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
 
 
-def cache_buffer_name(layer: int, kind: str) -> str:
-    return f"kv_cache.{layer}.{kind}"
+CACHE_PREFIX = "kv_cache"  # buffers kv_cache.<layer>.keys / .values
+
+
+def is_cache_buffer(name: str) -> bool:
+    return name.startswith(CACHE_PREFIX + ".")

@@ -57,10 +57,6 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
-    @property
-    def nbytes(self) -> int:
-        return sum(os.path.getsize(os.path.join(self.folder, s)) for s in self.headers)
-
     def raw_range(self, name: str) -> "RawRange":
         """Where ``name``'s bytes lie in its shard (offsets from the header validated on construction)."""
         shard = self.where[name]
@@ -80,22 +76,6 @@ class Checkpoint:
         except (OSError, RuntimeError, ValueError) as e:
             raise ConfigError(f"cannot read {self.where[name]}: {e}; the shard is corrupt or truncated, "
                               "re-download it") from None
-
-    def read(self, names: Iterable[str]):
-        """Yield ``(name, tensor)`` for ``names``, grouped by shard, each shard opened with ``safe_open`` once."""
-        from safetensors import safe_open
-
-        by_shard: dict[str, list[str]] = {}
-        for name in names:
-            by_shard.setdefault(self.where[name], []).append(name)
-        for shard, shard_names in by_shard.items():
-            path = os.path.join(self.folder, shard)
-            try:
-                with safe_open(path, framework="pt") as f:
-                    for name in shard_names:
-                        yield name, f.get_tensor(name)
-            except (OSError, RuntimeError, ValueError) as e:
-                raise ConfigError(f"cannot read {shard}: {e}; the shard is corrupt or truncated, re-download it") from None
 
 
 def _read_header(path: str) -> dict:

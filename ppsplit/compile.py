@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from ppsplit.api import SplitOptions, split_model
-from ppsplit.cache import CacheConfig
+from ppsplit.cache import CacheConfig, is_cache_buffer
 from ppsplit.checkpoint import ST_DTYPES, Checkpoint, write_safetensors
 from ppsplit.errors import ConfigError
 from ppsplit.plan import SplitPlan
@@ -49,6 +49,7 @@ def compile_model(model: str, out: str, *, pp: int, aux=None, aux_convention: st
         split = ppsplit.load("demo-pp4")
     """
     from ppsplit.passes.annotate import find_layers
+    from ppsplit.passes.trace import _tied_parameters
     from ppsplit.source import load_config, resolve_model
 
     opts = SplitOptions(pp=pp, aux=aux, balance=balance, aux_convention=aux_convention, fuse=fuse)
@@ -68,7 +69,7 @@ def compile_model(model: str, out: str, *, pp: int, aux=None, aux_convention: st
     split = split_model(model_obj, opts.pp, opts.aux, balance=opts.balance, aux_convention=opts.aux_convention,
                         cache=cache, fuse=opts.fuse)
     log.info("split into %d stages in %.1fs", split.plan.pp, time.perf_counter() - start)
-    tied = dict(model_obj._ppsplit_tied) if hasattr(model_obj, "_ppsplit_tied") else {}
+    tied = dict(_tied_parameters(model_obj))  # alias -> the name a tied checkpoint stores
     stage_specs = [_stage_tensors(stage, k, checkpoint, buffers, tied) for k, stage in enumerate(split.stages)]
 
     parent = os.path.dirname(out)
@@ -128,14 +129,6 @@ def skeleton(config, dtype: torch.dtype):
     buffers = {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)
                if b.device.type != "meta"}
     model.to("meta")
-    tied = {}
-    first: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            tied[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    model._ppsplit_tied = tied
     return model, buffers
 
 
@@ -148,8 +141,8 @@ def _stage_tensors(stage: fx.GraphModule, k: int, checkpoint: Checkpoint, buffer
         for name, t in items:
             spec = {"name": name, "kind": kind, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                     "persistent": kind == "parameter" or name in persistent}
-            if name.startswith("kv_cache."):
-                spec["init"] = "zeros"
+            if is_cache_buffer(name):
+                spec["init"] = "zeros"  # state, not weights: allocated by load_stage
             elif name in checkpoint:
                 spec["init"], spec["source"] = "file", name
             elif tied.get(name) in checkpoint:

@@ -132,7 +132,9 @@ class SplitModel(torch.nn.Module):
 
     def reset_cache(self) -> None:
         """Zero every stage's KV cache (not needed for correctness: positions overwrite, the mask hides the rest)."""
+        from ppsplit.cache import is_cache_buffer
+
         for stage in self.stages:
             for name, buf in stage.named_buffers():
-                if name.startswith("kv_cache."):
+                if is_cache_buffer(name):
                     buf.zero_()
