@@ -137,8 +137,8 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     example_batch = min(2, max_batch) if max_batch else 2
     ids = (torch.arange(example_batch * example_tokens, device=device) % max(vocab, 1)).view(example_batch, example_tokens)
     positions = torch.arange(example_tokens, device=device)
-    tokens = _dim("tokens", example_tokens, max_tokens)
-    batch = _dim("batch", example_batch, max_batch)
+    tokens = _dim("tokens", max_tokens)
+    batch = _dim("batch", max_batch)
 
     was_training = model.training
     model.eval()
@@ -160,7 +160,8 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         model.train(was_training)
 
     gm = _unlift(ep, model)
-    _untie(gm, _tied_parameters(model))
+    tied = _tied_parameters(model)
+    _untie(gm, tied)
     in_ids = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
     b_sym, t_sym = (str(d.node.expr) if isinstance(d, torch.SymInt) else "" for d in in_ids.meta["val"].shape)
     for name, dim, sym in (("batch", batch, b_sym), ("token count", tokens, t_sym)):
@@ -172,7 +173,7 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         cache=cache,
         batch_symbol=b_sym,
         tokens_symbol=t_sym,
-        tied=_tied_parameters(model),
+        tied=tied,
         **_generation_ids(model),
     )
     return gm
@@ -203,7 +204,7 @@ def _quiet_torch_logs():
     sys.stderr.write(captured.getvalue())
 
 
-def _dim(name: str, example: int, maximum: int | None):
+def _dim(name: str, maximum: int | None):
     """A dynamic dimension, or a static one when only one size is allowed."""
     if maximum is not None and maximum <= 1:
         return Dim.STATIC

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ppsplit.plan import SplitPlan
-from ppsplit.runtime import stage_device
+from ppsplit.runtime import new_aux, stage_device
 
 
 class CapturedStage:
@@ -40,7 +40,7 @@ class CapturedStage:
         else:
             self.x = torch.zeros(batch, tokens, plan.hidden_size, dtype=dtype, device=device)
         self.positions = torch.arange(tokens, device=device)
-        self.aux = torch.zeros(plan.n_slots, batch, tokens, plan.hidden_size, dtype=dtype, device=device)
+        self.aux = new_aux(plan, batch, tokens, device, fill=torch.zeros)
         self.received = plan.filled(self.index - 1) if self.index else 0
         self.own = plan.slots_of(self.index)
 

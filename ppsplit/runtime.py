@@ -5,6 +5,8 @@ from typing import Sequence
 
 import torch
 
+from ppsplit.cache import is_cache_buffer
+from ppsplit.errors import ConfigError
 from ppsplit.plan import SplitPlan
 
 
@@ -14,6 +16,11 @@ def stage_device(stage: torch.nn.Module) -> torch.device:
     for t in stage.buffers():
         return t.device
     return torch.device("cpu")
+
+
+def new_aux(plan: SplitPlan, batch: int, tokens: int, device, fill=torch.empty) -> torch.Tensor:
+    """The packed aux buffer of ``plan``: ``[n_slots, batch, tokens, H]`` in the model dtype."""
+    return fill((plan.n_slots, batch, tokens, plan.hidden_size), dtype=getattr(torch, plan.dtype), device=device)
 
 
 class SplitModel(torch.nn.Module):
@@ -49,8 +56,7 @@ class SplitModel(torch.nn.Module):
 
     def new_aux(self, batch: int, tokens: int, device: torch.device | str | None = None) -> torch.Tensor:
         """An uninitialised packed buffer ``[n_slots, batch, tokens, H]``; every slot is written by its owner."""
-        device = device if device is not None else stage_device(self.stages[0])
-        return torch.empty(self.plan.n_slots, batch, tokens, self.plan.hidden_size, dtype=self.dtype, device=device)
+        return new_aux(self.plan, batch, tokens, device if device is not None else stage_device(self.stages[0]))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None):
         """Run all stages: ``(input_ids [B, T], positions [T]) -> (logits [B, T, V], aux [n_slots, B, T, H])``."""
@@ -122,8 +128,6 @@ class SplitModel(torch.nn.Module):
         return torch.cat(out, dim=1)
 
     def _check_cache(self, batch: int, length: int) -> None:
-        from ppsplit.errors import ConfigError
-
         if not self.plan.max_len:
             raise ConfigError("this split has no KV cache: pass cache=CacheConfig(batch_size, max_len) to split_model")
         if batch > self.plan.max_batch or length > self.plan.max_len:
@@ -132,8 +136,6 @@ class SplitModel(torch.nn.Module):
 
     def reset_cache(self) -> None:
         """Zero every stage's KV cache (not needed for correctness: positions overwrite, the mask hides the rest)."""
-        from ppsplit.cache import is_cache_buffer
-
         for stage in self.stages:
             for name, buf in stage.named_buffers():
                 if is_cache_buffer(name):
