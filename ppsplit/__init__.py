@@ -10,6 +10,15 @@ from ppsplit.compile import compile_model, load, load_stage
 __all__ = [
     "CacheConfig", "ConfigError", "CrossingError", "LayersNotFoundError", "PpsplitError", "TraceError",
     "ModelCosts", "SplitPlan", "StagePlan", "SplitModel", "SplitOptions", "split_model", "trace_model",
-    "CapturedStage", "cuda_graph", "compile_model", "load", "load_stage",
+    "CapturedStage", "cuda_graph", "compile_model", "load", "load_stage", "backend", "TapBackend", "last_taps",
 ]
 __version__ = "0.1.0"
+
+_BACKEND_NAMES = ("backend", "TapBackend", "last_taps")
+
+
+def __getattr__(name):  # the torch.compile backend (and torch._dynamo) loads only when asked for
+    if name in _BACKEND_NAMES:
+        from ppsplit import compile_backend
+        return getattr(compile_backend, name)
+    raise AttributeError(f"module 'ppsplit' has no attribute {name!r}")
