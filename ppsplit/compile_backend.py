@@ -97,8 +97,6 @@ class TapBackend:
         if aux_out is not None and (not isinstance(aux_out, torch.Tensor) or aux_out.dim() != 4):
             raise ConfigError(f"aux_out must be a tensor [n_slots, B, T, H], but got "
                               f"{getattr(aux_out, 'shape', type(aux_out).__name__)}")
-        if aux_out is not None:
-            torch._dynamo.mark_static_address(aux_out)
         self.inner = inner
         self.aux_out = aux_out
         self.max_batch, self.max_tokens = max_batch, max_tokens
@@ -216,7 +214,6 @@ class TapBackend:
         if self.aux_out is None:
             self.aux_out = torch.zeros(n_slots, self.max_batch or batch, self.max_tokens or tokens, hidden,
                                        dtype=value.dtype, device=value.device)
-            torch._dynamo.mark_static_address(self.aux_out)
         aux = self.aux_out
         want = f"[{n_slots}, >={batch}, >={tokens}, {hidden}] on {value.device}"
         if aux.shape[0] != n_slots or aux.shape[3] != hidden or aux.device != value.device:

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import pytest
 import torch
@@ -116,10 +115,14 @@ def test_graph_break_between_layers():
     model = tiny_model("llama", num_layers=2)
     _layers(model)[0].register_forward_hook(lambda m, a, o: torch._dynamo.graph_break())
     backend = ppsplit.backend(aux=[0, 1, 2], inner="eager", max_batch=2, max_tokens=8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Dynamo's graph-break notes
+    config = torch._dynamo.config
+    with config.patch(recompile_limit=config.recompile_limit), \
+            pytest.warns(UserWarning, match="compiles each of the 2 layers on its own"):
         compiled = torch.compile(model, backend=backend)
+        # use_cache=False: no cache object whose guards would make Dynamo recompile per layer anyway, so a graph
+        # compiled for layer 0 would be reused for layer 1 without the backend's guard on the layer.
         _check(compiled, backend, model, _ids(2, 5), [0, 1, 2], use_cache=False)
+        assert backend.stored == {0, 1, 2}
 
 
 def test_unidentified_layer_warns_and_no_layers_errors():
