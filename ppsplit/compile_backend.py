@@ -258,22 +258,26 @@ class TapBackend:
             found = found or self._layer(frame_self)
             if found:
                 layer_of[node] = found
-        if self._layer(frame_self):
-            self._guard_layer_frame(self._layer(frame_self))
+        if self._layer(frame_self) and not self._guard_layer_frame(self._layer(frame_self)):
+            return {}, {f"{type(frame_self).__name__} (no guard on the layer object)"}
         unknown = set()
         if not layer_of:
             layer_classes = {c for m in modules for c in (getattr(type(m), "_no_split_modules", None) or ())}
             unknown = {type(m).__name__ for m in modules if type(m).__name__ in layer_classes or _looks_like_layer(m)}
         return layer_of, unknown
 
-    def _guard_layer_frame(self, layer: _Layer) -> None:
+    def _guard_layer_frame(self, layer: _Layer) -> bool:
         """A graph break made Dynamo compile one decoder layer's forward as a frame of its own. Dynamo would
         reuse that graph for every layer of the class (their weights are graph inputs), but its tap stores
         belong to this layer: guard on the layer object, and allow one compile per layer."""
-        from torch._dynamo.guards import GuardBuilder, install_guard
-        from torch._dynamo.source import LocalSource
+        try:  # Dynamo internals: without them, storing here could write another layer's value
+            from torch._dynamo.guards import GuardBuilder, install_guard
+            from torch._dynamo.source import LocalSource
 
-        install_guard(LocalSource("self", is_input=True).make_guard(GuardBuilder.ID_MATCH))
+            install_guard(LocalSource("self", is_input=True).make_guard(GuardBuilder.ID_MATCH))
+        except Exception as e:
+            log.warning("ppsplit backend: could not guard a decoder-layer graph on its layer: %s", e)
+            return False
         config = torch._dynamo.config
         need = layer.stack.num_layers + 8
         if config.recompile_limit < need:
@@ -281,6 +285,7 @@ class TapBackend:
                           f"{layer.stack.num_layers} layers on its own; raising torch._dynamo.config.recompile_limit "
                           f"from {config.recompile_limit} to {need}", stacklevel=3)
             config.recompile_limit = need
+        return True
 
     def _register(self, model: torch.nn.Module) -> None:
         """Remember the decoder layers of ``model`` (a Hugging Face model: it has a ``config``)."""
