@@ -108,9 +108,9 @@ class TapBackend:
 
     # --- the backend ---------------------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs) -> Callable:
-        shape_of = self._insert_taps(gm)
+        stores, shape_of = self._insert_taps(gm)
         compiled = self._compile_inner(gm, example_inputs, kwargs)
-        return compiled if shape_of is None else _recording(compiled, shape_of, self)
+        return _recording(compiled, shape_of, self) if stores else compiled
 
     def taps(self) -> torch.Tensor:
         """The taps of the last call: ``aux_out[:, :B, :T]`` ``[n_slots, B, T, H]``, slot order = sorted tap ids.
@@ -155,7 +155,7 @@ class TapBackend:
 
     # --- finding the layers and the taps -------------------------------------------------------------------
     def _insert_taps(self, gm: fx.GraphModule):
-        """Insert the tap stores this graph owns; returns a function args -> (B, T), or None if it stores none."""
+        """Insert the tap stores this graph owns; returns whether it stores any, and a function args -> (B, T)."""
         layer_of, unknown = self._layer_of_nodes(gm)
         by_layer: dict[int, list[fx.Node]] = {}
         stack = None
@@ -168,7 +168,7 @@ class TapBackend:
                               f"runs {', '.join(sorted(unknown))} code, but no decoder-layer list of a model holds "
                               "these modules, so their layer index is unknown; taps computed there are not stored",
                               stacklevel=2)
-            return None
+            return False, None
         taps = self._taps(stack.num_layers)
         outputs = {j: _layer_output(gm, nodes) for j, nodes in by_layer.items()}
         stores = []
@@ -186,7 +186,7 @@ class TapBackend:
                 continue
             stores.append((slot, tap, value))
         if not stores:
-            return None
+            return False, None
         aux = self._buffer(len(taps), _val(stores[0][2]))
         _attach_buffer(gm, aux)
         graph = gm.graph
@@ -201,7 +201,7 @@ class TapBackend:
         graph.lint()
         gm.recompile()
         log.info("ppsplit backend: graph stores taps %s", [t for _, t, _ in stores])
-        return _shape_getter(gm, _val(stores[0][2]))
+        return True, _shape_getter(gm, _val(stores[0][2]))
 
     def _taps(self, num_layers: int) -> tuple[int, ...]:
         if num_layers not in self.taps_of:
@@ -411,7 +411,7 @@ def _shape_getter(gm: fx.GraphModule, value) -> Callable:
             if where:
                 break
         if where is None:
-            return None  # a derived size: taps() then returns the whole buffer
+            return None  # a size derived from several inputs: taps() then returns the whole buffer
         i, k = where
         getters.append((lambda args, i=i: int(args[i])) if k is None else (lambda args, i=i, k=k: args[i].shape[k]))
     return lambda args: (getters[0](args), getters[1](args))
@@ -419,11 +419,8 @@ def _shape_getter(gm: fx.GraphModule, value) -> Callable:
 
 def _recording(compiled: Callable, shape_of: Callable | None, backend: TapBackend) -> Callable:
     """Wrap the compiled graph so ``taps()`` knows the last call's (B, T) (Dynamo calls it as ``fn(*args)``)."""
-    if shape_of is None:
-        return compiled
-
     def run(*args):
-        backend._last = shape_of(args)
+        backend._last = shape_of(args) if shape_of is not None else None  # None: taps() gives the whole buffer
         return compiled(*args)
     return run
 
