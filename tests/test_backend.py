@@ -176,3 +176,21 @@ def test_entry_point_backend_by_name(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_hf_generate_with_compiled_forward():
+    """The README's first example: generate() through a compiled forward equals eager generate, and after it the
+    buffer holds the taps of the last decoded token."""
+    model = tiny_model("llama", num_layers=4)
+    ref = copy.deepcopy(model)
+    backend = ppsplit.backend(aux="eagle3", inner="eager", max_batch=2, max_tokens=8)   # L=4: taps 1, 2
+    model.forward = torch.compile(model.forward, backend=backend)
+    ids = _ids(2, 6)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static")
+    assert out.tolist() == ref.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static").tolist()
+    with torch.no_grad():
+        hidden = ref(out[:, :-1], output_hidden_states=True).hidden_states
+    taps = backend.taps()
+    assert taps.shape == (2, 2, 1, 64)
+    for slot, tap in enumerate((1, 2)):
+        torch.testing.assert_close(taps[slot, :, 0], hidden[tap][:, -1], rtol=1e-5, atol=1e-5)
