@@ -194,3 +194,32 @@ def test_hf_generate_with_compiled_forward():
     assert taps.shape == (2, 2, 1, 64)
     for slot, tap in enumerate((1, 2)):
         torch.testing.assert_close(taps[slot, :, 0], hidden[tap][:, -1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_captures_cuda_graphs_with_taps():
+    """On CUDA with mode="reduce-overhead": no CUDA-graph skip (the taps buffer is a static input of the graph)
+    and, on every replayed decode step, logits and taps equal the eager model run on the whole sequence."""
+    from torch._dynamo.utils import counters
+    from transformers import StaticCache
+
+    model = tiny_model("llama", num_layers=3).cuda()
+    buf = torch.full((2, 2, 8, 64), float("nan"), device="cuda")
+    backend = ppsplit.backend(aux=[1, 3], aux_out=buf)
+    step = torch.compile(model, backend=backend, mode="reduce-overhead", fullgraph=True)
+    counters.clear()
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    seq = _ids(2, 5).cuda()
+    with torch.no_grad():
+        logits = model(seq, past_key_values=cache, use_cache=True).logits
+        for _ in range(5):  # warm-up, capture, then replays
+            seq = torch.cat([seq, logits[:, -1:].argmax(-1)], 1)
+            pos = torch.tensor([seq.shape[1] - 1], device="cuda")
+            torch.compiler.cudagraph_mark_step_begin()
+            logits = step(input_ids=seq[:, -1:], past_key_values=cache, cache_position=pos,
+                          position_ids=pos.expand(2, 1), use_cache=True).logits.clone()
+            want_logits, want = _reference(model, seq)
+            torch.testing.assert_close(logits[:, -1], want_logits[:, -1], rtol=1e-4, atol=1e-4)
+            for slot, tap in enumerate((1, 3)):
+                torch.testing.assert_close(buf[slot, :, 0], want[tap][:, -1], rtol=1e-4, atol=1e-4)
+    assert counters["inductor"]["cudagraph_skips"] == 0
