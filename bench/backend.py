@@ -22,8 +22,7 @@ import time
 
 import torch
 
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__))))
-import ppsplit  # noqa: E402
+import ppsplit
 
 
 def build(tiny: bool, device: str):
