@@ -343,10 +343,14 @@ def _frame_scope() -> dict:
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        tx = InstructionTranslator.current_tx().output.root_tx
-        return {"L": tx.f_locals, "G": tx.f_globals}
-    except Exception:  # not under Dynamo (a graph handed to the backend by hand)
+        tx = InstructionTranslator.current_tx()
+    except Exception:
+        tx = None
+    if tx is None:  # not under Dynamo (a graph handed to the backend by hand), or a Dynamo that moved this
+        log.warning("ppsplit backend: no Dynamo frame to resolve the graph's modules in; its taps are skipped")
         return {}
+    tx = tx.output.root_tx
+    return {"L": tx.f_locals, "G": tx.f_globals}
 
 
 def _val(node: fx.Node):
