@@ -279,12 +279,13 @@ class TapBackend:
             log.warning("ppsplit backend: could not guard a decoder-layer graph on its layer: %s", e)
             return False
         config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older name
         need = layer.stack.num_layers + 8
-        if config.recompile_limit < need:
+        if getattr(config, name) < need:
             warnings.warn(f"ppsplit backend: a graph break inside the decoder layers compiles each of the "
-                          f"{layer.stack.num_layers} layers on its own; raising torch._dynamo.config.recompile_limit "
-                          f"from {config.recompile_limit} to {need}", stacklevel=3)
-            config.recompile_limit = need
+                          f"{layer.stack.num_layers} layers on its own; raising torch._dynamo.config.{name} "
+                          f"from {getattr(config, name)} to {need}", stacklevel=3)
+            setattr(config, name, need)
         return True
 
     def _register(self, model: torch.nn.Module) -> None:
