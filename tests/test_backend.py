@@ -15,11 +15,12 @@ import torch
 
 import ppsplit
 from ppsplit.errors import ConfigError, LayersNotFoundError
+from ppsplit.passes.annotate import find_layers
 from tests.models import tiny_model
 
 
 def _layers(model):
-    return model.model.layers if hasattr(model, "model") else model.transformer.h
+    return model.get_submodule(find_layers(model).fqn)
 
 
 def _reference(model, ids):
