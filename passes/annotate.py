@@ -126,8 +126,7 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
     nodes = list(graph.nodes)
     for node in nodes:
         # Size arithmetic (SymInt values) is shared by every layer that needs it: it belongs to none.
-        is_size = isinstance(node.meta.get("val"), (torch.SymInt, int)) and node.op == "call_function"
-        node.meta["ppsplit.layer"] = None if is_size else layer_of(node)
+        node.meta["ppsplit.layer"] = None if _is_size(node) else layer_of(node)
         node.meta["ppsplit.token"] = False
         node.meta.pop("ppsplit.region", None)
 
@@ -145,6 +144,10 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
         node.meta["ppsplit.token"] = True
         latest = max(a.meta["ppsplit.region"] for a in token_inputs)
         layer = node.meta["ppsplit.layer"]
+        if layer is None and _is_size(node):
+            # A size read from token data (``aten.item`` in MoE routing, and the checks on it) is not shared
+            # shape arithmetic: it belongs to the layer that computes it.
+            layer = node.meta["ppsplit.layer"] = layer_of(node)
         if layer is None:
             region = latest + 1 if latest % 2 else latest
         else:
@@ -163,6 +166,11 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
     graph.lint()
     return Annotated(traced=traced, layers=stack, cuts=_cuts(nodes, num_layers, head_region),
                      costs=_costs(gm, nodes, num_layers, head_region))
+
+
+def _is_size(node: fx.Node) -> bool:
+    """Size arithmetic (SymInt / SymBool values): shared by every layer that needs it, so it belongs to none."""
+    return node.op == "call_function" and isinstance(node.meta.get("val"), (torch.SymInt, torch.SymBool, int, bool))
 
 
 def _cuts(nodes: list[fx.Node], num_layers: int, head_region: int) -> dict[int, tuple[str, ...]]:
