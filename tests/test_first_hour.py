@@ -101,11 +101,14 @@ def test_cli_one_line_errors(tmp_path, capsys):
     assert err.count("\n") == 1 and "/etc/passwd is a file; pass a folder written by ppsplit compile" in err
     assert err.count("compile the folder again") == 0
 
-    # The output location is checked before the trace: nothing was traced (no "tracing" log line).
-    assert main(["compile", "demo", "--pp", "2", "-o", "/proc/forbidden/out"]) == 2
+    # The output location is checked before the trace: nothing was traced (no "tracing" log line). A folder
+    # under a file cannot be created, even by root.
+    (tmp_path / "a-file").write_text("")
+    bad = str(tmp_path / "a-file" / "out")
+    assert main(["compile", "demo", "--pp", "2", "-o", bad]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("ppsplit: error: cannot write the output folder /proc/forbidden/out") and "tracing" not in err
-    assert err.strip().count("\n") == 0
+    assert err.startswith(f"ppsplit: error: cannot write the output folder {bad}") and "tracing" not in err, err
+    assert err.strip().count("\n") == 0 and not os.path.exists(bad)
 
 
 def test_inspect_checks_the_programs_like_load(tmp_path, capsys):
