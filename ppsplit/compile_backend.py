@@ -38,7 +38,7 @@ from torch import fx
 from ppsplit.errors import ConfigError, LayersNotFoundError
 
 # --- ppsplit internals: imported here and nowhere else in this module ---
-from ppsplit.api import SplitOptions
+from ppsplit.config import SplitOptions
 from ppsplit.passes.annotate import LayerStack, find_layers
 # -------------------------------------------------------------------------
 
