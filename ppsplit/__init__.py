@@ -6,7 +6,8 @@ from ppsplit.runtime import SplitModel
 from ppsplit.api import SplitOptions, split_model, trace_model
 from ppsplit.cuda_graphs import CapturedStage, cuda_graph
 from ppsplit.compile import compile_model, load, load_stage
-from ppsplit.drafter import Eagle3Drafter, load_drafter
+from ppsplit.drafter import Eagle3Drafter
+from ppsplit.drafter_load import load_drafter
 from ppsplit.speculative import SpeculativeStats
 
 __all__ = [

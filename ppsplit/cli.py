@@ -3,6 +3,8 @@
     ppsplit compile MODEL --pp 4 --aux 2,16,29 [-o DIR]     write per-stage artifacts
     ppsplit inspect DIR                                     print a compiled folder's plan
     ppsplit plan MODEL --pp 4 --aux eagle3                  print the plan only (meta device, writes nothing)
+    ppsplit generate DIR --prompt-ids 1,2,3 [-k 4]          decode (speculatively with the folder's drafter)
+    ppsplit check-drafter MODEL DRAFTER                     which tap numbering an EAGLE-3 drafter was trained on
 
 Every ppsplit error is printed as one line on stderr with exit code 2, without a traceback.
 """
@@ -30,6 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", default=None, help="output folder (default: <model name>-pp<N>)")
     p.add_argument("--force", action="store_true", help="replace the output folder if it exists")
     p.add_argument("--no-fuse", action="store_true", help="keep the traced ops (no Triton tap/norm kernels)")
+    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder or hub id: taps from its config, "
+                   "stored in DIR/drafter")
+    p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default="sglang",
+                   help="numbering of the drafter's tap ids: sglang (SpecForge layer outputs, +1) or vllm")
+
+    from ppsplit.cli_generate import add_parsers
+    add_parsers(sub)
 
     p = sub.add_parser("inspect", help="print the stages and taps of a compiled folder")
     p.add_argument("folder")
@@ -46,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan}[args.command](args)
+        from ppsplit.cli_generate import cmd_check_drafter, cmd_generate
+        return {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan, "generate": cmd_generate,
+                "check-drafter": cmd_check_drafter}[args.command](args)
     except PpsplitError as e:
         print(f"ppsplit: error: {e}", file=sys.stderr)
         return 2
@@ -98,7 +109,8 @@ def cmd_compile(args) -> int:
     out = args.output or f"{os.path.basename(os.path.normpath(args.model)).replace('/', '--')}-pp{args.pp}"
     path = ppsplit.compile_model(args.model, out, pp=args.pp, aux=args.aux, aux_convention=args.aux_convention,
                                  balance=_balance(args.balance), dtype=args.dtype, cache=_cache(args),
-                                 force=args.force, fuse=not args.no_fuse, progress=sys.stderr.isatty())
+                                 force=args.force, fuse=not args.no_fuse, progress=sys.stderr.isatty(),
+                                 drafter=args.drafter, drafter_convention=args.drafter_convention)
     print(ppsplit.compile.load_plan(path).describe())
     print(f"wrote {path}")
     return 0

@@ -40,7 +40,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 def compile_model(model: str, out: str, *, pp: int, aux=None, aux_convention: str = "vllm", balance="layers",
                   dtype: str | None = None, cache: CacheConfig | None = None, force: bool = False,
-                  fuse: bool | str = True, progress: bool = False) -> str:
+                  fuse: bool | str = True, progress: bool = False, drafter: str | None = None,
+                  drafter_convention: str = "sglang") -> str:
     """Split the checkpoint ``model`` into ``pp`` stages and write the artifacts to ``out``. Returns ``out``.
 
     Example::
@@ -52,6 +53,9 @@ def compile_model(model: str, out: str, *, pp: int, aux=None, aux_convention: st
     from ppsplit.passes.trace import _tied_parameters
     from ppsplit.source import load_config, resolve_model
 
+    if drafter is not None:  # EAGLE-3: the taps come from the drafter's config; the drafter goes into drafter/
+        from ppsplit.drafter_load import compile_taps
+        aux, aux_convention = compile_taps(drafter, load_config(model), aux, drafter_convention), "vllm"
     opts = SplitOptions(pp=pp, aux=aux, balance=balance, aux_convention=aux_convention, fuse=fuse)
     out = os.path.abspath(out)
     if os.path.exists(out) and not force:
@@ -80,6 +84,9 @@ def compile_model(model: str, out: str, *, pp: int, aux=None, aux_convention: st
     os.makedirs(tmp)
     try:
         _write(tmp, split, stage_specs, checkpoint, buffers, model, torch_dtype, progress)
+        if drafter is not None:
+            from ppsplit.drafter_load import write_compiled_drafter
+            write_compiled_drafter(tmp, drafter, split, checkpoint, tied, drafter_convention)
         if os.path.exists(out):
             backup = tmp + "-old"
             os.rename(out, backup)
@@ -323,5 +330,8 @@ def load(folder: str, devices: Sequence[torch.device | str] | None = None) -> Sp
     if len(devices) != plan.pp:
         raise ConfigError(f"{folder} has {plan.pp} stages; pass one device per stage, got {len(devices)}")
     stages = [load_stage(folder, k, devices[k]) for k in range(plan.pp)]
-    return SplitModel(plan, stages, eos_token_id=manifest.get("eos_token_id") or (),
-                      pad_token_id=manifest.get("pad_token_id"))
+    split = SplitModel(plan, stages, eos_token_id=manifest.get("eos_token_id") or (),
+                       pad_token_id=manifest.get("pad_token_id"))
+    from ppsplit.drafter_load import attach_compiled_drafter
+    attach_compiled_drafter(split, folder)  # split.drafter, when compiled with --drafter
+    return split

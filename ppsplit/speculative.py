@@ -161,3 +161,26 @@ def generate(split, input_ids: torch.Tensor, max_new_tokens: int, drafter, num_d
         index = n
         pos += n + 1
     return torch.cat([input_ids, torch.cat(out, 1)], 1), stats
+
+
+@torch.no_grad()
+def draft_agreement(split, drafter, ids: torch.Tensor, start: int = 1) -> tuple[int, int]:
+    """Teacher-forced first-draft agreement on ``ids [B, T]``: how often the drafter, fed the target's taps of
+    position ``i`` and token ``i + 1``, predicts the target's own greedy token at ``i + 2`` (for ``i + 1 >= start``).
+    Returns ``(agreeing, total)``. A drafter read under the wrong tap numbering scores near zero.
+
+    Example::
+
+        agree, total = draft_agreement(split, drafter, sequences, start=4)
+    """
+    batch, tokens = ids.shape
+    device, last = ids.device, drafter.fc.weight.device
+    logits, aux = split(ids, torch.arange(tokens, device=device))
+    target_next = logits.argmax(-1).to(last)  # [B, T]: the target's token for position i + 1
+    ids = ids.to(last)
+    draft_logits, _ = drafter(aux.to(last), torch.cat([ids[:, 1:], target_next[:, -1:]], 1),
+                              torch.arange(tokens, device=last))
+    drafts = drafter.target_ids[draft_logits.argmax(-1)]  # [B, T]: the drafter's token for position i + 2
+    lo = max(start - 1, 0)
+    hits = drafts[:, lo:tokens - 1] == target_next[:, lo + 1:]
+    return int(hits.sum()), hits.numel()
