@@ -386,3 +386,31 @@ def test_compile_with_drafter_generate_and_check_drafter(trained, tmp_path, caps
     printed = capsys.readouterr().out
     assert "fits: sglang" in printed, printed
     assert main(["generate", out_dir, "--prompt-ids", "1,x"]) == 2
+
+
+@pytest.mark.gpu
+def test_draft_step_is_cuda_graph_capturable(tmp_path):
+    model, graph = traced("llama")
+    split = ppsplit.split_model(graph, 2, aux=TAPS).place(["cuda", "cuda"])
+    folder, _, _ = drafter_on_disk(tmp_path, model, "safetensors")
+    drafter = ppsplit.load_drafter(folder, split=split)
+    assert drafter.fc.weight.is_cuda and drafter.cache_keys.is_cuda
+    hidden = torch.randn(2, 1, 64, device="cuda")
+    token = torch.randint(3, VOCAB, (2, 1), device="cuda")
+    pos = torch.tensor([7], device="cuda")
+    with torch.no_grad():
+        eager_ids, eager_out = drafter.step(hidden, token, pos)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            drafter.step(hidden, token, pos)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            ids, out = drafter.step(hidden, token, pos)
+        hidden.copy_(torch.randn_like(hidden))
+        g.replay()
+        expected_ids, expected_out = drafter.step(hidden, token, pos)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected_out)
+    assert torch.equal(ids, expected_ids) and not torch.equal(out, eager_out)
