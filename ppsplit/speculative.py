@@ -109,10 +109,20 @@ def generate(split, input_ids: torch.Tensor, max_new_tokens: int, drafter, num_d
     if drafter.cache_keys is None or drafter.cache_keys.shape[0] < batch \
             or drafter.cache_keys.shape[2] < prompt + max_new_tokens + k:
         drafter.allocate_cache(split.plan.max_batch, split.plan.max_len)
+    return decode(split, input_ids, max_new_tokens, drafter, k, temperature, generator,
+                  eos_token_id=split.eos_token_id, pad_token_id=split.pad_token_id)
+
+
+@torch.no_grad()
+def decode(forward, input_ids: torch.Tensor, max_new_tokens: int, drafter, k: int, temperature: float = 0.0,
+           generator: torch.Generator | None = None, *, eos_token_id=(), pad_token_id: int | None = None):
+    """The speculative loop over any target ``forward(ids [B, T], positions [T]) -> (logits, aux)`` that runs all
+    stages (in process: the ``SplitModel``; a pipeline runtime passes its own). Checks are ``generate``'s job."""
+    batch, prompt = input_ids.shape
     device = input_ids.device
     last = drafter.fc.weight.device
-    eos = torch.tensor(split.eos_token_id, device=device, dtype=torch.long)
-    pad = split.pad_token_id if split.pad_token_id is not None else (split.eos_token_id or (0,))[0]
+    eos = torch.tensor(tuple(eos_token_id), device=device, dtype=torch.long)
+    pad = pad_token_id if pad_token_id is not None else (tuple(eos_token_id) or (0,))[0]
     stats = SpeculativeStats(num_draft_tokens=k)
 
     def pick(logits):
@@ -120,7 +130,7 @@ def generate(split, input_ids: torch.Tensor, max_new_tokens: int, drafter, num_d
             return logits.argmax(-1)
         return sample(torch.softmax(logits.float() / temperature, dim=-1), generator)
 
-    logits, aux = split(input_ids, torch.arange(prompt, device=device))
+    logits, aux = forward(input_ids, torch.arange(prompt, device=device))
     token = pick(logits[:, -1]).to(last)
     # The drafter pairs the taps of position i with the token at i + 1.
     window = (aux.to(last), torch.cat([input_ids[:, 1:].to(last), token[:, None]], 1), torch.arange(prompt, device=last))
@@ -141,7 +151,7 @@ def generate(split, input_ids: torch.Tensor, max_new_tokens: int, drafter, num_d
     while not finished:
         drafts, q = drafter.draft(*window, index, k, temperature, generator)
         verify = torch.cat([token[:, None], drafts], 1)
-        logits, aux = split(verify.to(device), torch.arange(pos, pos + k + 1, device=device))
+        logits, aux = forward(verify.to(device), torch.arange(pos, pos + k + 1, device=device))
         stats.verify_passes += 1
         n_seq, nxt = accept(drafts, logits.to(last), temperature, q, generator)
         active = ~done.to(last)
