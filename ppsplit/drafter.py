@@ -89,7 +89,7 @@ class Eagle3Drafter(nn.Module):
     """
 
     def __init__(self, cfg: dict, taps: tuple[int, ...], slots: tuple[int, ...], embed: torch.Tensor,
-                 inv_freq: torch.Tensor, rope_scale: float = 1.0):
+                 inv_freq: torch.Tensor, rope_scale: float = 1.0, n_slots: int | None = None):
         super().__init__()
         self.cfg = dict(cfg)
         self.taps, self.slots = tuple(taps), tuple(slots)
@@ -104,6 +104,8 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("embed_tokens", embed, persistent=False)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = float(rope_scale)
+        self.n_slots = max(self.slots) + 1 if n_slots is None else n_slots  # slots in the split's aux buffer
+        self.graphs: dict = {}  # (batch, window rows, k) -> captured greedy draft (see capture)
         for name in ("cache_keys", "cache_values", "cache_positions"):  # set by allocate_cache
             self.register_buffer(name, None, persistent=False)
 
@@ -187,6 +189,14 @@ class Eagle3Drafter(nn.Module):
         draft distributions over the target vocabulary ``[B, k, V]`` they were sampled from (else ``None``)."""
         if k < 1:
             raise ConfigError(f"the number of draft tokens must be at least 1, but got {k}")
+        captured = self.graphs.get((aux.shape[1], aux.shape[2], k)) if temperature <= 0 else None
+        if captured is not None:
+            graph, static, ids = captured
+            for name, value in (("aux", aux), ("tokens", tokens), ("positions", positions)):
+                static[name].copy_(value)
+            static["index"].copy_(torch.as_tensor(index).view(1))
+            graph.replay()
+            return ids.clone(), None
         index = torch.as_tensor(index, device=positions.device).view(1)
         logits, out = self(aux, tokens, positions)
         logits, out, pos = logits.index_select(1, index), out.index_select(1, index), positions.index_select(0, index)
@@ -199,6 +209,29 @@ class Eagle3Drafter(nn.Module):
             ids.append(token)
             dists.append(dist)
         return torch.stack(ids, 1), (torch.stack(dists, 1) if temperature > 0 else None)
+
+    def capture(self, batch: int, k: int, *, pool=None) -> "Eagle3Drafter":
+        """Capture greedy ``draft`` for windows of ``K + 1`` rows (what every verify step feeds it) and ``k``
+        drafts as one CUDA graph; ``draft`` then replays it for matching calls. Capture before the cache holds
+        live sequences (warm-up and capture write it)."""
+        self.graphs.pop((batch, k + 1, k), None)  # capture runs the eager path
+        dev = self.fc.weight.device
+        static = {"aux": torch.zeros(self.n_slots, batch, k + 1, self.target_hidden_size, dtype=self.fc.weight.dtype,
+                                     device=dev),
+                  "tokens": torch.zeros(batch, k + 1, dtype=torch.long, device=dev),
+                  "positions": torch.arange(k + 1, device=dev), "index": torch.zeros(1, dtype=torch.long, device=dev)}
+        run = lambda: self.draft(static["aux"], static["tokens"], static["positions"], static["index"], k)[0]  # noqa: E731
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+            ids = run()
+        self.graphs[(batch, k + 1, k)] = (graph, static, ids)
+        return self
 
     def _pick(self, logits: torch.Tensor, temperature: float, generator):
         if temperature <= 0:

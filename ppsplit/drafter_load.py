@@ -219,7 +219,8 @@ def build_drafter(cfg: dict, tensors: dict, plan, embed: torch.Tensor, aux_conve
     dtype = getattr(torch, plan.dtype)
     device = torch.empty(0, device=device).device
     with torch.device("meta"):
-        drafter = Eagle3Drafter(cfg, taps, tuple(plan.taps.index(t) for t in taps), torch.empty(0), torch.empty(0))
+        drafter = Eagle3Drafter(cfg, taps, tuple(plan.taps.index(t) for t in taps), torch.empty(0), torch.empty(0),
+                                n_slots=plan.n_slots)
     drafter = drafter.to_empty(device=device)
     state = {k: v for k, v in tensors.items() if k not in ("t2d", "embed_tokens.weight", "rotary.inv_freq")}
     state["d2t"] = d2t.long()

@@ -414,3 +414,17 @@ def test_draft_step_is_cuda_graph_capturable(tmp_path):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, expected_out)
     assert torch.equal(ids, expected_ids) and not torch.equal(out, eager_out)
+
+    # The whole greedy draft of a verify step (window of K + 1 rows, then K - 1 steps) as one graph.
+    aux = torch.randn(3, 2, 4, 64, device="cuda")
+    tokens = torch.randint(3, VOCAB, (2, 4), device="cuda")
+    positions = torch.arange(10, 14, device="cuda")
+    eager, _ = drafter.draft(aux, tokens, positions, 2, 3)
+    drafter.capture(2, 3)
+    assert (2, 4, 3) in drafter.graphs
+    replayed, _ = drafter.draft(aux, tokens, positions, 2, 3)
+    assert torch.equal(replayed, eager)
+    # The captured graph reads its inputs: a different window drafts what eager drafting gives for it.
+    other, _ = drafter.draft(aux.flip(1), tokens.flip(0), positions, 1, 3)
+    drafter.graphs.clear()
+    assert torch.equal(other, drafter.draft(aux.flip(1), tokens.flip(0), positions, 1, 3)[0])
