@@ -125,5 +125,6 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     if scores[best] < 0.2:
         print(f"neither numbering fits: best {scores[best]:.3f} under {best}; is the drafter trained for this target?")
     else:
-        print(f"fits: {best} (--drafter-convention {best}); agreement {scores[best]:.3f}" + (f" vs {others}" if others else ""))
+        versus = f" vs {others}" if others else ""
+        print(f"fits: {best} (--drafter-convention {best}); agreement {scores[best]:.3f}{versus}")
     return 0

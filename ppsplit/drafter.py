@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter on the last stage: ``load_drafter`` and the ``Eagle3Drafter`` module.
+"""The EAGLE-3 drafter on the last stage: the ``Eagle3Drafter`` module (``ppsplit.drafter_load`` reads checkpoints).
 
 An EAGLE-3 checkpoint is a one-layer Llama (SafeAILab/EAGLE ``cnets.py``, SpecForge, vLLM and SGLang
 ``llama_eagle3.py``). Its forward, for a token at position ``i``::

@@ -11,7 +11,8 @@ def drafter_config(target, aux_ids=None, draft_vocab: int | None = None, **overr
     """An EAGLE-3 ``config.json`` for ``target`` (a HF config); ``aux_ids`` as a SpecForge checkpoint writes them."""
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": target.hidden_size,
            "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
-           "rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": 256, "rope_theta": 10000.0,
+           "rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": 256,
+           "rope_theta": 5000.0,  # not transformers' default, so a theta lost on the way shows in the reference test
            "vocab_size": target.vocab_size, "draft_vocab_size": draft_vocab or target.vocab_size,
            "tie_word_embeddings": False}
     if aux_ids is not None:

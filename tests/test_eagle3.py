@@ -74,7 +74,8 @@ def test_speculative_greedy_equals_target_greedy(arch, tmp_path):
     assert stats[3].draft_tokens == stats[1].draft_tokens == stats[2].draft_tokens
     assert stats[3].accepted == stats[1].accepted
     if arch == "qwen3_tied":  # the tied table lives on stage 0 and as lm_head on the last stage; the drafter shares it
-        assert drafter.embed_tokens.data_ptr() == dict(split.stages[0].named_parameters())["model.embed_tokens.weight"].data_ptr()
+        table = dict(split.stages[0].named_parameters())["model.embed_tokens.weight"]
+        assert drafter.embed_tokens.data_ptr() == table.data_ptr()
 
 
 def test_batch_sequences_accept_independently_and_commit_the_minimum(tmp_path):
@@ -307,7 +308,8 @@ def test_speculative_sampling_matches_target_distribution(tmp_path):
         p0 = torch.softmax(model(prompt).logits[0, -1] / temp, -1)
         after = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)
         p1 = torch.softmax(model(after).logits[:, -1] / temp, -1)
-        hot = torch.softmax(model(prompt).logits[0, -1] / 1.2, -1)[:, None] * torch.softmax(model(after).logits[:, -1] / 1.2, -1)
+        hot = torch.softmax(model(prompt).logits[0, -1] / 1.2, -1)[:, None] \
+            * torch.softmax(model(after).logits[:, -1] / 1.2, -1)
     counts = torch.bincount(out[:, 5] * V + out[:, 6], minlength=V * V)
     assert chi2_pvalue(counts, (p0[:, None] * p1).flatten()) > 1e-3
     # The test has power: the same samples are told apart from the target at another temperature.
