@@ -67,10 +67,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _tokenizer(folder: str):
-    from ppsplit.compile import _read_json
     from ppsplit.errors import ConfigError
+    from ppsplit.loader import read_json
 
-    source = _read_json(os.path.join(folder, "manifest.json")).get("source")
+    source = read_json(os.path.join(folder, "manifest.json")).get("source")
     try:
         from transformers import AutoTokenizer
 

@@ -10,7 +10,7 @@ An EAGLE-3 checkpoint is a one-layer Llama (SafeAILab/EAGLE ``cnets.py``, SpecFo
     out = h + mlp(post_attention_layernorm(h))        # pre-norm ``out`` feeds the next draft step
     logits = lm_head(norm(out))                      # draft vocabulary; target id = draft id + d2t[draft id]
 
-The drafter keeps its own static KV cache addressed by positions, like the stages (``ppsplit.cache``): a call
+The drafter keeps its own static KV cache addressed by positions, like the stages (``passes/kv_cache.py``): a call
 writes K/V at ``positions`` and attends under a causal mask on positions, so rejected drafts are overwritten by
 the next call at the same positions; nothing is rolled back. No host synchronisation in ``forward``: a draft
 step can be captured in a CUDA graph.

@@ -162,7 +162,7 @@ def load_drafter(path_or_hub_id: str, split=None, aux_convention: str = "sglang"
         drafter = ppsplit.load_drafter("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", split=split)
         out, stats = split.generate(ids, 64, drafter=drafter, num_draft_tokens=4, return_stats=True)
     """
-    from ppsplit.runtime import stage_device
+    from ppsplit.tensors import module_device
 
     if split is None:
         raise ConfigError("load_drafter needs split=: the drafter reads the split's taps and embedding; split the "
@@ -175,7 +175,7 @@ def load_drafter(path_or_hub_id: str, split=None, aux_convention: str = "sglang"
         embed = dict(stage.named_parameters()).get(name)
         embed = (embed if embed is not None else stage.get_buffer(name)).detach()
     return build_drafter(cfg, tensors, split.plan, embed, aux_convention,
-                         device if device is not None else stage_device(split.stages[-1]))
+                         device if device is not None else module_device(split.stages[-1]))
 
 
 def build_drafter(cfg: dict, tensors: dict, plan, embed: torch.Tensor, aux_convention: str, device) -> Eagle3Drafter:

@@ -109,7 +109,12 @@ def generate(split, input_ids: torch.Tensor, max_new_tokens: int, drafter, num_d
     if drafter.cache_keys is None or drafter.cache_keys.shape[0] < batch \
             or drafter.cache_keys.shape[2] < prompt + max_new_tokens + k:
         drafter.allocate_cache(split.plan.max_batch, split.plan.max_len)
-    return decode(split, input_ids, max_new_tokens, drafter, k, temperature, generator,
+    split.check_inputs(input_ids, torch.arange(prompt, device=input_ids.device))
+
+    def forward(ids, positions):  # in range by the checks above: skip the per-call check (a host read)
+        return split(ids, positions, check=False)
+
+    return decode(forward, input_ids, max_new_tokens, drafter, k, temperature, generator,
                   eos_token_id=split.eos_token_id, pad_token_id=split.pad_token_id)
 
 
