@@ -3,7 +3,8 @@
 Three layers, imports pointing down only::
 
     drivers   api (split_model, trace_model), writer (compile), loader (load, load_stage), runtime (SplitModel),
-              cuda_graphs, cli
+              cuda_graphs, cli; EAGLE-3: drafter (Eagle3Drafter), drafter_load (load_drafter), speculative,
+              cli_generate
     passes    ppsplit.passes: trace -> annotate -> plan -> partition -> taps -> fuse -> emit  (+ triton_kernels)
     core      errors, config (SplitOptions, CacheConfig), plan (SplitPlan), tensors, fx_utils, program
 
