@@ -72,7 +72,6 @@ def _parser() -> argparse.ArgumentParser:
                    "stored in DIR/drafter")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default="sglang",
                    help="numbering of the drafter's tap ids: sglang (SpecForge layer outputs, +1) or vllm")
-    cli_generate.add_parsers(sub)
 
     p = sub.add_parser("inspect", help="check a compiled folder as loading would, and print its stages and taps")
     p.add_argument("folder")
@@ -80,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="trace MODEL on the meta device and print the split plan (writes nothing)")
     _add_split_args(p)
     p.add_argument("--json", action="store_true", help="print plan.json instead of the table")
+    cli_generate.add_parsers(sub)
     return parser
 
 
