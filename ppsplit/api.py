@@ -13,6 +13,7 @@ from torch import fx
 from ppsplit.cache import CacheConfig
 from ppsplit.errors import ConfigError
 from ppsplit.passes.annotate import annotate, find_layers
+from ppsplit.passes.attention import attention as cache_attention
 from ppsplit.passes.emit import emit
 from ppsplit.passes.fuse import fuse as fuse_kernels
 from ppsplit.passes.partition import partition
@@ -104,7 +105,7 @@ def trace_model(model: torch.nn.Module, *, layers: str | None = None, cache: Cac
 
 def split_model(model: torch.nn.Module | fx.GraphModule, pp: int, aux: Aux = None, *, balance: Balance = "layers",
                 aux_convention: str = "vllm", layers: str | None = None, cache: CacheConfig | None = None,
-                fuse: bool | str = True) -> SplitModel:
+                fuse: bool | str = True, attention: bool = True, compile: bool = False) -> SplitModel:
     """Split a Hugging Face decoder LM into ``pp`` pipeline stages that carry the taps ``aux``.
 
     ``aux``: ``None`` (no taps), ``"eagle3"`` (``2, L//2, L-3``), or tap ids (``"2,16,29"`` or a list) in vLLM's
@@ -114,7 +115,10 @@ def split_model(model: torch.nn.Module | fx.GraphModule, pp: int, aux: Aux = Non
     ``positions`` are the cache positions of the new tokens and the same stages serve prefill, decode and
     verification. ``fuse``: ``True`` folds each tap store, with the residual add and norm around it, into one
     Triton kernel (and fuses the other add+norm pairs the same way); ``"norms"`` keeps a separate store per tap;
-    ``False`` keeps the traced ops. The stages share the model's parameters (no copy).
+    ``False`` keeps the traced ops. ``attention``: replace the attention over the static cache with
+    ``ppsplit::cache_attention`` where it is provably equal (the plan says per stage). ``compile``: compile each
+    stage with Inductor (``torch.compile``, no CUDA graphs inside: ``capture`` adds ppsplit's own). The stages
+    share the model's parameters (no copy).
 
     Example::
 
@@ -136,11 +140,17 @@ def split_model(model: torch.nn.Module | fx.GraphModule, pp: int, aux: Aux = Non
     plan = make_split_plan(gm, opts.pp, opts.taps(stack.num_layers), balance=opts.balance)
     gm = partition(gm, plan)
     gm = add_taps(gm, plan)
+    if attention:
+        plan = dataclasses.replace(plan, attention=cache_attention(gm, plan).lines(plan.pp))
     if opts.fuse:
         gm = fuse_kernels(gm, plan, taps=opts.fuse is True)
         plan = dataclasses.replace(plan, fused=gm.meta["ppsplit.fused"])
     info = traced.meta["ppsplit.trace"]
-    return SplitModel(plan, emit(gm, plan), eos_token_id=info.eos_token_id, pad_token_id=info.pad_token_id)
+    stages = emit(gm, plan)
+    if compile:
+        from ppsplit.inductor import compile_stages
+        compile_stages(stages)
+    return SplitModel(plan, stages, eos_token_id=info.eos_token_id, pad_token_id=info.pad_token_id)
 
 
 def _fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -69,6 +69,7 @@ class SplitPlan:
     max_batch: int = 0  # static KV cache shape (0: no cache)
     max_len: int = 0
     fused: tuple[tuple[str, ...], ...] = ()  # per stage: one line per tap store, fused or not (the fuse pass)
+    attention: tuple[tuple[str, ...], ...] = ()  # per stage: attentions replaced / left as traced (attention pass)
     version: int = field(default=PLAN_VERSION)
 
     def __post_init__(self):
@@ -124,6 +125,7 @@ class SplitPlan:
         d["stages"] = tuple(StagePlan(**s) for s in d["stages"])
         d["taps"] = tuple(d.get("taps", ()))
         d["fused"] = tuple(tuple(f) for f in d.get("fused", ()))
+        d["attention"] = tuple(tuple(f) for f in d.get("attention", ()))
         if d.get("costs") is not None:
             c = dict(d["costs"])
             c["layer_params"] = tuple(c["layer_params"])
@@ -155,6 +157,8 @@ class SplitPlan:
             lines.append(f"{s.index:>5}  {f'{s.start}-{s.end - 1}':>9}  {s.params:>12,}  {_fmt_bytes(s.bytes):>10}  "
                          f"{s.cost:>10.4g}  {owned:<14} {sends:<12} {role}{cache}")
             for f in (self.fused[s.index] if s.index < len(self.fused) else ()):
+                lines.append(f"{'':>7}{f}")
+            for f in (self.attention[s.index] if s.index < len(self.attention) else ()):
                 lines.append(f"{'':>7}{f}")
         if self.taps:
             lines.append(f"{'tap':>5}  {'slot':>4}  {'owner':>5}  meaning")
