@@ -1,0 +1,39 @@
+"""Optional Inductor compilation of stages: ``split_model(..., compile=True)``, ``load(..., compile=True)``.
+
+Each stage's forward goes through ``torch.compile`` in its default mode: Inductor fuses the traced elementwise
+ops (rotary, SiLU-and-multiply, casts) into a few kernels, while ppsplit's Triton ops (fused norms and taps,
+``cache_attention``) are kept as they are. Inductor's own CUDA graphs stay off, because ppsplit captures the
+stage itself (``capture``/``cuda_graph``), cache and aux writes included. The stage stays the same
+``GraphModule`` (same buffers, names and ``meta``); only its call is compiled, at the first call of each
+``(batch, tokens)`` shape: nothing compiled is stored, so a compiled folder stays plain data.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+def compile_stage(stage: torch.nn.Module, *, dynamic: bool | None = False) -> torch.nn.Module:
+    """Compile ``stage`` in place with Inductor and return it. ``dynamic=False`` specialises each
+    ``(batch, tokens)`` shape, one compilation per CUDA-graph bucket.
+
+    Example::
+
+        stage = compile_stage(ppsplit.load_stage("demo-pp4", 2, "cuda:2"))
+        y, aux = stage(x, positions, aux)
+    """
+    call = stage._call_impl
+
+    def inference(*args, **kwargs):
+        # Stages are inference-only; without this, parameters that require grad make Inductor build a backward.
+        with torch.no_grad():
+            return call(*args, **kwargs)
+
+    stage._compiled_call_impl = torch.compile(inference, dynamic=dynamic, fullgraph=True)  # as Module.compile does
+    return stage
+
+
+def compile_stages(stages: Iterable[torch.nn.Module], *, dynamic: bool | None = False) -> None:
+    for stage in stages:
+        compile_stage(stage, dynamic=dynamic)
