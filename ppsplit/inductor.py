@@ -23,14 +23,16 @@ def compile_stage(stage: torch.nn.Module, *, dynamic: bool | None = False) -> to
         stage = compile_stage(ppsplit.load_stage("demo-pp4", 2, "cuda:2"))
         y, aux = stage(x, positions, aux)
     """
-    call = stage._call_impl
+    # Compile the GraphModule's own generated forward: its code object is unique to this stage, so the compiled
+    # entries of different stages do not share (and exhaust) one Dynamo cache.
+    compiled = torch.compile(stage.forward, dynamic=dynamic, fullgraph=True)
 
     def inference(*args, **kwargs):
         # Stages are inference-only; without this, parameters that require grad make Inductor build a backward.
         with torch.no_grad():
-            return call(*args, **kwargs)
+            return compiled(*args, **kwargs)
 
-    stage._compiled_call_impl = torch.compile(inference, dynamic=dynamic, fullgraph=True)  # as Module.compile does
+    stage._compiled_call_impl = inference  # what nn.Module.compile sets: __call__ goes through it
     return stage
 
 
