@@ -259,8 +259,7 @@ def launch_cache_attention(q, k, v, positions, scale: float, window: int = 0, so
     B, Hq, T, D = q.shape
     Hkv, L, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = Hq // Hkv
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernels index d with stride 1
     if out is None:
         out = torch.empty(B, T, Hq, Dv, dtype=q.dtype, device=q.device).transpose(1, 2)
     block_d, block_dv = _pow2(D), _pow2(Dv)
