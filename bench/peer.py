@@ -14,9 +14,18 @@ runs in its own try/except: a failure prints its error and the run goes on. Vari
 (median of --rounds), and a table with ratios to the roofline and to HF+compile is printed after each step and
 at the end, with the top kernels of ppsplit's pp=1 step.
 
-    python bench/peer.py                        # everything, on a CUDA GPU
-    python bench/peer.py --modes decode --batches 32 --compile on
+    python bench/peer.py                        # everything, on a CUDA GPU (Inductor compiles take minutes)
     python bench/peer.py --tiny                 # tiny model on the CPU: checks the script, times nothing real
+
+Each Inductor compile (HF's, and ppsplit's per stage and shape) takes a minute or more, so under a 10-minute limit
+split the run, e.g.:
+
+    python bench/peer.py --modes decode,verify --compile off
+    python bench/peer.py --modes decode --compile on --pp 1,4 --no-traced-baseline
+    python bench/peer.py --modes verify --compile on --pp 1 --no-traced-baseline
+    python bench/peer.py --modes prefill --compile both --pp 1,4
+--budget-s (default 560) skips the variants not started by then, and every table is printed as soon as its step
+is done, so a run cut short still reports what it measured.
 """
 import argparse
 import inspect

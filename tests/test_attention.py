@@ -174,10 +174,18 @@ def test_unrecognised_attention_is_left_and_reported():
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
         scores = torch.matmul(query, key.transpose(2, 3)) * scaling
         scores = scores * torch.linspace(0.5, 1.5, query.shape[1], device=query.device).view(1, -1, 1, 1)
-        probs = torch.softmax(scores + attention_mask, dim=-1, dtype=torch.float32).to(query.dtype)
+        if attention_mask is None:  # HF's SDPA mask skips a plainly causal mask: apply it here
+            q_len, k_len = scores.shape[-2:]
+            attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
     AttentionInterface.register("ppsplit_test_per_head_temperature", per_head_temperature)
+    # Without a registered mask function HF hands custom attention no mask: use SDPA's boolean one.
+    AttentionMaskInterface.register("ppsplit_test_per_head_temperature", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     from tests.models import tiny_model
 
     model = tiny_model("llama", num_layers=2)
