@@ -37,7 +37,7 @@ from torch import fx
 
 import ppsplit.triton_kernels.attention  # noqa: F401  (registers torch.ops.ppsplit.cache_attention)
 from ppsplit.cache import CACHE_PREFIX
-from ppsplit.passes.annotate import SHAPE_OPS
+from ppsplit.passes.annotate import SHAPE_OPS, mutated_bases
 from ppsplit.plan import SplitPlan
 from ppsplit.triton_kernels.attention import attention_reference
 
@@ -187,7 +187,6 @@ def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
     out = min(both, key=order.get)
     kshape, vshape = _shape(k), _shape(v)
     batch, kv_heads, dv = kshape[0], kshape[1], vshape[3]
-    tokens = None
     positions = gm.graph.find_nodes(op="placeholder", target="positions")[0]
     tokens = positions.meta["val"].shape[0]
 
@@ -224,6 +223,8 @@ def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
             raise _NoMatch(f"{n.format_node()} inside the attention is also read outside it")
         if n.op != "call_function":
             raise _NoMatch(f"unexpected {n.op} node {n.name} inside the attention")
+        if any(b not in region for b in mutated_bases(n)):
+            raise _NoMatch(f"{n.format_node()} inside the attention writes a tensor outside it")
     tokenish = [a for a in external if a not in (k, v) and a.meta.get("ppsplit.token")
                 and isinstance(a.meta.get("val"), torch.Tensor)]
     if len(tokenish) != 1:
