@@ -52,13 +52,13 @@ def _reference64(q, k, v, positions, scale, window, softcap, alibi, sinks):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("decode", [True, False], ids=["split_kv", "flash"])
+@pytest.mark.parametrize("decode", [True, False], ids=["split_kv", "flash"])  # split_kv: 3 splits or 1 (no combine)
 @pytest.mark.parametrize("case", range(len(KERNEL_CASES)))
 def test_triton_kernels_match_fp64(case, decode):
     batch, rows, hq, hkv, tokens, max_len, dim, start, extras = KERNEL_CASES[case]
     args = _kernel_inputs(batch, rows, hq, hkv, tokens, max_len, dim, start, extras, seed=case)
     out = torch.full((batch, tokens, hq, dim), float("nan")).transpose(1, 2)
-    launch_cache_attention(*args, out=out, decode=decode, n_splits=3 if decode else None)
+    launch_cache_attention(*args, out=out, decode=decode, n_splits=(3 if case % 2 else 1) if decode else None)
     assert not out.isnan().any(), "left part of the output unwritten, or read a stale cache slot"
     torch.testing.assert_close(out.double(), _reference64(*args), atol=2e-5, rtol=2e-5)
 

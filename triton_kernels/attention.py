@@ -19,8 +19,9 @@ shapes, so it also traces under ``torch.compile``).
 GPU kernels (Triton):
 
 - split-KV decode (flash-decoding) for ``G * T <= 128`` rows per KV head (decode, verify): one program per
-  (batch, KV head, split) holds all ``G`` query heads times ``T`` tokens, so each KV block is read once; the
-  splits of the live range are combined by a second small kernel.
+  (batch, KV head, split) holds all ``G`` query heads times ``T`` tokens, so each KV block is read once. When
+  batch x KV heads fill the SMs there is one split and the kernel writes the output; otherwise the live range
+  is split and a second small kernel combines the splits.
 - flash forward for longer prompts: one program per (query block, batch x query head), causal block skipping.
 
 The output is ``[B, Hq, T, Dv]`` laid out as ``[B, T, Hq, Dv]`` in memory, so the model's following
@@ -93,12 +94,13 @@ if HAVE_TRITON:
         return tl.where(visible, s * 1.4426950408889634, float("-inf"))
 
     @triton.jit
-    def _decode_kernel(Q, K, V, POS, SLOPES, M_OUT, L_OUT, ACC_OUT,
-                       sqb, sqh, sqt, skb, skh, skl, svb, svh, svl,
+    def _decode_kernel(Q, K, V, POS, SLOPES, SINKS, O, M_OUT, L_OUT, ACC_OUT,
+                       sqb, sqh, sqt, skb, skh, skl, svb, svh, svl, sob, soh, sot,
                        T, Hkv, n_splits, scale, window, softcap,
                        G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                       HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr):
+                       HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+                       DIRECT: tl.constexpr, IEEE: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // Hkv
@@ -148,6 +150,13 @@ if HAVE_TRITON:
                 pv = tl.dot(p.to(v_blk.dtype), v_blk)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        if DIRECT:  # one split: this program saw the whole live range, normalise and write the output
+            if HAS_SINKS:
+                l_i += tl.exp2(tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634 - m_i)
+            out = acc / l_i[:, None]
+            tl.store(O + b.to(tl.int64) * sob + h[:, None] * soh + t[:, None] * sot + dv[None, :],
+                     out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+            return
         part = (bh * n_splits + split) * BLOCK_M + rows
         tl.store(M_OUT + part, m_i)
         tl.store(L_OUT + part, l_i)
@@ -272,16 +281,24 @@ def launch_cache_attention(q, k, v, positions, scale: float, window: int = 0, so
         block_m = _pow2(G * T)
         block_n = 64 if max(block_d, block_dv) <= 128 else 32
         if n_splits is None:
-            n_splits = max(1, min(triton.cdiv(2 * _sm_count(q.device), B * Hkv), triton.cdiv(L, block_n)))
-        m_part = torch.empty(B * Hkv * n_splits * block_m, dtype=torch.float32, device=q.device)
+            # Enough (batch, KV head) programs to fill the SMs: one split, no combine step. Otherwise split the
+            # live range so that about two programs run per SM.
+            sms = _sm_count(q.device)
+            n_splits = 1 if B * Hkv >= sms else max(1, min(triton.cdiv(2 * sms, B * Hkv), triton.cdiv(L, block_n)))
+        parts = B * Hkv * n_splits * block_m if n_splits > 1 else 1
+        m_part = torch.empty(parts, dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
-        acc_part = torch.empty(B * Hkv * n_splits * block_m, block_dv, dtype=torch.float32, device=q.device)
+        acc_part = torch.empty(parts, block_dv if n_splits > 1 else 1, dtype=torch.float32, device=q.device)
         wrap(_decode_kernel)[(B * Hkv, n_splits)](
-            q, k, v, positions, alibi if alibi is not None else dummy, m_part, l_part, acc_part,
+            q, k, v, positions, alibi if alibi is not None else dummy, sinks if sinks is not None else dummy, out,
+            m_part, l_part, acc_part,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), T, Hkv, n_splits, scale, window, softcap,
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            T, Hkv, n_splits, scale, window, softcap,
             G=G, D=D, DV=Dv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-            num_warps=4, num_stages=2, **common)
+            HAS_SINKS=sinks is not None, DIRECT=n_splits == 1, num_warps=4, num_stages=2, **common)
+        if n_splits == 1:
+            return out
         wrap(_combine_kernel)[(B * Hkv, G * T)](
             m_part, l_part, acc_part, sinks if sinks is not None else dummy, out,
             out.stride(0), out.stride(1), out.stride(2), T, Hkv, n_splits,
