@@ -146,9 +146,9 @@ def test_pass_matches_hf_and_replaces_attention(arch):
         torch.testing.assert_close(logits, full.logits[:, lo:hi], atol=1e-5, rtol=1e-5)
         for slot, tap in enumerate((1, 3)):
             torch.testing.assert_close(aux[slot], full.hidden_states[tap][:, lo:hi], atol=1e-5, rtol=1e-5)
-    # Greedy decoding with the cache, full batch and a smaller one (leading cache rows).
+    # Greedy decoding with the cache; a smaller batch (leading cache rows) where test_decode does not cover it.
     prompt = torch.randint(3, VOCAB, (2, 6))
-    for rows in (2, 1):
+    for rows in (2, 1) if arch in ("bloom", "gpt_oss") else (2,):
         with torch.no_grad():
             expected = model.generate(prompt[:rows], max_new_tokens=12, do_sample=False)
         assert torch.equal(split.generate(prompt[:rows], 12), expected)
