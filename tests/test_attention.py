@@ -131,7 +131,8 @@ def test_pass_matches_hf_and_replaces_attention(arch):
         gone = {torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.softmax.int,
                 torch.ops.aten._softmax.default, torch.ops.aten.expand.default, torch.ops.aten.matmul.default}
         assert not [n for n in nodes if n.target in gone and "attention" in _module(n).lower()]
-        assert split.plan.attention[k][0].startswith(f"attention: {sp.num_layers} of {sp.num_layers} -> cache_attention")
+        n = sp.num_layers
+        assert split.plan.attention[k][0].startswith(f"attention: {n} of {n} -> cache_attention")
     for word in EXPECT.get(arch, ()):
         assert any(word in line for lines in split.plan.attention for line in lines), (word, split.plan.attention)
     assert "cache_attention" in split.plan.describe()

@@ -336,7 +336,3 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty(B, T, Hq, v_cache.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
     out.copy_(attention_reference(q, k_cache, v_cache, positions, scale, window, softcap, alibi, sinks))
     return out
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
