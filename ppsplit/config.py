@@ -58,6 +58,8 @@ class SplitOptions:
     layers: str | None = None
     cache: CacheConfig | None = None
     fuse: Fuse = "all"
+    attention: bool = True  # replace the attention over the cache with ppsplit::cache_attention where provably equal
+    compile: bool = False  # compile each stage with Inductor (ppsplit's own CUDA graphs capture the result)
 
     def __post_init__(self):
         try:

@@ -75,6 +75,17 @@ class StageFusion:
 
 
 @dataclass(frozen=True)
+class AttentionSite:
+    """One layer's attention over the KV cache after the attention pass: replaced by ``cache_attention``
+    (``detail`` names its parameters) or left as traced (``detail`` says why)."""
+
+    layer: int
+    stage: int
+    replaced: bool
+    detail: str
+
+
+@dataclass(frozen=True)
 class SplitPlan:
     """Stage ranges, costs and taps of one split. ``taps`` are the slots: distinct tap ids, ascending.
 
@@ -97,6 +108,7 @@ class SplitPlan:
     max_batch: int = 0  # static KV cache shape (0: no cache)
     max_len: int = 0
     fused: tuple[StageFusion, ...] = ()  # per stage, what the fuse pass did (empty when it did not run)
+    attention: tuple[AttentionSite, ...] = ()  # per layer with a cached attention: replaced or left (attention pass)
     version: int = field(default=PLAN_VERSION)
 
     def __post_init__(self):
@@ -157,6 +169,7 @@ class SplitPlan:
         else:
             d["fused"] = tuple(StageFusion(taps=tuple(TapFusion(**t) for t in f["taps"]), other_norms=f["other_norms"])
                                for f in d.get("fused", ()))
+        d["attention"] = tuple(AttentionSite(**a) for a in d.get("attention", ()))
         if d.get("costs") is not None:
             c = dict(d["costs"])
             c["layer_params"] = tuple(c["layer_params"])
@@ -171,6 +184,17 @@ class SplitPlan:
     @classmethod
     def from_json(cls, text: str) -> "SplitPlan":
         return cls.from_dict(json.loads(text))
+
+    def attention_lines(self, stage: int) -> tuple[str, ...]:
+        """How many of ``stage``'s attentions became ``cache_attention``, and which stayed as traced, and why."""
+        sites = [a for a in self.attention if a.stage == stage]
+        if not sites:
+            return ()
+        replaced = [a for a in sites if a.replaced]
+        kinds = sorted({a.detail for a in replaced})
+        return ((f"attention: {len(replaced)} of {len(sites)} -> cache_attention"
+                 + (f" ({'; '.join(kinds)})" if kinds else ""),)
+                + tuple(f"attention layer {a.layer} left as traced: {a.detail}" for a in sites if not a.replaced))
 
     def describe(self) -> str:
         """A human-readable table of stages and taps (what ``ppsplit inspect`` prints)."""
@@ -188,6 +212,8 @@ class SplitPlan:
             lines.append(f"{s.index:>5}  {f'{s.start}-{s.end - 1}':>9}  {s.params:>12,}  {_fmt_bytes(s.bytes):>10}  "
                          f"{s.cost:>10.4g}  {owned:<14} {sends:<12} {role}{cache}")
             for line in (self.fused[s.index].lines() if s.index < len(self.fused) else ()):
+                lines.append(f"{'':>7}{line}")
+            for line in self.attention_lines(s.index):
                 lines.append(f"{'':>7}{line}")
         if self.taps:
             lines.append(f"{'tap':>5}  {'slot':>4}  {'owner':>5}  meaning")
