@@ -12,8 +12,9 @@ import time
 
 import torch
 
-from ppsplit.config import Aux, Balance, CacheConfig, Fuse, SplitOptions
+from ppsplit.config import Aux, Balance, CacheConfig, CostModel, Fuse, SplitOptions
 from ppsplit.errors import ConfigError
+from ppsplit.measure import measure_costs
 from ppsplit.passes.annotate import Annotated, LayerStack, annotate, find_layers
 from ppsplit.passes.emit import emit
 from ppsplit.passes.fuse import fuse as fuse_kernels
@@ -50,13 +51,17 @@ def _trace(model: torch.nn.Module, stack: LayerStack, cache: CacheConfig | None)
 
 def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: Aux = None, *,
                 balance: Balance = "layers", aux_convention: str = "vllm", layers: str | None = None,
-                cache: CacheConfig | None = None, fuse: Fuse | bool = True,
-                options: SplitOptions | None = None) -> SplitModel:
+                cache: CacheConfig | None = None, fuse: Fuse | bool = True, max_stage_bytes: int | None = None,
+                cost_model: CostModel | None = None, options: SplitOptions | None = None) -> SplitModel:
     """Split a Hugging Face decoder LM into ``pp`` pipeline stages that carry the taps ``aux``.
 
     ``aux``: ``None`` (no taps), ``"eagle3"`` (``2, L//2, L-3``), or tap ids (``"2,16,29"`` or a list) in vLLM's
     numbering: tap ``j`` is the residual stream entering layer ``j``, tap ``L`` the last layer's output.
-    ``balance``: ``"layers"``, ``"params"``, a list of layer counts, or ``f(costs, pp) -> counts``.
+    ``balance``: ``"layers"``, ``"params"``, ``"memory"`` (weights + KV cache), ``"flops"`` (counted from the
+    graph's shapes under ``cost_model``), ``"time"`` (each layer timed on the model's device under ``cost_model``),
+    a list of layer counts, or ``f(costs, pp) -> counts``; every policy name minimises the slowest stage exactly.
+    ``max_stage_bytes``: no stage holds more weights + KV cache than this. ``cost_model``: the workload
+    (``CostModel(batch, tokens, context, prefill, decode_weight, prefill_weight)``; default: decode, batch 1).
     ``cache``: ``CacheConfig(batch_size, max_len)`` gives every stage a static KV cache for its layers; then
     ``positions`` are the cache positions of the new tokens and the same stages serve prefill, decode and
     verification. ``fuse``: ``True`` / ``"all"`` folds each tap store, with the residual add and norm around it,
@@ -74,7 +79,8 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
         if pp is None:
             raise ConfigError("split_model needs pp, the number of pipeline stages (or options=SplitOptions(...))")
         options = SplitOptions(pp=pp, aux=aux, balance=balance, aux_convention=aux_convention, layers=layers,
-                               cache=cache, fuse=fuse)
+                               cache=cache, fuse=fuse, max_stage_bytes=max_stage_bytes,
+                               cost_model=cost_model or CostModel())
     if isinstance(model, Annotated):
         traced = model
         taps = options.taps(traced.layers.num_layers)
@@ -85,7 +91,9 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
         stack = find_layers(model, options.layers)
         taps = options.taps(stack.num_layers)  # bad options fail here, before the slow trace
         traced = _trace(model, stack, options.cache)
-    plan = make_split_plan(traced, options.pp, taps, balance=options.balance)
+    measured = measure_costs(traced, options.cost_model, fuse=options.fuse) if options.balance == "time" else None
+    plan = make_split_plan(traced, options.pp, taps, balance=options.balance, cost_model=options.cost_model,
+                           max_stage_bytes=options.max_stage_bytes, measured=measured)
     rewritten = add_taps(partition(traced, plan), plan)
     if options.fuse != "none":
         rewritten = fuse_kernels(rewritten, plan, taps=options.fuse == "all")
