@@ -14,7 +14,7 @@ import torch
 
 from ppsplit.config import Aux, Balance, CacheConfig, CostModel, Fuse, SplitOptions
 from ppsplit.errors import ConfigError
-from ppsplit.measure import measure_costs
+from ppsplit.measure import check_measurable, measure_costs
 from ppsplit.passes.annotate import Annotated, LayerStack, annotate, find_layers
 from ppsplit.passes.emit import emit
 from ppsplit.passes.fuse import fuse as fuse_kernels
@@ -90,6 +90,8 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
     else:
         stack = find_layers(model, options.layers)
         taps = options.taps(stack.num_layers)  # bad options fail here, before the slow trace
+        if options.balance == "time":
+            check_measurable(model)
         traced = _trace(model, stack, options.cache)
     measured = measure_costs(traced, options.cost_model, fuse=options.fuse) if options.balance == "time" else None
     plan = make_split_plan(traced, options.pp, taps, balance=options.balance, cost_model=options.cost_model,

@@ -43,10 +43,8 @@ def measure_costs(annotated: Annotated, model: CostModel | None = None, *, fuse:
     """
     model = model or CostModel()
     gm = annotated.gm
+    check_measurable(gm)
     device = next((t.device for t in gm.parameters()), torch.device("cpu"))
-    if device.type == "meta":
-        raise ConfigError("balance='time' times every layer on the device it will run on, but the model's weights are "
-                          "on the meta device; load the real weights (or use balance='flops', counted from shapes)")
     _check_fits(annotated, model)
     num_layers = annotated.layers.num_layers
     one = _stages(annotated, [1] * num_layers, fuse)
@@ -54,6 +52,7 @@ def measure_costs(annotated: Annotated, model: CostModel | None = None, *, fuse:
     start = time.perf_counter()
     parts = []
     for weight, tokens, position in _steps(model):
+        position = position if annotated.traced.cache is not None else 0  # no cache: the step is the whole sequence
         stages = one + (whole or [])
         times = _time_stages(stages, model.batch, tokens, position, rounds)
         per_layer = times[:num_layers]
@@ -67,6 +66,13 @@ def measure_costs(annotated: Annotated, model: CostModel | None = None, *, fuse:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return weighted(parts)
+
+
+def check_measurable(module: torch.nn.Module) -> None:
+    """Raise a ``ConfigError`` if ``module``'s weights are on the meta device (nothing to time)."""
+    if any(t.device.type == "meta" for t in module.parameters()):
+        raise ConfigError("balance='time' times every layer on the device it will run on, but the model's weights are "
+                          "on the meta device; load the real weights (or use balance='flops', counted from shapes)")
 
 
 def _stages(annotated: Annotated, sizes: list[int], fuse: Fuse) -> list[torch.nn.Module]:
