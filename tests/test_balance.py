@@ -200,7 +200,11 @@ def test_time_policy_times_a_real_model_on_the_cpu():
     region = split.plan.region_costs
     assert split.plan.balance == "time" and region.unit == "ms" and len(region.layers) == 5
     assert region.head > max(region.layers[1:-1])  # a 64 x 128000 matmul against a 64-wide layer
-    assert [s.num_layers for s in split.plan.stages] == [4, 1]
+    sizes = [s.num_layers for s in split.plan.stages]
+    # The exact optimum under what was measured, and the head's stage holds fewer layers (usually [4, 1]; how
+    # many fewer depends on this machine's timing).
+    assert max(region.stage_costs(sizes)) == min(max(region.stage_costs(c)) for c in compositions(5, 2))
+    assert sizes[1] < sizes[0]
     assert split.plan.stages[1].cost == pytest.approx(region.stage + region.layers[4] + region.head)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(model.config)
