@@ -34,6 +34,8 @@ _EXPORTS = {
     "split_model": "ppsplit.api", "trace_model": "ppsplit.api",
     "compile_model": "ppsplit.writer",
     "load": "ppsplit.loader", "load_stage": "ppsplit.loader",
+    "backend": "ppsplit.compile_backend", "TapBackend": "ppsplit.compile_backend",
+    "last_taps": "ppsplit.compile_backend",
 }
 __all__ = sorted(_EXPORTS)
 
