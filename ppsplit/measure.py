@@ -18,6 +18,7 @@ import time
 import torch
 
 from ppsplit.config import CostModel, Fuse
+from ppsplit.cuda_graphs import CapturedStage
 from ppsplit.errors import ConfigError
 from ppsplit.passes.annotate import Annotated
 from ppsplit.passes.costs import weighted
@@ -145,8 +146,6 @@ def _time_stages(stages, batch: int, tokens: int, position: int, rounds: int) ->
 def _runner(stage, batch: int, tokens: int, position: int):
     x, positions, aux = _inputs(stage, batch, tokens, position)
     if module_device(stage).type == "cuda":
-        from ppsplit.cuda_graphs import CapturedStage
-
         captured = CapturedStage(stage, batch, tokens)
         captured.x.copy_(x)
         captured.positions.copy_(positions)

@@ -228,6 +228,10 @@ class SplitPlan:
                  f"pp={self.pp}, balance={self.balance}, {self.n_slots} aux slots{cache}"]
         unit = self.region_costs.unit if self.region_costs else ("layers" if self.balance == "layers" else "params")
         balance = f"stage cost in {unit}: slowest / mean = {self.imbalance:.3f}"
+        r = self.region_costs
+        if r is not None and r.unit != "layers" and r.layers:
+            balance += (f" (embedding {r.embed:.4g}, a layer {min(r.layers):.4g} to {max(r.layers):.4g}, head "
+                        f"{r.head:.4g}, every stage {r.stage:.4g})")
         if self.cost_model is not None:
             balance += f"; workload {_fmt_workload(self.cost_model)}"
         if self.max_stage_bytes:
