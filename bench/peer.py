@@ -331,7 +331,7 @@ def main():
         t0 = time.perf_counter()
         traced = ppsplit.trace_model(model, cache=CacheConfig(max(batches), args.max_len))
         log(f"traced with a {max(batches)} x {args.max_len} cache in {time.perf_counter() - t0:.0f} s")
-        log("pp=1 " + " / ".join(" ".join(lines) for lines in ppsplit.split_model(traced, 1).plan.attention))
+        log("pp=1 " + " / ".join(ppsplit.split_model(traced, 1).plan.attention_lines(0)))
         for mode, batch in steps:
             tokens = STEPS[mode]
             bench.roofs[(mode, batch)] = roofline_us(model, batch, tokens, args.position + tokens, bw, tflops)
