@@ -111,9 +111,10 @@ if HAVE_TRITON:
         h = kvh * G + tl.where(row_ok, rows // T, 0)
         qpos = tl.load(POS + t)
         live = tl.load(POS + T - 1) + 1
-        lo = 0
+        first = tl.load(POS)
+        lo = first * 0  # a tensor of the type the window branch gives (the compiler wants both branches alike)
         if window > 0:
-            lo = tl.maximum(tl.load(POS) - window + 1, 0)
+            lo = tl.maximum(first - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
         n_blocks = tl.cdiv(live - lo, BLOCK_N)
         per_split = tl.cdiv(n_blocks, n_splits)
@@ -207,7 +208,7 @@ if HAVE_TRITON:
         qpos = tl.load(POS + rows, mask=row_ok, other=-1)
         live = tl.load(POS + T - 1) + 1
         hi = tl.minimum(tl.max(qpos, axis=0) + 1, live)  # causal: nothing past this block's last query
-        lo = 0
+        lo = hi * 0  # a tensor of the type the window branch gives (the compiler wants both branches alike)
         if window > 0:
             lo = tl.maximum(tl.min(tl.where(row_ok, qpos, 2147483647), axis=0) - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
