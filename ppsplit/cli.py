@@ -3,6 +3,7 @@
     ppsplit compile MODEL --pp 4 --aux 2,16,29 [-o DIR]     write per-stage artifacts
     ppsplit inspect DIR                                     print a compiled folder's plan
     ppsplit plan MODEL --pp 4 --aux eagle3                  print the plan only (meta device, writes nothing)
+    ppsplit run DIR --prompt "text" --max-new-tokens 32     generate, one process per stage (torch.distributed)
 
 Every ppsplit error is printed as one line on stderr with exit code 2, without a traceback.
 """
@@ -38,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_split_args(p)
     p.add_argument("--json", action="store_true", help="print plan.json instead of the table")
 
+    p = sub.add_parser("run", help="generate through a compiled folder, one process per stage (torch.distributed)")
+    from ppsplit.run import add_arguments
+    add_arguments(p)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="ppsplit: %(message)s", stream=sys.stderr)
     warnings.filterwarnings("ignore")
@@ -46,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan}[args.command](args)
+        return {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan, "run": cmd_run}[args.command](args)
     except PpsplitError as e:
         print(f"ppsplit: error: {e}", file=sys.stderr)
         return 2
@@ -133,6 +138,12 @@ def cmd_plan(args) -> int:
     print(split.plan.to_json() if args.json else split.plan.describe())
     logging.getLogger("ppsplit").info("planned in %.1fs", time.perf_counter() - start)
     return 0
+
+
+def cmd_run(args) -> int:
+    from ppsplit.run import launch
+
+    return launch(args)
 
 
 if __name__ == "__main__":

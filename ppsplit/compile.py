@@ -31,6 +31,7 @@ from ppsplit.errors import ConfigError
 from ppsplit.plan import SplitPlan
 from ppsplit.program import ProgramError, graph_from_json, graph_to_json
 from ppsplit.runtime import SplitModel
+from ppsplit.serving_files import copy_serving_files
 
 log = logging.getLogger("ppsplit")
 _TMP_TAG = ".ppsplit-tmp-"
@@ -165,6 +166,7 @@ def _write(tmp: str, split: SplitModel, stage_specs: list, checkpoint: Checkpoin
 
     with open(os.path.join(tmp, "plan.json"), "w") as f:
         f.write(split.plan.to_json())
+    copy_serving_files(checkpoint.folder, tmp)  # tokenizer, chat template, generation_config.json
     total = sum(_nbytes(s) for specs in stage_specs for s in specs if s["init"] == "file")
     bar = _progress(total, progress)
     files = []

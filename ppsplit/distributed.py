@@ -32,6 +32,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -344,6 +345,62 @@ class PipelineRank:
             try:
                 w.wait()
             except Exception as e:  # gloo raises RuntimeError, NCCL DistBackendError; both mean the peer is gone
-                raise PipelineError(f"rank {self.rank}: could not {what} rank {peer}: rank {peer} died, stalled past "
-                                    f"the timeout or failed ({str(e).splitlines()[0][:200]})") from None
+                text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0] if str(e) else type(e).__name__)
+                text = text.split(". ")[0][:160]  # gloo: "[file:line] Connection closed by peer [addr]. This is ..."
+                cause = "stalled past the timeout" if "timed out" in text.lower() or "timeout" in text.lower() \
+                    else "died or closed its connection"
+                message = f"rank {self.rank}: could not {what} rank {peer}: rank {peer} {cause} ({text})"
+                first = _first_failure(message)
+                if first != message:
+                    message += f"; first failure reported: {first}"
+                raise PipelineError(message) from None
         stats.wait_s += time.perf_counter() - start
+
+
+def _first_failure(message: str) -> str:
+    """Record ``message`` in the rendezvous store unless another rank did first; return the first one.
+
+    A rank two hops from a dead one only sees its neighbour leave; the first report names the rank that died.
+    """
+    from torch.distributed.distributed_c10d import _get_default_store  # the one internal name used here
+
+    try:
+        store = _get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=2))  # the store's host may be gone too
+        first = store.compare_set("ppsplit/first_failure", "", message)
+        return first.decode() if isinstance(first, bytes) else str(first)
+    except Exception:  # no store (or it died with its host): report what this rank saw
+        return message
+
+
+def for_pipelining(stage: fx.GraphModule) -> fx.GraphModule:
+    """``stage`` with its inputs ordered ``(x, aux, positions)`` for ``torch.distributed.pipelining``.
+
+    A pipelining stage receives the previous stage's outputs ``(y, aux)`` as its leading positional arguments and
+    the ``step(...)`` keywords after them, so ``positions`` must come last; and its transport sends contiguous
+    tensors, so the returned aux is made contiguous (a copy only for a microbatch slice on the first stage).
+    Same graph otherwise, same parameters and cache buffers (shared, not copied), same outputs.
+
+    Example::
+
+        pipe = PipelineStage(for_pipelining(stage), rank, pp, device)
+        schedule = ScheduleGPipe(pipe, n_microbatches, args_chunk_spec=(TensorChunkSpec(0), TensorChunkSpec(1)),
+                                 kwargs_chunk_spec={"positions": _Replicate()},
+                                 output_merge_spec=(TensorChunkSpec(0), TensorChunkSpec(1)))
+        schedule.step(ids, aux, positions=positions)      # rank 0; the others: schedule.step(positions=positions)
+    """
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(stage.graph, {}))
+    x, positions, aux = [n for n in graph.nodes if n.op == "placeholder"]
+    aux.append(positions)  # placeholder order is the forward signature
+    # A microbatch of aux is a slice along dim 1 (batch), not contiguous when there are 2+ slots; the transport
+    # sends contiguous tensors only. No copy when it already is (every stage after the first).
+    output = graph.output_node()
+    y_out, aux_out = output.args[0]
+    with graph.inserting_before(output):
+        dense = graph.call_method("contiguous", (aux_out,))
+    output.args = ((y_out, dense),)
+    graph.lint()
+    out = fx.GraphModule(stage, graph, class_name=type(stage).__name__)
+    out.meta.update(stage.meta)
+    return out

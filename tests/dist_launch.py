@@ -72,3 +72,71 @@ def launch(world: int, target, *args, timeout: float = 20.0, deadline: float = 9
         results["elapsed"] = time.monotonic() - start
         results["alive"] = [p.pid for p in procs if p.is_alive()]
         return results
+
+
+# -- rank bodies used by tests/test_distributed.py (here, so that children import nothing heavy) -----------------
+
+def generate(rank, folder, prompts, new, collect_aux=False):
+    """Every rank runs ``PipelineRank(folder).generate``; rank 0 returns ids, the last rank its taps."""
+    from ppsplit import distributed as ppd
+
+    runner = ppd.PipelineRank(folder if isinstance(folder, str) else folder[rank])
+    out = runner.generate(prompts if rank == 0 else None, new, collect_aux=collect_aux)
+    return out, runner.stats
+
+
+def generate_and_fail(rank, folder, prompts, new, victim, at_item, how):
+    """Like ``generate``, but rank ``victim`` is SIGKILLed (``how="kill"``) or sleeps (``"stall"``) when it
+    starts its ``at_item``-th item."""
+    import signal
+
+    from ppsplit import distributed as ppd
+
+    if rank == victim:
+        real = ppd.group_stages
+
+        def fragile(stage, groups, rows):
+            instances = real(stage, groups, rows)
+            count = {"n": 0}
+            for inst in instances:
+                forward = inst.forward
+
+                def wrapped(*a, _forward=forward):
+                    count["n"] += 1
+                    if count["n"] == at_item:
+                        if how == "kill":
+                            os.kill(os.getpid(), signal.SIGKILL)
+                        time.sleep(600)
+                    return _forward(*a)
+                inst.forward = wrapped
+            return instances
+
+        ppd.group_stages = fragile
+    return generate(rank, folder, prompts, new)
+
+
+def pipelining(rank, folder, ids, microbatches):
+    """Stage ``rank`` as the submodule of ``torch.distributed.pipelining.PipelineStage`` under ``ScheduleGPipe``;
+    the last rank returns the merged ``(logits, aux)``."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    import ppsplit
+    from ppsplit.distributed import for_pipelining
+
+    stage = ppsplit.load_stage(folder, rank)
+    plan = stage.meta["ppsplit.plan"]
+    world = plan.pp
+    pipe = PipelineStage(for_pipelining(stage), rank, world, torch.device("cpu"))
+    schedule = ScheduleGPipe(pipe, microbatches, args_chunk_spec=(TensorChunkSpec(0), TensorChunkSpec(1)),
+                             kwargs_chunk_spec={"positions": _Replicate()},
+                             output_merge_spec=(TensorChunkSpec(0), TensorChunkSpec(1)))
+    positions = torch.arange(ids.shape[1])
+    with torch.no_grad():
+        if rank == 0:
+            aux = torch.zeros(plan.n_slots, ids.shape[0], ids.shape[1], plan.hidden_size)
+            out = schedule.step(ids, aux, positions=positions)
+        else:
+            out = schedule.step(positions=positions)
+    return tuple(t.clone() for t in out) if rank == world - 1 else None
