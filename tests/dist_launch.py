@@ -86,8 +86,8 @@ def generate(rank, folder, prompts, new, collect_aux=False):
 
 
 def generate_and_fail(rank, folder, prompts, new, victim, at_item, how):
-    """Like ``generate``, but rank ``victim`` is SIGKILLed (``how="kill"``) or sleeps (``"stall"``) when it
-    starts its ``at_item``-th item."""
+    """Like ``generate``, but rank ``victim`` is SIGKILLed (``how="kill"``) or sleeps S seconds (``"stall:S"``)
+    when it starts its ``at_item``-th item."""
     import signal
 
     from ppsplit import distributed as ppd
@@ -106,7 +106,7 @@ def generate_and_fail(rank, folder, prompts, new, victim, at_item, how):
                     if count["n"] == at_item:
                         if how == "kill":
                             os.kill(os.getpid(), signal.SIGKILL)
-                        time.sleep(600)
+                        time.sleep(float(how.split(":")[1]))
                     return _forward(*a)
                 inst.forward = wrapped
             return instances
