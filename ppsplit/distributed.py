@@ -259,7 +259,7 @@ class PipelineRank:
             tensors = [pos_in[slot][:T], hidden[slot][: rows * T * H]]
             if self.received:
                 tensors.append(aux_view(slot, T)[: self.received])
-            return [dist.irecv(t, prev, group=self.group) for t in tensors]
+            return [self._post(dist.irecv, t, prev, "receive from") for t in tensors]
 
         out: list[list[torch.Tensor]] = [[p.to(dev)] for p in prompts] if self.first else []
         taps: list[list[torch.Tensor]] = [[] for _ in range(groups)]
@@ -295,7 +295,7 @@ class PipelineRank:
                 taps[g].append(aux.to("cpu", copy=True))
             if not self.last:
                 tensors = [positions, y.contiguous(), aux[: self.sends]]
-                pending[slot] = [dist.isend(t, nxt, group=self.group) for t in tensors if t.numel()]
+                pending[slot] = [self._post(dist.isend, t, nxt, "send to") for t in tensors if t.numel()]
                 stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
                 stats.payload_bytes += sum(t.numel() * t.element_size() for t in tensors[1:])
             else:
@@ -307,13 +307,13 @@ class PipelineRank:
                 msgs[g][:, 0] = 1
                 msgs[g][:, 1] = token
                 if self.world > 1:
-                    msg_works[g] = dist.isend(msgs[g], 0, group=self.group)
+                    msg_works[g] = self._post(dist.isend, msgs[g], 0, "send tokens to")
                     stats.bytes_sent += msgs[g].numel() * 8
             if self.first:
                 if i >= groups:
                     out[g].append(x.clone())  # before the next message lands in the same buffer
                 if self.world > 1:
-                    msg_works[g] = dist.irecv(msgs[g], self.world - 1, group=self.group)
+                    msg_works[g] = self._post(dist.irecv, msgs[g], self.world - 1, "receive tokens from")
         for g in range(groups):  # the last message of each group carries its final token
             self._wait([msg_works[g]], "exchange tokens with", self.world - 1 if self.first else 0, stats)
             if self.first:
@@ -337,6 +337,12 @@ class PipelineRank:
         hits = ended.nonzero()
         return ids[:, : prompt + int(hits[0]) + 1] if len(hits) else ids
 
+    def _post(self, op, tensor: torch.Tensor, peer: int, what: str):
+        try:
+            return op(tensor, peer, group=self.group)
+        except Exception as e:  # posting on a connection that is already gone fails at once
+            raise self._lost(e, what, peer) from None
+
     def _wait(self, works, what: str, peer: int, stats: Stats) -> None:
         start = time.perf_counter()
         for w in works:
@@ -345,16 +351,19 @@ class PipelineRank:
             try:
                 w.wait()
             except Exception as e:  # gloo raises RuntimeError, NCCL DistBackendError; both mean the peer is gone
-                text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0] if str(e) else type(e).__name__)
-                text = text.split(". ")[0][:160]  # gloo: "[file:line] Connection closed by peer [addr]. This is ..."
-                cause = "stalled past the timeout" if "timed out" in text.lower() or "timeout" in text.lower() \
-                    else "died or closed its connection"
-                message = f"rank {self.rank}: could not {what} rank {peer}: rank {peer} {cause} ({text})"
-                first = _first_failure(message)
-                if first != message:
-                    message += f"; first failure reported: {first}"
-                raise PipelineError(message) from None
+                raise self._lost(e, what, peer) from None
         stats.wait_s += time.perf_counter() - start
+
+    def _lost(self, error: Exception, what: str, peer: int) -> PipelineError:
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0][:160]  # gloo: "[file:line] What [addr]. Hint"
+        cause = "stalled past the timeout" if "timed out" in text.lower() or "timeout" in text.lower() \
+            else "died or closed its connection"
+        message = f"rank {self.rank}: could not {what} rank {peer}: rank {peer} {cause} ({text})"
+        first = _first_failure(message)
+        if first != message:
+            message += f"; first failure reported: {first}"
+        return PipelineError(message)
 
 
 def _first_failure(message: str) -> str:

@@ -6,8 +6,6 @@ single-process ``SplitModel.generate`` of the same folder.
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -174,23 +172,25 @@ def test_pipelining_schedule_gpipe_gives_the_same_logits(folders):
     torch.testing.assert_close(aux, ref_aux, atol=1e-5, rtol=1e-5)
 
 
-def test_cli_run_prints_text_like_hf(folders, hf, checkpoint):
-    """``ppsplit run`` launches one process per stage itself and prints the decoded text and tokens/s."""
+def test_cli_run_prints_text_like_hf(folders, hf, checkpoint, capfd):
+    """``ppsplit run`` launches one process per stage itself (torch's elastic launcher) and prints the decoded
+    text and tokens/s."""
     from transformers import AutoTokenizer
+
+    from ppsplit.cli import main
 
     tok = AutoTokenizer.from_pretrained(checkpoint)
     prompt = "w5 w17 w9 w44"
     ids = torch.tensor([tok(prompt)["input_ids"]])
     with torch.no_grad():
         expected = hf.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    proc = subprocess.run([sys.executable, "-m", "ppsplit.cli", "run", folders["pp2"], "--prompt", prompt,
-                           "--max-new-tokens", "6", "--microbatches", "2", "--timeout", "30"],
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.splitlines()
+    code = main(["run", folders["pp2"], "--prompt", prompt, "--max-new-tokens", "6", "--microbatches", "2",
+                 "--timeout", "30"])
+    out, err = capfd.readouterr()
+    assert code == 0, err[-2000:]
+    lines = out.splitlines()
     text = tok.decode(expected.tolist(), skip_special_tokens=True)
-    assert lines[:2] == [f"[group 0] {text}", f"[group 1] {text}"], proc.stdout
+    assert lines[:2] == [f"[group 0] {text}", f"[group 1] {text}"], out
     assert "tokens/s (2 stages, gloo, 2 groups of 1)" in lines[2]
 
 
