@@ -132,6 +132,7 @@ class Stats:
     compute_s: float = 0.0
     wait_s: float = 0.0
     wall_s: float = 0.0
+    tokens: int = 0  # token positions run through this rank's stage (rows x T per item)
     bytes_sent: int = 0
     payload_bytes: int = 0  # hidden + aux prefix only: the minimum that must cross the boundary
     events: list = field(default_factory=list, repr=False)
@@ -143,13 +144,18 @@ class PipelineRank:
     ``width`` is the number of token columns in the message the last rank sends back (1 for greedy decoding;
     ``K + 1`` for EAGLE-3 verification). ``device`` defaults to ``cuda:<LOCAL_RANK>`` under NCCL, else the CPU.
 
+    ``source`` is a compiled folder (this rank loads its stage) or this rank's stage module from an in-process
+    ``split_model`` (then pass ``eos_token_id``/``pad_token_id``). ``cuda_graphs`` replays decode steps (one token)
+    from a CUDA graph per group, captured at the start of each ``generate``.
+
     Example::
 
         runner = PipelineRank("demo-pp2")
         out = runner.generate([prompt_ids] if runner.rank == 0 else None, max_new_tokens=16)
     """
 
-    def __init__(self, folder: str, *, device: torch.device | str | None = None, width: int = 1, group=None):
+    def __init__(self, source: str | fx.GraphModule, *, device: torch.device | str | None = None, width: int = 1,
+                 cuda_graphs: bool = False, eos_token_id=(), pad_token_id: int | None = None, group=None):
         from ppsplit import load_stage
 
         self.group = group
@@ -158,18 +164,26 @@ class PipelineRank:
         if device is None:
             device = f"cuda:{torch.cuda.current_device()}" if self.backend == "nccl" else "cpu"
         self.device = torch.device(device)
-        self.width = width
+        self.width, self.cuda_graphs = width, cuda_graphs and self.device.type == "cuda"
         header = {"world": self.world, "backend": self.backend, "width": width}
+        manifest = {"eos_token_id": list(eos_token_id), "pad_token_id": pad_token_id}
         try:
-            with open(os.path.join(folder, "manifest.json")) as f:
-                manifest = json.load(f)
-            self.stage = load_stage(folder, self.rank, self.device)
+            if isinstance(source, str):
+                with open(os.path.join(source, "manifest.json")) as f:
+                    manifest = json.load(f)
+                self.stage = load_stage(source, self.rank, self.device)
+                fingerprint = plan_fingerprint(source)
+            else:  # a stage of an in-process split (split_model), already where it runs
+                self.stage = source
+                fingerprint = hashlib.sha256(source.meta["ppsplit.plan"].to_json().encode()).hexdigest()[:16]
             plan = self.plan = self.stage.meta["ppsplit.plan"]
-            header.update(fingerprint=plan_fingerprint(folder), pp=plan.pp, dtype=plan.dtype,
-                          hidden=plan.hidden_size, slots=plan.n_slots, cache=(plan.max_batch, plan.max_len))
+            header.update(fingerprint=fingerprint, pp=plan.pp, dtype=plan.dtype, hidden=plan.hidden_size,
+                          slots=plan.n_slots, cache=(plan.max_batch, plan.max_len), eos=manifest.get("eos_token_id"))
             if plan.pp != self.world:
-                header["error"] = (f"{folder} has {plan.pp} stages but {self.world} ranks were launched: launch one "
-                                   f"process per stage (--nproc-per-node {plan.pp})")
+                header["error"] = (f"the folder has {plan.pp} stages but {self.world} ranks were launched: launch "
+                                   f"one process per stage (--nproc-per-node {plan.pp})")
+            elif self.stage.meta.get("ppsplit.stage", self.rank) != self.rank:
+                header["error"] = f"rank {self.rank} was given stage {self.stage.meta['ppsplit.stage']}"
         except PpsplitError as e:
             header["error"] = str(e)
         agree(header, group)
@@ -182,6 +196,9 @@ class PipelineRank:
         self.sends = plan.filled(self.rank)
         self.stats = Stats()
 
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
     # -- agreement on the job ------------------------------------------------------------------------------------
 
     def _job(self, prompts, max_new_tokens) -> dict:
@@ -193,7 +210,7 @@ class PipelineRank:
             except PpsplitError as e:
                 job = {"error": str(e)}
         box = [job]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
         job = box[0]
         if "error" in job:
             raise ConfigError(job["error"])
@@ -235,7 +252,12 @@ class PipelineRank:
         job = self._job(prompts, max_new_tokens)
         rows, lengths, new = job["rows"], job["lengths"], job["new"]
         groups = len(lengths)
-        stages = group_stages(self.stage, groups, rows)
+        stages = decode = group_stages(self.stage, groups, rows)
+        if self.cuda_graphs:  # capture before prefill: capture writes the cache at position 0
+            from ppsplit import cuda_graph
+
+            pool = torch.cuda.graph_pool_handle()
+            decode = [cuda_graph(st, rows, 1, pool=pool) for st in stages]
         items = [(g, lengths[g]) for g in range(groups)] + [(g, 1) for _ in range(new - 1) for g in range(groups)]
         self.stats = stats = Stats()
         dev, H = self.device, self.plan.hidden_size
@@ -276,6 +298,7 @@ class PipelineRank:
                 else:
                     self._wait([msg_works[g]], "receive tokens from", self.world - 1, stats)
                     x = msgs[g][:, 1:1 + T]
+                    out[g].append(x.clone())  # before the next message lands in the same buffer
                     positions = starts[g] + arange[:T]
                     starts[g] += msgs[g][0, 0]
                 aux = aux_view(slot, T)
@@ -287,10 +310,13 @@ class PipelineRank:
                 positions, aux = pos_in[slot][:T], aux_view(slot, T)
                 if i + 1 < len(items):
                     recv = post_recv(i + 1)
+            if self.cuda_graphs and groups == 1 and i:  # the replay rewrites the output the last send reads
+                self._wait(pending[(i - 1) % 2], "send to", nxt, stats)
             start = time.perf_counter()
-            y, aux = stages[g](x, positions, aux)
+            y, aux = (decode if i >= groups else stages)[g](x, positions, aux)
             stats.compute_s += time.perf_counter() - start
             stats.items += 1
+            stats.tokens += rows * T
             if collect_aux and self.last:
                 taps[g].append(aux.to("cpu", copy=True))
             if not self.last:
@@ -310,8 +336,6 @@ class PipelineRank:
                     msg_works[g] = self._post(dist.isend, msgs[g], 0, "send tokens to")
                     stats.bytes_sent += msgs[g].numel() * 8
             if self.first:
-                if i >= groups:
-                    out[g].append(x.clone())  # before the next message lands in the same buffer
                 if self.world > 1:
                     msg_works[g] = self._post(dist.irecv, msgs[g], self.world - 1, "receive tokens from")
         for g in range(groups):  # the last message of each group carries its final token
@@ -339,7 +363,7 @@ class PipelineRank:
 
     def _post(self, op, tensor: torch.Tensor, peer: int, what: str):
         try:
-            return op(tensor, peer, group=self.group)
+            return op(tensor, self._global(peer), group=self.group)
         except Exception as e:  # posting on a connection that is already gone fails at once
             raise self._lost(e, what, peer) from None
 
