@@ -183,7 +183,7 @@ def rank_main(rank, args, port):
           f"ratio {(sent + back) / tokens / minimum:.3f}")
     round_ms = 1e3 * args.rows * 2 / rate2  # one round: both groups through both stages
     ideal = 2 * max(steps)
-    print(f"\n== where a pp=2 decode round goes (2 groups x {args.rows}; per GPU: 2 stage steps) ==")
+    print(f"\n== where a pp=2 decode round goes (2 groups x {args.rows}; per device: 2 stage steps) ==")
     print(f"stage 0 step {steps[0]:.3f} ms, stage 1 step {steps[1]:.3f} ms (alone, "
           f"{'graph replay' if device.type == 'cuda' else 'eager'}); unsplit step {full:.3f} ms")
     print(f"transfer of hidden + aux prefix ({nbytes} B) alone: {xfer:.3f} ms")

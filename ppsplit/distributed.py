@@ -34,7 +34,7 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -126,7 +126,10 @@ def agree(header: dict, group=None) -> list[dict]:
 
 @dataclass
 class Stats:
-    """Per-rank counters of the last ``generate``: items run, seconds in the stage and waiting, bytes sent."""
+    """Per-rank counters of the last ``generate``: items run, seconds in the stage and waiting, bytes sent.
+
+    On a GPU the seconds are host time (launches and waits), not device time: the loop never synchronises.
+    """
 
     items: int = 0
     compute_s: float = 0.0
@@ -135,7 +138,6 @@ class Stats:
     tokens: int = 0  # token positions run through this rank's stage (rows x T per item)
     bytes_sent: int = 0
     payload_bytes: int = 0  # hidden + aux prefix only: the minimum that must cross the boundary
-    events: list = field(default_factory=list, repr=False)
 
 
 class PipelineRank:

@@ -130,7 +130,7 @@ def launch(args) -> int:
     check(args)
     pp = load_plan(args.folder).pp
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= pp
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below
     if not gpu:  # the ranks share this host's cores
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // pp)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=pp, run_id=f"ppsplit-{uuid.uuid4().hex[:8]}",
@@ -144,9 +144,10 @@ def launch(args) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "ppsplit.run", *argv)
     except ChildFailedError as e:
-        ranks = sorted(e.failures)
-        codes = ", ".join(f"rank {r}: exit {e.failures[r].exitcode}" for r in ranks)
-        raise PpsplitError(f"{len(ranks)} of {pp} ranks failed ({codes}); their errors are above") from None
+        if all(f.exitcode == 2 for f in e.failures.values()):
+            return 2  # each rank printed its ppsplit error (a ConfigError once, by rank 0)
+        codes = ", ".join(f"rank {r}: exit {e.failures[r].exitcode}" for r in sorted(e.failures))
+        raise PpsplitError(f"{len(e.failures)} of {pp} ranks failed ({codes})") from None
     return 0
 
 
