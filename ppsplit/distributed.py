@@ -189,6 +189,12 @@ class PipelineRank:
         except PpsplitError as e:
             header["error"] = str(e)
         agree(header, group)
+        # The tokens go back to rank 0 through a group of their own: NCCL runs the operations of one communicator
+        # in order on one stream, so with pp=2 a token receive queued behind the next hidden send (or the next
+        # hidden receive queued before a token send) would wait on each other.
+        self.back = None
+        if self.world > 1:
+            self.back = dist.new_group([self._global(0), self._global(self.world - 1)], use_local_synchronization=True)
         self.eos = torch.tensor(manifest.get("eos_token_id") or [], dtype=torch.long, device=self.device)
         pad = manifest.get("pad_token_id")
         self.pad = pad if pad is not None else int(self.eos[0]) if len(self.eos) else 0
@@ -277,7 +283,7 @@ class PipelineRank:
             return flat[slot][: self.plan.n_slots * rows * T * H].view(self.plan.n_slots, rows, T, H)
 
         def post_recv(i):
-            slot, (g, T) = i % 2, items[i]
+            slot, T = i % 2, items[i][1]
             self._wait(pending[slot], "send to", nxt, stats)
             pending[slot] = []
             tensors = [pos_in[slot][:T], hidden[slot][: rows * T * H]]
@@ -335,11 +341,11 @@ class PipelineRank:
                 msgs[g][:, 0] = 1
                 msgs[g][:, 1] = token
                 if self.world > 1:
-                    msg_works[g] = self._post(dist.isend, msgs[g], 0, "send tokens to")
+                    msg_works[g] = self._post(dist.isend, msgs[g], 0, "send tokens to", self.back)
                     stats.bytes_sent += msgs[g].numel() * 8
             if self.first:
                 if self.world > 1:
-                    msg_works[g] = self._post(dist.irecv, msgs[g], self.world - 1, "receive tokens from")
+                    msg_works[g] = self._post(dist.irecv, msgs[g], self.world - 1, "receive tokens from", self.back)
         for g in range(groups):  # the last message of each group carries its final token
             self._wait([msg_works[g]], "exchange tokens with", self.world - 1 if self.first else 0, stats)
             if self.first:
@@ -363,9 +369,9 @@ class PipelineRank:
         hits = ended.nonzero()
         return ids[:, : prompt + int(hits[0]) + 1] if len(hits) else ids
 
-    def _post(self, op, tensor: torch.Tensor, peer: int, what: str):
+    def _post(self, op, tensor: torch.Tensor, peer: int, what: str, group=None):
         try:
-            return op(tensor, self._global(peer), group=self.group)
+            return op(tensor, self._global(peer), group=group or self.group)
         except Exception as e:  # posting on a connection that is already gone fails at once
             raise self._lost(e, what, peer) from None
 
