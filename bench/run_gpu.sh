@@ -19,7 +19,6 @@ for step in $what; do
   case $step in
     tests)    python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 ;;
     kernel)   python3 bench/tap_kernel.py 2>&1 | tee "$OUT/tap_kernel.txt" ;;
-    sweep)    python3 bench/tap_kernel.py --sweep --tokens 2048,8192 2>&1 | tee "$OUT/tap_sweep.txt" ;;
     anchor)   [ -f .anchor/tap_anchor.py ] && python3 .anchor/tap_anchor.py 2>&1 | tee "$OUT/anchor.txt" ;;
     pipeline) python3 bench/pipeline.py 2>&1 | tee "$OUT/pipeline.txt" ;;
     pipeline_mp) python3 bench/pipeline_mp.py 2>&1 | tee "$OUT/pipeline_mp.txt" ;;   # 2 GPUs, NCCL (issue 9)

@@ -46,10 +46,6 @@ def graph_time(fn):
     return bench(g.replay)
 
 
-def ours_default(x, r, w, aux, out):
-    return lambda: launch_tap_kernel(x, r, w, None, aux[1], EPS, "rms", want_s=True, out=out)
-
-
 def in_graph_time(make, sets: int = 8):
     """Per-call time with ``sets`` calls on distinct buffers captured back to back in one graph: what the kernel
     costs inside a captured stage, where the graph's own launch latency is paid once for hundreds of kernels."""
@@ -68,7 +64,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--tokens", default="1,16,128,2048,8192,32768")
-    ap.add_argument("--sweep", action="store_true", help="also time num_warps variants at T=2048 and 8192")
     args = ap.parse_args()
     H = args.hidden
     dev, dt = "cuda", torch.bfloat16
@@ -127,31 +122,6 @@ def main():
                5 * nb / ig_ours / 1e6 / copy_bw, ig_ind * 1e3, 5 * nb / ig_ind / 1e6 / copy_bw)
         print(" ".join(f"{v:>12.0f}" if i in (0, 3, 7) else f"{v:>12.2f}" if i in (4, 8, 15, 17) else f"{v:>12.1f}"
                        for i, v in enumerate(row)), flush=True)
-    if args.sweep:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        print("config sweep, add + rms + store under a CUDA graph (us, fraction of copy bandwidth):")
-        for T in (2048, 8192):
-            x = torch.randn(T, H, device=dev, dtype=dt)
-            r, w = torch.randn_like(x), torch.randn(H, device=dev, dtype=dt)
-            aux, out = torch.empty(3, T, H, device=dev, dtype=dt), (torch.empty_like(x), torch.empty_like(x))
-            configs = [dict(num_warps=nw) for nw in (4, 8, 16, 32)]
-            configs += [dict(num_warps=nw, programs=sms * k, stages=st) for nw in (4, 8, 16) for k in (1, 2, 4)
-                        for st in (1, 2, 3) if nw * k <= 64]
-            results = []
-            for cfg in configs:
-                fn = (lambda c: lambda: launch_tap_kernel(x, r, w, None, aux[1], EPS, "rms", want_s=True, out=out,
-                                                          **c))(cfg)
-                try:
-                    fn()
-                    t = graph_time(fn)
-                except Exception as e:  # a config the compiler rejects
-                    print(f"  T={T} {cfg}: failed ({type(e).__name__})")
-                    continue
-                results.append((t, cfg))
-            results.sort(key=lambda tc: tc[0])
-            for t, cfg in results[:6]:
-                print(f"  T={T} {cfg}: {t * 1e3:.1f} us ({5 * T * H * 2 / t / 1e6 / copy_bw:.2f})", flush=True)
-            print(f"  T={T} default: {graph_time(ours_default(x, r, w, aux, out)) * 1e3:.1f} us")
     print(f"check: fused output equals the HF op sequence (s, slot exact; y rel. err < 1e-2), norm_reference "
           f"{norm_reference.__name__}")
 

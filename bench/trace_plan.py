@@ -40,15 +40,15 @@ def main():
             model = AutoModelForCausalLM.from_config(config(name, torch_dtype=torch.bfloat16)).to(torch.bfloat16)
         t1 = time.perf_counter()
         stack = find_layers(model)
-        gm = trace(model)
+        traced = trace(model, num_layers=stack.num_layers)
         t2 = time.perf_counter()
-        gm = annotate(gm, stack)
+        annotated = annotate(traced, stack)
         t3 = time.perf_counter()
-        split = ppsplit.split_model(gm, args.pp, aux="eagle3")
+        split = ppsplit.split_model(annotated, args.pp, aux="eagle3")
         t4 = time.perf_counter()
         layers = "/".join(str(s.num_layers) for s in split.plan.stages)
         print(f"{name:<14} {stack.num_layers:>6} {t1 - t0:>8.1f} {t2 - t1:>9.1f} {t3 - t2:>10.2f} {t4 - t3:>8.2f} "
-              f"{t4 - t0:>8.1f} {len(gm.graph.nodes):>6}  {layers}")
+              f"{t4 - t0:>8.1f} {len(annotated.gm.graph.nodes):>6}  {layers}")
 
 
 if __name__ == "__main__":

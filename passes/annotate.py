@@ -12,10 +12,12 @@ Facts written:
 - ``node.meta["ppsplit.region"]`` (token nodes only): ``0`` before layer 0, ``2i+1`` inside layer ``i``,
   ``2i+2`` after layer ``i`` and before layer ``i+1``; ``2L`` is the head. A node outside the layers lives in
   the region right after its latest token input, so work between layers stays with the earlier layer.
-- ``gm.meta["ppsplit.cuts"]``: for each tap id ``j`` in ``[0, L]``, the names of the token values crossing the
-  cut right before layer ``j`` (for ``j = L``: between the last layer and the head). Exactly one value, the
-  residual stream, crosses each cut in a well-formed decoder.
-- ``gm.meta["ppsplit.costs"]``: parameter counts and bytes of the embedding, each layer, and the head.
+Facts about the whole graph come back in the typed result, ``Annotated``:
+
+- ``cuts``: for each tap id ``j`` in ``[0, L]``, the names of the token values crossing the cut right before
+  layer ``j`` (for ``j = L``: between the last layer and the head). Exactly one value, the residual stream,
+  crosses each cut in a well-formed decoder.
+- ``costs``: parameter counts and bytes of the embedding, each layer, and the head.
 """
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ppsplit.cache import CACHE_PREFIX
 from ppsplit.errors import LayersNotFoundError, TraceError
-from ppsplit.passes.trace import module_path
+from ppsplit.fx_utils import CACHE_PREFIX
+from ppsplit.passes.trace import Traced, module_path
 from ppsplit.plan import ModelCosts
 
 # Ops whose result depends only on the shape of their tensor argument, never its values.
@@ -87,8 +89,25 @@ def find_layers(model: torch.nn.Module, layers: str | None = None) -> LayerStack
         "entries; pass layers='<dotted name of the decoder-layer ModuleList>'")
 
 
-def annotate(gm: fx.GraphModule, stack: LayerStack) -> fx.GraphModule:
-    """Write layer indices, token dependence, regions, cut values and costs into the graph's meta."""
+@dataclass(frozen=True)
+class Annotated:
+    """The annotate pass's result: the traced graph with per-node facts in ``node.meta``, and the whole-graph facts.
+
+    This is what ``ppsplit.trace_model`` returns: trace once, then split it many ways."""
+
+    traced: Traced
+    layers: LayerStack
+    cuts: dict[int, tuple[str, ...]]
+    costs: ModelCosts
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self.traced.gm
+
+
+def annotate(traced: Traced, stack: LayerStack) -> Annotated:
+    """Write layer indices, token dependence and regions into ``node.meta``; return cut values and costs."""
+    gm = traced.gm
     graph = gm.graph
     layer_re = re.compile(r"^" + re.escape(stack.fqn) + r"\.(\d+)(?:\.|$)")
     num_layers = stack.num_layers
@@ -107,8 +126,7 @@ def annotate(gm: fx.GraphModule, stack: LayerStack) -> fx.GraphModule:
     nodes = list(graph.nodes)
     for node in nodes:
         # Size arithmetic (SymInt values) is shared by every layer that needs it: it belongs to none.
-        is_size = isinstance(node.meta.get("val"), (torch.SymInt, int)) and node.op == "call_function"
-        node.meta["ppsplit.layer"] = None if is_size else layer_of(node)
+        node.meta["ppsplit.layer"] = None if _is_size(node) else layer_of(node)
         node.meta["ppsplit.token"] = False
         node.meta.pop("ppsplit.region", None)
 
@@ -126,6 +144,10 @@ def annotate(gm: fx.GraphModule, stack: LayerStack) -> fx.GraphModule:
         node.meta["ppsplit.token"] = True
         latest = max(a.meta["ppsplit.region"] for a in token_inputs)
         layer = node.meta["ppsplit.layer"]
+        if layer is None and _is_size(node):
+            # A size read from token data (``aten.item`` in MoE routing, and the checks on it) is not shared
+            # shape arithmetic: it belongs to the layer that computes it.
+            layer = node.meta["ppsplit.layer"] = layer_of(node)
         if layer is None:
             region = latest + 1 if latest % 2 else latest
         else:
@@ -141,13 +163,17 @@ def annotate(gm: fx.GraphModule, stack: LayerStack) -> fx.GraphModule:
                 base.meta["ppsplit.token"] = True
                 base.meta["ppsplit.region"] = region
 
-    gm.meta["ppsplit.cuts"] = _cuts(nodes, num_layers, head_region)
-    gm.meta["ppsplit.costs"] = _costs(gm, nodes, num_layers, head_region)
-    gm.meta["ppsplit.layers"] = stack
-    return gm
+    graph.lint()
+    return Annotated(traced=traced, layers=stack, cuts=_cuts(nodes, num_layers, head_region),
+                     costs=_costs(gm, nodes, num_layers, head_region))
 
 
-def _cuts(nodes: list[fx.Node], num_layers: int, head_region: int) -> dict[int, list[str]]:
+def _is_size(node: fx.Node) -> bool:
+    """Size arithmetic (SymInt / SymBool values): shared by every layer that needs it, so it belongs to none."""
+    return node.op == "call_function" and isinstance(node.meta.get("val"), (torch.SymInt, torch.SymBool, int, bool))
+
+
+def _cuts(nodes: list[fx.Node], num_layers: int, head_region: int) -> dict[int, tuple[str, ...]]:
     cuts: dict[int, list[str]] = {j: [] for j in range(num_layers + 1)}
     for node in nodes:
         if not node.meta.get("ppsplit.token"):
@@ -160,7 +186,7 @@ def _cuts(nodes: list[fx.Node], num_layers: int, head_region: int) -> dict[int, 
             before, after = (2 * j, 2 * j + 1) if j < num_layers else (head_region - 1, head_region)
             if region <= before and latest_use >= after:
                 cuts[j].append(node.name)
-    return cuts
+    return {j: tuple(names) for j, names in cuts.items()}
 
 
 def _costs(gm: fx.GraphModule, nodes: list[fx.Node], num_layers: int, head_region: int) -> ModelCosts:

@@ -13,12 +13,16 @@ from torch import fx
 from torch.fx.node import map_aggregate
 
 from ppsplit.errors import CrossingError
+from ppsplit.fx_utils import copy_buffer_persistence
 from ppsplit.passes.annotate import SHAPE_OPS, mutated_bases
-from ppsplit.passes.trace import copy_buffer_persistence
+from ppsplit.passes.fuse import Fused
+from ppsplit.passes.taps import Tapped
 from ppsplit.plan import SplitPlan
 
 
-def emit(gm: fx.GraphModule, plan: SplitPlan) -> list[fx.GraphModule]:
+def emit(rewritten: Tapped | Fused, plan: SplitPlan) -> list[fx.GraphModule]:
+    """One ``fx.GraphModule`` per stage, from the graph the taps (and, optionally, fuse) pass left."""
+    gm = rewritten.gm
     graph = gm.graph
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -27,8 +31,8 @@ def emit(gm: fx.GraphModule, plan: SplitPlan) -> list[fx.GraphModule]:
     positions = graph.find_nodes(op="placeholder", target="positions")[0]
     aux = graph.find_nodes(op="placeholder", target="aux")[0]
     output = next(n for n in reversed(nodes) if n.op == "output")
-    boundaries = {s: by_name[name] for s, name in gm.meta["ppsplit.boundaries"].items()}
-    info = gm.meta["ppsplit.trace"]
+    boundaries = {s: by_name[name] for s, name in rewritten.boundaries.items()}
+    info = rewritten.annotated.traced
     symbols = {info.batch_symbol: "batch", info.tokens_symbol: "tokens"}
 
     stages = []

@@ -11,8 +11,9 @@ its subgraph, not by its class name) whose input is the residual stream:
 A tap whose norm runs on the next stage (a tap on a stage boundary) becomes ``add_store``; a tap no pattern
 covers keeps the plain strided ``tap_store``.
 
-Facts written: ``node.meta["ppsplit.fused"]`` (what the node replaced) on each fused op, and
-``gm.meta["ppsplit.fused"]``: per stage, one report line per tap and a count of the other fused norms.
+Facts written: ``node.meta["ppsplit.fused"]`` (what the node replaced) on each fused op. The result, ``Fused``,
+holds the boundaries as they are after the rewrite (a fused op may now produce the residual stream a boundary
+carries) and the report: per stage, how each tap is stored and how many other norms were fused.
 """
 from __future__ import annotations
 
@@ -24,14 +25,31 @@ from torch import fx
 from torch.fx.node import map_aggregate
 
 import ppsplit.triton_kernels  # noqa: F401  (registers torch.ops.ppsplit.*)
+from ppsplit.passes.taps import Tapped
 from ppsplit.passes.trace import module_path
-from ppsplit.plan import SplitPlan
-from ppsplit.triton_kernels import norm_reference
+from ppsplit.plan import SplitPlan, StageFusion, TapFusion
+from ppsplit.triton_kernels import NORM_KINDS, norm_reference
 
 ops = torch.ops.ppsplit
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
           torch.ops.aten.alias.default}
-_NORM_KINDS = ("rms", "rms_1p", "rms_f32w", "layer")
+
+
+@dataclass(frozen=True)
+class Fused:
+    """The fuse pass's result: the rewritten graph, its boundaries, and what was fused on each stage."""
+
+    tapped: Tapped
+    boundaries: dict[int, str]
+    report: tuple[StageFusion, ...]
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self.tapped.gm
+
+    @property
+    def annotated(self):
+        return self.tapped.annotated
 
 
 @dataclass
@@ -48,12 +66,23 @@ class NormMatch:
     kind: str
 
 
-def fuse(gm: fx.GraphModule, plan: SplitPlan, *, taps: bool = True) -> fx.GraphModule:
+def fuse(tapped: Tapped, plan: SplitPlan, *, taps: bool = True) -> Fused:
     """Rewrite add/norm/tap-store groups into fused ops (``taps=False`` fuses the norms but keeps plain stores)."""
+    gm = tapped.gm
     graph = gm.graph
+    boundaries = dict(tapped.boundaries)
     replaced: dict[fx.Node, fx.Node] = {}  # nodes this pass rewrote -> their replacement
-    report: dict[int, list[str]] = {s: [] for s in range(plan.pp)}
+    report: dict[int, list[TapFusion]] = {s: [] for s in range(plan.pp)}
     counts: dict[int, int] = {s: 0 for s in range(plan.pp)}
+
+    def replace(old: fx.Node, new: fx.Node) -> None:
+        """Replace ``old`` everywhere, including as the residual stream a stage boundary carries (a post-norm
+        decoder's layer output is a norm's output)."""
+        old.replace_all_uses_with(new)
+        for stage, name in boundaries.items():
+            if name == old.name:
+                boundaries[stage] = new.name
+        replaced[old] = new
 
     for match in find_norms(gm, plan.hidden_size):
         value = replaced.get(match.input, match.input)
@@ -95,19 +124,19 @@ def fuse(gm: fx.GraphModule, plan: SplitPlan, *, taps: bool = True) -> fx.GraphM
             s = None
         what = ("add+" if add is not None else "") + match.kind + ("+store" if store is not None else "")
         fused.meta["ppsplit.fused"] = what
-        match.output.replace_all_uses_with(y)
-        replaced[match.output] = y
+        replace(match.output, y)
         for node in reversed(match.nodes):
             graph.erase_node(node)
         if store is not None:
-            fused.meta["ppsplit.tap"] = store.meta["ppsplit.tap"]
-            report[stage].append(_line(plan, store.meta["ppsplit.tap"], what, match.path))
+            tap = store.meta["ppsplit.tap"]
+            fused.meta["ppsplit.tap"] = tap
+            report[stage].append(TapFusion(tap, plan.slot(tap), what, match.path))
             graph.erase_node(store)
         else:
             counts[stage] += 1
         if add is not None:
-            _replace(gm, add, s)
-            replaced[add] = s
+            replace(add, s)
+            graph.erase_node(add)
 
     # Taps whose norm is elsewhere: fuse the residual add that produces them, else keep the plain store.
     for store in [n for n in graph.nodes if n.target is ops.tap_store.default]:
@@ -115,41 +144,26 @@ def fuse(gm: fx.GraphModule, plan: SplitPlan, *, taps: bool = True) -> fx.GraphM
         stage, tap = store.meta["ppsplit.stage"], store.meta["ppsplit.tap"]
         add = _producer_add(value) if taps else None
         if add is None or add.meta.get("ppsplit.stage") != stage:
-            report[stage].append(_line(plan, tap, "store", ""))
+            report[stage].append(TapFusion(tap, plan.slot(tap), "store"))
             continue
         with graph.inserting_after(add):
             fused = graph.call_function(ops.add_store.default, (*add.args, store.args[0], store.args[1]))
         _meta(fused, add, add.meta.get("val"))
         fused.meta.update({"ppsplit.fused": "add+store", "ppsplit.tap": tap})
         graph.erase_node(store)
-        _replace(gm, add, fused)
-        report[stage].append(_line(plan, tap, "add+store", "norm on the next stage"))
+        replace(add, fused)
+        graph.erase_node(add)
+        report[stage].append(TapFusion(tap, plan.slot(tap), "add+store", "norm on the next stage"))
 
-    gm.meta["ppsplit.fused"] = tuple(
-        tuple(sorted(report[s], key=lambda line: int(line.split()[1]))) +
-        ((f"{counts[s]} add+norm / norm groups without a tap fused",) if counts[s] else ())
-        for s in range(plan.pp))
     graph.lint()
     gm.recompile()
-    return gm
+    stages = tuple(StageFusion(taps=tuple(sorted(report[s], key=lambda t: t.tap)), other_norms=counts[s])
+                   for s in range(plan.pp))
+    return Fused(tapped=tapped, boundaries=boundaries, report=stages)
 
 
 def _store_of(value: fx.Node) -> fx.Node | None:
     return next((u for u in value.users if u.target is ops.tap_store.default and u.args[2] is value), None)
-
-
-def _replace(gm: fx.GraphModule, old: fx.Node, new: fx.Node) -> None:
-    """Replace ``old`` everywhere, including as the residual stream a stage boundary carries."""
-    old.replace_all_uses_with(new)
-    boundaries = gm.meta.get("ppsplit.boundaries", {})
-    for stage, name in boundaries.items():
-        if name == old.name:
-            boundaries[stage] = new.name
-    gm.graph.erase_node(old)
-
-
-def _line(plan: SplitPlan, tap: int, what: str, where: str) -> str:
-    return f"tap {tap} -> slot {plan.slot(tap)}: {what}" + (f" ({where})" if where else "")
 
 
 def _meta(new: fx.Node, like: fx.Node, val) -> None:
@@ -263,7 +277,7 @@ def _recognise(nodes: list, value: fx.Node, params: list, output: fx.Node):
             return None
         trials.append((v, ps, got))
     layouts = [(0, None)] if len(params) == 1 else [(0, 1), (1, 0)]
-    for kind in _NORM_KINDS:
+    for kind in NORM_KINDS:
         for eps in eps_candidates:
             for w_i, b_i in layouts:
                 if b_i is not None and kind != "layer":

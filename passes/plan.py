@@ -10,15 +10,15 @@ Any callable with that signature, or an explicit list of layer counts, plugs in 
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+from typing import Callable, Sequence
 
-from torch import fx
-
+from ppsplit.config import Balance
 from ppsplit.errors import ConfigError
+from ppsplit.passes.annotate import Annotated
 from ppsplit.plan import ModelCosts, SplitPlan, StagePlan
+from ppsplit.tensors import dtype_name
 
 BalancePolicy = Callable[[ModelCosts, int], Sequence[int]]
-Balance = Union[str, Sequence[int], BalancePolicy]
 
 
 def balance_layers(costs: ModelCosts, pp: int) -> list[int]:
@@ -38,16 +38,14 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
               hidden_size: int = 0, dtype: str = "", model_class: str = "", layers_fqn: str = "",
               max_batch: int = 0, max_len: int = 0) -> SplitPlan:
     """Compute a ``SplitPlan`` for ``pp`` stages and the given tap ids (vLLM numbering, duplicates collapse).
+    ``pp`` and ``taps`` are expected valid (``SplitOptions.taps`` checks them against the model).
 
     Example::
 
         make_plan(costs, pp=4, taps=(2, 16, 29), balance="params")
     """
     num_layers = costs.num_layers
-    check_pp(pp, num_layers)
     slots = tuple(sorted(set(int(t) for t in taps)))
-    for t in slots:
-        check_tap(t, num_layers)
 
     if isinstance(balance, str):
         if balance not in POLICIES:
@@ -83,32 +81,19 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
                      max_batch=max_batch, max_len=max_len)
 
 
-def plan(gm: fx.GraphModule, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers") -> SplitPlan:
-    """``make_plan`` with the costs, sizes and names that the trace and annotate passes stored in ``gm``."""
-    costs = gm.meta["ppsplit.costs"]
-    stack = gm.meta["ppsplit.layers"]
+def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers") -> SplitPlan:
+    """``make_plan`` with the costs, sizes and names that the trace and annotate passes found."""
+    gm = annotated.gm
     cut0 = gm.graph.find_nodes(op="placeholder", target="input_ids")[0]
-    hidden = next(n for n in gm.graph.nodes if n.name in gm.meta["ppsplit.cuts"][0])
+    hidden = next(n for n in gm.graph.nodes if n.name in annotated.cuts[0])
     if hidden is cut0:
         raise ConfigError("the traced graph feeds input_ids straight into layer 0; ppsplit needs an embedding")
     val = hidden.meta["val"]
-    info = gm.meta["ppsplit.trace"]
-    cache = info.cache
-    return make_plan(costs, pp, taps, balance=balance, hidden_size=int(val.shape[-1]),
-                     dtype=str(val.dtype).replace("torch.", ""), model_class=info.model_class, layers_fqn=stack.fqn,
-                     max_batch=cache.batch_size if cache else 0, max_len=cache.max_len if cache else 0)
-
-
-def check_pp(pp: int, num_layers: int) -> None:
-    if not isinstance(pp, int) or isinstance(pp, bool) or not 1 <= pp <= num_layers:
-        raise ConfigError(f"pp must be between 1 and {num_layers} (the model has {num_layers} decoder layers), "
-                          f"but got {pp!r}")
-
-
-def check_tap(tap: int, num_layers: int) -> None:
-    if not 0 <= tap <= num_layers:
-        raise ConfigError(f"aux id {tap} is out of range: tap ids go from 0 (the embedding output) to {num_layers} "
-                          f"(the last layer's output) for this {num_layers}-layer model")
+    cache = annotated.traced.cache
+    return make_plan(annotated.costs, pp, taps, balance=balance, hidden_size=int(val.shape[-1]),
+                     dtype=dtype_name(val.dtype), model_class=annotated.traced.model_class,
+                     layers_fqn=annotated.layers.fqn, max_batch=cache.batch_size if cache else 0,
+                     max_len=cache.max_len if cache else 0)
 
 
 def _min_max_partition(costs: list[int], pp: int, first_extra: int, last_extra: int) -> list[int]:

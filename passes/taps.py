@@ -3,19 +3,43 @@
 Adds the ``aux`` input ``[n_slots, B, T, H]`` and, right after the node that computes tap ``j`` (the residual
 stream entering layer ``j``), a ``ppsplit::tap_store(aux, slot(j), value)`` on the tap's owner stage.
 
-Facts written: ``node.meta["ppsplit.tap"] = j`` on each store.
+Facts written: ``node.meta["ppsplit.tap"] = j`` on each store. The result, ``Tapped``, carries the partition
+forward unchanged.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 import ppsplit.triton_kernels  # noqa: F401  (registers torch.ops.ppsplit.*)
 from ppsplit.errors import CrossingError
+from ppsplit.passes.partition import Partitioned
 from ppsplit.plan import SplitPlan
 
 
-def taps(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
+@dataclass(frozen=True)
+class Tapped:
+    """The taps pass's result: the partitioned graph with an ``aux`` input and one store per tap."""
+
+    partitioned: Partitioned
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self.partitioned.gm
+
+    @property
+    def boundaries(self) -> dict[int, str]:
+        return self.partitioned.boundaries
+
+    @property
+    def annotated(self):
+        return self.partitioned.annotated
+
+
+def taps(partitioned: Partitioned, plan: SplitPlan) -> Tapped:
+    gm = partitioned.gm
     graph = gm.graph
     positions = graph.find_nodes(op="placeholder", target="positions")[0]
     with graph.inserting_after(positions):
@@ -24,7 +48,7 @@ def taps(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
 
     by_name = {n.name: n for n in graph.nodes}
     for slot, tap in enumerate(plan.taps):
-        crossing = gm.meta["ppsplit.cuts"][tap]
+        crossing = partitioned.annotated.cuts[tap]
         if len(crossing) != 1:
             where = f"decoder layer {tap}" if tap < plan.num_layers else "the head"
             raise CrossingError(f"tap {tap} is ambiguous: {len(crossing) or 'no'} token-dependent values enter {where} "
@@ -40,4 +64,4 @@ def taps(gm: fx.GraphModule, plan: SplitPlan) -> fx.GraphModule:
                            "ppsplit.layer": value.meta.get("ppsplit.layer"),
                            "ppsplit.region": value.meta["ppsplit.region"]})
     graph.lint()
-    return gm
+    return Tapped(partitioned)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import os
 import sys
 import traceback
 from dataclasses import dataclass
@@ -18,8 +19,12 @@ import torch
 from torch import fx
 from torch.export import Dim
 
-from ppsplit.cache import CACHE_PREFIX, CacheConfig, PositionedCache
+import ppsplit.errors
+from ppsplit.config import CacheConfig
 from ppsplit.errors import ConfigError, TraceError
+from ppsplit.fx_utils import CACHE_PREFIX, copy_buffer_persistence, set_tensor, tied_parameters
+from ppsplit.passes.kv_cache import PositionedCache
+from ppsplit.tensors import module_device
 
 _PREFIX = "m."  # the wrapper holds the model as ``self.m``
 
@@ -34,9 +39,10 @@ _ASSERT_OPS = {
 
 
 @dataclass(frozen=True)
-class TraceInfo:
-    """Facts about a traced graph that later passes need. Stored in ``gm.meta["ppsplit.trace"]``."""
+class Traced:
+    """The trace pass's result: the graph ``(input_ids, positions) -> logits`` and the facts later passes need."""
 
+    gm: fx.GraphModule
     model_class: str
     cache: CacheConfig | None
     batch_symbol: str  # sympy name of the batch dimension, e.g. "s0"
@@ -67,7 +73,7 @@ class _Traceable(torch.nn.Module):
             self.kv = PositionedCache(num_layers, cache.max_len)
             self.add_module(CACHE_PREFIX, torch.nn.Module())
             self.kv_cache = getattr(self, CACHE_PREFIX)
-            device = _model_device(model)
+            device = module_device(model)
             for i, (k_shape, v_shape, dtype) in self._record_kv_shapes(device).items():
                 layer = torch.nn.Module()
                 layer.register_buffer("keys", torch.zeros(cache.batch_size, k_shape[0], cache.max_len, *k_shape[1:],
@@ -115,7 +121,7 @@ class _Traceable(torch.nn.Module):
 
 
 def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layers: int = 0,
-          example_tokens: int = 8) -> fx.GraphModule:
+          example_tokens: int = 8) -> Traced:
     """Export ``model`` (real or on the meta device) into an FX graph ``(input_ids, positions) -> logits``.
 
     With ``cache``, the graph owns a static KV cache (``kv_cache.<layer>.keys/values`` buffers, one per layer of
@@ -123,10 +129,10 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
 
     Example::
 
-        gm = trace(AutoModelForCausalLM.from_config(cfg))
-        logits = gm(input_ids, torch.arange(input_ids.shape[1]))
+        traced = trace(AutoModelForCausalLM.from_config(cfg))
+        logits = traced.gm(input_ids, torch.arange(input_ids.shape[1]))
     """
-    device = _model_device(model)
+    device = module_device(model)
     vocab = _vocab_size(model)
     max_tokens = getattr(model.config, "max_position_embeddings", None)
     max_batch = None
@@ -160,7 +166,7 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         model.train(was_training)
 
     gm = _unlift(ep, model)
-    tied = _tied_parameters(model)
+    tied = tied_parameters(model)
     _untie(gm, tied)
     in_ids = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
     b_sym, t_sym = (str(d.node.expr) if isinstance(d, torch.SymInt) else "" for d in in_ids.meta["val"].shape)
@@ -168,7 +174,8 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         if dim is not Dim.STATIC and not sym:
             raise TraceError(f"torch.export fixed the {name} of {type(model).__name__} to the traced example instead of "
                              "keeping it dynamic; the stages would only accept that size. Report the model")
-    gm.meta["ppsplit.trace"] = TraceInfo(
+    return Traced(
+        gm=gm,
         model_class=type(model).__name__,
         cache=cache,
         batch_symbol=b_sym,
@@ -176,7 +183,6 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         tied=tied,
         **_generation_ids(model),
     )
-    return gm
 
 
 def _export(wrapper, ids, positions, batch, tokens):
@@ -234,7 +240,7 @@ def _unlift(ep: torch.export.ExportedProgram, model: torch.nn.Module) -> fx.Grap
         else:
             raise TraceError(f"torch.export produced an input of kind {spec.kind} ({spec.arg.name}), which ppsplit does not handle")
         name = _strip(fqn)
-        _set_tensor(root, name, tensor, parameter=spec.kind == InputKind.PARAMETER,
+        set_tensor(root, name, tensor, parameter=spec.kind == InputKind.PARAMETER,
                     persistent=spec.kind == InputKind.BUFFER and fqn not in non_persistent)
         node = placeholders[spec.arg.name]
         with graph.inserting_before(first_op):
@@ -328,7 +334,7 @@ def _untie(gm: fx.GraphModule, tied: tuple[tuple[str, str], ...]) -> None:
                 continue
             if name not in attrs:
                 if not hasattr_path(gm, name):
-                    _set_tensor(gm, name, gm.get_parameter(node.target), parameter=True, persistent=True)
+                    set_tensor(gm, name, gm.get_parameter(node.target), parameter=True, persistent=True)
                 with graph.inserting_after(node):
                     attrs[name] = graph.create_node("get_attr", name)
                 attrs[name].meta = dict(node.meta)
@@ -354,39 +360,8 @@ def module_path(path: str) -> str:
     return _strip(path)
 
 
-def _set_tensor(root: torch.nn.Module, fqn: str, tensor: torch.Tensor, *, parameter: bool, persistent: bool) -> None:
-    *path, leaf = fqn.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, torch.nn.Module())
-        mod = getattr(mod, part)
-    if parameter:
-        mod.register_parameter(leaf, tensor if isinstance(tensor, torch.nn.Parameter) else torch.nn.Parameter(tensor, requires_grad=False))
-    else:
-        mod.register_buffer(leaf, tensor, persistent=persistent)
-
-
-def copy_buffer_persistence(dst: torch.nn.Module, src: torch.nn.Module) -> None:
-    """``fx.GraphModule`` copies every buffer as persistent; keep the source's non-persistent set."""
-    for name, mod in src.named_modules():
-        if not mod._non_persistent_buffers_set:
-            continue
-        try:
-            target = dst.get_submodule(name)
-        except AttributeError:
-            continue
-        target._non_persistent_buffers_set |= {b for b in mod._non_persistent_buffers_set if b in target._buffers}
-
-
 def _strip(fqn: str) -> str:
     return fqn[len(_PREFIX):] if fqn.startswith(_PREFIX) else fqn
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    return torch.device("cpu")
 
 
 def _vocab_size(model: torch.nn.Module) -> int:
@@ -404,31 +379,30 @@ def _generation_ids(model: torch.nn.Module) -> dict:
     return {"eos_token_id": eos, "pad_token_id": pad}
 
 
-def _tied_parameters(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
-    first: dict[int, str] = {}
-    tied = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            tied.append((name, first[id(p)]))
-        else:
-            first[id(p)] = name
-    return tuple(tied)
-
-
 def _describe_export_failure(model: torch.nn.Module, e: Exception) -> str:
     """One line: which model, the first line of torch's complaint, and the model-code line that caused it."""
     msg = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
     where = ""
     for frame in reversed(traceback.extract_tb(e.__traceback__)):
-        if "/torch/" not in frame.filename and "ppsplit" not in frame.filename:
+        if not _is_library_file(frame.filename):
             where = f" at {frame.filename.rsplit('/', 2)[-1]}:{frame.lineno} `{(frame.line or '').strip()}`"
             break
     else:
         # Export errors often quote the user frame inside the message ("File ..., line N").
         for line in str(e).splitlines():
-            if "File " in line and "line" in line and "/torch/" not in line:
+            if "File " in line and "line" in line and not any(d in line for d in _LIBRARY_DIRS):
                 where = " at " + line.strip()
                 break
     return (f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {msg[:300]}{where}. "
             "ppsplit needs a model that torch.export traces non-strict with dynamic batch and token sizes; "
             "rewrite that line without data-dependent Python control flow, or report the model.")
+
+
+# Frames in these folders are torch's or ppsplit's own; the first frame outside them is the model's code. Compared
+# as folders, so a user whose checkout or model lives under a path that merely contains "ppsplit" keeps the line.
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                      for m in (torch, ppsplit.errors, sys.modules[__name__.rsplit(".", 1)[0]]))
+
+
+def _is_library_file(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_LIBRARY_DIRS)

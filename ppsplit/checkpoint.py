@@ -1,4 +1,4 @@
-"""Reading a Hugging Face checkpoint tensor by tensor, and writing safetensors files one tensor at a time."""
+"""Driver support: reading a Hugging Face checkpoint tensor by tensor, and writing safetensors files one tensor at a time."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,7 @@ from typing import Callable, Iterable
 import torch
 
 from ppsplit.errors import ConfigError
+from ppsplit.tensors import nbytes as tensor_bytes
 
 ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -133,7 +134,7 @@ def write_safetensors(path: str, entries: list[tuple[str, tuple, torch.dtype]],
     offset = 0
     sizes = []
     for name, shape, dtype in entries:
-        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        nbytes = tensor_bytes(shape, dtype)
         header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         sizes.append(nbytes)
         offset += nbytes

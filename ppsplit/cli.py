@@ -1,11 +1,11 @@
-"""ppsplit: split a Hugging Face decoder into pipeline stages that carry EAGLE-3 taps.
+"""Driver: the command line. ppsplit splits a Hugging Face decoder into pipeline stages that carry EAGLE-3 taps.
 
     ppsplit compile MODEL --pp 4 --aux 2,16,29 [-o DIR]     write per-stage artifacts
-    ppsplit inspect DIR                                     print a compiled folder's plan
+    ppsplit inspect DIR                                     check a compiled folder and print its plan
     ppsplit plan MODEL --pp 4 --aux eagle3                  print the plan only (meta device, writes nothing)
     ppsplit run DIR --prompt "text" --max-new-tokens 32     generate, one process per stage (torch.distributed)
 
-Every ppsplit error is printed as one line on stderr with exit code 2, without a traceback.
+Every ppsplit error is printed as one line on stderr with exit code 2, without a traceback; an interrupt exits 130.
 """
 from __future__ import annotations
 
@@ -19,8 +19,42 @@ import warnings
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ppsplit", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # also during the first imports, before any work
+        print("ppsplit: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="ppsplit: %(message)s", stream=sys.stderr)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from ppsplit.errors import PpsplitError
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return COMMANDS[args.command](args)
+    except PpsplitError as e:
+        print(f"ppsplit: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `ppsplit plan ... | head`: the reader left; that is not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ppsplit import __version__
+
+    parser = argparse.ArgumentParser(prog="ppsplit", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n")[1])
+    parser.add_argument("--version", action="version", version=f"ppsplit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("compile", help="split MODEL and write per-stage programs and weights to a folder")
@@ -32,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="replace the output folder if it exists")
     p.add_argument("--no-fuse", action="store_true", help="keep the traced ops (no Triton tap/norm kernels)")
 
-    p = sub.add_parser("inspect", help="print the stages and taps of a compiled folder")
+    p = sub.add_parser("inspect", help="check a compiled folder as loading would, and print its stages and taps")
     p.add_argument("folder")
 
     p = sub.add_parser("plan", help="trace MODEL on the meta device and print the split plan (writes nothing)")
@@ -42,24 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run", help="generate through a compiled folder, one process per stage (torch.distributed)")
     from ppsplit.run import add_arguments
     add_arguments(p)
-
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="ppsplit: %(message)s", stream=sys.stderr)
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from ppsplit.errors import PpsplitError
-
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        return {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan, "run": cmd_run}[args.command](args)
-    except PpsplitError as e:
-        print(f"ppsplit: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("ppsplit: interrupted; nothing was written", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return parser
 
 
 def _terminate(signum, frame):
@@ -69,25 +86,30 @@ def _terminate(signum, frame):
 def _add_split_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="'demo', a local checkpoint folder, or a hub id (local HF cache, else downloaded)")
     p.add_argument("--pp", type=int, required=True, help="number of pipeline stages")
-    p.add_argument("--aux", default=None, help="tap ids like 2,16,29, or 'eagle3' for (2, L//2, L-3)")
+    p.add_argument("--aux", default=None,
+                   help="tap ids like 2,16,29, or 'eagle3' for (2, L//2, L-3) (default: no taps)")
     p.add_argument("--aux-convention", choices=("vllm", "sglang"), default="vllm",
                    help="vllm: tap j enters layer j; sglang: the same tensor numbered j-1")
     p.add_argument("--balance", default="layers", help="layers, params, or explicit counts like 8,9,9,6")
 
 
-def _balance(text: str):
+def _options(args, **extra):
+    """The command line's split options as one validated ``SplitOptions``."""
+    from ppsplit.config import SplitOptions
     from ppsplit.errors import ConfigError
 
-    if text in ("layers", "params"):
-        return text
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"--balance must be layers, params, or layer counts like 8,8,8,8, but got {text!r}") from None
+    balance = args.balance
+    if balance not in ("layers", "params"):
+        try:
+            balance = [int(x) for x in balance.split(",")]
+        except ValueError:
+            raise ConfigError(f"--balance must be layers, params, or layer counts like 8,8,8,8, but got "
+                              f"{args.balance!r}") from None
+    return SplitOptions(pp=args.pp, aux=args.aux, balance=balance, aux_convention=args.aux_convention, **extra)
 
 
 def _cache(args):
-    from ppsplit.cache import CacheConfig
+    from ppsplit.config import CacheConfig
     from ppsplit.errors import ConfigError
 
     if args.max_batch is None and args.max_len is None:
@@ -98,44 +120,42 @@ def _cache(args):
 
 
 def cmd_compile(args) -> int:
-    import ppsplit
+    from ppsplit.loader import load_plan
+    from ppsplit.writer import compile_model
 
     out = args.output or f"{os.path.basename(os.path.normpath(args.model)).replace('/', '--')}-pp{args.pp}"
-    path = ppsplit.compile_model(args.model, out, pp=args.pp, aux=args.aux, aux_convention=args.aux_convention,
-                                 balance=_balance(args.balance), dtype=args.dtype, cache=_cache(args),
-                                 force=args.force, fuse=not args.no_fuse, progress=sys.stderr.isatty())
-    print(ppsplit.compile.load_plan(path).describe())
+    options = _options(args, cache=_cache(args), fuse="none" if args.no_fuse else "all")
+    path = compile_model(args.model, out, options=options, dtype=args.dtype, force=args.force,
+                         progress=sys.stderr.isatty())
+    print(load_plan(path).describe())
     print(f"wrote {path}")
     return 0
 
 
 def cmd_inspect(args) -> int:
-    from ppsplit.compile import _read_json, load_plan
+    from ppsplit.loader import read_json, validate
 
-    plan = load_plan(args.folder)
-    manifest = _read_json(os.path.join(args.folder, "manifest.json"))
+    plan, manifest = validate(args.folder)
     print(plan.describe())
     print(f"source {manifest.get('source')}, {manifest.get('dtype')}, compiled with ppsplit {manifest.get('ppsplit')}, "
           f"torch {manifest.get('torch')}, transformers {manifest.get('transformers')}")
     print(f"{'stage':>5}  {'program':<14} {'weights':<20} {'bytes':>12} {'tensors':>8}")
     for k, files in enumerate(manifest.get("stages", [])):
-        program = _read_json(os.path.join(args.folder, files["program"]))
+        program = read_json(os.path.join(args.folder, files["program"]))
         stored = sum(1 for t in program["tensors"] if t["init"] == "file")
         print(f"{k:>5}  {files['program']:<14} {files['weights']:<20} {files['bytes']:>12,} {stored:>8}")
     return 0
 
 
 def cmd_plan(args) -> int:
-    import ppsplit
-    from ppsplit.source import load_config, meta_model
+    from ppsplit.api import split_model
+    from ppsplit.source import load_config, skeleton
 
     start = time.perf_counter()
-    opts = ppsplit.SplitOptions(pp=args.pp, aux=args.aux, balance=_balance(args.balance),
-                                aux_convention=args.aux_convention)
+    options = _options(args)
     config = load_config(args.model)
-    split = ppsplit.split_model(meta_model(config), opts.pp, opts.aux, balance=opts.balance,
-                                aux_convention=opts.aux_convention)
-    print(split.plan.to_json() if args.json else split.plan.describe())
+    split = split_model(skeleton(config)[0], options=options)
+    print(split.plan.to_json() if args.json else split.plan.describe(), flush=True)
     logging.getLogger("ppsplit").info("planned in %.1fs", time.perf_counter() - start)
     return 0
 
@@ -144,6 +164,9 @@ def cmd_run(args) -> int:
     from ppsplit.run import launch
 
     return launch(args)
+
+
+COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan, "run": cmd_run}
 
 
 if __name__ == "__main__":

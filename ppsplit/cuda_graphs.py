@@ -1,4 +1,4 @@
-"""CUDA-graph capture of stages: one graph per ``(batch, tokens)`` bucket, static input and output buffers.
+"""Driver: CUDA-graph capture of stages: one graph per ``(batch, tokens)`` bucket, static input and output buffers.
 
 Graphs of one stage share its KV cache (the cache is a buffer of the stage, so every capture writes the same
 memory) and, through a common memory pool, their intermediate buffers.
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from ppsplit.errors import ConfigError
 from ppsplit.plan import SplitPlan
-from ppsplit.runtime import new_aux, stage_device
+from ppsplit.tensors import DTYPES, module_device, new_aux
 
 
 class CapturedStage:
@@ -31,10 +32,11 @@ class CapturedStage:
         plan: SplitPlan = stage.meta["ppsplit.plan"]
         self.index = stage.meta["ppsplit.stage"]
         self.plan, self.stage, self.batch, self.tokens = plan, stage, batch, tokens
-        device = stage_device(stage)
+        device = module_device(stage)
         if device.type != "cuda":
-            raise ValueError(f"CUDA-graph capture needs the stage on a CUDA device, but stage {self.index} is on {device}")
-        dtype = getattr(torch, plan.dtype)
+            raise ConfigError(f"CUDA-graph capture needs the stage on a CUDA device, but stage {self.index} is on "
+                              f"{device}; move it first (split.place([...]) or load_stage(folder, k, 'cuda:k'))")
+        dtype = DTYPES[plan.dtype]
         if self.index == 0:
             self.x = torch.zeros(batch, tokens, dtype=torch.long, device=device)
         else:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from ppsplit.cache import is_cache_buffer
+from ppsplit.fx_utils import is_cache_buffer
 from ppsplit.errors import ConfigError, PpsplitError
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for a peer before giving up

@@ -1,7 +1,8 @@
-"""The split plan: pure data that says which layers each stage runs and where each tap goes.
+"""Core: the split plan, pure data that says which layers each stage runs and where each tap goes.
 
 A ``SplitPlan`` is what ``ppsplit inspect`` prints and what ``plan.json`` stores. It is computed by
-``ppsplit.passes.plan.make_plan`` and applied by the partition, taps and emit passes.
+``ppsplit.passes.plan.make_plan`` and applied by the partition, taps and emit passes; the fuse pass's report
+(``StageFusion``) is attached by the driver that ran the passes.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: the fusion report is structured data (1: one text line per entry)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,33 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class TapFusion:
+    """How tap ``tap`` (slot ``slot``) is stored: ``op`` is the fused op (``"add+rms+store"``, ``"add+store"``,
+    ``"store"`` for the plain copy, ...); ``note`` says where (the norm module, or why nothing fused)."""
+
+    tap: int
+    slot: int
+    op: str
+    note: str = ""
+
+    def describe(self) -> str:
+        return f"tap {self.tap} -> slot {self.slot}: {self.op}" + (f" ({self.note})" if self.note else "")
+
+
+@dataclass(frozen=True)
+class StageFusion:
+    """The fuse pass's report for one stage: its tap stores (ascending tap id) and how many add + norm or norm
+    groups without a tap it fused."""
+
+    taps: tuple[TapFusion, ...] = ()
+    other_norms: int = 0
+
+    def lines(self) -> tuple[str, ...]:
+        extra = (f"{self.other_norms} add+norm / norm groups without a tap fused",) if self.other_norms else ()
+        return tuple(t.describe() for t in self.taps) + extra
+
+
+@dataclass(frozen=True)
 class SplitPlan:
     """Stage ranges, costs and taps of one split. ``taps`` are the slots: distinct tap ids, ascending.
 
@@ -68,12 +96,12 @@ class SplitPlan:
     costs: ModelCosts | None = None
     max_batch: int = 0  # static KV cache shape (0: no cache)
     max_len: int = 0
-    fused: tuple[tuple[str, ...], ...] = ()  # per stage: one line per tap store, fused or not (the fuse pass)
+    fused: tuple[StageFusion, ...] = ()  # per stage, what the fuse pass did (empty when it did not run)
     version: int = field(default=PLAN_VERSION)
 
     def __post_init__(self):
-        if list(self.taps) != sorted(set(self.taps)):
-            raise ValueError(f"plan taps must be distinct and ascending, got {self.taps}")
+        if list(self.taps) != sorted(set(self.taps)) or any(not 0 <= t <= self.num_layers for t in self.taps):
+            raise ValueError(f"plan taps must be distinct, ascending and within [0, {self.num_layers}], got {self.taps}")
         expected = 0
         for i, s in enumerate(self.stages):
             if s.index != i or s.start != expected or s.end <= s.start:
@@ -118,12 +146,17 @@ class SplitPlan:
     @classmethod
     def from_dict(cls, d: dict) -> "SplitPlan":
         d = dict(d)
-        if d.get("version", PLAN_VERSION) > PLAN_VERSION:
+        version = d.get("version", PLAN_VERSION)
+        if version > PLAN_VERSION:
             raise ValueError(f"plan version {d['version']} is newer than this ppsplit understands ({PLAN_VERSION}); "
                              "upgrade ppsplit")
         d["stages"] = tuple(StagePlan(**s) for s in d["stages"])
         d["taps"] = tuple(d.get("taps", ()))
-        d["fused"] = tuple(tuple(f) for f in d.get("fused", ()))
+        if version < 2:  # its fusion report is text lines, informational only: dropped
+            d["fused"], d["version"] = (), PLAN_VERSION
+        else:
+            d["fused"] = tuple(StageFusion(taps=tuple(TapFusion(**t) for t in f["taps"]), other_norms=f["other_norms"])
+                               for f in d.get("fused", ()))
         if d.get("costs") is not None:
             c = dict(d["costs"])
             c["layer_params"] = tuple(c["layer_params"])
@@ -154,8 +187,8 @@ class SplitPlan:
             cache = f"  cache {_fmt_bytes(s.cache_bytes)}" if s.cache_bytes else ""
             lines.append(f"{s.index:>5}  {f'{s.start}-{s.end - 1}':>9}  {s.params:>12,}  {_fmt_bytes(s.bytes):>10}  "
                          f"{s.cost:>10.4g}  {owned:<14} {sends:<12} {role}{cache}")
-            for f in (self.fused[s.index] if s.index < len(self.fused) else ()):
-                lines.append(f"{'':>7}{f}")
+            for line in (self.fused[s.index].lines() if s.index < len(self.fused) else ()):
+                lines.append(f"{'':>7}{line}")
         if self.taps:
             lines.append(f"{'tap':>5}  {'slot':>4}  {'owner':>5}  meaning")
             for k, t in enumerate(self.taps):

@@ -1,4 +1,4 @@
-"""A stage's program as JSON: its FX graph, op by op, with no code and no tensors in it.
+"""Driver support: a stage's program as JSON: its FX graph, op by op, with no code and no tensors in it.
 
 Loading resolves every call target against an allowlist (ATen, ppsplit's and transformers' custom ops, a few
 Python operators on sizes), so a compiled folder from someone else cannot run code of its choosing; the
@@ -12,6 +12,8 @@ import operator
 import torch
 from torch import fx
 
+from ppsplit.tensors import DTYPES, dtype_name
+
 FORMAT = "ppsplit.stage-program"
 VERSION = 1
 _OP_NAMESPACES = {"aten", "ppsplit", "transformers"}
@@ -19,9 +21,6 @@ _PY_FUNCS = {f"operator.{name}": getattr(operator, name) for name in (
     "getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow", "eq", "ne", "lt", "le", "gt", "ge",
     "and_", "or_")}
 _PY_FUNCS["builtins.getattr"] = builtins.getattr
-_DTYPES = {str(d).replace("torch.", ""): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.complex64)}
 _LAYOUTS = {"strided": torch.strided}
 _FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": torch.preserve_format,
             "channels_last": torch.channels_last}
@@ -69,7 +68,7 @@ def _encode(a):
             return {"float": repr(a)}
         return a
     if isinstance(a, torch.dtype):
-        return {"dtype": str(a).replace("torch.", "")}
+        return {"dtype": dtype_name(a)}
     if isinstance(a, torch.layout):
         return {"layout": str(a).replace("torch.", "")}
     if isinstance(a, torch.memory_format):
@@ -95,7 +94,7 @@ def _decode(a, env: dict):
     if kind == "float":
         return float(value)
     if kind == "dtype":
-        return _DTYPES[value]
+        return DTYPES[value]
     if kind == "layout":
         return _LAYOUTS[value]
     if kind == "memory_format":

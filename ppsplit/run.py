@@ -124,7 +124,7 @@ def launch(args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ppsplit.compile import load_plan
+    from ppsplit.loader import load_plan
     from ppsplit.errors import PpsplitError
 
     check(args)

@@ -1,26 +1,17 @@
-"""In-process runtime: a ``SplitModel`` runs its stages in order, optionally stage ``k`` on device ``k``."""
+"""Driver: the in-process runtime. A ``SplitModel`` runs its stages in order, optionally stage ``k`` on device ``k``."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
 
-from ppsplit.cache import is_cache_buffer
+from ppsplit.cuda_graphs import CapturedStage
 from ppsplit.errors import ConfigError
+from ppsplit.fx_utils import is_cache_buffer
 from ppsplit.plan import SplitPlan
+from ppsplit.tensors import DTYPES, module_device, new_aux
 
-
-def stage_device(stage: torch.nn.Module) -> torch.device:
-    for t in stage.parameters():
-        return t.device
-    for t in stage.buffers():
-        return t.device
-    return torch.device("cpu")
-
-
-def new_aux(plan: SplitPlan, batch: int, tokens: int, device, fill=torch.empty) -> torch.Tensor:
-    """The packed aux buffer of ``plan``: ``[n_slots, batch, tokens, H]`` in the model dtype."""
-    return fill((plan.n_slots, batch, tokens, plan.hidden_size), dtype=getattr(torch, plan.dtype), device=device)
+_INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 class SplitModel(torch.nn.Module):
@@ -44,7 +35,7 @@ class SplitModel(torch.nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return getattr(torch, self.plan.dtype)
+        return DTYPES[self.plan.dtype]
 
     def place(self, devices: Sequence[torch.device | str]) -> "SplitModel":
         """Move stage ``k`` to ``devices[k]``; ``__call__`` then moves the hidden state and the aux prefix."""
@@ -56,17 +47,22 @@ class SplitModel(torch.nn.Module):
 
     def new_aux(self, batch: int, tokens: int, device: torch.device | str | None = None) -> torch.Tensor:
         """An uninitialised packed buffer ``[n_slots, batch, tokens, H]``; every slot is written by its owner."""
-        return new_aux(self.plan, batch, tokens, device if device is not None else stage_device(self.stages[0]))
+        return new_aux(self.plan, batch, tokens, device if device is not None else module_device(self.stages[0]))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None):
-        """Run all stages: ``(input_ids [B, T], positions [T]) -> (logits [B, T, V], aux [n_slots, B, T, H])``."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, *, check: bool = True):
+        """Run all stages: ``(input_ids [B, T], positions [T]) -> (logits [B, T, V], aux [n_slots, B, T, H])``.
+
+        The inputs are checked first (shapes, dtypes, and that batch and positions fit the KV cache: one host read
+        of ``positions``); ``check=False`` skips that, for loops that know their positions are in range."""
+        if positions is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        if check:
+            self.check_inputs(input_ids, positions)
         batch, tokens = input_ids.shape
-        if positions is None:
-            positions = torch.arange(tokens, device=input_ids.device)
         captured = self.graphs.get((batch, tokens))
         x, aux = input_ids, None
         for k, stage in enumerate(self.stages):
-            dev = stage_device(stage)
+            dev = module_device(stage)
             if captured is not None:
                 stage = captured[k]
             if aux is None:
@@ -80,12 +76,39 @@ class SplitModel(torch.nn.Module):
             x, aux = stage(x.to(dev), positions.to(dev), aux)
         return x, aux
 
+    def check_inputs(self, input_ids, positions) -> None:
+        """Raise a ``ConfigError`` naming the problem if ``(input_ids, positions)`` cannot run through the stages."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in _INDEX_DTYPES:
+            what = (f"a {input_ids.dim()}-D {input_ids.dtype} tensor of shape {tuple(input_ids.shape)}"
+                    if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__)
+            raise ConfigError(f"input_ids must be a 2-D integer tensor [batch, tokens] of token ids, but got {what}; "
+                              "for one sequence use ids[None]")
+        batch, tokens = input_ids.shape
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.dtype not in _INDEX_DTYPES \
+                or positions.shape[0] != tokens:
+            what = (f"a {positions.dim()}-D {positions.dtype} tensor of shape {tuple(positions.shape)}"
+                    if isinstance(positions, torch.Tensor) else type(positions).__name__)
+            raise ConfigError(f"positions must be a 1-D integer tensor with one cache position per token ({tokens}), "
+                              f"but got {what}")
+        if not self.plan.max_len:
+            return
+        if batch > self.plan.max_batch:
+            raise ConfigError(f"batch {batch} does not fit the KV cache of {self.plan.max_batch} sequences; split "
+                              f"with CacheConfig(batch_size>={batch}, ...) or send at most {self.plan.max_batch}")
+        lo, hi = (int(v) for v in torch.stack([positions.min(), positions.max()]).tolist())
+        if lo < 0 or hi >= self.plan.max_len:
+            raise ConfigError(f"positions {lo}..{hi} do not fit the KV cache of {self.plan.max_len} tokens (positions "
+                              f"0 to {self.plan.max_len - 1}); split with a larger CacheConfig(max_len=...)")
+
     def capture(self, batch: int, tokens: Sequence[int]) -> "SplitModel":
         """Capture every stage as a CUDA graph for each token count (e.g. ``[prompt, 1, K + 1]``); calls whose
         ``(batch, tokens)`` match a bucket then replay graphs. Buckets share each stage's KV cache and one
         memory pool. Capture before the cache holds live sequences (capture writes it)."""
-        from ppsplit.cuda_graphs import CapturedStage
-
+        for k, stage in enumerate(self.stages):
+            if module_device(stage).type != "cuda":
+                raise ConfigError(f"capture needs CUDA: stage {k} is on {module_device(stage)}"
+                                  + ("" if torch.cuda.is_available() else " and this machine has no CUDA GPU")
+                                  + "; place the stages on GPUs first (split.place([...]) or load(folder, devices))")
         pool = torch.cuda.graph_pool_handle()
         for t in tokens:
             self.graphs[(batch, t)] = [CapturedStage(stage, batch, t, pool=pool) for stage in self.stages]
@@ -113,7 +136,8 @@ class SplitModel(torch.nn.Module):
         device = input_ids.device
         eos = torch.tensor(self.eos_token_id, device=device, dtype=torch.long)
         pad = self.pad_token_id if self.pad_token_id is not None else (self.eos_token_id or (0,))[0]
-        logits, _ = self(input_ids, torch.arange(prompt, device=device))
+        self.check_inputs(input_ids, torch.arange(prompt, device=device))
+        logits, _ = self(input_ids, torch.arange(prompt, device=device), check=False)
         out = [input_ids]
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         for step in range(max_new_tokens):
@@ -124,7 +148,7 @@ class SplitModel(torch.nn.Module):
             out.append(token[:, None])
             if step == max_new_tokens - 1 or (len(eos) and bool(done.all())):
                 break
-            logits, _ = self(token[:, None], torch.tensor([prompt + step], device=device))
+            logits, _ = self(token[:, None], torch.tensor([prompt + step], device=device), check=False)
         return torch.cat(out, dim=1)
 
     def _check_cache(self, batch: int, length: int) -> None:

@@ -1,6 +1,8 @@
-"""Resolve a MODEL argument (built-in demo, local checkpoint folder, or hub id) to a checkpoint folder."""
+"""Driver support: resolve a MODEL argument (built-in demo, local checkpoint folder, or hub id) to a checkpoint
+folder and its config, and build the model skeleton that the passes trace (parameters on the meta device)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -93,12 +95,37 @@ def check_decoder(config, name: str) -> None:
                           "AutoModelForCausalLM; pass a causal language model")
 
 
-def meta_model(config) -> torch.nn.Module:
-    """The model on the meta device: every shape, no memory, no weights."""
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Parameters go to the meta device as they are registered (no memory, no init work); buffers computed in
+    ``__init__`` (rotary ``inv_freq``, ...) stay real on the CPU, since no checkpoint holds them."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def skeleton(config, dtype: torch.dtype | None = None):
+    """The model with every parameter on the meta device, and the values of its buffers (moved to meta too, so
+    the model traces as a pure meta model: every shape, no memory, no weights).
+    Returns ``(model, {buffer name: CPU tensor})``."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config).eval()
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, **kwargs).eval()
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)
+               if b.device.type != "meta"}
+    model.to("meta")
+    return model, buffers
 
 
 def _looks_like_hub_id(name: str) -> bool:

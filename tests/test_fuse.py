@@ -60,8 +60,12 @@ def test_fused_taps_replace_add_norm_store(traced_cache, arch):
     assert written[L] is ops.add_norm_store.default  # last layer's output: add + final norm + store
     assert written[2] is ops.add_store.default  # boundary tap: its norm is on the next stage
     assert written[0] is ops.norm_store.default  # the embedding output entering layer 0's norm
-    assert any("add+" in line and "+store" in line for line in split.plan.fused[0])
-    assert "tap 2 -> slot 2: add+store (norm on the next stage)" in split.plan.fused[0]
+    # The report is data: one entry per tap on its owner stage, ascending; the table formats it.
+    assert [t.tap for t in split.plan.fused[0].taps] == [0, 1, 2] and [t.tap for t in split.plan.fused[1].taps] == [4, L]
+    assert any(t.op.startswith("add+") and t.op.endswith("+store") for t in split.plan.fused[0].taps)
+    assert ppsplit.TapFusion(2, 2, "add+store", "norm on the next stage") in split.plan.fused[0].taps
+    assert "tap 2 -> slot 2: add+store (norm on the next stage)" in split.plan.fused[0].lines()
+    assert "tap 2 -> slot 2: add+store (norm on the next stage)" in split.plan.describe()
 
     ids = torch.randint(3, VOCAB, (2, 7))
     ref_logits, ref_hidden = reference(model, ids)
@@ -80,7 +84,9 @@ def test_fuse_norms_only_keeps_plain_stores(traced_cache):
     assert len(stores) == 2
     assert any(n.target is ops.add_norm.default for s in split.stages for n in s.graph.nodes)
     with pytest.raises(ppsplit.ConfigError, match="fuse must be True"):
-        ppsplit.split_model(traced, 2, fuse="all")
+        ppsplit.split_model(traced, 2, fuse="yes")
+    # The option's spellings: True is "all", False is "none".
+    assert ppsplit.SplitOptions(pp=2, fuse=True).fuse == "all" and ppsplit.SplitOptions(pp=2, fuse=False).fuse == "none"
 
 
 def test_bf16_fused_split_matches_hf_bit_for_bit():

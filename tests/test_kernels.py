@@ -76,18 +76,6 @@ def test_fused_kernel_interpreted(kind, shape, dtype):
         run_case(kind, shape, dtype, "cpu", with_add=True, with_store=False)  # add + norm, no tap
 
 
-def test_persistent_variant_interpreted():
-    """The grid-stride variant (few programs, each looping over rows) computes the same thing."""
-    interpreter_only()
-    x, r = torch.randn(2, 7, 769), torch.randn(2, 7, 769)
-    w = torch.randn(769)
-    aux = torch.full((1, 2, 7, 769), float("nan"))
-    s, y = launch_tap_kernel(x, r, w, None, aux[0], 1e-6, "rms", want_s=True, programs=3, stages=2)
-    s_ref, y_ref = reference64("rms", x, r, w, None, 1e-6)
-    assert torch.equal(s, s_ref) and torch.equal(aux[0], s_ref)
-    torch.testing.assert_close(y.double(), y_ref, **TOL[torch.float32])
-
-
 @pytest.mark.parametrize("shape", SHAPES[:3])
 def test_store_kernel_interpreted(shape):
     interpreter_only()

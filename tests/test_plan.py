@@ -1,7 +1,7 @@
 """The plan: balancing policies, tap owners and slots, JSON round trip."""
 import pytest
 
-from ppsplit import ConfigError, ModelCosts, SplitPlan
+from ppsplit import ConfigError, ModelCosts, SplitOptions, SplitPlan
 from ppsplit.passes.plan import make_plan
 
 
@@ -67,11 +67,14 @@ def test_json_round_trip():
 
 
 def test_plan_rejects_bad_values():
+    # Options are validated once, by SplitOptions, against the model's layer count.
     with pytest.raises(ConfigError, match=r"pp must be between 1 and 10 \(the model has 10 decoder layers\), but got 11"):
-        make_plan(costs(10), 11)
-    with pytest.raises(ConfigError, match="pp must be between 1 and 10"):
-        make_plan(costs(10), 0)
+        SplitOptions(pp=11).taps(10)
+    with pytest.raises(ConfigError, match="pp must be a positive number of stages, but got 0"):
+        SplitOptions(pp=0)
     with pytest.raises(ConfigError, match="aux id 11 is out of range: tap ids go from 0 .* to 10"):
+        SplitOptions(pp=2, aux=(3, 11)).taps(10)
+    with pytest.raises(ValueError, match="taps must be distinct, ascending and within"):
         make_plan(costs(10), 2, taps=(3, 11))
     with pytest.raises(ValueError, match="contiguous"):
         SplitPlan.from_dict({**make_plan(costs(4), 2).to_dict(),

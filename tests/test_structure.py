@@ -104,7 +104,7 @@ def test_layer_nodes_are_conserved(traced_cache, arch):
         return sum(1 for n in graph.nodes if n.op == "call_function" and n.meta.get("ppsplit.layer") is not None
                    and n.target is not torch.ops.ppsplit.tap_store.default)
 
-    unsplit = layer_ops(traced.graph)
+    unsplit = layer_ops(traced.gm.graph)
     for pp in (1, 2, 3, 4):
         split = ppsplit.split_model(traced, pp, aux=[1, 3], fuse=False)
         assert sum(layer_ops(s.graph) for s in split.stages) == unsplit

@@ -4,5 +4,5 @@ Installed as ``ppsplit.triton_kernels`` (a top-level ``triton_kernels`` package 
 Every op has a plain torch path for CPU tensors, so the graphs run anywhere.
 """
 from ppsplit.triton_kernels.fused_norm import (  # noqa: F401  (registers torch.ops.ppsplit.*)
-    HAVE_TRITON, KINDS, add_norm, add_norm_store, add_store, norm, norm_reference, norm_store, tap_store,
+    HAVE_TRITON, KINDS, NORM_KINDS, add_norm, add_norm_store, add_store, norm, norm_reference, norm_store, tap_store,
 )

@@ -34,7 +34,8 @@ try:
 except ImportError:  # the torch path still works everywhere
     HAVE_TRITON = False
 
-KINDS = {"none": 0, "rms": 1, "rms_1p": 2, "rms_f32w": 3, "layer": 4}
+KINDS = {"none": 0, "rms": 1, "rms_1p": 2, "rms_f32w": 3, "layer": 4}  # the kernel's NORM argument
+NORM_KINDS = tuple(k for k in KINDS if k != "none")
 
 
 def norm_reference(kind: str, s: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float):
@@ -53,6 +54,11 @@ def norm_reference(kind: str, s: torch.Tensor, weight: torch.Tensor, bias: Optio
 
 
 if HAVE_TRITON:
+    # The kernel branches on these at compile time (globals a kernel reads must be constexpr).
+    _NONE = tl.constexpr(KINDS["none"])
+    _RMS = tl.constexpr(KINDS["rms"])
+    _RMS_1P = tl.constexpr(KINDS["rms_1p"])
+    _LAYER = tl.constexpr(KINDS["layer"])
 
     @triton.jit
     def _tap_row(X, R, W, B, S, Y, AUX, row, stride_x, stride_r, stride_s, stride_y, n_cols, eps,
@@ -70,10 +76,10 @@ if HAVE_TRITON:
             s = x
         if STORE:
             tl.store(AUX + row * n_cols + cols, s, mask=mask)
-        if NORM != 0:
+        if NORM != _NONE:
             sf = s.to(tl.float32)
             w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-            if NORM == 4:
+            if NORM == _LAYER:
                 mean = tl.sum(sf, axis=0) / n_cols
                 d = tl.where(mask, sf - mean, 0.0)
                 rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
@@ -82,26 +88,21 @@ if HAVE_TRITON:
                     y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
             else:
                 normed = sf * tl.rsqrt(tl.sum(sf * sf, axis=0) / n_cols + eps)
-                if NORM == 1:
+                if NORM == _RMS:
                     y = normed.to(dtype).to(tl.float32) * w
-                elif NORM == 2:
+                elif NORM == _RMS_1P:
                     y = normed * (1.0 + w)
-                else:
+                else:  # rms_f32w
                     y = normed * w
             tl.store(Y + row * stride_y + cols, y.to(dtype), mask=mask)
 
     @triton.jit
-    def _tap_kernel(X, R, W, B, S, Y, AUX, n_rows, stride_x, stride_r, stride_s, stride_y, n_cols, eps,
+    def _tap_kernel(X, R, W, B, S, Y, AUX, stride_x, stride_r, stride_s, stride_y, n_cols, eps,
                     HAS_ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE: tl.constexpr,
-                    BLOCK: tl.constexpr, PERSISTENT: tl.constexpr, STAGES: tl.constexpr):
-        if PERSISTENT:
-            # A grid of a few programs per SM, each looping over rows: the next row's loads overlap this one's math.
-            for row in tl.range(tl.program_id(0), n_rows, tl.num_programs(0), num_stages=STAGES):
-                _tap_row(X, R, W, B, S, Y, AUX, tl.cast(row, tl.int64), stride_x, stride_r, stride_s, stride_y, n_cols, eps,
-                         HAS_ADD, NORM, HAS_BIAS, STORE, BLOCK)
-        else:
-            _tap_row(X, R, W, B, S, Y, AUX, tl.program_id(0).to(tl.int64), stride_x, stride_r, stride_s, stride_y,
-                     n_cols, eps, HAS_ADD, NORM, HAS_BIAS, STORE, BLOCK)
+                    BLOCK: tl.constexpr):
+        # One program per row (a grid-stride variant measured no faster at T = 2048: bench/RESULTS.md).
+        _tap_row(X, R, W, B, S, Y, AUX, tl.program_id(0).to(tl.int64), stride_x, stride_r, stride_s, stride_y,
+                 n_cols, eps, HAS_ADD, NORM, HAS_BIAS, STORE, BLOCK)
 
     @triton.jit
     def _store_kernel(V, AUX, stride_v, n_cols, BLOCK: tl.constexpr):
@@ -122,8 +123,7 @@ def _warps(block: int) -> int:
 
 
 def launch_tap_kernel(x, r, weight, bias, aux_slot, eps: float, kind: str, *, want_s: bool, wrap=lambda k: k,
-                      out: tuple = (None, None), num_warps: int | None = None, programs: int | None = None,
-                      stages: int = 1):
+                      out: tuple = (None, None)):
     """Run the fused kernel on ``x`` (and ``r``): returns ``(s or None, y or None)``. ``aux_slot`` is the
     contiguous ``[..., H]`` slot to store ``s`` into, or ``None``; ``out`` optionally gives the ``s`` and ``y``
     buffers. Works on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (the kernel tests)."""
@@ -137,13 +137,11 @@ def launch_tap_kernel(x, r, weight, bias, aux_slot, eps: float, kind: str, *, wa
     if aux_slot is not None and not aux_slot.is_contiguous():
         raise ValueError("the aux slot must be contiguous")
     block = triton.next_power_of_2(n_cols)
-    n_rows = x2.shape[0]
-    persistent = programs is not None and programs < n_rows
-    wrap(_tap_kernel)[(programs if persistent else n_rows,)](
+    wrap(_tap_kernel)[(x2.shape[0],)](
         x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, s2, y2,
-        aux_slot if aux_slot is not None else x2, n_rows, x2.stride(0), r2.stride(0), s2.stride(0), y2.stride(0),
+        aux_slot if aux_slot is not None else x2, x2.stride(0), r2.stride(0), s2.stride(0), y2.stride(0),
         n_cols, eps, HAS_ADD=r is not None, NORM=KINDS[kind], HAS_BIAS=bias is not None, STORE=aux_slot is not None,
-        BLOCK=block, PERSISTENT=persistent, STAGES=stages, num_warps=num_warps or _warps(block))
+        BLOCK=block, num_warps=_warps(block))
     return s, y
 
 

@@ -1,4 +1,4 @@
-"""Static KV cache owned by the stages: ``CacheConfig(batch_size, max_len)``.
+"""The static KV cache the trace pass hands the model: ``CacheConfig(batch_size, max_len)`` made concrete.
 
 Each decoder layer's keys and values live in two buffers ``kv_cache.<layer>.keys`` / ``.values`` of shape
 ``[batch_size, kv_heads, max_len, head_dim]``. A step writes its ``T`` new keys and values at ``positions`` (the
@@ -11,31 +11,8 @@ The layer classes plug into Hugging Face's ``Cache`` interface (``update``, ``ge
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers.cache_utils import Cache, StaticLayer
-
-from ppsplit.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """A static KV cache for up to ``batch_size`` sequences of up to ``max_len`` tokens (prompt included).
-
-    Example::
-
-        split = split_model(model, pp=4, aux="eagle3", cache=CacheConfig(batch_size=8, max_len=4096))
-    """
-
-    batch_size: int
-    max_len: int
-
-    def __post_init__(self):
-        for name in ("batch_size", "max_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"CacheConfig.{name} must be a positive integer, but got {value!r}")
 
 
 class _PositionedLayer(StaticLayer):
@@ -77,9 +54,6 @@ class _PositionedLayer(StaticLayer):
     def get_max_length(self) -> int:
         return self.max_cache_len
 
-    def get_max_cache_shape(self) -> int:  # transformers < 5.16
-        return self.max_cache_len
-
     def reset(self) -> None:
         if self.keys is not None:
             self.keys.zero_()
@@ -105,10 +79,3 @@ class PositionedCache(Cache):
             layer.device = keys.device
             layer.batch_size, layer.num_heads = keys.shape[:2]
             layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
-
-
-CACHE_PREFIX = "kv_cache"  # buffers kv_cache.<layer>.keys / .values
-
-
-def is_cache_buffer(name: str) -> bool:
-    return name.startswith(CACHE_PREFIX + ".")

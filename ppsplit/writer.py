@@ -1,0 +1,227 @@
+"""Driver: ``ppsplit compile``, from a checkpoint to a folder of per-stage artifacts.
+
+The folder::
+
+    plan.json              the SplitPlan
+    manifest.json          source, dtype, versions, files, generation ids
+    stage_<k>.json         stage k's program (its FX graph; see ppsplit.program)
+    stage_<k>.safetensors  stage k's tensors under their original names, nothing else
+
+Weights are streamed tensor by tensor from the source shards into the stage files, so memory holds one tensor
+at a time. Everything is written into a hidden temporary folder beside the output, created before the slow work
+(so an unwritable destination fails at once), and renamed into place when complete: an error, Ctrl-C or SIGTERM
+leaves no output folder behind. Loading lives in ``ppsplit.loader``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+
+import torch
+from torch import fx
+
+from ppsplit.api import split_model
+from ppsplit.checkpoint import ST_DTYPES, Checkpoint, write_safetensors
+from ppsplit.config import SplitOptions
+from ppsplit.errors import ConfigError
+from ppsplit.fx_utils import is_cache_buffer, tied_parameters
+from ppsplit.program import graph_to_json
+from ppsplit.runtime import SplitModel
+from ppsplit.tensors import DTYPE_ALIASES, DTYPES, MODEL_DTYPES, dtype_name, nbytes
+from ppsplit.serving_files import copy_serving_files
+
+log = logging.getLogger("ppsplit")
+_TMP_TAG = ".ppsplit-tmp-"
+
+
+def compile_model(model: str, out: str, *, options: SplitOptions | None = None, dtype: str | None = None,
+                  force: bool = False, progress: bool = False, **split_options) -> str:
+    """Split the checkpoint ``model`` and write the artifacts to ``out``. Returns ``out``.
+
+    The split is described by ``options`` (a ``SplitOptions``) or by the same keywords as ``split_model``
+    (``pp``, ``aux``, ``balance``, ``aux_convention``, ``cache``, ``fuse``).
+
+    Example::
+
+        compile_model("demo", "demo-pp4", pp=4, aux="eagle3")
+        split = ppsplit.load("demo-pp4")
+    """
+    from ppsplit.source import load_config, resolve_model, skeleton
+
+    if options is None:
+        if "pp" not in split_options:
+            raise ConfigError("compile_model needs pp, the number of pipeline stages (or options=SplitOptions(...))")
+        options = SplitOptions(**split_options)
+    elif split_options:
+        raise ConfigError(f"pass either options= or split keywords, not both ({', '.join(split_options)})")
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise ConfigError(f"{out} already exists; pass --force to replace it, or -o another folder")
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype is not None and dtype not in MODEL_DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPES + tuple(DTYPE_ALIASES))}, but got {dtype!r}")
+    folder = resolve_model(model)
+    config = load_config(folder)
+    checkpoint = Checkpoint(folder)
+    torch_dtype = DTYPES[dtype] if dtype else _config_dtype(config)
+
+    tmp = _make_tmp(out)
+    try:
+        start = time.perf_counter()
+        model_obj, buffers = skeleton(config, torch_dtype)
+        split = split_model(model_obj, options=options)
+        log.info("split into %d stages in %.1fs", split.plan.pp, time.perf_counter() - start)
+        tied = dict(tied_parameters(model_obj))  # alias -> the name a tied checkpoint stores
+        stage_specs = [_stage_tensors(stage, k, checkpoint, buffers, tied) for k, stage in enumerate(split.stages)]
+        _write(tmp, split, stage_specs, checkpoint, buffers, model, torch_dtype, progress)
+        if os.path.exists(out):
+            backup = tmp + "-old"
+            os.rename(out, backup)
+            os.rename(tmp, out)
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("wrote %s in %.1fs", out, time.perf_counter() - start)
+    return out
+
+
+def _make_tmp(out: str) -> str:
+    """The hidden temporary folder beside ``out``; fails with a one-line error if that place is not writable."""
+    parent = os.path.dirname(out)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}{_TMP_TAG}{os.getpid()}")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        _remove_stale_tmp(parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    except OSError as e:
+        raise ConfigError(f"cannot write the output folder {out}: {e.strerror or e}; pass -o a folder you can "
+                          "write to") from None
+    return tmp
+
+
+def _config_dtype(config) -> torch.dtype:
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, torch.dtype):
+        return value
+    return DTYPES.get(str(value).replace("torch.", ""), torch.float32)
+
+
+def _stage_tensors(stage: fx.GraphModule, k: int, checkpoint: Checkpoint, buffers: dict, tied: dict) -> list[dict]:
+    """What stage ``k`` needs and where each tensor comes from; raises before anything is written."""
+    persistent = set(stage.state_dict().keys())
+    specs = []
+    for kind, items in (("parameter", stage.named_parameters(remove_duplicate=False)),
+                        ("buffer", stage.named_buffers(remove_duplicate=False))):
+        for name, t in items:
+            spec = {"name": name, "kind": kind, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                    "persistent": kind == "parameter" or name in persistent}
+            if is_cache_buffer(name):
+                spec["init"] = "zeros"  # state, not weights: allocated by load_stage
+            elif name in checkpoint:
+                spec["init"], spec["source"] = "file", name
+            elif tied.get(name) in checkpoint:
+                spec["init"], spec["source"] = "file", tied[name]
+            elif name in buffers or t.device.type != "meta":
+                spec["init"], spec["source"] = "file", None
+            else:
+                raise ConfigError(f"the checkpoint has no tensor {name!r}, which stage {k} needs; its names differ from "
+                                  "the model's (transformers renames or fuses some architectures' weights on load), "
+                                  "which ppsplit compile does not support yet")
+            specs.append(spec)
+    return specs
+
+
+def _spec_bytes(spec: dict) -> int:
+    return nbytes(spec["shape"], DTYPES[spec["dtype"]])
+
+
+def _write(tmp: str, split: SplitModel, stage_specs: list, checkpoint: Checkpoint, buffers: dict, source: str,
+           dtype: torch.dtype, progress: bool) -> None:
+    import transformers
+
+    import ppsplit
+
+    with open(os.path.join(tmp, "plan.json"), "w") as f:
+        f.write(split.plan.to_json())
+    copy_serving_files(checkpoint.folder, tmp)  # tokenizer, chat template, generation_config.json
+    total = sum(_spec_bytes(s) for specs in stage_specs for s in specs if s["init"] == "file")
+    bar = _progress(total, progress)
+    files = []
+    try:
+        for k, (stage, specs) in enumerate(zip(split.stages, stage_specs)):
+            program = {"stage": k, "tensors": specs, "program": graph_to_json(stage.graph)}
+            with open(os.path.join(tmp, f"stage_{k}.json"), "w") as f:
+                json.dump(program, f)
+            in_file = sorted((s for s in specs if s["init"] == "file"),
+                             key=lambda s: (checkpoint.where.get(s["source"] or "", ""), s["name"]))
+            own = dict(stage.named_parameters(remove_duplicate=False)) | dict(stage.named_buffers(remove_duplicate=False))
+
+            def tensors(in_file=in_file, own=own):
+                for s in in_file:
+                    if s["source"]:
+                        raw = checkpoint.raw_range(s["source"])
+                        # Same dtype: copy the bytes; otherwise read the tensor with safe_open and convert.
+                        same = raw.dtype == ST_DTYPES[DTYPES[s["dtype"]]]
+                        t = raw if same else checkpoint.read_one(s["source"])
+                    else:  # a buffer computed at init or a constant captured by the trace
+                        t = buffers.get(s["name"], own[s["name"]])
+                    yield s["name"], t
+
+            entries = [(s["name"], tuple(s["shape"]), DTYPES[s["dtype"]]) for s in in_file]
+            bar.set_description(f"stage {k}")
+            size = write_safetensors(os.path.join(tmp, f"stage_{k}.safetensors"), entries, tensors(),
+                                     metadata={"format": "pt", "ppsplit_stage": k}, progress=bar.update)
+            files.append({"program": f"stage_{k}.json", "weights": f"stage_{k}.safetensors", "bytes": size})
+    finally:
+        bar.close()
+    manifest = {"ppsplit": ppsplit.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                "source": source, "dtype": dtype_name(dtype), "stages": files,
+                "eos_token_id": list(split.eos_token_id), "pad_token_id": split.pad_token_id}
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=2)
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def set_description(self, text):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True)
+
+
+def _remove_stale_tmp(parent: str) -> None:
+    """Temporary folders of compiles that were killed outright (SIGKILL) and whose process is gone."""
+    for entry in os.listdir(parent):
+        if _TMP_TAG not in entry or not entry.startswith("."):
+            continue
+        pid = entry.rsplit(_TMP_TAG, 1)[1].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
