@@ -64,7 +64,11 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> str:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    _TIMEOUT[0] = timeout
     return backend
+
+
+_TIMEOUT = [DEFAULT_TIMEOUT]  # the timeout init() was given: groups made later get the same
 
 
 def group_stages(stage: fx.GraphModule, groups: int, rows: int) -> list[fx.GraphModule]:
@@ -194,7 +198,8 @@ class PipelineRank:
         # hidden receive queued before a token send) would wait on each other.
         self.back = None
         if self.world > 1:
-            self.back = dist.new_group([self._global(0), self._global(self.world - 1)], use_local_synchronization=True)
+            self.back = dist.new_group([self._global(0), self._global(self.world - 1)], use_local_synchronization=True,
+                                       timeout=datetime.timedelta(seconds=_TIMEOUT[0]))
         self.eos = torch.tensor(manifest.get("eos_token_id") or [], dtype=torch.long, device=self.device)
         pad = manifest.get("pad_token_id")
         self.pad = pad if pad is not None else int(self.eos[0]) if len(self.eos) else 0
