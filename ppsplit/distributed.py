@@ -198,8 +198,10 @@ class PipelineRank:
         # hidden receive queued before a token send) would wait on each other.
         self.back = None
         if self.world > 1:
-            self.back = dist.new_group([self._global(0), self._global(self.world - 1)], use_local_synchronization=True,
-                                       timeout=datetime.timedelta(seconds=_TIMEOUT[0]))
+            if group is not None:
+                raise ConfigError("PipelineRank runs a pipeline over the whole world, or over a one-rank group; "
+                                  "launch one process per stage instead of passing a larger subgroup")
+            self.back = dist.new_group([0, self.world - 1], timeout=datetime.timedelta(seconds=_TIMEOUT[0]))
         self.eos = torch.tensor(manifest.get("eos_token_id") or [], dtype=torch.long, device=self.device)
         pad = manifest.get("pad_token_id")
         self.pad = pad if pad is not None else int(self.eos[0]) if len(self.eos) else 0
