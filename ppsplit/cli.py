@@ -5,6 +5,7 @@
     ppsplit plan MODEL --pp 4 --aux eagle3                  print the plan only (meta device, writes nothing)
     ppsplit generate DIR --prompt-ids 1,2,3 [-k 4]          decode (speculatively with the folder's drafter)
     ppsplit check-drafter MODEL DRAFTER                     which tap numbering an EAGLE-3 drafter was trained on
+    ppsplit run DIR --prompt "text" --max-new-tokens 32     generate, one process per stage (torch.distributed)
 
 Every ppsplit error is printed as one line on stderr with exit code 2, without a traceback; an interrupt exits 130.
 """
@@ -82,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=None, help="... and this many tokens (counts in stage memory)")
     p.add_argument("--json", action="store_true", help="print plan.json instead of the table")
     cli_generate.add_parsers(sub)
+
+    p = sub.add_parser("run", help="generate through a compiled folder, one process per stage (torch.distributed)")
+    from ppsplit.run import add_arguments
+    add_arguments(p)
     return parser
 
 
@@ -175,8 +180,14 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_run(args) -> int:
+    from ppsplit.run import launch
+
+    return launch(args)
+
+
 COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan, "generate": cli_generate.cmd_generate,
-            "check-drafter": cli_generate.cmd_check_drafter}
+            "check-drafter": cli_generate.cmd_check_drafter, "run": cmd_run}
 
 
 if __name__ == "__main__":
