@@ -91,7 +91,8 @@ if HAVE_TRITON:
         visible = (slots[None, :] <= qpos[:, None]) & (slots[None, :] < live)
         if window > 0:
             visible = visible & (qpos[:, None] - slots[None, :] < window)
-        return tl.where(visible, s * 1.4426950408889634, float("-inf"))
+        # fp32 whatever type the scalar arguments arrive in (Inductor passes Python floats as fp64).
+        return tl.where(visible, (s * 1.4426950408889634).to(tl.float32), float("-inf"))
 
     @triton.jit
     def _decode_kernel(Q, K, V, POS, SLOPES, SINKS, O, M_OUT, L_OUT, ACC_OUT,
@@ -151,17 +152,19 @@ if HAVE_TRITON:
                 pv = tl.dot(p.to(v_blk.dtype), v_blk)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        # No early return: with one split the partial buffers are one-element placeholders, so the partial stores
+        # must not be emitted at all (an early `return` here let a GPU build write past them).
         if DIRECT:  # one split: this program saw the whole live range, normalise and write the output
             if HAS_SINKS:
                 l_i += tl.exp2(tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634 - m_i)
             out = acc / l_i[:, None]
             tl.store(O + b.to(tl.int64) * sob + h[:, None] * soh + t[:, None] * sot + dv[None, :],
                      out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
-            return
-        part = (bh * n_splits + split) * BLOCK_M + rows
-        tl.store(M_OUT + part, m_i)
-        tl.store(L_OUT + part, l_i)
-        tl.store(ACC_OUT + part[:, None].to(tl.int64) * BLOCK_DV + dv[None, :], acc)
+        else:
+            part = (bh * n_splits + split) * BLOCK_M + rows
+            tl.store(M_OUT + part, m_i)
+            tl.store(L_OUT + part, l_i)
+            tl.store(ACC_OUT + part[:, None].to(tl.int64) * BLOCK_DV + dv[None, :], acc)
 
     @triton.jit
     def _combine_kernel(M_IN, L_IN, ACC_IN, SINKS, O, sob, soh, sot, T, Hkv, n_splits,
