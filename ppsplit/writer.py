@@ -133,6 +133,11 @@ def _stage_tensors(stage: fx.GraphModule, k: int, sources: Sources, buffers: dic
                 spec["init"] = "zeros"  # state, not weights: allocated by load_stage
             elif group is not None:
                 spec["init"], spec["source"] = "file", sources.plain_source(group)
+                stored = spec["source"] and sources.checkpoint.raw_range(spec["source"]).shape
+                if stored and list(stored) != spec["shape"]:
+                    raise ConfigError(f"the checkpoint's {spec['source']} has shape {tuple(stored)}, but {name} needs "
+                                      f"shape {tuple(spec['shape'])}: the checkpoint does not match its config.json; "
+                                      "re-download it or fix the config")
                 if spec["source"] is None:  # the group's output ``target`` (``name``, or the name it is tied to)
                     spec["convert"], spec["target"] = group.first, name if name in group.targets else tied[name]
             elif name in buffers or t.device.type != "meta":
@@ -200,7 +205,13 @@ def _stage_stream(in_file: list[dict], own: dict, sources: Sources, buffers: dic
             if s["convert"] != group:
                 group, outputs = None, {}  # drop the last group's outputs before converting the next
                 group, outputs = s["convert"], sources.run(sources.groups[s["convert"]])
-            yield s["name"], outputs[s["target"]]
+            t = outputs.get(s["target"])
+            if t is None or list(t.shape) != s["shape"]:
+                got = "nothing" if t is None else f"shape {tuple(t.shape)}"
+                raise ConfigError(f"transformers' weight conversion of the checkpoint gives {got} for {s['target']}, "
+                                  f"the model needs shape {tuple(s['shape'])}: the checkpoint does not match its "
+                                  "config.json (missing experts or a different size); re-download it or fix the config")
+            yield s["name"], t
         elif s["source"]:
             raw = checkpoint.raw_range(s["source"])
             # Same dtype: copy the bytes; otherwise read the tensor and convert it.

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import ppsplit
 from ppsplit.errors import ConfigError
+from ppsplit.fx_utils import is_cache_buffer
 from ppsplit.writer import compile_model
 from tests.models import VOCAB, tiny_config
 
@@ -30,17 +31,15 @@ ARCHS = {  # arch: (config overrides, pp, taps)
 
 def moe_config(arch: str):
     overrides, _, _ = ARCHS[arch]
-    if arch in ("mixtral",):
-        return tiny_config(arch, L, **overrides)
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, num_hidden_layers=L)
-    kw.update({k: v for k, v in overrides.items() if v is not None})
-    return AutoConfig.for_model(arch, **kw)
+    return AutoConfig.for_model(arch, **dict(kw, **overrides))
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
 def compiled(request, tmp_path_factory):
-    """(arch, checkpoint folder saved by save_pretrained in small shards, compiled folder, pp, taps)."""
+    """(arch, checkpoint folder saved by save_pretrained in small shards, compiled folder, pp, taps, the model
+    from_pretrained loads from that folder)."""
     arch = request.param
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(moe_config(arch)).eval()
@@ -50,16 +49,24 @@ def compiled(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(arch) / "ckpt"
     model.save_pretrained(folder, max_shard_size="60KB")
     _, pp, taps = ARCHS[arch]
-    out = compile_model(str(folder), str(folder.parent / "out"), pp=pp, aux=taps)
-    return arch, folder, out, pp, [int(j) for j in taps.split(",")]
+    try:
+        out = compile_model(str(folder), str(folder.parent / "out"), pp=pp, aux=taps)
+    except ConfigError as e:
+        if arch == "gpt_oss" and "lifted_tensor" in str(e):  # not a conversion matter: see README "Known limits"
+            pytest.xfail("transformers < 5.24 builds gpt-oss's eager mask with torch.tensor(0.0, device=meta), a "
+                         "constant whose value a trace on the meta device cannot see")
+        raise
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    return arch, folder, out, pp, [int(j) for j in taps.split(",")], hf
 
 
 def test_checkpoint_is_in_the_stored_layout(compiled):
     """save_pretrained reverses the conversions: the folder holds what the hub holds, not the model's names."""
-    arch, folder, _, _, _ = compiled
+    arch, folder, _, _, _, _ = compiled
     with open(folder / "model.safetensors.index.json") as f:
-        names = set(json.load(f)["weight_map"])
-    assert len({v for v in json.load(open(folder / "model.safetensors.index.json"))["weight_map"].values()}) > 3
+        weight_map = json.load(f)["weight_map"]
+    names = set(weight_map)
+    assert len(set(weight_map.values())) > 3  # sharded: a layer's experts are spread over several files
     if arch == "gpt_oss":  # transformers stores gpt-oss experts fused; there is nothing to convert
         assert "model.layers.1.mlp.experts.gate_up_proj" in names
     else:
@@ -70,8 +77,7 @@ def test_checkpoint_is_in_the_stored_layout(compiled):
 
 
 def test_logits_and_taps_equal_from_pretrained(compiled):
-    arch, folder, out, pp, taps = compiled
-    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    arch, folder, out, pp, taps, hf = compiled
     split = ppsplit.load(out)
     assert split.plan.pp == pp and split.plan.taps == tuple(taps)
     ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -85,16 +91,15 @@ def test_logits_and_taps_equal_from_pretrained(compiled):
 
 
 def test_stage_files_hold_exactly_what_each_program_reads(compiled):
-    arch, folder, out, pp, _ = compiled
-    hf = dict(AutoModelForCausalLM.from_pretrained(folder).state_dict())
+    arch, folder, out, pp, _, model = compiled
+    hf = model.state_dict()
     plan = ppsplit.loader.load_plan(out)
     for k in range(pp):
         stage = ppsplit.load_stage(out, k)
-        read = {n.target for n in stage.graph.nodes if n.op == "get_attr"}
-        cache = {n for n, _ in stage.named_buffers() if not any(n == t for t in read)}
+        read = {n.target for n in stage.graph.nodes if n.op == "get_attr" and not is_cache_buffer(n.target)}
         with safe_open(os.path.join(out, f"stage_{k}.safetensors"), framework="pt") as f:
             stored = set(f.keys())
-            assert stored == read - cache, (arch, k, sorted(stored ^ (read - cache))[:4])
+            assert stored == read, (arch, k, sorted(stored ^ read)[:4])
             sp = plan.stages[k]
             experts = {n for n in stored if ".experts." in n}
             layers = {int(n.split(".")[2]) for n in experts}
@@ -114,4 +119,21 @@ def test_quantized_checkpoint_is_refused_naming_the_method(tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="quant_method='fp8'"):
         compile_model(str(tmp_path / "fp8"), str(tmp_path / "out"), pp=2)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_local_experts=5), r"block_sparse_moe\.gate\.weight has shape \(4, 64\), but model\.layers\.0\.mlp\."
+                                r"gate\.weight needs shape \(5, 64\)"),
+    (dict(intermediate_size=96), r"conversion of the checkpoint gives shape \(4, 64, 128\) for model\.layers\.0\.mlp"
+                                 r"\.experts\.down_proj, the model needs shape \(4, 64, 96\)")])
+def test_checkpoint_that_does_not_match_its_config_is_refused(tmp_path, change, message):
+    """Tensors of the wrong shape, stored as they are (the router) or merged by transformers (the experts): one line
+    naming the tensor, and no output folder."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("mixtral", 2, num_local_experts=4)).save_pretrained(tmp_path / "m")
+    cfg_path = tmp_path / "m" / "config.json"
+    cfg_path.write_text(json.dumps(dict(json.loads(cfg_path.read_text()), **change)))
+    with pytest.raises(ConfigError, match=message):
+        compile_model(str(tmp_path / "m"), str(tmp_path / "out"), pp=2)
     assert not (tmp_path / "out").exists()
