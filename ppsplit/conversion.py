@@ -103,6 +103,10 @@ class Sources:
         for key, pattern in group.sources:
             # A callable is read when the converter materialises its inputs (transformers' synchronous path).
             converter.add_tensor(group.first, key, pattern, _reader(self.checkpoint, key, group.dtype))
+        threads = torch.get_num_threads()
+        # The operations are memory copies (stack, cat, chunk): one thread runs them at memory speed, while more
+        # threads wait on each other whenever the cores are shared (5x slower on a busy 2-core machine).
+        torch.set_num_threads(1)
         try:
             out = converter.convert(group.first, model=self.model, config=self.model.config, hf_quantizer=None,
                                     loading_info=None)
@@ -110,6 +114,8 @@ class Sources:
             raise ConfigError(f"transformers' conversion {type(group.converter).__name__} failed on the checkpoint "
                               f"tensors of {group.first} ({type(e).__name__}: {e}); the checkpoint does not match "
                               "its config.json") from None
+        finally:
+            torch.set_num_threads(threads)
         return {name: t[0] if isinstance(t, list) else t for name, t in out.items()}
 
 

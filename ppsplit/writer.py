@@ -8,8 +8,9 @@ The folder::
     stage_<k>.safetensors  stage k's tensors under their original names, nothing else
 
 Weights are streamed from the source shards into the stage files, so memory holds one tensor, or one group of
-tensors that transformers' weight conversions fuse into one (``ppsplit.conversion``), at a time. Everything is written into a hidden temporary folder beside the output, created before the slow work
-(so an unwritable destination fails at once), and renamed into place when complete: an error, Ctrl-C or SIGTERM
+tensors that transformers' weight conversions fuse into one (``ppsplit.conversion``), at a time. Everything is
+written into a hidden temporary folder beside the output, created before the slow work (so an unwritable
+destination fails at once), and renamed into place when complete: an error, Ctrl-C or SIGTERM
 leaves no output folder behind. Loading lives in ``ppsplit.loader``.
 """
 from __future__ import annotations
