@@ -16,47 +16,54 @@ from tests.models import VOCAB, tiny_config
 
 L = 4
 _MOE = dict(num_experts_per_tok=2)
-ARCHS = {  # arch: (config overrides, pp, taps)
-    "mixtral": (dict(_MOE, num_local_experts=4), 3, "0,2,4"),
-    "qwen2_moe": (dict(_MOE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48), 2,
-                  "1,2,3"),
-    "qwen3_moe": (dict(_MOE, num_experts=4, moe_intermediate_size=32, head_dim=16), 3, "1,3,4"),
+ARCHS = {  # arch: (config overrides, taps)
+    "mixtral": (dict(_MOE, num_local_experts=4), "0,2,4"),
+    "qwen2_moe": (dict(_MOE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48), "1,2,3"),
+    "qwen3_moe": (dict(_MOE, num_experts=4, moe_intermediate_size=32, head_dim=16), "1,3,4"),
     "deepseek_v3": (dict(_MOE, n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
                          topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                         v_head_dim=16, n_shared_experts=1, num_key_value_heads=4), 2, "0,2,4"),
-    "olmoe": (dict(_MOE, num_experts=4), 3, "0,1,3"),
-    "gpt_oss": (dict(_MOE, num_local_experts=4, head_dim=16, layer_types=None, sliding_window=4), 2, "1,2,4"),
+                         v_head_dim=16, n_shared_experts=1, num_key_value_heads=4), "0,2,4"),
+    "olmoe": (dict(_MOE, num_experts=4), "0,1,3"),
+    "gpt_oss": (dict(_MOE, num_local_experts=4, head_dim=16, layer_types=None, sliding_window=4), "1,2,4"),
 }
+_CHECKPOINTS: dict = {}
 
 
 def moe_config(arch: str):
-    overrides, _, _ = ARCHS[arch]
+    overrides, _ = ARCHS[arch]
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, num_hidden_layers=L)
     return AutoConfig.for_model(arch, **dict(kw, **overrides))
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
+def checkpoint(arch: str, tmp_path_factory):
+    """A tiny random ``arch`` saved by save_pretrained in small shards, and the model from_pretrained loads from it
+    (built once per arch, shared by its pp=2 and pp=3 compiles)."""
+    if arch not in _CHECKPOINTS:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(moe_config(arch)).eval()
+        with torch.no_grad():
+            for p in model.parameters():  # no weight left at exactly 0 or 1: a wrong or missing one shows
+                p.add_(torch.randn_like(p) * 0.02)
+        folder = tmp_path_factory.mktemp(arch) / "ckpt"
+        model.save_pretrained(folder, max_shard_size="60KB")
+        _CHECKPOINTS[arch] = folder, AutoModelForCausalLM.from_pretrained(folder).eval()
+    return _CHECKPOINTS[arch]
+
+
+@pytest.fixture(scope="module", params=[(arch, pp) for arch in ARCHS for pp in (2, 3)], ids=lambda p: f"{p[0]}-pp{p[1]}")
 def compiled(request, tmp_path_factory):
-    """(arch, checkpoint folder saved by save_pretrained in small shards, compiled folder, pp, taps, the model
-    from_pretrained loads from that folder)."""
-    arch = request.param
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(moe_config(arch)).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # no weight left at exactly 0 or 1: a wrong or missing one shows
-            p.add_(torch.randn_like(p) * 0.02)
-    folder = tmp_path_factory.mktemp(arch) / "ckpt"
-    model.save_pretrained(folder, max_shard_size="60KB")
-    _, pp, taps = ARCHS[arch]
+    """(arch, checkpoint folder, compiled folder, pp, taps, the model from_pretrained loads from the folder)."""
+    arch, pp = request.param
+    folder, hf = checkpoint(arch, tmp_path_factory)
+    taps = ARCHS[arch][1]
     try:
-        out = compile_model(str(folder), str(folder.parent / "out"), pp=pp, aux=taps)
+        out = compile_model(str(folder), str(folder.parent / f"out-pp{pp}"), pp=pp, aux=taps)
     except ConfigError as e:
         if arch == "gpt_oss" and "lifted_tensor" in str(e):  # not a conversion matter: see README "Known limits"
             pytest.xfail("transformers < 5.24 builds gpt-oss's eager mask with torch.tensor(0.0, device=meta), a "
                          "constant whose value a trace on the meta device cannot see")
         raise
-    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     return arch, folder, out, pp, [int(j) for j in taps.split(",")], hf
 
 
