@@ -3,7 +3,8 @@
 Three layers, imports pointing down only::
 
     drivers   api (split_model, trace_model), writer (compile), loader (load, load_stage), runtime (SplitModel),
-              cuda_graphs, cli
+              cuda_graphs, cli; EAGLE-3: drafter (Eagle3Drafter), drafter_load (load_drafter), speculative,
+              cli_generate
     passes    ppsplit.passes: trace -> annotate -> plan -> partition -> taps -> fuse -> emit  (+ triton_kernels)
     core      errors, config (SplitOptions, CacheConfig), plan (SplitPlan), tensors, fx_utils, program
 
@@ -34,6 +35,10 @@ _EXPORTS = {
     "split_model": "ppsplit.api", "trace_model": "ppsplit.api",
     "compile_model": "ppsplit.writer",
     "load": "ppsplit.loader", "load_stage": "ppsplit.loader",
+    "backend": "ppsplit.compile_backend", "TapBackend": "ppsplit.compile_backend",
+    "last_taps": "ppsplit.compile_backend",
+    "Eagle3Drafter": "ppsplit.drafter", "load_drafter": "ppsplit.drafter_load",
+    "SpeculativeStats": "ppsplit.speculative",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -3,6 +3,8 @@
     ppsplit compile MODEL --pp 4 --aux 2,16,29 [-o DIR]     write per-stage artifacts
     ppsplit inspect DIR                                     check a compiled folder and print its plan
     ppsplit plan MODEL --pp 4 --aux eagle3                  print the plan only (meta device, writes nothing)
+    ppsplit generate DIR --prompt-ids 1,2,3 [-k 4]          decode (speculatively with the folder's drafter)
+    ppsplit check-drafter MODEL DRAFTER                     which tap numbering an EAGLE-3 drafter was trained on
 
 Every ppsplit error is printed as one line on stderr with exit code 2, without a traceback; an interrupt exits 130.
 """
@@ -15,6 +17,8 @@ import signal
 import sys
 import time
 import warnings
+
+from ppsplit import cli_generate  # argparse only; its commands import torch when run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, help="output folder (default: <model name>-pp<N>)")
     p.add_argument("--force", action="store_true", help="replace the output folder if it exists")
     p.add_argument("--no-fuse", action="store_true", help="keep the traced ops (no Triton tap/norm kernels)")
+    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder or hub id: taps from its config, "
+                   "stored in DIR/drafter")
+    p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default="sglang",
+                   help="numbering of the drafter's tap ids: sglang (SpecForge layer outputs, +1) or vllm")
 
     p = sub.add_parser("inspect", help="check a compiled folder as loading would, and print its stages and taps")
     p.add_argument("folder")
@@ -71,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="trace MODEL on the meta device and print the split plan (writes nothing)")
     _add_split_args(p)
     p.add_argument("--json", action="store_true", help="print plan.json instead of the table")
+    cli_generate.add_parsers(sub)
     return parser
 
 
@@ -121,7 +130,7 @@ def cmd_compile(args) -> int:
     out = args.output or f"{os.path.basename(os.path.normpath(args.model)).replace('/', '--')}-pp{args.pp}"
     options = _options(args, cache=_cache(args), fuse="none" if args.no_fuse else "all")
     path = compile_model(args.model, out, options=options, dtype=args.dtype, force=args.force,
-                         progress=sys.stderr.isatty())
+                         progress=sys.stderr.isatty(), drafter=args.drafter, drafter_convention=args.drafter_convention)
     print(load_plan(path).describe())
     print(f"wrote {path}")
     return 0
@@ -155,7 +164,8 @@ def cmd_plan(args) -> int:
     return 0
 
 
-COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan}
+COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan, "generate": cli_generate.cmd_generate,
+            "check-drafter": cli_generate.cmd_check_drafter}
 
 
 if __name__ == "__main__":

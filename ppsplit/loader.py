@@ -151,5 +151,8 @@ def load(folder: str, devices: Sequence[torch.device | str] | None = None) -> Sp
     if len(devices) != plan.pp:
         raise ConfigError(f"{folder} has {plan.pp} stages; pass one device per stage, got {len(devices)}")
     stages = [load_stage(folder, k, devices[k]) for k in range(plan.pp)]
-    return SplitModel(plan, stages, eos_token_id=manifest.get("eos_token_id") or (),
-                      pad_token_id=manifest.get("pad_token_id"))
+    split = SplitModel(plan, stages, eos_token_id=manifest.get("eos_token_id") or (),
+                       pad_token_id=manifest.get("pad_token_id"))
+    from ppsplit.drafter_load import attach_compiled_drafter
+    attach_compiled_drafter(split, folder)  # split.drafter, when compiled with --drafter
+    return split

@@ -120,8 +120,13 @@ class SplitModel(torch.nn.Module):
         return aux.permute(1, 2, 0, 3).reshape(batch, tokens, n * hidden)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, drafter=None, num_draft_tokens: int = 4,
+                 temperature: float = 0.0, generator: torch.Generator | None = None, return_stats: bool = False):
         """Greedy decoding through the stages with their KV caches: one prefill, then one token per step.
+
+        With ``drafter`` (an EAGLE-3 drafter from ``ppsplit.load_drafter``): speculative decoding, ``K =
+        num_draft_tokens`` drafts per verify pass, greedy or lossless sampling at ``temperature``; with
+        ``return_stats`` returns ``(ids, SpeculativeStats)`` (see ``ppsplit.speculative``).
 
         Matches ``model.generate(input_ids, do_sample=False, max_new_tokens=...)``: a sequence that has emitted
         an end-of-sequence token continues with padding, and decoding stops when all have.
@@ -131,6 +136,15 @@ class SplitModel(torch.nn.Module):
             split = split_model(model, pp=2, cache=CacheConfig(batch_size=1, max_len=256))
             out = split.generate(input_ids, max_new_tokens=32)   # [B, T + new]
         """
+        if drafter is not None:
+            from ppsplit import speculative
+
+            out, stats = speculative.generate(self, input_ids, max_new_tokens, drafter, num_draft_tokens,
+                                              temperature, generator)
+            return (out, stats) if return_stats else out
+        if temperature or return_stats:
+            raise ConfigError("temperature and return_stats need a drafter (speculative decoding); plain generate "
+                              "is greedy")
         batch, prompt = input_ids.shape
         self._check_cache(batch, prompt + max_new_tokens)
         device = input_ids.device

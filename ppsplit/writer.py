@@ -15,6 +15,7 @@ leaves no output folder behind. Loading lives in ``ppsplit.loader``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -39,11 +40,14 @@ _TMP_TAG = ".ppsplit-tmp-"
 
 
 def compile_model(model: str, out: str, *, options: SplitOptions | None = None, dtype: str | None = None,
-                  force: bool = False, progress: bool = False, **split_options) -> str:
+                  force: bool = False, progress: bool = False, drafter: str | None = None,
+                  drafter_convention: str = "sglang", **split_options) -> str:
     """Split the checkpoint ``model`` and write the artifacts to ``out``. Returns ``out``.
 
     The split is described by ``options`` (a ``SplitOptions``) or by the same keywords as ``split_model``
-    (``pp``, ``aux``, ``balance``, ``aux_convention``, ``cache``, ``fuse``).
+    (``pp``, ``aux``, ``balance``, ``aux_convention``, ``cache``, ``fuse``). With ``drafter`` (an EAGLE-3
+    checkpoint), the taps come from its config (ids in ``drafter_convention`` numbering) and the drafter, with its
+    embedding copy, is stored in ``out/drafter`` (``ppsplit.load`` attaches it as ``split.drafter``).
 
     Example::
 
@@ -67,6 +71,10 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     folder = resolve_model(model)
     config = load_config(folder)
     check_not_quantized(config, model)
+    if drafter is not None:
+        from ppsplit.drafter_load import compile_taps
+        aux = compile_taps(drafter, config, options.aux, drafter_convention)
+        options = dataclasses.replace(options, aux=aux, aux_convention="vllm")
     checkpoint = Checkpoint(folder)
     torch_dtype = DTYPES[dtype] if dtype else _config_dtype(config)
 
@@ -80,6 +88,9 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
         tied = dict(tied_parameters(model_obj))  # alias -> the name a tied checkpoint stores
         stage_specs = [_stage_tensors(stage, k, sources, buffers, tied) for k, stage in enumerate(split.stages)]
         _write(tmp, split, stage_specs, sources, buffers, model, torch_dtype, progress)
+        if drafter is not None:
+            from ppsplit.drafter_load import write_compiled_drafter
+            write_compiled_drafter(tmp, drafter, split, checkpoint, tied, drafter_convention)
         if os.path.exists(out):
             backup = tmp + "-old"
             os.rename(out, backup)

@@ -1,0 +1,432 @@
+"""EAGLE-3 on the last stage: drafter loading, its forward against an independent reference, lossless speculative
+decoding (greedy and sampling), a drafter trained here reaching real acceptance, errors, and the CLI."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ppsplit
+from ppsplit import CacheConfig, ConfigError
+from ppsplit.speculative import accept
+from tests.drafters import drafter_config, random_drafter_tensors, write_drafter
+from tests.models import VOCAB, tiny_model
+from tests.test_decode import CACHE, cached  # the same traced models as the decoding tests
+
+SPEC_IDS = [0, 1, 3]  # eagle_aux_hidden_state_layer_ids as SpecForge writes them (layer outputs)
+TAPS = [1, 2, 4]  # the same tensors in ppsplit numbering (+1)
+_MODELS: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster, and on a busy 2-core machine far faster (no spin-waiting)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def traced(name):
+    """(model, traced graph with a KV cache): llama and qwen3 shared with test_decode, plus a tied-embedding qwen3
+    and a 32-token target for the training and sampling tests."""
+    if name in ("llama", "qwen3"):
+        return cached(name)
+    if name not in _MODELS:
+        if name == "qwen3_tied":
+            model, cache = tiny_model("qwen3", tie_word_embeddings=True), CACHE
+        else:  # "small": vocabulary 32 and no end-of-sequence token, a big batch for sampling statistics
+            model, cache = tiny_model("llama", vocab_size=32, eos_token_id=None), CacheConfig(batch_size=2000, max_len=48)
+        _MODELS[name] = (model, ppsplit.trace_model(model, cache=cache))
+    return _MODELS[name]
+
+
+def hf_greedy(model, ids, new_tokens):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+
+
+def drafter_on_disk(tmp_path, model, layout, seed=0, name=None, draft_vocab=None, **overrides):
+    cfg = drafter_config(model.config, aux_ids=SPEC_IDS, draft_vocab=draft_vocab or model.config.vocab_size * 3 // 4,
+                         **overrides)
+    tensors = random_drafter_tensors(cfg, seed=seed)
+    return write_drafter(str(tmp_path / (name or f"drafter-{layout}-{seed}")), cfg, tensors, layout), cfg, tensors
+
+
+# -- lossless greedy decoding through 1, 2, 3 stages ----------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_tied"])
+def test_speculative_greedy_equals_target_greedy(arch, tmp_path):
+    model, graph = traced(arch)
+    torch.manual_seed(3)
+    ids = torch.randint(3, VOCAB, (2, 7))
+    expected = hf_greedy(model, ids, 12)
+    stats = {}
+    for pp, layout in ((1, "safetensors"), (2, "bin"), (3, "safetensors")):
+        split = ppsplit.split_model(graph, pp, aux=TAPS)
+        folder, _, _ = drafter_on_disk(tmp_path, model, layout)
+        drafter = ppsplit.load_drafter(folder, split=split)
+        assert drafter.taps == tuple(TAPS)
+        out, stats[pp] = split.generate(ids, 12, drafter=drafter, num_draft_tokens=3, return_stats=True)
+        assert torch.equal(out, expected), f"{arch} pp={pp}:\n{out[:, 7:]}\n{expected[:, 7:]}"
+        s = stats[pp]
+        assert s.verify_passes == s.steps > 0 and all(len(d) == 3 for d in s.draft_tokens)
+    # The taps do not depend on the split, nor the drafter on the file layout: same drafts, same acceptance.
+    assert stats[3].draft_tokens == stats[1].draft_tokens == stats[2].draft_tokens
+    assert stats[3].accepted == stats[1].accepted
+    if arch == "qwen3_tied":  # the tied table lives on stage 0 and as lm_head on the last stage; the drafter shares it
+        table = dict(split.stages[0].named_parameters())["model.embed_tokens.weight"]
+        assert drafter.embed_tokens.data_ptr() == table.data_ptr()
+
+
+def test_batch_sequences_accept_independently_and_commit_the_minimum(tmp_path):
+    """Drafts that are right for sequence 0 and wrong from index 1 on for sequence 1: each sequence's acceptance
+    is its own, the batch commits the minimum, and the output still equals greedy decoding."""
+    model, graph = traced("llama")
+    split = ppsplit.split_model(graph, 2, aux=TAPS)
+    folder, _, _ = drafter_on_disk(tmp_path, model, "safetensors")
+    drafter = ppsplit.load_drafter(folder, split=split)
+    torch.manual_seed(4)
+    ids = torch.randint(3, VOCAB, (2, 6))
+    expected = hf_greedy(model, ids, 20)
+    truth = expected[:, 6:]
+    full = []  # per verify step: did the oracle have K true tokens left to propose
+
+    def oracle(aux, tokens, positions, index, k, temperature=0.0, generator=None):
+        done = int(positions[0]) + int(index) + 1 - 6 + 1  # tokens already committed, the pending one included
+        drafts = truth[:, done:done + k].clone()
+        drafts = torch.cat([drafts, torch.full((2, k - drafts.shape[1]), 5)], 1)
+        drafts[1, 1:] = (drafts[1, 1:] + 1) % VOCAB  # sequence 1: only its first draft is right
+        full.append(done + k <= truth.shape[1])
+        return drafts, None
+
+    drafter.draft = oracle
+    out, stats = split.generate(ids, 20, drafter=drafter, num_draft_tokens=4, return_stats=True)
+    assert torch.equal(out, expected)
+    steps = [i for i, f in enumerate(full) if f]
+    assert len(steps) >= 5
+    assert all(stats.accepted[i] == 4 for i in steps)  # sequence 0 accepts all its (right) drafts
+    assert all(stats.committed[i] == 1 for i in steps)  # the batch advances by sequence 1's single acceptance
+
+
+# -- the drafter's forward against a reference written from the published description ---------------------------
+def reference_drafts(t, cfg, taps_hidden, tokens, embed, k=2):
+    """EAGLE-3 drafting in plain torch, recomputed over the whole sequence at each step (no cache): returns the
+    first-call logits [T, V_draft] and ``k`` target-vocab draft ids."""
+    eps, h = cfg["rms_norm_eps"], cfg["hidden_size"]
+    nh, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = h // nh
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def layer(x, toks):  # x [n, H]: fc output or the previous step's pre-norm output; toks [n]; positions 0..n-1
+        n = x.shape[0]
+        pos = torch.arange(n, dtype=torch.float32)
+        inv = 1.0 / cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        ang = torch.cat([pos[:, None] * inv, pos[:, None] * inv], -1)
+
+        def rope(v):  # v [heads, n, hd]
+            rot = torch.cat([-v[..., hd // 2:], v[..., :hd // 2]], -1)
+            return v * ang.cos() + rot * ang.sin()
+
+        hn = rms(x, t["midlayer.hidden_norm.weight"])
+        residual = hn if cfg.get("norm_before_residual") else x
+        e = rms(embed[toks], t["midlayer.input_layernorm.weight"])
+        both = torch.cat([e, hn], -1)  # embedding first, width 2H
+        q = rope((both @ t["midlayer.self_attn.q_proj.weight"].T).view(n, nh, hd).transpose(0, 1))
+        kk = rope((both @ t["midlayer.self_attn.k_proj.weight"].T).view(n, kvh, hd).transpose(0, 1))
+        vv = (both @ t["midlayer.self_attn.v_proj.weight"].T).view(n, kvh, hd).transpose(0, 1)
+        kk, vv = kk.repeat_interleave(nh // kvh, 0), vv.repeat_interleave(nh // kvh, 0)
+        scores = q @ kk.transpose(1, 2) / math.sqrt(hd)
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        attn = (scores.softmax(-1) @ vv).transpose(0, 1).reshape(n, nh * hd) @ t["midlayer.self_attn.o_proj.weight"].T
+        mid = residual + attn
+        m = rms(mid, t["midlayer.post_attention_layernorm.weight"])
+        out = mid + (F.silu(m @ t["midlayer.mlp.gate_proj.weight"].T) * (m @ t["midlayer.mlp.up_proj.weight"].T)) \
+            @ t["midlayer.mlp.down_proj.weight"].T
+        return rms(out, t["norm.weight"]) @ t["lm_head.weight"].T, out
+
+    x = torch.cat(taps_hidden, -1) @ t["fc.weight"].T  # taps in ascending order
+    toks = tokens.clone()
+    first_logits, ids = None, []
+    for _ in range(k):
+        logits, out = layer(x, toks)
+        first_logits = logits if first_logits is None else first_logits
+        d = int(logits[-1].argmax())
+        ids.append(d + int(t["d2t"][d]))
+        x = torch.cat([x, out[-1:]])  # the next step reads the pre-norm output, not fc
+        toks = torch.cat([toks, torch.tensor([ids[-1]])])
+    return first_logits, ids
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_drafter_matches_independent_reference(norm_before_residual, tmp_path):
+    model, graph = traced("llama")
+    split = ppsplit.split_model(graph, 3, aux=TAPS)
+    folder, cfg, t = drafter_on_disk(tmp_path, model, "bin", seed=1, norm_before_residual=norm_before_residual)
+    drafter = ppsplit.load_drafter(folder, split=split)
+    torch.manual_seed(5)
+    ids = torch.randint(3, VOCAB, (1, 9))
+    T = ids.shape[1]
+    with torch.no_grad():
+        hf = model(ids, output_hidden_states=True)
+    next_token = hf.logits[0, -1].argmax()
+    tokens = torch.cat([ids[0, 1:], next_token[None]])  # taps of position i pair with token i + 1
+    embed = model.get_input_embeddings().weight.detach()
+    ref_logits, ref_ids = reference_drafts(t, cfg, [hf.hidden_states[j][0] for j in TAPS], tokens, embed, k=2)
+
+    _, aux = split(ids, torch.arange(T))
+    with torch.no_grad():
+        logits, _ = drafter(aux, tokens[None], torch.arange(T))
+    torch.testing.assert_close(logits[0], ref_logits, atol=1e-4, rtol=1e-4)
+    drafts, _ = drafter.draft(aux, tokens[None], torch.arange(T), T - 1, k=2)
+    assert drafts[0].tolist() == ref_ids
+
+
+def test_adapter_never_concatenates_and_matches_fc(tmp_path):
+    model, graph = traced("llama")
+    split = ppsplit.split_model(graph, 1, aux=[0, *TAPS])  # an extra tap the drafter does not read (slot 0)
+    folder, _, t = drafter_on_disk(tmp_path, model, "safetensors")
+    drafter = ppsplit.load_drafter(folder, split=split)
+    assert drafter.slots == (1, 2, 3)
+    aux = torch.randn(4, 2, 5, 64)
+    expected = torch.cat([aux[1], aux[2], aux[3]], -1) @ t["fc.weight"].T
+    torch.testing.assert_close(drafter.adapt(aux), expected, atol=1e-5, rtol=1e-5)
+    with torch.profiler.profile() as prof:
+        drafter.adapt(aux)
+    ops = {e.name for e in prof.events()}
+    assert "aten::cat" not in ops and "aten::addmm" in ops
+
+
+# -- a drafter trained here: accepted tokens skip target passes ----------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A drafter trained for 300 Adam steps on the 32-token target's own greedy continuations (teacher forcing on
+    the target's taps, plus one step on the drafter's own output as EAGLE-3's training-time test does)."""
+    model, graph = traced("small")
+    split = ppsplit.split_model(graph, 1, aux=TAPS, fuse=False)  # big batches: plain ops beat the Triton interpreter
+    folder, cfg, _ = drafter_on_disk(tmp_path_factory.mktemp("d"), model, "safetensors", draft_vocab=32)
+    drafter = ppsplit.load_drafter(folder, split=split)
+    g = torch.Generator().manual_seed(0)
+    seqs = split.generate(torch.randint(3, 32, (64, 4), generator=g), 40)
+    with torch.no_grad():
+        _, aux = split(seqs, torch.arange(seqs.shape[1]))
+    T = seqs.shape[1]
+    to_draft = torch.full((32,), -100, dtype=torch.long)
+    to_draft[drafter.target_ids] = torch.arange(drafter.target_ids.numel())  # target ids outside the draft vocab: ignored
+    torch.manual_seed(0)
+    drafter.train()
+    params = [p for p in drafter.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=3e-3)
+    for _ in range(300):
+        pick = torch.randint(0, 64, (16,), generator=g)
+        s, f = seqs[pick], aux[:, pick, :T - 2]
+        logits, out = drafter(f, s[:, 1:T - 1], torch.arange(T - 2))
+        loss = F.cross_entropy(logits.flatten(0, 1), to_draft[s[:, 2:]].flatten())
+        logits2, _ = drafter(out[:, :-1], s[:, 2:T - 1], torch.arange(1, T - 2))
+        loss = loss + F.cross_entropy(logits2.flatten(0, 1), to_draft[s[:, 3:]].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    drafter.eval()
+    for p in params:
+        p.requires_grad_(False)
+    return model, split, drafter, g
+
+
+def test_trained_drafter_accepts_and_skips_target_passes(trained):
+    model, split, drafter, g = trained
+    prompts = torch.randint(3, 32, (3, 4), generator=g)  # unseen prompts
+    calls = []
+    stage0 = split.stages[0]
+    hook = stage0.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[1]))
+    try:
+        lengths = []
+        for b in range(prompts.shape[0]):
+            calls.clear()
+            out, stats = split.generate(prompts[b:b + 1], 24, drafter=drafter, num_draft_tokens=4, return_stats=True)
+            assert torch.equal(out, hf_greedy(model, prompts[b:b + 1], 24))
+            # One prefill, then exactly one K + 1 = 5 token pass per verify step; no other target pass.
+            assert calls == [4] + [5] * stats.steps and stats.verify_passes == stats.steps
+            assert stats.steps < 23  # accepted drafts skipped target passes
+            lengths.append(stats.mean_acceptance_length)
+    finally:
+        hook.remove()
+    mean = sum(lengths) / len(lengths)
+    print(f"trained drafter: mean acceptance length {mean:.2f} at K=4 (per prompt {[round(x, 2) for x in lengths]})")
+    assert mean >= 2.0, lengths
+
+
+# -- sampling is lossless -----------------------------------------------------------------------------------------
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson chi-square goodness of fit; cells expecting fewer than ``min_expected`` are pooled."""
+    expected = probs.double() * counts.sum()
+    small = expected < min_expected
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
+
+
+def test_acceptance_rule_is_lossless_at_every_index():
+    g = torch.Generator().manual_seed(0)
+    V, K, N = 8, 3, 200_000
+    target_logits = torch.randn(K + 1, V, generator=g) * 1.5
+    q = torch.softmax(torch.randn(K, V, generator=g) * 1.5, -1)
+    q[:, 0] = 0  # the drafter never proposes token 0: only the residual can produce it
+    q = q / q.sum(-1, keepdim=True)
+    drafts = torch.stack([torch.multinomial(q[i], N, replacement=True, generator=g) for i in range(K)], 1)
+    n, token = accept(drafts, target_logits.expand(N, K + 1, V), 1.0, q.expand(N, K, V), g)
+    p = torch.softmax(target_logits, -1)
+    full = torch.cat([drafts, drafts[:, :1]], 1)
+    for i in range(K + 1):
+        reached = n >= i
+        x = torch.where(n[reached] > i, full[reached, i], token[reached])
+        assert chi2_pvalue(torch.bincount(x, minlength=V), p[i]) > 1e-3, f"index {i}"
+    assert 0 < (n == 0).float().mean() < 1 and (n == K).any()  # both rejections and full acceptance happen
+    # The test has power: the raw drafts (distributed as q) are told apart from p.
+    assert chi2_pvalue(torch.bincount(drafts[:, 0], minlength=V), p[0]) < 1e-6
+
+
+def test_speculative_sampling_matches_target_distribution(tmp_path):
+    """2000 copies of one prompt, two new tokens: the joint distribution of (first, second) token equals the
+    target's p(t0) p(t1 | t0); the second token comes from the acceptance rule of the first verify pass."""
+    model, graph = traced("small")
+    split = ppsplit.split_model(graph, 2, aux=TAPS, fuse=False)
+    folder, _, _ = drafter_on_disk(tmp_path, model, "safetensors", seed=3)
+    drafter = ppsplit.load_drafter(folder, split=split)
+    prompt = torch.tensor([[5, 9, 17, 3, 11]])
+    N, V, temp = 2000, 32, 0.8
+    out, stats = split.generate(prompt.expand(N, -1), 2, drafter=drafter, num_draft_tokens=2, temperature=temp,
+                                generator=torch.Generator().manual_seed(1), return_stats=True)
+    assert stats.verify_passes == 1
+    with torch.no_grad():
+        p0 = torch.softmax(model(prompt).logits[0, -1] / temp, -1)
+        after = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)
+        p1 = torch.softmax(model(after).logits[:, -1] / temp, -1)
+        hot = torch.softmax(model(prompt).logits[0, -1] / 1.2, -1)[:, None] \
+            * torch.softmax(model(after).logits[:, -1] / 1.2, -1)
+    counts = torch.bincount(out[:, 5] * V + out[:, 6], minlength=V * V)
+    assert chi2_pvalue(counts, (p0[:, None] * p1).flatten()) > 1e-3
+    # The test has power: the same samples are told apart from the target at another temperature.
+    assert chi2_pvalue(counts, hot.flatten()) < 1e-3
+
+
+# -- errors -------------------------------------------------------------------------------------------------------
+def test_drafter_errors(tmp_path):
+    model, graph = traced("llama")
+    split = ppsplit.split_model(graph, 2, aux=TAPS)
+    ok, cfg, t = drafter_on_disk(tmp_path, model, "safetensors")
+
+    def variant(name, cfg_over=None, drop=(), replace=None):
+        c = dict(cfg, **(cfg_over or {}))
+        tensors = {k: v for k, v in t.items() if k not in drop}
+        tensors.update(replace or {})
+        return write_drafter(str(tmp_path / name), c, tensors)
+
+    with pytest.raises(ConfigError, match="load_drafter needs split="):
+        ppsplit.load_drafter(ok)
+    with pytest.raises(ConfigError, match=r"reads taps \[0, 1, 3\] but the split carries \[1, 2, 4\]"):
+        ppsplit.load_drafter(ok, split=split, aux_convention="vllm")
+    with pytest.raises(ConfigError, match="drafter tap id 5 is out of range"):
+        ppsplit.load_drafter(variant("range", {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 5]}}),
+                             split=split)
+    with pytest.raises(ConfigError, match="expects target hidden size 32 but the target has 64"):
+        ppsplit.load_drafter(variant("hidden", {"target_hidden_size": 32}), split=split)
+    with pytest.raises(ConfigError, match=r"vocabulary x hidden \(100 x 64\) does not match the target's embedding"):
+        ppsplit.load_drafter(variant("vocab", {"vocab_size": 100}), split=split)
+    with pytest.raises(ConfigError, match="no d2t tensor but its draft vocabulary \\(96\\) is smaller"):
+        ppsplit.load_drafter(variant("d2t", drop=("d2t",)), split=split)
+    with pytest.raises(ConfigError, match="has no fc.weight tensor"):
+        ppsplit.load_drafter(variant("fc", drop=("fc.weight",)), split=split)
+    with pytest.raises(ConfigError, match="aux_convention must be 'sglang'"):
+        ppsplit.load_drafter(ok, split=split, aux_convention="hf")
+    drafter = ppsplit.load_drafter(ok, split=split)
+    ids = torch.randint(3, VOCAB, (1, 5))
+    with pytest.raises(ConfigError, match="num_draft_tokens must be an integer >= 1, but got 0"):
+        split.generate(ids, 4, drafter=drafter, num_draft_tokens=0)
+    with pytest.raises(ConfigError, match=r"reads taps \[1, 2, 4\] but the split carries \[1, 3\]"):
+        ppsplit.split_model(graph, 2, aux=[1, 3]).generate(ids, 4, drafter=drafter)
+    with pytest.raises(ConfigError, match="temperature and return_stats need a drafter"):
+        split.generate(ids, 4, temperature=1.0)
+
+
+# -- compiled folder and command line -----------------------------------------------------------------------------
+def test_compile_with_drafter_generate_and_check_drafter(trained, tmp_path, capsys):
+    from ppsplit.cli import main
+    from ppsplit.drafter_load import save_drafter
+
+    model, split, drafter, _ = trained
+    model.save_pretrained(tmp_path / "target", safe_serialization=True)
+    # The trained drafter as a published checkpoint: SpecForge ids, no embedding (the target's is used).
+    save_drafter(drafter, str(tmp_path / "trained"))
+    cfg, tensors = ppsplit.drafter_load.read_drafter(str(tmp_path / "trained"))
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("ppsplit_")}
+    tensors = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "rotary.inv_freq")}
+    published = write_drafter(str(tmp_path / "published"), cfg, tensors, "bin")
+
+    out_dir = str(tmp_path / "compiled")
+    assert main(["compile", str(tmp_path / "target"), "--pp", "2", "--drafter", published, "-o", out_dir,
+                 "--max-batch", "1", "--max-len", "64"]) == 0
+    loaded = ppsplit.load(out_dir)
+    assert loaded.plan.taps == tuple(TAPS) and loaded.drafter.taps == tuple(TAPS)
+    prompt = torch.tensor([[7, 20, 4, 13]])
+    expected = hf_greedy(model, prompt, 24)
+    out, stats = loaded.generate(prompt, 24, drafter=loaded.drafter, return_stats=True)
+    assert torch.equal(out, expected) and stats.mean_acceptance_length > 1.5
+    capsys.readouterr()
+    assert main(["generate", out_dir, "--prompt-ids", "7,20,4,13", "--max-new-tokens", "24", "-k", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0] == ",".join(map(str, expected[0, 4:].tolist()))
+    assert "tokens/s" in printed and f"mean acceptance length {stats.mean_acceptance_length:.2f}" in printed
+
+    assert main(["check-drafter", str(tmp_path / "target"), published, "--prompts", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "fits: sglang" in printed, printed
+    assert main(["generate", out_dir, "--prompt-ids", "1,x"]) == 2
+
+
+@pytest.mark.gpu
+def test_draft_step_is_cuda_graph_capturable(tmp_path):
+    model, graph = traced("llama")
+    split = ppsplit.split_model(graph, 2, aux=TAPS).place(["cuda", "cuda"])
+    folder, _, _ = drafter_on_disk(tmp_path, model, "safetensors")
+    drafter = ppsplit.load_drafter(folder, split=split)
+    assert drafter.fc.weight.is_cuda and drafter.cache_keys.is_cuda
+    hidden = torch.randn(2, 1, 64, device="cuda")
+    token = torch.randint(3, VOCAB, (2, 1), device="cuda")
+    pos = torch.tensor([7], device="cuda")
+    with torch.no_grad():
+        eager_ids, eager_out = drafter.step(hidden, token, pos)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            drafter.step(hidden, token, pos)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            ids, out = drafter.step(hidden, token, pos)
+        hidden.copy_(torch.randn_like(hidden))
+        g.replay()
+        expected_ids, expected_out = drafter.step(hidden, token, pos)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected_out)
+    assert torch.equal(ids, expected_ids) and not torch.equal(out, eager_out)
+
+    # The whole greedy draft of a verify step (window of K + 1 rows, then K - 1 steps) as one graph.
+    aux = torch.randn(3, 2, 4, 64, device="cuda")
+    tokens = torch.randint(3, VOCAB, (2, 4), device="cuda")
+    positions = torch.arange(10, 14, device="cuda")
+    eager, _ = drafter.draft(aux, tokens, positions, 2, 3)
+    drafter.capture(2, 3)
+    assert (2, 4, 3) in drafter.graphs
+    replayed, _ = drafter.draft(aux, tokens, positions, 2, 3)
+    assert torch.equal(replayed, eager)
+    # The captured graph reads its inputs: a different window drafts what eager drafting gives for it.
+    other, _ = drafter.draft(aux.flip(1), tokens.flip(0), positions, 1, 3)
+    drafter.graphs.clear()
+    assert torch.equal(other, drafter.draft(aux.flip(1), tokens.flip(0), positions, 1, 3)[0])
