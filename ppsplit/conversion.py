@@ -38,7 +38,12 @@ class Group:
 
 
 def check_not_quantized(config, name: str) -> None:
-    """Refuse checkpoints whose weights transformers keeps quantized (FP8 block scales, MXFP4, GPTQ, AWQ, ...)."""
+    """Refuse checkpoints whose weights transformers keeps quantized (FP8 block scales, MXFP4, GPTQ, AWQ, ...).
+
+    Example::
+
+        check_not_quantized(AutoConfig.from_pretrained(folder), folder)   # ConfigError naming quant_method
+    """
     quant = getattr(config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
@@ -124,7 +129,12 @@ def _reader(checkpoint: Checkpoint, key: str, dtype: torch.dtype) -> Callable[[]
 
 
 def read_tensor(checkpoint: Checkpoint, key: str) -> torch.Tensor:
-    """One tensor from its shard: one read of exactly its bytes (no mapping of the shard, no reopening a header)."""
+    """One tensor from its shard: one read of exactly its bytes (no mapping of the shard, no reopening a header).
+
+    Example::
+
+        w = read_tensor(Checkpoint(folder), "model.layers.0.mlp.experts.3.up_proj.weight")
+    """
     raw = checkpoint.raw_range(key)
     dtype = _TORCH_DTYPES.get(raw.dtype)
     if dtype is None:
