@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: install ppsplit there (no network: no build isolation,
 # no dependencies), run the GPU tests, then the benchmarks. Logs go to $OUT.
-#   bash bench/run_gpu.sh [tests] [kernel] [anchor] [pipeline] [backend] [eagle3]   (default: the first four)
+#   bash bench/run_gpu.sh [tests] [kernel] [anchor] [pipeline] [backend] [eagle3] [balance] [pipeline_mp]
+#   (default: the first four)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/ppsplit-out}
@@ -23,6 +24,8 @@ for step in $what; do
     pipeline) python3 bench/pipeline.py 2>&1 | tee "$OUT/pipeline.txt" ;;
     backend)  python3 bench/backend.py 2>&1 | tee "$OUT/backend.txt" ;;
     eagle3)   python3 bench/eagle3.py 2>&1 | tee "$OUT/eagle3.txt" ;;
+    balance)  python3 bench/balance.py --gpu 2>&1 | tee "$OUT/balance.txt" ;;
+    pipeline_mp) python3 bench/pipeline_mp.py 2>&1 | tee "$OUT/pipeline_mp.txt" ;;   # 2 GPUs, NCCL (issue 9)
     *)        python3 bench/pipeline.py --sections "$step" 2>&1 | tee "$OUT/pipeline_$step.txt" ;;
   esac
 done

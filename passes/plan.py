@@ -1,66 +1,124 @@
 """Pass 3, plan: pure data. Choose stage ranges with a balancing policy and place the taps.
 
-A policy maps ``(ModelCosts, pp)`` to the number of layers per stage. Built in:
+A built-in policy gives each region (embedding, every decoder layer, head, and the fixed work of any stage) a
+cost; ``passes/balance.py`` then finds the contiguous split whose slowest stage is as cheap as possible, exactly,
+optionally under a per-stage cap on weights + KV cache (``max_stage_bytes``). Built in:
 
-- ``"layers"``: as many layers per stage as possible, evenly; the first and last stages, which also hold the
-  embedding and the head, take the smaller shares when the layers do not divide evenly.
-- ``"params"``: minimise the largest stage by parameter count, embedding and head included.
+- ``"layers"``: every layer costs 1; when the layers do not divide evenly, the first and last stages, which also
+  hold the embedding and the head, take the smaller shares.
+- ``"params"``: parameter counts, embedding and head included.
+- ``"memory"``: bytes of weights plus the static KV cache of each layer.
+- ``"flops"``: matmul flops counted from the traced graph's shapes for a ``CostModel`` workload
+  (``passes/costs.py``); the embedding, a gather, costs nothing, the head its full matmul.
+- ``"time"``: each layer, the embedding and the head timed on the device they run on; the driver
+  (``ppsplit.measure``) measures and passes the result in as ``measured``.
 
-Any callable with that signature, or an explicit list of layer counts, plugs in the same way.
+A callable ``f(costs, pp) -> layer counts``, or an explicit list of counts, plugs in the same way. The plan records
+every stage's cost under the policy (``StagePlan.cost``) and the regions it summed (``SplitPlan.region_costs``).
 """
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ppsplit.config import Balance
+from ppsplit.config import Balance, CostModel
 from ppsplit.errors import ConfigError
 from ppsplit.passes.annotate import Annotated
-from ppsplit.plan import ModelCosts, SplitPlan, StagePlan
+from ppsplit.passes.balance import best_split, smallest_cap
+from ppsplit.passes.costs import flops_costs
+from ppsplit.plan import ModelCosts, RegionCosts, SplitPlan, StagePlan, fmt_bytes
 from ppsplit.tensors import dtype_name
 
 BalancePolicy = Callable[[ModelCosts, int], Sequence[int]]
 
 
+def layer_costs(costs: ModelCosts) -> RegionCosts:
+    return RegionCosts(layers=(1.0,) * costs.num_layers, unit="layers")
+
+
+def param_costs(costs: ModelCosts) -> RegionCosts:
+    return RegionCosts(layers=tuple(float(p) for p in costs.layer_params), embed=float(costs.embed_params),
+                       head=float(costs.head_params), unit="params")
+
+
+def memory_costs(costs: ModelCosts) -> RegionCosts:
+    """Bytes each part holds: weights, plus each layer's static KV cache when the split has one."""
+    weights = costs.layer_bytes or (0,) * costs.num_layers
+    cache = costs.layer_cache_bytes or (0,) * costs.num_layers
+    return RegionCosts(layers=tuple(float(w + c) for w, c in zip(weights, cache)), embed=float(costs.embed_bytes),
+                       head=float(costs.head_bytes), unit="bytes")
+
+
 def balance_layers(costs: ModelCosts, pp: int) -> list[int]:
     # Whole layers dominate; the embedding and head only break ties, so uneven counts leave the end stages lighter.
-    layer = [1000] * costs.num_layers
-    return _min_max_partition(layer, pp, first_extra=1, last_extra=1)
+    return best_split(RegionCosts(layers=(1000.0,) * costs.num_layers, embed=1.0, head=1.0), pp)
 
 
 def balance_params(costs: ModelCosts, pp: int) -> list[int]:
-    return _min_max_partition(list(costs.layer_params), pp, first_extra=costs.embed_params, last_extra=costs.head_params)
+    return best_split(param_costs(costs), pp)
 
 
-POLICIES: dict[str, BalancePolicy] = {"layers": balance_layers, "params": balance_params}
+POLICIES: dict[str, BalancePolicy] = {"layers": balance_layers, "params": balance_params,
+                                      "memory": lambda costs, pp: best_split(memory_costs(costs), pp)}
+_COUNTED = ("flops", "time")  # policies whose costs come from the graph or the device, not from ModelCosts
 
 
 def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers",
               hidden_size: int = 0, dtype: str = "", model_class: str = "", layers_fqn: str = "",
-              max_batch: int = 0, max_len: int = 0) -> SplitPlan:
+              max_batch: int = 0, max_len: int = 0, region_costs: RegionCosts | None = None,
+              cost_model: CostModel | None = None, max_stage_bytes: int | None = None) -> SplitPlan:
     """Compute a ``SplitPlan`` for ``pp`` stages and the given tap ids (vLLM numbering, duplicates collapse).
-    ``pp`` and ``taps`` are expected valid (``SplitOptions.taps`` checks them against the model).
+    ``pp`` and ``taps`` are expected valid (``SplitOptions.taps`` checks them against the model). The ``flops``
+    and ``time`` policies balance ``region_costs`` (counted by ``plan`` or measured by the driver); with
+    ``max_stage_bytes`` no stage holds more weights + KV cache than that.
 
     Example::
 
-        make_plan(costs, pp=4, taps=(2, 16, 29), balance="params")
+        make_plan(costs, pp=4, taps=(2, 16, 29), balance="params", max_stage_bytes=20 << 30)
     """
     num_layers = costs.num_layers
     slots = tuple(sorted(set(int(t) for t in taps)))
+    memory = memory_costs(costs)
+    cap = None if max_stage_bytes is None else float(max_stage_bytes)
 
     if isinstance(balance, str):
-        if balance not in POLICIES:
-            raise ConfigError(f"balance must be one of {', '.join(POLICIES)} (or a list of layer counts), "
-                              f"but got {balance!r}")
-        name, sizes = balance, POLICIES[balance](costs, pp)
-    elif callable(balance):
-        name, sizes = getattr(balance, "__name__", "custom"), balance(costs, pp)
+        if balance not in POLICIES and (balance not in _COUNTED or region_costs is None):
+            extra = (f"; balance={balance!r} needs the costs that ppsplit.passes.plan.plan counts or "
+                     "ppsplit.split_model measures" if balance in _COUNTED else "")
+            raise ConfigError(f"balance must be one of {', '.join(POLICIES)} (or a list of layer counts) when "
+                              f"planning from parameter counts alone, but got {balance!r}{extra}")
+        name = balance
+        if balance in _COUNTED:
+            reported = region_costs
+            sizes = best_split(region_costs, pp, memory=memory, cap=cap)
+        else:
+            reported = {"layers": layer_costs, "params": param_costs, "memory": memory_costs}[balance](costs)
+            sizes = POLICIES[balance](costs, pp) if cap is None else best_split(
+                RegionCosts(layers=(1000.0,) * num_layers, embed=1.0, head=1.0) if balance == "layers" else reported,
+                pp, memory=memory, cap=cap)
+        if sizes is None:
+            need = smallest_cap(memory, pp)
+            raise ConfigError(f"no split of the {num_layers} layers into {pp} stages keeps every stage within "
+                              f"max_stage_bytes={max_stage_bytes} ({fmt_bytes(max_stage_bytes)}, weights + KV "
+                              f"cache); the smallest cap that fits pp={pp} is {int(need)} ({fmt_bytes(need)}): raise "
+                              "max_stage_bytes, use more stages, or a smaller KV cache")
     else:
-        name, sizes = "explicit", balance
+        if callable(balance):
+            name, sizes = getattr(balance, "__name__", "custom"), balance(costs, pp)
+        else:
+            name, sizes = "explicit", balance
+        reported = region_costs or param_costs(costs)
     sizes = [int(n) for n in sizes]
     if len(sizes) != pp or any(n < 1 for n in sizes) or sum(sizes) != num_layers:
         raise ConfigError(f"balance gave layer counts {sizes}; they must be {pp} positive numbers that add up to "
                           f"the model's {num_layers} decoder layers")
+    if cap is not None:
+        for k, held in enumerate(memory.stage_costs(sizes)):
+            if held > cap:
+                raise ConfigError(f"stage {k} of layer counts {sizes} holds {fmt_bytes(held)} of weights + KV cache, "
+                                  f"over max_stage_bytes={max_stage_bytes} ({fmt_bytes(max_stage_bytes)}); choose "
+                                  "other counts or a policy name, which then fits the cap")
 
+    stage_cost = reported.stage_costs(sizes)
     stages = []
     start = 0
     for i, n in enumerate(sizes):
@@ -71,18 +129,21 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
             params, nbytes = params + costs.embed_params, nbytes + costs.embed_bytes
         if i == pp - 1:
             params, nbytes = params + costs.head_params, nbytes + costs.head_bytes
-        cost = float(n) if name == "layers" else float(params)
         cache = sum(costs.layer_cache_bytes[start:end]) if costs.layer_cache_bytes else 0
-        stages.append(StagePlan(index=i, start=start, end=end, cost=cost, params=params, bytes=nbytes,
-                                cache_bytes=cache))
+        stages.append(StagePlan(index=i, start=start, end=end, cost=float(stage_cost[i]), params=params,
+                                bytes=nbytes, cache_bytes=cache))
         start = end
     return SplitPlan(num_layers=num_layers, hidden_size=hidden_size, dtype=dtype, stages=tuple(stages), taps=slots,
                      balance=name, model_class=model_class, layers_fqn=layers_fqn, costs=costs,
-                     max_batch=max_batch, max_len=max_len)
+                     max_batch=max_batch, max_len=max_len, region_costs=reported,
+                     cost_model=cost_model if name in _COUNTED else None, max_stage_bytes=max_stage_bytes)
 
 
-def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers") -> SplitPlan:
-    """``make_plan`` with the costs, sizes and names that the trace and annotate passes found."""
+def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers",
+         cost_model: CostModel | None = None, max_stage_bytes: int | None = None,
+         measured: RegionCosts | None = None) -> SplitPlan:
+    """``make_plan`` with the costs, sizes and names that the trace and annotate passes found. ``balance="flops"``
+    counts the graph's flops under ``cost_model``; ``balance="time"`` needs the driver's ``measured`` times."""
     gm = annotated.gm
     cut0 = gm.graph.find_nodes(op="placeholder", target="input_ids")[0]
     hidden = next(n for n in gm.graph.nodes if n.name in annotated.cuts[0])
@@ -90,50 +151,17 @@ def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Ba
         raise ConfigError("the traced graph feeds input_ids straight into layer 0; ppsplit needs an embedding")
     val = hidden.meta["val"]
     cache = annotated.traced.cache
+    cost_model = cost_model or CostModel()
+    region = None
+    if balance == "flops":
+        region = flops_costs(annotated, cost_model)
+    elif balance == "time":
+        if measured is None:
+            raise ConfigError("balance='time' needs each layer timed on its device; ppsplit.split_model measures "
+                              "them (ppsplit.measure.measure_costs), this pass only plans from the result")
+        region = measured
     return make_plan(annotated.costs, pp, taps, balance=balance, hidden_size=int(val.shape[-1]),
                      dtype=dtype_name(val.dtype), model_class=annotated.traced.model_class,
                      layers_fqn=annotated.layers.fqn, max_batch=cache.batch_size if cache else 0,
-                     max_len=cache.max_len if cache else 0)
-
-
-def _min_max_partition(costs: list[int], pp: int, first_extra: int, last_extra: int) -> list[int]:
-    """Contiguous split of ``costs`` into ``pp`` non-empty parts minimising the largest part (extras added to
-    the first and last parts); among those, the one with the smallest sum of squares."""
-    n = len(costs)
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def part(k: int, i: int, j: int) -> int:
-        return prefix[j] - prefix[i] + (first_extra if k == 0 else 0) + (last_extra if k == pp - 1 else 0)
-
-    inf = float("inf")
-    # best[k][j]: smallest possible largest part when parts 0..k cover costs[:j].
-    best = [[inf] * (n + 1) for _ in range(pp)]
-    for j in range(1, n - pp + 2):
-        best[0][j] = part(0, 0, j)
-    for k in range(1, pp):
-        for j in range(k + 1, n - pp + k + 2):
-            best[k][j] = min(max(best[k - 1][i], part(k, i, j)) for i in range(k, j))
-    bound = best[pp - 1][n]
-
-    # Second pass: among splits whose parts all fit under the bound, the most even one.
-    sq = [[inf] * (n + 1) for _ in range(pp)]
-    choice = [[0] * (n + 1) for _ in range(pp)]
-    for j in range(1, n - pp + 2):
-        if part(0, 0, j) <= bound:
-            sq[0][j] = part(0, 0, j) ** 2
-    for k in range(1, pp):
-        for j in range(k + 1, n - pp + k + 2):
-            for i in range(k, j):
-                c = part(k, i, j)
-                if c <= bound and sq[k - 1][i] + c * c < sq[k][j]:
-                    sq[k][j], choice[k][j] = sq[k - 1][i] + c * c, i
-    sizes = []
-    j = n
-    for k in range(pp - 1, 0, -1):
-        i = choice[k][j]
-        sizes.append(j - i)
-        j = i
-    sizes.append(j)
-    return sizes[::-1]
+                     max_len=cache.max_len if cache else 0, region_costs=region, cost_model=cost_model,
+                     max_stage_bytes=max_stage_bytes)

@@ -25,10 +25,10 @@ if os.path.isfile(os.path.join(_checkout, "pyproject.toml")) and os.path.isdir(o
     __path__.append(_checkout)
 
 _EXPORTS = {
-    "CacheConfig": "ppsplit.config", "SplitOptions": "ppsplit.config",
+    "CacheConfig": "ppsplit.config", "CostModel": "ppsplit.config", "SplitOptions": "ppsplit.config",
     "ConfigError": "ppsplit.errors", "CrossingError": "ppsplit.errors", "LayersNotFoundError": "ppsplit.errors",
     "PpsplitError": "ppsplit.errors", "TraceError": "ppsplit.errors",
-    "ModelCosts": "ppsplit.plan", "SplitPlan": "ppsplit.plan", "StagePlan": "ppsplit.plan",
+    "ModelCosts": "ppsplit.plan", "RegionCosts": "ppsplit.plan", "SplitPlan": "ppsplit.plan", "StagePlan": "ppsplit.plan",
     "StageFusion": "ppsplit.plan", "TapFusion": "ppsplit.plan",
     "SplitModel": "ppsplit.runtime",
     "CapturedStage": "ppsplit.cuda_graphs", "cuda_graph": "ppsplit.cuda_graphs",

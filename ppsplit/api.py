@@ -2,7 +2,7 @@
 
 Runs the passes in order, each taking the typed result of the one before::
 
-    trace -> annotate -> plan -> partition -> taps -> fuse -> emit
+    trace -> annotate -> plan -> partition -> taps -> attention -> fuse -> emit
 """
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import time
 
 import torch
 
-from ppsplit.config import Aux, Balance, CacheConfig, Fuse, SplitOptions
+from ppsplit.config import Aux, Balance, CacheConfig, CostModel, Fuse, SplitOptions
 from ppsplit.errors import ConfigError
+from ppsplit.measure import check_measurable, measure_costs
 from ppsplit.passes.annotate import Annotated, LayerStack, annotate, find_layers
+from ppsplit.passes.attention import attention as cache_attention
 from ppsplit.passes.emit import emit
 from ppsplit.passes.fuse import fuse as fuse_kernels
 from ppsplit.passes.partition import partition
@@ -50,20 +52,27 @@ def _trace(model: torch.nn.Module, stack: LayerStack, cache: CacheConfig | None)
 
 def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: Aux = None, *,
                 balance: Balance = "layers", aux_convention: str = "vllm", layers: str | None = None,
-                cache: CacheConfig | None = None, fuse: Fuse | bool = True,
+                cache: CacheConfig | None = None, fuse: Fuse | bool = True, attention: bool = True,
+                compile: bool = False, max_stage_bytes: int | None = None, cost_model: CostModel | None = None,
                 options: SplitOptions | None = None) -> SplitModel:
     """Split a Hugging Face decoder LM into ``pp`` pipeline stages that carry the taps ``aux``.
 
     ``aux``: ``None`` (no taps), ``"eagle3"`` (``2, L//2, L-3``), or tap ids (``"2,16,29"`` or a list) in vLLM's
     numbering: tap ``j`` is the residual stream entering layer ``j``, tap ``L`` the last layer's output.
-    ``balance``: ``"layers"``, ``"params"``, a list of layer counts, or ``f(costs, pp) -> counts``.
+    ``balance``: ``"layers"``, ``"params"``, ``"memory"`` (weights + KV cache), ``"flops"`` (counted from the
+    graph's shapes under ``cost_model``), ``"time"`` (each layer timed on the model's device under ``cost_model``),
+    a list of layer counts, or ``f(costs, pp) -> counts``; every policy name minimises the slowest stage exactly.
+    ``max_stage_bytes``: no stage holds more weights + KV cache than this. ``cost_model``: the workload
+    (``CostModel(batch, tokens, context, prefill, decode_weight, prefill_weight)``; default: decode, batch 1).
     ``cache``: ``CacheConfig(batch_size, max_len)`` gives every stage a static KV cache for its layers; then
     ``positions`` are the cache positions of the new tokens and the same stages serve prefill, decode and
     verification. ``fuse``: ``True`` / ``"all"`` folds each tap store, with the residual add and norm around it,
     into one Triton kernel (and fuses the other add+norm pairs the same way); ``"norms"`` keeps a separate store
-    per tap; ``False`` / ``"none"`` keeps the traced ops. ``options``: all of these as one ``SplitOptions``
-    (then pass no other option). ``model`` may be the result of ``trace_model``. The stages share the model's
-    parameters (no copy).
+    per tap; ``False`` / ``"none"`` keeps the traced ops. ``attention``: replace the attention over the static
+    cache with ``ppsplit::cache_attention`` where it is provably equal (the plan says per stage). ``compile``:
+    compile each stage with Inductor (``torch.compile``, no CUDA graphs inside: ``capture`` adds ppsplit's own).
+    ``options``: all of these as one ``SplitOptions`` (then pass no other option). ``model`` may be the result
+    of ``trace_model``. The stages share the model's parameters (no copy).
 
     Example::
 
@@ -74,7 +83,8 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
         if pp is None:
             raise ConfigError("split_model needs pp, the number of pipeline stages (or options=SplitOptions(...))")
         options = SplitOptions(pp=pp, aux=aux, balance=balance, aux_convention=aux_convention, layers=layers,
-                               cache=cache, fuse=fuse)
+                               cache=cache, fuse=fuse, attention=attention, compile=compile,
+                               max_stage_bytes=max_stage_bytes, cost_model=cost_model or CostModel())
     if isinstance(model, Annotated):
         traced = model
         taps = options.taps(traced.layers.num_layers)
@@ -84,11 +94,21 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
     else:
         stack = find_layers(model, options.layers)
         taps = options.taps(stack.num_layers)  # bad options fail here, before the slow trace
+        if options.balance == "time":
+            check_measurable(model)
         traced = _trace(model, stack, options.cache)
-    plan = make_split_plan(traced, options.pp, taps, balance=options.balance)
+    measured = measure_costs(traced, options.cost_model, fuse=options.fuse) if options.balance == "time" else None
+    plan = make_split_plan(traced, options.pp, taps, balance=options.balance, cost_model=options.cost_model,
+                           max_stage_bytes=options.max_stage_bytes, measured=measured)
     rewritten = add_taps(partition(traced, plan), plan)
+    if options.attention:
+        plan = dataclasses.replace(plan, attention=cache_attention(rewritten, plan).sites)
     if options.fuse != "none":
         rewritten = fuse_kernels(rewritten, plan, taps=options.fuse == "all")
         plan = dataclasses.replace(plan, fused=rewritten.report)
     info = traced.traced
-    return SplitModel(plan, emit(rewritten, plan), eos_token_id=info.eos_token_id, pad_token_id=info.pad_token_id)
+    stages = emit(rewritten, plan)
+    if options.compile:
+        from ppsplit.inductor import compile_stages
+        compile_stages(stages)
+    return SplitModel(plan, stages, eos_token_id=info.eos_token_id, pad_token_id=info.pad_token_id)

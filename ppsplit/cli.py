@@ -5,6 +5,7 @@
     ppsplit plan MODEL --pp 4 --aux eagle3                  print the plan only (meta device, writes nothing)
     ppsplit generate DIR --prompt-ids 1,2,3 [-k 4]          decode (speculatively with the folder's drafter)
     ppsplit check-drafter MODEL DRAFTER                     which tap numbering an EAGLE-3 drafter was trained on
+    ppsplit run DIR --prompt "text" --max-new-tokens 32     generate, one process per stage (torch.distributed)
 
 Every ppsplit error is printed as one line on stderr with exit code 2, without a traceback; an interrupt exits 130.
 """
@@ -78,8 +79,14 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="trace MODEL on the meta device and print the split plan (writes nothing)")
     _add_split_args(p)
+    p.add_argument("--max-batch", type=int, default=None, help="plan with a static KV cache of this batch")
+    p.add_argument("--max-len", type=int, default=None, help="... and this many tokens (counts in stage memory)")
     p.add_argument("--json", action="store_true", help="print plan.json instead of the table")
     cli_generate.add_parsers(sub)
+
+    p = sub.add_parser("run", help="generate through a compiled folder, one process per stage (torch.distributed)")
+    from ppsplit.run import add_arguments
+    add_arguments(p)
     return parser
 
 
@@ -94,22 +101,31 @@ def _add_split_args(p: argparse.ArgumentParser) -> None:
                    help="tap ids like 2,16,29, or 'eagle3' for (2, L//2, L-3) (default: no taps)")
     p.add_argument("--aux-convention", choices=("vllm", "sglang"), default="vllm",
                    help="vllm: tap j enters layer j; sglang: the same tensor numbered j-1")
-    p.add_argument("--balance", default="layers", help="layers, params, or explicit counts like 8,9,9,6")
+    p.add_argument("--balance", default="layers",
+                   help="layers, params, flops, time (needs real weights), memory (weights + KV cache), or explicit "
+                        "counts like 8,9,9,6; every name minimises the slowest stage")
+    p.add_argument("--max-stage-memory", default=None, metavar="SIZE",
+                   help="cap on each stage's weights + KV cache, like 20GiB or 512MB")
+    p.add_argument("--cost-model", default="", metavar="K=V,...",
+                   help="workload of the flops/time policies: batch, tokens, context, prefill, decode_weight, "
+                        "prefill_weight (default: batch=1,tokens=1,context=1024: one decode step)")
 
 
 def _options(args, **extra):
     """The command line's split options as one validated ``SplitOptions``."""
-    from ppsplit.config import SplitOptions
+    from ppsplit.config import BALANCE_POLICIES, CostModel, SplitOptions, parse_bytes
     from ppsplit.errors import ConfigError
 
     balance = args.balance
-    if balance not in ("layers", "params"):
+    if balance not in BALANCE_POLICIES:
         try:
             balance = [int(x) for x in balance.split(",")]
         except ValueError:
-            raise ConfigError(f"--balance must be layers, params, or layer counts like 8,8,8,8, but got "
-                              f"{args.balance!r}") from None
-    return SplitOptions(pp=args.pp, aux=args.aux, balance=balance, aux_convention=args.aux_convention, **extra)
+            raise ConfigError(f"--balance must be one of {', '.join(BALANCE_POLICIES)}, or layer counts like 8,8,8,8, "
+                              f"but got {args.balance!r}") from None
+    cap = parse_bytes(args.max_stage_memory) if args.max_stage_memory else None
+    return SplitOptions(pp=args.pp, aux=args.aux, balance=balance, aux_convention=args.aux_convention,
+                        max_stage_bytes=cap, cost_model=CostModel.parse(args.cost_model), **extra)
 
 
 def _cache(args):
@@ -156,7 +172,7 @@ def cmd_plan(args) -> int:
     from ppsplit.source import load_config, skeleton
 
     start = time.perf_counter()
-    options = _options(args)
+    options = _options(args, cache=_cache(args))
     config = load_config(args.model)
     split = split_model(skeleton(config)[0], options=options)
     print(split.plan.to_json() if args.json else split.plan.describe(), flush=True)
@@ -164,8 +180,14 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_run(args) -> int:
+    from ppsplit.run import launch
+
+    return launch(args)
+
+
 COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan, "generate": cli_generate.cmd_generate,
-            "check-drafter": cli_generate.cmd_check_drafter}
+            "check-drafter": cli_generate.cmd_check_drafter, "run": cmd_run}
 
 
 if __name__ == "__main__":

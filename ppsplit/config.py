@@ -4,6 +4,7 @@ Everything here is plain data; checks that need the model (its number of layers)
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence, Union
@@ -15,6 +16,8 @@ log = logging.getLogger("ppsplit")
 Aux = Union[None, str, int, Sequence[int]]
 Balance = Union[str, Sequence[int], Callable]
 CONVENTIONS = ("vllm", "sglang")
+# The built-in balance policies (``ppsplit.passes.plan``): what a stage's cost counts.
+BALANCE_POLICIES = ("layers", "params", "flops", "time", "memory")
 # What the fuse pass does: "all" folds tap stores, residual adds and norms into Triton kernels; "norms" fuses the
 # adds and norms but keeps a separate store per tap; "none" keeps the traced ops. The API also takes the older
 # spellings True / False.
@@ -42,6 +45,61 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class CostModel:
+    """The workload that the ``flops`` and ``time`` balance policies weigh: decode steps of ``tokens`` new tokens
+    (1, or K+1 when verifying K drafted tokens) for ``batch`` sequences that already hold ``context`` tokens, and
+    prefill steps of ``prefill`` prompt tokens. A stage's cost is ``decode_weight`` times its decode step plus
+    ``prefill_weight`` times its prefill step (e.g. the number of decode steps per prompt, and 1).
+
+    Example::
+
+        CostModel(batch=8, context=4096)                                        # decode only
+        CostModel(batch=8, context=2048, prefill=2048, decode_weight=256, prefill_weight=1)
+        CostModel.parse("batch=8,context=4096")                                 # the CLI's --cost-model
+    """
+
+    batch: int = 1
+    tokens: int = 1
+    context: int = 1024
+    prefill: int = 0
+    decode_weight: float = 1.0
+    prefill_weight: float = 0.0
+
+    def __post_init__(self):
+        for name, low in (("batch", 1), ("tokens", 1), ("context", 0), ("prefill", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"CostModel.{name} must be an integer >= {low}, but got {value!r}")
+        for name in ("decode_weight", "prefill_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ConfigError(f"CostModel.{name} must be a finite number >= 0, but got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.prefill_weight > 0 and self.prefill == 0:
+            raise ConfigError(f"CostModel.prefill_weight={self.prefill_weight} weighs a prefill step, but prefill=0 "
+                              "gives it no tokens: set prefill to the prompt length")
+        if self.decode_weight == 0 and self.prefill_weight == 0:
+            raise ConfigError("CostModel.decode_weight and prefill_weight are both 0: give decode or prefill a weight")
+
+    @classmethod
+    def parse(cls, text: str) -> "CostModel":
+        """``"batch=8,context=4096,prefill=2048,prefill_weight=0.01"`` -> ``CostModel``."""
+        kw = {}
+        names = {f.name: f.type for f in dataclasses.fields(cls)}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, _, value = item.partition("=")
+            key = key.strip()
+            if key not in names or not value:
+                raise ConfigError(f"cost model entry {item!r} is not name=value with a name among "
+                                  f"{', '.join(names)}; e.g. 'batch=8,context=4096'")
+            try:
+                kw[key] = float(value) if key.endswith("_weight") else int(value)
+            except ValueError:
+                raise ConfigError(f"cost model entry {item!r}: {value!r} is not a number") from None
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
 class SplitOptions:
     """Everything ``split_model`` and ``ppsplit compile`` take, validated on construction.
 
@@ -58,6 +116,10 @@ class SplitOptions:
     layers: str | None = None
     cache: CacheConfig | None = None
     fuse: Fuse = "all"
+    attention: bool = True  # replace the attention over the cache with ppsplit::cache_attention where provably equal
+    compile: bool = False  # compile each stage with Inductor (ppsplit's own CUDA graphs capture the result)
+    max_stage_bytes: int | None = None  # per-stage cap on weights + KV cache
+    cost_model: CostModel = CostModel()  # the workload of the flops and time policies
 
     def __post_init__(self):
         try:
@@ -74,6 +136,16 @@ class SplitOptions:
         if self.cache is not None and not isinstance(self.cache, CacheConfig):
             raise ConfigError(f"cache must be a ppsplit.CacheConfig(batch_size, max_len), but got {self.cache!r}")
         parse_aux(self.aux)  # syntax only; ranges need the model
+        if self.max_stage_bytes is not None and (not isinstance(self.max_stage_bytes, int)
+                                                 or isinstance(self.max_stage_bytes, bool) or self.max_stage_bytes < 1):
+            raise ConfigError(f"max_stage_bytes must be a positive number of bytes (or None for no cap), but got "
+                              f"{self.max_stage_bytes!r}")
+        if not isinstance(self.cost_model, CostModel):
+            raise ConfigError(f"cost_model must be a ppsplit.CostModel(batch, tokens, context, ...), but got "
+                              f"{self.cost_model!r}")
+        if isinstance(self.balance, str) and self.balance not in BALANCE_POLICIES:
+            raise ConfigError(f"balance must be one of {', '.join(BALANCE_POLICIES)}, a list of layer counts, or "
+                              f"f(costs, pp) -> counts, but got {self.balance!r}")
 
     def taps(self, num_layers: int) -> tuple[int, ...]:
         """The tap ids in vLLM numbering (distinct, ascending), checked with ``pp`` against ``num_layers``."""
@@ -116,3 +188,22 @@ def parse_aux(aux: Aux) -> tuple[int, ...]:
     except (TypeError, ValueError):
         raise ConfigError(f"aux must be 'eagle3' or comma-separated layer ids like '2,16,29', but got {aux!r}") from None
     return tuple(ids)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
+          "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"20GiB"`` -> 21474836480, ``"1.5 GB"`` -> 1500000000, ``"4096"`` -> 4096 (bytes)."""
+    s = str(text).strip().replace(" ", "").replace("_", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = s[len(number):].lower()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise ConfigError(f"{text!r} is not a size: write a number with an optional unit, like 20GiB, 1.5GB, "
+                          f"512MiB or 4096 (units: {', '.join(u for u in _UNITS if u)})") from None
+    if value < 1:
+        raise ConfigError(f"{text!r} is not a positive size")
+    return int(value)

@@ -74,8 +74,9 @@ def read_program(folder: str, k: int) -> tuple[dict, fx.Graph]:
         raise ConfigError(f"{folder}/stage_{k}.json: {e}; compile the folder again") from None
 
 
-def load_stage(folder: str, k: int, device: torch.device | str = "cpu") -> fx.GraphModule:
+def load_stage(folder: str, k: int, device: torch.device | str = "cpu", *, compile: bool = False) -> fx.GraphModule:
     """Stage ``k`` of a compiled folder, ready to run on ``device``: ``y, aux = stage(x, positions, aux)``.
+    ``compile=True`` compiles it with Inductor at its first call (see ``ppsplit.inductor``).
 
     Example::
 
@@ -109,6 +110,9 @@ def load_stage(folder: str, k: int, device: torch.device | str = "cpu") -> fx.Gr
     copy_buffer_persistence(stage, root)
     stage.meta["ppsplit.stage"] = k
     stage.meta["ppsplit.plan"] = plan
+    if compile:
+        from ppsplit.inductor import compile_stage
+        compile_stage(stage)
     return stage
 
 
@@ -137,7 +141,7 @@ def validate(folder: str) -> tuple[SplitPlan, dict]:
     return plan, manifest
 
 
-def load(folder: str, devices: Sequence[torch.device | str] | None = None) -> SplitModel:
+def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, compile: bool = False) -> SplitModel:
     """The whole ``SplitModel`` of a compiled folder; stage ``k`` on ``devices[k]`` (default: all on the CPU).
 
     Example::
@@ -150,7 +154,7 @@ def load(folder: str, devices: Sequence[torch.device | str] | None = None) -> Sp
     devices = list(devices) if devices is not None else ["cpu"] * plan.pp
     if len(devices) != plan.pp:
         raise ConfigError(f"{folder} has {plan.pp} stages; pass one device per stage, got {len(devices)}")
-    stages = [load_stage(folder, k, devices[k]) for k in range(plan.pp)]
+    stages = [load_stage(folder, k, devices[k], compile=compile) for k in range(plan.pp)]
     split = SplitModel(plan, stages, eos_token_id=manifest.get("eos_token_id") or (),
                        pad_token_id=manifest.get("pad_token_id"))
     from ppsplit.drafter_load import attach_compiled_drafter

@@ -10,6 +10,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from ppsplit.config import CostModel
+
 PLAN_VERSION = 2  # 2: the fusion report is structured data (1: one text line per entry)
 
 
@@ -28,6 +30,41 @@ class ModelCosts:
     @property
     def num_layers(self) -> int:
         return len(self.layer_params)
+
+
+@dataclass(frozen=True)
+class RegionCosts:
+    """What each part of the model costs under one balance policy, in ``unit``: the embedding (stage 0), each
+    decoder layer, the head (last stage), and ``stage``, a fixed cost that every stage pays once (recomputing
+    rotary tables and masks, launching its graph). A stage's cost is the sum of what it runs.
+
+    Example::
+
+        RegionCosts(layers=(1.0,) * 4, embed=0.5, head=2.0, unit="ms").stage_costs([2, 2])   # [2.5, 4.0]
+    """
+
+    layers: tuple[float, ...]
+    embed: float = 0.0
+    head: float = 0.0
+    stage: float = 0.0
+    unit: str = ""
+
+    def stage_costs(self, sizes) -> list[float]:
+        """The cost of each stage when stage ``k`` runs the next ``sizes[k]`` layers."""
+        out, start = [], 0
+        for k, n in enumerate(sizes):
+            cost = self.stage + sum(self.layers[start:start + n])
+            cost += (self.embed if k == 0 else 0.0) + (self.head if k == len(sizes) - 1 else 0.0)
+            out.append(cost)
+            start += n
+        return out
+
+
+def imbalance(costs) -> float:
+    """The slowest stage over the mean stage (1.0: perfectly even; a pipeline runs at its slowest stage)."""
+    costs = list(costs)
+    mean = sum(costs) / len(costs) if costs else 0.0
+    return max(costs) / mean if mean > 0 else 1.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +112,17 @@ class StageFusion:
 
 
 @dataclass(frozen=True)
+class AttentionSite:
+    """One layer's attention over the KV cache after the attention pass: replaced by ``cache_attention``
+    (``detail`` names its parameters) or left as traced (``detail`` says why)."""
+
+    layer: int
+    stage: int
+    replaced: bool
+    detail: str
+
+
+@dataclass(frozen=True)
 class SplitPlan:
     """Stage ranges, costs and taps of one split. ``taps`` are the slots: distinct tap ids, ascending.
 
@@ -97,7 +145,11 @@ class SplitPlan:
     max_batch: int = 0  # static KV cache shape (0: no cache)
     max_len: int = 0
     fused: tuple[StageFusion, ...] = ()  # per stage, what the fuse pass did (empty when it did not run)
+    attention: tuple[AttentionSite, ...] = ()  # per layer with a cached attention: replaced or left (attention pass)
     version: int = field(default=PLAN_VERSION)
+    region_costs: RegionCosts | None = None  # what the stage costs were summed from (the balance policy's unit)
+    cost_model: CostModel | None = None  # the workload of a flops or time balance
+    max_stage_bytes: int | None = None  # the per-stage cap on weights + KV cache the split was made under
 
     def __post_init__(self):
         if list(self.taps) != sorted(set(self.taps)) or any(not 0 <= t <= self.num_layers for t in self.taps):
@@ -118,6 +170,11 @@ class SplitPlan:
     @property
     def n_slots(self) -> int:
         return len(self.taps)
+
+    @property
+    def imbalance(self) -> float:
+        """The slowest stage's cost over the mean stage cost, under the balance policy (1.0 is even)."""
+        return imbalance(s.cost for s in self.stages)
 
     def stage_of_layer(self, layer: int) -> int:
         for s in self.stages:
@@ -157,12 +214,17 @@ class SplitPlan:
         else:
             d["fused"] = tuple(StageFusion(taps=tuple(TapFusion(**t) for t in f["taps"]), other_norms=f["other_norms"])
                                for f in d.get("fused", ()))
+        d["attention"] = tuple(AttentionSite(**a) for a in d.get("attention", ()))
         if d.get("costs") is not None:
             c = dict(d["costs"])
             c["layer_params"] = tuple(c["layer_params"])
             c["layer_bytes"] = tuple(c.get("layer_bytes", ()))
             c["layer_cache_bytes"] = tuple(c.get("layer_cache_bytes", ()))
             d["costs"] = ModelCosts(**c)
+        if d.get("region_costs") is not None:  # absent from plans written before balance policies had units
+            d["region_costs"] = RegionCosts(**{**d["region_costs"], "layers": tuple(d["region_costs"]["layers"])})
+        if d.get("cost_model") is not None:
+            d["cost_model"] = CostModel(**d["cost_model"])
         return cls(**d)
 
     def to_json(self) -> str:
@@ -172,11 +234,33 @@ class SplitPlan:
     def from_json(cls, text: str) -> "SplitPlan":
         return cls.from_dict(json.loads(text))
 
+    def attention_lines(self, stage: int) -> tuple[str, ...]:
+        """How many of ``stage``'s attentions became ``cache_attention``, and which stayed as traced, and why."""
+        sites = [a for a in self.attention if a.stage == stage]
+        if not sites:
+            return ()
+        replaced = [a for a in sites if a.replaced]
+        kinds = sorted({a.detail for a in replaced})
+        return ((f"attention: {len(replaced)} of {len(sites)} -> cache_attention"
+                 + (f" ({'; '.join(kinds)})" if kinds else ""),)
+                + tuple(f"attention layer {a.layer} left as traced: {a.detail}" for a in sites if not a.replaced))
+
     def describe(self) -> str:
         """A human-readable table of stages and taps (what ``ppsplit inspect`` prints)."""
         cache = f", KV cache {self.max_batch} x {self.max_len} tokens" if self.max_len else ""
         lines = [f"{self.model_class or 'model'}: {self.num_layers} layers, hidden {self.hidden_size}, {self.dtype}, "
                  f"pp={self.pp}, balance={self.balance}, {self.n_slots} aux slots{cache}"]
+        unit = self.region_costs.unit if self.region_costs else ("layers" if self.balance == "layers" else "params")
+        balance = f"stage cost in {unit}: slowest / mean = {self.imbalance:.3f}"
+        r = self.region_costs
+        if r is not None and r.unit != "layers" and r.layers:
+            balance += (f" (embedding {r.embed:.4g}, a layer {min(r.layers):.4g} to {max(r.layers):.4g}, head "
+                        f"{r.head:.4g}, every stage {r.stage:.4g})")
+        if self.cost_model is not None:
+            balance += f"; workload {_fmt_workload(self.cost_model)}"
+        if self.max_stage_bytes:
+            balance += f"; cap {fmt_bytes(self.max_stage_bytes)} per stage (weights + KV cache)"
+        lines.append(balance)
         head = f"{'stage':>5}  {'layers':>9}  {'params':>12}  {'bytes':>10}  {'cost':>10}  {'taps owned':<14} {'sends':<12}"
         lines.append(head)
         for s in self.stages:
@@ -184,10 +268,12 @@ class SplitPlan:
             role = "+embed" if s.index == 0 else ""
             role += "+head" if s.index == self.pp - 1 else ""
             sends = "logits" if s.index == self.pp - 1 else f"h + aux[:{self.filled(s.index)}]"
-            cache = f"  cache {_fmt_bytes(s.cache_bytes)}" if s.cache_bytes else ""
-            lines.append(f"{s.index:>5}  {f'{s.start}-{s.end - 1}':>9}  {s.params:>12,}  {_fmt_bytes(s.bytes):>10}  "
+            cache = f"  cache {fmt_bytes(s.cache_bytes)}" if s.cache_bytes else ""
+            lines.append(f"{s.index:>5}  {f'{s.start}-{s.end - 1}':>9}  {s.params:>12,}  {fmt_bytes(s.bytes):>10}  "
                          f"{s.cost:>10.4g}  {owned:<14} {sends:<12} {role}{cache}")
             for line in (self.fused[s.index].lines() if s.index < len(self.fused) else ()):
+                lines.append(f"{'':>7}{line}")
+            for line in self.attention_lines(s.index):
                 lines.append(f"{'':>7}{line}")
         if self.taps:
             lines.append(f"{'tap':>5}  {'slot':>4}  {'owner':>5}  meaning")
@@ -197,7 +283,16 @@ class SplitPlan:
         return "\n".join(lines)
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_workload(m: CostModel) -> str:
+    parts = []
+    if m.decode_weight:
+        parts.append(f"{m.decode_weight:g} x decode (batch {m.batch}, {m.tokens} token(s) after {m.context})")
+    if m.prefill_weight:
+        parts.append(f"{m.prefill_weight:g} x prefill (batch {m.batch}, {m.prefill} tokens)")
+    return " + ".join(parts)
+
+
+def fmt_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -34,6 +34,7 @@ from ppsplit.fx_utils import is_cache_buffer, tied_parameters
 from ppsplit.program import graph_to_json
 from ppsplit.runtime import SplitModel
 from ppsplit.tensors import DTYPE_ALIASES, DTYPES, MODEL_DTYPES, dtype_name, nbytes
+from ppsplit.serving_files import copy_serving_files
 
 log = logging.getLogger("ppsplit")
 _TMP_TAG = ".ppsplit-tmp-"
@@ -175,6 +176,7 @@ def _write(tmp: str, split: SplitModel, stage_specs: list, sources: Sources, buf
 
     with open(os.path.join(tmp, "plan.json"), "w") as f:
         f.write(split.plan.to_json())
+    copy_serving_files(checkpoint.folder, tmp)  # tokenizer, chat template, generation_config.json
     total = sum(_spec_bytes(s) for specs in stage_specs for s in specs if s["init"] == "file")
     bar = _progress(total, progress)
     files = []

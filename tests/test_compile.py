@@ -39,7 +39,7 @@ def compiled(checkpoint, tmp_path_factory):
 def test_stage_files_hold_exactly_their_tensors(checkpoint, compiled):
     plan = ppsplit.loader.load_plan(str(compiled))
     assert plan.pp == 3 and plan.taps == (0, 2, 5)
-    assert sorted(os.listdir(compiled)) == sorted(["plan.json", "manifest.json"] +
+    assert sorted(os.listdir(compiled)) == sorted(["plan.json", "manifest.json", "generation_config.json"] +
                                                   [f"stage_{k}.{ext}" for k in range(3) for ext in ("json", "safetensors")])
     hf = AutoModelForCausalLM.from_pretrained(checkpoint)
     hf_params = dict(hf.named_parameters(remove_duplicate=False))

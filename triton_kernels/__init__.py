@@ -6,3 +6,4 @@ Every op has a plain torch path for CPU tensors, so the graphs run anywhere.
 from ppsplit.triton_kernels.fused_norm import (  # noqa: F401  (registers torch.ops.ppsplit.*)
     HAVE_TRITON, KINDS, NORM_KINDS, add_norm, add_norm_store, add_store, norm, norm_reference, norm_store, tap_store,
 )
+from ppsplit.triton_kernels.attention import attention_reference, cache_attention  # noqa: F401,E402

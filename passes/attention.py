@@ -1,0 +1,506 @@
+"""Pass 6, attention: the model's attention over its static KV cache becomes one ``ppsplit::cache_attention``.
+
+With ``CacheConfig``, each layer writes its new keys and values into ``kv_cache.<layer>.keys/values`` with
+``index_copy_`` and then attends over the whole buffer: Hugging Face expands K and V to every query head
+(``repeat_kv``) and masks all ``max_len`` slots, in ``scaled_dot_product_attention`` or eager
+``matmul / softmax / matmul``. The replacement reads each KV head once and only the live prefix.
+
+Recognition is by running, not by op patterns (as the fuse pass recognises norms):
+
+1. The attention of a layer is the subgraph between its cache writes ``K``, ``V`` and the first node that
+   depends on both (the SDPA or the probabilities-times-V product), extended through views to
+   ``[B, Hq, T, Dv]``; its one other token-dependent input, seen through views as ``[B, Hq, T, D]``, is ``q``.
+   Its remaining inputs must depend only on ``positions`` and sizes (the mask, ALiBi biases) or be
+   parameters (sinks). Nothing inside may be read from outside.
+2. Candidate parameters come from the subgraph's constants: the scale (SDPA's ``scale``, a multiplier or
+   divisor, ``1/sqrt(D)``), a soft-cap (only with a ``tanh``), a sliding window (integer constants of the
+   mask), ALiBi slopes (read off a position-only bias input), sinks (a ``[Hq]`` parameter input).
+3. The subgraph, with the mask computed from ``positions`` as the graph computes it, is evaluated on random
+   ``q, K, V`` (fp32, several batch sizes, token counts and start positions, stale random values past the live
+   length) and must equal ``cache_attention`` with one candidate set to 1e-4; else it stays as traced.
+
+Contiguous positions are what the probes use and what ppsplit's steps pass (prefill, decode, verify): the
+traced masks take query ``i`` at ``positions[0] + i``, ``cache_attention`` at ``positions[i]``.
+
+Result: an ``AttentionReport`` (per site: layer, stage, replaced or why not); ``SplitPlan.attention_lines(stage)`` formats what the
+plan prints per stage.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch import fx
+
+import ppsplit.triton_kernels.attention  # noqa: F401  (registers torch.ops.ppsplit.cache_attention)
+from ppsplit.fx_utils import CACHE_PREFIX
+from ppsplit.passes.annotate import SHAPE_OPS, mutated_bases
+from ppsplit.passes.taps import Tapped
+from ppsplit.plan import AttentionSite, SplitPlan
+from ppsplit.triton_kernels.attention import attention_reference
+
+aten = torch.ops.aten
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
+          aten.contiguous.default, aten.clone.default}
+_LOW = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+_BUDGET = 1 << 27  # largest tensor (elements) the check may build: Hq * max_len * head_dim
+_TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+@dataclass(frozen=True)
+class AttentionReport:
+    """The attention pass's result: one ``AttentionSite`` per layer that attends over the cache."""
+
+    sites: tuple[AttentionSite, ...] = ()
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def attention(tapped: Tapped, plan: SplitPlan) -> AttentionReport:
+    """Replace every provably equal attention over the static cache with ``cache_attention``, in the graph of
+    ``tapped`` (which fuse then takes).
+
+    Example::
+
+        report = attention(tapped, plan)     # after the taps pass, before fuse
+        plan = dataclasses.replace(plan, attention=report.sites)   # describe(): "attention: 4 of 4 -> ..."
+    """
+    gm = tapped.gm
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    info = tapped.annotated.traced
+    writes: dict[int, dict[str, fx.Node]] = {}
+    for node in graph.nodes:
+        if node.target is aten.index_copy_.default:
+            where = _cache_buffer(node.args[0])
+            if where is not None:
+                writes.setdefault(where[0], {})[where[1]] = node
+    verified: dict[tuple, tuple] = {}
+    sites = []
+    for layer, kv in sorted(writes.items()):
+        k, v = kv.get("keys"), kv.get("values")
+        stage = (k or v).meta.get("ppsplit.stage", 0)
+        try:
+            if k is None or v is None:
+                raise _NoMatch("the layer writes only one of keys/values")
+            found = _match(gm, k, v, order)
+            key = found.signature()
+            if key not in verified:
+                try:
+                    verified[key] = _verify(gm, found, info)
+                except _NoMatch as e:
+                    verified[key] = e
+            if isinstance(verified[key], _NoMatch):
+                raise verified[key]
+            scale, window, softcap, alibi, sink = verified[key]
+            params = (scale, window, softcap, alibi, None if sink is None else _sinks(found)[sink])
+            _replace(gm, found, params)
+            sites.append(AttentionSite(layer, stage, True, _describe(params)))
+        except _NoMatch as e:
+            sites.append(AttentionSite(layer, stage, False, str(e)))
+    graph.lint()
+    gm.recompile()
+    return AttentionReport(tuple(sites))
+
+
+def _cache_buffer(node) -> tuple[int, str] | None:
+    """``(layer, "keys"|"values")`` when ``node`` is ``kv_cache.<layer>.<kind>[:batch]``."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.slice.Tensor:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    parts = node.target.split(".")
+    if len(parts) == 3 and parts[0] == CACHE_PREFIX and parts[1].isdigit() and parts[2] in ("keys", "values"):
+        return int(parts[1]), parts[2]
+    return None
+
+
+@dataclass
+class _Found:
+    k: fx.Node
+    v: fx.Node
+    q: fx.Node
+    out: fx.Node
+    region: list  # topological order, ends with `out`
+    inputs: list  # position-only tensors and sizes the region reads (evaluated from positions)
+    params: list  # get_attr nodes the region reads
+    heads: int
+
+    def signature(self) -> tuple:
+        index = {n: ("in", i) for i, n in enumerate([self.q, self.k, self.v])}
+        index.update({n: ("ext", n.name) for n in self.inputs})
+        index.update({n: ("param", tuple(n.meta["val"].shape), str(n.meta["val"].dtype)) for n in self.params})
+        index.update({n: ("node", i) for i, n in enumerate(self.region)})
+
+        def enc(a):
+            if isinstance(a, fx.Node):
+                return index.get(a, ("?", a.name))
+            if isinstance(a, (list, tuple)):
+                return tuple(enc(x) for x in a)
+            return repr(a)
+
+        shapes = tuple(str(tuple(n.meta["val"].shape)) for n in (self.q, self.k, self.v))
+        return shapes + tuple((str(n.target), enc(n.args), enc(tuple(sorted(n.kwargs.items())))) for n in self.region)
+
+
+def _shape(node: fx.Node):
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
+    from_k, from_v = _downstream(k), _downstream(v)
+    both = [n for n in from_k & from_v]
+    if not both:
+        raise _NoMatch("no op reads both the cached keys and values")
+    out = min(both, key=order.get)
+    kshape, vshape = _shape(k), _shape(v)
+    batch, kv_heads, dv = kshape[0], kshape[1], vshape[3]
+    positions = gm.graph.find_nodes(op="placeholder", target="positions")[0]
+    tokens = positions.meta["val"].shape[0]
+
+    def is_out(shape):
+        return (shape is not None and len(shape) == 4 and shape[0] == batch and shape[2] == tokens
+                and shape[3] == dv and isinstance(shape[1], int) and shape[1] % kv_heads == 0)
+
+    chain = [out]
+    while not is_out(_shape(out)):
+        users = list(out.users)
+        if len(users) != 1 or users[0].target not in _VIEWS:
+            raise _NoMatch(f"its output {out.format_node()} is not [B, Hq, T, Dv]")
+        out = users[0]
+        chain.append(out)
+    heads = _shape(out)[1]
+
+    # Everything between the cache reads and the output; stop at what comes from elsewhere.
+    inside = from_k | from_v
+    region, external, todo = set(chain), [], list(chain)
+    while todo:
+        n = todo.pop()
+        for a in n.all_input_nodes:
+            if a in region or a in external:
+                continue
+            if a in inside:
+                region.add(a)
+                todo.append(a)
+            else:
+                external.append(a)
+    for n in list(region):  # an unused half of a tuple result (max's indices) goes with it
+        region.update(u for u in n.users if u.target is operator.getitem and not u.users)
+    for n in region:
+        if n is not out and any(u not in region for u in n.users):
+            raise _NoMatch(f"{n.format_node()} inside the attention is also read outside it")
+        if n.op != "call_function":
+            raise _NoMatch(f"unexpected {n.op} node {n.name} inside the attention")
+        if any(b not in region for b in mutated_bases(n)):
+            raise _NoMatch(f"{n.format_node()} inside the attention writes a tensor outside it")
+    tokenish = [a for a in external if a not in (k, v) and a.meta.get("ppsplit.token")
+                and isinstance(a.meta.get("val"), torch.Tensor)]
+    if len(tokenish) != 1:
+        raise _NoMatch(f"expected one query input, found {len(tokenish)} token-dependent inputs "
+                       f"({', '.join(a.name for a in tokenish)})")
+    q = tokenish[0]
+    qshape = (batch, heads, tokens, kshape[3])
+    while _shape(q) != qshape:
+        if q.op != "call_function" or q.target not in _VIEWS and q.target is not aten.transpose.int \
+                or len(q.users) != 1:
+            raise _NoMatch(f"its query {q.format_node()} is not a view of [B, Hq, T, D]")
+        region.add(q)
+        external.remove(q)
+        q = q.args[0]
+        external.append(q)
+    inputs = [a for a in external if a not in (k, v, q) and a.op != "get_attr"]
+    # Learned inputs (sinks, reshaped and expanded outside the region): the check gives them random values.
+    params = [a for a in external if a.op == "get_attr"]
+    params += [a for a in _closure_nodes(inputs, attrs=True) if a.op == "get_attr" and a not in params
+               and isinstance(_fetch(gm, a.target), torch.nn.Parameter)]
+    for a in inputs:
+        if a.meta.get("ppsplit.token") and isinstance(a.meta.get("val"), torch.Tensor):
+            raise _NoMatch(f"{a.format_node()} feeds the attention and depends on the tokens")
+    order_of = order.get
+    return _Found(k=k, v=v, q=q, out=out, region=sorted(region, key=order_of), inputs=inputs, params=params,
+                  heads=heads)
+
+
+def _downstream(start: fx.Node) -> set:
+    """Nodes reading ``start``, transitively, within its decoder layer."""
+    layer = start.meta.get("ppsplit.layer")
+    seen, todo = set(), [start]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u not in seen and u.op == "call_function" and u.meta.get("ppsplit.layer") == layer:
+                seen.add(u)
+                todo.append(u)
+    return seen
+
+
+# ---- verification by evaluation ----------------------------------------------------------------------------
+
+def _verify(gm: fx.GraphModule, f: _Found, info) -> tuple:
+    kshape, vshape = f.k.meta["val"].shape, f.v.meta["val"].shape
+    max_len, head_dim, dv = int(kshape[2]), int(kshape[3]), int(vshape[3])
+    if f.heads * max_len * max(head_dim, dv) > _BUDGET:
+        raise _NoMatch(f"cache too large to check by evaluation ({f.heads} heads x {max_len} slots x {head_dim})")
+    max_batch = info.cache.batch_size if info.cache else 2
+    probes = [(min(2, max_batch), min(3, max_len), max_len // 2 - 1), (1, 1, max_len - 1),
+              (min(2, max_batch), min(2, max_len), 0), (1, min(5, max_len), max(0, max_len - 5))]
+    probes = [(b, t, max(0, min(p, max_len - t))) for b, t, p in probes]
+    gen = torch.Generator().manual_seed(0)
+    params = {p: _param_value(gm, p, gen) for p in f.params}
+    cases = []
+    for batch, tokens, start in probes:
+        positions = torch.arange(start, start + tokens)
+        q = torch.randn(batch, f.heads, tokens, head_dim, generator=gen)
+        k = torch.randn(batch, int(kshape[1]), max_len, head_dim, generator=gen)
+        v = torch.randn(batch, int(vshape[1]), max_len, dv, generator=gen)
+        try:
+            got = _evaluate(gm, f, info, batch, positions, q, k, v, params)
+        except _NoMatch:
+            raise
+        except Exception as e:  # the subgraph does something our evaluation cannot reproduce
+            raise _NoMatch(f"could not evaluate it ({type(e).__name__}: {str(e)[:80]})") from None
+        cases.append((positions, q, k, v, got))
+    first = cases[0]
+    alibis = [None] + _alibi_candidates(gm, f, info, first[0], first[1].shape[0], max_len)
+    sinks = _sinks(f)
+    for scale in _scales(f, head_dim):
+        for softcap in _softcaps(f):
+            for window in _windows(gm, f):
+                for alibi in alibis:
+                    for sink in [None, *sinks]:
+                        sink_value = params[sink] if sink is not None else None
+                        if all(_close(attention_reference(q, k, v, pos, scale, window, softcap, alibi, sink_value), got)
+                               for pos, q, k, v, got in cases):
+                            return scale, window, softcap, alibi, None if sink is None else sinks.index(sink)
+    raise _NoMatch("no scale/window/soft-cap/ALiBi/sinks makes cache_attention equal it")
+
+
+def _sinks(f: _Found) -> list:
+    return [p for p in f.params if _shape(p) == (f.heads,)]
+
+
+def _close(a: torch.Tensor, b) -> bool:
+    return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b.to(a.dtype), **_TOL)
+
+
+def _param_value(gm, node: fx.Node, gen) -> torch.Tensor:
+    t = _fetch(gm, node.target)
+    if t.device.type == "meta" or isinstance(t, torch.nn.Parameter):
+        # A learned input (sinks): any value will do, the same for the subgraph and the candidate.
+        return torch.randn(t.shape, generator=gen).to(_LOW.get(t.dtype, t.dtype))
+    return t.detach().to("cpu", _LOW.get(t.dtype, t.dtype))
+
+
+def _fetch(gm, target: str) -> torch.Tensor:
+    mod, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(mod) if mod else gm, name)
+
+
+def _evaluate(gm, f: _Found, info, batch: int, positions, q, k, v, params):
+    env = {f.q: q, f.k: k, f.v: v, **params}
+    tokens = positions.shape[0]
+    sizes = {info.batch_symbol: batch, info.tokens_symbol: tokens}
+    placeholders = {"input_ids": torch.zeros(batch, tokens, dtype=torch.long), "positions": positions}
+    needed = _closure(f.inputs, env)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in sorted(needed, key=order.get):
+        if n.op == "placeholder":
+            if n.target not in placeholders:
+                raise _NoMatch(f"its mask reads the input {n.target}")
+            env[n] = placeholders[n.target]
+        elif n.op == "get_attr":
+            t = _fetch(gm, n.target)
+            if t.device.type == "meta":
+                raise _NoMatch(f"its mask reads {n.target}, which has no value on the meta device")
+            env[n] = t.detach().to("cpu", _LOW.get(t.dtype, t.dtype))
+        elif n.target in SHAPE_OPS:
+            env[n] = _size(n, sizes)
+        else:
+            env[n] = _call(n, env)
+    for n in f.region:
+        env[n] = _call(n, env)
+    return env[f.out]
+
+
+def _closure(roots: list, env: dict) -> set:
+    seen, todo = set(), list(roots)
+    while todo:
+        n = todo.pop()
+        if n in seen or n in env:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target in SHAPE_OPS:
+            continue  # evaluated from the probe's batch and token count
+        if n.meta.get("ppsplit.token") and isinstance(n.meta.get("val"), torch.Tensor):
+            raise _NoMatch(f"its mask depends on the tokens through {n.format_node()}")
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _size(node: fx.Node, sizes: dict) -> int:
+    val = node.meta.get("val")
+    expr = val.node.expr if isinstance(val, torch.SymInt) else val
+    if isinstance(expr, int):
+        return expr
+    subs = {s: sizes[str(s)] for s in expr.free_symbols if str(s) in sizes}
+    if len(subs) != len(expr.free_symbols):
+        raise _NoMatch(f"size {node.name} = {expr} depends on more than batch and token count")
+    return int(expr.subs(subs)) if not isinstance(expr, sympy.Integer) else int(expr)
+
+
+def _call(n: fx.Node, env: dict):
+    cpu = torch.device("cpu")
+
+    def conv(a):
+        if isinstance(a, fx.Node):
+            return env[a]
+        if isinstance(a, torch.device):
+            return cpu
+        if isinstance(a, torch.dtype):
+            return _LOW.get(a, a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(x) for x in a)
+        return a
+
+    args = conv(n.args)
+    kwargs = {key: conv(a) for key, a in n.kwargs.items()}
+    if n.op != "call_function":
+        raise _NoMatch(f"cannot evaluate {n.op} node {n.name}")
+    return n.target(*args, **kwargs)
+
+
+def _floats(f: _Found) -> list[float]:
+    seen = []
+    for n in f.region:
+        for a in list(n.args) + list(n.kwargs.values()):
+            if isinstance(a, float) and not isinstance(a, bool) and math.isfinite(a) and a != 0 and abs(a) < 1e6 \
+                    and a not in seen:
+                seen.append(a)
+    return seen
+
+
+def _scales(f: _Found, head_dim: int) -> list[float]:
+    out = []
+    for n in f.region:
+        if n.target is aten.scaled_dot_product_attention.default:
+            scale = n.kwargs.get("scale", n.args[6] if len(n.args) > 6 else None)
+            out.append(scale if scale is not None else 1.0 / math.sqrt(head_dim))
+    for c in _floats(f):
+        out += [c, 1.0 / c]
+    out += [1.0 / math.sqrt(head_dim), 1.0]
+    return list(dict.fromkeys(out))
+
+
+def _softcaps(f: _Found) -> list[float]:
+    if not any(n.target is aten.tanh.default for n in f.region):
+        return [0.0]
+    return [c for c in _floats(f) if c > 0]
+
+
+def _windows(gm, f: _Found) -> list[int]:
+    """0 (none) and the integer constants of the mask's computation, give or take one."""
+    ints = set()
+    for n in _closure_nodes(f.inputs):
+        for a in list(n.args) + list(n.kwargs.values()):
+            if isinstance(a, int) and not isinstance(a, bool) and 1 <= abs(a) < (1 << 40):
+                ints.add(abs(a))
+    out = [0]
+    for c in sorted(ints):
+        out += [c - 1, c, c + 1]
+    return [w for w in dict.fromkeys(out) if w >= 0]
+
+
+def _closure_nodes(roots: list, attrs: bool = False) -> list:
+    seen, todo = {}, list(roots)
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function" and not (attrs and n.op == "get_attr"):
+            continue
+        seen[n] = None
+        if n.op != "call_function":
+            continue
+        todo.extend(n.all_input_nodes)
+    return list(seen)
+
+
+def _alibi_candidates(gm, f: _Found, info, positions, batch: int, max_len: int) -> list:
+    """Per-head slopes read off a position-only float input that grows linearly along the key axis."""
+    found = []
+    for node in f.inputs:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.shape[-1] != max_len:
+            continue
+        try:
+            probe = _Found(k=f.k, v=f.v, q=f.q, out=node, region=[], inputs=[node], params=[], heads=f.heads)
+            value = _evaluate(gm, probe, info, batch, positions, None, None, None, {})
+        except Exception:  # noqa: BLE001  (not a bias we can read)
+            continue
+        if value.numel() % (batch * f.heads * max_len):
+            continue
+        rows = value.reshape(batch, f.heads, -1, max_len)[0, :, 0].float()
+        slopes = rows[:, 1] - rows[:, 0]
+        if torch.allclose(rows, slopes[:, None] * torch.arange(max_len, dtype=torch.float32), atol=1e-4, rtol=1e-5) \
+                and slopes.abs().max() > 0:
+            found.append(slopes)
+    return found
+
+
+# ---- rewrite --------------------------------------------------------------------------------------------------
+
+def _replace(gm: fx.GraphModule, f: _Found, params: tuple) -> None:
+    scale, window, softcap, alibi, sink = params
+    graph = gm.graph
+    positions = graph.find_nodes(op="placeholder", target="positions")[0]
+    with graph.inserting_before(f.out):
+        alibi_node = None
+        if alibi is not None:
+            alibi_node = graph.create_node("get_attr", _alibi_buffer(gm, alibi))
+            alibi_node.meta["val"] = alibi
+            alibi_node.meta["ppsplit.token"] = False
+        node = graph.call_function(torch.ops.ppsplit.cache_attention.default,
+                                   (f.q, f.k, f.v, positions, float(scale), int(window), float(softcap),
+                                    alibi_node, sink))
+    for key in ("nn_module_stack", "stack_trace", "ppsplit.layer", "ppsplit.region", "ppsplit.stage",
+                "ppsplit.token", "val"):
+        if key in f.out.meta:
+            node.meta[key] = f.out.meta[key]
+    node.meta["ppsplit.attention"] = _describe(params)
+    f.out.replace_all_uses_with(node)
+    for n in reversed(f.region):
+        if not n.users:
+            graph.erase_node(n)
+
+
+def _alibi_buffer(gm: fx.GraphModule, slopes: torch.Tensor) -> str:
+    """One non-persistent buffer per distinct set of slopes (they are constants of the model, not weights)."""
+    holder = getattr(gm, "ppsplit_attention", None)
+    if holder is None:
+        holder = torch.nn.Module()
+        gm.add_module("ppsplit_attention", holder)
+    for name, buf in holder.named_buffers():
+        if buf.shape == slopes.shape and torch.equal(buf.cpu(), slopes):
+            return f"ppsplit_attention.{name}"
+    name = f"alibi_slopes_{len(list(holder.buffers()))}"
+    device = next((t.device for t in gm.parameters()), torch.device("cpu"))
+    holder.register_buffer(name, slopes.to(device if device.type != "meta" else "cpu"), persistent=False)
+    return f"ppsplit_attention.{name}"
+
+
+def _describe(params: tuple) -> str:
+    scale, window, softcap, alibi, sink = params
+    parts = [f"scale {scale:.6g}"]
+    if window:
+        parts.append(f"window {window}")
+    if softcap:
+        parts.append(f"softcap {softcap:g}")
+    if alibi is not None:
+        parts.append("ALiBi")
+    if sink is not None:
+        parts.append("sinks")
+    return ", ".join(parts)

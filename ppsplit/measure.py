@@ -1,0 +1,172 @@
+"""Driver: time each decoder layer, the embedding and the head on the device they run on (the ``time`` policy).
+
+The traced model is split one layer per stage (pp = L) and every stage is timed on the model's device with the
+``CostModel`` workload: on a GPU each stage is captured as a CUDA graph and replayed (what serving runs), on the
+CPU it runs eagerly. Stage 0 is the embedding + layer 0, the last stage layer L-1 + the head. The same model as
+one stage (pp = 1) gives the fixed cost a stage pays once however many layers it has (rotary tables and masks
+from positions, launch): ``(sum of the L stages - the one stage) / (L - 1)``; it is taken out of every layer and
+kept as the per-stage cost, so a stage of ``n`` layers costs ``stage + sum(its layers)``. The embedding and the
+head are separated from layers 0 and L-1 by taking those layers to cost the median middle layer (only the
+display depends on this: stage 0 always runs both).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+from ppsplit.config import CostModel, Fuse
+from ppsplit.cuda_graphs import CapturedStage
+from ppsplit.errors import ConfigError
+from ppsplit.passes.annotate import Annotated
+from ppsplit.passes.costs import weighted
+from ppsplit.passes.emit import emit
+from ppsplit.passes.fuse import fuse as fuse_kernels
+from ppsplit.passes.partition import partition
+from ppsplit.passes.plan import plan as make_split_plan
+from ppsplit.passes.taps import taps as add_taps
+from ppsplit.plan import RegionCosts
+from ppsplit.tensors import DTYPES, module_device
+
+log = logging.getLogger("ppsplit")
+
+
+def measure_costs(annotated: Annotated, model: CostModel | None = None, *, fuse: Fuse = "all",
+                  rounds: int = 7) -> RegionCosts:
+    """Milliseconds of the embedding, each layer, the head and the per-stage work under the workload ``model``.
+
+    Example::
+
+        traced = ppsplit.trace_model(model.cuda(), cache=CacheConfig(8, 4096))
+        measure_costs(traced, CostModel(batch=8, context=2048)).layers    # ms per decode step, per layer
+    """
+    model = model or CostModel()
+    gm = annotated.gm
+    check_measurable(gm)
+    device = next((t.device for t in gm.parameters()), torch.device("cpu"))
+    _check_fits(annotated, model)
+    num_layers = annotated.layers.num_layers
+    one = _stages(annotated, [1] * num_layers, fuse)
+    whole = _stages(annotated, [num_layers], fuse) if num_layers > 1 else None
+    start = time.perf_counter()
+    parts = []
+    for weight, tokens, position in _steps(model):
+        position = position if annotated.traced.cache is not None else 0  # no cache: the step is the whole sequence
+        stages = one + (whole or [])
+        times = _time_stages(stages, model.batch, tokens, position, rounds)
+        per_layer = times[:num_layers]
+        overhead = 0.0
+        if whole is not None:
+            overhead = (sum(per_layer) - times[-1]) / (num_layers - 1)
+            overhead = min(max(overhead, 0.0), min(per_layer))  # noise must not make a layer negative
+        parts.append((weight, _regions([t - overhead for t in per_layer], overhead)))
+    log.info("timed %d layers on %s in %.1fs", num_layers, device, time.perf_counter() - start)
+    del one, whole
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return weighted(parts)
+
+
+def check_measurable(module: torch.nn.Module) -> None:
+    """Raise a ``ConfigError`` if ``module``'s weights are on the meta device (nothing to time)."""
+    if any(t.device.type == "meta" for t in module.parameters()):
+        raise ConfigError("balance='time' times every layer on the device it will run on, but the model's weights are "
+                          "on the meta device; load the real weights (or use balance='flops', counted from shapes)")
+
+
+def _stages(annotated: Annotated, sizes: list[int], fuse: Fuse) -> list[torch.nn.Module]:
+    """The stages of the split with these layer counts, without taps (as ``split_model`` makes them)."""
+    plan = make_split_plan(annotated, len(sizes), (), balance=sizes)
+    rewritten = add_taps(partition(annotated, plan), plan)
+    if fuse != "none":
+        rewritten = fuse_kernels(rewritten, plan, taps=fuse == "all")
+    return emit(rewritten, plan)
+
+
+def _steps(model: CostModel):
+    """(weight, tokens, first position) of the decode and prefill steps the workload weighs."""
+    if model.decode_weight:
+        yield model.decode_weight, model.tokens, model.context
+    if model.prefill_weight:
+        yield model.prefill_weight, model.prefill, 0
+
+
+def _check_fits(annotated: Annotated, model: CostModel) -> None:
+    cache = annotated.traced.cache
+    if cache is None:
+        if model.context:
+            log.info("balance='time': the traced model has no KV cache, so a step attends to its own tokens only "
+                     "(context %d is not timed); trace with cache=CacheConfig(...) to time attention over it",
+                     model.context)
+        return
+    longest = max(p + t for _, t, p in _steps(model))
+    if model.batch > cache.batch_size or longest > cache.max_len:
+        raise ConfigError(f"the cost model's steps (batch {model.batch}, up to position {longest}) do not fit the KV "
+                          f"cache of {cache.batch_size} x {cache.max_len}; use a smaller CostModel or a larger "
+                          "CacheConfig")
+
+
+def _regions(times: list[float], overhead: float) -> RegionCosts:
+    layers = list(times)
+    embed = head = 0.0
+    if len(layers) > 2:
+        typical = statistics.median(layers[1:-1])
+        embed, head = max(layers[0] - typical, 0.0), max(layers[-1] - typical, 0.0)
+        layers[0] -= embed
+        layers[-1] -= head
+    return RegionCosts(layers=tuple(layers), embed=embed, head=head, stage=overhead, unit="ms")
+
+
+def _inputs(stage, batch: int, tokens: int, position: int):
+    plan = stage.meta["ppsplit.plan"]
+    device = module_device(stage)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    if stage.meta["ppsplit.stage"] == 0:
+        x = torch.randint(0, 100, (batch, tokens), generator=generator)
+    else:
+        x = torch.randn(batch, tokens, plan.hidden_size, generator=generator).to(DTYPES[plan.dtype])
+    aux = torch.zeros(plan.n_slots, batch, tokens, plan.hidden_size, dtype=DTYPES[plan.dtype])
+    return x.to(device), torch.arange(position, position + tokens, device=device), aux.to(device)
+
+
+def _time_stages(stages, batch: int, tokens: int, position: int, rounds: int) -> list[float]:
+    """Milliseconds per call of each stage; stages interleaved round by round, so drift hits all alike. On a GPU
+    the median replay; on the CPU the fastest round, since other processes only ever add time there."""
+    runs = [_runner(stage, batch, tokens, position) for stage in stages]
+    samples = [[] for _ in runs]
+    for _ in range(rounds):
+        for k, run in enumerate(runs):
+            samples[k].append(run())
+    pick = statistics.median if module_device(stages[0]).type == "cuda" else min
+    return [pick(s) for s in samples]
+
+
+def _runner(stage, batch: int, tokens: int, position: int):
+    x, positions, aux = _inputs(stage, batch, tokens, position)
+    if module_device(stage).type == "cuda":
+        captured = CapturedStage(stage, batch, tokens)
+        captured.x.copy_(x)
+        captured.positions.copy_(positions)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        captured.replay()
+        repeat = 20
+
+        def run():
+            begin.record()
+            for _ in range(repeat):
+                captured.replay()
+            end.record()
+            end.synchronize()
+            return begin.elapsed_time(end) / repeat
+        return run
+
+    def run():
+        with torch.no_grad():
+            begin = time.perf_counter()
+            stage(x, positions, aux)
+            return (time.perf_counter() - begin) * 1e3
+    with torch.no_grad():
+        stage(x, positions, aux)  # warm-up
+    return run

@@ -1,0 +1,275 @@
+"""The attention pass and ``cache_attention``: kernels against fp64, stages against Hugging Face, structure.
+
+Kernels: the Triton split-KV (decode, verify) and flash (prefill) kernels run on CPU tensors under
+``TRITON_INTERPRET=1`` in fp32, with odd sizes, GQA ratios 1/4/8, outputs poisoned with NaN and the cache
+poisoned past the live length (a kernel that reads a stale slot returns NaN). bf16 runs on a GPU.
+Models: with the pass on, logits, taps (= ``output_hidden_states``) and greedy decoding equal HF's, and the
+stage graphs hold ``cache_attention`` instead of the expanded K/V, the mask and SDPA/softmax.
+"""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import ppsplit
+import tests.test_decode as decode_tests
+from ppsplit import CacheConfig
+from ppsplit.triton_kernels.attention import HAVE_TRITON, attention_reference, launch_cache_attention
+from tests.models import VOCAB
+
+ops = torch.ops.ppsplit
+CACHE = decode_tests.CACHE
+# (batch, batch rows in the cache, q heads, kv heads, tokens, max_len, head_dim, first position, extras)
+KERNEL_CASES = [
+    (1, 1, 8, 1, 1, 77, 64, 70, {}),                                   # decode, GQA 8, odd length
+    (2, 3, 8, 2, 3, 100, 128, 37, {}),                                 # verify, GQA 4, batch < cache rows
+    (1, 2, 4, 4, 5, 45, 64, 11, {}),                                   # verify, MHA (ratio 1)
+    (2, 2, 4, 2, 3, 70, 64, 40, dict(window=7, softcap=20.0)),         # Gemma 2: sliding window + soft-cap
+    (1, 1, 4, 4, 3, 37, 64, 10, dict(alibi=True)),                     # Bloom: ALiBi
+    (2, 2, 4, 2, 5, 37, 64, 20, dict(sinks=True, window=4)),           # gpt-oss: sinks (+ window)
+]
+
+
+def _kernel_inputs(batch, rows, hq, hkv, tokens, max_len, dim, start, extras, seed, dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, hq, tokens, dim, generator=gen).to(device, dtype)
+    k = torch.randn(rows, hkv, max_len, dim, generator=gen).to(device, dtype)
+    v = torch.randn(rows, hkv, max_len, dim, generator=gen).to(device, dtype)
+    positions = torch.arange(start, start + tokens, device=device)
+    k[:, :, start + tokens:] = float("nan")  # stale slots: reading one poisons the output
+    v[:, :, start + tokens:] = float("nan")
+    alibi = torch.rand(hq, generator=gen).to(device) if extras.get("alibi") else None
+    sinks = torch.randn(hq, generator=gen).to(device, dtype) if extras.get("sinks") else None
+    args = (q, k[:batch], v[:batch], positions, dim ** -0.5, extras.get("window", 0), extras.get("softcap", 0.0),
+            alibi, sinks)
+    return args
+
+
+def _reference64(q, k, v, positions, scale, window, softcap, alibi, sinks):
+    live = int(positions[-1]) + 1  # the reference reads only live slots (NaN beyond would poison it)
+    return attention_reference(q.double(), k[:, :, :live].double(), v[:, :, :live].double(), positions, scale,
+                               window, softcap, None if alibi is None else alibi.double(),
+                               None if sinks is None else sinks.double())
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("decode", [True, False], ids=["split_kv", "flash"])  # split_kv: 3 splits or 1 (no combine)
+@pytest.mark.parametrize("case", range(len(KERNEL_CASES)))
+def test_triton_kernels_match_fp64(case, decode):
+    batch, rows, hq, hkv, tokens, max_len, dim, start, extras = KERNEL_CASES[case]
+    args = _kernel_inputs(batch, rows, hq, hkv, tokens, max_len, dim, start, extras, seed=case)
+    out = torch.full((batch, tokens, hq, dim), float("nan")).transpose(1, 2)
+    launch_cache_attention(*args, out=out, decode=decode, n_splits=(3 if case % 2 else 1) if decode else None)
+    assert not out.isnan().any(), "left part of the output unwritten, or read a stale cache slot"
+    torch.testing.assert_close(out.double(), _reference64(*args), atol=2e-5, rtol=2e-5)
+
+
+def test_cpu_op_matches_fp64():
+    for case, (batch, rows, hq, hkv, tokens, max_len, dim, start, extras) in enumerate(KERNEL_CASES):
+        args = list(_kernel_inputs(batch, rows, hq, hkv, tokens, max_len, dim, start, extras, seed=case))
+        for t in (1, 2):  # the CPU path masks the whole cache: stale slots are finite garbage there, not NaN
+            args[t] = torch.nan_to_num(args[t], nan=1e4)
+        out = ops.cache_attention(*args)
+        assert out.shape == (batch, hq, tokens, dim) and out.transpose(1, 2).is_contiguous()
+        torch.testing.assert_close(out.double(), _reference64(*args), atol=1e-5, rtol=1e-5)
+
+
+# ---- models ----------------------------------------------------------------------------------------------------
+
+_EXTRA_MODELS: dict = {}
+
+
+def _extra_config(arch):
+    common = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "bloom":  # ALiBi
+        return AutoConfig.for_model("bloom", hidden_size=64, n_layer=4, n_head=4, **common)
+    if arch == "gpt_oss":  # sinks, alternating sliding-window and full layers
+        return AutoConfig.for_model("gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=4, **common)
+    raise KeyError(arch)
+
+
+def traced(arch):
+    """(model, trace with the KV cache): shared with test_decode for its architectures."""
+    if arch not in ("bloom", "gpt_oss"):
+        return decode_tests.cached(arch)
+    if arch not in _EXTRA_MODELS:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_extra_config(arch)).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        _EXTRA_MODELS[arch] = (model, ppsplit.trace_model(model, cache=CACHE))
+    return _EXTRA_MODELS[arch]
+
+
+def _reads_cache(node):
+    return any(a.target is torch.ops.aten.index_copy_.default for a in node.all_input_nodes)
+
+
+def _module(node):
+    """Class name of the innermost module that ran ``node`` (a router's softmax is not the attention's)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return str(list(stack.values())[-1][1]) if stack else ""
+
+
+MODELS = ["llama", "qwen3", "gemma2", "gpt2", "mixtral", "bloom", "gpt_oss"]
+EXPECT = {"gemma2": ("softcap 50", "window 4"), "bloom": ("ALiBi",), "gpt_oss": ("sinks", "window 4")}
+
+
+@pytest.mark.parametrize("arch", MODELS)
+def test_pass_matches_hf_and_replaces_attention(arch):
+    model, trace = traced(arch)
+    split = ppsplit.split_model(trace, 2, aux=[1, 3])
+    # Structure: every layer's attention is one cache_attention reading the cache; nothing else reads it.
+    for k, (stage, sp) in enumerate(zip(split.stages, split.plan.stages)):
+        nodes = list(stage.graph.nodes)
+        attn = [n for n in nodes if n.target is ops.cache_attention.default]
+        assert len(attn) == sp.num_layers
+        readers = [n for n in nodes if _reads_cache(n)]
+        assert set(readers) == set(attn), [n.format_node() for n in readers if n not in attn]
+        gone = {torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.softmax.int,
+                torch.ops.aten._softmax.default, torch.ops.aten.expand.default, torch.ops.aten.matmul.default}
+        assert not [n for n in nodes if n.target in gone and "attention" in _module(n).lower()]
+        n = sp.num_layers
+        assert split.plan.attention_lines(k)[0].startswith(f"attention: {n} of {n} -> cache_attention")
+        assert [a.layer for a in split.plan.attention if a.stage == k and a.replaced] == list(range(sp.start, sp.end))
+    for word in EXPECT.get(arch, ()):
+        assert any(word in a.detail for a in split.plan.attention), (word, split.plan.attention)
+    assert "cache_attention" in split.plan.describe()
+
+    # Numbers: prefill, decode, verify chunks equal HF's logits and hidden states (taps), in fp32.
+    torch.manual_seed(2)
+    ids = torch.randint(3, VOCAB, (2, 13))
+    with torch.no_grad():
+        full = model(ids, output_hidden_states=True)
+    for lo, hi in [(0, 7), (7, 8), (8, 13)]:
+        logits, aux = split(ids[:, lo:hi], torch.arange(lo, hi))
+        torch.testing.assert_close(logits, full.logits[:, lo:hi], atol=1e-5, rtol=1e-5)
+        for slot, tap in enumerate((1, 3)):
+            torch.testing.assert_close(aux[slot], full.hidden_states[tap][:, lo:hi], atol=1e-5, rtol=1e-5)
+    # Greedy decoding with the cache; a smaller batch (leading cache rows) where test_decode does not cover it.
+    prompt = torch.randint(3, VOCAB, (2, 6))
+    for rows in (2, 1) if arch in ("bloom", "gpt_oss") else (2,):
+        with torch.no_grad():
+            expected = model.generate(prompt[:rows], max_new_tokens=12, do_sample=False)
+        assert torch.equal(split.generate(prompt[:rows], 12), expected)
+
+
+def test_attention_false_keeps_traced_ops():
+    _, trace = traced("llama")
+    split = ppsplit.split_model(trace, 1, attention=False)
+    nodes = list(split.stages[0].graph.nodes)
+    assert not any(n.target is ops.cache_attention.default for n in nodes)
+    assert any(n.target is torch.ops.aten.scaled_dot_product_attention.default for n in nodes)
+    assert split.plan.attention == ()
+
+
+def test_unrecognised_attention_is_left_and_reported():
+    """A per-head temperature is not cache_attention's math: the traced ops stay, the plan says why, and the
+    numbers still equal HF's."""
+    from transformers import AttentionInterface
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    def per_head_temperature(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+        scores = scores * torch.linspace(0.5, 1.5, query.shape[1], device=query.device).view(1, -1, 1, 1)
+        if attention_mask is None:  # HF's SDPA mask skips a plainly causal mask: apply it here
+            q_len, k_len = scores.shape[-2:]
+            attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register("ppsplit_test_per_head_temperature", per_head_temperature)
+    # Without a registered mask function HF hands custom attention no mask: use SDPA's boolean one.
+    AttentionMaskInterface.register("ppsplit_test_per_head_temperature", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    from tests.models import tiny_model
+
+    model = tiny_model("llama", num_layers=2)
+    model.set_attn_implementation("ppsplit_test_per_head_temperature")
+    split = ppsplit.split_model(model, 2, cache=CACHE)
+    for k in range(2):
+        assert split.plan.attention_lines(k)[0] == "attention: 0 of 1 -> cache_attention"
+        assert "left as traced: no scale/window/soft-cap/ALiBi/sinks" in split.plan.attention_lines(k)[1]
+        assert not any(n.target is ops.cache_attention.default for n in split.stages[k].graph.nodes)
+    prompt = torch.randint(3, VOCAB, (2, 6))
+    with torch.no_grad():
+        expected = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(split.generate(prompt, 8), expected)
+
+
+def test_plan_json_round_trip_keeps_the_report():
+    _, trace = traced("gemma2")
+    plan = ppsplit.split_model(trace, 2).plan
+    assert ppsplit.SplitPlan.from_json(plan.to_json()) == plan and plan.attention
+
+
+def test_compiled_stage_equals_eager():
+    """compile=True (Inductor on the CPU): the same numbers and the same cache writes as the eager stage."""
+    from tests.models import tiny_model
+
+    model = tiny_model("llama", num_layers=1)
+    trace = ppsplit.trace_model(model, cache=CacheConfig(batch_size=1, max_len=16))
+    eager = ppsplit.split_model(trace, 1, aux=[1])
+    compiled = ppsplit.split_model(trace, 1, aux=[1], compile=True)
+    ids = torch.randint(3, VOCAB, (1, 8))
+    for lo in (0, 4):  # one shape, two steps: the second attends over what the first wrote
+        positions = torch.arange(lo, lo + 4)
+        expected, aux_e = eager(ids[:, lo:lo + 4], positions)
+        got, aux_c = compiled(ids[:, lo:lo + 4], positions)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(aux_c, aux_e, atol=1e-5, rtol=1e-5)
+    caches = [dict(s.stages[0].named_buffers()) for s in (eager, compiled)]
+    for name in caches[0]:
+        if name.startswith("kv_cache."):
+            torch.testing.assert_close(caches[1][name], caches[0][name], atol=1e-6, rtol=1e-6)
+    assert compiled.stages[0].meta["ppsplit.plan"] is compiled.plan  # still the same GraphModule
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(KERNEL_CASES)))
+def test_op_on_gpu_matches_fp64(case, dtype):
+    batch, rows, hq, hkv, tokens, max_len, dim, start, extras = KERNEL_CASES[case]
+    args = _kernel_inputs(batch, rows, hq, hkv, tokens, max_len, dim, start, extras, seed=case, dtype=dtype,
+                          device="cuda")
+    for decode in (True, False):
+        out = launch_cache_attention(*args, decode=decode)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.double(), _reference64(*args), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_long_prefill_on_gpu_matches_fp64():
+    args = _kernel_inputs(1, 1, 8, 2, 300, 512, 128, 100, {}, seed=7, dtype=torch.bfloat16, device="cuda")
+    out = ops.cache_attention(*args)
+    torch.testing.assert_close(out.double(), _reference64(*args), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_captured_stage_equals_eager_on_gpu(compile):
+    from tests.models import tiny_model
+
+    model = tiny_model("gemma2").to(device="cuda", dtype=torch.bfloat16)
+    split = ppsplit.split_model(model, 2, aux=[0, 2], cache=CacheConfig(batch_size=2, max_len=64), compile=compile)
+    buckets = {tokens: [ppsplit.cuda_graph(stage, 2, tokens) for stage in split.stages] for tokens in (9, 1, 5)}
+    start = 0
+    for tokens, graphs in buckets.items():
+        ids = torch.randint(3, VOCAB, (2, tokens), device="cuda")
+        positions = torch.arange(start, start + tokens, device="cuda")
+        x_e = x_g = ids
+        aux_e, aux_g = split.new_aux(2, tokens), split.new_aux(2, tokens)
+        for stage, graph in zip(split.stages, graphs):
+            with torch.no_grad():
+                x_e, aux_e = stage(x_e, positions, aux_e)
+            x_g, aux_g = graph(x_g, positions, aux_g)
+            torch.testing.assert_close(x_g, x_e, atol=2e-2, rtol=2e-2)
+        start += tokens

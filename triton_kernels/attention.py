@@ -1,0 +1,339 @@
+"""Attention over a stage's static KV cache: ``ppsplit::cache_attention``, GQA-aware, live prefix only.
+
+Exact math (what the attention pass proves the traced attention equals)::
+
+    q [B, Hq, T, D], k [B, Hkv, L, D], v [B, Hkv, L, Dv], query head h reads KV head h // (Hq // Hkv)
+    s[h, t, j] = scale * q[h, t] . k[h // G, j]
+    s = softcap * tanh(s / softcap)                  if softcap > 0     (Gemma 2)
+    s = s + alibi[h] * j                             if alibi is given  (Bloom: slope times the key's slot)
+    visible(t, j) = j <= positions[t] and (window == 0 or positions[t] - j < window)
+    p = softmax over visible j of s  (with sinks[h] as one more logit in the denominator; gpt-oss)
+    out[b, h, t] = sum_j p[h, t, j] * v[h // G, j]
+
+This is Hugging Face's ``repeat_kv`` + mask + ``scaled_dot_product_attention`` (or ``eager_attention_forward``)
+over the whole static cache, without expanding K/V to every query head and without touching slots past the
+live length ``positions[-1] + 1``, which the GPU kernels read from memory: one captured CUDA graph serves every
+length. CPU tensors take the same formula in torch (fp32 math, masked over the whole cache: no data-dependent
+shapes, so it also traces under ``torch.compile``).
+
+GPU kernels (Triton):
+
+- split-KV decode (flash-decoding) for ``G * T <= 128`` rows per KV head (decode, verify): one program per
+  (batch, KV head, split) holds all ``G`` query heads times ``T`` tokens, so each KV block is read once. When
+  batch x KV heads fill the SMs there is one split and the kernel writes the output; otherwise the live range
+  is split and a second small kernel combines the splits.
+- flash forward for longer prompts: one program per (query block, batch x query head), causal block skipping.
+
+The output is ``[B, Hq, T, Dv]`` laid out as ``[B, T, Hq, Dv]`` in memory, so the model's following
+``transpose(1, 2).reshape(B, T, Hq * Dv)`` is a view.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+
+    HAVE_TRITON = True
+except ImportError:  # the torch path still works everywhere
+    HAVE_TRITON = False
+
+
+def attention_reference(q, k, v, positions, scale: float, window: int = 0, softcap: float = 0.0,
+                        alibi: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None):
+    """The exact math above in torch, over the whole cache with a mask (fp32 math, or fp64 for fp64 inputs)."""
+    B, Hq, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    f = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.to(f).reshape(B, Hkv, G * T, D)
+    s = torch.matmul(qg, k.to(f).transpose(-1, -2)).view(B, Hq, T, L) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    slots = torch.arange(L, device=q.device)
+    if alibi is not None:
+        s = s + alibi.to(f).view(1, Hq, 1, 1) * slots.to(f)
+    qpos = positions.view(1, 1, T, 1)
+    visible = slots <= qpos
+    if window > 0:
+        visible = visible & (qpos - slots < window)
+    s = s.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(f).view(1, Hq, 1, 1).expand(B, Hq, T, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :L]
+    else:
+        p = torch.softmax(s, dim=-1)
+    out = torch.matmul(p.reshape(B, Hkv, G * T, L), v.to(f)).view(B, Hq, T, v.shape[-1])
+    return out.to(q.dtype)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _scores(q, k_blk, slots, qpos, live, slope, scale, window, softcap,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr):
+        """Masked logits of one block in base-2 units (times log2 e), -inf where not visible."""
+        if IEEE:
+            s = tl.dot(q, k_blk, input_precision="ieee")
+        else:
+            s = tl.dot(q, k_blk)
+        s = s * scale
+        if HAS_SOFTCAP:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both tails in fp32
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        if HAS_ALIBI:
+            s = s + slope[:, None] * slots[None, :].to(tl.float32)
+        visible = (slots[None, :] <= qpos[:, None]) & (slots[None, :] < live)
+        if window > 0:
+            visible = visible & (qpos[:, None] - slots[None, :] < window)
+        return tl.where(visible, s * 1.4426950408889634, float("-inf"))
+
+    @triton.jit
+    def _decode_kernel(Q, K, V, POS, SLOPES, SINKS, O, M_OUT, L_OUT, ACC_OUT,
+                       sqb, sqh, sqt, skb, skh, skl, svb, svh, svl, sob, soh, sot,
+                       T, Hkv, n_splits, scale, window, softcap,
+                       G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+                       DIRECT: tl.constexpr, IEEE: tl.constexpr):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // Hkv
+        kvh = bh % Hkv
+        rows = tl.arange(0, BLOCK_M)  # row r = query head kvh*G + r // T, token r % T
+        row_ok = rows < G * T
+        t = tl.where(row_ok, rows % T, 0)
+        h = kvh * G + tl.where(row_ok, rows // T, 0)
+        qpos = tl.load(POS + t)
+        live = tl.load(POS + T - 1) + 1
+        first = tl.load(POS)
+        lo = first * 0  # a tensor of the type the window branch gives (the compiler wants both branches alike)
+        if window > 0:
+            lo = tl.maximum(first - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        n_blocks = tl.cdiv(live - lo, BLOCK_N)
+        per_split = tl.cdiv(n_blocks, n_splits)
+        start = lo + split * per_split * BLOCK_N
+        stop = tl.minimum(start + per_split * BLOCK_N, live)
+
+        d = tl.arange(0, BLOCK_D)
+        dv = tl.arange(0, BLOCK_DV)
+        q = tl.load(Q + b.to(tl.int64) * sqb + h[:, None] * sqh + t[:, None] * sqt + d[None, :],
+                    mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+        slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_ALIBI:
+            slope = tl.load(SLOPES + h).to(tl.float32) * 1.0
+        k_base = K + b.to(tl.int64) * skb + kvh * skh
+        v_base = V + b.to(tl.int64) * svb + kvh * svh
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        for n0 in range(start, stop, BLOCK_N):
+            slots = n0 + tl.arange(0, BLOCK_N)
+            in_range = slots < stop
+            k_blk = tl.load(k_base + slots[None, :].to(tl.int64) * skl + d[:, None],
+                            mask=in_range[None, :] & (d[:, None] < D), other=0.0)
+            s = _scores(q, k_blk, slots, qpos, stop, slope, scale, window, softcap, HAS_SOFTCAP, HAS_ALIBI, IEEE)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v_blk = tl.load(v_base + slots[:, None].to(tl.int64) * svl + dv[None, :],
+                            mask=in_range[:, None] & (dv[None, :] < DV), other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v_blk.dtype), v_blk, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v_blk.dtype), v_blk)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        if DIRECT:  # one split: this program saw the whole live range, normalise and write the output
+            if HAS_SINKS:
+                l_i += tl.exp2(tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634 - m_i)
+            out = acc / l_i[:, None]
+            tl.store(O + b.to(tl.int64) * sob + h[:, None] * soh + t[:, None] * sot + dv[None, :],
+                     out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+            return
+        part = (bh * n_splits + split) * BLOCK_M + rows
+        tl.store(M_OUT + part, m_i)
+        tl.store(L_OUT + part, l_i)
+        tl.store(ACC_OUT + part[:, None].to(tl.int64) * BLOCK_DV + dv[None, :], acc)
+
+    @triton.jit
+    def _combine_kernel(M_IN, L_IN, ACC_IN, SINKS, O, sob, soh, sot, T, Hkv, n_splits,
+                        G: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        HAS_SINKS: tl.constexpr):
+        bh = tl.program_id(0)
+        r = tl.program_id(1)  # one row: query head kvh*G + r // T, token r % T
+        b = bh // Hkv
+        kvh = bh % Hkv
+        h = kvh * G + r // T
+        t = r % T
+        dv = tl.arange(0, BLOCK_DV)
+        m = tl.full([1], -1.0e30, dtype=tl.float32)
+        for s in range(0, n_splits):
+            m = tl.maximum(m, tl.load(M_IN + (bh * n_splits + s) * BLOCK_M + r + tl.zeros([1], dtype=tl.int32)))
+        l_sum = tl.zeros([1], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+        for s in range(0, n_splits):
+            part = (bh * n_splits + s) * BLOCK_M + r
+            w = tl.exp2(tl.load(M_IN + part + tl.zeros([1], dtype=tl.int32)) - m)
+            l_sum += w * tl.load(L_IN + part + tl.zeros([1], dtype=tl.int32))
+            acc += tl.sum(w[:, None] * tl.load(ACC_IN + part.to(tl.int64) * BLOCK_DV + dv)[None, :], axis=0)
+        if HAS_SINKS:
+            sink = tl.load(SINKS + h + tl.zeros([1], dtype=tl.int32)).to(tl.float32) * 1.4426950408889634
+            l_sum += tl.exp2(sink - m)
+        out = acc / tl.sum(l_sum, axis=0)
+        tl.store(O + b.to(tl.int64) * sob + h * soh + t * sot + dv, out.to(O.dtype.element_ty), mask=dv < DV)
+
+    @triton.jit
+    def _prefill_kernel(Q, K, V, POS, SLOPES, SINKS, O,
+                        sqb, sqh, sqt, skb, skh, skl, svb, svh, svl, sob, soh, sot,
+                        T, Hq, scale, window, softcap,
+                        G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
+                        IEEE: tl.constexpr):
+        m0 = tl.program_id(0) * BLOCK_M
+        bh = tl.program_id(1)
+        b = bh // Hq
+        h = bh % Hq
+        kvh = h // G
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < T
+        qpos = tl.load(POS + rows, mask=row_ok, other=-1)
+        live = tl.load(POS + T - 1) + 1
+        hi = tl.minimum(tl.max(qpos, axis=0) + 1, live)  # causal: nothing past this block's last query
+        lo = hi * 0  # a tensor of the type the window branch gives (the compiler wants both branches alike)
+        if window > 0:
+            lo = tl.maximum(tl.min(tl.where(row_ok, qpos, 2147483647), axis=0) - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        d = tl.arange(0, BLOCK_D)
+        dv = tl.arange(0, BLOCK_DV)
+        q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + rows[:, None].to(tl.int64) * sqt + d[None, :],
+                    mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+        slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_ALIBI:
+            slope = slope + tl.load(SLOPES + h).to(tl.float32)
+        k_base = K + b.to(tl.int64) * skb + kvh * skh
+        v_base = V + b.to(tl.int64) * svb + kvh * svh
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            slots = n0 + tl.arange(0, BLOCK_N)
+            in_range = slots < hi
+            k_blk = tl.load(k_base + slots[None, :].to(tl.int64) * skl + d[:, None],
+                            mask=in_range[None, :] & (d[:, None] < D), other=0.0)
+            s = _scores(q, k_blk, slots, qpos, hi, slope, scale, window, softcap, HAS_SOFTCAP, HAS_ALIBI, IEEE)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v_blk = tl.load(v_base + slots[:, None].to(tl.int64) * svl + dv[None, :],
+                            mask=in_range[:, None] & (dv[None, :] < DV), other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v_blk.dtype), v_blk, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v_blk.dtype), v_blk)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        if HAS_SINKS:
+            sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+            l_i += tl.exp2(sink - m_i)
+        out = acc / l_i[:, None]
+        tl.store(O + b.to(tl.int64) * sob + h * soh + rows[:, None].to(tl.int64) * sot + dv[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (int(n) - 1).bit_length())
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few splits, so the combine step is exercised
+
+
+def launch_cache_attention(q, k, v, positions, scale: float, window: int = 0, softcap: float = 0.0,
+                           alibi=None, sinks=None, *, wrap=lambda kernel: kernel, out=None,
+                           decode: bool | None = None, n_splits: int | None = None):
+    """Run the Triton kernels: returns ``out`` ``[B, Hq, T, Dv]`` (``[B, T, Hq, Dv]`` in memory). ``decode``
+    forces the split-KV (True) or the flash (False) kernel; by default ``G * T <= 128`` takes split-KV. Works
+    on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (the kernel tests)."""
+    B, Hq, T, D = q.shape
+    Hkv, L, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = Hq // Hkv
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernels index d with stride 1
+    if out is None:
+        out = torch.empty(B, T, Hq, Dv, dtype=q.dtype, device=q.device).transpose(1, 2)
+    block_d, block_dv = _pow2(D), _pow2(Dv)
+    ieee = q.dtype == torch.float32
+    dummy = positions  # stands in for absent optional pointers; never read
+    common = dict(HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, IEEE=ieee)
+    if decode is None:
+        decode = G * T <= 128
+    if decode:
+        block_m = _pow2(G * T)
+        block_n = 64 if max(block_d, block_dv) <= 128 else 32
+        if n_splits is None:
+            # Enough (batch, KV head) programs to fill the SMs: one split, no combine step. Otherwise split the
+            # live range so that about two programs run per SM.
+            sms = _sm_count(q.device)
+            n_splits = 1 if B * Hkv >= sms else max(1, min(triton.cdiv(2 * sms, B * Hkv), triton.cdiv(L, block_n)))
+        parts = B * Hkv * n_splits * block_m if n_splits > 1 else 1
+        m_part = torch.empty(parts, dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty(parts, block_dv if n_splits > 1 else 1, dtype=torch.float32, device=q.device)
+        wrap(_decode_kernel)[(B * Hkv, n_splits)](
+            q, k, v, positions, alibi if alibi is not None else dummy, sinks if sinks is not None else dummy, out,
+            m_part, l_part, acc_part,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            T, Hkv, n_splits, scale, window, softcap,
+            G=G, D=D, DV=Dv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+            HAS_SINKS=sinks is not None, DIRECT=n_splits == 1, num_warps=4, num_stages=2, **common)
+        if n_splits == 1:
+            return out
+        wrap(_combine_kernel)[(B * Hkv, G * T)](
+            m_part, l_part, acc_part, sinks if sinks is not None else dummy, out,
+            out.stride(0), out.stride(1), out.stride(2), T, Hkv, n_splits,
+            G=G, DV=Dv, BLOCK_M=block_m, BLOCK_DV=block_dv, HAS_SINKS=sinks is not None, num_warps=1)
+    else:
+        big = max(block_d, block_dv) > 128
+        block_m, block_n = (64, 32) if big else (128, 64)
+        wrap(_prefill_kernel)[(triton.cdiv(T, block_m), B * Hq)](
+            q, k, v, positions, alibi if alibi is not None else dummy, sinks if sinks is not None else dummy, out,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            T, Hq, scale, window, softcap,
+            G=G, D=D, DV=Dv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+            HAS_SINKS=sinks is not None, num_warps=8 if not big else 4, num_stages=3, **common)
+    return out
+
+
+def _register(name: str):
+    if HAVE_TRITON:
+        return triton_op(name, mutates_args=())
+    return torch.library.custom_op(name, mutates_args=())
+
+
+@_register("ppsplit::cache_attention")
+def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                    scale: float, window: int, softcap: float, alibi: Optional[torch.Tensor],
+                    sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Causal attention of ``q [B, Hq, T, D]`` at ``positions`` over the cache rows ``k_cache/v_cache
+    [B, Hkv, L, D]`` (already written at ``positions``); see the module docstring for the exact math."""
+    if HAVE_TRITON and q.device.type == "cuda":
+        with torch.cuda.device(q.device):
+            return launch_cache_attention(q, k_cache, v_cache, positions, scale, window, softcap, alibi, sinks,
+                                          wrap=wrap_triton)
+    B, Hq, T, _ = q.shape
+    out = torch.empty(B, T, Hq, v_cache.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+    out.copy_(attention_reference(q, k_cache, v_cache, positions, scale, window, softcap, alibi, sinks))
+    return out
