@@ -176,7 +176,7 @@ def _write(tmp: str, split: SplitModel, stage_specs: list, sources: Sources, buf
 
     with open(os.path.join(tmp, "plan.json"), "w") as f:
         f.write(split.plan.to_json())
-    copy_serving_files(checkpoint.folder, tmp)  # tokenizer, chat template, generation_config.json
+    copy_serving_files(sources.checkpoint.folder, tmp)  # tokenizer, chat template, generation_config.json
     total = sum(_spec_bytes(s) for specs in stage_specs for s in specs if s["init"] == "file")
     bar = _progress(total, progress)
     files = []
