@@ -3,6 +3,9 @@ copy of the same shards (CPU, this machine).
 
     python bench/compile_bench.py                 # Llama-style, ~1.1 GB of bf16 weights, pp=4, EAGLE-3 taps
     python bench/compile_bench.py --layers 4      # smaller, quicker
+    python bench/compile_bench.py --moe           # Qwen3-MoE-style, ~1.9 GB, per-expert tensors as transformers
+                                                  # saves them: compile fuses them per stage (issue 14)
+    python bench/compile_bench.py --moe --layers 2 --experts 4   # a quick check that the script works
 
 Every measured step runs in its own process (peak RSS from wait4); the shards were just written, so both the
 copy and the compile read them from the page cache.
@@ -34,16 +37,25 @@ def main():
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE-shaped checkpoint instead of a Llama")
+    ap.add_argument("--experts", type=int, default=32, help="experts per layer with --moe")
     args = ap.parse_args()
     work = args.workdir or tempfile.mkdtemp(prefix="ppsplit-compile-bench-")
     src = os.path.join(work, "src")
     env = dict(os.environ, PPSPLIT_CACHE=os.path.join(work, "cache"))
 
     if not os.path.isdir(src):
+        if args.moe:  # save_pretrained writes each expert's gate/up/down as its own tensor, as the hub stores them
+            config = ("Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,"
+                      f" num_experts={args.experts}, num_experts_per_tok=4, num_hidden_layers={args.layers},"
+                      " num_attention_heads=8, num_key_value_heads=4, head_dim=128, max_position_embeddings=4096,"
+                      " tie_word_embeddings=False)")
+        else:
+            config = (f"LlamaConfig(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers={args.layers},"
+                      " num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096, tie_word_embeddings=False)")
         build = (
-            "import torch; from transformers import LlamaConfig, AutoModelForCausalLM;"
-            f"cfg = LlamaConfig(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers={args.layers},"
-            " num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096, tie_word_embeddings=False);"
+            "import torch, transformers; from transformers import AutoModelForCausalLM;"
+            f"cfg = transformers.{config};"
             "torch.manual_seed(0); m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16);"
             f"m.save_pretrained({src!r}, max_shard_size='200MB')")
         code, _, err, wall, _ = run_measured([sys.executable, "-c", build], env)
@@ -83,6 +95,11 @@ def main():
     copy_s = min(copy_before, copy_after)
 
     gb = 1e9
+    with open(os.path.join(src, "model.safetensors.index.json")) as f:
+        n_tensors = len(json.load(f)["weight_map"])
+    n_stage_tensors = sum(len(json.load(open(os.path.join(out, s["program"])))["tensors"]) for s in manifest["stages"])
+    print(f"{'MoE (Qwen3-MoE-shaped, per-expert tensors)' if args.moe else 'Llama-shaped'}, {args.layers} layers: "
+          f"{n_tensors} checkpoint tensors -> {n_stage_tensors} stage tensors")
     print(f"checkpoint: {len(shards)} shards, {size / gb:.2f} GB; output: {sum(stage_bytes) / gb:.2f} GB in "
           f"{len(stage_bytes)} stage files (largest {max(stage_bytes) / gb:.2f} GB)")
     print(f"{'step':<38} {'wall s':>7} {'peak RSS GB':>11} {'GB/s':>7}")

@@ -268,6 +268,8 @@ def _unlift(ep: torch.export.ExportedProgram, model: torch.nn.Module) -> fx.Grap
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ASSERT_OPS and not node.users:
             graph.erase_node(node)
+        elif node.op == "call_function" and node.target is torch.ops.aten.histc.default:
+            _portable_histc(graph, node)
         elif _is_identity_cast(node) or _is_identity_arith(node):
             # `x.to(x.dtype)` returns x itself, so export may route later uses of x through the cast
             # (an fp32 model's residual read through the norm's upcast). Use x directly.
@@ -277,6 +279,30 @@ def _unlift(ep: torch.export.ExportedProgram, model: torch.nn.Module) -> fx.Grap
     copy_buffer_persistence(gm, root)
     gm.graph.lint()
     return gm
+
+
+def _portable_histc(graph: fx.Graph, node: fx.Node) -> None:
+    """Count in float32, cast back. transformers' MoE routing calls ``histc`` on integer expert ids except on the
+    CPU, which has no integer kernel; the choice follows the device the trace ran on (meta: integer). Float counts
+    of ids below 2**24 are exact, and both devices run it, so the stage program stays device-free."""
+    from torch._guards import detect_fake_mode
+
+    x = node.args[0]
+    x_val, out_val = x.meta.get("val"), node.meta.get("val")
+    if not isinstance(x_val, torch.Tensor) or x_val.is_floating_point() or out_val is None:
+        return
+    to_copy = torch.ops.aten._to_copy.default
+    with graph.inserting_before(node):
+        as_float = graph.call_function(to_copy, (x,), {"dtype": torch.float32})
+    with graph.inserting_after(node):
+        back = graph.call_function(to_copy, (node,), {"dtype": out_val.dtype})
+    node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+    node.args = (as_float,) + tuple(node.args[1:])
+    mode = detect_fake_mode([x_val])
+    with mode if mode is not None else contextlib.nullcontext():
+        as_float.meta = dict(node.meta, val=x_val.to(torch.float32))
+        back.meta = dict(node.meta, val=out_val)
+        node.meta["val"] = out_val.to(torch.float32)
 
 
 _CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,

@@ -7,9 +7,10 @@ The folder::
     stage_<k>.json         stage k's program (its FX graph; see ppsplit.program)
     stage_<k>.safetensors  stage k's tensors under their original names, nothing else
 
-Weights are streamed tensor by tensor from the source shards into the stage files, so memory holds one tensor
-at a time. Everything is written into a hidden temporary folder beside the output, created before the slow work
-(so an unwritable destination fails at once), and renamed into place when complete: an error, Ctrl-C or SIGTERM
+Weights are streamed from the source shards into the stage files, so memory holds one tensor, or one group of
+tensors that transformers' weight conversions fuse into one (``ppsplit.conversion``), at a time. Everything is
+written into a hidden temporary folder beside the output, created before the slow work (so an unwritable
+destination fails at once), and renamed into place when complete: an error, Ctrl-C or SIGTERM
 leaves no output folder behind. Loading lives in ``ppsplit.loader``.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import fx
 from ppsplit.api import split_model
 from ppsplit.checkpoint import ST_DTYPES, Checkpoint, write_safetensors
 from ppsplit.config import SplitOptions
+from ppsplit.conversion import Sources, check_not_quantized, read_tensor
 from ppsplit.errors import ConfigError
 from ppsplit.fx_utils import is_cache_buffer, tied_parameters
 from ppsplit.program import graph_to_json
@@ -69,6 +71,7 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
         raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPES + tuple(DTYPE_ALIASES))}, but got {dtype!r}")
     folder = resolve_model(model)
     config = load_config(folder)
+    check_not_quantized(config, model)
     if drafter is not None:
         from ppsplit.drafter_load import compile_taps
         aux = compile_taps(drafter, config, options.aux, drafter_convention)
@@ -80,11 +83,12 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     try:
         start = time.perf_counter()
         model_obj, buffers = skeleton(config, torch_dtype)
+        sources = Sources(model_obj, checkpoint)  # before split_model: the skeleton as transformers builds it
         split = split_model(model_obj, options=options)
         log.info("split into %d stages in %.1fs", split.plan.pp, time.perf_counter() - start)
         tied = dict(tied_parameters(model_obj))  # alias -> the name a tied checkpoint stores
-        stage_specs = [_stage_tensors(stage, k, checkpoint, buffers, tied) for k, stage in enumerate(split.stages)]
-        _write(tmp, split, stage_specs, checkpoint, buffers, model, torch_dtype, progress)
+        stage_specs = [_stage_tensors(stage, k, sources, buffers, tied) for k, stage in enumerate(split.stages)]
+        _write(tmp, split, stage_specs, sources, buffers, model, torch_dtype, progress)
         if drafter is not None:
             from ppsplit.drafter_load import write_compiled_drafter
             write_compiled_drafter(tmp, drafter, split, checkpoint, tied, drafter_convention)
@@ -124,8 +128,12 @@ def _config_dtype(config) -> torch.dtype:
     return DTYPES.get(str(value).replace("torch.", ""), torch.float32)
 
 
-def _stage_tensors(stage: fx.GraphModule, k: int, checkpoint: Checkpoint, buffers: dict, tied: dict) -> list[dict]:
-    """What stage ``k`` needs and where each tensor comes from; raises before anything is written."""
+def _stage_tensors(stage: fx.GraphModule, k: int, sources: Sources, buffers: dict, tied: dict) -> list[dict]:
+    """What stage ``k`` needs and where each tensor comes from; raises before anything is written.
+
+    A tensor comes from the checkpoint through transformers' own conversions (``ppsplit.conversion``): a plain
+    tensor is copied as stored (``source``: its checkpoint key); a renamed-and-fused one (``convert``: the
+    conversion group) is produced by running that group on only its own source tensors."""
     persistent = set(stage.state_dict().keys())
     specs = []
     for kind, items in (("parameter", stage.named_parameters(remove_duplicate=False)),
@@ -133,18 +141,25 @@ def _stage_tensors(stage: fx.GraphModule, k: int, checkpoint: Checkpoint, buffer
         for name, t in items:
             spec = {"name": name, "kind": kind, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
                     "persistent": kind == "parameter" or name in persistent}
+            group = sources.group_of(name) or sources.group_of(tied.get(name, ""))
             if is_cache_buffer(name):
                 spec["init"] = "zeros"  # state, not weights: allocated by load_stage
-            elif name in checkpoint:
-                spec["init"], spec["source"] = "file", name
-            elif tied.get(name) in checkpoint:
-                spec["init"], spec["source"] = "file", tied[name]
+            elif group is not None:
+                spec["init"], spec["source"] = "file", sources.plain_source(group)
+                stored = spec["source"] and sources.checkpoint.raw_range(spec["source"]).shape
+                if stored and list(stored) != spec["shape"]:
+                    raise ConfigError(f"the checkpoint's {spec['source']} has shape {tuple(stored)}, but {name} needs "
+                                      f"shape {tuple(spec['shape'])}: the checkpoint does not match its config.json; "
+                                      "re-download it or fix the config")
+                if spec["source"] is None:  # the group's output ``target`` (``name``, or the name it is tied to)
+                    spec["convert"], spec["target"] = group.first, name if name in group.targets else tied[name]
             elif name in buffers or t.device.type != "meta":
                 spec["init"], spec["source"] = "file", None
             else:
-                raise ConfigError(f"the checkpoint has no tensor {name!r}, which stage {k} needs; its names differ from "
-                                  "the model's (transformers renames or fuses some architectures' weights on load), "
-                                  "which ppsplit compile does not support yet")
+                raise ConfigError(f"the checkpoint has no tensor that becomes {name!r}, which stage {k} needs, "
+                                  "through transformers' weight conversions for this architecture; the checkpoint "
+                                  "does not match its config.json (or needs trust_remote_code, which ppsplit "
+                                  "does not run)")
             specs.append(spec)
     return specs
 
@@ -153,7 +168,7 @@ def _spec_bytes(spec: dict) -> int:
     return nbytes(spec["shape"], DTYPES[spec["dtype"]])
 
 
-def _write(tmp: str, split: SplitModel, stage_specs: list, checkpoint: Checkpoint, buffers: dict, source: str,
+def _write(tmp: str, split: SplitModel, stage_specs: list, sources: Sources, buffers: dict, source: str,
            dtype: torch.dtype, progress: bool) -> None:
     import transformers
 
@@ -161,7 +176,7 @@ def _write(tmp: str, split: SplitModel, stage_specs: list, checkpoint: Checkpoin
 
     with open(os.path.join(tmp, "plan.json"), "w") as f:
         f.write(split.plan.to_json())
-    copy_serving_files(checkpoint.folder, tmp)  # tokenizer, chat template, generation_config.json
+    copy_serving_files(sources.checkpoint.folder, tmp)  # tokenizer, chat template, generation_config.json
     total = sum(_spec_bytes(s) for specs in stage_specs for s in specs if s["init"] == "file")
     bar = _progress(total, progress)
     files = []
@@ -170,24 +185,12 @@ def _write(tmp: str, split: SplitModel, stage_specs: list, checkpoint: Checkpoin
             program = {"stage": k, "tensors": specs, "program": graph_to_json(stage.graph)}
             with open(os.path.join(tmp, f"stage_{k}.json"), "w") as f:
                 json.dump(program, f)
-            in_file = sorted((s for s in specs if s["init"] == "file"),
-                             key=lambda s: (checkpoint.where.get(s["source"] or "", ""), s["name"]))
+            in_file = sorted((s for s in specs if s["init"] == "file"), key=lambda s: _order(s, sources))
             own = dict(stage.named_parameters(remove_duplicate=False)) | dict(stage.named_buffers(remove_duplicate=False))
-
-            def tensors(in_file=in_file, own=own):
-                for s in in_file:
-                    if s["source"]:
-                        raw = checkpoint.raw_range(s["source"])
-                        # Same dtype: copy the bytes; otherwise read the tensor with safe_open and convert.
-                        same = raw.dtype == ST_DTYPES[DTYPES[s["dtype"]]]
-                        t = raw if same else checkpoint.read_one(s["source"])
-                    else:  # a buffer computed at init or a constant captured by the trace
-                        t = buffers.get(s["name"], own[s["name"]])
-                    yield s["name"], t
-
             entries = [(s["name"], tuple(s["shape"]), DTYPES[s["dtype"]]) for s in in_file]
             bar.set_description(f"stage {k}")
-            size = write_safetensors(os.path.join(tmp, f"stage_{k}.safetensors"), entries, tensors(),
+            size = write_safetensors(os.path.join(tmp, f"stage_{k}.safetensors"), entries,
+                                     _stage_stream(in_file, own, sources, buffers),
                                      metadata={"format": "pt", "ppsplit_stage": k}, progress=bar.update)
             files.append({"program": f"stage_{k}.json", "weights": f"stage_{k}.safetensors", "bytes": size})
     finally:
@@ -197,6 +200,39 @@ def _write(tmp: str, split: SplitModel, stage_specs: list, checkpoint: Checkpoin
                 "eos_token_id": list(split.eos_token_id), "pad_token_id": split.pad_token_id}
     with open(os.path.join(tmp, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
+
+
+def _order(spec: dict, sources: Sources) -> tuple:
+    """Plain tensors by shard (sequential reads), a conversion group's outputs next to each other."""
+    where = sources.checkpoint.where
+    if spec.get("convert"):
+        return (where[sources.groups[spec["convert"]].sources[0][0]], spec["convert"], spec["name"])
+    return (where.get(spec["source"] or "", ""), "", spec["name"])
+
+
+def _stage_stream(in_file: list[dict], own: dict, sources: Sources, buffers: dict):
+    """``(name, tensor)`` in ``in_file`` order; at most one conversion group's outputs are held at a time."""
+    checkpoint = sources.checkpoint
+    group, outputs = None, {}
+    for s in in_file:
+        if s.get("convert"):
+            if s["convert"] != group:
+                group, outputs = None, {}  # drop the last group's outputs before converting the next
+                group, outputs = s["convert"], sources.run(sources.groups[s["convert"]])
+            t = outputs.get(s["target"])
+            if t is None or list(t.shape) != s["shape"]:
+                got = "nothing" if t is None else f"shape {tuple(t.shape)}"
+                raise ConfigError(f"transformers' weight conversion of the checkpoint gives {got} for {s['target']}, "
+                                  f"the model needs shape {tuple(s['shape'])}: the checkpoint does not match its "
+                                  "config.json (missing experts or a different size); re-download it or fix the config")
+            yield s["name"], t
+        elif s["source"]:
+            raw = checkpoint.raw_range(s["source"])
+            # Same dtype: copy the bytes; otherwise read the tensor and convert it.
+            same = raw.dtype == ST_DTYPES[DTYPES[s["dtype"]]]
+            yield s["name"], raw if same else read_tensor(checkpoint, s["source"])
+        else:  # a buffer computed at init or a constant captured by the trace
+            yield s["name"], buffers.get(s["name"], own[s["name"]])
 
 
 class _NoBar:
