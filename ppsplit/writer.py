@@ -38,6 +38,7 @@ from ppsplit.serving_files import copy_serving_files
 
 log = logging.getLogger("ppsplit")
 _TMP_TAG = ".ppsplit-tmp-"
+_PROBE_TAG = ".ppsplit-probe-"
 
 
 def compile_model(model: str, out: str, *, options: SplitOptions | None = None, dtype: str | None = None,
@@ -79,15 +80,17 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     checkpoint = Checkpoint(folder)
     torch_dtype = DTYPES[dtype] if dtype else _config_dtype(config)
 
+    _make_tmp(out, probe=True)  # an unwritable destination fails now, before the slow trace
+    start = time.perf_counter()
+    model_obj, buffers = skeleton(config, torch_dtype)
+    sources = Sources(model_obj, checkpoint)  # before split_model: the skeleton as transformers builds it
+    split = split_model(model_obj, options=options)
+    log.info("split into %d stages in %.1fs", split.plan.pp, time.perf_counter() - start)
+    tied = dict(tied_parameters(model_obj))  # alias -> the name a tied checkpoint stores
+    stage_specs = [_stage_tensors(stage, k, sources, buffers, tied) for k, stage in enumerate(split.stages)]
+
     tmp = _make_tmp(out)
     try:
-        start = time.perf_counter()
-        model_obj, buffers = skeleton(config, torch_dtype)
-        sources = Sources(model_obj, checkpoint)  # before split_model: the skeleton as transformers builds it
-        split = split_model(model_obj, options=options)
-        log.info("split into %d stages in %.1fs", split.plan.pp, time.perf_counter() - start)
-        tied = dict(tied_parameters(model_obj))  # alias -> the name a tied checkpoint stores
-        stage_specs = [_stage_tensors(stage, k, sources, buffers, tied) for k, stage in enumerate(split.stages)]
         _write(tmp, split, stage_specs, sources, buffers, model, torch_dtype, progress)
         if drafter is not None:
             from ppsplit.drafter_load import write_compiled_drafter
@@ -106,15 +109,18 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     return out
 
 
-def _make_tmp(out: str) -> str:
-    """The hidden temporary folder beside ``out``; fails with a one-line error if that place is not writable."""
+def _make_tmp(out: str, probe: bool = False) -> str:
+    """The hidden temporary folder beside ``out``; fails with a one-line error if that place is not writable.
+    ``probe=True`` creates and removes it at once (the check before slow work, leaving nothing behind)."""
     parent = os.path.dirname(out)
-    tmp = os.path.join(parent, f".{os.path.basename(out)}{_TMP_TAG}{os.getpid()}")
+    tmp = os.path.join(parent, f".{os.path.basename(out)}{_PROBE_TAG if probe else _TMP_TAG}{os.getpid()}")
     try:
         os.makedirs(parent, exist_ok=True)
         _remove_stale_tmp(parent)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
+        if probe:
+            os.rmdir(tmp)
     except OSError as e:
         raise ConfigError(f"cannot write the output folder {out}: {e.strerror or e}; pass -o a folder you can "
                           "write to") from None
@@ -257,9 +263,10 @@ def _progress(total: int, enabled: bool):
 def _remove_stale_tmp(parent: str) -> None:
     """Temporary folders of compiles that were killed outright (SIGKILL) and whose process is gone."""
     for entry in os.listdir(parent):
-        if _TMP_TAG not in entry or not entry.startswith("."):
+        tag = next((t for t in (_TMP_TAG, _PROBE_TAG) if t in entry), None)
+        if tag is None or not entry.startswith("."):
             continue
-        pid = entry.rsplit(_TMP_TAG, 1)[1].split("-", 1)[0]
+        pid = entry.rsplit(tag, 1)[1].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
