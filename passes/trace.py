@@ -419,7 +419,8 @@ def _describe_export_failure(model: torch.nn.Module, e: Exception) -> str:
             if "File " in line and "line" in line and not any(d in line for d in _LIBRARY_DIRS):
                 where = " at " + line.strip()
                 break
-    return (f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {msg[:300]}{where}. "
+    blame = " (the model's own code, not ppsplit)" if where else ""
+    return (f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {msg[:300]}{where}{blame}. "
             "ppsplit needs a model that torch.export traces non-strict with dynamic batch and token sizes; "
             "rewrite that line without data-dependent Python control flow, or report the model.")
 
