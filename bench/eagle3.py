@@ -15,7 +15,6 @@ Sections (each a table; every ratio is measured in this run, variants interleave
            random drafter accepts ~nothing, so this row measures the loop at acceptance length ~1).
 """
 import argparse
-import statistics
 import sys
 import time
 import warnings
@@ -29,6 +28,7 @@ from ppsplit import CacheConfig
 from ppsplit.drafter_load import build_drafter
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from pipeline import interleaved as timed_interleaved, timer  # noqa: E402
 from shapes import config  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -36,27 +36,9 @@ POSITION = 512  # decode position of the timed steps
 TEST_ACCEPTANCE = 4.43  # tests/test_eagle3.py trained drafter, K=4 (CPU run, see bench/RESULTS.md section 6)
 
 
-def timer(device):
-    if device == "cuda":
-        import triton
-
-        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-    def cpu(fn):
-        fn()
-        start = time.perf_counter()
-        for _ in range(3):
-            fn()
-        return (time.perf_counter() - start) / 3 * 1e3
-    return cpu
-
-
 def interleaved(bench, fns: dict, rounds: int) -> dict:
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            times[k].append(bench(fn))
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median time per variant over ``rounds`` interleaved measurements (pipeline.py's, without the spread)."""
+    return {k: median for k, (median, _) in timed_interleaved(bench, fns, rounds).items()}
 
 
 def graphed(fn, device):
