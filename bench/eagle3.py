@@ -54,7 +54,11 @@ def graphed(fn, device):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.no_grad():
         fn()
-    return graph.replay
+
+    def replay():  # holds ``fn``, and with it the static inputs the graph reads: freed, their memory is reused
+        graph.replay()
+    replay.fn = fn
+    return replay
 
 
 def random_drafter(split, target_cfg, embed, draft_vocab, device, intermediate):

@@ -126,7 +126,10 @@ def rank_main(rank, args, port):
     import ppsplit
     from ppsplit import distributed as ppd
 
-    backend = ppd.init("gloo" if args.tiny else "nccl", timeout=600)
+    if args.stacks:  # a rank still running after --stacks seconds prints where every thread is (then goes on)
+        import faulthandler
+        faulthandler.dump_traceback_later(args.stacks, repeat=True)
+    backend = ppd.init("gloo" if args.tiny else "nccl", timeout=args.timeout)
     device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
     say = print if rank == 0 else (lambda *a, **k: None)
     start = time.perf_counter()
@@ -145,7 +148,9 @@ def rank_main(rank, args, port):
 
     runner2 = ppd.PipelineRank(split2.stages[rank], cuda_graphs=graphs)
     runner2.generate(prompts if rank == 0 else None, 4)  # warm-up (kernels, communicators)
+    say(f"pp=2 warm-up generate done at {time.perf_counter() - start:.0f}s", flush=True)
     rate2, out2, stats2 = decode_rate(runner2, prompts if rank == 0 else None, args.n1, args.n2, args.repeats)
+    say(f"pp=2 timed runs done at {time.perf_counter() - start:.0f}s", flush=True)
     bytes_rank0 = torch.tensor([stats2.bytes_sent, stats2.payload_bytes, stats2.items, stats2.tokens])
     rate1, out1 = None, None
     if rank == 0:
@@ -153,6 +158,7 @@ def rank_main(rank, args, port):
         runner1.generate(prompts[:1], 4)
         rate1, out1, _ = decode_rate(runner1, prompts[:1], args.n1, args.n2, args.repeats)
         other = runner1.generate(prompts[1:], args.n2)
+        say(f"pp=1 runs done at {time.perf_counter() - start:.0f}s", flush=True)
     dist.barrier()
 
     step = stage_step_ms(split2.stages[rank], args.rows, device)
@@ -202,6 +208,8 @@ def main():
     ap.add_argument("--n2", type=int, default=144)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a rank waits for its peer")
+    ap.add_argument("--stacks", type=float, default=0, help="print every rank's stacks every S seconds (hangs)")
     args = ap.parse_args()
     if args.tiny:
         args.rows, args.prompt, args.n1, args.n2, args.repeats = 4, 8, 4, 12, 1

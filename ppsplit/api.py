@@ -97,7 +97,9 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
         if options.balance == "time":
             check_measurable(model)
         traced = _trace(model, stack, options.cache)
-    measured = measure_costs(traced, options.cost_model, fuse=options.fuse) if options.balance == "time" else None
+    measured = None
+    if options.balance == "time":
+        measured = measure_costs(traced, options.cost_model, fuse=options.fuse, attention=options.attention)
     plan = make_split_plan(traced, options.pp, taps, balance=options.balance, cost_model=options.cost_model,
                            max_stage_bytes=options.max_stage_bytes, measured=measured)
     rewritten = add_taps(partition(traced, plan), plan)

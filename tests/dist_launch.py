@@ -20,16 +20,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, timeout: float, target, args, out: str) -> None:
+def _child(rank: int, world: int, port: int, timeout: float, target, args, out: str, backend: str,
+           deadline: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import faulthandler
+
     import torch
 
     torch.set_num_threads(1)
     from ppsplit import distributed as ppd
 
+    faulthandler.dump_traceback_later(max(1.0, deadline - 5), exit=False)  # a hung rank shows where it waits
     try:
-        ppd.init("gloo", timeout=timeout)
+        ppd.init(backend, timeout=timeout)
         result = ("ok", target(rank, *args))
     except Exception as e:  # the test inspects the error; the process ends non-zero
         result = ("error", type(e).__name__, str(e), traceback.format_exc())
@@ -38,8 +42,9 @@ def _child(rank: int, world: int, port: int, timeout: float, target, args, out: 
     os._exit(0 if result[0] == "ok" else 1)  # no teardown that could wait on a dead peer
 
 
-def launch(world: int, target, *args, timeout: float = 20.0, deadline: float = 90.0) -> dict:
-    """Run ``target(rank, *args)`` on ``world`` gloo ranks; returns ``{rank: outcome}`` plus ``"elapsed"``.
+def launch(world: int, target, *args, timeout: float = 20.0, deadline: float = 90.0, backend: str = "gloo") -> dict:
+    """Run ``target(rank, *args)`` on ``world`` ranks (gloo, or NCCL: rank r on cuda:r); returns ``{rank: outcome}``
+    plus ``"elapsed"``.
 
     An outcome is ``("ok", value)``, ``("error", type, message, traceback)`` or ``("exit", code)`` when the
     process died without a word. Any process still alive at ``deadline`` is killed and reported as ``"hung"``.
@@ -52,7 +57,7 @@ def launch(world: int, target, *args, timeout: float = 20.0, deadline: float = 9
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
-        procs = [ctx.Process(target=_child, args=(r, world, port, timeout, target, args, paths[r]), daemon=True)
+        procs = [ctx.Process(target=_child, args=(r, world, port, timeout, target, args, paths[r], backend, deadline), daemon=True)
                  for r in range(world)]
         start = time.monotonic()
         for p in procs:
@@ -77,13 +82,17 @@ def launch(world: int, target, *args, timeout: float = 20.0, deadline: float = 9
 
 # -- rank bodies used by tests/test_distributed.py (here, so that children import nothing heavy) -----------------
 
-def generate(rank, folder, prompts, new, collect_aux=False):
+def generate(rank, folder, prompts, new, collect_aux=False, cuda_graphs=False):
     """Every rank runs ``PipelineRank(folder).generate``; rank 0 returns ids, the last rank its taps."""
     from ppsplit import distributed as ppd
 
-    runner = ppd.PipelineRank(folder if isinstance(folder, str) else folder[rank])
+    runner = ppd.PipelineRank(folder if isinstance(folder, str) else folder[rank], cuda_graphs=cuda_graphs)
     out = runner.generate(prompts if rank == 0 else None, new, collect_aux=collect_aux)
-    return out, runner.stats
+    if collect_aux:
+        return out, runner.stats
+    # Twice: the second call reuses the communicators and the cache rows the first one wrote.
+    again = runner.generate(prompts if rank == 0 else None, new)
+    return (out, again), runner.stats
 
 
 def generate_and_fail(rank, folder, prompts, new, victim, at_item, how):

@@ -116,6 +116,29 @@ def test_generate_equals_hf_and_single_process(pp, rows, lengths, folders, hf):
     assert sent.bytes_sent - sent.payload_bytes == 8 * (sum(lengths) + len(lengths) * (new - 1))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_nccl_two_gpus_equal_single_process(cuda_graphs, folders):
+    """NCCL, rank r on cuda:r, 2 groups in flight (decode steps replayed from CUDA graphs or eager), generate run
+    twice: the ids equal the single-process split on one GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    torch.manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (2, t)) for t in (5, 7)]
+    new = 12
+    res = launch(2, generate, folders["pp2"], prompts, new, False, cuda_graphs, timeout=60, deadline=150,
+                 backend="nccl")
+    print(f"launch of 2 NCCL ranks: {res['elapsed']:.1f}s")
+    _ok(res, 2)
+    (first, again), stats = res[0][1]
+    single = ppsplit.load(folders["pp2"], ["cuda:0", "cuda:0"])
+    for g, prompt in enumerate(prompts):
+        expected = single.generate(prompt.cuda(), new).cpu()
+        assert torch.equal(first[g], expected), g
+        assert torch.equal(again[g], expected), g
+    assert stats.items == len(prompts) * new
+
+
 def test_mismatched_ranks_fail_on_every_rank(folders):
     """Folders from different compiles, a wrong world size, a job that does not fit: the same ConfigError on
     every rank, no hang."""
