@@ -161,7 +161,8 @@ class PipelineRank:
     """
 
     def __init__(self, source: str | fx.GraphModule, *, device: torch.device | str | None = None, width: int = 1,
-                 cuda_graphs: bool = False, eos_token_id=(), pad_token_id: int | None = None, group=None):
+                 cuda_graphs: bool = False, eos_token_id=(), pad_token_id: int | None = None, group=None,
+                 drafter=None):
         from ppsplit import load_stage
 
         self.group = group
@@ -185,6 +186,11 @@ class PipelineRank:
             plan = self.plan = self.stage.meta["ppsplit.plan"]
             header.update(fingerprint=fingerprint, pp=plan.pp, dtype=plan.dtype, hidden=plan.hidden_size,
                           slots=plan.n_slots, cache=(plan.max_batch, plan.max_len), eos=manifest.get("eos_token_id"))
+            self.drafter = drafter
+            if drafter is None and isinstance(source, str) and self.rank == self.world - 1:
+                from ppsplit.drafter_load import load_folder_drafter
+
+                self.drafter = load_folder_drafter(source, plan, self.device)
             if plan.pp != self.world:
                 header["error"] = (f"the folder has {plan.pp} stages but {self.world} ranks were launched: launch "
                                    f"one process per stage (--nproc-per-node {plan.pp})")
@@ -210,18 +216,74 @@ class PipelineRank:
         self.received = plan.filled(self.rank - 1) if self.rank else 0
         self.sends = plan.filled(self.rank)
         self.stats = Stats()
+        self.spec_stats: list = []
+        self._warm: set = set()
+        self._arange = torch.arange(plan.max_len, device=self.device)
+        self._connect()
+
+    def _connect(self) -> None:
+        """Open every connection the loop uses now, with one small transfer each, in pipeline order. NCCL creates
+        a communicator on the first transfer between two ranks and blocks the host until the peer joins; blocked
+        there mid-loop, a rank can deadlock with a peer whose GPU waits on a transfer from it."""
+        if self.world == 1:
+            return
+        probe, stats = torch.zeros(1, device=self.device), Stats()
+        if not self.first:
+            self._wait([self._post(dist.irecv, probe, self.rank - 1, "receive from")], "receive from",
+                       self.rank - 1, stats)
+        if not self.last:
+            self._wait([self._post(dist.isend, probe, self.rank + 1, "send to")], "send to", self.rank + 1, stats)
+        if self.first:
+            self._wait([self._post(dist.irecv, probe, self.world - 1, "receive tokens from", self.back)],
+                       "receive tokens from", self.world - 1, stats)
+        elif self.last:
+            self._wait([self._post(dist.isend, probe, 0, "send tokens to", self.back)], "send tokens to", 0, stats)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _warm_up(self, stage, rows: int, lengths, extra=None) -> None:
+        """Run ``stage`` once per token count in ``lengths`` (and ``extra()``, the loop's other device work) before
+        any transfer is pending. CUDA loads a kernel at its first launch (lazy loading; Triton compiles and loads at
+        its first call), and a load can wait for the device to go idle: with a receive pending there that waits on
+        a peer, which waits on this rank, it never does (seen on two H200s under NCCL, at the first prefill)."""
+        if self.device.type != "cuda":
+            return
+        plan, dev = self.plan, self.device
+        for T in sorted(set(lengths)):
+            if (rows, T) in self._warm:
+                continue
+            x = torch.zeros(rows, T, dtype=torch.long, device=dev) if self.first else \
+                torch.zeros(rows, T, plan.hidden_size, dtype=self.dtype, device=dev)
+            aux = torch.zeros(plan.n_slots, rows, T, plan.hidden_size, dtype=self.dtype, device=dev)
+            y, aux = stage(x, self._arange[:T], aux)
+            y.contiguous()
+            if self.last:
+                self._next_tokens(y, torch.zeros(rows, dtype=torch.bool, device=dev))
+            self._warm.add((rows, T))
+        if extra is not None:
+            extra()
+        torch.cuda.synchronize(dev)
+
+    def _next_tokens(self, y: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens from the last stage's logits; a sequence that ended gets padding (``done`` is updated)."""
+        token = y[:, -1].argmax(-1)
+        if len(self.eos):
+            token = torch.where(done, torch.full_like(token, self.pad), token)
+            done |= torch.isin(token, self.eos)
+        return token
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     # -- agreement on the job ------------------------------------------------------------------------------------
 
-    def _job(self, prompts, max_new_tokens) -> dict:
-        """Rank 0 checks and broadcasts (groups, rows, prompt lengths, new tokens); every rank raises the same."""
+    def _job(self, prompts, max_new_tokens, spec: dict | None = None) -> dict:
+        """Rank 0 checks and broadcasts (groups, rows, prompt lengths, new tokens, and for speculative decoding K,
+        temperature, seed and the prompts themselves); every rank raises the same error."""
         job = None
         if self.first:
             try:
-                job = self._check(prompts, max_new_tokens)
+                job = self._check(prompts, max_new_tokens, spec)
             except PpsplitError as e:
                 job = {"error": str(e)}
         box = [job]
@@ -231,7 +293,7 @@ class PipelineRank:
             raise ConfigError(job["error"])
         return job
 
-    def _check(self, prompts, max_new_tokens) -> dict:
+    def _check(self, prompts, max_new_tokens, spec: dict | None = None) -> dict:
         if not prompts:
             raise ConfigError("generate needs at least one group of prompt ids on rank 0")
         rows = {p.shape[0] for p in prompts}
@@ -243,28 +305,58 @@ class PipelineRank:
         lengths = [p.shape[1] for p in prompts]
         rows = rows.pop()
         plan = self.plan
-        if max(lengths) + max_new_tokens > plan.max_len:
-            raise ConfigError(f"prompt of {max(lengths)} tokens + {max_new_tokens} new ones does not fit the KV cache "
-                              f"of {plan.max_len} tokens; compile with a larger --max-len")
+        k = 0
+        if spec is not None:
+            k = spec["k"]
+            if k is None:
+                raise ConfigError("return_stats reports speculative decoding: pass num_draft_tokens too")
+            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+                raise ConfigError(f"num_draft_tokens must be an integer >= 1, but got {k!r}")
+            if not isinstance(spec["temperature"], (int, float)) or spec["temperature"] < 0:
+                raise ConfigError(f"temperature must be a number >= 0, but got {spec['temperature']!r}")
+        if max(lengths) + max_new_tokens + k > plan.max_len:
+            extra = f" + {k} draft positions" if k else ""
+            raise ConfigError(f"prompt of {max(lengths)} tokens + {max_new_tokens} new ones{extra} does not fit the "
+                              f"KV cache of {plan.max_len} tokens; compile with a larger --max-len")
         if len(prompts) * rows > plan.max_batch:
             raise ConfigError(f"{len(prompts)} groups of {rows} sequences need {len(prompts) * rows} cache rows, but "
                               f"the folder was compiled with --max-batch {plan.max_batch}")
-        return {"rows": rows, "lengths": lengths, "new": max_new_tokens}
+        job = {"rows": rows, "lengths": lengths, "new": max_new_tokens}
+        if spec is not None:  # the last rank runs the speculative loop: it needs the prompts (a few ids)
+            job.update(spec, prompts=[p.detach().to("cpu", torch.long) for p in prompts])
+        return job
 
     # -- the loop --------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def generate(self, prompts: list[torch.Tensor] | None = None, max_new_tokens: int | None = None, *,
-                 collect_aux: bool = False) -> list[torch.Tensor] | None:
-        """Greedy decoding of groups of sequences through the pipeline; a collective call on every rank.
+                 collect_aux: bool = False, num_draft_tokens: int | None = None, temperature: float = 0.0,
+                 seed: int = 0, return_stats: bool = False):
+        """Greedy (or speculative) decoding of groups of sequences through the pipeline; a collective call on
+        every rank.
 
         Rank 0 passes ``prompts`` (one ``[rows, T_g]`` id tensor per group; groups may differ in length) and
         ``max_new_tokens``; other ranks pass nothing. Rank 0 returns one ``[rows, T_g + n]`` tensor per group,
         equal to ``SplitModel.generate`` of that group (a sequence that ended continues with padding; the output
         stops at the step where the whole group has ended). With ``collect_aux`` the last rank returns, per
         group, the aux buffers it saw (``[n_slots, rows, T, H]`` on the CPU, prefill then each decode step).
+
+        With ``num_draft_tokens=K`` (rank 0 decides; the last rank needs a drafter: ``PipelineRank(...,
+        drafter=d)`` or a folder compiled with ``--drafter``): EAGLE-3 speculative decoding, equal to
+        ``SplitModel.generate(ids, n, drafter=d, num_draft_tokens=K)`` per group, greedy or sampled at
+        ``temperature`` (group ``g`` samples from ``torch.Generator().manual_seed(seed + g)`` on the last rank's
+        device). The drafter runs on the last rank, which sends rank 0 the next ``K + 1`` tokens to verify (the
+        last committed token and the drafts) in a fixed-width message ``[rows, 2 + K + 1]`` (count, position,
+        tokens), or a count of 0 when the group is done. ``return_stats``: rank 0 returns ``(ids, stats)``, one
+        ``SpeculativeStats`` per group (also in ``self.spec_stats`` on every rank).
         """
-        job = self._job(prompts, max_new_tokens)
+        spec = None
+        if self.first and (num_draft_tokens is not None or return_stats):
+            spec = {"k": num_draft_tokens, "temperature": temperature, "seed": seed}
+        job = self._job(prompts, max_new_tokens, spec)
+        if "k" in job:
+            outs, stats = self._speculate(job, collect_aux)
+            return (outs, stats) if self.first and return_stats else outs if self.first else None
         rows, lengths, new = job["rows"], job["lengths"], job["new"]
         groups = len(lengths)
         stages = decode = group_stages(self.stage, groups, rows)
@@ -274,6 +366,7 @@ class PipelineRank:
             pool = torch.cuda.graph_pool_handle()
             decode = [cuda_graph(st, rows, 1, pool=pool) for st in stages]
         items = [(g, lengths[g]) for g in range(groups)] + [(g, 1) for _ in range(new - 1) for g in range(groups)]
+        self._warm_up(stages[0], rows, lengths if self.cuda_graphs else lengths + [1], lambda: self._greedy_ops(rows))
         self.stats = stats = Stats()
         dev, H = self.device, self.plan.hidden_size
         t_max = max(lengths)
@@ -302,7 +395,7 @@ class PipelineRank:
         taps: list[list[torch.Tensor]] = [[] for _ in range(groups)]
         starts = [torch.full((1,), lengths[g], dtype=torch.long, device=dev) for g in range(groups)]
         done = [torch.zeros(rows, dtype=torch.bool, device=dev) for _ in range(groups)]
-        arange = torch.arange(t_max, device=dev)
+        arange = self._arange
         recv = post_recv(0) if not self.first else None
         begin = time.perf_counter()
         for i, (g, T) in enumerate(items):
@@ -312,10 +405,8 @@ class PipelineRank:
                     x, positions = out[g][0], arange[:T]
                 else:
                     self._wait([msg_works[g]], "receive tokens from", self.world - 1, stats)
-                    x = msgs[g][:, 1:1 + T]
-                    out[g].append(x.clone())  # before the next message lands in the same buffer
-                    positions = starts[g] + arange[:T]
-                    starts[g] += msgs[g][0, 0]
+                    x, kept, positions = self._greedy_input(msgs[g], starts[g], T)
+                    out[g].append(kept)
                 aux = aux_view(slot, T)
                 self._wait(pending[slot], "send to", nxt, stats)
                 pending[slot] = []
@@ -341,12 +432,7 @@ class PipelineRank:
                 stats.payload_bytes += sum(t.numel() * t.element_size() for t in tensors[1:])
             else:
                 self._wait([msg_works[g]], "send tokens to", 0, stats)
-                token = y[:, -1].argmax(-1)
-                if len(self.eos):
-                    token = torch.where(done[g], torch.full_like(token, self.pad), token)
-                    done[g] |= torch.isin(token, self.eos)
-                msgs[g][:, 0] = 1
-                msgs[g][:, 1] = token
+                self._greedy_message(msgs[g], self._next_tokens(y, done[g]))
                 if self.world > 1:
                     msg_works[g] = self._post(dist.isend, msgs[g], 0, "send tokens to", self.back)
                     stats.bytes_sent += msgs[g].numel() * 8
@@ -367,6 +453,282 @@ class PipelineRank:
         if collect_aux and self.last:
             return [torch.cat(t, dim=2) for t in taps]
         return None
+
+    # -- speculative decoding ------------------------------------------------------------------------------------
+
+    def _speculate(self, job: dict, collect_aux: bool):
+        """The speculative loop (see ``generate``). Items are group passes: every group's prefill, then one
+        ``K + 1``-token verify pass per step, round-robin over the groups still decoding. Each item carries a
+        control message ``[group, T, start, run]`` ahead of its tensors; ``run = 0`` ends a group on every rank.
+        Returns ``(outputs, stats)`` per group on every rank (the last rank's, broadcast at the end)."""
+        from ppsplit import speculative
+
+        k, temperature = job["k"], float(job["temperature"])
+        rows, lengths, new = job["rows"], job["lengths"], job["new"]
+        groups, width = len(lengths), k + 1
+        plan, dev, H = self.plan, self.device, self.plan.hidden_size
+        self._agree_on_drafter(collect_aux)
+        stages = group_stages(self.stage, groups, rows)
+        pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        verify = stages
+        if self.cuda_graphs:  # capture before prefill: capture writes the cache at positions 0..K
+            from ppsplit import cuda_graph
+
+            verify = [cuda_graph(st, rows, width, pool=pool) for st in stages]
+
+        def instance(g, T):  # a captured verify pass also serves a prefill of K + 1 tokens (positions are inputs)
+            return verify[g] if T == width else stages[g]
+
+        drafter, use, restore = self._drafter_groups(groups, rows, max(lengths) + new + k, k, temperature, pool)
+        eos = tuple(self.eos.tolist())
+        loops, results = {}, {}
+        if self.last:
+            for g, prompt in enumerate(job["prompts"]):
+                gen = torch.Generator(device=dev).manual_seed(job["seed"] + g)
+                loops[g] = speculative.steps(prompt.to(dev), new, drafter, k, temperature, gen, eos_token_id=eos,
+                                             pad_token_id=self.pad)
+                next(loops[g])  # its prefill request: rank 0 runs the prefill from its own copy of the prompt
+
+        def dummy_run():  # the loop's device work on scratch data, for _warm_up
+            if self.first:
+                self._spec_read(torch.zeros(rows, 2 + width, dtype=torch.long, device=dev))
+            if not self.last:
+                return
+            self._spec_message(torch.zeros(rows, 2 + width, dtype=torch.long, device=dev),
+                               torch.zeros(rows, width, dtype=torch.long, device=dev), 0)
+            use(0)
+
+            def forward(ids, positions):
+                T = ids.shape[1]
+                x = ids if self.first else torch.zeros(rows, T, H, dtype=self.dtype, device=dev)
+                return instance(0, T)(x, positions, torch.zeros(plan.n_slots, rows, T, H, dtype=self.dtype, device=dev))
+            prompt = torch.zeros(rows, min(lengths), dtype=torch.long, device=dev)
+            scratch = torch.Generator(device=dev).manual_seed(0)
+            speculative.decode(forward, prompt, 2, drafter, k, temperature, scratch)  # a verify pass for sure
+            speculative.decode(forward, prompt, 1, drafter, k, temperature, scratch, eos_token_id=eos or (0,),
+                               pad_token_id=self.pad)
+
+        self._warm_up(stages[0], rows, lengths if self.cuda_graphs else lengths + [width], dummy_run)
+        self.stats = stats = Stats()
+        begin = time.perf_counter()
+        try:
+            if self.world == 1:
+                self._speculate_alone(job, loops, results, instance, use, rows, H)
+            else:
+                self._speculate_pipelined(job, loops, results, instance, use, rows, width, stats)
+        finally:
+            restore()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        stats.wall_s = time.perf_counter() - begin
+        payload = None
+        if self.last:
+            payload = ([results[g][0].cpu() for g in range(groups)], [results[g][1] for g in range(groups)])
+        if self.world > 1:
+            box = [payload]
+            dist.broadcast_object_list(box, src=self._global(self.world - 1), group=self.group)
+            payload = box[0]
+        self.spec_stats = payload[1]
+        return payload
+
+    def _agree_on_drafter(self, collect_aux: bool) -> None:
+        """The last rank needs a drafter that reads this split's taps, and no rank may ask for greedy-only output;
+        every rank raises the same error if not."""
+        problem = "collect_aux is for greedy decoding; drop it or num_draft_tokens" if collect_aux else None
+        if self.last and problem is None:
+            d = self.drafter
+            if d is None:
+                problem = ("speculative decoding needs an EAGLE-3 drafter on the last rank: compile the folder with "
+                           "--drafter, or pass PipelineRank(..., drafter=ppsplit.load_drafter(...)) there")
+            elif not d.taps or any(t not in self.plan.taps for t in d.taps):
+                problem = (f"the drafter reads taps {list(d.taps)} but the folder carries {list(self.plan.taps)}; "
+                           "compile the target with the drafter's taps (ppsplit compile MODEL --drafter DRAFTER)")
+        if self.world > 1:
+            box: list = [None] * self.world
+            dist.all_gather_object(box, problem, group=self.group)
+            problem = next((p for p in box if p), None)
+        if problem:
+            raise ConfigError(problem)
+
+    def _drafter_groups(self, groups: int, rows: int, needed: int, k: int, temperature: float, pool):
+        """On the last rank: the drafter, ``use(g)`` that points its KV cache at group ``g``'s rows (and its captured
+        draft at ``g``'s graph), and ``restore()``. Elsewhere: no-ops."""
+        d = self.drafter
+        if not self.last:
+            return None, lambda g: None, lambda: None
+        if d.cache_keys is None or d.cache_keys.shape[0] < groups * rows or d.cache_keys.shape[2] < needed:
+            d.allocate_cache(max(self.plan.max_batch, groups * rows), max(self.plan.max_len, needed))
+        keys, values, graphs = d.cache_keys, d.cache_values, d.graphs
+        states = [(keys[g * rows:(g + 1) * rows], values[g * rows:(g + 1) * rows], {}) for g in range(groups)]
+
+        def use(g):
+            d.cache_keys, d.cache_values, d.graphs = states[g]
+
+        def restore():
+            d.cache_keys, d.cache_values, d.graphs = keys, values, graphs
+        if self.cuda_graphs and temperature <= 0:
+            for g in range(groups):
+                use(g)
+                d.capture(rows, k, pool=pool)
+        return d, use, restore
+
+    def _speculate_alone(self, job, loops, results, instance, use, rows: int, H: int) -> None:
+        """One rank holds the whole model: each group's loop runs its passes here, one group after another."""
+        plan = self.plan
+        for g, loop in loops.items():
+            use(g)
+            ids, start = job["prompts"][g].to(self.device), 0
+            while True:
+                T = ids.shape[1]
+                aux = torch.zeros(plan.n_slots, rows, T, H, dtype=self.dtype, device=self.device)
+                y, aux = instance(g, T)(ids, self._arange[start:start + T], aux)
+                try:
+                    ids, start = loop.send((y, aux))
+                except StopIteration as done:
+                    results[g] = done.value
+                    break
+
+    def _speculate_pipelined(self, job, loops, results, instance, use, rows: int, width: int, stats: Stats):
+        from collections import deque
+
+        plan, dev, H = self.plan, self.device, self.plan.hidden_size
+        groups = len(job["lengths"])
+        t_max = max(max(job["lengths"]), width)
+        flat = [torch.empty(plan.n_slots * rows * t_max * H, dtype=self.dtype, device=dev) for _ in range(2)]
+        hidden = [torch.empty(rows * t_max * H, dtype=self.dtype, device=dev) for _ in range(2)]
+        ctrl_in = [torch.zeros(4, dtype=torch.long, device=dev) for _ in range(2)]
+        msgs = [torch.zeros(rows, 2 + width, dtype=torch.long, device=dev) for _ in range(groups)]
+        pending: list[list] = [[] for _ in range(2)]  # (works, tensors) still reading buffer set 0 / 1
+        msg_works: list = [None] * groups
+        prev, nxt, last = self.rank - 1, self.rank + 1, self.world - 1
+        counter = [0]
+
+        def aux_view(slot, T):
+            return flat[slot][: plan.n_slots * rows * T * H].view(plan.n_slots, rows, T, H)
+
+        def free(slot):
+            self._wait([w for w in pending[slot] if not isinstance(w, torch.Tensor)], "send to", nxt, stats)
+            pending[slot] = []
+
+        def forward(slot, g, T, start, x, aux, ctrl):
+            """Run item (g, T, start) here and send it on (not on the last rank)."""
+            positions = self._arange[start:start + T]
+            t0 = time.perf_counter()
+            y, aux = instance(g, T)(x, positions, aux)
+            stats.compute_s += time.perf_counter() - t0
+            stats.items += 1
+            stats.tokens += rows * T
+            if not self.last:
+                tensors = [ctrl, y.contiguous(), aux[: self.sends]]
+                pending[slot] = [self._post(dist.isend, t, nxt, "send to") for t in tensors if t.numel()] + tensors
+                stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+                stats.payload_bytes += sum(t.numel() * t.element_size() for t in tensors[1:])
+            return y, aux
+
+        def stop_downstream(slot, ctrl):
+            if not self.last:
+                pending[slot] = [self._post(dist.isend, ctrl, nxt, "send to"), ctrl]
+                stats.bytes_sent += ctrl.numel() * 8
+
+        if self.first:
+            order = deque()
+            for g in range(groups):
+                slot = counter[0] % 2
+                free(slot)
+                ids = job["prompts"][g].to(dev)
+                ctrl = torch.tensor([g, ids.shape[1], 0, 1], device=dev)
+                forward(slot, g, ids.shape[1], 0, ids, aux_view(slot, ids.shape[1]), ctrl)
+                msg_works[g] = self._post(dist.irecv, msgs[g], last, "receive tokens from", self.back)
+                counter[0] += 1
+                order.append(g)
+            while order:
+                g = order.popleft()
+                self._wait([msg_works[g]], "receive tokens from", last, stats)
+                msg_works[g] = None  # waited: a gloo receive waited twice waits for a second message
+                T, start, ids = self._spec_read(msgs[g])
+                slot = counter[0] % 2
+                free(slot)
+                counter[0] += 1
+                if T == 0:
+                    stop_downstream(slot, torch.tensor([g, 0, 0, 0], device=dev))
+                    continue
+                forward(slot, g, T, start, ids, aux_view(slot, T), torch.tensor([g, T, start, 1], device=dev))
+                msg_works[g] = self._post(dist.irecv, msgs[g], last, "receive tokens from", self.back)
+                order.append(g)
+        else:
+            stopped = 0
+            while stopped < groups:
+                slot = counter[0] % 2
+                free(slot)
+                counter[0] += 1
+                ctrl = ctrl_in[slot]
+                self._wait([self._post(dist.irecv, ctrl, prev, "receive from")], "receive from", prev, stats)
+                g, T, start, run = ctrl.tolist()
+                if not run:
+                    stopped += 1
+                    stop_downstream(slot, ctrl)
+                    continue
+                tensors = [hidden[slot][: rows * T * H]]
+                if self.received:
+                    tensors.append(aux_view(slot, T)[: self.received])
+                self._wait([self._post(dist.irecv, t, prev, "receive from") for t in tensors], "receive from", prev,
+                           stats)
+                x = hidden[slot][: rows * T * H].view(rows, T, H)
+                y, aux = forward(slot, g, T, start, x, aux_view(slot, T), ctrl)
+                if not self.last:
+                    continue
+                use(g)
+                try:
+                    ids, start = loops[g].send((y, aux))
+                except StopIteration as done:
+                    results[g] = done.value
+                    ids = None
+                self._wait([msg_works[g]], "send tokens to", 0, stats)
+                msg_works[g] = None
+                self._spec_message(msgs[g], ids, start)
+                msg_works[g] = self._post(dist.isend, msgs[g], 0, "send tokens to", self.back)
+                stats.bytes_sent += msgs[g].numel() * 8
+        for slot in range(2):
+            free(slot)
+        for work in msg_works:
+            if work is not None and (self.first or self.last):
+                self._wait([work], "exchange tokens with", last if self.first else 0, stats)
+
+    def _spec_read(self, msg: torch.Tensor):
+        """Rank 0: ``(T, start, ids [rows, T])`` of the last rank's message (T = 0: the group is done)."""
+        T, start = msg[0, :2].tolist()
+        return T, start, msg[:, 2:2 + T].clone()
+
+    @staticmethod
+    def _spec_message(msg: torch.Tensor, ids: torch.Tensor | None, start: int) -> None:
+        """Last rank: the next pass of a group, ``ids [rows, T]`` at ``start``, or ``None``: the group is done."""
+        if ids is None:
+            msg[:, 0] = 0
+            return
+        msg[:, 0] = ids.shape[1]
+        msg[:, 1] = start
+        msg[:, 2:2 + ids.shape[1]] = ids
+
+    def _greedy_input(self, msg: torch.Tensor, start: torch.Tensor, T: int):
+        """Rank 0: the tokens of the last rank's message, a copy to keep (the next message lands in the same
+        buffer) and their positions; advances ``start`` by the count the message carries."""
+        x = msg[:, 1:1 + T]
+        positions = start + self._arange[:T]
+        start += msg[0, 0]
+        return x, x.clone(), positions
+
+    @staticmethod
+    def _greedy_message(msg: torch.Tensor, token: torch.Tensor) -> None:
+        msg[:, 0] = 1
+        msg[:, 1] = token
+
+    def _greedy_ops(self, rows: int) -> None:
+        """The loop's small device ops on scratch tensors (``_warm_up``'s ``extra``)."""
+        msg = torch.zeros(rows, 1 + self.width, dtype=torch.long, device=self.device)
+        if self.first:
+            self._greedy_input(msg, torch.zeros(1, dtype=torch.long, device=self.device), 1)
+        if self.last:
+            self._greedy_message(msg, msg[:, 1].clone())
 
     def _trim(self, ids: torch.Tensor, prompt: int) -> torch.Tensor:
         """Stop at the step where every sequence of the group has emitted an end-of-sequence token."""

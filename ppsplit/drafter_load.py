@@ -282,3 +282,16 @@ def attach_compiled_drafter(split, folder: str) -> None:
     path = os.path.join(folder, FOLDER)
     if os.path.isdir(path):
         split.drafter = load_drafter(path, split=split)
+
+
+def load_folder_drafter(folder: str, plan, device) -> Eagle3Drafter | None:
+    """The drafter a compiled folder stores (``ppsplit compile --drafter``), built for one process that holds only
+    the last stage (its embedding copy is in the drafter's own file); ``None`` when the folder has none."""
+    path = os.path.join(folder, FOLDER)
+    if not os.path.isdir(path):
+        return None
+    cfg, tensors = read_drafter(path)
+    embed = tensors.get("embed_tokens.weight")
+    if embed is None:
+        raise ConfigError(f"{path} has no embed_tokens.weight; recompile the folder with ppsplit compile --drafter")
+    return build_drafter(cfg, tensors, plan, embed, "sglang", device)

@@ -1,6 +1,6 @@
-"""Greedy generation through a compiled folder, one process per stage.
+"""Greedy (or EAGLE-3 speculative, ``-k``) generation through a compiled folder, one process per stage.
 
-    ppsplit run DIR --prompt "text" --max-new-tokens 32 [--microbatches M] [--batch B]
+    ppsplit run DIR --prompt "text" --max-new-tokens 32 [--microbatches M] [--batch B] [-k K [--temperature T]]
     torchrun --nproc-per-node N -m ppsplit.run DIR --prompt-ids 1,2,3 --max-new-tokens 32    # multi-host
 
 ``ppsplit run`` starts the ranks itself with torch.distributed's elastic launcher (one per stage, NCCL when the
@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=1, help="groups of sequences in flight (M)")
     p.add_argument("--batch", type=int, default=None, help="sequences in all (default: M); a multiple of M")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer before failing")
+    p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
+                   help="EAGLE-3 speculative decoding with K drafts per verify pass (DIR compiled with --drafter)")
+    p.add_argument("--temperature", type=float, default=0.0, help="with -k: sample at this temperature (lossless)")
 
 
 def check(args) -> None:
@@ -43,6 +46,13 @@ def check(args) -> None:
         raise ConfigError(f"--batch {batch} must be a multiple of --microbatches {args.microbatches}")
     for text in args.prompt_ids:
         _ids(text)
+    if args.num_draft_tokens is not None:
+        if args.num_draft_tokens < 1:
+            raise ConfigError(f"-k must be at least 1, but got {args.num_draft_tokens}")
+        if not os.path.isdir(os.path.join(args.folder, "drafter")):
+            raise ConfigError(f"{args.folder} holds no drafter; compile it with --drafter DRAFTER to use -k")
+    elif args.temperature:
+        raise ConfigError("--temperature needs -k (speculative sampling); plain decoding is greedy")
 
 
 def _ids(text: str) -> list[int]:
@@ -93,8 +103,14 @@ def rank_main(argv: list[str] | None = None) -> int:
             texts = _prompts(args, tokenizer)
             prompts = [torch.tensor([texts[g % len(texts)]] * (batch // groups)) for g in range(groups)]
         start = time.perf_counter()
-        out = runner.generate(prompts, args.max_new_tokens)
+        k = args.num_draft_tokens
+        out = runner.generate(prompts, args.max_new_tokens, num_draft_tokens=k, temperature=args.temperature,
+                              return_stats=k is not None)
         elapsed = time.perf_counter() - start
+        spec = ""
+        if runner.rank == 0 and k is not None:
+            out, stats = out
+            spec = f", mean acceptance length {sum(s.mean_acceptance_length for s in stats) / len(stats):.2f} at K={k}"
         if runner.rank == 0:
             new = sum(o.shape[0] * (o.shape[1] - p.shape[1]) for o, p in zip(out, prompts))
             for g, (o, p) in enumerate(zip(out, prompts)):
@@ -102,7 +118,7 @@ def rank_main(argv: list[str] | None = None) -> int:
                 shown = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else ",".join(map(str, ids))
                 print(f"[group {g}] {shown}", flush=True)
             print(f"{new} tokens in {elapsed:.2f}s: {new / elapsed:.1f} tokens/s ({runner.world} stages, "
-                  f"{runner.backend}, {groups} groups of {batch // groups})", flush=True)
+                  f"{runner.backend}, {groups} groups of {batch // groups}{spec})", flush=True)
         code = 0
     except PpsplitError as e:
         # A ConfigError is the same on every rank: rank 0 says it. A PipelineError differs per rank.
@@ -141,6 +157,8 @@ def launch(args) -> int:
     argv += [x for t in args.prompt for x in ("--prompt", t)] + [x for t in args.prompt_ids for x in ("--prompt-ids", t)]
     if args.batch:
         argv += ["--batch", str(args.batch)]
+    if args.num_draft_tokens is not None:
+        argv += ["-k", str(args.num_draft_tokens), "--temperature", str(args.temperature)]
     try:
         elastic_launch(config, sys.executable)("-m", "ppsplit.run", *argv)
     except ChildFailedError as e:

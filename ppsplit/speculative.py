@@ -122,7 +122,25 @@ def generate(split, input_ids: torch.Tensor, max_new_tokens: int, drafter, num_d
 def decode(forward, input_ids: torch.Tensor, max_new_tokens: int, drafter, k: int, temperature: float = 0.0,
            generator: torch.Generator | None = None, *, eos_token_id=(), pad_token_id: int | None = None):
     """The speculative loop over any target ``forward(ids [B, T], positions [T]) -> (logits, aux)`` that runs all
-    stages (in process: the ``SplitModel``; a pipeline runtime passes its own). Checks are ``generate``'s job."""
+    stages (in process: the ``SplitModel``). Checks are ``generate``'s job."""
+    device = input_ids.device
+    loop = steps(input_ids, max_new_tokens, drafter, k, temperature, generator, eos_token_id=eos_token_id,
+                 pad_token_id=pad_token_id)
+    ids, start = next(loop)
+    while True:
+        try:
+            ids, start = loop.send(forward(ids, torch.arange(start, start + ids.shape[1], device=device)))
+        except StopIteration as done:
+            return done.value
+
+
+def steps(input_ids: torch.Tensor, max_new_tokens: int, drafter, k: int, temperature: float = 0.0,
+          generator: torch.Generator | None = None, *, eos_token_id=(), pad_token_id: int | None = None):
+    """``decode`` as a generator, for a runtime that runs the target passes itself (the multi-process pipeline
+    keeps one per group in flight): yields ``(ids [B, T], start)``, the target pass to run at positions
+    ``start .. start + T - 1`` (the prefill first, then one ``K + 1``-token verify pass per step), and takes back
+    its ``(logits, aux)``; returns ``(ids [B, prompt + new], SpeculativeStats)``. Every yield after the first comes
+    after the draft that read the previous pass's ``aux``, so the runtime may reuse that buffer."""
     batch, prompt = input_ids.shape
     device = input_ids.device
     last = drafter.fc.weight.device
@@ -135,7 +153,7 @@ def decode(forward, input_ids: torch.Tensor, max_new_tokens: int, drafter, k: in
             return logits.argmax(-1)
         return sample(torch.softmax(logits.float() / temperature, dim=-1), generator)
 
-    logits, aux = forward(input_ids, torch.arange(prompt, device=device))
+    logits, aux = yield input_ids, 0
     token = pick(logits[:, -1]).to(last)
     # The drafter pairs the taps of position i with the token at i + 1.
     window = (aux.to(last), torch.cat([input_ids[:, 1:].to(last), token[:, None]], 1), torch.arange(prompt, device=last))
@@ -156,7 +174,7 @@ def decode(forward, input_ids: torch.Tensor, max_new_tokens: int, drafter, k: in
     while not finished:
         drafts, q = drafter.draft(*window, index, k, temperature, generator)
         verify = torch.cat([token[:, None], drafts], 1)
-        logits, aux = forward(verify.to(device), torch.arange(pos, pos + k + 1, device=device))
+        logits, aux = yield verify.to(device), pos
         stats.verify_passes += 1
         n_seq, nxt = accept(drafts, logits.to(last), temperature, q, generator)
         active = ~done.to(last)

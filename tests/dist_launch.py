@@ -150,3 +150,13 @@ def pipelining(rank, folder, ids, microbatches):
         else:
             out = schedule.step(positions=positions)
     return tuple(t.clone() for t in out) if rank == world - 1 else None
+
+
+def speculate(rank, folder, prompts, new, k, temperature=0.0, seed=0, cuda_graphs=False):
+    """Every rank runs ``PipelineRank(folder).generate`` speculatively (the folder holds a drafter); rank 0 returns
+    ``(ids, stats)`` per group."""
+    from ppsplit import distributed as ppd
+
+    runner = ppd.PipelineRank(folder, cuda_graphs=cuda_graphs)
+    return runner.generate(prompts if rank == 0 else None, new, num_draft_tokens=k, temperature=temperature,
+                           seed=seed, return_stats=True)

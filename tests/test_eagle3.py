@@ -390,6 +390,120 @@ def test_compile_with_drafter_generate_and_check_drafter(trained, tmp_path, caps
     assert main(["generate", out_dir, "--prompt-ids", "1,x"]) == 2
 
 
+@pytest.fixture(scope="module")
+def compiled_with_drafter(trained, tmp_path_factory):
+    """The trained drafter as a published checkpoint, compiled with the 32-token target at pp=2 and pp=3."""
+    from ppsplit.cli import main
+    from ppsplit.drafter_load import save_drafter
+
+    model, _, drafter, _ = trained
+    root = tmp_path_factory.mktemp("spec-mp")
+    model.save_pretrained(root / "target", safe_serialization=True)
+    save_drafter(drafter, str(root / "trained"))
+    cfg, tensors = ppsplit.drafter_load.read_drafter(str(root / "trained"))
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("ppsplit_")}
+    tensors = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "rotary.inv_freq")}
+    published = write_drafter(str(root / "published"), cfg, tensors, "safetensors")
+    folders = {}
+    for pp in (2, 3):
+        folders[pp] = str(root / f"pp{pp}")
+        assert main(["compile", str(root / "target"), "--pp", str(pp), "--drafter", published, "-o", folders[pp],
+                     "--max-batch", "4", "--max-len", "64"])  == 0
+    return model, folders
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_speculative_through_processes_equals_single_process(pp, compiled_with_drafter):
+    """One process per stage (gloo), two groups of two sequences in flight, the drafter on the last rank: the ids,
+    the drafts and the acceptances per step equal the single-process speculative run of each group, and the ids
+    equal Hugging Face greedy; sampling (temperature 0.8, group g seeded seed + g) gives the single-process run's
+    tokens too."""
+    from tests.dist_launch import launch, speculate
+
+    model, folders = compiled_with_drafter
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 32, (2, 4), generator=g), torch.randint(3, 32, (2, 6), generator=g)]
+    res = launch(pp, speculate, folders[pp], prompts, 20, 4, timeout=30, deadline=120)
+    assert all(res[r][0] == "ok" for r in range(pp)), {r: res[r][-1][-800:] for r in range(pp)}
+    outs, stats = res[0][1]
+    single = ppsplit.load(folders[pp])
+    for group, prompt in enumerate(prompts):
+        expected, ref = single.generate(prompt, 20, drafter=single.drafter, num_draft_tokens=4, return_stats=True)
+        assert torch.equal(outs[group], expected)
+        assert torch.equal(outs[group], hf_greedy(model, prompt, 20))
+        assert stats[group].draft_tokens == ref.draft_tokens and stats[group].accepted == ref.accepted
+        assert stats[group].verify_passes == ref.verify_passes < 19  # accepted drafts skipped target passes
+    print(f"pp={pp}: mean acceptance length {[round(s.mean_acceptance_length, 2) for s in stats]}")
+
+    res = launch(pp, speculate, folders[pp], prompts, 12, 3, 0.8, 5, timeout=30, deadline=120)
+    assert all(res[r][0] == "ok" for r in range(pp)), {r: res[r][-1][-800:] for r in range(pp)}
+    outs, _ = res[0][1]
+    for group, prompt in enumerate(prompts):
+        expected = single.generate(prompt, 12, drafter=single.drafter, num_draft_tokens=3, temperature=0.8,
+                                   generator=torch.Generator().manual_seed(5 + group))
+        assert torch.equal(outs[group], expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_speculative_nccl_two_gpus_equals_single_process(cuda_graphs, compiled_with_drafter):
+    """NCCL, rank r on cuda:r, the drafter on rank 1 (its draft and the verify passes replayed from CUDA graphs, or
+    eager): ids, drafts and acceptances equal the single-process run on one GPU."""
+    from tests.dist_launch import launch, speculate
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    _, folders = compiled_with_drafter
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 32, (2, 4), generator=g), torch.randint(3, 32, (2, 6), generator=g)]
+    res = launch(2, speculate, folders[2], prompts, 20, 4, 0.0, 0, cuda_graphs, timeout=60, deadline=150,
+                 backend="nccl")
+    assert all(res[r][0] == "ok" for r in range(2)), {r: res[r][-1][-800:] for r in range(2)}
+    outs, stats = res[0][1]
+    single = ppsplit.load(folders[2], ["cuda:0", "cuda:0"])
+    for group, prompt in enumerate(prompts):
+        expected, ref = single.generate(prompt.cuda(), 20, drafter=single.drafter, num_draft_tokens=4,
+                                        return_stats=True)
+        assert torch.equal(outs[group], expected.cpu())
+        assert stats[group].draft_tokens == ref.draft_tokens and stats[group].accepted == ref.accepted
+
+
+def test_cli_run_speculative(compiled_with_drafter, capfd):
+    """``ppsplit run DIR -k 4``: one process per stage, the drafter on the last; prints HF's greedy tokens and the
+    mean acceptance length. ``-k`` on a folder without a drafter fails before any process starts."""
+    from ppsplit.cli import main
+
+    model, folders = compiled_with_drafter
+    expected = hf_greedy(model, torch.tensor([[7, 20, 4, 13]]), 16)[0, 4:].tolist()
+    code = main(["run", folders[2], "--prompt-ids", "7,20,4,13", "--max-new-tokens", "16", "-k", "4",
+                 "--timeout", "30"])
+    out, err = capfd.readouterr()
+    assert code == 0, err[-2000:]
+    lines = out.splitlines()
+    assert lines[0] == "[group 0] " + ",".join(map(str, expected)), out
+    assert "(2 stages, gloo, 1 groups of 1, mean acceptance length" in lines[1] and "at K=4)" in lines[1], out
+    assert main(["run", folders[2], "--prompt-ids", "1,2", "-k", "0"]) == 2
+    assert "-k must be at least 1" in capfd.readouterr().err
+
+
+def test_speculative_through_processes_errors(compiled_with_drafter, tmp_path):
+    """Errors end every rank with the same one-line ConfigError: no drafter on the last rank, K < 1, collect_aux."""
+    import shutil
+
+    from tests.dist_launch import launch, speculate
+
+    _, folders = compiled_with_drafter
+    bare = shutil.copytree(folders[2], tmp_path / "no-drafter", ignore=shutil.ignore_patterns("drafter"))
+    prompts = [torch.randint(3, 32, (1, 4))]
+    res = launch(2, speculate, str(bare), prompts, 4, 2, timeout=10, deadline=40)
+    for r in range(2):
+        assert res[r][:2] == ("error", "ConfigError") and "needs an EAGLE-3 drafter on the last rank" in res[r][2]
+    res = launch(2, speculate, folders[2], prompts, 4, 0, timeout=10, deadline=40)
+    for r in range(2):
+        assert res[r][:2] == ("error", "ConfigError") and "num_draft_tokens must be an integer >= 1" in res[r][2]
+    assert res["alive"] == []
+
+
 @pytest.mark.gpu
 def test_draft_step_is_cuda_graph_capturable(tmp_path):
     model, graph = traced("llama")
