@@ -66,6 +66,7 @@ class _Traceable(torch.nn.Module):
         self._cache_kw = next((k for k in ("cache", "past_key_values") if k in accepted), None)
         self.kv = None
         if cache is not None:
+            refuse_uncached_state(model)
             if self._cache_kw is None:
                 raise ConfigError(f"{type(model).__name__}.forward takes no cache, so ppsplit cannot give its stages "
                                   "a KV cache; split it without cache=")
@@ -118,6 +119,37 @@ class _Traceable(torch.nn.Module):
                                                       device=input_ids.device)
         out = self.m(input_ids=input_ids, **kwargs)
         return out.logits if hasattr(out, "logits") else out[0]
+
+
+# Layer kinds whose decoding state is not keys and values at positions (transformers' ``layer_types`` names):
+# recurrent / state-space / linear-attention state, and a sparse-attention indexer with a cache of its own.
+_STATE_KINDS = {"linear_attention": "a recurrent (state-space or linear-attention) state",
+                "hybrid": "a recurrent (state-space) state beside attention",
+                "recurrent": "a recurrent state",
+                "indexed_attention": "a sparse-attention indexer with a cache of its own"}
+_STATE_MODELS = {"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"}
+
+
+def refuse_uncached_state(model: torch.nn.Module) -> None:
+    """Raise a ``ConfigError`` before any work when ``model`` has layers whose decoding state ppsplit's static
+    K/V cache cannot hold (state-space, linear-attention and recurrent layers; sparse-attention indexers)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    if config is None:
+        return
+    kinds = set()
+    for attr in ("layer_types", "block_types", "layers_block_type"):
+        value = getattr(config, attr, None)
+        if isinstance(value, (list, tuple)):
+            kinds |= {str(v) for v in value if str(v) in _STATE_KINDS}
+    model_type = getattr(config, "model_type", "")
+    if model_type in _STATE_MODELS:
+        kinds.add("recurrent")
+    if kinds:
+        what = "; ".join(f"{kind} layers keep {_STATE_KINDS[kind]}" for kind in sorted(kinds))
+        raise ConfigError(f"{type(model).__name__} ({model_type}) cannot decode through ppsplit's static KV cache: "
+                          f"its {what}, which the cache does not carry yet; split it without cache= (every call "
+                          "then runs the whole sequence, which ppsplit splits exactly)")
 
 
 def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layers: int = 0,

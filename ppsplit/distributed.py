@@ -4,8 +4,10 @@ Rank ``k`` loads only stage ``k`` of a ``ppsplit compile`` folder. Per step it r
 state and the aux prefix ``aux[:plan.filled(k - 1)]`` from rank ``k - 1`` straight into the prefix of its own
 full-size aux buffer (relaying costs no copy), runs the stage, and sends ``positions``, its hidden state and
 ``aux[:plan.filled(k)]`` to rank ``k + 1``. The last rank picks the next tokens and sends them back to rank 0 in
-a fixed-width message ``[rows, 1 + width]`` (column 0: how many tokens follow; greedy sends 1, EAGLE-3
-verification will send 1..K+1), so every rank posts the same size whatever was accepted.
+a fixed-width message ``[rows, 1 + width]`` (column 0: how many tokens follow; greedy sends 1), so every rank
+posts the same size whatever was accepted. Speculative decoding (``generate(..., num_draft_tokens=K)``) keeps the
+EAGLE-3 drafter on the last rank, which sends rank 0 the next ``K + 1`` tokens to verify in ``[rows, 2 + K + 1]``
+(count, position, tokens; count 0 ends the group); see ``PipelineRank._speculate``.
 
 Sequences are decoded in ``M`` groups of ``rows`` sequences. Prefill runs the groups as microbatches in GPipe
 order; decode keeps all groups in flight round-robin, group ``g`` at stage ``(t - g) mod pp`` at step ``t``, so

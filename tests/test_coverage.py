@@ -52,3 +52,30 @@ def test_split_and_decode_match_hf(name):
     for pp in (2, 3):
         out = ppsplit.split_model(cached, pp, aux=[2]).generate(ids, 8)
         assert torch.equal(out, expected), f"{name} pp={pp}:\n{out[:, 6:]}\n{expected[:, 6:]}"
+
+
+# Families whose decoding state is not K/V at positions: a cache is refused up front, with the reason, before any
+# trace; without a cache each call runs the whole sequence.
+STATEFUL = {
+    "recurrent_gemma": ("recurrent layers keep a recurrent state", dict(block_types=["recurrent", "recurrent", "attention"])),
+    "qwen3_next": ("linear_attention layers keep a recurrent", {}),
+    "deepseek_v32": ("indexed_attention layers keep a sparse-attention indexer", {}),
+}
+
+
+@pytest.mark.parametrize("model_type", list(STATEFUL))
+def test_state_space_and_indexer_caches_are_refused_up_front(model_type):
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
+    reason, kw = STATEFUL[model_type]
+    config = AutoConfig.for_model(model_type, num_hidden_layers=3, **kw)
+    if not any(str(v) in ("linear_attention", "hybrid", "recurrent", "indexed_attention")
+               for attr in ("layer_types", "block_types") for v in (getattr(config, attr, None) or ())):
+        pytest.skip(f"this transformers' {model_type} config names no layer kinds")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ppsplit.ConfigError, match=reason) as err:
+        ppsplit.trace_model(model, cache=CacheConfig(1, 32))
+    assert "split it without cache=" in str(err.value) and "\n" not in str(err.value)
