@@ -392,7 +392,7 @@ def test_compile_with_drafter_generate_and_check_drafter(trained, tmp_path, caps
 
 @pytest.fixture(scope="module")
 def compiled_with_drafter(trained, tmp_path_factory):
-    """The trained drafter as a published checkpoint, compiled with the 32-token target at pp=2 and pp=3."""
+    """The trained drafter as a published checkpoint, compiled with the 32-token target at pp=1, 2 and 3."""
     from ppsplit.cli import main
     from ppsplit.drafter_load import save_drafter
 
@@ -405,16 +405,17 @@ def compiled_with_drafter(trained, tmp_path_factory):
     tensors = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "rotary.inv_freq")}
     published = write_drafter(str(root / "published"), cfg, tensors, "safetensors")
     folders = {}
-    for pp in (2, 3):
+    for pp in (1, 2, 3):
         folders[pp] = str(root / f"pp{pp}")
         assert main(["compile", str(root / "target"), "--pp", str(pp), "--drafter", published, "-o", folders[pp],
                      "--max-batch", "4", "--max-len", "64"])  == 0
     return model, folders
 
 
-@pytest.mark.parametrize("pp", [2, 3])
+@pytest.mark.parametrize("pp", [1, 2, 3])
 def test_speculative_through_processes_equals_single_process(pp, compiled_with_drafter):
-    """One process per stage (gloo), two groups of two sequences in flight, the drafter on the last rank: the ids,
+    """One process per stage (gloo; pp=1: one rank holds everything), two groups of two sequences in flight, the
+    drafter on the last rank: the ids,
     the drafts and the acceptances per step equal the single-process speculative run of each group, and the ids
     equal Hugging Face greedy; sampling (temperature 0.8, group g seeded seed + g) gives the single-process run's
     tokens too."""
