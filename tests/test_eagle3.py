@@ -356,18 +356,24 @@ def test_drafter_errors(tmp_path):
 
 
 # -- compiled folder and command line -----------------------------------------------------------------------------
-def test_compile_with_drafter_generate_and_check_drafter(trained, tmp_path, capsys):
-    from ppsplit.cli import main
+def publish(model, drafter, root, layout: str) -> str:
+    """Save the target to ``root/target`` and the trained drafter as a published checkpoint (SpecForge ids, no
+    embedding: the target's is used) to ``root/published``; returns the drafter's folder."""
     from ppsplit.drafter_load import save_drafter
 
-    model, split, drafter, _ = trained
-    model.save_pretrained(tmp_path / "target", safe_serialization=True)
-    # The trained drafter as a published checkpoint: SpecForge ids, no embedding (the target's is used).
-    save_drafter(drafter, str(tmp_path / "trained"))
-    cfg, tensors = ppsplit.drafter_load.read_drafter(str(tmp_path / "trained"))
+    model.save_pretrained(root / "target", safe_serialization=True)
+    save_drafter(drafter, str(root / "trained"))
+    cfg, tensors = ppsplit.drafter_load.read_drafter(str(root / "trained"))
     cfg = {k: v for k, v in cfg.items() if not k.startswith("ppsplit_")}
     tensors = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "rotary.inv_freq")}
-    published = write_drafter(str(tmp_path / "published"), cfg, tensors, "bin")
+    return write_drafter(str(root / "published"), cfg, tensors, layout)
+
+
+def test_compile_with_drafter_generate_and_check_drafter(trained, tmp_path, capsys):
+    from ppsplit.cli import main
+
+    model, split, drafter, _ = trained
+    published = publish(model, drafter, tmp_path, "bin")
 
     out_dir = str(tmp_path / "compiled")
     assert main(["compile", str(tmp_path / "target"), "--pp", "2", "--drafter", published, "-o", out_dir,
@@ -394,21 +400,15 @@ def test_compile_with_drafter_generate_and_check_drafter(trained, tmp_path, caps
 def compiled_with_drafter(trained, tmp_path_factory):
     """The trained drafter as a published checkpoint, compiled with the 32-token target at pp=1, 2 and 3."""
     from ppsplit.cli import main
-    from ppsplit.drafter_load import save_drafter
 
     model, _, drafter, _ = trained
     root = tmp_path_factory.mktemp("spec-mp")
-    model.save_pretrained(root / "target", safe_serialization=True)
-    save_drafter(drafter, str(root / "trained"))
-    cfg, tensors = ppsplit.drafter_load.read_drafter(str(root / "trained"))
-    cfg = {k: v for k, v in cfg.items() if not k.startswith("ppsplit_")}
-    tensors = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "rotary.inv_freq")}
-    published = write_drafter(str(root / "published"), cfg, tensors, "safetensors")
+    published = publish(model, drafter, root, "safetensors")
     folders = {}
     for pp in (1, 2, 3):
         folders[pp] = str(root / f"pp{pp}")
         assert main(["compile", str(root / "target"), "--pp", str(pp), "--drafter", published, "-o", folders[pp],
-                     "--max-batch", "4", "--max-len", "64"])  == 0
+                     "--max-batch", "4", "--max-len", "64"]) == 0
     return model, folders
 
 
