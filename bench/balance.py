@@ -29,8 +29,8 @@ import transformers
 import ppsplit
 from ppsplit import CacheConfig, CostModel, ModelCosts, RegionCosts
 from ppsplit.passes.plan import make_plan
+from ppsplit.measure import stage_timer
 from ppsplit.plan import imbalance
-from ppsplit.tensors import DTYPES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import config  # noqa: E402
@@ -102,42 +102,6 @@ def meta_mode(args):
 
 # ----------------------------------------------------------------------------------------------------- GPU mode
 
-def stage_timer(stage, batch: int, position: int, device: str):
-    """A function returning the stage's time per decode step in ms: a captured graph replayed on the GPU, eager
-    on the CPU."""
-    plan = stage.meta["ppsplit.plan"]
-    dtype = DTYPES[plan.dtype]
-    gen = torch.Generator().manual_seed(stage.meta["ppsplit.stage"])
-    if stage.meta["ppsplit.stage"] == 0:
-        x = torch.randint(0, 1000, (batch, 1), generator=gen)
-    else:
-        x = torch.randn(batch, 1, plan.hidden_size, generator=gen).to(dtype)
-    x, positions = x.to(device), torch.tensor([position], device=device)
-    if device == "cuda":
-        g = ppsplit.cuda_graph(stage, batch, 1)
-        g.x.copy_(x)
-        g.positions.copy_(positions)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-        def run(repeat=50):
-            begin.record()
-            for _ in range(repeat):
-                g.replay()
-            end.record()
-            end.synchronize()
-            return begin.elapsed_time(end) / repeat
-        return run
-    aux = torch.zeros(plan.n_slots, batch, 1, plan.hidden_size, dtype=dtype)
-
-    def run(repeat=3):
-        with torch.no_grad():
-            begin = time.perf_counter()
-            for _ in range(repeat):
-                stage(x, positions, aux)
-            return (time.perf_counter() - begin) / repeat * 1e3
-    run()
-    return run
-
 
 def gpu_mode(args):
     device = "cpu" if args.tiny else "cuda"
@@ -174,7 +138,8 @@ def gpu_batch(traced, batch, position, device, args):
           f"layer median {statistics.median(region.layers) * 1e3:.1f} us (min {min(region.layers) * 1e3:.1f}, max "
           f"{max(region.layers) * 1e3:.1f}), embedding {region.embed * 1e3:.1f} us, head {region.head * 1e3:.1f} us, "
           f"per stage {region.stage * 1e3:.1f} us", flush=True)
-    timers = {(name, k): stage_timer(stage, batch, position, device)
+    repeat = 50 if device == "cuda" else 3  # replays per sample on a GPU, eager calls on the CPU
+    timers = {(name, k): stage_timer(stage, batch, 1, position, repeat)
               for name, split in splits.items() for k, stage in enumerate(split.stages)}
     samples = {key: [] for key in timers}
     for _ in range(args.rounds):

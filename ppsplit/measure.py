@@ -139,7 +139,7 @@ def _inputs(stage, batch: int, tokens: int, position: int):
 def _time_stages(stages, batch: int, tokens: int, position: int, rounds: int) -> list[float]:
     """Milliseconds per call of each stage; stages interleaved round by round, so drift hits all alike. On a GPU
     the median replay; on the CPU the fastest round, since other processes only ever add time there."""
-    runs = [_runner(stage, batch, tokens, position) for stage in stages]
+    runs = [stage_timer(stage, batch, tokens, position) for stage in stages]
     samples = [[] for _ in runs]
     for _ in range(rounds):
         for k, run in enumerate(runs):
@@ -148,7 +148,16 @@ def _time_stages(stages, batch: int, tokens: int, position: int, rounds: int) ->
     return [pick(s) for s in samples]
 
 
-def _runner(stage, batch: int, tokens: int, position: int):
+def stage_timer(stage, batch: int, tokens: int, position: int, repeat: int | None = None):
+    """A function returning ``stage``'s milliseconds per call for ``batch x tokens`` at ``position``: on a GPU the
+    mean of ``repeat`` (default 20) replays of a captured CUDA graph, timed with events; on the CPU the mean of
+    ``repeat`` (default 1) eager calls, after one warm-up call.
+
+    Example::
+
+        run = stage_timer(split.stages[1], batch=8, tokens=1, position=512)
+        times = [run() for _ in range(7)]
+    """
     x, positions, aux = _inputs(stage, batch, tokens, position)
     if module_device(stage).type == "cuda":
         captured = CapturedStage(stage, batch, tokens)
@@ -156,22 +165,24 @@ def _runner(stage, batch: int, tokens: int, position: int):
         captured.positions.copy_(positions)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         captured.replay()
-        repeat = 20
+        replays = repeat or 20
 
         def run():
             begin.record()
-            for _ in range(repeat):
+            for _ in range(replays):
                 captured.replay()
             end.record()
             end.synchronize()
-            return begin.elapsed_time(end) / repeat
+            return begin.elapsed_time(end) / replays
         return run
+    calls = repeat or 1
 
     def run():
         with torch.no_grad():
             begin = time.perf_counter()
-            stage(x, positions, aux)
-            return (time.perf_counter() - begin) * 1e3
+            for _ in range(calls):
+                stage(x, positions, aux)
+            return (time.perf_counter() - begin) / calls * 1e3
     with torch.no_grad():
         stage(x, positions, aux)  # warm-up
     return run
