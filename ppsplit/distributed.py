@@ -600,16 +600,16 @@ class PipelineRank:
         hidden = [torch.empty(rows * t_max * H, dtype=self.dtype, device=dev) for _ in range(2)]
         ctrl_in = [torch.zeros(4, dtype=torch.long, device=dev) for _ in range(2)]
         msgs = [torch.zeros(rows, 2 + width, dtype=torch.long, device=dev) for _ in range(groups)]
-        pending: list[list] = [[] for _ in range(2)]  # (works, tensors) still reading buffer set 0 / 1
+        pending: list[list] = [[] for _ in range(2)]  # send works still reading buffer set 0 / 1
         msg_works: list = [None] * groups
         prev, nxt, last = self.rank - 1, self.rank + 1, self.world - 1
-        counter = [0]
+        item = 0  # items run here so far; item i uses buffer set i % 2
 
         def aux_view(slot, T):
             return flat[slot][: plan.n_slots * rows * T * H].view(plan.n_slots, rows, T, H)
 
         def free(slot):
-            self._wait([w for w in pending[slot] if not isinstance(w, torch.Tensor)], "send to", nxt, stats)
+            self._wait(pending[slot], "send to", nxt, stats)
             pending[slot] = []
 
         def forward(slot, g, T, start, x, aux, ctrl):
@@ -622,35 +622,33 @@ class PipelineRank:
             stats.tokens += rows * T
             if not self.last:
                 tensors = [ctrl, y.contiguous(), aux[: self.sends]]
-                pending[slot] = [self._post(dist.isend, t, nxt, "send to") for t in tensors if t.numel()] + tensors
+                pending[slot] = [self._post(dist.isend, t, nxt, "send to") for t in tensors if t.numel()]
                 stats.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
                 stats.payload_bytes += sum(t.numel() * t.element_size() for t in tensors[1:])
             return y, aux
 
         def stop_downstream(slot, ctrl):
             if not self.last:
-                pending[slot] = [self._post(dist.isend, ctrl, nxt, "send to"), ctrl]
+                pending[slot] = [self._post(dist.isend, ctrl, nxt, "send to")]
                 stats.bytes_sent += ctrl.numel() * 8
 
         if self.first:
             order = deque()
             for g in range(groups):
-                slot = counter[0] % 2
+                slot, item = item % 2, item + 1
                 free(slot)
                 ids = job["prompts"][g].to(dev)
                 ctrl = torch.tensor([g, ids.shape[1], 0, 1], device=dev)
                 forward(slot, g, ids.shape[1], 0, ids, aux_view(slot, ids.shape[1]), ctrl)
                 msg_works[g] = self._post(dist.irecv, msgs[g], last, "receive tokens from", self.back)
-                counter[0] += 1
                 order.append(g)
             while order:
                 g = order.popleft()
                 self._wait([msg_works[g]], "receive tokens from", last, stats)
                 msg_works[g] = None  # waited: a gloo receive waited twice waits for a second message
                 T, start, ids = self._spec_read(msgs[g])
-                slot = counter[0] % 2
+                slot, item = item % 2, item + 1
                 free(slot)
-                counter[0] += 1
                 if T == 0:
                     stop_downstream(slot, torch.tensor([g, 0, 0, 0], device=dev))
                     continue
@@ -660,9 +658,8 @@ class PipelineRank:
         else:
             stopped = 0
             while stopped < groups:
-                slot = counter[0] % 2
+                slot, item = item % 2, item + 1
                 free(slot)
-                counter[0] += 1
                 ctrl = ctrl_in[slot]
                 self._wait([self._post(dist.irecv, ctrl, prev, "receive from")], "receive from", prev, stats)
                 g, T, start, run = ctrl.tolist()
@@ -686,15 +683,13 @@ class PipelineRank:
                     results[g] = done.value
                     ids = None
                 self._wait([msg_works[g]], "send tokens to", 0, stats)
-                msg_works[g] = None
                 self._spec_message(msgs[g], ids, start)
                 msg_works[g] = self._post(dist.isend, msgs[g], 0, "send tokens to", self.back)
                 stats.bytes_sent += msgs[g].numel() * 8
         for slot in range(2):
             free(slot)
-        for work in msg_works:
-            if work is not None and (self.first or self.last):
-                self._wait([work], "exchange tokens with", last if self.first else 0, stats)
+        # Rank 0 waited every message it read; the last rank's final messages may still be in flight.
+        self._wait([w for w in msg_works if w is not None], "send tokens to", 0, stats)
 
     def _spec_read(self, msg: torch.Tensor):
         """Rank 0: ``(T, start, ids [rows, T])`` of the last rank's message (T = 0: the group is done)."""

@@ -279,9 +279,11 @@ def write_compiled_drafter(folder: str, drafter: str, split, checkpoint, tied: d
 
 def attach_compiled_drafter(split, folder: str) -> None:
     """``split.drafter`` = the drafter stored in a compiled folder (on the last stage's device), if there is one."""
-    path = os.path.join(folder, FOLDER)
-    if os.path.isdir(path):
-        split.drafter = load_drafter(path, split=split)
+    from ppsplit.tensors import module_device
+
+    drafter = load_folder_drafter(folder, split.plan, module_device(split.stages[-1]))
+    if drafter is not None:
+        split.drafter = drafter
 
 
 def load_folder_drafter(folder: str, plan, device) -> Eagle3Drafter | None:

@@ -49,7 +49,9 @@ def check(args) -> None:
     if args.num_draft_tokens is not None:
         if args.num_draft_tokens < 1:
             raise ConfigError(f"-k must be at least 1, but got {args.num_draft_tokens}")
-        if not os.path.isdir(os.path.join(args.folder, "drafter")):
+        from ppsplit.drafter_load import FOLDER
+
+        if not os.path.isdir(os.path.join(args.folder, FOLDER)):
             raise ConfigError(f"{args.folder} holds no drafter; compile it with --drafter DRAFTER to use -k")
     elif args.temperature:
         raise ConfigError("--temperature needs -k (speculative sampling); plain decoding is greedy")
