@@ -1,7 +1,8 @@
 """The static KV cache the trace pass hands the model: ``CacheConfig(batch_size, max_len)`` made concrete.
 
 Each decoder layer's keys and values live in two buffers ``kv_cache.<layer>.keys`` / ``.values`` of shape
-``[batch_size, kv_heads, max_len, head_dim]``. A step writes its ``T`` new keys and values at ``positions`` (the
+``[batch_size, kv_heads, max_len, head_dim]``; a sparse-attention indexer (DeepSeek-V3.2's DSA) keeps its keys in a
+third, ``kv_cache.<layer>.indexer_keys`` of ``[batch_size, max_len, index_head_dim]``. A step writes its ``T`` new keys and values at ``positions`` (the
 cache positions of the new tokens) and attends over the whole buffer under a causal mask on those positions.
 Nothing else is remembered between steps: there is no length counter. A rejected draft token leaves stale
 entries beyond the accepted position; the mask hides them, and the next step's ``positions`` overwrite them.
@@ -25,6 +26,8 @@ class _PositionedLayer(StaticLayer):
         super().__init__(max_cache_len=max_cache_len)
         self.owner = owner
         self.shapes: tuple | None = None  # ((kv_heads, k_dim), (kv_heads, v_dim), dtype) seen by a recording run
+        self.indexer_shape: tuple | None = None  # ((index_head_dim,), dtype) of the indexer keys, if the layer has one
+        self.indexer_keys: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states, value_states):  # buffers are bound by the owner, never allocated here
         raise RuntimeError("ppsplit cache layer used before its buffers were bound")
@@ -40,6 +43,17 @@ class _PositionedLayer(StaticLayer):
         keys = self.keys[:batch].index_copy_(2, positions, key_states)
         values = self.values[:batch].index_copy_(2, positions, value_states)
         return keys, values
+
+    def update_indexer(self, indexer_key_states):
+        """Indexer keys ``[B, T, D]`` are per token position like K/V: written at ``positions``, the whole buffer
+        returned; the model's mask hides unwritten and stale slots from the indexer's scores, as it does for K/V."""
+        if self.owner.recording:
+            self.indexer_shape = (tuple(indexer_key_states.shape[2:]), indexer_key_states.dtype)
+            return indexer_key_states
+        if self.indexer_keys is None:
+            raise RuntimeError("ppsplit cache layer has no indexer buffer bound")
+        batch = indexer_key_states.shape[0]
+        return self.indexer_keys[:batch].index_copy_(1, self.owner.positions, indexer_key_states)
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
         if self.owner.recording:
@@ -58,6 +72,8 @@ class _PositionedLayer(StaticLayer):
         if self.keys is not None:
             self.keys.zero_()
             self.values.zero_()
+        if self.indexer_keys is not None:
+            self.indexer_keys.zero_()
 
 
 class PositionedCache(Cache):
@@ -68,13 +84,19 @@ class PositionedCache(Cache):
         self.positions: torch.Tensor | None = None
         self.recording = False
 
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        # Defined here too: transformers releases before the indexed cache layers have no Cache.update_indexer.
+        return self.layers[layer_idx].update_indexer(indexer_key_states)
+
     def get_query_offset(self, layer_idx: int = 0):
         return self.layers[layer_idx].get_seq_length()
 
-    def bind(self, tensors: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for i, (keys, values) in tensors.items():
+    def bind(self, tensors: dict[int, tuple[torch.Tensor, ...]]) -> None:
+        """Point each layer at its buffers: ``(keys, values)`` or ``(keys, values, indexer_keys)``."""
+        for i, (keys, values, *indexer) in tensors.items():
             layer = self.layers[i]
             layer.keys, layer.values = keys, values
+            layer.indexer_keys = indexer[0] if indexer else None
             layer.is_initialized = True
             layer.device = keys.device
             layer.batch_size, layer.num_heads = keys.shape[:2]

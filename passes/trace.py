@@ -81,6 +81,10 @@ class _Traceable(torch.nn.Module):
                                                           dtype=dtype, device=device), persistent=False)
                 layer.register_buffer("values", torch.zeros(cache.batch_size, v_shape[0], cache.max_len, *v_shape[1:],
                                                             dtype=dtype, device=device), persistent=False)
+                indexer = self.kv.layers[i].indexer_shape
+                if indexer is not None:  # a sparse-attention indexer's keys: [batch, max_len, index_head_dim]
+                    layer.register_buffer("indexer_keys", torch.zeros(cache.batch_size, cache.max_len, *indexer[0],
+                                                                      dtype=indexer[1], device=device), persistent=False)
                 self.kv_cache.add_module(str(i), layer)
 
     def _record_kv_shapes(self, device) -> dict:
@@ -108,7 +112,8 @@ class _Traceable(torch.nn.Module):
             kwargs["use_cache"] = self.kv is not None
         if self.kv is not None:
             # Bind the buffers on every call: export swaps module buffers for traced stand-ins.
-            self.kv.bind({int(i): (layer.keys, layer.values) for i, layer in self.kv_cache.named_children()})
+            self.kv.bind({int(i): (layer.keys, layer.values, *([layer.indexer_keys] if hasattr(layer, "indexer_keys") else []))
+                          for i, layer in self.kv_cache.named_children()})
             self.kv.positions = positions
             kwargs[self._cache_kw] = self.kv
             if self._pass_mask:
@@ -122,17 +127,17 @@ class _Traceable(torch.nn.Module):
 
 
 # Layer kinds whose decoding state is not keys and values at positions (transformers' ``layer_types`` names):
-# recurrent / state-space / linear-attention state, and a sparse-attention indexer with a cache of its own.
+# recurrent / state-space / linear-attention state. A sparse-attention indexer's keys ("indexed_attention") are
+# per position like K/V: the static cache holds them (passes/kv_cache.py).
 _STATE_KINDS = {"linear_attention": "a recurrent (state-space or linear-attention) state",
                 "hybrid": "a recurrent (state-space) state beside attention",
-                "recurrent": "a recurrent state",
-                "indexed_attention": "a sparse-attention indexer with a cache of its own"}
+                "recurrent": "a recurrent state"}
 _STATE_MODELS = {"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"}
 
 
 def refuse_uncached_state(model: torch.nn.Module) -> None:
     """Raise a ``ConfigError`` before any work when ``model`` has layers whose decoding state ppsplit's static
-    K/V cache cannot hold (state-space, linear-attention and recurrent layers; sparse-attention indexers)."""
+    K/V cache cannot hold (state-space, linear-attention and recurrent layers)."""
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
     if config is None:

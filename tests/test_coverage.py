@@ -59,7 +59,6 @@ def test_split_and_decode_match_hf(name):
 STATEFUL = {
     "recurrent_gemma": ("recurrent layers keep a recurrent state", dict(block_types=["recurrent", "recurrent", "attention"])),
     "qwen3_next": ("linear_attention layers keep a recurrent", {}),
-    "deepseek_v32": ("indexed_attention layers keep a sparse-attention indexer", {}),
 }
 
 
