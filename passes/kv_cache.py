@@ -83,6 +83,18 @@ class PositionedCache(Cache):
         super().__init__(layers=[_PositionedLayer(self, max_len) for _ in range(num_layers)])
         self.positions: torch.Tensor | None = None
         self.recording = False
+        self.length_as_size = False  # the trace's fallback for models that do arithmetic on the cache length
+
+    def get_seq_length(self, layer_idx: int = 0):
+        """What the model reads as the cached length: the first new token's position, a tensor (no host sync).
+        With ``length_as_size``, an integer known to lie in ``[0, max_len)``, so export can prove size arithmetic
+        on it (the trace then checks that no read of it is left in the graph)."""
+        if self.length_as_size and not self.recording:
+            n = self.positions[0].item()
+            torch._check(n >= 0)
+            torch._check(n < self.layers[layer_idx].max_cache_len)
+            return n
+        return super().get_seq_length(layer_idx)
 
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         # Defined here too: transformers releases before the indexed cache layers have no Cache.update_indexer.

@@ -11,6 +11,7 @@ import contextlib
 import inspect
 import io
 import os
+import re
 import sys
 import traceback
 from dataclasses import dataclass
@@ -187,15 +188,8 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     model.eval()
     try:
         wrapper = _Traceable(model, cache, num_layers)
-        try:
-            ep = _export(wrapper, ids, positions, batch, tokens)
-        except torch._dynamo.exc.UserError as e:
-            if "Constraints violated" not in str(e):
-                raise
-            # Older torch (2.11) cannot prove some guards that always hold (`min(16*T, 32*T) == 16*T`) and refuses
-            # named ranges; AUTO dims accept them. The result is checked below: sizes must stay dynamic.
-            ep = _export(wrapper, ids, positions, _auto(batch), _auto(tokens))
-    except ConfigError:
+        ep, length_error = _export_dynamic(model, wrapper, ids, positions, batch, tokens)
+    except (ConfigError, TraceError):
         raise
     except Exception as e:  # export raises many types; all mean "this model cannot be captured as is"
         raise TraceError(_describe_export_failure(model, e)) from e
@@ -203,6 +197,8 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         model.train(was_training)
 
     gm = _unlift(ep, model)
+    if length_error is not None and not _drop_dead_length_reads(gm):
+        raise TraceError(_describe_export_failure(model, length_error)) from length_error
     tied = tied_parameters(model)
     _untie(gm, tied)
     in_ids = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
@@ -220,6 +216,98 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         tied=tied,
         **_generation_ids(model),
     )
+
+
+def _export_dynamic(model, wrapper, ids, positions, batch, tokens):
+    """Export with dynamic batch and token count: named ranges first, then the fallbacks below. Returns the
+    program and, when it took the cache-length fallback, the error that fallback answers (else None)."""
+    try:
+        try:
+            ep = _export(wrapper, ids, positions, batch, tokens)
+        except (torch._dynamo.exc.UserError, AssertionError) as e:
+            # Older torch (2.11) cannot prove some guards that always hold (`min(16*T, 32*T) == 16*T`) and refuses
+            # named ranges; AUTO dims accept them. Newer torch may crash describing a range the model narrowed
+            # ("Cannot create Dim with inconsistent min=2, max=2"). The sizes' ranges are checked next.
+            if "Constraints violated" not in str(e) and "Cannot create Dim" not in str(e):
+                raise
+            ep = _export(wrapper, ids, positions, _auto(batch), _auto(tokens))
+            _refuse_narrowed_sizes(model, wrapper, ids, positions, batch, tokens, ep)
+        return ep, None
+    except Exception as e:
+        # A cache length the model does arithmetic on (MPT slices its ALiBi bias by `T + cache.get_seq_length()`)
+        # is a data-dependent tensor; as a size known to lie in [0, max_len) export can often prove the
+        # arithmetic away. Tried only where export complained about a data-dependent size (`u0`).
+        if wrapper.kv is None or not _UNBACKED.search(str(e)):
+            raise
+        wrapper.kv.length_as_size = True
+        try:
+            return _export(wrapper, ids, positions, batch, tokens), e
+        except Exception:
+            raise e from None
+        finally:
+            wrapper.kv.length_as_size = False
+
+
+_UNBACKED = re.compile(r"\bu\d+\b")
+
+
+def _refuse_narrowed_sizes(model, wrapper, ids, positions, batch, tokens, ep) -> None:
+    """AUTO dims let export narrow a size's range silently; a stage must take every size (decode is 1 token)."""
+    from ppsplit.passes import export_blame
+
+    wanted = {d: (None if dim is Dim.STATIC else dim.max if dim.max < int(1e15) else None)
+              for d, dim in ((0, batch), (1, tokens)) if dim is not Dim.STATIC}
+    narrowed = export_blame.narrowed_sizes(ep, wanted)
+    if not narrowed:
+        return
+    dim, (lo, hi) = next(iter(narrowed.items()))
+    with export_blame.guard_stacks(_is_library_file) as stacks:
+        again = _export(wrapper, ids, positions, _auto(batch), _auto(tokens))
+    frame = export_blame.blame(again, stacks.lines, dim, wanted[dim])
+    where = (f" at {frame.filename.rsplit('/', 2)[-1]}:{frame.lineno} `{(frame.line or '').strip()}` (the model's own "
+             "code, not ppsplit)") if frame else ""
+    name = ("batch", "token count")[dim]
+    raise TraceError(f"torch.export could not keep the {name} of {type(model).__name__} dynamic: the model's code "
+                     f"branches on it in Python{where}, so the graph would take only {name}s {lo}..{hi or 'any'}; "
+                     "ppsplit needs one graph for every size (prefill, decode, verify). Report the model.")
+
+
+def _drop_dead_length_reads(gm: fx.GraphModule) -> bool:
+    """After the cache-length fallback: erase the size arithmetic export proved away (dead ``positions[0].item()``
+    chains). False if a read of the cache length still feeds the graph: a host sync per step, not allowed."""
+    graph = gm.graph
+    scalars = (torch.SymInt, torch.SymBool, torch.SymFloat, int, float, bool)
+    reads = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+    for node in graph.nodes:
+        # Size arithmetic whose value the ranges pin (`max(0, 1 - T - n)` with T >= 1, n >= 0 is 0) is that value.
+        val = node.meta.get("val")
+        if node.op == "call_function" and isinstance(val, torch.SymInt) and node.users:
+            try:
+                vr = val.node.shape_env.bound_sympy(val.node.expr)
+                lo, hi = int(vr.lower), int(vr.upper)
+            except Exception:  # an unbounded range (infinite ends) or no shape env: leave it
+                continue
+            if lo == hi:
+                node.replace_all_uses_with(lo)
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and not node.users and (
+                isinstance(node.meta.get("val"), scalars) or node.target in reads
+                or node.target is torch.ops.aten.select.int):
+            graph.erase_node(node)
+    live = [n for n in graph.nodes if n.op == "call_function" and n.target in reads
+            and any(a.op == "placeholder" and a.name == "positions" for a in _inputs_through_views(n))]
+    gm.recompile()
+    return not live
+
+
+def _inputs_through_views(node: fx.Node) -> list:
+    seen, todo = [], list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        seen.append(n)
+        if n.op == "call_function" and n.target in (torch.ops.aten.select.int, torch.ops.aten.slice.Tensor):
+            todo.extend(n.all_input_nodes)
+    return seen
 
 
 def _export(wrapper, ids, positions, batch, tokens):
