@@ -80,26 +80,32 @@ def blame(ep: torch.export.ExportedProgram, stacks: dict[str, traceback.FrameSum
     size = ids.meta["val"].shape[dim]
     shape_env = ids.meta["val"].fake_mode.shape_env
     symbol = size.node.expr
+    hints = getattr(shape_env, "backed_var_to_val", None)
+    hints = shape_env.var_to_val if hints is None else hints
     top = min(maximum or 512, 512)
     powers = [2 ** k + d for k in range(1, 10) for d in (-1, 0, 1)]
     values = sorted({v for v in [*range(2, 65), *powers, top] if 2 <= v <= top})
+    restricting = []
     for guard in shape_env.guards:
         expr = shape_env.replace(guard.expr)
-        if symbol not in expr.free_symbols:
-            continue
         frame = stacks.get(str(guard.expr))
-        if frame is None:
+        if symbol not in expr.free_symbols or frame is None:
             continue
-        others = {s: shape_env.var_to_val[s] for s in expr.free_symbols if s != symbol and s in shape_env.var_to_val}
-        fixed = expr.subs(others)
+        fixed = expr.subs({s: hints[s] for s in expr.free_symbols if s != symbol and s in hints})
         for value in values:
             try:
                 holds = bool(fixed.subs(symbol, value))
             except TypeError:  # not decidable by substitution (other free symbols): not this guard
                 break
             if not holds:
-                return frame
-    return None
+                restricting.append((guard, frame))
+                break
+    # Prefer a guard torch itself located in the model's code (a Python branch on the size) over one raised inside
+    # torch on the model's behalf (a view that is valid only for some sizes).
+    for guard, frame in restricting:
+        if f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" in str(getattr(guard, "sloc", "")):
+            return frame
+    return restricting[0][1] if restricting else None
 
 
 def _int(bound) -> int | None:

@@ -132,7 +132,9 @@ class _Traceable(torch.nn.Module):
 # per position like K/V: the static cache holds them (passes/kv_cache.py).
 _STATE_KINDS = {"linear_attention": "a recurrent (state-space or linear-attention) state",
                 "hybrid": "a recurrent (state-space) state beside attention",
-                "recurrent": "a recurrent state"}
+                "recurrent": "a recurrent state",
+                "heavily_compressed_attention": "a compressed KV state (token windows pooled into entries)",
+                "compressed_sparse_attention": "a compressed KV state (token windows pooled into entries)"}
 _STATE_MODELS = {"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"}
 
 
@@ -230,8 +232,11 @@ def _export_dynamic(model, wrapper, ids, positions, batch, tokens):
             # ("Cannot create Dim with inconsistent min=2, max=2"). The sizes' ranges are checked next.
             if "Constraints violated" not in str(e) and "Cannot create Dim" not in str(e):
                 raise
-            ep = _export(wrapper, ids, positions, _auto(batch), _auto(tokens))
-            _refuse_narrowed_sizes(model, wrapper, ids, positions, batch, tokens, ep)
+            from ppsplit.passes import export_blame
+
+            with export_blame.guard_stacks(_is_library_file) as stacks:
+                ep = _export(wrapper, ids, positions, _auto(batch), _auto(tokens))
+            _refuse_narrowed_sizes(model, batch, tokens, ep, stacks.lines)
         return ep, None
     except Exception as e:
         # A cache length the model does arithmetic on (MPT slices its ALiBi bias by `T + cache.get_seq_length()`)
@@ -251,7 +256,7 @@ def _export_dynamic(model, wrapper, ids, positions, batch, tokens):
 _UNBACKED = re.compile(r"\bu\d+\b")
 
 
-def _refuse_narrowed_sizes(model, wrapper, ids, positions, batch, tokens, ep) -> None:
+def _refuse_narrowed_sizes(model, batch, tokens, ep, stacks) -> None:
     """AUTO dims let export narrow a size's range silently; a stage must take every size (decode is 1 token)."""
     from ppsplit.passes import export_blame
 
@@ -261,14 +266,12 @@ def _refuse_narrowed_sizes(model, wrapper, ids, positions, batch, tokens, ep) ->
     if not narrowed:
         return
     dim, (lo, hi) = next(iter(narrowed.items()))
-    with export_blame.guard_stacks(_is_library_file) as stacks:
-        again = _export(wrapper, ids, positions, _auto(batch), _auto(tokens))
-    frame = export_blame.blame(again, stacks.lines, dim, wanted[dim])
+    frame = export_blame.blame(ep, stacks, dim, wanted[dim])
     where = (f" at {frame.filename.rsplit('/', 2)[-1]}:{frame.lineno} `{(frame.line or '').strip()}` (the model's own "
              "code, not ppsplit)") if frame else ""
     name = ("batch", "token count")[dim]
     raise TraceError(f"torch.export could not keep the {name} of {type(model).__name__} dynamic: the model's code "
-                     f"branches on it in Python{where}, so the graph would take only {name}s {lo}..{hi or 'any'}; "
+                     f"takes a size-dependent path{where}, so the graph would take only {name}s {lo}..{hi or 'any'}; "
                      "ppsplit needs one graph for every size (prefill, decode, verify). Report the model.")
 
 

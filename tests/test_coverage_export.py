@@ -1,0 +1,87 @@
+"""Models whose code torch.export balks at: MPT's cached trace goes through ppsplit's cache-length fallback and decodes
+like HF; models with a data-dependent loop (dbrx, longcat_flash) or a token-count-dependent path (deepseek_v4) get
+one line naming the model's own code, before any split."""
+import pytest
+import torch
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+
+import ppsplit
+from ppsplit import CacheConfig
+
+V = 128
+_SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+CONFIGS = {
+    "mpt": dict(vocab_size=V, d_model=64, n_layers=4, n_heads=4, max_seq_len=64, expansion_ratio=2),
+    "dbrx": dict(vocab_size=V, d_model=64, n_layers=4, n_heads=4, max_seq_len=64,
+                 attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000.0),
+                 ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
+    "longcat_flash": dict(vocab_size=V, hidden_size=64, num_layers=4, num_attention_heads=4, ffn_hidden_size=128,
+                          expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=2, moe_topk=2,
+                          q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                          head_dim=8, max_position_embeddings=64),
+    # One compressed-sparse-attention layer (windows of 4 tokens): the path that depends on the token count.
+    "deepseek_v4": dict(vocab_size=V, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, head_dim=16,
+                        qk_rope_head_dim=8, q_lora_rank=16, o_lora_rank=16, o_groups=2, index_n_heads=2,
+                        index_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        hc_mult=2, hc_sinkhorn_iters=2, max_position_embeddings=64,
+                        layer_types=["compressed_sparse_attention"]),
+}
+
+
+def build(name, device=None):
+    if name not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {name}")
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(name, **CONFIGS[name], **_SPECIAL)
+    with torch.device(device or "cpu"):
+        model = AutoModelForCausalLM.from_config(config).eval()
+    if device is None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def test_mpt_with_a_cache_splits_and_decodes_like_hf():
+    """MPT slices its ALiBi bias by `T + cache.get_seq_length()`; export proves that slice away once the cached
+    length is a size in [0, max_len), and the stages keep no read of it (no host sync per step)."""
+    model = build("mpt")
+    ids = torch.randint(3, V, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+        expected = model.generate(ids, max_new_tokens=8, do_sample=False)
+    traced = ppsplit.trace_model(model, cache=CacheConfig(batch_size=2, max_len=24))
+    reads = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+    assert not [n for n in traced.gm.graph.nodes if n.target in reads]
+    for pp in (2, 3):
+        split = ppsplit.split_model(traced, pp, aux=[1, 2, 3])
+        logits, aux = split(ids, torch.arange(6))
+        torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=0)
+        for slot, tap in enumerate((1, 2, 3)):
+            torch.testing.assert_close(aux[slot], ref.hidden_states[tap], atol=1e-5, rtol=0)
+        out = split.generate(ids, 8)
+        assert torch.equal(out, expected), f"pp={pp}:\n{out[:, 6:]}\n{expected[:, 6:]}"
+
+
+@pytest.mark.parametrize("name,line", [("dbrx", "modeling_dbrx.py:"), ("longcat_flash", "modeling_longcat_flash.py:")])
+def test_data_dependent_expert_loops_name_the_model_line(name, line):
+    """`for expert_idx in expert_hit:` loops as many times as experts were routed to: no graph can hold that."""
+    model = build(name)
+    with pytest.raises(ppsplit.TraceError) as err:
+        ppsplit.trace_model(model)
+    msg = str(err.value)
+    assert "\n" not in msg and line in msg and "in expert_hit" in msg, msg
+    assert "the model's own code, not ppsplit" in msg and "GuardOnDataDependentSymNode" in msg
+
+
+def test_token_count_dependent_path_names_the_model_line():
+    """deepseek_v4 compresses windows of 4 tokens and branches on whether any window is complete; export pins the
+    token count to the example's. The error names that branch; a cache is refused up front (compressed state)."""
+    with pytest.raises(ppsplit.ConfigError, match="compressed_sparse_attention layers keep a compressed KV state"):
+        ppsplit.trace_model(build("deepseek_v4", device="meta"), cache=CacheConfig(1, 32))
+    with pytest.raises(ppsplit.TraceError) as err:
+        ppsplit.trace_model(build("deepseek_v4"))
+    msg = str(err.value)
+    assert "\n" not in msg and "could not keep the token count of DeepseekV4ForCausalLM dynamic" in msg, msg
+    assert "modeling_deepseek_v4.py:" in msg and "if chunk_kv.shape[1] > 0:" in msg, msg
+    assert "the model's own code, not ppsplit" in msg
