@@ -48,6 +48,7 @@ class Traced:
     batch_symbol: str  # sympy name of the batch dimension, e.g. "s0"
     tokens_symbol: str
     tied: tuple[tuple[str, str], ...]  # (alias, canonical) pairs of parameters that share storage
+    hidden_size: int = 0  # the config's, when it names one: tells the residual stream from values beside it
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
 
@@ -213,8 +214,16 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         batch_symbol=b_sym,
         tokens_symbol=t_sym,
         tied=tied,
+        hidden_size=_hidden_size(model),
         **_generation_ids(model),
     )
+
+
+def _hidden_size(model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(config, "hidden_size", 0)
+    return size if isinstance(size, int) else 0
 
 
 def _export(wrapper, ids, positions, batch, tokens):
