@@ -232,3 +232,34 @@ def test_zamba2_shared_block_reads_the_embedding_on_every_stage():
         torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=0)
         for slot, tap in enumerate((1, 3)):
             torch.testing.assert_close(aux[slot], ref.hidden_states[tap], atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+def test_captured_stages_with_carries_and_replicas_equal_eager_on_gpu(ids):
+    """bf16 on one GPU: per-layer inputs and shared keys and values carried, a cache replica on stage 1; the CUDA
+    graphs replay the same greedy tokens as the eager stages, and the logits stay close."""
+    model = gemma4(num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 3)
+    model = model.to("cuda", torch.bfloat16)
+    split = ppsplit.split_model(model, 2, aux=list(TAPS), cache=CacheConfig(2, 32), balance=[4, 2])
+    assert split.plan.replicas and any(c.token_dim == 2 for c in split.plan.carries)
+    prompt = ids.cuda()
+    eager = split.generate(prompt, 8)
+    split.reset_cache()
+    split.capture(2, [prompt.shape[1], 1])
+    assert torch.equal(split.generate(prompt, 8), eager)
+
+
+@pytest.mark.gpu
+def test_nccl_two_gpus_carry_per_layer_inputs_and_shared_kv(ids, tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    model = gemma4(num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"] * 3)
+    model.save_pretrained(tmp_path / "ckpt")
+    folder = ppsplit.compile_model(str(tmp_path / "ckpt"), str(tmp_path / "pp2"), pp=2, aux=list(TAPS),
+                                   cache=CacheConfig(2, 32), balance=[4, 2])
+    for cuda_graphs in (False, True):
+        res = launch(2, generate, folder, [ids], 8, False, cuda_graphs, timeout=60, deadline=150, backend="nccl")
+        assert res[0][0] == res[1][0] == "ok", res
+        (first, again), _ = res[0][1]
+        expected = ppsplit.load(folder, ["cuda:0", "cuda:0"]).generate(ids.cuda(), 8).cpu()
+        assert torch.equal(first[0], expected) and torch.equal(again[0], expected), cuda_graphs
