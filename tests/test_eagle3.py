@@ -569,3 +569,12 @@ def test_inductor_compiled_drafter_captures_and_drafts_like_its_eager_run(tmp_pa
     replayed, _ = drafter.draft(aux, tokens, positions, 2, 3)
     drafter.graphs.clear()
     assert torch.equal(replayed, drafter.draft(aux, tokens, positions, 2, 3)[0])
+
+
+def test_load_drafter_compile_hands_the_forward_to_inductor(tmp_path):
+    # What compile=True does (its numbers are checked on the GPU above): nn.Module.compile, nothing run here.
+    model, graph = traced("llama")
+    split = ppsplit.split_model(graph, 2, aux=TAPS)
+    folder, _, _ = drafter_on_disk(tmp_path, model, "safetensors")
+    assert ppsplit.load_drafter(folder, split=split)._compiled_call_impl is None
+    assert ppsplit.load_drafter(folder, split=split, compile=True)._compiled_call_impl is not None
