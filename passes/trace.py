@@ -76,16 +76,24 @@ class _Traceable(torch.nn.Module):
             self.add_module(CACHE_PREFIX, torch.nn.Module())
             self.kv_cache = getattr(self, CACHE_PREFIX)
             device = module_device(model)
-            for i, (k_shape, v_shape, dtype) in self._record_kv_shapes(device).items():
+            for i, cache_layer in self._record_kv_shapes(device).items():
                 layer = torch.nn.Module()
-                layer.register_buffer("keys", torch.zeros(cache.batch_size, k_shape[0], cache.max_len, *k_shape[1:],
-                                                          dtype=dtype, device=device), persistent=False)
-                layer.register_buffer("values", torch.zeros(cache.batch_size, v_shape[0], cache.max_len, *v_shape[1:],
-                                                            dtype=dtype, device=device), persistent=False)
+                if cache_layer.shapes is not None:
+                    k_shape, v_shape, dtype = cache_layer.shapes
+                    layer.register_buffer("keys", torch.zeros(cache.batch_size, k_shape[0], cache.max_len,
+                                                              *k_shape[1:], dtype=dtype, device=device), persistent=False)
+                    layer.register_buffer("values", torch.zeros(cache.batch_size, v_shape[0], cache.max_len,
+                                                                *v_shape[1:], dtype=dtype, device=device),
+                                          persistent=False)
+                if cache_layer.conv_shape is not None:
+                    channels, _, dtype = cache_layer.conv_shape
+                    layer.register_buffer("conv_inputs", torch.zeros(cache.batch_size, channels, cache.max_len,
+                                                                     dtype=dtype, device=device), persistent=False)
                 self.kv_cache.add_module(str(i), layer)
 
     def _record_kv_shapes(self, device) -> dict:
-        """Run one token through the model with a recording cache to learn each layer's K/V heads, dims, dtype."""
+        """Run one token through the model with a recording cache to learn each layer's K/V heads, dims, dtype (or
+        its short convolution's channels): the cache layers that recorded something, by layer index."""
         self.kv.recording = True
         self.kv.positions = torch.zeros(1, dtype=torch.long, device=device)
         kwargs = {"position_ids": self.kv.positions[None]} if self._pass_positions else {}
@@ -95,7 +103,8 @@ class _Traceable(torch.nn.Module):
                        **{self._cache_kw: self.kv}, **kwargs)
         finally:
             self.kv.recording = False
-        shapes = {i: layer.shapes for i, layer in enumerate(self.kv.layers) if layer.shapes is not None}
+        shapes = {i: layer for i, layer in enumerate(self.kv.layers)
+                  if layer.shapes is not None or layer.conv_shape is not None}
         if not shapes:
             raise ConfigError(f"{type(self.m).__name__} wrote nothing into the cache it was given, so ppsplit cannot "
                               "give its stages a KV cache; split it without cache=")
@@ -109,7 +118,7 @@ class _Traceable(torch.nn.Module):
             kwargs["use_cache"] = self.kv is not None
         if self.kv is not None:
             # Bind the buffers on every call: export swaps module buffers for traced stand-ins.
-            self.kv.bind({int(i): (layer.keys, layer.values) for i, layer in self.kv_cache.named_children()})
+            self.kv.bind({int(i): dict(layer.named_buffers()) for i, layer in self.kv_cache.named_children()})
             self.kv.positions = positions
             kwargs[self._cache_kw] = self.kv
             if self._pass_mask:
