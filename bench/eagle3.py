@@ -121,6 +121,7 @@ def main():
     ap.add_argument("--acceptance", default=f"1.0,2.0,3.0,{TEST_ACCEPTANCE}",
                     help="mean acceptance lengths (tokens per verify pass) to plug into the tokens/s estimate")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens of the real generate loop")
+    ap.add_argument("--compile", action="store_true", help="also time the draft step compiled by Inductor")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
     k = args.k
@@ -159,6 +160,9 @@ def main():
         tok = torch.randint(0, 1000, (b, 1), device=device)
         pos1 = torch.tensor([POSITION], device=device)
         fns["draft step (own output, T=1)"] = graphed(lambda: drafter.step(hid, tok, pos1), device)
+        if args.compile:  # the same step with Inductor fusing its norms, rotary, cat and adds, captured the same way
+            step = torch.compile(drafter.step, dynamic=False)
+            fns["draft step, Inductor (T=1)"] = graphed(lambda: step(hid, tok, pos1), device)
         aux_w = torch.randn(split.plan.n_slots, b, k + 1, h, device=device, dtype=torch.bfloat16)
         tok_w = torch.randint(0, 1000, (b, k + 1), device=device)
         pos_w = torch.arange(POSITION, POSITION + k + 1, device=device)

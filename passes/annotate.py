@@ -15,8 +15,10 @@ Facts written:
 Facts about the whole graph come back in the typed result, ``Annotated``:
 
 - ``cuts``: for each tap id ``j`` in ``[0, L]``, the names of the token values crossing the cut right before
-  layer ``j`` (for ``j = L``: between the last layer and the head). Exactly one value, the residual stream,
-  crosses each cut in a well-formed decoder.
+  layer ``j`` (for ``j = L``: between the last layer and the head). In most decoders exactly one value, the
+  residual stream, crosses each cut; some read more (Gemma 4's per-layer inputs, made once from the tokens).
+- ``residuals``: for each cut, the residual stream among its values: the only one, else the one shaped
+  ``[B, T, hidden_size]`` that the next layer reads, computed last (``None`` when no value or several tie).
 - ``costs``: parameter counts and bytes of the embedding, each layer, and the head.
 """
 from __future__ import annotations
@@ -99,6 +101,7 @@ class Annotated:
     layers: LayerStack
     cuts: dict[int, tuple[str, ...]]
     costs: ModelCosts
+    residuals: dict[int, str | None]  # cut j -> the residual stream among cuts[j]
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -164,8 +167,67 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
                 base.meta["ppsplit.region"] = region
 
     graph.lint()
-    return Annotated(traced=traced, layers=stack, cuts=_cuts(nodes, num_layers, head_region),
-                     costs=_costs(gm, nodes, num_layers, head_region))
+    cuts = _cuts(nodes, num_layers, head_region)
+    by_name = {n.name: n for n in nodes}
+    residuals = {j: _residual([by_name[name] for name in names], traced, 2 * j + 1 if j < num_layers else head_region)
+                 for j, names in cuts.items()}
+    return Annotated(traced=traced, layers=stack, cuts=cuts, costs=_costs(gm, nodes, num_layers, head_region),
+                     residuals=residuals)
+
+
+def per_token_shape(node: fx.Node, traced: Traced) -> tuple | None:
+    """``shape[2:]`` when ``node``'s value is a tensor shaped ``[B, T, ...]`` (the traced batch and token
+    count), else ``None``."""
+    layout = per_token_layout(node, traced)
+    return layout[1] if layout is not None and layout[0] == 1 else None
+
+
+def per_token_layout(node: fx.Node, traced: Traced) -> tuple[int, tuple] | None:
+    """``(token_dim, other dims)`` when ``node``'s value is a tensor with the batch first and the token count at
+    ``token_dim`` (``[B, T, ...]``, or ``[B, heads, T, dim]`` as attention keeps keys and values), else ``None``."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or not _is_symbol(val.shape[0], traced.batch_symbol):
+        return None
+    dims = [d for d in range(1, val.dim()) if _is_symbol(val.shape[d], traced.tokens_symbol)]
+    if len(dims) != 1:
+        return None
+    return dims[0], tuple(s for d, s in enumerate(val.shape) if d not in (0, dims[0]))
+
+
+def _is_symbol(dim, symbol: str) -> bool:
+    return isinstance(dim, torch.SymInt) and str(dim.node.expr) == symbol if symbol else isinstance(dim, int)
+
+
+def residual_message(annotated: "Annotated", j: int) -> str:
+    """Why cut ``j`` has no residual stream ppsplit can tell apart (for a ``CrossingError``)."""
+    names = annotated.cuts[j]
+    where = f"decoder layer {j}" if j < annotated.layers.num_layers else "the head"
+    if not names:
+        return (f"no token-dependent value enters {where}; the model's layers do not form a residual stream "
+                "ppsplit can cut")
+    by_name = {n.name: n for n in annotated.gm.graph.nodes}
+    detail = "; ".join(by_name[n].format_node() for n in names)
+    hidden = annotated.traced.hidden_size
+    rule = (f"the one value shaped [batch, tokens, {hidden}] that the layer reads, computed last" if hidden else
+            "the model's config names no hidden_size to tell it by")
+    return (f"{len(names)} token-dependent values enter {where} and ppsplit cannot tell which is the residual "
+            f"stream ({rule}): {detail}. Choose other stage boundaries or aux ids, or report the model")
+
+
+def _residual(values: list[fx.Node], traced: Traced, reader: int) -> str | None:
+    """The residual stream among the values crossing one cut (see ``Annotated.residuals``): the only value, else
+    of those shaped ``[B, T, hidden_size]``, the ones that the next layer (region ``reader``) reads, and of those
+    the one computed last."""
+    if len(values) == 1:
+        return values[0].name
+    hidden = [v for v in values if traced.hidden_size and per_token_shape(v, traced) == (traced.hidden_size,)
+              and v.meta["val"].is_floating_point()]
+    read = [v for v in hidden if any(u.meta.get("ppsplit.region") == reader for u in v.users)]
+    if not read:
+        return None
+    latest = max(v.meta["ppsplit.region"] for v in read)
+    last = [v for v in read if v.meta["ppsplit.region"] == latest]
+    return last[0].name if len(last) == 1 else None
 
 
 def _is_size(node: fx.Node) -> bool:
@@ -251,12 +313,13 @@ def mutated_bases(node: fx.Node) -> list[fx.Node]:
 
 def view_base(node: fx.Node) -> fx.Node:
     """Follow view ops (select, slice, view, transpose, ...) back to the tensor that owns the storage."""
-    while node.op == "call_function" and _is_view(node) and isinstance(node.args[0], fx.Node):
+    while node.op == "call_function" and is_view(node) and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
 
-def _is_view(node: fx.Node) -> bool:
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` returns a view of its first argument (select, slice, view, transpose, ...)."""
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.returns or not schema.arguments:
         return False

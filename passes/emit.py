@@ -1,5 +1,9 @@
 """Pass 7, emit: one ``fx.GraphModule`` per stage, ``y, aux = stage(x, positions, aux)``.
 
+When the plan carries values beside the residual stream, stage ``k > 0`` unpacks them from ``x``
+(``[B, T, plan.width(k)]``: the hidden state, then each carried value's bytes) and every stage but the last packs
+the ones the next stage receives into ``y`` the same way; a value only relayed is copied from ``x`` as it came.
+
 A stage's graph is everything its outputs and side effects need, walking back from them and stopping at the
 stage inputs: its home nodes, plus recomputed copies of the token-independent values it reads (positions,
 rotary cos/sin, masks). Every shape read from ``input_ids`` is re-read from the stage's own inputs, and every
@@ -18,6 +22,9 @@ from ppsplit.passes.annotate import SHAPE_OPS, mutated_bases
 from ppsplit.passes.fuse import Fused
 from ppsplit.passes.taps import Tapped
 from ppsplit.plan import SplitPlan
+from ppsplit.tensors import DTYPES
+
+aten = torch.ops.aten
 
 
 def emit(rewritten: Tapped | Fused, plan: SplitPlan) -> list[fx.GraphModule]:
@@ -35,31 +42,43 @@ def emit(rewritten: Tapped | Fused, plan: SplitPlan) -> list[fx.GraphModule]:
     info = rewritten.annotated.traced
     symbols = {info.batch_symbol: "batch", info.tokens_symbol: "tokens"}
 
+    carried = {c.name: by_name[c.name] for c in rewritten.carries}
     stages = []
     for s in range(plan.pp):
         x_src = input_ids if s == 0 else boundaries[s]
         y_src = output.args[0] if s == plan.pp - 1 else boundaries[s + 1]
-        inputs = {x_src, positions, aux}
-        effects = [n for n in nodes if n.meta.get("ppsplit.stage") == s and _has_effect(n)]
-        needed = _closure([y_src, *effects], inputs, symbols)
+        unpack = [(carried[c.name], c, offset) for c, offset in plan.carried(s)] if s else []
+        pack = [(carried[c.name], c) for c, _ in plan.carried(s + 1)] if s < plan.pp - 1 else []
+        inputs = {x_src, positions, aux, *(n for n, _, _ in unpack)}
+        effects = [n for n in nodes if _runs_on(n, s) and _has_effect(n)]
+        needed = _closure([y_src, *(n for n, _ in pack), *effects], inputs, symbols)
         # A write into a recomputed tensor (a mask filled in place, say) must come along with the tensor.
         while True:
-            extra = [n for n in nodes if n not in needed and _has_effect(n) and n.meta.get("ppsplit.stage", s) == s
+            extra = [n for n in nodes if n not in needed and _has_effect(n) and _runs_on(n, s, default=True)
                      and any(b in needed for b in mutated_bases(n))]
             if not extra:
                 break
             needed |= _closure(extra, inputs, symbols)
         for n in needed:
-            if n.meta.get("ppsplit.token") and n not in inputs and n.meta.get("ppsplit.stage") != s:
+            if n.meta.get("ppsplit.token") and n not in inputs and not _runs_on(n, s):
                 raise CrossingError(f"stage {s} needs {n.format_node()} from stage {n.meta.get('ppsplit.stage')}; only "
                                     "the residual stream may cross a stage boundary")
-        stage_graph = _build(sorted(needed - inputs, key=order.get), x_src, positions, aux, y_src, symbols)
+        stage_graph = _build(sorted(needed - inputs, key=order.get), x_src, positions, aux, y_src, symbols, plan,
+                             unpack, pack)
         stage = fx.GraphModule(gm, stage_graph, class_name=f"Stage{s}")
         copy_buffer_persistence(stage, gm)
         stage.meta["ppsplit.stage"] = s
         stage.meta["ppsplit.plan"] = plan
         stages.append(stage)
     return stages
+
+
+def _runs_on(node: fx.Node, stage: int, default: bool = False) -> bool:
+    """Whether ``node`` runs on ``stage``: its home, or a stage that keeps a replica of the cache it writes."""
+    home = node.meta.get("ppsplit.stage")
+    if home is None:
+        return default
+    return home == stage or stage in node.meta.get("ppsplit.replicas", ())
 
 
 def _has_effect(node: fx.Node) -> bool:
@@ -88,7 +107,8 @@ def _closure(roots: list, stop: set, symbols: dict) -> set:
     return seen
 
 
-def _build(body: list, x_src, positions, aux, y_src, symbols: dict) -> fx.Graph:
+def _build(body: list, x_src, positions, aux, y_src, symbols: dict, plan: SplitPlan, unpack: list,
+           pack: list) -> fx.Graph:
     g = fx.Graph()
     x = g.placeholder("x")
     pos = g.placeholder("positions")
@@ -100,6 +120,22 @@ def _build(body: list, x_src, positions, aux, y_src, symbols: dict) -> fx.Graph:
     device = g.call_function(getattr, (pos, "device"))
     sizes = {"batch": batch, "tokens": tokens}
     env = {x_src: x, positions: pos, aux: buf}
+    packed = {}  # carried value -> its slice of x, as it came
+    model_dtype = DTYPES[plan.dtype]
+    if unpack:
+        hidden = _slice(g, x, 0, plan.hidden_size)
+        env[x_src] = g.call_function(aten.clone.default, (hidden,), {"memory_format": torch.contiguous_format})
+        for node, carry, offset in unpack:
+            packed[node] = piece = _slice(g, x, offset, offset + carry.width)
+            value = g.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
+            if DTYPES[carry.dtype] != model_dtype:
+                value = g.call_function(aten.view.dtype, (value, DTYPES[carry.dtype]))
+            value = g.call_function(aten.view.default, (value, [batch, tokens, *carry.shape]))
+            if carry.token_dim != 1:  # back to the value's own layout, e.g. keys [B, heads, T, dim]
+                order = _token_order(carry, inverse=True)
+                value = g.call_function(aten.clone.default, (g.call_function(aten.permute.default, (value, order)),),
+                                        {"memory_format": torch.contiguous_format})
+            env[node] = value
 
     def devices(a):
         return device if isinstance(a, torch.device) else a
@@ -113,9 +149,35 @@ def _build(body: list, x_src, positions, aux, y_src, symbols: dict) -> fx.Graph:
         new.args = map_aggregate(new.args, devices)
         new.kwargs = map_aggregate(new.kwargs, devices)
         env[n] = new
-    g.output((env[y_src], buf))
-    for n in (device, tokens, batch):
-        if not n.users:
+    y = env[y_src]
+    if pack:
+        pieces = [y]
+        for node, carry in pack:
+            piece = packed.get(node)
+            if piece is None:
+                piece = env[node]
+                if carry.token_dim != 1:
+                    piece = g.call_function(aten.permute.default, (piece, _token_order(carry)))
+                piece = g.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
+                if DTYPES[carry.dtype] != model_dtype:
+                    piece = g.call_function(aten.view.dtype, (piece, model_dtype))
+                piece = g.call_function(aten.view.default, (piece, [batch, tokens, carry.width]))
+            pieces.append(piece)
+        y = g.call_function(aten.cat.default, (pieces, -1))
+    g.output((y, buf))
+    for n in reversed(list(g.nodes)):  # unpacked values (and sizes) this stage does not read
+        if n.op == "call_function" and not n.users and not _has_effect(n):
             g.erase_node(n)
     g.lint()
     return g
+
+
+def _token_order(carry, inverse: bool = False) -> list[int]:
+    """The permutation that brings a carried value's token axis to dim 1 (``inverse``: back to ``token_dim``)."""
+    rank = 2 + len(carry.shape)
+    order = [0, carry.token_dim] + [d for d in range(1, rank) if d != carry.token_dim]
+    return [order.index(d) for d in range(rank)] if inverse else order
+
+
+def _slice(g: fx.Graph, x: fx.Node, start: int, end: int) -> fx.Node:
+    return g.call_function(aten.slice.Tensor, (x, -1, start, end))

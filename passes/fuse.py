@@ -17,6 +17,7 @@ carries) and the report: per stage, how each tap is stored and how many other no
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from torch.fx.node import map_aggregate
 import ppsplit.triton_kernels  # noqa: F401  (registers torch.ops.ppsplit.*)
 from ppsplit.passes.taps import Tapped
 from ppsplit.passes.trace import module_path
-from ppsplit.plan import SplitPlan, StageFusion, TapFusion
+from ppsplit.plan import Carry, SplitPlan, StageFusion, TapFusion
 from ppsplit.triton_kernels import NORM_KINDS, norm_reference
 
 ops = torch.ops.ppsplit
@@ -42,6 +43,7 @@ class Fused:
     tapped: Tapped
     boundaries: dict[int, str]
     report: tuple[StageFusion, ...]
+    carries: tuple[Carry, ...] = ()  # the partition's, under the names of the nodes that now compute them
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -50,6 +52,10 @@ class Fused:
     @property
     def annotated(self):
         return self.tapped.annotated
+
+    @property
+    def replicas(self):
+        return self.tapped.replicas
 
 
 @dataclass
@@ -71,6 +77,7 @@ def fuse(tapped: Tapped, plan: SplitPlan, *, taps: bool = True) -> Fused:
     gm = tapped.gm
     graph = gm.graph
     boundaries = dict(tapped.boundaries)
+    carries = list(tapped.carries)
     replaced: dict[fx.Node, fx.Node] = {}  # nodes this pass rewrote -> their replacement
     report: dict[int, list[TapFusion]] = {s: [] for s in range(plan.pp)}
     counts: dict[int, int] = {s: 0 for s in range(plan.pp)}
@@ -82,6 +89,7 @@ def fuse(tapped: Tapped, plan: SplitPlan, *, taps: bool = True) -> Fused:
         for stage, name in boundaries.items():
             if name == old.name:
                 boundaries[stage] = new.name
+        carries[:] = [dataclasses.replace(c, name=new.name) if c.name == old.name else c for c in carries]
         replaced[old] = new
 
     for match in find_norms(gm, plan.hidden_size):
@@ -159,7 +167,7 @@ def fuse(tapped: Tapped, plan: SplitPlan, *, taps: bool = True) -> Fused:
     gm.recompile()
     stages = tuple(StageFusion(taps=tuple(sorted(report[s], key=lambda t: t.tap)), other_norms=counts[s])
                    for s in range(plan.pp))
-    return Fused(tapped=tapped, boundaries=boundaries, report=stages)
+    return Fused(tapped=tapped, boundaries=boundaries, report=stages, carries=tuple(carries))
 
 
 def _store_of(value: fx.Node) -> fx.Node | None:

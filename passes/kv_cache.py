@@ -7,8 +7,14 @@ cache positions of the new tokens) and attends over the whole buffer under a cau
 Nothing else is remembered between steps: there is no length counter. A rejected draft token leaves stale
 entries beyond the accepted position; the mask hides them, and the next step's ``positions`` overwrite them.
 
+A short convolution (LFM2's ``conv`` layers) keeps its inputs the same way, ``kv_cache.<layer>.conv_inputs`` of
+``[batch_size, channels, max_len]``, written at ``positions``; each step reads back the window the convolution needs
+(the ``kernel - 1`` inputs before its first token, zeros before position 0). Its state is therefore addressed by
+position too: a verify pass's rejected drafts are overwritten like their keys, and prefill, decode and verify are
+one graph.
+
 The layer classes plug into Hugging Face's ``Cache`` interface (``update``, ``get_mask_sizes``,
-``get_query_offset``), so the model's own attention and mask code run unchanged.
+``get_query_offset``, ``get_conv_state`` / ``update_conv_state``), so the model's own code runs unchanged.
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ class _PositionedLayer(StaticLayer):
         super().__init__(max_cache_len=max_cache_len)
         self.owner = owner
         self.shapes: tuple | None = None  # ((kv_heads, k_dim), (kv_heads, v_dim), dtype) seen by a recording run
+        self.conv_shape: tuple | None = None  # (channels, kernel, dtype) of a short convolution, seen the same way
+        self.conv_inputs: torch.Tensor | None = None
         self.indexer_shape: tuple | None = None  # ((index_head_dim,), dtype) of the indexer keys, if the layer has one
         self.indexer_keys: torch.Tensor | None = None
 
@@ -43,6 +51,20 @@ class _PositionedLayer(StaticLayer):
         keys = self.keys[:batch].index_copy_(2, positions, key_states)
         values = self.values[:batch].index_copy_(2, positions, value_states)
         return keys, values
+
+    def update_conv_state(self, conv_states: torch.Tensor, kernel: int) -> torch.Tensor:
+        """Write a short convolution's new inputs ``[B, C, T]`` at ``positions`` and return the window
+        ``[B, C, kernel - 1 + T]`` it convolves: the inputs at the ``kernel - 1`` positions before the first new
+        token (zeros before position 0), then the new ones."""
+        if self.owner.recording:
+            self.conv_shape = (conv_states.shape[1], kernel, conv_states.dtype)
+            return conv_states
+        positions = self.owner.positions
+        inputs = self.conv_inputs[:conv_states.shape[0]].index_copy_(2, positions, conv_states)
+        before = positions[:1] - torch.arange(kernel - 1, 0, -1, device=positions.device)
+        where = torch.cat([before, positions])
+        window = inputs.index_select(2, where.clamp(min=0))
+        return window * (where >= 0).to(window.dtype)
 
     def update_indexer(self, indexer_key_states):
         """Indexer keys ``[B, T, D]`` are per token position like K/V: written at ``positions``, the whole buffer
@@ -103,12 +125,28 @@ class PositionedCache(Cache):
     def get_query_offset(self, layer_idx: int = 0):
         return self.layers[layer_idx].get_seq_length()
 
-    def bind(self, tensors: dict[int, tuple[torch.Tensor, ...]]) -> None:
-        """Point each layer at its buffers: ``(keys, values)`` or ``(keys, values, indexer_keys)``."""
-        for i, (keys, values, *indexer) in tensors.items():
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        # No separate decode state: the model then takes the path that asks update_conv_state for its window, the
+        # same for one token and for many (HF's one-token branch would make decode a different graph).
+        return None
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        if state_idx or conv_kernel_size is None:
+            raise NotImplementedError("ppsplit's cache holds one short-convolution state per layer, of a known kernel")
+        return self.layers[layer_idx].update_conv_state(conv_states, conv_kernel_size)
+
+    def bind(self, tensors: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Point each layer at its buffers (``keys`` and ``values``, ``indexer_keys``, or ``conv_inputs``) by layer
+        index."""
+        for i, named in tensors.items():
             layer = self.layers[i]
+            layer.conv_inputs = named.get("conv_inputs")
+            layer.indexer_keys = named.get("indexer_keys")
+            if "keys" not in named:
+                continue
+            keys, values = named["keys"], named["values"]
             layer.keys, layer.values = keys, values
-            layer.indexer_keys = indexer[0] if indexer else None
             layer.is_initialized = True
             layer.device = keys.device
             layer.batch_size, layer.num_heads = keys.shape[:2]

@@ -1,12 +1,15 @@
 """Pass 4, partition: give every token-dependent node its home stage, and check what crosses each boundary.
 
 Values that do not depend on the tokens (positions, rotary cos/sin, masks, weights) get no home: emit
-recomputes them on every stage that needs them. Of the token-dependent values, only the residual stream may
-cross a boundary, and only into the next stage; anything else is a ``CrossingError`` naming the node.
+recomputes them on every stage that needs them. Of the token-dependent values, the residual stream crosses
+each boundary into the next stage; any other value that a later stage reads (Gemma 4's per-layer inputs, a
+long skip from the embedding) is *carried*: packed into ``x`` after the hidden state at every boundary between
+its home and its last reader, as raw bytes in the model dtype. It must be shaped ``[B, T, ...]`` with a fixed
+per-token size that fills whole elements of the model dtype; anything else is a ``CrossingError`` naming it.
 
 The pass works on a fresh copy of the annotated graph (same tensors, same node names and facts), so one trace
 serves many splits. Facts written: ``node.meta["ppsplit.stage"]`` on token nodes; the result, ``Partitioned``,
-holds the copy and the boundaries (stage index -> name of the residual-stream node it receives).
+holds the copy, the boundaries (stage index -> name of the residual-stream node it receives) and the carries.
 """
 from __future__ import annotations
 
@@ -16,8 +19,10 @@ from torch import fx
 
 from ppsplit.errors import CrossingError
 from ppsplit.fx_utils import copy_buffer_persistence
-from ppsplit.passes.annotate import Annotated
-from ppsplit.plan import SplitPlan
+from ppsplit.fx_utils import is_cache_buffer
+from ppsplit.passes.annotate import Annotated, is_view, mutated_bases, per_token_layout, residual_message
+from ppsplit.plan import Carry, SplitPlan
+from ppsplit.tensors import DTYPES, dtype_name, nbytes
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,8 @@ class Partitioned:
     gm: fx.GraphModule
     annotated: Annotated
     boundaries: dict[int, str]  # stage s > 0 -> the residual-stream node it receives from stage s - 1
+    carries: tuple[Carry, ...] = ()  # the other values that cross, in the order x packs them
+    replicas: tuple[tuple[int, str, int], ...] = ()  # (stage, cache buffer, bytes) kept on a stage besides its home
 
 
 def stage_of_region(plan: SplitPlan, region: int) -> int:
@@ -48,31 +55,35 @@ def partition(annotated: Annotated, plan: SplitPlan) -> Partitioned:
         if node.meta.get("ppsplit.token"):
             node.meta["ppsplit.stage"] = stage_of_region(plan, node.meta["ppsplit.region"])
 
-    cuts = annotated.cuts
     by_name = {n.name: n for n in nodes}
     boundaries = {}
     for stage in plan.stages[1:]:
-        crossing = cuts[stage.start]
-        if len(crossing) != 1:
-            raise CrossingError(_cut_message(by_name, crossing, stage.start, f"the boundary into stage {stage.index}"))
-        boundaries[stage.index] = crossing[0]
+        residual = annotated.residuals[stage.start]
+        if residual is None:
+            raise CrossingError(residual_message(annotated, stage.start))
+        boundaries[stage.index] = residual
 
+    replicas = _replicate_shared_caches(gm, nodes, plan)
+    carries = []
     for node in nodes:
         home = node.meta.get("ppsplit.stage")
         if home is None:
             continue
+        present = {home, *node.meta.get("ppsplit.replicas", ())}
+        last, reader = home, None
         for user in node.users:
             there = user.meta.get("ppsplit.stage", home) if user.op != "output" else plan.pp - 1
-            if there == home:
-                continue
-            if there == home + 1 and boundaries.get(there) == node.name:
-                continue
-            raise CrossingError(
-                f"{node.format_node()} (stage {home}) is read by {user.name} on stage {there}; only the residual "
-                "stream may cross a stage boundary, into the next stage. Choose other stage boundaries or report "
-                "the model")
+            if there < home:
+                raise CrossingError(f"{node.format_node()} (stage {home}) is read by {user.name} on the earlier "
+                                    f"stage {there}; ppsplit needs layers that run in index order")
+            for stage in {there, *user.meta.get("ppsplit.replicas", ())} - present:
+                if stage > last:
+                    last, reader = stage, user
+        into = tuple(s for s in range(home + 1, last + 1) if boundaries[s] != node.name)
+        if into:
+            carries.append(_carry(node, into, reader, last, annotated, plan))
     gm.graph.lint()
-    return Partitioned(gm=gm, annotated=annotated, boundaries=boundaries)
+    return Partitioned(gm=gm, annotated=annotated, boundaries=boundaries, carries=tuple(carries), replicas=replicas)
 
 
 def _fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -84,11 +95,51 @@ def _fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return copy
 
 
-def _cut_message(by_name: dict, crossing: list[str], layer: int, what: str) -> str:
-    if not crossing:
-        return (f"no token-dependent value enters decoder layer {layer}, so {what} carries nothing; "
-                "the model's layers do not form a residual stream ppsplit can cut")
-    detail = "; ".join(by_name[c].format_node() for c in crossing)
-    return (f"{len(crossing)} token-dependent values cross {what} before decoder layer {layer}, but only the residual "
-            f"stream may: {detail}. Choose other stage boundaries or report the model")
+def _replicate_shared_caches(gm: fx.GraphModule, nodes: list[fx.Node], plan: SplitPlan) -> tuple:
+    """A layer that reads another layer's KV cache (Gemma's KV sharing) on a later stage gets a replica of that
+    cache on its own stage: the writes into it run on both stages (their new keys and values are then carried,
+    a few bytes per token), so the whole cache never crosses. Marks every node that aliases such a cache (the
+    buffer, its views, the writes) with ``meta["ppsplit.replicas"]``, the other stages that run it."""
+    for node in nodes:
+        node.meta.pop("ppsplit.replicas", None)
+    replicas = []
+    for base in nodes:
+        if base.op != "get_attr" or not is_cache_buffer(base.target) or "ppsplit.stage" not in base.meta:
+            continue
+        alias = {base}
+        for n in nodes:  # views of the cache, writes into it, and views of those (graph order: inputs first)
+            if n.op == "call_function" and ((is_view(n) and n.args[0] in alias) or base in mutated_bases(n)
+                                            or (mutated_bases(n) and n.args[0] in alias)):
+                alias.add(n)
+        home = base.meta["ppsplit.stage"]
+        far = {user.meta.get("ppsplit.stage", home) if user.op != "output" else plan.pp - 1
+               for a in alias for user in a.users if user not in alias} - {home}
+        if far:
+            for a in alias:
+                a.meta["ppsplit.replicas"] = tuple(sorted(far))
+            buf = gm.get_buffer(base.target)
+            replicas += [(s, base.target, buf.numel() * buf.element_size()) for s in sorted(far)]
+    return tuple(replicas)
 
+
+def _carry(node: fx.Node, into: tuple[int, ...], reader: fx.Node, last: int, annotated: Annotated,
+           plan: SplitPlan) -> Carry:
+    """``node`` as a value carried into the stages ``into``, or a ``CrossingError`` saying why it cannot be."""
+    layout = per_token_layout(node, annotated.traced)
+    val = node.meta.get("val")
+    why = None
+    if layout is None:
+        why = "it is not a tensor with the batch first and one dimension of tokens"
+    elif not all(isinstance(d, int) for d in layout[1]):
+        why = f"its per-token shape {list(layout[1])} is not fixed"
+    else:
+        size = nbytes(layout[1], val.dtype)
+        unit = nbytes((), DTYPES[plan.dtype])
+        if size % unit:
+            why = f"its {size} bytes per token do not fill whole {plan.dtype} elements"
+    if why:
+        raise CrossingError(f"{node.format_node()} (stage {node.meta['ppsplit.stage']}) is read by {reader.name} on "
+                            f"stage {last}, and only the residual stream or a value ppsplit can carry beside it may "
+                            f"cross a stage boundary, but {why}. Choose other stage boundaries or report the model")
+    return Carry(name=node.name, shape=tuple(int(d) for d in layout[1]), dtype=dtype_name(val.dtype), stages=into,
+                 width=size // unit, token_dim=layout[0])

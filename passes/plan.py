@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ppsplit.config import Balance, CostModel
-from ppsplit.errors import ConfigError
-from ppsplit.passes.annotate import Annotated
+from ppsplit.errors import ConfigError, CrossingError
+from ppsplit.passes.annotate import Annotated, residual_message
 from ppsplit.passes.balance import best_split, smallest_cap
 from ppsplit.passes.costs import flops_costs
 from ppsplit.plan import ModelCosts, RegionCosts, SplitPlan, StagePlan, fmt_bytes
@@ -146,7 +146,9 @@ def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Ba
     counts the graph's flops under ``cost_model``; ``balance="time"`` needs the driver's ``measured`` times."""
     gm = annotated.gm
     cut0 = gm.graph.find_nodes(op="placeholder", target="input_ids")[0]
-    hidden = next(n for n in gm.graph.nodes if n.name in annotated.cuts[0])
+    if annotated.residuals[0] is None:
+        raise CrossingError(residual_message(annotated, 0))
+    hidden = next(n for n in gm.graph.nodes if n.name == annotated.residuals[0])
     if hidden is cut0:
         raise ConfigError("the traced graph feeds input_ids straight into layer 0; ppsplit needs an embedding")
     val = hidden.meta["val"]

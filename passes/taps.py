@@ -34,6 +34,14 @@ class Tapped:
         return self.partitioned.boundaries
 
     @property
+    def carries(self):
+        return self.partitioned.carries
+
+    @property
+    def replicas(self):
+        return self.partitioned.replicas
+
+    @property
     def annotated(self):
         return self.partitioned.annotated
 
@@ -48,12 +56,13 @@ def taps(partitioned: Partitioned, plan: SplitPlan) -> Tapped:
 
     by_name = {n.name: n for n in graph.nodes}
     for slot, tap in enumerate(plan.taps):
-        crossing = partitioned.annotated.cuts[tap]
-        if len(crossing) != 1:
+        residual = partitioned.annotated.residuals[tap]
+        if residual is None:
+            names = partitioned.annotated.cuts[tap]
             where = f"decoder layer {tap}" if tap < plan.num_layers else "the head"
-            raise CrossingError(f"tap {tap} is ambiguous: {len(crossing) or 'no'} token-dependent values enter {where} "
-                                f"({', '.join(crossing) or 'none'}); choose another aux id")
-        value = by_name[crossing[0]]
+            raise CrossingError(f"tap {tap} is ambiguous: {len(names) or 'no'} token-dependent values enter {where} "
+                                f"({', '.join(names) or 'none'}) and none is the residual stream; choose another aux id")
+        value = by_name[residual]
         owner = value.meta["ppsplit.stage"]
         if owner != plan.owner(tap):
             raise CrossingError(f"tap {tap} is computed by {value.format_node()} on stage {owner}, but stage "

@@ -49,6 +49,7 @@ class Traced:
     batch_symbol: str  # sympy name of the batch dimension, e.g. "s0"
     tokens_symbol: str
     tied: tuple[tuple[str, str], ...]  # (alias, canonical) pairs of parameters that share storage
+    hidden_size: int = 0  # the config's, when it names one: tells the residual stream from values beside it
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
 
@@ -76,20 +77,28 @@ class _Traceable(torch.nn.Module):
             self.add_module(CACHE_PREFIX, torch.nn.Module())
             self.kv_cache = getattr(self, CACHE_PREFIX)
             device = module_device(model)
-            for i, (k_shape, v_shape, dtype) in self._record_kv_shapes(device).items():
+            for i, cache_layer in self._record_kv_shapes(device).items():
                 layer = torch.nn.Module()
-                layer.register_buffer("keys", torch.zeros(cache.batch_size, k_shape[0], cache.max_len, *k_shape[1:],
-                                                          dtype=dtype, device=device), persistent=False)
-                layer.register_buffer("values", torch.zeros(cache.batch_size, v_shape[0], cache.max_len, *v_shape[1:],
-                                                            dtype=dtype, device=device), persistent=False)
-                indexer = self.kv.layers[i].indexer_shape
-                if indexer is not None:  # a sparse-attention indexer's keys: [batch, max_len, index_head_dim]
-                    layer.register_buffer("indexer_keys", torch.zeros(cache.batch_size, cache.max_len, *indexer[0],
-                                                                      dtype=indexer[1], device=device), persistent=False)
+                if cache_layer.shapes is not None:
+                    k_shape, v_shape, dtype = cache_layer.shapes
+                    layer.register_buffer("keys", torch.zeros(cache.batch_size, k_shape[0], cache.max_len,
+                                                              *k_shape[1:], dtype=dtype, device=device), persistent=False)
+                    layer.register_buffer("values", torch.zeros(cache.batch_size, v_shape[0], cache.max_len,
+                                                                *v_shape[1:], dtype=dtype, device=device),
+                                          persistent=False)
+                if cache_layer.conv_shape is not None:
+                    channels, _, dtype = cache_layer.conv_shape
+                    layer.register_buffer("conv_inputs", torch.zeros(cache.batch_size, channels, cache.max_len,
+                                                                     dtype=dtype, device=device), persistent=False)
+                if cache_layer.indexer_shape is not None:  # a sparse-attention indexer's keys: [batch, max_len, dim]
+                    shape, dtype = cache_layer.indexer_shape
+                    layer.register_buffer("indexer_keys", torch.zeros(cache.batch_size, cache.max_len, *shape,
+                                                                      dtype=dtype, device=device), persistent=False)
                 self.kv_cache.add_module(str(i), layer)
 
     def _record_kv_shapes(self, device) -> dict:
-        """Run one token through the model with a recording cache to learn each layer's K/V heads, dims, dtype."""
+        """Run one token through the model with a recording cache to learn each layer's K/V heads, dims, dtype (or
+        its short convolution's channels): the cache layers that recorded something, by layer index."""
         self.kv.recording = True
         self.kv.positions = torch.zeros(1, dtype=torch.long, device=device)
         kwargs = {"position_ids": self.kv.positions[None]} if self._pass_positions else {}
@@ -99,7 +108,8 @@ class _Traceable(torch.nn.Module):
                        **{self._cache_kw: self.kv}, **kwargs)
         finally:
             self.kv.recording = False
-        shapes = {i: layer.shapes for i, layer in enumerate(self.kv.layers) if layer.shapes is not None}
+        shapes = {i: layer for i, layer in enumerate(self.kv.layers)
+                  if layer.shapes is not None or layer.conv_shape is not None}
         if not shapes:
             raise ConfigError(f"{type(self.m).__name__} wrote nothing into the cache it was given, so ppsplit cannot "
                               "give its stages a KV cache; split it without cache=")
@@ -113,8 +123,7 @@ class _Traceable(torch.nn.Module):
             kwargs["use_cache"] = self.kv is not None
         if self.kv is not None:
             # Bind the buffers on every call: export swaps module buffers for traced stand-ins.
-            self.kv.bind({int(i): (layer.keys, layer.values, *([layer.indexer_keys] if hasattr(layer, "indexer_keys") else []))
-                          for i, layer in self.kv_cache.named_children()})
+            self.kv.bind({int(i): dict(layer.named_buffers()) for i, layer in self.kv_cache.named_children()})
             self.kv.positions = positions
             kwargs[self._cache_kw] = self.kv
             if self._pass_mask:
@@ -216,8 +225,16 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         batch_symbol=b_sym,
         tokens_symbol=t_sym,
         tied=tied,
+        hidden_size=_hidden_size(model),
         **_generation_ids(model),
     )
+
+
+def _hidden_size(model: torch.nn.Module) -> int:
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(config, "hidden_size", 0)
+    return size if isinstance(size, int) else 0
 
 
 def _export_dynamic(model, wrapper, ids, positions, batch, tokens):

@@ -109,6 +109,7 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
         rewritten = fuse_kernels(rewritten, plan, taps=options.fuse == "all")
         plan = dataclasses.replace(plan, fused=rewritten.report)
     info = traced.traced
+    plan = dataclasses.replace(plan, carries=rewritten.carries, replicas=rewritten.replicas)
     stages = emit(rewritten, plan)
     if options.compile:
         from ppsplit.inductor import compile_stages

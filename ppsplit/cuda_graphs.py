@@ -40,7 +40,7 @@ class CapturedStage:
         if self.index == 0:
             self.x = torch.zeros(batch, tokens, dtype=torch.long, device=device)
         else:
-            self.x = torch.zeros(batch, tokens, plan.hidden_size, dtype=dtype, device=device)
+            self.x = torch.zeros(batch, tokens, plan.width(self.index), dtype=dtype, device=device)
         self.positions = torch.arange(tokens, device=device)
         self.aux = new_aux(plan, batch, tokens, device, fill=torch.zeros)
         self.received = plan.filled(self.index - 1) if self.index else 0

@@ -143,7 +143,7 @@ class Stats:
     wall_s: float = 0.0
     tokens: int = 0  # token positions run through this rank's stage (rows x T per item)
     bytes_sent: int = 0
-    payload_bytes: int = 0  # hidden + aux prefix only: the minimum that must cross the boundary
+    payload_bytes: int = 0  # hidden (+ values carried beside it) + aux prefix: the minimum that must cross
 
 
 class PipelineRank:
@@ -217,6 +217,7 @@ class PipelineRank:
         self.first, self.last = self.rank == 0, self.rank == self.world - 1
         self.received = plan.filled(self.rank - 1) if self.rank else 0
         self.sends = plan.filled(self.rank)
+        self.x_width = plan.width(self.rank)  # the hidden state, and any values carried beside it
         self.stats = Stats()
         self.spec_stats: list = []
         self._warm: set = set()
@@ -255,7 +256,7 @@ class PipelineRank:
             if (rows, T) in self._warm:
                 continue
             x = torch.zeros(rows, T, dtype=torch.long, device=dev) if self.first else \
-                torch.zeros(rows, T, plan.hidden_size, dtype=self.dtype, device=dev)
+                torch.zeros(rows, T, self.x_width, dtype=self.dtype, device=dev)
             aux = torch.zeros(plan.n_slots, rows, T, plan.hidden_size, dtype=self.dtype, device=dev)
             y, aux = stage(x, self._arange[:T], aux)
             y.contiguous()
@@ -370,11 +371,11 @@ class PipelineRank:
         items = [(g, lengths[g]) for g in range(groups)] + [(g, 1) for _ in range(new - 1) for g in range(groups)]
         self._warm_up(stages[0], rows, lengths if self.cuda_graphs else lengths + [1], lambda: self._greedy_ops(rows))
         self.stats = stats = Stats()
-        dev, H = self.device, self.plan.hidden_size
+        dev, H, W = self.device, self.plan.hidden_size, self.x_width
         t_max = max(lengths)
         # Receive and send buffers, two of each so that item i+1 arrives while item i runs.
         flat = [torch.empty(self.plan.n_slots * rows * t_max * H, dtype=self.dtype, device=dev) for _ in range(2)]
-        hidden = [torch.empty(rows * t_max * H, dtype=self.dtype, device=dev) for _ in range(2)]
+        hidden = [torch.empty(rows * t_max * W, dtype=self.dtype, device=dev) for _ in range(2)]
         pos_in = [torch.empty(t_max, dtype=torch.long, device=dev) for _ in range(2)]
         msgs = [torch.zeros(rows, 1 + self.width, dtype=torch.long, device=dev) for _ in range(groups)]
         pending: list[list] = [[] for _ in range(2)]  # send works still reading buffer set 0 / 1
@@ -388,7 +389,7 @@ class PipelineRank:
             slot, T = i % 2, items[i][1]
             self._wait(pending[slot], "send to", nxt, stats)
             pending[slot] = []
-            tensors = [pos_in[slot][:T], hidden[slot][: rows * T * H]]
+            tensors = [pos_in[slot][:T], hidden[slot][: rows * T * W]]
             if self.received:
                 tensors.append(aux_view(slot, T)[: self.received])
             return [self._post(dist.irecv, t, prev, "receive from") for t in tensors]
@@ -414,7 +415,7 @@ class PipelineRank:
                 pending[slot] = []
             else:
                 self._wait(recv, "receive from", prev, stats)
-                x = hidden[slot][: rows * T * H].view(rows, T, H)
+                x = hidden[slot][: rows * T * W].view(rows, T, W)
                 positions, aux = pos_in[slot][:T], aux_view(slot, T)
                 if i + 1 < len(items):
                     recv = post_recv(i + 1)
@@ -502,7 +503,7 @@ class PipelineRank:
 
             def forward(ids, positions):
                 T = ids.shape[1]
-                x = ids if self.first else torch.zeros(rows, T, H, dtype=self.dtype, device=dev)
+                x = ids if self.first else torch.zeros(rows, T, self.x_width, dtype=self.dtype, device=dev)
                 return instance(0, T)(x, positions, torch.zeros(plan.n_slots, rows, T, H, dtype=self.dtype, device=dev))
             prompt = torch.zeros(rows, min(lengths), dtype=torch.long, device=dev)
             scratch = torch.Generator(device=dev).manual_seed(0)
@@ -593,11 +594,11 @@ class PipelineRank:
     def _speculate_pipelined(self, job, loops, results, instance, use, rows: int, width: int, stats: Stats):
         from collections import deque
 
-        plan, dev, H = self.plan, self.device, self.plan.hidden_size
+        plan, dev, H, W = self.plan, self.device, self.plan.hidden_size, self.x_width
         groups = len(job["lengths"])
         t_max = max(max(job["lengths"]), width)
         flat = [torch.empty(plan.n_slots * rows * t_max * H, dtype=self.dtype, device=dev) for _ in range(2)]
-        hidden = [torch.empty(rows * t_max * H, dtype=self.dtype, device=dev) for _ in range(2)]
+        hidden = [torch.empty(rows * t_max * W, dtype=self.dtype, device=dev) for _ in range(2)]
         ctrl_in = [torch.zeros(4, dtype=torch.long, device=dev) for _ in range(2)]
         msgs = [torch.zeros(rows, 2 + width, dtype=torch.long, device=dev) for _ in range(groups)]
         pending: list[list] = [[] for _ in range(2)]  # send works still reading buffer set 0 / 1
@@ -667,12 +668,12 @@ class PipelineRank:
                     stopped += 1
                     stop_downstream(slot, ctrl)
                     continue
-                tensors = [hidden[slot][: rows * T * H]]
+                tensors = [hidden[slot][: rows * T * W]]
                 if self.received:
                     tensors.append(aux_view(slot, T)[: self.received])
                 self._wait([self._post(dist.irecv, t, prev, "receive from") for t in tensors], "receive from", prev,
                            stats)
-                x = hidden[slot][: rows * T * H].view(rows, T, H)
+                x = hidden[slot][: rows * T * W].view(rows, T, W)
                 y, aux = forward(slot, g, T, start, x, aux_view(slot, T), ctrl)
                 if not self.last:
                     continue

@@ -11,6 +11,7 @@ display depends on this: stage 0 always runs both).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -87,7 +88,7 @@ def _stages(annotated: Annotated, sizes: list[int], fuse: Fuse, attention: bool)
         cache_attention(rewritten, plan)
     if fuse != "none":
         rewritten = fuse_kernels(rewritten, plan, taps=fuse == "all")
-    return emit(rewritten, plan)
+    return emit(rewritten, dataclasses.replace(plan, carries=rewritten.carries, replicas=rewritten.replicas))
 
 
 def _steps(model: CostModel):
@@ -132,6 +133,8 @@ def _inputs(stage, batch: int, tokens: int, position: int):
         x = torch.randint(0, 100, (batch, tokens), generator=generator)
     else:
         x = torch.randn(batch, tokens, plan.hidden_size, generator=generator).to(DTYPES[plan.dtype])
+        # Values carried beside the hidden state may be indices: zeros are valid for any of them.
+        x = torch.nn.functional.pad(x, (0, plan.width(stage.meta["ppsplit.stage"]) - plan.hidden_size))
     aux = torch.zeros(plan.n_slots, batch, tokens, plan.hidden_size, dtype=DTYPES[plan.dtype])
     return x.to(device), torch.arange(position, position + tokens, device=device), aux.to(device)
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from ppsplit.config import CostModel
 
-PLAN_VERSION = 2  # 2: the fusion report is structured data (1: one text line per entry)
+_ELEMENT_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+PLAN_VERSION = 3  # 3: values carried beside the residual stream; 2: the fusion report is structured data
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,32 @@ class StageFusion:
 
 
 @dataclass(frozen=True)
+class Carry:
+    """A token-dependent value, other than the residual stream, that a later stage reads (Gemma 4's per-layer
+    inputs, say). It crosses the boundary into each stage in ``stages`` packed into ``x`` after the hidden
+    state: ``x`` is ``[B, T, plan.width(k)]`` in the model dtype, and this value takes ``width`` of those
+    elements per token (its bytes, reinterpreted), at ``plan.carried(k)``'s offset.
+
+    Example::
+
+        Carry(name="select_3", shape=(256,), dtype="bfloat16", stages=(1, 2), width=256)   # [B, T, 256]
+    """
+
+    name: str  # the traced node that computes it
+    shape: tuple[int, ...]  # per token: its dims other than the batch (first) and the tokens (at token_dim)
+    dtype: str
+    stages: tuple[int, ...]  # the stages whose input carries it
+    width: int  # elements of the model dtype per token
+    token_dim: int = 1  # where the value keeps the token axis: 1 for [B, T, ...], 2 for keys [B, heads, T, dim]
+
+    def describe(self) -> str:
+        dims = ["B", *map(str, self.shape)]
+        dims.insert(self.token_dim, "T")
+        into = ",".join(map(str, self.stages))
+        return f"{self.name} [{', '.join(dims)}] {self.dtype} into stage(s) {into}"
+
+
+@dataclass(frozen=True)
 class AttentionSite:
     """One layer's attention over the KV cache after the attention pass: replaced by ``cache_attention``
     (``detail`` names its parameters) or left as traced (``detail`` says why)."""
@@ -150,6 +177,8 @@ class SplitPlan:
     region_costs: RegionCosts | None = None  # what the stage costs were summed from (the balance policy's unit)
     cost_model: CostModel | None = None  # the workload of a flops or time balance
     max_stage_bytes: int | None = None  # the per-stage cap on weights + KV cache the split was made under
+    carries: tuple[Carry, ...] = ()  # values other than the residual stream that cross boundaries (partition)
+    replicas: tuple[tuple[int, str, int], ...] = ()  # (stage, cache buffer, bytes): another stage's cache kept too
 
     def __post_init__(self):
         if list(self.taps) != sorted(set(self.taps)) or any(not 0 <= t <= self.num_layers for t in self.taps):
@@ -197,6 +226,19 @@ class SplitPlan:
     def slots_of(self, stage: int) -> range:
         return range(self.filled(stage - 1) if stage else 0, self.filled(stage))
 
+    def carried(self, stage: int) -> list[tuple[Carry, int]]:
+        """The values stage ``stage`` receives beside the hidden state, each with its offset in ``x``'s last dim."""
+        out, offset = [], self.hidden_size
+        for c in self.carries:
+            if stage in c.stages:
+                out.append((c, offset))
+                offset += c.width
+        return out
+
+    def width(self, stage: int) -> int:
+        """The last dimension of ``x`` that stage ``stage > 0`` receives: the hidden size plus what is carried."""
+        return self.hidden_size + sum(c.width for c, _ in self.carried(stage))
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -215,6 +257,9 @@ class SplitPlan:
             d["fused"] = tuple(StageFusion(taps=tuple(TapFusion(**t) for t in f["taps"]), other_norms=f["other_norms"])
                                for f in d.get("fused", ()))
         d["attention"] = tuple(AttentionSite(**a) for a in d.get("attention", ()))
+        d["replicas"] = tuple(tuple(r) for r in d.get("replicas", ()))
+        d["carries"] = tuple(Carry(**{**c, "shape": tuple(c["shape"]), "stages": tuple(c["stages"])})
+                             for c in d.get("carries", ()))
         if d.get("costs") is not None:
             c = dict(d["costs"])
             c["layer_params"] = tuple(c["layer_params"])
@@ -268,6 +313,8 @@ class SplitPlan:
             role = "+embed" if s.index == 0 else ""
             role += "+head" if s.index == self.pp - 1 else ""
             sends = "logits" if s.index == self.pp - 1 else f"h + aux[:{self.filled(s.index)}]"
+            if s.index < self.pp - 1 and self.carried(s.index + 1):
+                sends = sends.replace("h +", f"h+{len(self.carried(s.index + 1))} +")
             cache = f"  cache {fmt_bytes(s.cache_bytes)}" if s.cache_bytes else ""
             lines.append(f"{s.index:>5}  {f'{s.start}-{s.end - 1}':>9}  {s.params:>12,}  {fmt_bytes(s.bytes):>10}  "
                          f"{s.cost:>10.4g}  {owned:<14} {sends:<12} {role}{cache}")
@@ -275,6 +322,14 @@ class SplitPlan:
                 lines.append(f"{'':>7}{line}")
             for line in self.attention_lines(s.index):
                 lines.append(f"{'':>7}{line}")
+            for stage, name, size in self.replicas:
+                if stage == s.index:
+                    lines.append(f"{'':>7}replica of {name} (a later layer shares it), {fmt_bytes(size)}")
+        if self.carries:
+            size = _ELEMENT_BYTES.get(self.dtype, 0)
+            lines.append("carried beside the residual stream (packed after h in x):")
+            for c in self.carries:
+                lines.append(f"  {c.describe()}, {size * c.width} B/token")
         if self.taps:
             lines.append(f"{'tap':>5}  {'slot':>4}  {'owner':>5}  meaning")
             for k, t in enumerate(self.taps):

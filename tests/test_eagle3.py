@@ -546,3 +546,35 @@ def test_draft_step_is_cuda_graph_capturable(tmp_path):
     drafter.graphs.clear()
     assert torch.equal(replayed, drafter.draft(aux, tokens, positions, 2, 3)[0])
     assert torch.equal(other, drafter.draft(aux.flip(1), tokens.flip(0), positions, 1, 3)[0])
+
+
+@pytest.mark.gpu
+def test_inductor_compiled_drafter_captures_and_drafts_like_its_eager_run(tmp_path):
+    """``drafter.compile(dynamic=False)`` (nn.Module.compile: Inductor fuses the norms, rotary and adds of its
+    forward); ``capture`` then records the compiled kernels: the replayed draft equals the compiled draft run
+    uncaptured, and the compiled logits stay close to the eager ones."""
+    model, graph = traced("llama")
+    split = ppsplit.split_model(graph, 2, aux=TAPS).place(["cuda", "cuda"])
+    folder, _, _ = drafter_on_disk(tmp_path, model, "safetensors")
+    drafter = ppsplit.load_drafter(folder, split=split)
+    aux = torch.randn(3, 2, 4, 64, device="cuda")
+    tokens = torch.randint(3, VOCAB, (2, 4), device="cuda")
+    positions = torch.arange(10, 14, device="cuda")
+    with torch.no_grad():
+        eager_logits, _ = drafter(aux, tokens, positions)
+        drafter.compile(dynamic=False)
+        compiled_logits, _ = drafter(aux, tokens, positions)
+    torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
+    drafter.capture(2, 3)
+    replayed, _ = drafter.draft(aux, tokens, positions, 2, 3)
+    drafter.graphs.clear()
+    assert torch.equal(replayed, drafter.draft(aux, tokens, positions, 2, 3)[0])
+
+
+def test_load_drafter_compile_hands_the_forward_to_inductor(tmp_path):
+    # What compile=True does (its numbers are checked on the GPU above): nn.Module.compile, nothing run here.
+    model, graph = traced("llama")
+    split = ppsplit.split_model(graph, 2, aux=TAPS)
+    folder, _, _ = drafter_on_disk(tmp_path, model, "safetensors")
+    assert ppsplit.load_drafter(folder, split=split)._compiled_call_impl is None
+    assert ppsplit.load_drafter(folder, split=split, compile=True)._compiled_call_impl is not None

@@ -81,7 +81,9 @@ def test_export_failure_names_the_line():
 
 def test_value_other_than_residual_crossing_is_named():
     model = ToyDecoder(skip=True)
-    with pytest.raises(CrossingError, match=r"2 token-dependent values cross the boundary into stage 1 .*%embedding"):
+    with pytest.raises(CrossingError, match=r"2 token-dependent values enter decoder layer 1 and ppsplit cannot tell "
+                                            r"which is the residual stream \(the model's config names no hidden_size"
+                                            r".*%embedding"):
         ppsplit.split_model(model, 2)
     # Without a boundary there is nothing to cross, and the toy model splits (pp=1) and runs.
     split = ppsplit.split_model(model, 1)

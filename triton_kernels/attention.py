@@ -95,6 +95,35 @@ if HAVE_TRITON:
         return tl.where(visible, (s * 1.4426950408889634).to(tl.float32), float("-inf"))
 
     @triton.jit
+    def _attend(q, k_base, v_base, skl, svl, d, dv, start, stop, qpos, slope, scale, window, softcap,
+                D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_DV: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr):
+        """Online softmax of the queries ``q`` over cache slots ``[start, stop)`` of one KV head, block by block:
+        the running row max, row sum and unnormalised output (the loop that decode and prefill share)."""
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        for n0 in range(start, stop, BLOCK_N):
+            slots = n0 + tl.arange(0, BLOCK_N)
+            in_range = slots < stop
+            k_blk = tl.load(k_base + slots[None, :].to(tl.int64) * skl + d[:, None],
+                            mask=in_range[None, :] & (d[:, None] < D), other=0.0)
+            s = _scores(q, k_blk, slots, qpos, stop, slope, scale, window, softcap, HAS_SOFTCAP, HAS_ALIBI, IEEE)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v_blk = tl.load(v_base + slots[:, None].to(tl.int64) * svl + dv[None, :],
+                            mask=in_range[:, None] & (dv[None, :] < DV), other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v_blk.dtype), v_blk, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v_blk.dtype), v_blk)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
     def _decode_kernel(Q, K, V, POS, SLOPES, SINKS, O, M_OUT, L_OUT, ACC_OUT,
                        sqb, sqh, sqt, skb, skh, skl, svb, svh, svl, sob, soh, sot,
                        T, Hkv, n_splits, scale, window, softcap,
@@ -131,27 +160,8 @@ if HAVE_TRITON:
             slope = tl.load(SLOPES + h).to(tl.float32) * 1.0
         k_base = K + b.to(tl.int64) * skb + kvh * skh
         v_base = V + b.to(tl.int64) * svb + kvh * svh
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        for n0 in range(start, stop, BLOCK_N):
-            slots = n0 + tl.arange(0, BLOCK_N)
-            in_range = slots < stop
-            k_blk = tl.load(k_base + slots[None, :].to(tl.int64) * skl + d[:, None],
-                            mask=in_range[None, :] & (d[:, None] < D), other=0.0)
-            s = _scores(q, k_blk, slots, qpos, stop, slope, scale, window, softcap, HAS_SOFTCAP, HAS_ALIBI, IEEE)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v_blk = tl.load(v_base + slots[:, None].to(tl.int64) * svl + dv[None, :],
-                            mask=in_range[:, None] & (dv[None, :] < DV), other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v_blk.dtype), v_blk, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v_blk.dtype), v_blk)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        m_i, l_i, acc = _attend(q, k_base, v_base, skl, svl, d, dv, start, stop, qpos, slope, scale, window, softcap,
+                                D, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_SOFTCAP, HAS_ALIBI, IEEE)
         # No early return: with one split the partial buffers are one-element placeholders, so the partial stores
         # must not be emitted at all (an early `return` here let a GPU build write past them).
         if DIRECT:  # one split: this program saw the whole live range, normalise and write the output
@@ -224,27 +234,8 @@ if HAVE_TRITON:
             slope = slope + tl.load(SLOPES + h).to(tl.float32)
         k_base = K + b.to(tl.int64) * skb + kvh * skh
         v_base = V + b.to(tl.int64) * svb + kvh * svh
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
-            slots = n0 + tl.arange(0, BLOCK_N)
-            in_range = slots < hi
-            k_blk = tl.load(k_base + slots[None, :].to(tl.int64) * skl + d[:, None],
-                            mask=in_range[None, :] & (d[:, None] < D), other=0.0)
-            s = _scores(q, k_blk, slots, qpos, hi, slope, scale, window, softcap, HAS_SOFTCAP, HAS_ALIBI, IEEE)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v_blk = tl.load(v_base + slots[:, None].to(tl.int64) * svl + dv[None, :],
-                            mask=in_range[:, None] & (dv[None, :] < DV), other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v_blk.dtype), v_blk, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v_blk.dtype), v_blk)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        m_i, l_i, acc = _attend(q, k_base, v_base, skl, svl, d, dv, lo, hi, qpos, slope, scale, window, softcap,
+                                D, DV, BLOCK_M, BLOCK_N, BLOCK_DV, HAS_SOFTCAP, HAS_ALIBI, IEEE)
         if HAS_SINKS:
             sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
             l_i += tl.exp2(sink - m_i)

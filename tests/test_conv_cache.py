@@ -1,0 +1,110 @@
+"""Short-convolution state in the stages' cache (LFM2's ``conv`` layers beside attention): kept per position like
+K/V, so prefill, decode and a verify pass with rejected drafts all run through the same stages. Oracles: the
+unsplit Hugging Face model (logits, ``output_hidden_states``, greedy ``generate``)."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING
+
+import ppsplit
+from ppsplit import CacheConfig
+
+V = 128
+pytestmark = pytest.mark.skipif("lfm2" not in CONFIG_MAPPING, reason="this transformers has no lfm2")
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = AutoConfig.for_model("lfm2", vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  layer_types=["conv", "full_attention"] * 3, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, V, (2, 6), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def expected(model, ids):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=10, do_sample=False)
+
+
+@pytest.fixture(scope="module")
+def cached(model):
+    return ppsplit.trace_model(model, cache=CacheConfig(2, 32))
+
+
+def test_split_with_taps_equals_hf(model, ids):
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    traced = ppsplit.trace_model(model)
+    for pp in (2, 3):
+        logits, aux = ppsplit.split_model(traced, pp, aux=[1, 2, 4])(ids)
+        torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=0)
+        for slot, tap in enumerate((1, 2, 4)):
+            torch.testing.assert_close(aux[slot], ref.hidden_states[tap], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_cached_greedy_decoding_equals_hf(cached, ids, expected, pp):
+    split = ppsplit.split_model(cached, pp, aux=[2])
+    # Every conv layer's stage holds its inputs per position; attention layers their keys and values.
+    buffers = {n for stage in split.stages for n, _ in stage.named_buffers() if n.startswith("kv_cache.")}
+    assert {f"kv_cache.{i}.conv_inputs" for i in (0, 2, 4)} <= buffers
+    assert {f"kv_cache.{i}.keys" for i in (1, 3, 5)} <= buffers
+    assert torch.equal(split.generate(ids, 10), expected)
+
+
+def test_verify_pass_with_rejected_drafts_then_decoding_equals_hf(cached, ids, expected):
+    """Prefill, one verify pass of [committed token, right draft, two wrong drafts] (the wrong ones write conv
+    inputs at positions 8 and 9), then one-token steps from position 8: the conv windows must read the accepted
+    inputs, not the rejected ones, and the tokens equal HF's greedy continuation."""
+    split = ppsplit.split_model(cached, 2)
+    split.reset_cache()
+    greedy = expected[:, 6:]
+    with torch.no_grad():
+        split(ids, torch.arange(6))
+        wrong = (greedy[:, 2:4] + 1) % V
+        window = torch.cat([greedy[:, :2], wrong], dim=1)  # positions 6..9
+        logits, _ = split(window, torch.arange(6, 10))
+        picked = logits.argmax(-1)
+        assert torch.equal(picked[:, :2], greedy[:, 1:3])  # rows 0, 1 verify: draft 1 accepted, next is greedy[2]
+        assert not torch.equal(picked[:, 2:], greedy[:, 3:5])  # rows after a wrong draft follow the wrong context
+        tokens, token = [greedy[:, :2], picked[:, 1:2]], picked[:, 1:2]
+        for position in range(8, 15):  # overwrites positions 8 and 9, which the rejected drafts wrote
+            logits, _ = split(token, torch.tensor([position]))
+            token = logits[:, -1:].argmax(-1)
+            tokens.append(token)
+    assert torch.equal(torch.cat(tokens, dim=1)[:, :10], greedy)
+
+
+def test_conv_state_survives_compile_load_and_two_processes(model, ids, expected, tmp_path):
+    from tests.dist_launch import generate, launch
+
+    model.save_pretrained(tmp_path / "ckpt")
+    folder = ppsplit.compile_model(str(tmp_path / "ckpt"), str(tmp_path / "pp2"), pp=2, cache=CacheConfig(2, 32))
+    assert torch.equal(ppsplit.load(folder).generate(ids, 10), expected)
+    results = launch(2, generate, folder, [ids], 10)
+    assert results[0][0] == results[1][0] == "ok", results
+    (first, again), _ = results[0][1]
+    assert torch.equal(first[0], expected) and torch.equal(again[0], expected)
+
+
+@pytest.mark.gpu
+def test_captured_conv_stages_equal_eager_on_gpu(model, ids):
+    import copy
+
+    split = ppsplit.split_model(copy.deepcopy(model).to("cuda", torch.bfloat16), 2, cache=CacheConfig(2, 32))
+    prompt = ids.cuda()
+    eager = split.generate(prompt, 10)
+    split.reset_cache()
+    split.capture(2, [prompt.shape[1], 1])
+    assert torch.equal(split.generate(prompt, 10), eager)
