@@ -434,7 +434,8 @@ def _alibi_candidates(gm, f: _Found, info, positions, batch: int, max_len: int) 
     found = []
     for node in f.inputs:
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.shape[-1] != max_len:
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dim() == 0 \
+                or val.shape[-1] != max_len:
             continue
         try:
             probe = _Found(k=f.k, v=f.v, q=f.q, out=node, region=[], inputs=[node], params=[], heads=f.heads)

@@ -1,5 +1,5 @@
 """Decoders beyond the core zoo that once crashed inside ppsplit: post-LayerNorm layers (openai-gpt, OPT-350m's
-layout) and data-dependent MoE routing sizes (jetmoe). Split with taps and cached greedy decoding against HF."""
+layout), a scalar input beside the attention (xglm) and data-dependent MoE routing sizes (jetmoe). Split with taps and cached greedy decoding against HF."""
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -13,6 +13,9 @@ CONFIGS = {
     "opt-post-ln": dict(model_type="opt", vocab_size=V, hidden_size=64, ffn_dim=128, num_hidden_layers=4,
                         num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64,
                         do_layer_norm_before=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # A scalar float input beside its attention (its embedding scale) once crashed the attention pass's ALiBi probe.
+    "xglm": dict(vocab_size=V, d_model=64, ffn_dim=128, num_layers=4, attention_heads=4, max_position_embeddings=64,
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "jetmoe": dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, kv_channels=16, num_local_experts=4, num_experts_per_tok=2,
                    max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2),
