@@ -17,6 +17,8 @@ _SHAPE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermedi
               index_topk=TOPK, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
               first_k_dense_replace=1, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _EXTRA = {"deepseek_v32": {}, "glm_moe_dsa": dict(indexer_types=["full"] * 4),
+          # "shared" layers have no indexer of their own: they reuse the previous layer's top-k indices
+          "glm_moe_dsa_shared": dict(indexer_types=["full", "shared", "full", "shared"]),
           "axk2": dict(n_group=None, topk_group=None, gated_norm_rank=4)}
 _MODELS: dict = {}
 
@@ -27,11 +29,12 @@ def build(model_type):
     implementation (HF's own cached and uncached forwards disagree). A constant positive part in q (a bias on
     ``q_a_proj`` feeding the indexer's non-rotary query dims) and in k (``k_norm``'s bias) keeps every score
     positive, so the selection is well defined and still data-dependent."""
-    if model_type not in CONFIG_MAPPING:
-        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
+    base = model_type.removesuffix("_shared")
+    if base not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {base}")
     if model_type not in _MODELS:
         torch.manual_seed(0)
-        config = AutoConfig.for_model(model_type, **dict(_SHAPE, **_EXTRA[model_type]))
+        config = AutoConfig.for_model(base, **dict(_SHAPE, **_EXTRA[model_type]))
         model = AutoModelForCausalLM.from_config(config).eval()
         rope = config.qk_rope_head_dim
         with torch.no_grad():
@@ -40,6 +43,8 @@ def build(model_type):
             for layer in model.model.layers:
                 attn, ix = layer.self_attn, layer.self_attn.indexer
                 attn.q_a_proj.bias[0] = 10.0
+                if ix is None:  # a "shared" layer
+                    continue
                 ix.wq_b.weight.view(ix.n_heads, ix.head_dim, -1)[:, rope:, 0] = 1.0
                 ix.k_norm.bias[rope:] = 2.0
         _MODELS[model_type] = (model, ppsplit.trace_model(model, cache=CACHE))
@@ -128,3 +133,16 @@ def test_other_indexer_models_decode_like_hf(model_type):
         expected = model.generate(ids, max_new_tokens=12, do_sample=False)
     out = ppsplit.split_model(traced, 2, aux=[1, 3]).generate(ids, 12)
     assert torch.equal(out, expected), f"{model_type}:\n{out[:, 10:]}\n{expected[:, 10:]}"
+
+
+def test_shared_indexer_top_k_is_carried_across_a_boundary():
+    """A "shared" layer reads the top-k indices its previous layer's indexer chose; cut between them, the indices
+    ([B, T, top-k] integers) are carried beside the residual stream, and decoding still equals HF."""
+    model, traced = build("glm_moe_dsa_shared")
+    ids = prompt(seed=2)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=12, do_sample=False)
+    split = ppsplit.split_model(traced, 2, balance=[1, 3])  # layer 0 (full) | layer 1 (shared) ...
+    assert [(c.shape, c.stages) for c in split.plan.carries] == [((TOPK,), (1,))]
+    assert split.plan.carries[0].dtype.startswith("int")
+    assert torch.equal(split.generate(ids, 12), expected)
