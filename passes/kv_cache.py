@@ -130,6 +130,9 @@ class PositionedCache(Cache):
         # same for one token and for many (HF's one-token branch would make decode a different graph).
         return None
 
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return False  # what transformers before 5.24 asks instead of get_conv_state, for the same choice
+
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
         if state_idx or conv_kernel_size is None:
