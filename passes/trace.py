@@ -213,7 +213,9 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     tied = tied_parameters(model)
     _untie(gm, tied)
     in_ids = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
-    b_sym, t_sym = (str(d.node.expr) if isinstance(d, torch.SymInt) else "" for d in in_ids.meta["val"].shape)
+    # A size export specialised (a Python loop over the token count, say) is a SymInt whose expression is a number.
+    b_sym, t_sym = (str(d.node.expr) if isinstance(d, torch.SymInt) and not d.node.expr.is_number else ""
+                    for d in in_ids.meta["val"].shape)
     for name, dim, sym in (("batch", batch, b_sym), ("token count", tokens, t_sym)):
         if dim is not Dim.STATIC and not sym:
             raise TraceError(f"torch.export fixed the {name} of {type(model).__name__} to the traced example instead of "
@@ -283,7 +285,7 @@ def _refuse_narrowed_sizes(model, batch, tokens, ep, stacks) -> None:
     if not narrowed:
         return
     dim, (lo, hi) = next(iter(narrowed.items()))
-    frame = export_blame.blame(ep, stacks, dim, wanted[dim])
+    frame = export_blame.blame(ep, stacks, dim, wanted[dim]) if lo != hi else None  # a fixed size has no symbol
     where = (f" at {frame.filename.rsplit('/', 2)[-1]}:{frame.lineno} `{(frame.line or '').strip()}` (the model's own "
              "code, not ppsplit)") if frame else ""
     name = ("batch", "token count")[dim]

@@ -85,3 +85,16 @@ def test_token_count_dependent_path_names_the_model_line():
     assert "\n" not in msg and "could not keep the token count of DeepseekV4ForCausalLM dynamic" in msg, msg
     assert "modeling_deepseek_v4.py:" in msg and "if chunk_kv.shape[1] > 0:" in msg, msg
     assert "the model's own code, not ppsplit" in msg
+
+
+def test_a_token_count_fixed_by_a_python_loop_is_refused_at_trace():
+    """Mamba's reference scan loops `for i in range(seq_len)` in Python: export unrolls it for the example's 8 tokens
+    and fixes the token count. That used to pass the trace and fail at the first other length (an IndexError in
+    the stage); now the trace says so."""
+    config = AutoConfig.for_model("mamba", vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4,
+                                  intermediate_size=64)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ppsplit.TraceError, match=r"could not keep the token count of MambaForCausalLM dynamic.* "
+                                                 r"would take only token counts 8\.\.8"):
+        ppsplit.trace_model(model)
