@@ -145,3 +145,14 @@ def test_checkpoint_that_does_not_match_its_config_is_refused(tmp_path, change, 
     with pytest.raises(ConfigError, match=message):
         compile_model(str(tmp_path / "m"), str(tmp_path / "out"), pp=2)
     assert not (tmp_path / "out").exists()
+
+
+def test_fp32_moe_checkpoint_compiles_with_a_cache_and_decodes(tmp_path_factory):
+    """torch's grouped_mm takes only bf16 on the meta device, where the compile traces: an fp32 MoE skeleton traces
+    its experts with transformers' batched_mm instead, and the folder decodes like from_pretrained."""
+    folder, hf = checkpoint("mixtral", tmp_path_factory)
+    out = compile_model(str(folder), str(folder.parent / "out-cache"), pp=2, cache=ppsplit.CacheConfig(2, 32))
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(ppsplit.load(out).generate(ids, 8), expected)
