@@ -61,8 +61,9 @@ def narrowed_sizes(ep: torch.export.ExportedProgram, wanted: dict[int, int | Non
     out = {}
     for dim, maximum in wanted.items():
         size = ids.meta["val"].shape[dim]
-        if not isinstance(size, torch.SymInt) or size.node.expr.is_number:  # fixed to the traced example's size
-            out[dim] = (int(size), int(size))
+        if not isinstance(size, torch.SymInt) or size.node.expr.is_number:
+            if dim == 1:  # a token count fixed to the example's; a batch fixed to the cache's rows still runs
+                out[dim] = (int(size), int(size))
             continue
         vr = ep.range_constraints.get(size.node.expr)
         if vr is None:

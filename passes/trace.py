@@ -214,8 +214,9 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     _untie(gm, tied)
     in_ids = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
     # A size export specialised (a Python loop over the token count, say) is a SymInt whose expression is a number.
-    b_sym, t_sym = (str(d.node.expr) if isinstance(d, torch.SymInt) and not d.node.expr.is_number else ""
-                    for d in in_ids.meta["val"].shape)
+    b_size, t_size = in_ids.meta["val"].shape
+    b_sym = str(b_size.node.expr) if isinstance(b_size, torch.SymInt) else ""
+    t_sym = str(t_size.node.expr) if isinstance(t_size, torch.SymInt) and not t_size.node.expr.is_number else ""
     for name, dim, sym in (("batch", batch, b_sym), ("token count", tokens, t_sym)):
         if dim is not Dim.STATIC and not sym:
             raise TraceError(f"torch.export fixed the {name} of {type(model).__name__} to the traced example instead of "
