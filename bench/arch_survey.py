@@ -97,6 +97,10 @@ OVERRIDES = {
     "mamba2": dict(num_heads=8, head_dim=16),  # num_heads * head_dim = expand * hidden
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "falcon": dict(new_decoder_architecture=False, multi_query=True),
+    "dots3_note_text": dict(head_dim=16),
+    "falcon_h1": dict(mamba_d_ssm=128),  # mamba_d_ssm = mamba_n_heads * mamba_d_head
+    "bamba": dict(attn_layer_indices=[1]),  # default: no attention layer at all, which its generate cannot cache
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # default None experts  # its sliding layers' head_dim is qk_nope + qk_rope
 }
 
 # The 34 hand-tuned configs of bench/RESULTS.md section 2 (``--zoo``), unchanged.
@@ -161,7 +165,8 @@ def shrink(defaults: dict) -> dict:
             kw[key] = 16
         elif isinstance(value, dict) and "model_type" in value or key.endswith("_config") and isinstance(value, dict):
             kw[key] = shrink(value)  # only the overrides: the sub-config class fills in the rest
-        elif old_layers and isinstance(value, (list, str)) and len(value) == old_layers and len(value) > L:
+        elif old_layers and (isinstance(value, list) or isinstance(value, str) and "pattern" in key) \
+                and len(value) == old_layers > L:
             kw[key] = _fit_list(value, old_layers)
         elif isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
                 and _INDEX_LIST.search(key) and max(value) >= L:
@@ -172,6 +177,9 @@ def shrink(defaults: dict) -> dict:
             kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)
     if "num_experts_per_tok" in defaults and defaults["num_experts_per_tok"] is None and "n_routed_experts" in kw:
         kw["num_experts_per_tok"] = 2
+    for heads, dim, expand in (("mamba_n_heads", "mamba_d_head", "mamba_expand"),):  # heads * dim = expand * hidden
+        if heads in kw and dim in kw and isinstance(defaults.get(expand), int):
+            kw[heads] = defaults[expand] * H // kw[dim]
     if "type_vocab_size" in defaults and "is_decoder" in defaults:  # BERT-family encoders as causal decoders
         kw["is_decoder"] = True
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # inside the tiny vocab, where the config sets one
@@ -204,8 +212,10 @@ def tiny_model(model_type: str, zoo: bool = False):
 
 
 def reason(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    line = next((x.strip() for x in lines if x.strip()), "")
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    line = lines[0] if lines else ""
+    if line.endswith(":") and len(lines) > 1:  # "validation error for ...:" says what only on its next line
+        line = f"{line} {lines[1]}"
     return f"{type(e).__name__}: {line}"[:200]
 
 
