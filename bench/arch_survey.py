@@ -100,6 +100,7 @@ OVERRIDES = {
     "dots3_note_text": dict(head_dim=16),
     "falcon_h1": dict(mamba_d_ssm=128),  # mamba_d_ssm = mamba_n_heads * mamba_d_head
     "bamba": dict(attn_layer_indices=[1]),  # default: no attention layer at all, which its generate cannot cache
+    "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"] * 2),  # shared-KV layers need both kinds
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # default None experts  # its sliding layers' head_dim is qk_nope + qk_rope
 }
 
