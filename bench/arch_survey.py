@@ -101,6 +101,7 @@ OVERRIDES = {
     "falcon_h1": dict(mamba_d_ssm=128),  # mamba_d_ssm = mamba_n_heads * mamba_d_head
     "bamba": dict(attn_layer_indices=[1]),  # default: no attention layer at all, which its generate cannot cache
     "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"] * 2),  # shared-KV layers need both kinds
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] * 2),  # default: all Mamba
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # default None experts  # its sliding layers' head_dim is qk_nope + qk_rope
 }
 
@@ -172,6 +173,8 @@ def shrink(defaults: dict) -> dict:
         elif isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
                 and _INDEX_LIST.search(key) and max(value) >= L:
             kw[key] = [v for v in value if v < L] or [L - 1]
+    if "head_dim" in defaults and defaults["head_dim"] is None and "num_attention_heads" in kw:
+        kw["head_dim"] = H // kw["num_attention_heads"]  # what most configs derive from None; some do not (hunyuan)
     if "kv_lora_rank" in kw:  # MLA: one latent KV per query head; head_dim is derived from the rope/nope parts
         kw.pop("head_dim", None)
         if "num_key_value_heads" in kw:
