@@ -1,26 +1,114 @@
-"""Which architectures ppsplit splits and decodes, checked against Hugging Face on tiny random models (CPU).
+"""Which decoder architectures ppsplit splits, decodes and compiles, checked against Hugging Face (CPU, tiny models).
 
-    python bench/arch_survey.py                  # every architecture below
-    python bench/arch_survey.py falcon bloom     # a few
+    python bench/arch_survey.py                        # every causal LM type the installed transformers maps
+    python bench/arch_survey.py falcon bloom gemma4_text -j 2 --timeout 120 --markdown survey.md
+    python bench/arch_survey.py --zoo                  # the 34 hand-tuned architectures of bench/RESULTS.md section 2
 
-For each: split pp=2 with taps (0, 1, L) and compare logits and taps with the unsplit model (cacheless), then
-split pp=2 with a static KV cache and compare greedy decoding (16 new tokens) with ``model.generate``.
+Model types come from ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``. Encoder-decoder configs and multimodal wrappers (a
+vision / audio sub-config, or an assistant that reads another model's hidden states) are skipped and listed with
+the reason. Each remaining type gets a tiny random fp32 model built from its config class: every size field the
+config has (hidden, layers, heads, KV heads, head_dim, FFN, vocab, experts, LoRA ranks, state sizes, per-layer
+lists, ...) is shrunk generically, with a small override table (``OVERRIDES``) where that alone is not valid.
+Then, each check independent of the others:
+
+  build    the tiny model (hidden 64, 4 layers, vocab 128) with weights perturbed by randn * 0.02
+  split    split_model(model, pp, aux=[1, 2, L-1]) for pp 2 and 3: logits and taps equal model(ids,
+           output_hidden_states=True) (max abs error < 1e-4)
+  decode   split_model(model, 2, cache=CacheConfig(2, 64)).generate(ids, 16) equals model.generate(ids,
+           max_new_tokens=16, do_sample=False) token for token
+  compile  save_pretrained, ppsplit.compile_model(ckpt, out, pp=2, cache=CacheConfig(2, 64)), ppsplit.load(out)
+           and its generate equal to Hugging Face's
+
+Each model type runs in a forked child with a timeout, so a hang or crash in one cannot stop the survey.
 """
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import re
 import sys
+import tempfile
 import time
 import traceback
 import warnings
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import ppsplit
+import ppsplit.api  # noqa: F401  imported before forking so that each child does not pay for it
+import ppsplit.loader  # noqa: F401
+import ppsplit.writer  # noqa: F401
 
 warnings.filterwarnings("ignore")
 L, H, V = 4, 64, 128
-BASE = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-EXTRA = {
+TOL = 1e-4
+NEW_TOKENS = 16
+CHECKS = ("build", "split", "decode", "compile")
+
+# Generic shrinking: every field of these names that the config has (and that is set) gets this value.
+_SIZES = [
+    (("hidden_size", "n_embd", "d_model", "embed_dim", "model_dim", "embedding_size", "word_embed_proj_dim"), H),
+    (("num_hidden_layers", "n_layer", "num_layers", "n_layers"), L),
+    (("num_attention_heads", "n_head", "num_heads", "n_heads", "attention_heads", "decoder_attention_heads",
+      "mamba_n_heads", "mamba_num_heads", "linear_num_value_heads", "index_n_heads"), 4),
+    (("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "kv_n_heads",
+      "linear_num_key_heads"), 2),
+    (("head_dim", "attention_head_dim", "kv_channels", "d_head", "head_size", "mamba_d_head", "mamba_head_dim",
+      "linear_key_head_dim", "linear_value_head_dim", "index_head_dim", "v_head_dim", "attention_head_size"), 16),
+    (("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff", "mlp_dim", "intermediate_dim",
+      "decoder_ffn_dim", "ff_intermediate_size", "dense_intermediate_size", "block_ff_dim"), 128),
+    (("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size", "moe_ffn_hidden_size",
+      "moe_shared_expert_intermediate_size", "intermediate_size_mlp", "expert_dim"), 64),
+    (("vocab_size", "vocab_size_per_layer_input"), V),
+    (("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts", "n_experts"),
+     4),
+    (("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k", "n_activated_experts",
+      "num_selected_experts"), 2),
+    (("n_group", "topk_group", "n_groups", "mamba_n_groups", "linear_n_groups"), 1),
+    (("kv_lora_rank", "q_lora_rank", "laurel_rank"), 16),
+    (("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim", "time_step_rank"), 8),
+    (("state_size", "mamba_d_state", "ssm_state_size", "hidden_size_per_layer_input"), 16),
+    (("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "max_sequence_length"), 256),
+    (("sliding_window", "attention_window"), 4),
+    (("first_k_dense_replace",), 1),
+]
+_SHRINK = {name: value for names, value in _SIZES for name in names}
+_POSITIVE_ONLY = {"n_shared_experts": 1, "num_shared_experts": 1, "moe_num_shared_experts": 1,
+                  "num_kv_shared_layers": 2}
+_DROP = {"architectures", "transformers_version", "model_type", "_name_or_path", "dtype", "torch_dtype",
+         "auto_map", "quantization_config"}
+_MULTIMODAL = {"vision_config", "audio_config", "vq_config", "audio_encoder_config", "audio_encoder", "text_encoder",
+               "vision_encoder", "speech_config"}
+_INDEX_LIST = re.compile(r"(_layers|_indices|_idxs|_layer_ids)$")
+
+# Model types that are not decoder-only text LMs, beyond what the generic rules detect.
+SKIP = {
+    "gemma4_assistant": "drafter: reads the target model's hidden states",
+    "gemma4_unified_assistant": "drafter: reads the target model's hidden states",
+    "fuyu": "multimodal wrapper: image patches through its causal LM (text part is persimmon)",
+}
+
+# Per-architecture overrides where the generic rule cannot make a valid config.
+OVERRIDES = {
+    "mamba2": dict(num_heads=8, head_dim=16),  # num_heads * head_dim = expand * hidden
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "falcon": dict(new_decoder_architecture=False, multi_query=True),
+    "dots3_note_text": dict(head_dim=16),
+    "falcon_h1": dict(mamba_d_ssm=128),  # mamba_d_ssm = mamba_n_heads * mamba_d_head
+    "bamba": dict(attn_layer_indices=[1]),  # default: no attention layer at all, which its generate cannot cache
+    "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"] * 2),  # shared-KV layers need both kinds
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] * 2),  # default: all Mamba
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # default None experts  # its sliding layers' head_dim is qk_nope + qk_rope
+}
+
+# The 34 hand-tuned configs of bench/RESULTS.md section 2 (``--zoo``), unchanged.
+ZOO_BASE = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+ZOO = {
     "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": dict(head_dim=16), "gemma": dict(head_dim=16),
     "gemma2": dict(head_dim=16, sliding_window=4), "gemma3_text": dict(head_dim=16, sliding_window=4),
     "phi3": {}, "phi": {}, "gpt2": dict(n_embd=H, n_layer=L, n_head=4, n_positions=256),
@@ -38,52 +126,291 @@ EXTRA = {
 }
 
 
-def tiny(arch):
+def skip_reason(model_type: str) -> str | None:
+    """Why ``model_type`` is not surveyed (None: it is)."""
+    if model_type in SKIP:
+        return SKIP[model_type]
+    cls = CONFIG_MAPPING[model_type]
+    multimodal = sorted(set(getattr(cls, "sub_configs", None) or {}) & _MULTIMODAL)
+    if multimodal:
+        return f"multimodal wrapper ({MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}: {', '.join(multimodal)})"
+    try:
+        if cls().is_encoder_decoder:
+            return f"encoder-decoder (its {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]} is the cross-attending decoder)"
+    except Exception:  # a config that cannot be built with defaults is reported by the build check
+        pass
+    return None
+
+
+def _fit_list(values, old_layers: int):
+    """A per-layer list (or pattern string) of ``old_layers`` entries cut to ``L``, keeping every kind it had."""
+    out = list(values[:L])
+    missing = [kind for kind in dict.fromkeys(values) if kind not in out]
+    for i, kind in enumerate(missing[:L - 1]):  # a trimmed hybrid pattern keeps its rarer layer kinds at the end
+        out[L - 1 - i] = kind
+    return "".join(out) if isinstance(values, str) else out
+
+
+def shrink(defaults: dict) -> dict:
+    """Overrides that make a config with these default fields tiny (recursing into nested sub-config dicts)."""
+    old_layers = next((defaults[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+                       if isinstance(defaults.get(k), int)), None)
+    kw = {}
+    for key, value in defaults.items():
+        if key in _DROP:
+            continue
+        if key in _SHRINK and isinstance(value, int) and not isinstance(value, bool):
+            kw[key] = _SHRINK[key]
+        elif key in _POSITIVE_ONLY and isinstance(value, int) and value > 0:
+            kw[key] = _POSITIVE_ONLY[key]
+        elif key.endswith("lora_rank") and isinstance(value, int) and value > 0:
+            kw[key] = 16
+        elif isinstance(value, dict) and "model_type" in value or key.endswith("_config") and isinstance(value, dict):
+            kw[key] = shrink(value)  # only the overrides: the sub-config class fills in the rest
+        elif old_layers and (isinstance(value, list) or isinstance(value, str) and "pattern" in key) \
+                and len(value) == old_layers > L:
+            kw[key] = _fit_list(value, old_layers)
+        elif isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
+                and _INDEX_LIST.search(key) and max(value) >= L:
+            kw[key] = [v for v in value if v < L] or [L - 1]
+    if "head_dim" in defaults and defaults["head_dim"] is None and "num_attention_heads" in kw:
+        kw["head_dim"] = H // kw["num_attention_heads"]  # what most configs derive from None; some do not (hunyuan)
+    if "kv_lora_rank" in kw:  # MLA: one latent KV per query head; head_dim is derived from the rope/nope parts
+        kw.pop("head_dim", None)
+        if "num_key_value_heads" in kw:
+            kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)
+    if "num_experts_per_tok" in defaults and defaults["num_experts_per_tok"] is None and "n_routed_experts" in kw:
+        kw["num_experts_per_tok"] = 2
+    for heads, dim, expand in (("mamba_n_heads", "mamba_d_head", "mamba_expand"),):  # heads * dim = expand * hidden
+        if heads in kw and dim in kw and isinstance(defaults.get(expand), int):
+            kw[heads] = defaults[expand] * H // kw[dim]
+    if "type_vocab_size" in defaults and "is_decoder" in defaults:  # BERT-family encoders as causal decoders
+        kw["is_decoder"] = True
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # inside the tiny vocab, where the config sets one
+        if isinstance(defaults.get(key), int):
+            kw[key] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[key]
+    return kw
+
+
+def tiny_config(model_type: str, zoo: bool = False):
+    if zoo:
+        return AutoConfig.for_model(model_type, **{**ZOO_BASE, **ZOO[model_type]})
+    cls = CONFIG_MAPPING[model_type]
+    kw = shrink(cls().to_dict())
+    kw.update(OVERRIDES.get(model_type, {}))
+    return cls(**kw)
+
+
+def tiny_model(model_type: str, zoo: bool = False):
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(arch, **{**BASE, **EXTRA[arch]})
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
+    cfg = tiny_config(model_type, zoo)
+    with torch.device("meta"):  # refuse a config the rules did not shrink before allocating gigabytes
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    if params > 20_000_000:
+        raise RuntimeError(f"config not shrunk: {params / 1e6:.0f}M parameters")
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():  # random init leaves norms and biases at 0 or 1: make every weight matter
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     return model
 
 
-def check(arch):
-    model = tiny(arch)
-    n = ppsplit.passes.annotate.find_layers(model).num_layers
+def reason(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    line = lines[0] if lines else ""
+    if line.endswith(":") and len(lines) > 1:  # "validation error for ...:" says what only on its next line
+        line = f"{line} {lines[1]}"
+    return f"{type(e).__name__}: {line}"[:200]
+
+
+def _run_checks(model_type: str, zoo: bool, send):
+    """The four checks; ``send(check, status)`` after each, so a timeout later keeps what is known."""
+    torch.manual_seed(1)
     ids = torch.randint(3, V, (2, 9))
-    with torch.no_grad():
-        ref = model(ids, output_hidden_states=True)
-    split = ppsplit.split_model(model, 2, aux=[0, 1, n - 1])
-    with torch.no_grad():
-        logits, aux = split(ids)
-    err = max((logits - ref.logits).abs().max().item(),
-              *((aux[k] - ref.hidden_states[t]).abs().max().item() for k, t in enumerate((0, 1, n - 1))))
-    split_ok = "ok" if err < 1e-4 else f"MISMATCH {err:.1e}"
+    try:  # a config the shrinking rules made invalid fails here, in Hugging Face's own forward
+        model = tiny_model(model_type, zoo)
+        with torch.no_grad():
+            ref = model(ids, output_hidden_states=True)
+    except Exception as e:
+        send("build", reason(e))
+        for check in CHECKS[1:]:
+            send(check, "-")
+        return
+    send("build", "ok")
+    try:
+        n = ppsplit.passes.annotate.find_layers(model).num_layers
+        taps = [1, 2, n - 1]
+        statuses = []
+        for pp in (2, 3):
+            try:
+                split = ppsplit.split_model(model, pp, aux=taps)
+                with torch.no_grad():
+                    logits, aux = split(ids)
+                err = max((logits - ref.logits).abs().max().item(),
+                          *((aux[k] - ref.hidden_states[t]).abs().max().item() for k, t in enumerate(taps)))
+                statuses.append("ok" if err < TOL else f"pp={pp}: mismatch, max abs error {err:.1e}")
+            except Exception as e:
+                statuses.append(f"pp={pp}: {reason(e)}")
+        bad = [s for s in statuses if s != "ok"]
+        send("split", "ok" if not bad else bad[0] if len(bad) == 1 or bad[0][6:] != bad[1][6:] else
+             "pp=2,3" + bad[0][4:])
+    except Exception as e:
+        send("split", reason(e))
+    try:
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    except Exception as e:
+        send("decode", f"HF generate: {reason(e)}")
+        send("compile", "- (no HF generate to compare)")
+        return
+
+    def compare(got):
+        if got.shape != expected.shape:
+            return f"mismatch: shape {tuple(got.shape)} != HF {tuple(expected.shape)}"
+        if torch.equal(got, expected):
+            return "ok"
+        return f"mismatch at token {int((got != expected).any(0).nonzero()[0]) - ids.shape[1]}"
+
     try:
         cached = ppsplit.split_model(model, 2, cache=ppsplit.CacheConfig(2, 64))
-        with torch.no_grad():
-            expected = model.generate(ids, max_new_tokens=16, do_sample=False)
-        got = cached.generate(ids, 16)
-        decode_ok = "ok" if torch.equal(got, expected) else f"MISMATCH at token {int((got != expected).any(0).nonzero()[0])}"
+        send("decode", compare(cached.generate(ids, NEW_TOKENS)))
     except Exception as e:
-        decode_ok = f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    return split_ok, decode_ok
+        send("decode", reason(e))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(os.path.join(tmp, "ckpt"))
+            folder = ppsplit.compile_model(os.path.join(tmp, "ckpt"), os.path.join(tmp, "pp2"), pp=2,
+                                           cache=ppsplit.CacheConfig(2, 64))
+            send("compile", compare(ppsplit.load(folder).generate(ids, NEW_TOKENS)))
+    except Exception as e:
+        send("compile", reason(e))
+
+
+def _child(model_type: str, zoo: bool, conn, verbose: bool):
+    torch.set_num_threads(1)
+    if not verbose:  # Hugging Face and torch warnings would drown the table
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    try:
+        _run_checks(model_type, zoo, lambda check, status: conn.send((check, status)))
+    except BaseException as e:
+        if verbose:
+            traceback.print_exc()
+        conn.send(("error", reason(e)))
+    conn.close()
+    os._exit(0)  # skip interpreter teardown: exit handlers inherited through fork can hang a child
+
+
+def survey(model_types, zoo, jobs, timeout, verbose, report):
+    """Run each model type in its own forked child, ``jobs`` at a time; ``report(type, statuses, seconds)``."""
+    ctx = mp.get_context("fork")
+    pending, running = list(model_types), {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            model_type = pending.pop(0)
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, args=(model_type, zoo, send, verbose), daemon=True)
+            proc.start()
+            send.close()
+            running[model_type] = (proc, recv, {}, time.monotonic())
+        time.sleep(0.05)
+        for model_type, (proc, recv, statuses, start) in list(running.items()):
+            eof = False
+            try:
+                while recv.poll():
+                    check, status = recv.recv()
+                    statuses[check] = status
+            except (EOFError, OSError):  # the child exited (or died) and everything it sent has been read
+                eof = True
+            elapsed = time.monotonic() - start
+            done = eof or all(c in statuses for c in CHECKS)
+            if not done and elapsed < timeout:
+                continue
+            if done and proc.is_alive():
+                proc.kill()
+                proc.join()
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+                note = f"timeout after {timeout:.0f}s"
+            else:
+                proc.join()
+                note = statuses.pop("error", None) or (f"child died (exit code {proc.exitcode})"
+                                                       if proc.exitcode else "no result")
+            missing = [check for check in CHECKS if check not in statuses]
+            for check in missing:
+                statuses[check] = note if check == missing[0] else "-"
+            recv.close()
+            del running[model_type]
+            report(model_type, statuses, elapsed)
 
 
 def main():
-    archs = [a for a in sys.argv[1:] if not a.startswith("-")] or list(EXTRA)
-    print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}")
-    print(f"{'arch':<13} {'split (pp=2, taps)':<22} decode (pp=2, static cache, 16 tokens)")
-    for arch in archs:
-        start = time.perf_counter()
-        try:
-            split_ok, decode_ok = check(arch)
-        except Exception as e:
-            split_ok, decode_ok = f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:150]}", "-"
-            if "-v" in sys.argv:
-                traceback.print_exc()
-        print(f"{arch:<13} {split_ok:<22} {decode_ok}  ({time.perf_counter() - start:.0f}s)", flush=True)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("types", nargs="*", help="model types (default: all, or the zoo with --zoo)")
+    parser.add_argument("--zoo", action="store_true", help="the 34 hand-tuned architectures of RESULTS.md section 2")
+    parser.add_argument("-j", "--jobs", type=int, default=1, help="parallel workers (default 1)")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds per model type (default 120)")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown to FILE")
+    parser.add_argument("-v", "--verbose", action="store_true", help="keep the children's output and tracebacks")
+    args = parser.parse_args()
+
+    skipped = {}
+    if args.zoo:
+        types = args.types or list(ZOO)
+        unknown = [t for t in types if t not in ZOO]
+    else:
+        types = args.types or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+        unknown = [t for t in types if t not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+        for t in [t for t in types if t not in unknown]:
+            why = skip_reason(t)
+            if why:
+                skipped[t] = why
+    if unknown:
+        parser.error(f"not a causal LM model type{' of the zoo' if args.zoo else ''}: {', '.join(unknown)}")
+    types = [t for t in types if t not in skipped]
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, ppsplit {ppsplit.__version__}; "
+          f"{len(types)} model types, {len(skipped)} skipped; -j {args.jobs}, timeout {args.timeout:.0f}s", flush=True)
+    print(f"{'model type':<26} {'build':<6} {'split':<6} {'decode':<7} {'compile':<8} time", flush=True)
+    results = {}
+
+    def report(model_type, statuses, seconds):
+        results[model_type] = statuses
+        mark = {k: "ok" if statuses[k] == "ok" else "-" if statuses[k].startswith("-") else "FAIL" for k in CHECKS}
+        print(f"{model_type:<26} {mark['build']:<6} {mark['split']:<6} {mark['decode']:<7} {mark['compile']:<8} "
+              f"{seconds:.0f}s", flush=True)
+        for check in CHECKS:
+            if mark[check] == "FAIL":
+                print(f"    {check}: {statuses[check]}", flush=True)
+
+    start = time.monotonic()
+    survey(types, args.zoo, max(1, args.jobs), args.timeout, args.verbose, report)
+    counts = {k: sum(r[k] == "ok" for r in results.values()) for k in CHECKS}
+    if skipped:
+        print(f"\nskipped ({len(skipped)}):")
+        for t, why in skipped.items():
+            print(f"    {t}: {why}")
+    summary = (f"{len(types)} model types: {counts['build']} build, {counts['split']} split, {counts['decode']} decode, "
+               f"{counts['compile']} compile")
+    print(f"\n{summary}  ({time.monotonic() - start:.0f}s)", flush=True)
+    if args.markdown:
+        write_markdown(args.markdown, types, results, skipped, summary)
+
+
+def write_markdown(path, types, results, skipped, summary):
+    cell = lambda s: "ok" if s == "ok" else "-" if s.startswith("-") else "FAIL"  # noqa: E731
+    rows = ["| model type | build | split pp 2, 3 | decode | compile | reason |", "|---|---|---|---|---|---|"]
+    for t in types:
+        r = results[t]
+        why = "; ".join(f"{k}: {r[k]}" for k in CHECKS if cell(r[k]) == "FAIL").replace("|", "\\|")
+        rows.append(f"| {t} | " + " | ".join(cell(r[k]) for k in CHECKS) + f" | {why} |")
+    text = [f"torch {torch.__version__}, transformers {transformers.__version__}", "", summary, "", *rows]
+    if skipped:
+        text += ["", f"Skipped ({len(skipped)}):", ""] + [f"- {t}: {why}" for t, why in skipped.items()]
+    with open(path, "w") as f:
+        f.write("\n".join(text) + "\n")
 
 
 if __name__ == "__main__":
