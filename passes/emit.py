@@ -61,8 +61,8 @@ def emit(rewritten: Tapped | Fused, plan: SplitPlan) -> list[fx.GraphModule]:
             needed |= _closure(extra, inputs, symbols)
         for n in needed:
             if n.meta.get("ppsplit.token") and n not in inputs and not _runs_on(n, s):
-                raise CrossingError(f"stage {s} needs {n.format_node()} from stage {n.meta.get('ppsplit.stage')}; only "
-                                    "the residual stream may cross a stage boundary")
+                raise CrossingError(f"stage {s} needs {n.format_node()} from stage {n.meta.get('ppsplit.stage')}, which "
+                                    "neither the residual stream nor a carried value brings")
         stage_graph = _build(sorted(needed - inputs, key=order.get), x_src, positions, aux, y_src, symbols, plan,
                              unpack, pack)
         stage = fx.GraphModule(gm, stage_graph, class_name=f"Stage{s}")

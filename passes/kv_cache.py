@@ -4,8 +4,9 @@ Each decoder layer's keys and values live in two buffers ``kv_cache.<layer>.keys
 ``[batch_size, kv_heads, max_len, head_dim]``; a sparse-attention indexer (DeepSeek-V3.2's DSA) keeps its keys in a
 third, ``kv_cache.<layer>.indexer_keys`` of ``[batch_size, max_len, index_head_dim]``. A step writes its ``T`` new
 keys and values at ``positions`` (the cache positions of the new tokens) and attends over the whole buffer under a
-causal mask on those positions. Nothing else is remembered between steps: there is no length counter. A rejected draft token leaves stale
-entries beyond the accepted position; the mask hides them, and the next step's ``positions`` overwrite them.
+causal mask on those positions. Nothing else is remembered between steps: there is no length counter. A rejected
+draft token leaves stale entries beyond the accepted position; the mask hides them, and the next step's
+``positions`` overwrite them.
 
 A short convolution (LFM2's ``conv`` layers) keeps its inputs the same way, ``kv_cache.<layer>.conv_inputs`` of
 ``[batch_size, channels, max_len]``, written at ``positions``; each step reads back the window the convolution needs

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from ppsplit.errors import CrossingError
-from ppsplit.fx_utils import copy_buffer_persistence
-from ppsplit.fx_utils import is_cache_buffer
+from ppsplit.fx_utils import copy_buffer_persistence, is_cache_buffer
 from ppsplit.passes.annotate import Annotated, is_view, mutated_bases, per_token_layout, residual_message
 from ppsplit.plan import Carry, SplitPlan
 from ppsplit.tensors import DTYPES, dtype_name, nbytes
@@ -72,7 +71,7 @@ def partition(annotated: Annotated, plan: SplitPlan) -> Partitioned:
         present = {home, *node.meta.get("ppsplit.replicas", ())}
         last, reader = home, None
         for user in node.users:
-            there = user.meta.get("ppsplit.stage", home) if user.op != "output" else plan.pp - 1
+            there = _reader_stage(user, home, plan)
             if there < home:
                 raise CrossingError(f"{node.format_node()} (stage {home}) is read by {user.name} on the earlier "
                                     f"stage {there}; ppsplit needs layers that run in index order")
@@ -102,24 +101,29 @@ def _replicate_shared_caches(gm: fx.GraphModule, nodes: list[fx.Node], plan: Spl
     buffer, its views, the writes) with ``meta["ppsplit.replicas"]``, the other stages that run it."""
     for node in nodes:
         node.meta.pop("ppsplit.replicas", None)
+    calls = [n for n in nodes if n.op == "call_function"]
+    writes = {n: mutated_bases(n) for n in calls}  # once per node, not once per cache buffer
     replicas = []
     for base in nodes:
         if base.op != "get_attr" or not is_cache_buffer(base.target) or "ppsplit.stage" not in base.meta:
             continue
         alias = {base}
-        for n in nodes:  # views of the cache, writes into it, and views of those (graph order: inputs first)
-            if n.op == "call_function" and ((is_view(n) and n.args[0] in alias) or base in mutated_bases(n)
-                                            or (mutated_bases(n) and n.args[0] in alias)):
+        for n in calls:  # views of the cache, writes into it, and views of those (graph order: inputs first)
+            if (is_view(n) and n.args[0] in alias) or base in writes[n] or (writes[n] and n.args[0] in alias):
                 alias.add(n)
         home = base.meta["ppsplit.stage"]
-        far = {user.meta.get("ppsplit.stage", home) if user.op != "output" else plan.pp - 1
-               for a in alias for user in a.users if user not in alias} - {home}
+        far = {_reader_stage(user, home, plan) for a in alias for user in a.users if user not in alias} - {home}
         if far:
             for a in alias:
                 a.meta["ppsplit.replicas"] = tuple(sorted(far))
             buf = gm.get_buffer(base.target)
             replicas += [(s, base.target, buf.numel() * buf.element_size()) for s in sorted(far)]
     return tuple(replicas)
+
+
+def _reader_stage(user: fx.Node, home: int, plan: SplitPlan) -> int:
+    """The stage a user of a value on stage ``home`` runs on (the graph output is read by the last stage)."""
+    return user.meta.get("ppsplit.stage", home) if user.op != "output" else plan.pp - 1
 
 
 def _carry(node: fx.Node, into: tuple[int, ...], reader: fx.Node, last: int, annotated: Annotated,
