@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 from ppsplit.config import Balance, CostModel
 from ppsplit.errors import ConfigError, CrossingError
+from ppsplit.fx_utils import state_slots
 from ppsplit.passes.annotate import Annotated, residual_message
 from ppsplit.passes.balance import best_split, smallest_cap
 from ppsplit.passes.costs import flops_costs
@@ -65,7 +66,8 @@ _COUNTED = ("flops", "time")  # policies whose costs come from the graph or the 
 def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers",
               hidden_size: int = 0, dtype: str = "", model_class: str = "", layers_fqn: str = "",
               max_batch: int = 0, max_len: int = 0, region_costs: RegionCosts | None = None,
-              cost_model: CostModel | None = None, max_stage_bytes: int | None = None) -> SplitPlan:
+              cost_model: CostModel | None = None, max_stage_bytes: int | None = None,
+              state_slots: int = 0) -> SplitPlan:
     """Compute a ``SplitPlan`` for ``pp`` stages and the given tap ids (vLLM numbering, duplicates collapse).
     ``pp`` and ``taps`` are expected valid (``SplitOptions.taps`` checks them against the model). The ``flops``
     and ``time`` policies balance ``region_costs`` (counted by ``plan`` or measured by the driver); with
@@ -136,7 +138,8 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
     return SplitPlan(num_layers=num_layers, hidden_size=hidden_size, dtype=dtype, stages=tuple(stages), taps=slots,
                      balance=name, model_class=model_class, layers_fqn=layers_fqn, costs=costs,
                      max_batch=max_batch, max_len=max_len, region_costs=reported,
-                     cost_model=cost_model if name in _COUNTED else None, max_stage_bytes=max_stage_bytes)
+                     cost_model=cost_model if name in _COUNTED else None, max_stage_bytes=max_stage_bytes,
+                     state_slots=state_slots)
 
 
 def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers",
@@ -166,4 +169,4 @@ def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Ba
                      dtype=dtype_name(val.dtype), model_class=annotated.traced.model_class,
                      layers_fqn=annotated.layers.fqn, max_batch=cache.batch_size if cache else 0,
                      max_len=cache.max_len if cache else 0, region_costs=region, cost_model=cost_model,
-                     max_stage_bytes=max_stage_bytes)
+                     max_stage_bytes=max_stage_bytes, state_slots=state_slots(annotated.traced.gm))
