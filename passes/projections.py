@@ -14,7 +14,9 @@ separate ones, so the stage's memory does not grow.
 Fused: ``aten.linear(x, W[, b])``, ``aten.mm(x, W.t())`` and ``aten.addmm(b, x, W.t())`` (also with ``W`` stored
 ``[in, out]`` as GPT-2's Conv1D does), grouped by input, form, dtype, device, input size and whether they have a
 bias. Left alone, and reported: a weight or bias the stage reads anywhere else or holds under a second name (tied
-or shared), one that is not a plain float tensor (quantised, or a tensor subclass), and a group of one.
+or shared), one that is not a plain float tensor (quantised, or a tensor subclass), fewer than ``MIN_WIDTH``
+outputs, and a group of one. Two linears on two different views of one tensor (Qwen2-MoE's router beside its
+shared expert) are not recognised as siblings.
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ from ppsplit.fx_utils import set_tensor
 aten = torch.ops.aten
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
+# Narrower outputs (a MoE's scalar shared-expert gate) gain nothing from fusing, and BLAS computes a lone column
+# with another kernel (a dot product, not a GEMM), so fusing them would change their last bits.
+MIN_WIDTH = 16
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,9 @@ def _why_not(stage: fx.GraphModule, m: _Member, shared: set, attr_nodes: dict) -
             return f"its {what} is {type(t).__name__} of {t.dtype} (quantised or a tensor subclass)"
         if t.dim() != (2 if what == "weight" else 1):
             return f"its {what} has shape {tuple(t.shape)}"
+    width = _fetch(stage, m.weight.target).shape[m.out_dim]
+    if width < MIN_WIDTH:
+        return f"its {width} outputs are too few to gain from fusing (fewer than {MIN_WIDTH})"
     if m.transpose is not None and len(m.transpose.users) > 1:
         return "its transposed weight is read elsewhere in the stage"
     return None
