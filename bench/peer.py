@@ -193,9 +193,9 @@ def ppsplit_step(traced, pp, batch, tokens, start, device, *, compile_=False, at
     return run, split
 
 
-def check_fused(traced, device):
+def check_fused(traced, device, vocab):
     """Fused projections against separate ones on the same 16-token prompt (eager, the model's dtype)."""
-    ids = torch.randint(0, 1000, (1, 16), device=device)
+    ids = torch.randint(0, vocab, (1, 16), device=device)
     with torch.no_grad():
         logits = [ppsplit.split_model(traced, 1, fuse_projections=f)(ids, torch.arange(16, device=device))[0]
                   for f in (False, True)]
@@ -356,7 +356,7 @@ def main():
         log("pp=1 " + " / ".join(ppsplit.split_model(traced, 1).plan.attention_lines(0)))
         if args.fuse_projections != "off":
             try:
-                check_fused(traced, device)
+                check_fused(traced, device, model.config.vocab_size)
             except Exception as e:  # noqa: BLE001
                 log(f"fused projections check FAILED {type(e).__name__}: {str(e)[:300]}")
         for mode, batch in steps:
