@@ -177,3 +177,8 @@ def test_compile_then_load_fuses_at_load(tmp_path):
     torch.testing.assert_close(fused(ids, torch.arange(6))[0], ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(fused.generate(ids, 8), expected)
     assert torch.equal(plain.generate(ids, 8), expected)
+
+
+def test_option_is_validated():
+    with pytest.raises(ppsplit.ConfigError, match="fuse_projections must be True or False"):
+        ppsplit.SplitOptions(pp=1, fuse_projections="yes")
