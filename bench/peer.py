@@ -243,7 +243,8 @@ def run_step(bench, model, traced, step, batch, tokens, start, max_len, roof):
     for pp in args.pp:
         for c in compiles:
             for f in fuses:
-                variants[f"ppsplit pp={pp}" + (" +fuse" if f else "") + (" +compile" if c else "")] = ours(pp, c, fuse=f)
+                name = f"ppsplit pp={pp}" + (" +fuse" if f else "") + (" +compile" if c else "")
+                variants[name] = ours(pp, c, fuse=f)
         if pp == args.pp[0] and not args.no_hf_compile:
             variants["HF static+compile"] = hf(True)
         if pp == args.pp[0]:

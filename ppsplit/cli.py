@@ -161,7 +161,8 @@ def cmd_inspect(args) -> int:
     plan, manifest = validate(args.folder)
     print(plan.describe())
     print(f"source {manifest.get('source')}, {manifest.get('dtype')}, compiled with ppsplit {manifest.get('ppsplit')}, "
-          f"torch {manifest.get('torch')}, transformers {manifest.get('transformers')}")
+          f"torch {manifest.get('torch')}, transformers {manifest.get('transformers')}"
+          + ("; sibling projections fused at load" if manifest.get("fuse_projections") else ""))
     print(f"{'stage':>5}  {'program':<14} {'weights':<20} {'bytes':>12} {'tensors':>8}")
     for k, files in enumerate(manifest.get("stages", [])):
         program = read_json(os.path.join(args.folder, files["program"]))

@@ -149,7 +149,7 @@ def test_mm_and_addmm_forms():
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
-def test_compile_then_load_fuses_at_load(tmp_path):
+def test_compile_then_load_fuses_at_load(tmp_path, capsys):
     """The folder keeps the checkpoint's tensor names (no fused tensor in any file) and records the option;
     ``load`` fuses, ``load(..., fuse_projections=False)`` does not, and both equal HF."""
     from ppsplit.cli import main
@@ -160,6 +160,8 @@ def test_compile_then_load_fuses_at_load(tmp_path):
     assert main(["compile", str(tmp_path / "ckpt"), "--pp", "2", "--aux", "1", "--max-batch", "2", "--max-len", "40",
                  "--fuse-projections", "-o", str(out)]) == 0
     assert json.loads((out / "manifest.json").read_text())["fuse_projections"] is True
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0 and "sibling projections fused at load" in capsys.readouterr().out
     hf_names = set(dict(model.named_parameters()))
     for k in range(2):
         with safe_open(out / f"stage_{k}.safetensors", framework="pt") as f:
