@@ -120,6 +120,7 @@ class SplitOptions:
     compile: bool = False  # compile each stage with Inductor (ppsplit's own CUDA graphs capture the result)
     max_stage_bytes: int | None = None  # per-stage cap on weights + KV cache
     cost_model: CostModel = CostModel()  # the workload of the flops and time policies
+    fuse_projections: bool = False  # sibling linears on one input (q/k/v, gate/up) -> one linear per stage
 
     def __post_init__(self):
         try:
@@ -143,6 +144,8 @@ class SplitOptions:
         if not isinstance(self.cost_model, CostModel):
             raise ConfigError(f"cost_model must be a ppsplit.CostModel(batch, tokens, context, ...), but got "
                               f"{self.cost_model!r}")
+        if not isinstance(self.fuse_projections, bool):
+            raise ConfigError(f"fuse_projections must be True or False, but got {self.fuse_projections!r}")
         if isinstance(self.balance, str) and self.balance not in BALANCE_POLICIES:
             raise ConfigError(f"balance must be one of {', '.join(BALANCE_POLICIES)}, a list of layer counts, or "
                               f"f(costs, pp) -> counts, but got {self.balance!r}")
