@@ -68,6 +68,10 @@ class _Traceable(torch.nn.Module):
         self._cache_kw = next((k for k in ("cache", "past_key_values", "cache_params") if k in accepted), None)
         self.kv = None
         self.scans = RecurrentScans(model)
+        # A hybrid whose forward takes use_cache only through **kwargs (GraniteMoeHybrid) would otherwise build a
+        # cache of its own on every uncached call; that cache's prefill padding fixes the token count.
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+        self._pass_use_cache = self._pass_use_cache or bool(self.scans.mixers) and takes_kwargs
         if cache is not None:
             refuse_uncached_state(model, self.scans)
             if self._cache_kw is None:

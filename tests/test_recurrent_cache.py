@@ -173,3 +173,52 @@ def test_captured_recurrent_stages_equal_eager_on_gpu(arch):
     split.reset_cache()
     split.capture(2, [prompt.shape[1], 1])
     assert torch.equal(split.generate(prompt, 10), eager)
+
+
+def _scan_cases(device):
+    """(name, reference, kernel, args, ring position) for each scan, with a step longer than the ring (12 > 8
+    tokens), one verify-sized step mid-sequence, and one decode token; Mamba-1's inputs are strided views as the
+    model passes them."""
+    from ppsplit.triton_kernels import recurrent as r
+
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device)
+
+    for tokens, start in ((12, 0), (5, 9), (1, 14)):
+        batch, slots = 2, 8
+        positions = torch.arange(start, start + tokens, device=device)
+        yield ("gated_delta", r.gated_delta_reference, r.launch_gated_delta,
+               (rand(batch, tokens, 2, 16), rand(batch, tokens, 2, 16), rand(batch, tokens, 4, 24),
+                -rand(batch, tokens, 4).abs(), rand(batch, tokens, 4).sigmoid()),
+               rand(3, slots, 4, 16, 24), positions, (True,))
+        yield ("mamba2", r.ssm_scan_reference, r.launch_ssm_scan,
+               (rand(batch, tokens, 4, 8), rand(batch, tokens, 4).abs(), -rand(4).abs(), rand(batch, tokens, 2, 16),
+                rand(batch, tokens, 2, 16)), rand(3, slots, 4, 8, 16), positions, ())
+        yield ("mamba1", r.ssm_scan_reference, r.launch_ssm_scan,
+               (rand(batch, 6, tokens).transpose(1, 2)[..., None], rand(batch, 6, tokens).abs().transpose(1, 2),
+                -rand(6, 16).abs(), rand(batch, 16, tokens).transpose(1, 2)[:, :, None],
+                rand(batch, 16, tokens).transpose(1, 2)[:, :, None]), rand(3, slots, 6, 1, 16), positions, ())
+
+
+def _check_kernels(device):
+    for name, reference, kernel, args, ring, positions, extra in _scan_cases(device):
+        ring_ref = ring.clone()
+        want = reference(*args, ring_ref, positions, *extra)
+        got = kernel(*args, ring, positions, *extra)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5, msg=f"{name} output")
+        torch.testing.assert_close(ring, ring_ref, atol=2e-5, rtol=1e-5, msg=f"{name} ring")  # written slots only
+
+
+def test_scan_kernels_interpreted_equal_the_reference():
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU tensors, which needs TRITON_INTERPRET=1 (set by conftest)")
+    _check_kernels("cpu")
+
+
+@pytest.mark.gpu
+def test_scan_kernels_on_gpu_equal_the_reference():
+    _check_kernels("cuda")

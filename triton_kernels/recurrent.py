@@ -20,13 +20,24 @@ The scans run token by token in float32, with the published recurrences:
   ``G`` groups shared by ``H / G`` heads.
 
 Both are ``torch.library`` custom ops that write the ring in place, so a traced stage keeps them as one call each
-and CUDA graphs capture them (no host reads: the slots come from ``positions`` on the device). The cost: a prompt
-of ``T`` tokens runs ``T`` small steps per layer (no chunked parallel form yet), which makes prefill of long
-prompts slow; one decode token is one step.
+and CUDA graphs capture them (no host reads: the slots come from ``positions`` on the device). On CUDA each is one
+Triton kernel per call: a program per (sequence, head, tile of the state) holds its tile in registers and walks the
+tokens in order (a prompt of ``T`` tokens is ``T`` sequential steps inside the kernel, not ``T`` launches; there is no
+chunked parallel form). Elsewhere they run the torch reference below (one small step per token), which the kernels
+are tested against (on CPU tensors under ``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+
+    HAVE_TRITON = True
+except ImportError:  # the torch path still works everywhere
+    HAVE_TRITON = False
 
 
 def _ring_rows(ring: torch.Tensor, batch: int) -> torch.Tensor:
@@ -48,9 +59,8 @@ def _keep(ring: torch.Tensor, positions: torch.Tensor, t: int, tokens: int, stat
         ring.index_copy_(1, positions[t:t + 1].remainder(slots), state.unsqueeze(1))
 
 
-@torch.library.custom_op("ppsplit::gated_delta_scan", mutates_args=("ring",))
-def gated_delta_scan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, l2norm: bool) -> torch.Tensor:
+def gated_delta_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, l2norm: bool) -> torch.Tensor:
     """Gated delta rule over ``query, key [B, T, Hk, Dk]``, ``value [B, T, Hv, Dv]``, ``g, beta [B, T, Hv]`` (``Hk``
     divides ``Hv``: each key head serves ``Hv / Hk`` consecutive value heads), starting from and writing the ring
     ``[B', R, Hv, Dk, Dv]`` (float32) at ``positions [T]``. Returns ``[B, T, Hv, Dv]`` in the query's dtype."""
@@ -77,14 +87,8 @@ def gated_delta_scan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return torch.stack(out, dim=1).to(query.dtype)
 
 
-@gated_delta_scan.register_fake
-def _(query, key, value, g, beta, ring, positions, l2norm):
-    return value.new_empty(value.shape, dtype=query.dtype)
-
-
-@torch.library.custom_op("ppsplit::ssm_scan", mutates_args=("ring",))
-def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-             ring: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def ssm_scan_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       ring: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Selective scan over ``x [B, T, H, P]`` with step sizes ``dt [B, T, H]`` (already discretised: bias, softplus
     and limits applied), ``A [H]`` or ``[H, N]``, ``B, C [B, T, G, N]``, starting from and writing the ring
     ``[B', R, H, P, N]`` (float32) at ``positions [T]``. Returns ``y [B, T, H, P]`` in float32, without the ``D``
@@ -107,6 +111,151 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         out.append((state * Cs[:, t, :, None, :]).sum(-1))
         _keep(rows, positions, t, tokens, state)
     return torch.stack(out, dim=1)
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _gated_delta_kernel(q, k, v, g, beta, ring, positions, out, T, R, HV, GROUP, scale,
+                            sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sgb, sgt, sgh, sbb, sbt, sbh,
+                            srb, srs, srh, sob, sot, soh,
+                            DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
+        pid = tl.program_id(0)
+        b, h = pid // HV, pid % HV
+        hk = h // GROUP
+        dk = tl.arange(0, DK)
+        dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        vmask = dv < DV
+        tile = dk[:, None] * DV + dv[None, :]
+        p0 = tl.load(positions)
+        start = ring + b * srb + h * srh
+        state = tl.load(start + ((p0 - 1 + R) % R) * srs + tile, mask=vmask[None, :], other=0.0)
+        state = tl.where(p0 > 0, state, 0.0)
+        for t in range(T):
+            kt = tl.load(k + b * skb + t * skt + hk * skh + dk).to(tl.float32)
+            qt = tl.load(q + b * sqb + t * sqt + hk * sqh + dk).to(tl.float32)
+            if L2NORM:
+                kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
+                qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6)
+            qt = qt * scale
+            vt = tl.load(v + b * svb + t * svt + h * svh + dv, mask=vmask, other=0.0).to(tl.float32)
+            gt = tl.load(g + b * sgb + t * sgt + h * sgh).to(tl.float32)
+            bt = tl.load(beta + b * sbb + t * sbt + h * sbh).to(tl.float32)
+            state = state * tl.exp(gt)
+            remembered = tl.sum(state * kt[:, None], 0)
+            delta = (vt - remembered) * bt
+            state = state + kt[:, None] * delta[None, :]
+            o = tl.sum(state * qt[:, None], 0)
+            tl.store(out + b * sob + t * sot + h * soh + dv, o.to(out.dtype.element_ty), mask=vmask)
+            if t >= T - R:
+                slot = tl.load(positions + t) % R
+                tl.store(start + slot * srs + tile, state, mask=vmask[None, :])
+
+    @triton.jit
+    def _ssm_kernel(x, dt, A, B, C, ring, positions, out, T, R, H, GROUP, P,
+                    sxb, sxt, sxh, sdb, sdt, sdh, sBb, sBt, sBg, sCb, sCt, sCg, srb, srs, srh, sob, sot, soh,
+                    N: tl.constexpr, BLOCK_P: tl.constexpr, A_PER_STATE: tl.constexpr):
+        pid = tl.program_id(0)
+        b, h = pid // H, pid % H
+        grp = h // GROUP
+        n = tl.arange(0, N)
+        p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+        pmask = p < P
+        tile = p[:, None] * N + n[None, :]
+        if A_PER_STATE:
+            rate = tl.load(A + h * N + n).to(tl.float32)
+        else:
+            rate = tl.load(A + h + n * 0).to(tl.float32)
+        p0 = tl.load(positions)
+        start = ring + b * srb + h * srh
+        state = tl.load(start + ((p0 - 1 + R) % R) * srs + tile, mask=pmask[:, None], other=0.0)
+        state = tl.where(p0 > 0, state, 0.0)
+        for t in range(T):
+            step = tl.load(dt + b * sdb + t * sdt + h * sdh).to(tl.float32)
+            xt = tl.load(x + b * sxb + t * sxt + h * sxh + p, mask=pmask, other=0.0).to(tl.float32)
+            bt = tl.load(B + b * sBb + t * sBt + grp * sBg + n).to(tl.float32)
+            ct = tl.load(C + b * sCb + t * sCt + grp * sCg + n).to(tl.float32)
+            state = state * tl.exp(step * rate)[None, :] + (step * xt)[:, None] * bt[None, :]
+            y = tl.sum(state * ct[None, :], 1)
+            tl.store(out + b * sob + t * sot + h * soh + p, y, mask=pmask)
+            if t >= T - R:
+                slot = tl.load(positions + t) % R
+                tl.store(start + slot * srs + tile, state, mask=pmask[:, None])
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _last_dim_contiguous(*tensors):
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def launch_gated_delta(query, key, value, g, beta, ring, positions, l2norm: bool, *, wrap=lambda kernel: kernel):
+    """The Triton path of ``gated_delta_scan`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+    batch, tokens, k_heads, dk = key.shape
+    v_heads, dv = value.shape[2], value.shape[3]
+    if dk != _pow2(dk):
+        raise ValueError(f"gated_delta_scan's kernel needs a power-of-two key head dim, got {dk}")
+    query, key, value = _last_dim_contiguous(query, key, value)
+    out = torch.empty(batch, tokens, v_heads, dv, dtype=query.dtype, device=query.device)
+    block_v = min(_pow2(dv), 32)
+    wrap(_gated_delta_kernel)[(batch * v_heads, triton.cdiv(dv, block_v))](
+        query, key, value, g, beta, ring, positions, out, tokens, ring.shape[1], v_heads, v_heads // k_heads,
+        dk ** -0.5, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *g.stride()[:3], *beta.stride()[:3],
+        *ring.stride()[:3], *out.stride()[:3], DK=dk, DV=dv, BLOCK_V=block_v, L2NORM=l2norm, num_warps=4)
+    return out
+
+
+def launch_ssm_scan(x, dt, A, B, C, ring, positions, *, wrap=lambda kernel: kernel):
+    """The Triton path of ``ssm_scan`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+    batch, tokens, heads, head_dim = x.shape
+    groups, n = B.shape[2], B.shape[3]
+    if n != _pow2(n):
+        raise ValueError(f"ssm_scan's kernel needs a power-of-two state size, got {n}")
+    x, B, C = _last_dim_contiguous(x, B, C)
+    A = A.contiguous()
+    out = torch.empty(batch, tokens, heads, head_dim, dtype=torch.float32, device=x.device)
+    block_p = min(_pow2(head_dim), max(1, 4096 // n))
+    wrap(_ssm_kernel)[(batch * heads, triton.cdiv(head_dim, block_p))](
+        x, dt, A, B, C, ring, positions, out, tokens, ring.shape[1], heads, heads // groups, head_dim,
+        *x.stride()[:3], *dt.stride()[:3], *B.stride()[:3], *C.stride()[:3], *ring.stride()[:3], *out.stride()[:3],
+        N=n, BLOCK_P=block_p, A_PER_STATE=A.dim() == 2, num_warps=4)
+    return out
+
+
+def _register(name: str):
+    if HAVE_TRITON:
+        return triton_op(name, mutates_args=("ring",))
+    return torch.library.custom_op(name, mutates_args=("ring",))
+
+
+def _kernel_fits(*dims: int) -> bool:
+    return all(d == _pow2(d) for d in dims)
+
+
+@_register("ppsplit::gated_delta_scan")
+def gated_delta_scan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, l2norm: bool) -> torch.Tensor:
+    """See ``gated_delta_reference``: the Triton kernel on CUDA, the reference elsewhere."""
+    if HAVE_TRITON and query.device.type == "cuda" and _kernel_fits(key.shape[-1]):
+        with torch.cuda.device(query.device):
+            return launch_gated_delta(query, key, value, g, beta, ring, positions, l2norm, wrap=wrap_triton)
+    return gated_delta_reference(query, key, value, g, beta, ring, positions, l2norm)
+
+
+@gated_delta_scan.register_fake
+def _(query, key, value, g, beta, ring, positions, l2norm):
+    return value.new_empty(value.shape, dtype=query.dtype)
+
+
+@_register("ppsplit::ssm_scan")
+def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             ring: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """See ``ssm_scan_reference``: the Triton kernel on CUDA, the reference elsewhere."""
+    if HAVE_TRITON and x.device.type == "cuda" and _kernel_fits(B.shape[-1]):
+        with torch.cuda.device(x.device):
+            return launch_ssm_scan(x, dt, A, B, C, ring, positions, wrap=wrap_triton)
+    return ssm_scan_reference(x, dt, A, B, C, ring, positions)
 
 
 @ssm_scan.register_fake
