@@ -24,7 +24,7 @@ Facts about the whole graph come back in the typed result, ``Annotated``:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -102,6 +102,7 @@ class Annotated:
     cuts: dict[int, tuple[str, ...]]
     costs: ModelCosts
     residuals: dict[int, str | None]  # cut j -> the residual stream among cuts[j]
+    mids: dict[int, str] = field(default_factory=dict)  # layer -> residual stream after its attention (halves.py)
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -171,8 +172,10 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
     by_name = {n.name: n for n in nodes}
     residuals = {j: _residual([by_name[name] for name in names], traced, 2 * j + 1 if j < num_layers else head_region)
                  for j, names in cuts.items()}
+    from ppsplit.passes.halves import find_mids  # it reads this module's helpers
+
     return Annotated(traced=traced, layers=stack, cuts=cuts, costs=_costs(gm, nodes, num_layers, head_region),
-                     residuals=residuals)
+                     residuals=residuals, mids=find_mids(nodes, residuals, traced, num_layers))
 
 
 def per_token_shape(node: fx.Node, traced: Traced) -> tuple | None:
