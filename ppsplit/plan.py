@@ -68,7 +68,7 @@ class RegionCosts:
         for j, c in enumerate(self.layers):
             prefix += [prefix[-1] + (self.attention[j] if self.attention else 0.0), prefix[-1] + c]
         last = len(bounds) - 2
-        return [self.stage + prefix[q] - prefix[p] + (self.embed if k == 0 else 0.0) + (self.head if k == last else 0.0)
+        return [prefix[q] - prefix[p] + self.stage + (self.embed if k == 0 else 0.0) + (self.head if k == last else 0.0)
                 for k, (p, q) in enumerate(zip(bounds, bounds[1:]))]
 
     def stage_costs(self, sizes) -> list[float]:
@@ -116,17 +116,6 @@ class TapFusion:
     slot: int
     op: str
     note: str = ""
-
-    def _layer_range(self, stage: int) -> str:
-        """``"8-15"``; with half layers, ``"8.mlp-16.attn"`` names the halves of the layers a boundary cuts."""
-        s = self.stages[stage]
-        if not self.half_layers:
-            return f"{s.start}-{s.end - 1}"
-        if s.end == s.start:
-            return f"{s.start}.attn"
-        first = f"{s.start}.mlp" if self.starts_mid(stage) else str(s.start)
-        last = f"{s.end}.attn" if s.half_end else str(s.end - 1)
-        return first if last == str(s.start) else f"{first}-{last}"
 
     def describe(self) -> str:
         return f"tap {self.tap} -> slot {self.slot}: {self.op}" + (f" ({self.note})" if self.note else "")
@@ -359,6 +348,17 @@ class SplitPlan:
         return ((f"attention: {len(replaced)} of {len(sites)} -> cache_attention"
                  + (f" ({'; '.join(kinds)})" if kinds else ""),)
                 + tuple(f"attention layer {a.layer} left as traced: {a.detail}" for a in sites if not a.replaced))
+
+    def _layer_range(self, stage: int) -> str:
+        """``"8-15"``; with half layers, ``"8.mlp-16.attn"`` names the halves of the layers a boundary cuts."""
+        s = self.stages[stage]
+        if not self.half_layers:
+            return f"{s.start}-{s.end - 1}"
+        if s.end == s.start:
+            return f"{s.start}.attn"
+        first = f"{s.start}.mlp" if self.starts_mid(stage) else str(s.start)
+        last = f"{s.end}.attn" if s.half_end else str(s.end - 1)
+        return first if last == str(s.start) else f"{first}-{last}"
 
     def describe(self) -> str:
         """A human-readable table of stages and taps (what ``ppsplit inspect`` prints)."""
