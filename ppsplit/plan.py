@@ -349,7 +349,7 @@ class SplitPlan:
                  + (f" ({'; '.join(kinds)})" if kinds else ""),)
                 + tuple(f"attention layer {a.layer} left as traced: {a.detail}" for a in sites if not a.replaced))
 
-    def _layer_range(self, stage: int) -> str:
+    def layer_range(self, stage: int) -> str:
         """``"8-15"``; with half layers, ``"8.mlp-16.attn"`` names the halves of the layers a boundary cuts."""
         s = self.stages[stage]
         if not self.half_layers:
@@ -390,7 +390,7 @@ class SplitPlan:
             if s.index < self.pp - 1 and self.carried(s.index + 1):
                 sends = sends.replace("h +", f"h+{len(self.carried(s.index + 1))} +")
             cache = f"  cache {fmt_bytes(s.cache_bytes)}" if s.cache_bytes else ""
-            lines.append(f"{s.index:>5}  {self._layer_range(s.index):>9}  {s.params:>12,}  {fmt_bytes(s.bytes):>10}  "
+            lines.append(f"{s.index:>5}  {self.layer_range(s.index):>9}  {s.params:>12,}  {fmt_bytes(s.bytes):>10}  "
                          f"{s.cost:>10.4g}  {owned:<14} {sends:<12} {role}{cache}")
             for line in (self.fused[s.index].lines() if s.index < len(self.fused) else ()):
                 lines.append(f"{'':>7}{line}")
