@@ -20,6 +20,8 @@ Facts about the whole graph come back in the typed result, ``Annotated``:
 - ``residuals``: for each cut, the residual stream among its values: the only one, else the one shaped
   ``[B, T, hidden_size]`` that the next layer reads, computed last (``None`` when no value or several tie).
 - ``costs``: parameter counts and bytes of the embedding, each layer, and the head.
+- ``mids``: per layer, the residual stream between its attention and MLP blocks, where a stage may also end when
+  the caller asks for half layers (``passes/halves.py``; layers without a clean point are absent).
 """
 from __future__ import annotations
 
@@ -175,7 +177,7 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
     from ppsplit.passes.halves import find_mids  # it reads this module's helpers
 
     return Annotated(traced=traced, layers=stack, cuts=cuts, costs=_costs(gm, nodes, num_layers, head_region),
-                     residuals=residuals, mids=find_mids(nodes, residuals, traced, num_layers))
+                     residuals=residuals, mids=find_mids(nodes, residuals, num_layers))
 
 
 def per_token_shape(node: fx.Node, traced: Traced) -> tuple | None:

@@ -6,7 +6,7 @@ second point where only the residual stream is live: right after the attention b
 MLP's norm. This helper finds it per layer, from the graph alone (no per-model code):
 
 - walking the layer's token-dependent nodes in graph order, the first node ``m`` shaped like the residual stream
-  entering the layer (``[B, T, H]``, floating) such that, if the layer were cut right after ``m``, exactly one value
+  entering the layer (``[B, T, H]``, floating, the same shape) such that, if the layer were cut right after ``m``, exactly one value
   computed in the layer is read after the cut, ``m`` itself; the residual stream entering the layer is not read
   after the cut (values that already cross the layer's own cut, like Gemma 4's per-layer inputs, may: they are
   carried); nothing writes ``m`` in place; and both sides do matrix work (so the cut is not at the layer's end).
@@ -24,7 +24,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from ppsplit.passes.annotate import mutated_bases, per_token_shape
+from ppsplit.passes.annotate import mutated_bases
 from ppsplit.plan import ModelCosts
 
 aten = torch.ops.aten
@@ -32,13 +32,13 @@ _MATMULS = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.d
             aten.baddbmm.default, aten.convolution.default, aten.einsum.default}
 
 
-def find_mids(nodes: list[fx.Node], residuals: dict[int, str | None], traced, num_layers: int) -> dict[int, str]:
+def find_mids(nodes: list[fx.Node], residuals: dict[int, str | None], num_layers: int) -> dict[int, str]:
     """Layer index -> name of the residual stream after its attention block, for the layers that have a clean
     mid point; writes ``meta["ppsplit.half"]`` on the nodes of those layers.
 
     Example::
 
-        find_mids(list(gm.graph.nodes), annotated.residuals, annotated.traced, 32)[5]   # 'add_31'
+        find_mids(list(gm.graph.nodes), annotated.residuals, 32)[5]   # 'add_31'
     """
     order = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
@@ -53,7 +53,7 @@ def find_mids(nodes: list[fx.Node], residuals: dict[int, str | None], traced, nu
         entry = by_name.get(residuals.get(layer) or "")
         if entry is None:
             continue
-        found = _mid(own, order, entry, traced, 2 * layer + 1)
+        found = _mid(own, order, entry, 2 * layer + 1)
         if found is not None:
             mid, where = found
             mids[layer] = mid.name
@@ -62,14 +62,14 @@ def find_mids(nodes: list[fx.Node], residuals: dict[int, str | None], traced, nu
     return mids
 
 
-def _mid(own: list[fx.Node], order: dict, entry: fx.Node, traced, region: int):
+def _mid(own: list[fx.Node], order: dict, entry: fx.Node, region: int):
     """The mid point of one layer (its node, and each member's position), or ``None``."""
     inside = set(own)
     # A get_attr (the layer's KV cache) has no place of its own in the graph: it sits where the layer first reads it.
     where = {n: order[n] if n.op != "get_attr" else min((order[u] for u in n.users if u in inside), default=order[n])
              for n in own}
-    shape = per_token_shape(entry, traced)
-    if shape is None:
+    shape = _dims(entry)
+    if not shape:
         return None
     matmuls = sorted(where[n] for n in own if _is_matmul(n))
     if len(matmuls) < 2:
@@ -79,7 +79,7 @@ def _mid(own: list[fx.Node], order: dict, entry: fx.Node, traced, region: int):
         if not matmuls[0] <= o < matmuls[-1]:
             continue
         val = m.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or per_token_shape(m, traced) != shape:
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or _dims(m) != shape:
             continue
 
         def after(u: fx.Node) -> bool:
@@ -96,6 +96,12 @@ def _mid(own: list[fx.Node], order: dict, entry: fx.Node, traced, region: int):
             continue
         return m, where
     return None
+
+
+def _dims(node: fx.Node) -> tuple[str, ...]:
+    """A value's shape as text, so that a batch a trace made concrete (``2``) matches the symbol's value ``2``."""
+    val = node.meta.get("val")
+    return tuple(str(d) for d in val.shape) if isinstance(val, torch.Tensor) else ()
 
 
 def _is_matmul(node: fx.Node) -> bool:
