@@ -33,6 +33,7 @@ from torch import fx
 
 from ppsplit.errors import LayersNotFoundError, TraceError
 from ppsplit.fx_utils import CACHE_PREFIX
+from ppsplit.passes.halves import find_mids
 from ppsplit.passes.trace import Traced, module_path
 from ppsplit.plan import ModelCosts
 
@@ -174,8 +175,6 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
     by_name = {n.name: n for n in nodes}
     residuals = {j: _residual([by_name[name] for name in names], traced, 2 * j + 1 if j < num_layers else head_region)
                  for j, names in cuts.items()}
-    from ppsplit.passes.halves import find_mids  # it reads this module's helpers
-
     return Annotated(traced=traced, layers=stack, cuts=cuts, costs=_costs(gm, nodes, num_layers, head_region),
                      residuals=residuals, mids=find_mids(nodes, residuals, num_layers))
 

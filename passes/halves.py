@@ -24,7 +24,6 @@ import dataclasses
 import torch
 from torch import fx
 
-from ppsplit.passes.annotate import mutated_bases
 from ppsplit.plan import ModelCosts
 
 aten = torch.ops.aten
@@ -92,10 +91,26 @@ def _mid(own: list[fx.Node], order: dict, entry: fx.Node, region: int):
         live = [n for n in own if where[n] <= o and any(after(u) for u in n.users)]
         if live != [m] or any(after(u) for u in entry.users):
             continue
-        if any(m in mutated_bases(n) for n in own if where[n] > o):
+        if _written_later(m, [n for n in own if where[n] > o]):
             continue
         return m, where
     return None
+
+
+def _written_later(value: fx.Node, later: list[fx.Node]) -> bool:
+    """Whether an op in ``later`` writes ``value`` in place, directly or through a view of it (then the value a
+    stage would send is not the value the next stage's reads expect)."""
+    aliases = {value}
+    for n in later:  # graph order: a view's input comes before it
+        schema = getattr(n.target, "_schema", None)
+        if n.op != "call_function" or schema is None or not n.args or n.args[0] not in aliases:
+            continue
+        if schema.is_mutable:
+            return True
+        ret = schema.returns[0].alias_info if schema.returns else None
+        if ret is not None and not ret.is_write:  # a view of the value
+            aliases.add(n)
+    return False
 
 
 def _dims(node: fx.Node) -> tuple[str, ...]:

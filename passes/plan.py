@@ -25,6 +25,8 @@ from ppsplit.errors import ConfigError, CrossingError
 from ppsplit.passes.annotate import Annotated, residual_message
 from ppsplit.passes.balance import best_split, smallest_cap
 from ppsplit.passes.costs import flops_costs
+from ppsplit.passes.half_plan import make_half_plan
+from ppsplit.passes.halves import half_costs
 from ppsplit.plan import ModelCosts, RegionCosts, SplitPlan, StagePlan, fmt_bytes
 from ppsplit.tensors import dtype_name
 
@@ -80,8 +82,6 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
     says the layer has such a point (``passes/half_plan.py``).
     """
     if half_layers and costs.mid_layers:
-        from ppsplit.passes.half_plan import make_half_plan  # it builds on this module's policies
-
         if isinstance(balance, str) and balance not in POLICIES and (balance not in _COUNTED or region_costs is None):
             return make_plan(costs, pp, taps, balance=balance, region_costs=region_costs)  # the error below
         return make_half_plan(costs, pp, taps, balance=balance, region_costs=region_costs, cost_model=cost_model,
@@ -170,8 +170,6 @@ def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Ba
     region = None
     costs = annotated.costs
     if half_layers:
-        from ppsplit.passes.halves import half_costs
-
         costs = half_costs(annotated)
     if balance == "flops":
         region = flops_costs(annotated, cost_model, halves=half_layers)
