@@ -5,7 +5,8 @@
     HF static+compile      Hugging Face StaticCache step under torch.compile(mode="reduce-overhead")
     HF static eager        the same step, eager
     ppsplit pp=1 / pp=4    stages with cache_attention, under ppsplit's CUDA graphs (pp=4: all four stages
-                           replayed in a row = the sum of stages); "+compile": split_model(compile=True)
+                           replayed in a row = the sum of stages); "+compile": split_model(compile=True);
+                           "+fuse": split_model(fuse_projections=True) (q/k/v and gate/up as one GEMM each)
     pp=1 traced attention  attention=False: the traced repeat_kv + mask + SDPA (before the attention pass)
 
 Steps: decode (T=1 at position 512, static cache 1024), verify (K=4 drafts: T=5 at position 512), prefill
@@ -24,6 +25,10 @@ split the run, e.g.:
     python bench/peer.py --modes decode --compile on --pp 1,4 --no-traced-baseline
     python bench/peer.py --modes verify --compile on --pp 1 --no-traced-baseline
     python bench/peer.py --modes prefill --compile both --pp 1,4
+
+Sibling projections fused or not, side by side (with --fuse-projections both, every ppsplit variant runs twice):
+
+    python bench/peer.py --modes decode --batches 1,32 --pp 1 --compile off --fuse-projections both --no-traced-baseline
 --budget-s (default 560) skips the variants not started by then, and every table is printed as soon as its step
 is done, so a run cut short still reports what it measured.
 """
@@ -160,9 +165,10 @@ def hf_step(model, batch, tokens, start, max_len, compile_, device):
 
 # ---- ppsplit ----------------------------------------------------------------------------------------------------
 
-def ppsplit_step(traced, pp, batch, tokens, start, device, *, compile_=False, attention=True):
+def ppsplit_step(traced, pp, batch, tokens, start, device, *, compile_=False, attention=True, fuse=False):
     """Replay of every stage's CUDA graph in a row (on the CPU: the stages called in a row)."""
-    split = ppsplit.split_model(traced, pp, aux="eagle3", compile=compile_, attention=attention)
+    split = ppsplit.split_model(traced, pp, aux="eagle3", compile=compile_, attention=attention,
+                                fuse_projections=fuse)
     runs = []
     for k, stage in enumerate(split.stages):
         if device == "cuda":
@@ -185,6 +191,18 @@ def ppsplit_step(traced, pp, batch, tokens, start, device, *, compile_=False, at
                 r()
     run()
     return run, split
+
+
+def check_fused(traced, device, vocab):
+    """Fused projections against separate ones on the same 16-token prompt (eager, the model's dtype)."""
+    ids = torch.randint(0, vocab, (1, 16), device=device)
+    with torch.no_grad():
+        logits = [ppsplit.split_model(traced, 1, fuse_projections=f)(ids, torch.arange(16, device=device))[0]
+                  for f in (False, True)]
+    diff = (logits[0].float() - logits[1].float()).abs().max().item()
+    same = (logits[0].argmax(-1) == logits[1].argmax(-1)).sum().item()
+    log(f"fused vs separate projections, prefill of 16 tokens: max |logit diff| {diff:.3g} (logits up to "
+        f"{logits[0].float().abs().max().item():.3g}), argmax equal at {same}/16 positions")
 
 
 def top_kernels(fn, n=10):
@@ -216,14 +234,17 @@ def run_step(bench, model, traced, step, batch, tokens, start, max_len, roof):
     def hf(compile_):
         return lambda: hf_step(model, batch, tokens, start, max_len, compile_, device)
 
-    def ours(pp, compile_=False, attention=True):
+    def ours(pp, compile_=False, attention=True, fuse=False):
         return lambda: ppsplit_step(traced, pp, batch, tokens, start, device, compile_=compile_,
-                                    attention=attention)[0]
+                                    attention=attention, fuse=fuse)[0]
 
     compiles = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
+    fuses = {"off": (False,), "on": (True,), "both": (False, True)}[args.fuse_projections]
     for pp in args.pp:
         for c in compiles:
-            variants[f"ppsplit pp={pp}" + (" +compile" if c else "")] = ours(pp, c)
+            for f in fuses:
+                name = f"ppsplit pp={pp}" + (" +fuse" if f else "") + (" +compile" if c else "")
+                variants[name] = ours(pp, c, fuse=f)
         if pp == args.pp[0] and not args.no_hf_compile:
             variants["HF static+compile"] = hf(True)
         if pp == args.pp[0]:
@@ -263,7 +284,7 @@ def run_step(bench, model, traced, step, batch, tokens, start, max_len, roof):
     print_table(bench, step, batch, roof)
 
     if device == "cuda" and batch in args.profile_batches and step == "decode":
-        for name in ("ppsplit pp=1", "ppsplit pp=1 +compile"):
+        for name in ("ppsplit pp=1", "ppsplit pp=1 +fuse", "ppsplit pp=1 +compile", "ppsplit pp=1 +fuse +compile"):
             if name in fns:
                 log(f"  top kernels, {name}, {step} batch {batch}:")
                 try:
@@ -278,14 +299,14 @@ def run_step(bench, model, traced, step, batch, tokens, start, max_len, roof):
 def print_table(bench, step, batch, roof, final=False):
     rows = [r for r in bench.results if final or (r[0] == step and r[1] == batch)]
     base = {(s, b): ms for s, b, name, ms, _ in bench.results if name == "HF static+compile" and ms}
-    log(f"  {'step':<8} {'batch':>5} {'variant':<26} {'time us':>10} {'x roofline':>10} {'x HF+compile':>12}  note")
+    log(f"  {'step':<8} {'batch':>5} {'variant':<30} {'time us':>10} {'x roofline':>10} {'x HF+compile':>12}  note")
     for s, b, name, ms, note in rows:
         r = bench.roofs.get((s, b))
         if ms is None:
-            log(f"  {s:<8} {b:>5} {name:<26} {'-':>10} {'-':>10} {'-':>12}  {note}")
+            log(f"  {s:<8} {b:>5} {name:<30} {'-':>10} {'-':>10} {'-':>12}  {note}")
             continue
         hf = base.get((s, b))
-        log(f"  {s:<8} {b:>5} {name:<26} {ms * 1e3:>10.0f} {ms * 1e3 / r:>10.2f} "
+        log(f"  {s:<8} {b:>5} {name:<30} {ms * 1e3:>10.0f} {ms * 1e3 / r:>10.2f} "
             f"{(f'{ms / hf:.2f}' if hf else '-'):>12}  {note}")
 
 
@@ -298,6 +319,8 @@ def main():
     ap.add_argument("--pp", default="1,4")
     ap.add_argument("--compile", choices=("off", "on", "both"), default="both",
                     help="ppsplit variants without and/or with split_model(compile=True)")
+    ap.add_argument("--fuse-projections", choices=("off", "on", "both"), default="off",
+                    help="ppsplit variants without and/or with split_model(fuse_projections=True)")
     ap.add_argument("--no-hf-compile", action="store_true")
     ap.add_argument("--no-traced-baseline", dest="traced_baseline", action="store_false")
     ap.add_argument("--layers", type=int, default=32)
@@ -332,6 +355,11 @@ def main():
         traced = ppsplit.trace_model(model, cache=CacheConfig(max(batches), args.max_len))
         log(f"traced with a {max(batches)} x {args.max_len} cache in {time.perf_counter() - t0:.0f} s")
         log("pp=1 " + " / ".join(ppsplit.split_model(traced, 1).plan.attention_lines(0)))
+        if args.fuse_projections != "off":
+            try:
+                check_fused(traced, device, model.config.vocab_size)
+            except Exception as e:  # noqa: BLE001
+                log(f"fused projections check FAILED {type(e).__name__}: {str(e)[:300]}")
         for mode, batch in steps:
             tokens = STEPS[mode]
             bench.roofs[(mode, batch)] = roofline_us(model, batch, tokens, args.position + tokens, bw, tflops)

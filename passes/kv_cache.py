@@ -14,13 +14,31 @@ A short convolution (LFM2's ``conv`` layers) keeps its inputs the same way, ``kv
 position too: a verify pass's rejected drafts are overwritten like their keys, and prefill, decode and verify are
 one graph.
 
+A recurrent layer (Mamba-1, Mamba-2 / SSD, Gated DeltaNet) keeps a ring ``kv_cache.<layer>.states`` of
+``[batch_size, STATE_SLOTS, *state]`` float32 states, the state after position ``p`` in slot ``p % STATE_SLOTS``
+(``ppsplit/triton_kernels/recurrent.py``): a step starts from the state before its first position and keeps the
+state after each of its last tokens, so a verify pass of up to ``STATE_SLOTS`` tokens leaves behind the state
+after every one of them and the next step picks the one after the last accepted token. The layer's scan (the
+model file's ``mamba_selective_scan``, ``mamba2_chunk_scan`` or ``torch_chunk_gated_delta_rule``) is routed to
+ppsplit's op while tracing (``RecurrentScans``); the rest of the layer runs as the model wrote it, its short
+convolution through the conv inputs above.
+
 The layer classes plug into Hugging Face's ``Cache`` interface (``update``, ``get_mask_sizes``,
 ``get_query_offset``, ``get_conv_state`` / ``update_conv_state``), so the model's own code runs unchanged.
 """
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, StaticLayer
+
+import ppsplit.triton_kernels.recurrent  # noqa: F401  (registers torch.ops.ppsplit.gated_delta_scan / ssm_scan)
+
+# Ring slots per recurrent layer: the longest verify pass (K drafts + 1) the stages can take back.
+STATE_SLOTS = 8
 
 
 class _PositionedLayer(StaticLayer):
@@ -37,6 +55,8 @@ class _PositionedLayer(StaticLayer):
         self.conv_inputs: torch.Tensor | None = None
         self.indexer_shape: tuple | None = None  # ((index_head_dim,), dtype) of the indexer keys, if the layer has one
         self.indexer_keys: torch.Tensor | None = None
+        self.state_shape: tuple | None = None  # a recurrent layer's state shape, seen by a recording run
+        self.states: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states, value_states):  # buffers are bound by the owner, never allocated here
         raise RuntimeError("ppsplit cache layer used before its buffers were bound")
@@ -134,6 +154,12 @@ class PositionedCache(Cache):
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return False  # what transformers before 5.24 asks instead of get_conv_state, for the same choice
 
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return None  # the scan reads its start state from the ring itself (RecurrentScans)
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        return recurrent_states  # the scan has written the ring already
+
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
         if state_idx or conv_kernel_size is None:
@@ -141,11 +167,12 @@ class PositionedCache(Cache):
         return self.layers[layer_idx].update_conv_state(conv_states, conv_kernel_size)
 
     def bind(self, tensors: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Point each layer at its buffers (``keys`` and ``values``, ``indexer_keys``, or ``conv_inputs``) by layer
-        index."""
+        """Point each layer at its buffers (``keys`` and ``values``, ``indexer_keys``, ``conv_inputs``, ``states``) by
+        layer index."""
         for i, named in tensors.items():
             layer = self.layers[i]
             layer.conv_inputs = named.get("conv_inputs")
+            layer.states = named.get("states")
             layer.indexer_keys = named.get("indexer_keys")
             if "keys" not in named:
                 continue
@@ -155,3 +182,123 @@ class PositionedCache(Cache):
             layer.device = keys.device
             layer.batch_size, layer.num_heads = keys.shape[:2]
             layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
+
+
+# The scans of recurrent layers in transformers' model files, by function name: what ppsplit routes to its ops.
+_SCANS = {"torch_chunk_gated_delta_rule": "gated_delta", "torch_recurrent_gated_delta_rule": "gated_delta",
+          "mamba2_chunk_scan": "ssd", "mamba_selective_scan": "mamba"}
+
+
+class RecurrentScans:
+    """Routes a model's recurrent scans to ppsplit's ring-state ops while it runs (and is traced).
+
+    The mixers are the modules with a ``layer_idx`` and an ``A_log`` whose model file defines one of the scans
+    above; ``unsupported`` lists the other modules with an ``A_log`` (another recurrence, which the cache cannot
+    hold). Without a cache the scans are routed too, each call starting from zeros: Mamba-1's reference loop would
+    fix the token count, and exporting the chunked forms takes a minute per model for the same function."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.mixers: dict[int, str] = {}  # layer index -> kind of scan
+        self.unsupported: list[str] = []
+        self._modules: dict[str, object] = {}
+        self._hooks_on: list[torch.nn.Module] = []
+        for name, module in model.named_modules():
+            if not hasattr(module, "A_log"):
+                continue
+            file = sys.modules.get(type(module).__module__)
+            kinds = {_SCANS[n] for n in _SCANS if file is not None and hasattr(file, n)}
+            if len(kinds) != 1 or not isinstance(getattr(module, "layer_idx", None), int):
+                self.unsupported.append(f"{name} ({type(module).__name__})")
+                continue
+            self.mixers[module.layer_idx] = kinds.pop()
+            self._modules[file.__name__] = file
+            self._hooks_on.append(module)
+        self.cache: PositionedCache | None = None
+        self.positions: torch.Tensor | None = None
+        self.active: int | None = None
+
+    @contextlib.contextmanager
+    def routed(self, cache: "PositionedCache | None", positions: torch.Tensor):
+        """Within the block, the model's scans run ppsplit's ops on ``cache``'s rings (or on a ring of its own per
+        call, without a cache), starting at ``positions``."""
+        kinds = set(self.mixers.values())
+        if not kinds:
+            yield
+            return
+        self.cache, self.positions = cache, positions
+        saved, hooks = [], []
+        try:
+            for file in self._modules.values():
+                for name, kind in _SCANS.items():
+                    if kind in kinds and hasattr(file, name):
+                        saved.append((file, name, getattr(file, name)))
+                        setattr(file, name, getattr(self, "_" + kind))
+            for module in self._hooks_on:
+                hooks.append(module.register_forward_pre_hook(self._enter(module.layer_idx)))
+            yield
+        finally:
+            for file, name, fn in saved:
+                setattr(file, name, fn)
+            for hook in hooks:
+                hook.remove()
+            self.cache = self.positions = self.active = None
+
+    def _enter(self, layer_idx: int):
+        def hook(module, args):
+            self.active = layer_idx
+        return hook
+
+    def _ring(self, batch: int, state: tuple, like: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        if cache is None or cache.recording:
+            if cache is not None:
+                cache.layers[self.active].state_shape = tuple(int(s) for s in state)
+            return torch.zeros(batch, 1, *state, dtype=torch.float32, device=like.device)  # this call's alone
+        ring = cache.layers[self.active].states
+        if ring is None:
+            raise RuntimeError(f"ppsplit cache layer {self.active} has no recurrent state buffer bound")
+        return ring
+
+    def _gated_delta(self, query, key, value, g, beta, *args, **kwargs):
+        ring = self._ring(key.shape[0], (value.shape[2], key.shape[3], value.shape[3]), value)
+        out = torch.ops.ppsplit.gated_delta_scan(query, key, value, g, beta, ring, self.positions,
+                                                 bool(kwargs.get("use_qk_l2norm_in_kernel", False)))
+        return out, (ring if kwargs.get("output_final_state") else None)
+
+    def _ssd(self, hidden_states, dt, A, B, C, *args, D=None, z=None, dt_bias=None, dt_softplus=False,
+             dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+        """Mamba-2's ``mamba2_chunk_scan``: ``hidden_states [B, T, H, P]``, ``dt [B, T, H]``, ``A [H]``,
+        ``B, C [B, T, G, N]``; the output in float32 like the model's."""
+        if z is not None:
+            raise NotImplementedError("ppsplit's Mamba-2 scan takes no gate z (the models gate after the norm)")
+        if dt_bias is not None:
+            dt = dt + dt_bias.to(dt.dtype)
+        if dt_softplus:
+            dt = F.softplus(dt)
+        dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+        batch, _, heads, head_dim = hidden_states.shape
+        ring = self._ring(batch, (heads, head_dim, B.shape[-1]), hidden_states)
+        y = torch.ops.ppsplit.ssm_scan(hidden_states, dt, A, B, C, ring, self.positions)
+        if D is not None:
+            y = y + D[..., None] * hidden_states.float()
+        return (y, ring) if return_final_states else y
+
+    def _mamba(self, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+               return_last_state=False, **kwargs):
+        """Mamba-1's ``mamba_selective_scan``: ``hidden_states, dt [B, D, T]``, ``A [D, N]``, ``B, C [B, N, T]``;
+        each channel is a head of one element."""
+        if delta_bias is not None:
+            dt = dt + delta_bias.to(dt.dtype)[..., None]
+        if delta_softplus:
+            dt = F.softplus(dt)
+        batch, channels, _ = hidden_states.shape
+        ring = self._ring(batch, (channels, 1, A.shape[-1]), hidden_states)
+        y = torch.ops.ppsplit.ssm_scan(hidden_states.transpose(1, 2)[..., None], dt.transpose(1, 2), A,
+                                       B.transpose(1, 2)[:, :, None], C.transpose(1, 2)[:, :, None], ring,
+                                       self.positions)
+        y = y[..., 0].transpose(1, 2)
+        if D is not None:
+            y = y + hidden_states * D[None, :, None]
+        if z is not None:
+            y = y * F.silu(z)
+        return (y, ring) if return_last_state else y

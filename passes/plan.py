@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 from ppsplit.config import Balance, CostModel
 from ppsplit.errors import ConfigError, CrossingError
+from ppsplit.fx_utils import state_slots
 from ppsplit.passes.annotate import Annotated, residual_message
 from ppsplit.passes.balance import best_split, smallest_cap
 from ppsplit.passes.costs import flops_costs
@@ -68,7 +69,7 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
               hidden_size: int = 0, dtype: str = "", model_class: str = "", layers_fqn: str = "",
               max_batch: int = 0, max_len: int = 0, region_costs: RegionCosts | None = None,
               cost_model: CostModel | None = None, max_stage_bytes: int | None = None,
-              half_layers: bool = False) -> SplitPlan:
+              state_slots: int = 0, half_layers: bool = False) -> SplitPlan:
     """Compute a ``SplitPlan`` for ``pp`` stages and the given tap ids (vLLM numbering, duplicates collapse).
     ``pp`` and ``taps`` are expected valid (``SplitOptions.taps`` checks them against the model). The ``flops``
     and ``time`` policies balance ``region_costs`` (counted by ``plan`` or measured by the driver); with
@@ -86,7 +87,8 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
             return make_plan(costs, pp, taps, balance=balance, region_costs=region_costs)  # the error below
         return make_half_plan(costs, pp, taps, balance=balance, region_costs=region_costs, cost_model=cost_model,
                               max_stage_bytes=max_stage_bytes, counted=_COUNTED, hidden_size=hidden_size, dtype=dtype,
-                              model_class=model_class, layers_fqn=layers_fqn, max_batch=max_batch, max_len=max_len)
+                              model_class=model_class, layers_fqn=layers_fqn, max_batch=max_batch, max_len=max_len,
+                              state_slots=state_slots)
     num_layers = costs.num_layers
     slots = tuple(sorted(set(int(t) for t in taps)))
     memory = memory_costs(costs)
@@ -148,7 +150,8 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
     return SplitPlan(num_layers=num_layers, hidden_size=hidden_size, dtype=dtype, stages=tuple(stages), taps=slots,
                      balance=name, model_class=model_class, layers_fqn=layers_fqn, costs=costs,
                      max_batch=max_batch, max_len=max_len, region_costs=reported,
-                     cost_model=cost_model if name in _COUNTED else None, max_stage_bytes=max_stage_bytes)
+                     cost_model=cost_model if name in _COUNTED else None, max_stage_bytes=max_stage_bytes,
+                     state_slots=state_slots)
 
 
 def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers",
@@ -182,4 +185,5 @@ def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Ba
                      dtype=dtype_name(val.dtype), model_class=annotated.traced.model_class,
                      layers_fqn=annotated.layers.fqn, max_batch=cache.batch_size if cache else 0,
                      max_len=cache.max_len if cache else 0, region_costs=region, cost_model=cost_model,
-                     max_stage_bytes=max_stage_bytes, half_layers=half_layers)
+                     max_stage_bytes=max_stage_bytes, state_slots=state_slots(annotated.traced.gm),
+                     half_layers=half_layers)

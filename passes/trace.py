@@ -24,7 +24,7 @@ import ppsplit.errors
 from ppsplit.config import CacheConfig
 from ppsplit.errors import ConfigError, TraceError
 from ppsplit.fx_utils import CACHE_PREFIX, copy_buffer_persistence, set_tensor, tied_parameters
-from ppsplit.passes.kv_cache import PositionedCache
+from ppsplit.passes.kv_cache import STATE_SLOTS, PositionedCache, RecurrentScans
 from ppsplit.tensors import module_device
 
 _PREFIX = "m."  # the wrapper holds the model as ``self.m``
@@ -64,11 +64,12 @@ class _Traceable(torch.nn.Module):
         self._pass_positions = "position_ids" in accepted
         self._pass_use_cache = "use_cache" in accepted
         self._pass_mask = "attention_mask" in accepted
-        # transformers renamed `past_key_values` to `cache` in 5.24.
-        self._cache_kw = next((k for k in ("cache", "past_key_values") if k in accepted), None)
+        # transformers renamed `past_key_values` (`cache_params` in Mamba models) to `cache` in 5.24.
+        self._cache_kw = next((k for k in ("cache", "past_key_values", "cache_params") if k in accepted), None)
         self.kv = None
+        self.scans = RecurrentScans(model)
         if cache is not None:
-            refuse_uncached_state(model)
+            refuse_uncached_state(model, self.scans)
             if self._cache_kw is None:
                 raise ConfigError(f"{type(model).__name__}.forward takes no cache, so ppsplit cannot give its stages "
                                   "a KV cache; split it without cache=")
@@ -77,7 +78,10 @@ class _Traceable(torch.nn.Module):
             self.add_module(CACHE_PREFIX, torch.nn.Module())
             self.kv_cache = getattr(self, CACHE_PREFIX)
             device = module_device(model)
-            for i, cache_layer in self._record_kv_shapes(device).items():
+            recorded = self._record_kv_shapes(device)
+            # A model without attention (Mamba) sizes its padding mask by the tokens, not the cache: give none.
+            self._pass_mask = self._pass_mask and any(layer.shapes is not None for layer in recorded.values())
+            for i, cache_layer in recorded.items():
                 layer = torch.nn.Module()
                 if cache_layer.shapes is not None:
                     k_shape, v_shape, dtype = cache_layer.shapes
@@ -90,6 +94,9 @@ class _Traceable(torch.nn.Module):
                     channels, _, dtype = cache_layer.conv_shape
                     layer.register_buffer("conv_inputs", torch.zeros(cache.batch_size, channels, cache.max_len,
                                                                      dtype=dtype, device=device), persistent=False)
+                if cache_layer.state_shape is not None:  # a recurrent layer's ring of states (float32)
+                    layer.register_buffer("states", torch.zeros(cache.batch_size, STATE_SLOTS, *cache_layer.state_shape,
+                                                                device=device), persistent=False)
                 if cache_layer.indexer_shape is not None:  # a sparse-attention indexer's keys: [batch, max_len, dim]
                     shape, dtype = cache_layer.indexer_shape
                     layer.register_buffer("indexer_keys", torch.zeros(cache.batch_size, cache.max_len, *shape,
@@ -103,13 +110,18 @@ class _Traceable(torch.nn.Module):
         self.kv.positions = torch.zeros(1, dtype=torch.long, device=device)
         kwargs = {"position_ids": self.kv.positions[None]} if self._pass_positions else {}
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.scans.routed(self.kv, self.kv.positions):
                 self.m(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True,
                        **{self._cache_kw: self.kv}, **kwargs)
         finally:
             self.kv.recording = False
+        missed = sorted(i for i in self.scans.mixers if self.kv.layers[i].state_shape is None)
+        if missed:
+            raise ConfigError(f"{type(self.m).__name__}'s recurrent layers {missed} did not run the scan ppsplit routes "
+                              "to its state cache (this transformers release computes them another way); split it "
+                              "without cache=")
         shapes = {i: layer for i, layer in enumerate(self.kv.layers)
-                  if layer.shapes is not None or layer.conv_shape is not None}
+                  if layer.shapes is not None or layer.conv_shape is not None or layer.state_shape is not None}
         if not shapes:
             raise ConfigError(f"{type(self.m).__name__} wrote nothing into the cache it was given, so ppsplit cannot "
                               "give its stages a KV cache; split it without cache=")
@@ -132,7 +144,8 @@ class _Traceable(torch.nn.Module):
                 # comes from `positions`.
                 kwargs["attention_mask"] = torch.ones(input_ids.shape[0], self.max_len, dtype=torch.long,
                                                       device=input_ids.device)
-        out = self.m(input_ids=input_ids, **kwargs)
+        with self.scans.routed(self.kv, positions):
+            out = self.m(input_ids=input_ids, **kwargs)
         return out.logits if hasattr(out, "logits") else out[0]
 
 
@@ -147,21 +160,28 @@ _STATE_KINDS = {"linear_attention": "a recurrent (state-space or linear-attentio
 _STATE_MODELS = {"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"}
 
 
-def refuse_uncached_state(model: torch.nn.Module) -> None:
+def refuse_uncached_state(model: torch.nn.Module, scans: RecurrentScans | None = None) -> None:
     """Raise a ``ConfigError`` before any work when ``model`` has layers whose decoding state ppsplit's static
-    K/V cache cannot hold (state-space, linear-attention and recurrent layers)."""
+    cache cannot hold: recurrent, linear-attention or compressed layers other than the scans ``scans`` routes to
+    the cache's ring of states (Mamba-1, Mamba-2, Gated DeltaNet)."""
     config = getattr(model, "config", None)
     config = getattr(config, "text_config", None) or config
     if config is None:
         return
+    scans = scans or RecurrentScans(model)
     kinds = set()
     for attr in ("layer_types", "block_types", "layers_block_type"):
         value = getattr(config, attr, None)
         if isinstance(value, (list, tuple)):
-            kinds |= {str(v) for v in value if str(v) in _STATE_KINDS}
+            kinds |= {str(v) for i, v in enumerate(value) if str(v) in _STATE_KINDS and i not in scans.mixers}
     model_type = getattr(config, "model_type", "")
-    if model_type in _STATE_MODELS:
+    if model_type in _STATE_MODELS and (scans.unsupported or not scans.mixers):
         kinds.add("recurrent")
+    if scans.unsupported:
+        raise ConfigError(f"{type(model).__name__} ({model_type}) cannot decode through ppsplit's static cache: its "
+                          f"recurrent layers ({scans.unsupported[0]}{', ...' if len(scans.unsupported) > 1 else ''}) "
+                          "use a scan ppsplit does not route to its state cache yet (supported: Mamba-1, Mamba-2, "
+                          "Gated DeltaNet); split it without cache=")
     if kinds:
         what = "; ".join(f"{kind} layers keep {_STATE_KINDS[kind]}" for kind in sorted(kinds))
         raise ConfigError(f"{type(model).__name__} ({model_type}) cannot decode through ppsplit's static KV cache: "

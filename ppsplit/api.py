@@ -21,6 +21,7 @@ from ppsplit.passes.emit import emit
 from ppsplit.passes.fuse import fuse as fuse_kernels
 from ppsplit.passes.partition import partition
 from ppsplit.passes.plan import plan as make_split_plan
+from ppsplit.passes.projections import fuse_projections as fuse_stage_projections
 from ppsplit.passes.taps import taps as add_taps
 from ppsplit.passes.trace import trace
 from ppsplit.runtime import SplitModel
@@ -54,7 +55,8 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
                 balance: Balance = "layers", aux_convention: str = "vllm", layers: str | None = None,
                 cache: CacheConfig | None = None, fuse: Fuse | bool = True, attention: bool = True,
                 compile: bool = False, max_stage_bytes: int | None = None, cost_model: CostModel | None = None,
-                half_layers: bool = False, options: SplitOptions | None = None) -> SplitModel:
+                fuse_projections: bool = False, half_layers: bool = False,
+                options: SplitOptions | None = None) -> SplitModel:
     """Split a Hugging Face decoder LM into ``pp`` pipeline stages that carry the taps ``aux``.
 
     ``aux``: ``None`` (no taps), ``"eagle3"`` (``2, L//2, L-3``), or tap ids (``"2,16,29"`` or a list) in vLLM's
@@ -71,9 +73,13 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
     per tap; ``False`` / ``"none"`` keeps the traced ops. ``attention``: replace the attention over the static
     cache with ``ppsplit::cache_attention`` where it is provably equal (the plan says per stage). ``compile``:
     compile each stage with Inductor (``torch.compile``, no CUDA graphs inside: ``capture`` adds ppsplit's own).
+    ``fuse_projections``: sibling linears reading one input (q/k/v, gate/up) become one linear over their
+    concatenated weight per stage (``ppsplit.passes.projections``); those stages then hold the fused weight, a new
+    tensor, instead of the model's separate ones.
     ``half_layers``: stages may also end between a layer's attention block and its MLP block, where only the
     residual stream crosses (layers without such a point stay whole); every policy then costs the halves, and
-    an explicit list may count halves (``[8.5, 8, 8, 7.5]``). ``options``: all of these as one ``SplitOptions`` (then pass no other option). ``model`` may be the result
+    an explicit list may count halves (``[8.5, 8, 8, 7.5]``).
+    ``options``: all of these as one ``SplitOptions`` (then pass no other option). ``model`` may be the result
     of ``trace_model``. The stages share the model's parameters (no copy).
 
     Example::
@@ -87,7 +93,7 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
         options = SplitOptions(pp=pp, aux=aux, balance=balance, aux_convention=aux_convention, layers=layers,
                                cache=cache, fuse=fuse, attention=attention, compile=compile,
                                max_stage_bytes=max_stage_bytes, cost_model=cost_model or CostModel(),
-                               half_layers=half_layers)
+                               fuse_projections=fuse_projections, half_layers=half_layers)
     if isinstance(model, Annotated):
         traced = model
         taps = options.taps(traced.layers.num_layers)
@@ -118,6 +124,9 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
     info = traced.traced
     plan = dataclasses.replace(plan, carries=rewritten.carries, replicas=rewritten.replicas)
     stages = emit(rewritten, plan)
+    if options.fuse_projections:
+        for stage in stages:
+            stage.meta["ppsplit.projections"] = fuse_stage_projections(stage)
     if options.compile:
         from ppsplit.inductor import compile_stages
         compile_stages(stages)

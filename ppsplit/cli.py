@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, help="output folder (default: <model name>-pp<N>)")
     p.add_argument("--force", action="store_true", help="replace the output folder if it exists")
     p.add_argument("--no-fuse", action="store_true", help="keep the traced ops (no Triton tap/norm kernels)")
+    p.add_argument("--fuse-projections", action="store_true", help="fuse sibling projections (q/k/v, gate/up) "
+                   "into one linear each when the stages are loaded (the files keep the checkpoint's names)")
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder or hub id: taps from its config, "
                    "stored in DIR/drafter")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default="sglang",
@@ -148,7 +150,8 @@ def cmd_compile(args) -> int:
     from ppsplit.writer import compile_model
 
     out = args.output or f"{os.path.basename(os.path.normpath(args.model)).replace('/', '--')}-pp{args.pp}"
-    options = _options(args, cache=_cache(args), fuse="none" if args.no_fuse else "all")
+    options = _options(args, cache=_cache(args), fuse="none" if args.no_fuse else "all",
+                       fuse_projections=args.fuse_projections)
     path = compile_model(args.model, out, options=options, dtype=args.dtype, force=args.force,
                          progress=sys.stderr.isatty(), drafter=args.drafter, drafter_convention=args.drafter_convention)
     print(load_plan(path).describe())
@@ -162,7 +165,8 @@ def cmd_inspect(args) -> int:
     plan, manifest = validate(args.folder)
     print(plan.describe())
     print(f"source {manifest.get('source')}, {manifest.get('dtype')}, compiled with ppsplit {manifest.get('ppsplit')}, "
-          f"torch {manifest.get('torch')}, transformers {manifest.get('transformers')}")
+          f"torch {manifest.get('torch')}, transformers {manifest.get('transformers')}"
+          + ("; sibling projections fused at load" if manifest.get("fuse_projections") else ""))
     print(f"{'stage':>5}  {'program':<14} {'weights':<20} {'bytes':>12} {'tensors':>8}")
     for k, files in enumerate(manifest.get("stages", [])):
         program = read_json(os.path.join(args.folder, files["program"]))

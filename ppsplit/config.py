@@ -120,6 +120,7 @@ class SplitOptions:
     compile: bool = False  # compile each stage with Inductor (ppsplit's own CUDA graphs capture the result)
     max_stage_bytes: int | None = None  # per-stage cap on weights + KV cache
     cost_model: CostModel = CostModel()  # the workload of the flops and time policies
+    fuse_projections: bool = False  # sibling linears on one input (q/k/v, gate/up) -> one linear per stage
     half_layers: bool = False  # stages may also end between a layer's attention and MLP blocks
 
     def __post_init__(self):
@@ -144,6 +145,8 @@ class SplitOptions:
         if not isinstance(self.cost_model, CostModel):
             raise ConfigError(f"cost_model must be a ppsplit.CostModel(batch, tokens, context, ...), but got "
                               f"{self.cost_model!r}")
+        if not isinstance(self.fuse_projections, bool):
+            raise ConfigError(f"fuse_projections must be True or False, but got {self.fuse_projections!r}")
         if not isinstance(self.half_layers, bool):
             raise ConfigError(f"half_layers must be True (stages may end between a layer's attention and MLP blocks) "
                               f"or False, but got {self.half_layers!r}")

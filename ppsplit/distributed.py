@@ -315,6 +315,9 @@ class PipelineRank:
                 raise ConfigError("return_stats reports speculative decoding: pass num_draft_tokens too")
             if not isinstance(k, int) or isinstance(k, bool) or k < 1:
                 raise ConfigError(f"num_draft_tokens must be an integer >= 1, but got {k!r}")
+            from ppsplit.speculative import check_state_slots
+
+            check_state_slots(plan, k)
             if not isinstance(spec["temperature"], (int, float)) or spec["temperature"] < 0:
                 raise ConfigError(f"temperature must be a number >= 0, but got {spec['temperature']!r}")
         if max(lengths) + max_new_tokens + k > plan.max_len:

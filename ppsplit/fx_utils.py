@@ -15,6 +15,13 @@ def is_cache_buffer(name: str) -> bool:
     return name.startswith(CACHE_PREFIX + ".")
 
 
+def state_slots(module: torch.nn.Module) -> int:
+    """The ring slots of ``module``'s recurrent-state buffers (``kv_cache.<layer>.states [batch, slots, ...]``):
+    the longest verify pass its stages can take back; 0 when it has none."""
+    return max((b.shape[1] for n, b in module.named_buffers() if is_cache_buffer(n) and n.endswith(".states")),
+               default=0)
+
+
 def set_tensor(root: torch.nn.Module, fqn: str, tensor: torch.Tensor, *, parameter: bool, persistent: bool) -> None:
     """Register ``tensor`` on ``root`` under the dotted name ``fqn``, creating empty submodules on the way."""
     *path, leaf = fqn.split(".")

@@ -74,9 +74,11 @@ def read_program(folder: str, k: int) -> tuple[dict, fx.Graph]:
         raise ConfigError(f"{folder}/stage_{k}.json: {e}; compile the folder again") from None
 
 
-def load_stage(folder: str, k: int, device: torch.device | str = "cpu", *, compile: bool = False) -> fx.GraphModule:
+def load_stage(folder: str, k: int, device: torch.device | str = "cpu", *, compile: bool = False,
+               fuse_projections: bool | None = None) -> fx.GraphModule:
     """Stage ``k`` of a compiled folder, ready to run on ``device``: ``y, aux = stage(x, positions, aux)``.
-    ``compile=True`` compiles it with Inductor at its first call (see ``ppsplit.inductor``).
+    ``compile=True`` compiles it with Inductor at its first call (see ``ppsplit.inductor``). ``fuse_projections``:
+    fuse sibling projections (q/k/v, gate/up) into one linear each (``None``: as the folder was compiled).
 
     Example::
 
@@ -110,6 +112,11 @@ def load_stage(folder: str, k: int, device: torch.device | str = "cpu", *, compi
     copy_buffer_persistence(stage, root)
     stage.meta["ppsplit.stage"] = k
     stage.meta["ppsplit.plan"] = plan
+    if fuse_projections is None:
+        fuse_projections = bool(read_json(os.path.join(folder, "manifest.json")).get("fuse_projections"))
+    if fuse_projections:
+        from ppsplit.passes.projections import fuse_projections as fuse_stage_projections
+        stage.meta["ppsplit.projections"] = fuse_stage_projections(stage)
     if compile:
         from ppsplit.inductor import compile_stage
         compile_stage(stage)
@@ -141,8 +148,10 @@ def validate(folder: str) -> tuple[SplitPlan, dict]:
     return plan, manifest
 
 
-def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, compile: bool = False) -> SplitModel:
+def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, compile: bool = False,
+         fuse_projections: bool | None = None) -> SplitModel:
     """The whole ``SplitModel`` of a compiled folder; stage ``k`` on ``devices[k]`` (default: all on the CPU).
+    ``compile`` and ``fuse_projections`` as in ``load_stage``.
 
     Example::
 
@@ -154,7 +163,8 @@ def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, co
     devices = list(devices) if devices is not None else ["cpu"] * plan.pp
     if len(devices) != plan.pp:
         raise ConfigError(f"{folder} has {plan.pp} stages; pass one device per stage, got {len(devices)}")
-    stages = [load_stage(folder, k, devices[k], compile=compile) for k in range(plan.pp)]
+    stages = [load_stage(folder, k, devices[k], compile=compile, fuse_projections=fuse_projections)
+              for k in range(plan.pp)]
     split = SplitModel(plan, stages, eos_token_id=manifest.get("eos_token_id") or (),
                        pad_token_id=manifest.get("pad_token_id"))
     from ppsplit.drafter_load import attach_compiled_drafter

@@ -201,6 +201,7 @@ class SplitPlan:
     max_stage_bytes: int | None = None  # the per-stage cap on weights + KV cache the split was made under
     carries: tuple[Carry, ...] = ()  # values other than the residual stream that cross boundaries (partition)
     replicas: tuple[tuple[int, str, int], ...] = ()  # (stage, cache buffer, bytes): another stage's cache kept too
+    state_slots: int = 0  # ring slots of recurrent layers' states: the most tokens a verify pass can take back
 
     def __post_init__(self):
         if list(self.taps) != sorted(set(self.taps)) or any(not 0 <= t <= self.num_layers for t in self.taps):

@@ -104,6 +104,7 @@ def generate(split, input_ids: torch.Tensor, max_new_tokens: int, drafter, num_d
     if not drafter.taps or any(t not in split.plan.taps for t in drafter.taps):
         raise ConfigError(f"the drafter reads taps {list(drafter.taps)} but the split carries {list(split.plan.taps)}; "
                           "load the drafter with this split (load_drafter(path, split=split))")
+    check_state_slots(split.plan, k)
     batch, prompt = input_ids.shape
     split._check_cache(batch, prompt + max_new_tokens + k)  # a verify pass writes K positions past the last token
     if drafter.cache_keys is None or drafter.cache_keys.shape[0] < batch \
@@ -116,6 +117,14 @@ def generate(split, input_ids: torch.Tensor, max_new_tokens: int, drafter, num_d
 
     return decode(forward, input_ids, max_new_tokens, drafter, k, temperature, generator,
                   eos_token_id=split.eos_token_id, pad_token_id=split.pad_token_id)
+
+
+def check_state_slots(plan, k: int) -> None:
+    """A verify pass of ``k + 1`` tokens must fit the recurrent layers' ring of states, or rejected drafts could not
+    be taken back."""
+    if plan.state_slots and k + 1 > plan.state_slots:
+        raise ConfigError(f"num_draft_tokens={k} needs {k + 1} states per recurrent layer, but its cache keeps "
+                          f"{plan.state_slots}; use num_draft_tokens <= {plan.state_slots - 1}")
 
 
 @torch.no_grad()

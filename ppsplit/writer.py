@@ -47,9 +47,11 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     """Split the checkpoint ``model`` and write the artifacts to ``out``. Returns ``out``.
 
     The split is described by ``options`` (a ``SplitOptions``) or by the same keywords as ``split_model``
-    (``pp``, ``aux``, ``balance``, ``aux_convention``, ``cache``, ``fuse``). With ``drafter`` (an EAGLE-3
-    checkpoint), the taps come from its config (ids in ``drafter_convention`` numbering) and the drafter, with its
-    embedding copy, is stored in ``out/drafter`` (``ppsplit.load`` attaches it as ``split.drafter``).
+    (``pp``, ``aux``, ``balance``, ``aux_convention``, ``cache``, ``fuse``, ``fuse_projections``: recorded in
+    ``manifest.json`` and applied by ``load``/``load_stage``, the files keep the checkpoint's names). With
+    ``drafter`` (an EAGLE-3 checkpoint), the taps come from its config (ids in ``drafter_convention`` numbering)
+    and the drafter, with its embedding copy, is stored in ``out/drafter`` (``ppsplit.load`` attaches it as
+    ``split.drafter``).
 
     Example::
 
@@ -80,6 +82,8 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     checkpoint = Checkpoint(folder)
     torch_dtype = DTYPES[dtype] if dtype else _config_dtype(config)
 
+    # Fused projections are built when a stage is loaded: the stage files keep the checkpoint's own tensor names.
+    fuse_projections, options = options.fuse_projections, dataclasses.replace(options, fuse_projections=False)
     _make_tmp(out, probe=True)  # an unwritable destination fails now, before the slow trace
     start = time.perf_counter()
     model_obj, buffers = skeleton(config, torch_dtype)
@@ -91,7 +95,7 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
 
     tmp = _make_tmp(out)
     try:
-        _write(tmp, split, stage_specs, sources, buffers, model, torch_dtype, progress)
+        _write(tmp, split, stage_specs, sources, buffers, model, torch_dtype, progress, fuse_projections)
         if drafter is not None:
             from ppsplit.drafter_load import write_compiled_drafter
             write_compiled_drafter(tmp, drafter, split, checkpoint, tied, drafter_convention)
@@ -175,7 +179,7 @@ def _spec_bytes(spec: dict) -> int:
 
 
 def _write(tmp: str, split: SplitModel, stage_specs: list, sources: Sources, buffers: dict, source: str,
-           dtype: torch.dtype, progress: bool) -> None:
+           dtype: torch.dtype, progress: bool, fuse_projections: bool = False) -> None:
     import transformers
 
     import ppsplit
@@ -203,7 +207,8 @@ def _write(tmp: str, split: SplitModel, stage_specs: list, sources: Sources, buf
         bar.close()
     manifest = {"ppsplit": ppsplit.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
                 "source": source, "dtype": dtype_name(dtype), "stages": files,
-                "eos_token_id": list(split.eos_token_id), "pad_token_id": split.pad_token_id}
+                "eos_token_id": list(split.eos_token_id), "pad_token_id": split.pad_token_id,
+                "fuse_projections": fuse_projections}
     with open(os.path.join(tmp, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
 

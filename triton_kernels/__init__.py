@@ -7,3 +7,4 @@ from ppsplit.triton_kernels.fused_norm import (  # noqa: F401  (registers torch.
     HAVE_TRITON, KINDS, NORM_KINDS, add_norm, add_norm_store, add_store, norm, norm_reference, norm_store, tap_store,
 )
 from ppsplit.triton_kernels.attention import attention_reference, cache_attention  # noqa: F401,E402
+from ppsplit.triton_kernels.recurrent import gated_delta_scan, ssm_scan  # noqa: F401,E402

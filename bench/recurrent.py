@@ -1,0 +1,215 @@
+"""Decode step of hybrid models (recurrent layers beside attention) through ppsplit's stages, against Hugging Face's
+own cached decode, in one run. Full-size layer shapes with random bf16 weights, the layer count cut to fit one GPU:
+
+    HF cached eager      the model's forward on one new token with the cache its generate() keeps (its recurrent
+                         one-token step for Mamba / Gated DeltaNet layers, its KV cache for attention)
+    ppsplit pp=1 / pp=2  the stages with a static cache (K/V, conv inputs and a ring of recurrent states per layer),
+                         each replayed from ppsplit's CUDA graph, all stages in a row (pp=2: the sum of stages)
+
+Every variant decodes at position --position after a prompt of that length, batch --batches. Also printed: the
+greedy tokens of ppsplit (pp=2, eager) against HF's generate on the same prompt (bf16: a near tie may differ), the
+state bytes per sequence and the top kernels of ppsplit's pp=2 step.
+
+    python bench/recurrent.py                                  # nemotron-h-8b (12 layers) and qwen3-next (8 layers)
+    python bench/recurrent.py --models nemotron-h-8b --layers 16 --batches 1,32
+    python bench/recurrent.py --tiny                           # tiny shapes on the CPU: checks the script only
+"""
+import argparse
+import inspect
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+import ppsplit
+from ppsplit import CacheConfig
+from ppsplit.passes.kv_cache import STATE_SLOTS
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from shapes import config, cut  # noqa: E402
+
+warnings.filterwarnings("ignore")
+LAYERS = {"nemotron-h-8b": 12, "qwen3-next-80b-a3b": 8}
+TINY = dict(hidden_size=64, intermediate_size=128, vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16)
+TINY_BY_MODEL = {"nemotron-h-8b": dict(mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16,
+                                       chunk_size=16),
+                 "qwen3-next-80b-a3b": dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                                            linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=32, shared_expert_intermediate_size=32)}
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def timed(fn, device, reps):
+    """Median wall time of ``fn`` in microseconds (synchronised per call on the GPU)."""
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(times)
+
+
+def build(name, layers, tiny, device):
+    overrides = cut(name, layers)
+    if tiny:
+        overrides.update(TINY, **TINY_BY_MODEL[name])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config(name, **overrides), dtype=torch.bfloat16).eval()
+    return model
+
+
+def hf_decode(model, prompt, reps):
+    """One new token per call on the cache generate() would keep: the prompt prefilled once, then timed steps."""
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+        cache = getattr(out, "past_key_values", None) or getattr(out, "cache_params", None)
+        token = out.logits[:, -1:].argmax(-1)
+        accepted = inspect.signature(model.forward).parameters
+        key = next(k for k in ("cache", "past_key_values", "cache_params") if k in accepted)
+
+        def step():
+            model(token, use_cache=True, **{key: cache})
+        return timed(step, prompt.device.type, reps)
+
+
+def ppsplit_decode(traced, pp, batch, position, device, reps):
+    split = ppsplit.split_model(traced, pp)
+    runs = []
+    for k, stage in enumerate(split.stages):
+        if device == "cuda":
+            g = ppsplit.cuda_graph(stage, batch, 1)
+            g.x.copy_(torch.randint(0, 1000, (batch, 1))) if k == 0 else g.x.normal_()
+            g.positions.copy_(torch.tensor([position]))
+            runs.append(g.replay)
+        else:
+            x = torch.randint(0, 100, (batch, 1)) if k == 0 else torch.randn(batch, 1, split.plan.width(k),
+                                                                             dtype=split.dtype)
+            inputs = (x, torch.tensor([position]), split.new_aux(batch, 1, device))
+            runs.append(lambda stage=stage, inputs=inputs: stage(*inputs))
+
+    def run():
+        with torch.no_grad():
+            for r in runs:
+                r()
+    run()
+    return timed(run, device, reps), split
+
+
+def top_kernels(fn, n=8):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            r = rows.setdefault(e.name[:80], [0, 0.0])
+            r[0] += 1
+            r[1] += getattr(e, "device_time_total", None) or e.cuda_time_total
+    total = sum(v[1] for v in rows.values()) or 1.0
+    log(f"    {sum(v[0] for v in rows.values())} kernels, {total:.0f} us of device time")
+    for name, (count, us) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:n]:
+        log(f"    {us:9.0f} us {100 * us / total:5.1f}% x{count:<4} {name}")
+
+
+def bench_model(name, args, device):
+    layers = args.layers or LAYERS[name]
+    t0 = time.perf_counter()
+    model = build(name, layers, args.tiny, device)
+    params = sum(p.numel() for p in model.parameters())
+    log(f"\n== {name}, {layers} layers ({params / 1e9:.2f} B parameters), built in {time.perf_counter() - t0:.0f} s")
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    for batch in batches:
+        t0 = time.perf_counter()
+        traced = ppsplit.trace_model(model, cache=CacheConfig(batch, args.max_len))
+        state_bytes = sum(b[0].numel() * b.element_size() // b.shape[1]
+                          for n, b in traced.traced.gm.named_buffers() if n.endswith(".states"))
+        log(f"   batch {batch}: traced in {time.perf_counter() - t0:.0f} s; recurrent state per sequence "
+            f"{state_bytes / 2 ** 20:.1f} MiB (x {STATE_SLOTS} ring slots in the cache)")
+        prompt = torch.randint(3, model.config.vocab_size, (batch, args.position), device=device)
+        for label, fn in [("HF cached eager", lambda: hf_decode(model, prompt, args.reps))] + [
+                (f"ppsplit pp={pp} captured", lambda pp=pp: ppsplit_decode(traced, pp, batch, args.position, device,
+                                                                          args.reps)[0]) for pp in (1, 2)]:
+            try:
+                us = fn()
+                rows.append((batch, label, us))
+                log(f"   batch {batch:3d}  {label:24s} {us:9.1f} us")
+            except Exception as e:  # one variant failing must not hide the others
+                log(f"   batch {batch:3d}  {label:24s} FAILED: {type(e).__name__}: {str(e)[:300]}")
+                if args.verbose:
+                    traceback.print_exc()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    log(f"\n   {name} ({layers} layers), decode step at position {args.position}:")
+    log(f"   {'batch':>5} {'variant':24s} {'us':>9} {'vs HF':>7}")
+    for batch, label, us in rows:
+        hf = next((u for b, lab, u in rows if b == batch and lab.startswith("HF")), None)
+        log(f"   {batch:5d} {label:24s} {us:9.1f} {us / hf if hf else float('nan'):7.3f}")
+    try:
+        ids = torch.randint(3, model.config.vocab_size, (1, 16), device=device)
+        with torch.no_grad():
+            ref = model.generate(ids, max_new_tokens=8, do_sample=False)
+        traced = ppsplit.trace_model(model, cache=CacheConfig(1, args.max_len))
+        split = ppsplit.split_model(traced, 2)
+        got = split.generate(ids, 8)
+        log(f"   greedy 8 tokens, ppsplit pp=2 vs HF generate: {'equal' if torch.equal(got, ref) else 'DIFFER'} "
+            f"({got[0, 16:].tolist()} vs {ref[0, 16:].tolist()})")
+        if device == "cuda":
+            _, split = ppsplit_decode(traced, 2, 1, args.position, device, 1)
+            graphs = [ppsplit.cuda_graph(stage, 1, 1) for stage in split.stages]
+            log("   top kernels of ppsplit's pp=2 decode step, batch 1:")
+            top_kernels(lambda: [g.replay() for g in graphs])
+    except Exception as e:
+        log(f"   check FAILED: {type(e).__name__}: {str(e)[:300]}")
+    del model, traced
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="nemotron-h-8b,qwen3-next-80b-a3b")
+    ap.add_argument("--layers", type=int, default=0, help="layers per model (default: as many as fit, per model)")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--position", type=int, default=512)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the script only")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    if args.tiny:
+        args.position, args.max_len, args.reps = 16, 64, 3
+        args.batches = "1,2" if args.batches == "1,32" else args.batches
+    log(f"torch {torch.__version__}, transformers {transformers.__version__}, ppsplit "
+        f"{getattr(ppsplit, '__version__', '?')}, "
+        f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu (--tiny: the script is checked, not timed)'}")
+    for name in args.models.split(","):
+        try:
+            bench_model(name, args, device)
+        except Exception as e:
+            log(f"== {name} FAILED: {type(e).__name__}: {str(e)[:400]}")
+            if args.verbose:
+                traceback.print_exc()
+
+
+if __name__ == "__main__":
+    main()

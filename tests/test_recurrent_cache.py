@@ -1,0 +1,175 @@
+"""Recurrent state in the stages' cache: Gated DeltaNet (Qwen3-Next), Mamba-2 (Nemotron-H) and Mamba-1
+(Falcon-Mamba) layers keep a ring of states addressed by position, so prefill, decode and a verify pass with
+rejected drafts run through the same stages. Oracles: the unsplit Hugging Face model (logits,
+``output_hidden_states``, greedy ``generate``), which runs its own chunked scans and one-token recurrent steps."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING
+
+import ppsplit
+from ppsplit import CacheConfig
+from ppsplit.errors import ConfigError
+
+V = 128
+COMMON = dict(vocab_size=V, hidden_size=64, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+CONFIGS = {
+    "qwen3_next": dict(intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32),
+    "nemotron_h": dict(intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, layers_block_type=["mamba", "attention", "mamba", "mlp"], mamba_num_heads=8,
+                       mamba_head_dim=8, n_groups=2, ssm_state_size=16, chunk_size=16),
+    "falcon_mamba": dict(num_hidden_layers=3, state_size=8, intermediate_size=128),
+}
+RECURRENT = {"qwen3_next": (0, 2), "nemotron_h": (0, 2), "falcon_mamba": (0, 1, 2)}  # layers with a ring of states
+# Hugging Face records Mamba's hidden states after each layer, so its index j is the output of layer j (tap j + 1).
+TAP_OFFSET = {"falcon_mamba": 1}
+ARCHS = [a for a in CONFIGS if a in CONFIG_MAPPING]
+
+_models = {}
+
+
+def build(arch: str) -> torch.nn.Module:
+    if arch not in _models:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **CONFIGS[arch], **COMMON)).eval()
+        with torch.no_grad():  # random weights large enough that greedy tokens vary
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * (0.2 if arch == "falcon_mamba" else 0.02))
+        _models[arch] = model
+    return _models[arch]
+
+
+_traced = {}
+
+
+def cached(arch: str):
+    if arch not in _traced:
+        _traced[arch] = ppsplit.trace_model(build(arch), cache=CacheConfig(2, 32))
+    return _traced[arch]
+
+
+IDS = torch.randint(3, V, (2, 6), generator=torch.Generator().manual_seed(1))
+_expected = {}
+
+
+def expected(arch: str) -> torch.Tensor:
+    if arch not in _expected:
+        with torch.no_grad():
+            _expected[arch] = build(arch).generate(IDS, max_new_tokens=10, do_sample=False)
+        assert len(set(_expected[arch][:, 6:].flatten().tolist())) > 4, "degenerate reference: retune the weights"
+    return _expected[arch]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_split_with_taps_equals_hf(arch):
+    model = build(arch)
+    with torch.no_grad():
+        ref = model(IDS, output_hidden_states=True)
+    traced = ppsplit.trace_model(model)
+    taps = (1, 2)
+    for pp in (2, 3):
+        logits, aux = ppsplit.split_model(traced, pp, aux=list(taps))(IDS)
+        torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=0)
+        for slot, tap in enumerate(taps):
+            torch.testing.assert_close(aux[slot], ref.hidden_states[tap - TAP_OFFSET.get(arch, 0)], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cached_greedy_decoding_equals_hf(arch, pp):
+    split = ppsplit.split_model(cached(arch), pp)
+    buffers = {n: b for stage in split.stages for n, b in stage.named_buffers() if n.startswith("kv_cache.")}
+    for layer in RECURRENT[arch]:  # each recurrent layer: its conv inputs by position and its ring of states
+        ring = buffers[f"kv_cache.{layer}.states"]
+        assert ring.shape[:2] == (2, split.plan.state_slots) and ring.dtype == torch.float32
+        assert f"kv_cache.{layer}.conv_inputs" in buffers
+    assert split.plan.state_slots == 8
+    assert torch.equal(split.generate(IDS, 10), expected(arch))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_verify_pass_with_rejected_drafts_then_decoding_equals_hf(arch):
+    """Prefill, one verify pass of [committed token, right draft, two wrong drafts] (the wrong ones update every
+    recurrent state), then one-token steps from the first wrong position: each step must start from the state after
+    the accepted draft, not after the rejected ones, and the tokens equal HF's greedy continuation. A second verify
+    pass rejects all its drafts."""
+    split = ppsplit.split_model(cached(arch), 2)
+    split.reset_cache()
+    greedy = expected(arch)[:, 6:]
+    with torch.no_grad():
+        split(IDS, torch.arange(6))
+        wrong = (greedy[:, 2:4] + 1) % V
+        logits, _ = split(torch.cat([greedy[:, :2], wrong], dim=1), torch.arange(6, 10))
+        picked = logits.argmax(-1)
+        assert torch.equal(picked[:, :2], greedy[:, 1:3])  # the right draft is accepted, the next is greedy[2]
+        assert not torch.equal(picked[:, 2:], greedy[:, 3:5])  # the states after a wrong draft differ
+        tokens, token = [greedy[:, :2], picked[:, 1:2]], picked[:, 1:2]
+        for position in range(8, 11):
+            logits, _ = split(token, torch.tensor([position]))
+            token = logits[:, -1:].argmax(-1)
+            tokens.append(token)
+        # Verify at 11..14 with three wrong drafts: only the committed token counts, then decode from 12.
+        drafts = (greedy[:, 6:9] + 7) % V
+        logits, _ = split(torch.cat([token, drafts], dim=1), torch.arange(11, 15))
+        token = logits[:, :1].argmax(-1)
+        tokens.append(token)
+        for position in range(12, 15):
+            logits, _ = split(token, torch.tensor([position]))
+            token = logits[:, -1:].argmax(-1)
+            tokens.append(token)
+    assert torch.equal(torch.cat(tokens, dim=1), greedy)
+
+
+def test_verify_longer_than_the_ring_is_refused():
+    from ppsplit.speculative import check_state_slots
+
+    plan = ppsplit.split_model(cached(ARCHS[0]), 2).plan
+    check_state_slots(plan, plan.state_slots - 1)  # K + 1 = slots fits
+    with pytest.raises(ConfigError, match=r"num_draft_tokens <= 7"):
+        check_state_slots(plan, plan.state_slots)
+
+
+def test_recurrent_state_survives_compile_load_and_two_processes(tmp_path):
+    from tests.dist_launch import generate, launch
+
+    arch = "nemotron_h" if "nemotron_h" in ARCHS else ARCHS[0]
+    build(arch).save_pretrained(tmp_path / "ckpt")
+    folder = ppsplit.compile_model(str(tmp_path / "ckpt"), str(tmp_path / "pp2"), pp=2, cache=CacheConfig(2, 32))
+    loaded = ppsplit.load(folder)
+    assert loaded.plan.state_slots == 8
+    assert torch.equal(loaded.generate(IDS, 10), expected(arch))
+    results = launch(2, generate, folder, [IDS], 10)
+    assert results[0][0] == results[1][0] == "ok", results
+    (first, again), _ = results[0][1]
+    assert torch.equal(first[0], expected(arch)) and torch.equal(again[0], expected(arch))
+
+
+@pytest.mark.skipif("kimi_linear" not in CONFIG_MAPPING, reason="this transformers has no kimi_linear")
+def test_a_recurrence_without_a_routed_scan_is_refused_before_tracing():
+    from ppsplit.passes.trace import refuse_uncached_state
+
+    config = AutoConfig.for_model("kimi_linear", **COMMON, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError, match="does not route to its state cache"):
+        refuse_uncached_state(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+def test_captured_recurrent_stages_equal_eager_on_gpu(arch):
+    import copy
+
+    if arch not in ARCHS:
+        pytest.skip(f"this transformers has no {arch}")
+    model = copy.deepcopy(build(arch)).to("cuda", torch.bfloat16)
+    split = ppsplit.split_model(model, 2, cache=CacheConfig(2, 32))
+    prompt = IDS.cuda()
+    eager = split.generate(prompt, 10)
+    split.reset_cache()
+    split.capture(2, [prompt.shape[1], 1])
+    assert torch.equal(split.generate(prompt, 10), eager)
