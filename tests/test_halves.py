@@ -182,3 +182,29 @@ def test_flops_and_time_per_half(traced_cache):
     ids = torch.randint(3, VOCAB, (1, 5))
     with torch.no_grad():
         torch.testing.assert_close(split(ids)[0], reference(model, ids)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_caps_explicit_counts_and_cli():
+    n = 6
+    costs = ModelCosts(embed_params=50, head_params=50, layer_params=(100,) * n, embed_bytes=100, head_bytes=100,
+                       layer_bytes=(200,) * n, layer_cache_bytes=(40,) * n, mid_layers=tuple(range(n)),
+                       attn_params=(30,) * n, attn_bytes=(60,) * n)
+    # Memory per half: attention 60 + 40 (its KV cache), MLP 140; the cap holds on every stage, counted that way.
+    capped = make_plan(costs, 3, balance="params", half_layers=True, max_stage_bytes=600)
+    assert all(s.bytes + s.cache_bytes <= 600 for s in capped.stages)
+    assert sum(s.cache_bytes for s in capped.stages) == 240 and sum(s.bytes for s in capped.stages) == 1400
+    with pytest.raises(ConfigError, match=r"no split of the 6 layers \(in half layers\) into 3 stages .* smallest cap"):
+        make_plan(costs, 3, balance="params", half_layers=True, max_stage_bytes=300)
+    with pytest.raises(ConfigError, match=r"multiples of 0.5 that add up to the model's 6 decoder layers"):
+        make_plan(costs, 2, balance=[3.25, 2.75], half_layers=True)
+    explicit = make_plan(costs, 3, taps=(0, 1, 3, 4), balance=[0.5, 3, 2.5], half_layers=True)
+    assert explicit.bounds == (0, 1, 7, 12) and explicit.layer_range(0) == "0.attn"
+    assert [explicit.layer_range(k) for k in (1, 2)] == ["0.mlp-3.attn", "3.mlp-5"]
+    # An attention-only stage owns no tap: tap 1 (layer 0's output) is computed by stage 1, tap 4 by stage 2.
+    assert [explicit.owner(t) for t in (0, 1, 3, 4)] == [0, 1, 1, 2]
+    assert [explicit.filled(k) for k in range(3)] == [1, 3, 4]
+    from ppsplit.cli import _options, _parser
+
+    opts = _options(_parser().parse_args(["plan", "demo", "--pp", "2", "--half-layers", "--balance", "4.5,3.5"]))
+    assert opts.half_layers and opts.balance == [4.5, 3.5]
+    assert not _options(_parser().parse_args(["plan", "demo", "--pp", "2"])).half_layers
