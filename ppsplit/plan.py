@@ -213,8 +213,10 @@ class SplitPlan:
                 raise ValueError(f"stage {i} covers layers [{s.start}, {s.end}); stages must be contiguous, "
                                  "in order and non-empty")
             expected = s.end
-        if expected != self.num_layers or (self.stages and self.stages[-1].half_end):
+        if expected != self.num_layers:
             raise ValueError(f"stages cover {expected} layers but the model has {self.num_layers}")
+        if self.stages and self.stages[-1].half_end:
+            raise ValueError("the last stage ends in the middle of a layer; it must run the model to its end")
 
     @property
     def pp(self) -> int:
