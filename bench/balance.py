@@ -156,7 +156,8 @@ def gpu_batch(traced, batch, position, device, args):
         half = splits["time+half"].plan.region_costs
         mlp = [c - a for c, a in zip(half.layers, half.attention)]
         print(f"   per-half times measured in {measured:.0f}s: attention half median "
-              f"{statistics.median(half.attention) * 1e3:.1f} us, MLP half median {statistics.median(mlp) * 1e3:.1f} us, "
+              f"{statistics.median(half.attention) * 1e3:.1f} us, MLP half median "
+              f"{statistics.median(mlp) * 1e3:.1f} us, "
               f"layer median {statistics.median(half.layers) * 1e3:.1f} us, embedding {half.embed * 1e3:.1f} us, head "
               f"{half.head * 1e3:.1f} us, per stage {half.stage * 1e3:.1f} us", flush=True)
     repeat = 50 if device == "cuda" else 3  # replays per sample on a GPU, eager calls on the CPU

@@ -84,11 +84,11 @@ def make_half_plan(costs: ModelCosts, pp: int, taps: Sequence[int], *, balance: 
     if cap is not None:
         for k, held in enumerate(memory.span_costs(bounds)):
             if held > cap:
-                raise ConfigError(f"stage {k} of layer counts {list(_sizes(bounds))} holds {fmt_bytes(held)} of weights "
-                                  f"+ KV cache, over max_stage_bytes={max_stage_bytes} ({fmt_bytes(max_stage_bytes)}); "
-                                  "choose other counts or a policy name, which then fits the cap")
-    params = RegionCosts(layers=tuple(float(p) for p in costs.layer_params), embed=float(costs.embed_params),
-                         head=float(costs.head_params), attention=tuple(float(p) for p in costs.attn_params or (0,) * n))
+                raise ConfigError(f"stage {k} of layer counts {list(_sizes(bounds))} holds {fmt_bytes(held)} of "
+                                  f"weights + KV cache, over max_stage_bytes={max_stage_bytes} "
+                                  f"({fmt_bytes(max_stage_bytes)}); choose other counts or a policy name, which then "
+                                  "fits the cap")
+    params = half_units(costs, "params", None)
     weights = RegionCosts(layers=tuple(float(b) for b in costs.layer_bytes or (0,) * n), embed=float(costs.embed_bytes),
                           head=float(costs.head_bytes), attention=tuple(float(b) for b in costs.attn_bytes or (0,) * n))
     cache = costs.layer_cache_bytes or (0,) * n
@@ -112,11 +112,12 @@ def _bounds_of(sizes: list, pp: int, n: int, cuts: list[int]) -> list[int]:
     for h in halves:
         bounds.append(bounds[-1] + int(h))
     allowed = set(cuts)
+    mids = ", ".join(str(c // 2) for c in cuts if c % 2) or "none"
     for b in bounds:
         if b not in allowed:
             raise ConfigError(f"layer counts {sizes} cut decoder layer {b // 2} in the middle, but that layer has no "
                               "point where only the residual stream crosses between its attention and its MLP; "
-                              f"cut it whole (layers with a mid point: {', '.join(str(c // 2) for c in cuts if c % 2) or 'none'})")
+                              f"cut it whole (layers with a mid point: {mids})")
     return bounds
 
 

@@ -5,9 +5,9 @@ decode time on the last stage, so at pp=4 no whole-layer split comes within 5% o
 second point where only the residual stream is live: right after the attention block's residual add, before the
 MLP's norm. This helper finds it per layer, from the graph alone (no per-model code):
 
-- walking the layer's token-dependent nodes in graph order, the first node ``m`` shaped like the residual stream
-  entering the layer (``[B, T, H]``, floating, the same shape) such that, if the layer were cut right after ``m``, exactly one value
-  computed in the layer is read after the cut, ``m`` itself; the residual stream entering the layer is not read
+- walking the layer's token-dependent nodes in graph order, the first floating node ``m`` of the same shape as the
+  residual stream entering the layer (``[B, T, H]``) such that, if the layer were cut right after ``m``, exactly one
+  value computed in the layer is read after the cut, ``m`` itself; the residual stream entering the layer is not read
   after the cut (values that already cross the layer's own cut, like Gemma 4's per-layer inputs, may: they are
   carried); nothing writes ``m`` in place; and both sides do matrix work (so the cut is not at the layer's end).
 - a ``get_attr`` that the layer writes (its KV cache) sits where its first reader in the layer is, so the cache

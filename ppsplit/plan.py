@@ -329,7 +329,8 @@ class SplitPlan:
             d["costs"] = ModelCosts(**c)
         if d.get("region_costs") is not None:  # absent from plans written before balance policies had units
             r = d["region_costs"]
-            d["region_costs"] = RegionCosts(**{**r, "layers": tuple(r["layers"]), "attention": tuple(r.get("attention", ()))})
+            d["region_costs"] = RegionCosts(**{**r, "layers": tuple(r["layers"]),
+                                               "attention": tuple(r.get("attention", ()))})
         if d.get("cost_model") is not None:
             d["cost_model"] = CostModel(**d["cost_model"])
         return cls(**d)

@@ -124,7 +124,8 @@ def test_min_max_over_half_units_is_optimal_against_brute_force():
         pp = rng.randint(1, len(cuts) - 1)
         layers = tuple(float(rng.randint(2, 20)) for _ in range(n))
         cost = RegionCosts(layers=layers, attention=tuple(float(rng.randint(1, int(c) - 1)) for c in layers),
-                           embed=float(rng.randint(0, 20)), head=float(rng.randint(0, 30)), stage=float(rng.randint(0, 3)))
+                           embed=float(rng.randint(0, 20)), head=float(rng.randint(0, 30)),
+                           stage=float(rng.randint(0, 3)))
         memory = RegionCosts(layers=tuple(float(rng.randint(2, 10)) for _ in range(n)),
                              attention=tuple(1.0 for _ in range(n)), embed=float(rng.randint(0, 9)),
                              head=float(rng.randint(0, 9)))
