@@ -20,17 +20,20 @@ Facts about the whole graph come back in the typed result, ``Annotated``:
 - ``residuals``: for each cut, the residual stream among its values: the only one, else the one shaped
   ``[B, T, hidden_size]`` that the next layer reads, computed last (``None`` when no value or several tie).
 - ``costs``: parameter counts and bytes of the embedding, each layer, and the head.
+- ``mids``: per layer, the residual stream between its attention and MLP blocks, where a stage may also end when
+  the caller asks for half layers (``passes/halves.py``; layers without a clean point are absent).
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
 
 from ppsplit.errors import LayersNotFoundError, TraceError
 from ppsplit.fx_utils import CACHE_PREFIX
+from ppsplit.passes.halves import find_mids
 from ppsplit.passes.trace import Traced, module_path
 from ppsplit.plan import ModelCosts
 
@@ -102,6 +105,7 @@ class Annotated:
     cuts: dict[int, tuple[str, ...]]
     costs: ModelCosts
     residuals: dict[int, str | None]  # cut j -> the residual stream among cuts[j]
+    mids: dict[int, str] = field(default_factory=dict)  # layer -> residual stream after its attention (halves.py)
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -172,7 +176,7 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
     residuals = {j: _residual([by_name[name] for name in names], traced, 2 * j + 1 if j < num_layers else head_region)
                  for j, names in cuts.items()}
     return Annotated(traced=traced, layers=stack, cuts=cuts, costs=_costs(gm, nodes, num_layers, head_region),
-                     residuals=residuals)
+                     residuals=residuals, mids=find_mids(nodes, residuals, num_layers))
 
 
 def per_token_shape(node: fx.Node, traced: Traced) -> tuple | None:

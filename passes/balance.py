@@ -84,3 +84,69 @@ def _part_cost(costs: RegionCosts, pp: int):
         return (prefix[j] - prefix[i] + costs.stage + (costs.embed if k == 0 else 0.0)
                 + (costs.head if k == pp - 1 else 0.0))
     return part
+
+
+def best_bounds(cost: RegionCosts, pp: int, cuts, *, memory: RegionCosts | None = None,
+                cap: float | None = None) -> list[int] | None:
+    """``best_split`` in half layers: stage boundaries in half-layer positions (``2j`` is the start of layer ``j``,
+    ``2j + 1`` its middle), chosen among ``cuts`` (which holds ``0`` and ``2L``), minimising the largest ``cost`` of
+    a stage, then the sum of squares; ``cost.attention`` gives each layer's attention half. ``None`` when no split
+    fits the cap.
+
+    Example::
+
+        best_bounds(RegionCosts(layers=(2.0,) * 4, attention=(1.0,) * 4, head=3.0), 2, range(9))   # [0, 5, 8]
+    """
+    points = sorted(set(cuts))
+    n = len(points) - 1
+    if not 1 <= pp <= n:
+        raise ValueError(f"cannot split {n} units into {pp} non-empty stages")
+    part = _span_cost(cost, pp, points)
+    if cap is None or memory is None:
+        def fits(k, i, j):
+            return True
+    else:
+        mem = _span_cost(memory, pp, points)
+
+        def fits(k, i, j):
+            return mem(k, i, j) <= cap
+
+    best = [[_INF] * (n + 1) for _ in range(pp)]
+    for j in range(1, n - pp + 2):
+        if fits(0, 0, j):
+            best[0][j] = part(0, 0, j)
+    for k in range(1, pp):
+        for j in range(k + 1, n - pp + k + 2):
+            best[k][j] = min((max(best[k - 1][i], part(k, i, j)) for i in range(k, j) if fits(k, i, j)),
+                             default=_INF)
+    bound = best[pp - 1][n]
+    if bound == _INF:
+        return None
+    sq = [[_INF] * (n + 1) for _ in range(pp)]
+    choice = [[0] * (n + 1) for _ in range(pp)]
+    for j in range(1, n - pp + 2):
+        if part(0, 0, j) <= bound and fits(0, 0, j):
+            sq[0][j] = part(0, 0, j) ** 2
+    for k in range(1, pp):
+        for j in range(k + 1, n - pp + k + 2):
+            for i in range(k, j):
+                c = part(k, i, j)
+                if c <= bound and fits(k, i, j) and sq[k - 1][i] + c * c < sq[k][j]:
+                    sq[k][j], choice[k][j] = sq[k - 1][i] + c * c, i
+    out = [n]
+    for k in range(pp - 1, 0, -1):
+        out.append(choice[k][out[-1]])
+    out.append(0)
+    return [points[i] for i in reversed(out)]
+
+
+def _span_cost(costs: RegionCosts, pp: int, points: list[int]):
+    prefix = [0.0]
+    for j, c in enumerate(costs.layers):
+        prefix += [prefix[-1] + (costs.attention[j] if costs.attention else 0.0), prefix[-1] + c]
+    at = [prefix[p] for p in points]
+
+    def part(k: int, i: int, j: int) -> float:
+        return (at[j] - at[i] + costs.stage + (costs.embed if k == 0 else 0.0)
+                + (costs.head if k == pp - 1 else 0.0))
+    return part

@@ -53,24 +53,27 @@ class FlopCounts:
     head: sympy.Expr
     stage: sympy.Expr
     uncounted: tuple[str, ...] = ()
+    attention: tuple[sympy.Expr, ...] = ()  # per layer, the part of ``layers`` in its attention half (halves.py)
 
-    def step(self, batch: int, tokens: int, context: int) -> RegionCosts:
-        """Flops of one step of ``tokens`` new tokens for ``batch`` sequences holding ``context`` tokens."""
+    def step(self, batch: int, tokens: int, context: int, halves: bool = False) -> RegionCosts:
+        """Flops of one step of ``tokens`` new tokens for ``batch`` sequences holding ``context`` tokens; with
+        ``halves``, also each layer's attention half."""
         values = {B: batch, T: tokens, K: context + sympy.Rational(tokens + 1, 2)}
 
         def ev(e) -> float:
             return float(e.subs(values)) if isinstance(e, sympy.Expr) else float(e)
 
         return RegionCosts(layers=tuple(ev(e) for e in self.layers), embed=ev(self.embed), head=ev(self.head),
-                           stage=ev(self.stage), unit="FLOP")
+                           stage=ev(self.stage), unit="FLOP",
+                           attention=tuple(ev(e) for e in self.attention) if halves else ())
 
-    def workload(self, model: CostModel) -> RegionCosts:
+    def workload(self, model: CostModel, halves: bool = False) -> RegionCosts:
         """The ``CostModel``'s weighted sum of a decode step and a prefill step, per region."""
         parts = []
         if model.decode_weight:
-            parts.append((model.decode_weight, self.step(model.batch, model.tokens, model.context)))
+            parts.append((model.decode_weight, self.step(model.batch, model.tokens, model.context, halves)))
         if model.prefill_weight:
-            parts.append((model.prefill_weight, self.step(model.batch, model.prefill, 0)))
+            parts.append((model.prefill_weight, self.step(model.batch, model.prefill, 0, halves)))
         return weighted(parts)
 
 
@@ -79,7 +82,8 @@ def weighted(parts: list[tuple[float, RegionCosts]]) -> RegionCosts:
     first = parts[0][1]
     return RegionCosts(layers=tuple(sum(w * c.layers[i] for w, c in parts) for i in range(len(first.layers))),
                        embed=sum(w * c.embed for w, c in parts), head=sum(w * c.head for w, c in parts),
-                       stage=sum(w * c.stage for w, c in parts), unit=first.unit)
+                       stage=sum(w * c.stage for w, c in parts), unit=first.unit,
+                       attention=tuple(sum(w * c.attention[i] for w, c in parts) for i in range(len(first.attention))))
 
 
 def count_flops(annotated: Annotated) -> FlopCounts:
@@ -96,6 +100,7 @@ def count_flops(annotated: Annotated) -> FlopCounts:
     names = {info.batch_symbol: B, info.tokens_symbol: T}
     embed, head, stage = sympy.Integer(0), sympy.Integer(0), sympy.Integer(0)
     layers = [sympy.Integer(0)] * num_layers
+    attention = [sympy.Integer(0)] * num_layers
     uncounted = []
 
     def dim(d) -> sympy.Expr:
@@ -130,15 +135,19 @@ def count_flops(annotated: Annotated) -> FlopCounts:
             head += flops
         else:
             layers[(region - 1) // 2] += flops  # a between-layer region counts with the layer before
+            if node.meta.get("ppsplit.half") == 0:
+                attention[(region - 1) // 2] += flops
     if uncounted:
         log.warning("flops: %d matmuls have sizes that depend on token values and are not counted (%s)",
                     len(uncounted), ", ".join(uncounted[:5]))
-    return FlopCounts(embed=embed, layers=tuple(layers), head=head, stage=stage, uncounted=tuple(uncounted))
+    return FlopCounts(embed=embed, layers=tuple(layers), head=head, stage=stage, uncounted=tuple(uncounted),
+                      attention=tuple(attention))
 
 
-def flops_costs(annotated: Annotated, model: CostModel) -> RegionCosts:
-    """Each region's flops under the workload ``model`` (what the ``flops`` balance policy minimises)."""
-    return count_flops(annotated).workload(model)
+def flops_costs(annotated: Annotated, model: CostModel, halves: bool = False) -> RegionCosts:
+    """Each region's flops under the workload ``model`` (what the ``flops`` balance policy minimises); with
+    ``halves``, also each layer's attention half."""
+    return count_flops(annotated).workload(model, halves)
 
 
 def _flops(node: fx.Node, shape, is_keys) -> sympy.Expr | None:

@@ -53,11 +53,20 @@ def partition(annotated: Annotated, plan: SplitPlan) -> Partitioned:
         node.meta.pop("ppsplit.stage", None)
         if node.meta.get("ppsplit.token"):
             node.meta["ppsplit.stage"] = stage_of_region(plan, node.meta["ppsplit.region"])
+            if node.meta.get("ppsplit.half") == 0:  # a layer's attention half, on the stage before a mid-layer cut
+                node.meta["ppsplit.stage"] = plan.stage_of_layer(node.meta["ppsplit.region"] // 2, attention=True)
 
     by_name = {n.name: n for n in nodes}
     boundaries = {}
     for stage in plan.stages[1:]:
-        residual = annotated.residuals[stage.start]
+        if plan.starts_mid(stage.index):
+            residual = annotated.mids.get(stage.start)
+            if residual is None:
+                raise CrossingError(f"stage {stage.index} starts in the middle of decoder layer {stage.start}, which "
+                                    "has no point where only the residual stream crosses between its attention and "
+                                    "its MLP; cut it whole")
+        else:
+            residual = annotated.residuals[stage.start]
         if residual is None:
             raise CrossingError(residual_message(annotated, stage.start))
         boundaries[stage.index] = residual

@@ -26,6 +26,8 @@ from ppsplit.fx_utils import state_slots
 from ppsplit.passes.annotate import Annotated, residual_message
 from ppsplit.passes.balance import best_split, smallest_cap
 from ppsplit.passes.costs import flops_costs
+from ppsplit.passes.half_plan import make_half_plan
+from ppsplit.passes.halves import half_costs
 from ppsplit.plan import ModelCosts, RegionCosts, SplitPlan, StagePlan, fmt_bytes
 from ppsplit.tensors import dtype_name
 
@@ -67,7 +69,7 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
               hidden_size: int = 0, dtype: str = "", model_class: str = "", layers_fqn: str = "",
               max_batch: int = 0, max_len: int = 0, region_costs: RegionCosts | None = None,
               cost_model: CostModel | None = None, max_stage_bytes: int | None = None,
-              state_slots: int = 0) -> SplitPlan:
+              state_slots: int = 0, half_layers: bool = False) -> SplitPlan:
     """Compute a ``SplitPlan`` for ``pp`` stages and the given tap ids (vLLM numbering, duplicates collapse).
     ``pp`` and ``taps`` are expected valid (``SplitOptions.taps`` checks them against the model). The ``flops``
     and ``time`` policies balance ``region_costs`` (counted by ``plan`` or measured by the driver); with
@@ -76,7 +78,17 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
     Example::
 
         make_plan(costs, pp=4, taps=(2, 16, 29), balance="params", max_stage_bytes=20 << 30)
+
+    ``half_layers``: stages may also end between a layer's attention and MLP blocks, where ``costs.mid_layers``
+    says the layer has such a point (``passes/half_plan.py``).
     """
+    if half_layers and costs.mid_layers:
+        if isinstance(balance, str) and balance not in POLICIES and (balance not in _COUNTED or region_costs is None):
+            return make_plan(costs, pp, taps, balance=balance, region_costs=region_costs)  # the error below
+        return make_half_plan(costs, pp, taps, balance=balance, region_costs=region_costs, cost_model=cost_model,
+                              max_stage_bytes=max_stage_bytes, counted=_COUNTED, hidden_size=hidden_size, dtype=dtype,
+                              model_class=model_class, layers_fqn=layers_fqn, max_batch=max_batch, max_len=max_len,
+                              state_slots=state_slots)
     num_layers = costs.num_layers
     slots = tuple(sorted(set(int(t) for t in taps)))
     memory = memory_costs(costs)
@@ -144,9 +156,10 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
 
 def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers",
          cost_model: CostModel | None = None, max_stage_bytes: int | None = None,
-         measured: RegionCosts | None = None) -> SplitPlan:
+         measured: RegionCosts | None = None, half_layers: bool = False) -> SplitPlan:
     """``make_plan`` with the costs, sizes and names that the trace and annotate passes found. ``balance="flops"``
-    counts the graph's flops under ``cost_model``; ``balance="time"`` needs the driver's ``measured`` times."""
+    counts the graph's flops under ``cost_model``; ``balance="time"`` needs the driver's ``measured`` times.
+    ``half_layers``: stages may also end between a layer's attention and MLP blocks (``annotated.mids``)."""
     gm = annotated.gm
     cut0 = gm.graph.find_nodes(op="placeholder", target="input_ids")[0]
     if annotated.residuals[0] is None:
@@ -158,15 +171,19 @@ def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Ba
     cache = annotated.traced.cache
     cost_model = cost_model or CostModel()
     region = None
+    costs = annotated.costs
+    if half_layers:
+        costs = half_costs(annotated)
     if balance == "flops":
-        region = flops_costs(annotated, cost_model)
+        region = flops_costs(annotated, cost_model, halves=half_layers)
     elif balance == "time":
         if measured is None:
             raise ConfigError("balance='time' needs each layer timed on its device; ppsplit.split_model measures "
                               "them (ppsplit.measure.measure_costs), this pass only plans from the result")
         region = measured
-    return make_plan(annotated.costs, pp, taps, balance=balance, hidden_size=int(val.shape[-1]),
+    return make_plan(costs, pp, taps, balance=balance, hidden_size=int(val.shape[-1]),
                      dtype=dtype_name(val.dtype), model_class=annotated.traced.model_class,
                      layers_fqn=annotated.layers.fqn, max_batch=cache.batch_size if cache else 0,
                      max_len=cache.max_len if cache else 0, region_costs=region, cost_model=cost_model,
-                     max_stage_bytes=max_stage_bytes, state_slots=state_slots(annotated.traced.gm))
+                     max_stage_bytes=max_stage_bytes, state_slots=state_slots(annotated.traced.gm),
+                     half_layers=half_layers)

@@ -55,7 +55,8 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
                 balance: Balance = "layers", aux_convention: str = "vllm", layers: str | None = None,
                 cache: CacheConfig | None = None, fuse: Fuse | bool = True, attention: bool = True,
                 compile: bool = False, max_stage_bytes: int | None = None, cost_model: CostModel | None = None,
-                fuse_projections: bool = False, options: SplitOptions | None = None) -> SplitModel:
+                fuse_projections: bool = False, half_layers: bool = False,
+                options: SplitOptions | None = None) -> SplitModel:
     """Split a Hugging Face decoder LM into ``pp`` pipeline stages that carry the taps ``aux``.
 
     ``aux``: ``None`` (no taps), ``"eagle3"`` (``2, L//2, L-3``), or tap ids (``"2,16,29"`` or a list) in vLLM's
@@ -75,6 +76,9 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
     ``fuse_projections``: sibling linears reading one input (q/k/v, gate/up) become one linear over their
     concatenated weight per stage (``ppsplit.passes.projections``); those stages then hold the fused weight, a new
     tensor, instead of the model's separate ones.
+    ``half_layers``: stages may also end between a layer's attention block and its MLP block, where only the
+    residual stream crosses (layers without such a point stay whole); every policy then costs the halves, and
+    an explicit list may count halves (``[8.5, 8, 8, 7.5]``).
     ``options``: all of these as one ``SplitOptions`` (then pass no other option). ``model`` may be the result
     of ``trace_model``. The stages share the model's parameters (no copy).
 
@@ -89,7 +93,7 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
         options = SplitOptions(pp=pp, aux=aux, balance=balance, aux_convention=aux_convention, layers=layers,
                                cache=cache, fuse=fuse, attention=attention, compile=compile,
                                max_stage_bytes=max_stage_bytes, cost_model=cost_model or CostModel(),
-                               fuse_projections=fuse_projections)
+                               fuse_projections=fuse_projections, half_layers=half_layers)
     if isinstance(model, Annotated):
         traced = model
         taps = options.taps(traced.layers.num_layers)
@@ -104,9 +108,13 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
         traced = _trace(model, stack, options.cache)
     measured = None
     if options.balance == "time":
-        measured = measure_costs(traced, options.cost_model, fuse=options.fuse, attention=options.attention)
+        measured = measure_costs(traced, options.cost_model, fuse=options.fuse, attention=options.attention,
+                                 halves=options.half_layers)
+    if options.half_layers and not traced.mids:
+        log.warning("half_layers: no decoder layer of %s has a point between its attention and MLP blocks where only "
+                    "the residual stream crosses; planning whole layers", traced.traced.model_class)
     plan = make_split_plan(traced, options.pp, taps, balance=options.balance, cost_model=options.cost_model,
-                           max_stage_bytes=options.max_stage_bytes, measured=measured)
+                           max_stage_bytes=options.max_stage_bytes, measured=measured, half_layers=options.half_layers)
     rewritten = add_taps(partition(traced, plan), plan)
     if options.attention:
         plan = dataclasses.replace(plan, attention=cache_attention(rewritten, plan).sites)

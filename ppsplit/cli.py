@@ -108,6 +108,9 @@ def _add_split_args(p: argparse.ArgumentParser) -> None:
                         "counts like 8,9,9,6; every name minimises the slowest stage")
     p.add_argument("--max-stage-memory", default=None, metavar="SIZE",
                    help="cap on each stage's weights + KV cache, like 20GiB or 512MB")
+    p.add_argument("--half-layers", action="store_true",
+                   help="stages may also end between a layer's attention and MLP blocks (finer balance; explicit "
+                        "counts may then use halves, like 8.5,8,8,7.5)")
     p.add_argument("--cost-model", default="", metavar="K=V,...",
                    help="workload of the flops/time policies: batch, tokens, context, prefill, decode_weight, "
                         "prefill_weight (default: batch=1,tokens=1,context=1024: one decode step)")
@@ -121,13 +124,14 @@ def _options(args, **extra):
     balance = args.balance
     if balance not in BALANCE_POLICIES:
         try:
-            balance = [int(x) for x in balance.split(",")]
+            balance = [float(x) if "." in x else int(x) for x in balance.split(",")]
         except ValueError:
             raise ConfigError(f"--balance must be one of {', '.join(BALANCE_POLICIES)}, or layer counts like 8,8,8,8, "
                               f"but got {args.balance!r}") from None
     cap = parse_bytes(args.max_stage_memory) if args.max_stage_memory else None
     return SplitOptions(pp=args.pp, aux=args.aux, balance=balance, aux_convention=args.aux_convention,
-                        max_stage_bytes=cap, cost_model=CostModel.parse(args.cost_model), **extra)
+                        max_stage_bytes=cap, cost_model=CostModel.parse(args.cost_model), half_layers=args.half_layers,
+                        **extra)
 
 
 def _cache(args):

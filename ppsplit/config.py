@@ -121,6 +121,7 @@ class SplitOptions:
     max_stage_bytes: int | None = None  # per-stage cap on weights + KV cache
     cost_model: CostModel = CostModel()  # the workload of the flops and time policies
     fuse_projections: bool = False  # sibling linears on one input (q/k/v, gate/up) -> one linear per stage
+    half_layers: bool = False  # stages may also end between a layer's attention and MLP blocks
 
     def __post_init__(self):
         try:
@@ -146,6 +147,9 @@ class SplitOptions:
                               f"{self.cost_model!r}")
         if not isinstance(self.fuse_projections, bool):
             raise ConfigError(f"fuse_projections must be True or False, but got {self.fuse_projections!r}")
+        if not isinstance(self.half_layers, bool):
+            raise ConfigError(f"half_layers must be True (stages may end between a layer's attention and MLP blocks) "
+                              f"or False, but got {self.half_layers!r}")
         if isinstance(self.balance, str) and self.balance not in BALANCE_POLICIES:
             raise ConfigError(f"balance must be one of {', '.join(BALANCE_POLICIES)}, a list of layer counts, or "
                               f"f(costs, pp) -> counts, but got {self.balance!r}")

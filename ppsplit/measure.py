@@ -8,6 +8,11 @@ from positions, launch): ``(sum of the L stages - the one stage) / (L - 1)``; it
 kept as the per-stage cost, so a stage of ``n`` layers costs ``stage + sum(its layers)``. The embedding and the
 head are separated from layers 0 and L-1 by taking those layers to cost the median middle layer (only the
 display depends on this: stage 0 always runs both).
+
+With ``halves`` (``split_model(..., half_layers=True)``) the split is one *half layer* per stage instead, wherever a
+layer has a cut point between its attention and MLP blocks: each half is timed on its own, the same way, and a
+layer's cost is the sum of its two halves (``RegionCosts.attention`` keeps the first). The per-stage cost is then
+the mean over those stages, although a stage holding only MLP halves recomputes no rotary tables or masks.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ log = logging.getLogger("ppsplit")
 
 
 def measure_costs(annotated: Annotated, model: CostModel | None = None, *, fuse: Fuse = "all",
-                  attention: bool = True, rounds: int = 7) -> RegionCosts:
+                  attention: bool = True, rounds: int = 7, halves: bool = False) -> RegionCosts:
     """Milliseconds of the embedding, each layer, the head and the per-stage work under the workload ``model``.
 
     Example::
@@ -50,20 +55,24 @@ def measure_costs(annotated: Annotated, model: CostModel | None = None, *, fuse:
     device = next((t.device for t in gm.parameters()), torch.device("cpu"))
     _check_fits(annotated, model)
     num_layers = annotated.layers.num_layers
-    one = _stages(annotated, [1] * num_layers, fuse, attention)
-    whole = _stages(annotated, [num_layers], fuse, attention) if num_layers > 1 else None
+    units = [1] * num_layers
+    if halves:
+        units = [u for j in range(num_layers) for u in ((0.5, 0.5) if j in annotated.mids else (1,))]
+    one = _stages(annotated, units, fuse, attention, halves)
+    whole = _stages(annotated, [num_layers], fuse, attention) if len(units) > 1 else None
     start = time.perf_counter()
     parts = []
     for weight, tokens, position in _steps(model):
         position = position if annotated.traced.cache is not None else 0  # no cache: the step is the whole sequence
         stages = one + (whole or [])
         times = _time_stages(stages, model.batch, tokens, position, rounds)
-        per_layer = times[:num_layers]
+        per_layer = times[:len(units)]
         overhead = 0.0
         if whole is not None:
-            overhead = (sum(per_layer) - times[-1]) / (num_layers - 1)
+            overhead = (sum(per_layer) - times[-1]) / (len(units) - 1)
             overhead = min(max(overhead, 0.0), min(per_layer))  # noise must not make a layer negative
-        parts.append((weight, _regions([t - overhead for t in per_layer], overhead)))
+        net = [t - overhead for t in per_layer]
+        parts.append((weight, _half_regions(net, units, overhead) if halves else _regions(net, overhead)))
     log.info("timed %d layers on %s in %.1fs", num_layers, device, time.perf_counter() - start)
     del one, whole
     if device.type == "cuda":
@@ -78,11 +87,12 @@ def check_measurable(module: torch.nn.Module) -> None:
                           "on the meta device; load the real weights (or use balance='flops', counted from shapes)")
 
 
-def _stages(annotated: Annotated, sizes: list[int], fuse: Fuse, attention: bool) -> list[torch.nn.Module]:
+def _stages(annotated: Annotated, sizes: list, fuse: Fuse, attention: bool,
+            halves: bool = False) -> list[torch.nn.Module]:
     """The stages of the split with these layer counts, without taps, as ``split_model`` makes them: the
     attention pass too, since the traced attention it replaces can cost several times more (at batch 32 an
     8B layer's decode step took 890 us traced against 206 us with ``cache_attention``)."""
-    plan = make_split_plan(annotated, len(sizes), (), balance=sizes)
+    plan = make_split_plan(annotated, len(sizes), (), balance=sizes, half_layers=halves)
     rewritten = add_taps(partition(annotated, plan), plan)
     if attention:
         cache_attention(rewritten, plan)
@@ -123,6 +133,34 @@ def _regions(times: list[float], overhead: float) -> RegionCosts:
         layers[0] -= embed
         layers[-1] -= head
     return RegionCosts(layers=tuple(layers), embed=embed, head=head, stage=overhead, unit="ms")
+
+
+def _half_regions(times: list[float], units: list, overhead: float) -> RegionCosts:
+    """Per-unit times (a layer's two halves, or a whole layer) -> ``RegionCosts`` with ``attention``; the embedding
+    and head come out of the first and last unit as ``_regions`` takes them out of the first and last layer."""
+    layers, attn, split, k = [], [], [], 0
+    while k < len(units):
+        cut = units[k] != 1  # a layer's attention half, then its MLP half
+        layers.append(times[k] + times[k + 1] if cut else times[k])
+        attn.append(times[k] if cut else 0.0)
+        split.append(cut)
+        k += 2 if cut else 1
+    embed = head = 0.0
+    middle = range(1, len(layers) - 1)
+    if len(layers) > 2:
+        if split[0]:
+            embed = max(attn[0] - statistics.median([attn[j] for j in middle if split[j]] or [attn[0]]), 0.0)
+            attn[0] -= embed
+        else:
+            embed = max(layers[0] - statistics.median([layers[j] for j in middle]), 0.0)
+        layers[0] -= embed
+        if split[-1]:
+            mlp = [layers[j] - attn[j] for j in middle if split[j]] or [layers[-1] - attn[-1]]
+            head = max(layers[-1] - attn[-1] - statistics.median(mlp), 0.0)
+        else:
+            head = max(layers[-1] - statistics.median([layers[j] for j in middle]), 0.0)
+        layers[-1] -= head
+    return RegionCosts(layers=tuple(layers), embed=embed, head=head, stage=overhead, unit="ms", attention=tuple(attn))
 
 
 def _inputs(stage, batch: int, tokens: int, position: int):

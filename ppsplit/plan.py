@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ppsplit.config import CostModel
 
 _ELEMENT_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-PLAN_VERSION = 3  # 3: values carried beside the residual stream; 2: the fusion report is structured data
+PLAN_VERSION = 4  # 4: stages may end mid-layer; 3: values carried beside the residual stream; 2: structured fusion
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,11 @@ class ModelCosts:
     head_bytes: int = 0
     layer_bytes: tuple[int, ...] = ()
     layer_cache_bytes: tuple[int, ...] = ()  # static KV cache per layer, when the split has one
+    # Half layers (planned only when asked for): the layers with a cut point between their attention and MLP
+    # blocks, and per layer the parameters and bytes of its attention half (its KV cache is all there too).
+    mid_layers: tuple[int, ...] = ()
+    attn_params: tuple[int, ...] = ()
+    attn_bytes: tuple[int, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -49,6 +54,22 @@ class RegionCosts:
     head: float = 0.0
     stage: float = 0.0
     unit: str = ""
+    attention: tuple[float, ...] = ()  # half layers: the part of each layer's cost in its attention half
+
+    def span_costs(self, bounds) -> list[float]:
+        """The cost of each stage when stage ``k`` runs half-layer positions ``[bounds[k], bounds[k+1])``
+        (position ``2j`` is the start of layer ``j``, ``2j + 1`` its middle, after the attention block).
+
+        Example::
+
+            RegionCosts(layers=(2.0,) * 2, attention=(0.5, 0.5)).span_costs([0, 3, 4])   # [2.5, 1.5]
+        """
+        prefix = [0.0]
+        for j, c in enumerate(self.layers):
+            prefix += [prefix[-1] + (self.attention[j] if self.attention else 0.0), prefix[-1] + c]
+        last = len(bounds) - 2
+        return [prefix[q] - prefix[p] + self.stage + (self.embed if k == 0 else 0.0) + (self.head if k == last else 0.0)
+                for k, (p, q) in enumerate(zip(bounds, bounds[1:]))]
 
     def stage_costs(self, sizes) -> list[float]:
         """The cost of each stage when stage ``k`` runs the next ``sizes[k]`` layers."""
@@ -79,6 +100,7 @@ class StagePlan:
     params: int
     bytes: int
     cache_bytes: int = 0
+    half_end: bool = False  # also runs the attention half of layer ``end``; the next stage starts with its MLP half
 
     @property
     def num_layers(self) -> int:
@@ -186,12 +208,15 @@ class SplitPlan:
             raise ValueError(f"plan taps must be distinct, ascending and within [0, {self.num_layers}], got {self.taps}")
         expected = 0
         for i, s in enumerate(self.stages):
-            if s.index != i or s.start != expected or s.end <= s.start:
+            if s.index != i or s.start != expected or (s.end <= s.start and not (s.half_end and s.end == s.start
+                                                                                   and not self.starts_mid(i))):
                 raise ValueError(f"stage {i} covers layers [{s.start}, {s.end}); stages must be contiguous, "
                                  "in order and non-empty")
             expected = s.end
         if expected != self.num_layers:
             raise ValueError(f"stages cover {expected} layers but the model has {self.num_layers}")
+        if self.stages and self.stages[-1].half_end:
+            raise ValueError("the last stage ends in the middle of a layer; it must run the model to its end")
 
     @property
     def pp(self) -> int:
@@ -206,11 +231,36 @@ class SplitPlan:
         """The slowest stage's cost over the mean stage cost, under the balance policy (1.0 is even)."""
         return imbalance(s.cost for s in self.stages)
 
-    def stage_of_layer(self, layer: int) -> int:
+    def stage_of_layer(self, layer: int, attention: bool = False) -> int:
+        """The stage that computes the end of ``layer`` (its MLP half); with ``attention``, the stage that runs
+        its attention half, the one before when a stage boundary cuts the layer in the middle."""
         for s in self.stages:
+            if attention and s.half_end and s.end == layer:
+                return s.index
             if s.start <= layer < s.end:
                 return s.index
         raise ValueError(f"layer {layer} is outside [0, {self.num_layers})")
+
+    def starts_mid(self, stage: int) -> bool:
+        """Whether ``stage`` starts in the middle of its first layer (with that layer's MLP half)."""
+        return stage > 0 and self.stages[stage - 1].half_end
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """Stage boundaries in half-layer positions: ``2j`` is the start of layer ``j``, ``2j + 1`` its middle
+        (after the attention block); stage ``k`` runs ``[bounds[k], bounds[k+1])``."""
+        return (0,) + tuple(2 * s.end + s.half_end for s in self.stages)
+
+    @property
+    def sizes(self) -> tuple[float, ...]:
+        """Layers per stage, a half layer counting 0.5 (whole numbers unless a stage ends mid-layer)."""
+        b = self.bounds
+        return tuple((q - p) / 2 if self.half_layers else (q - p) // 2 for p, q in zip(b, b[1:]))
+
+    @property
+    def half_layers(self) -> bool:
+        """Whether some stage boundary falls in the middle of a layer."""
+        return any(s.half_end for s in self.stages)
 
     def owner(self, tap: int) -> int:
         """The stage that computes tap ``tap``: ``start < tap <= end``, stage 0 for tap 0."""
@@ -241,7 +291,16 @@ class SplitPlan:
         return self.hidden_size + sum(c.width for c, _ in self.carried(stage))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        # Half-layer fields are written only when used: a whole-layer plan.json keeps its older layout.
+        for s in d["stages"]:
+            if not s["half_end"]:
+                del s["half_end"]
+        for key, names in (("costs", ("mid_layers", "attn_params", "attn_bytes")), ("region_costs", ("attention",))):
+            for name in names:
+                if d.get(key) is not None and not d[key][name]:
+                    del d[key][name]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SplitPlan":
@@ -265,10 +324,13 @@ class SplitPlan:
             c = dict(d["costs"])
             c["layer_params"] = tuple(c["layer_params"])
             c["layer_bytes"] = tuple(c.get("layer_bytes", ()))
-            c["layer_cache_bytes"] = tuple(c.get("layer_cache_bytes", ()))
+            for name in ("layer_cache_bytes", "mid_layers", "attn_params", "attn_bytes"):
+                c[name] = tuple(c.get(name, ()))
             d["costs"] = ModelCosts(**c)
         if d.get("region_costs") is not None:  # absent from plans written before balance policies had units
-            d["region_costs"] = RegionCosts(**{**d["region_costs"], "layers": tuple(d["region_costs"]["layers"])})
+            r = d["region_costs"]
+            d["region_costs"] = RegionCosts(**{**r, "layers": tuple(r["layers"]),
+                                               "attention": tuple(r.get("attention", ()))})
         if d.get("cost_model") is not None:
             d["cost_model"] = CostModel(**d["cost_model"])
         return cls(**d)
@@ -291,6 +353,17 @@ class SplitPlan:
                  + (f" ({'; '.join(kinds)})" if kinds else ""),)
                 + tuple(f"attention layer {a.layer} left as traced: {a.detail}" for a in sites if not a.replaced))
 
+    def layer_range(self, stage: int) -> str:
+        """``"8-15"``; with half layers, ``"8.mlp-16.attn"`` names the halves of the layers a boundary cuts."""
+        s = self.stages[stage]
+        if not self.half_layers:
+            return f"{s.start}-{s.end - 1}"
+        if s.end == s.start:
+            return f"{s.start}.attn"
+        first = f"{s.start}.mlp" if self.starts_mid(stage) else str(s.start)
+        last = f"{s.end}.attn" if s.half_end else str(s.end - 1)
+        return first if last == str(s.start) else f"{first}-{last}"
+
     def describe(self) -> str:
         """A human-readable table of stages and taps (what ``ppsplit inspect`` prints)."""
         cache = f", KV cache {self.max_batch} x {self.max_len} tokens" if self.max_len else ""
@@ -307,6 +380,10 @@ class SplitPlan:
         if self.max_stage_bytes:
             balance += f"; cap {fmt_bytes(self.max_stage_bytes)} per stage (weights + KV cache)"
         lines.append(balance)
+        if self.half_layers:
+            cut = ", ".join(str(s.end) for s in self.stages if s.half_end)
+            lines.append(f"half layers: a stage boundary after the attention block of layer(s) {cut} (x.attn / x.mlp "
+                         "name the halves)")
         head = f"{'stage':>5}  {'layers':>9}  {'params':>12}  {'bytes':>10}  {'cost':>10}  {'taps owned':<14} {'sends':<12}"
         lines.append(head)
         for s in self.stages:
@@ -317,7 +394,7 @@ class SplitPlan:
             if s.index < self.pp - 1 and self.carried(s.index + 1):
                 sends = sends.replace("h +", f"h+{len(self.carried(s.index + 1))} +")
             cache = f"  cache {fmt_bytes(s.cache_bytes)}" if s.cache_bytes else ""
-            lines.append(f"{s.index:>5}  {f'{s.start}-{s.end - 1}':>9}  {s.params:>12,}  {fmt_bytes(s.bytes):>10}  "
+            lines.append(f"{s.index:>5}  {self.layer_range(s.index):>9}  {s.params:>12,}  {fmt_bytes(s.bytes):>10}  "
                          f"{s.cost:>10.4g}  {owned:<14} {sends:<12} {role}{cache}")
             for line in (self.fused[s.index].lines() if s.index < len(self.fused) else ()):
                 lines.append(f"{'':>7}{line}")
