@@ -89,19 +89,21 @@ def hf_decode(model, prompt, reps):
         return timed(step, prompt.device.type, reps)
 
 
-def ppsplit_decode(traced, pp, batch, position, device, reps):
+def ppsplit_decode(traced, pp, batch, position, device, reps, tokens=1):
+    """A step of ``tokens`` new tokens at ``position`` (1: decode, K + 1: verify, the prompt: prefill)."""
     split = ppsplit.split_model(traced, pp)
     runs = []
+    where = torch.arange(position, position + tokens)
     for k, stage in enumerate(split.stages):
         if device == "cuda":
-            g = ppsplit.cuda_graph(stage, batch, 1)
-            g.x.copy_(torch.randint(0, 1000, (batch, 1))) if k == 0 else g.x.normal_()
-            g.positions.copy_(torch.tensor([position]))
+            g = ppsplit.cuda_graph(stage, batch, tokens)
+            g.x.copy_(torch.randint(0, 1000, (batch, tokens))) if k == 0 else g.x.normal_()
+            g.positions.copy_(where)
             runs.append(g.replay)
         else:
-            x = torch.randint(0, 100, (batch, 1)) if k == 0 else torch.randn(batch, 1, split.plan.width(k),
-                                                                             dtype=split.dtype)
-            inputs = (x, torch.tensor([position]), split.new_aux(batch, 1, device))
+            x = torch.randint(0, 100, (batch, tokens)) if k == 0 else torch.randn(batch, tokens, split.plan.width(k),
+                                                                                  dtype=split.dtype)
+            inputs = (x, where, split.new_aux(batch, tokens, device))
             runs.append(lambda stage=stage, inputs=inputs: stage(*inputs))
 
     def run():
@@ -165,9 +167,22 @@ def bench_model(name, args, device):
         log(f"   batch {batch}: traced in {time.perf_counter() - t0:.0f} s; recurrent state per sequence "
             f"{state_bytes / 2 ** 20:.1f} MiB (x {STATE_SLOTS} ring slots in the cache)")
         prompt = torch.randint(3, model.config.vocab_size, (batch, args.position), device=device)
-        for label, fn in [("HF cached eager", lambda: hf_decode(model, prompt, args.reps))] + [
-                (f"ppsplit pp={pp} captured", lambda pp=pp: ppsplit_decode(traced, pp, batch, args.position, device,
-                                                                          args.reps)[0]) for pp in (1, 2)]:
+        variants = [("HF cached eager", lambda: hf_decode(model, prompt, args.reps))] + [
+            (f"ppsplit pp={pp} captured", lambda pp=pp: ppsplit_decode(traced, pp, batch, args.position, device,
+                                                                      args.reps)[0]) for pp in (1, 2)]
+        if args.verify:  # a verify pass of K = 4 drafts: 5 tokens, each leaving its state in the ring
+            variants.append(("ppsplit pp=2 verify T=5", lambda: ppsplit_decode(
+                traced, 2, batch, args.position, device, args.reps, tokens=5)[0]))
+        if args.prefill and batch == batches[0]:  # the prompt from position 0: the scans walk it inside the kernel
+            long_prompt = torch.randint(3, model.config.vocab_size, (batch, args.prefill), device=device)
+
+            def hf_prefill():
+                with torch.no_grad():
+                    model(long_prompt)
+            variants += [(f"HF prefill T={args.prefill}", lambda: timed(hf_prefill, device, 3)),
+                         (f"ppsplit pp=2 prefill T={args.prefill}", lambda: ppsplit_decode(
+                             traced, 2, batch, 0, device, 3, tokens=args.prefill)[0])]
+        for label, fn in variants:
             try:
                 us = fn()
                 rows.append((batch, label, us))
@@ -181,7 +196,8 @@ def bench_model(name, args, device):
     log(f"\n   {name} ({layers} layers), decode step at position {args.position}:")
     log(f"   {'batch':>5} {'variant':24s} {'us':>9} {'vs HF':>7}")
     for batch, label, us in rows:
-        hf = next((u for b, lab, u in rows if b == batch and lab.startswith("HF")), None)
+        hf = next((u for b, lab, u in rows if b == batch and lab.startswith("HF")
+                   and ("prefill" in lab) == ("prefill" in label)), None)
         log(f"   {batch:5d} {label:24s} {us:9.1f} {us / hf if hf else float('nan'):7.3f}")
     try:
         if device == "cuda":
@@ -210,6 +226,8 @@ def main():
     ap.add_argument("--position", type=int, default=512)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--verify", action="store_true", help="also a verify step of 5 tokens (K = 4 drafts)")
+    ap.add_argument("--prefill", type=int, default=0, help="also a prefill of this many tokens (first batch)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the script only")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()

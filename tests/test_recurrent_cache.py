@@ -124,6 +124,28 @@ def test_verify_pass_with_rejected_drafts_then_decoding_equals_hf(arch):
     assert torch.equal(torch.cat(tokens, dim=1), greedy)
 
 
+@pytest.mark.parametrize("arch", [a for a in ("qwen3_next", "nemotron_h") if a in ARCHS])
+def test_speculative_decoding_with_an_eagle3_drafter_equals_hf_greedy(arch, tmp_path):
+    """EAGLE-3 through pp=2 stages of a hybrid: every verify pass that rejects drafts leaves the recurrent states of
+    the rejected tokens in the ring, and the next pass must start from the state after the last accepted one. With
+    K = 7 a verify pass fills all 8 slots; K = 8 does not fit and is refused."""
+    from tests.drafters import drafter_config, random_drafter_tensors, write_drafter
+
+    model = build(arch)
+    split = ppsplit.split_model(cached(arch), 2, aux=[1, 2, 4])
+    cfg = drafter_config(model.config, aux_ids=[0, 1, 3])
+    folder = write_drafter(str(tmp_path / "drafter"), cfg, random_drafter_tensors(cfg), "safetensors")
+    drafter = ppsplit.load_drafter(folder, split=split)
+    with torch.no_grad():
+        want = model.generate(IDS, max_new_tokens=16, do_sample=False)
+    for k in (3, 7):
+        out, stats = split.generate(IDS, 16, drafter=drafter, num_draft_tokens=k, return_stats=True)
+        assert torch.equal(out, want), f"{arch} K={k}:\n{out[:, 6:]}\n{want[:, 6:]}"
+        assert stats.verify_passes > 0 and sum(stats.accepted) < k * stats.verify_passes  # drafts were rejected
+    with pytest.raises(ConfigError, match=r"num_draft_tokens <= 7"):
+        split.generate(IDS, 16, drafter=drafter, num_draft_tokens=8)
+
+
 def test_verify_longer_than_the_ring_is_refused():
     from ppsplit.speculative import check_state_slots
 
