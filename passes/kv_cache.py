@@ -29,6 +29,7 @@ The layer classes plug into Hugging Face's ``Cache`` interface (``update``, ``ge
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 
 import torch
@@ -186,33 +187,51 @@ class PositionedCache(Cache):
 
 # The scans of recurrent layers in transformers' model files, by function name: what ppsplit routes to its ops.
 _SCANS = {"torch_chunk_gated_delta_rule": "gated_delta", "torch_recurrent_gated_delta_rule": "gated_delta",
+          "chunk_kimi_delta_attention": "gated_delta", "recurrent_kimi_delta_attention": "gated_delta",
           "mamba2_chunk_scan": "ssd", "mamba_selective_scan": "mamba"}
+
+
+def _scan_called(module: torch.nn.Module) -> str | None:
+    """The kind of scan ``module.forward`` calls, if it is a recurrent layer's mixer (it has a ``layer_idx`` and its
+    model file defines the scan)."""
+    if not isinstance(getattr(module, "layer_idx", None), int):
+        return None
+    file = sys.modules.get(type(module).__module__)
+    names = [n for n in _SCANS if file is not None and hasattr(file, n)]
+    if not names:
+        return None
+    try:
+        code = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None
+    kinds = {_SCANS[n] for n in names if n + "(" in code}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 class RecurrentScans:
     """Routes a model's recurrent scans to ppsplit's ring-state ops while it runs (and is traced).
 
-    The mixers are the modules with a ``layer_idx`` and an ``A_log`` whose model file defines one of the scans
-    above; ``unsupported`` lists the other modules with an ``A_log`` (another recurrence, which the cache cannot
-    hold). Without a cache the scans are routed too, each call starting from zeros: Mamba-1's reference loop would
-    fix the token count, and exporting the chunked forms takes a minute per model for the same function."""
+    The mixers are the modules with a ``layer_idx`` whose ``forward`` calls one of the scans above, defined in its
+    model file; ``unsupported`` lists the modules with an ``A_log`` (a recurrence's decay) outside every mixer:
+    another recurrence, which the cache cannot hold. Without a cache the scans are routed too, each call starting
+    from zeros: Mamba-1's reference loop would fix the token count, and exporting the chunked forms takes a minute per
+    model for the same function."""
 
     def __init__(self, model: torch.nn.Module):
         self.mixers: dict[int, str] = {}  # layer index -> kind of scan
         self.unsupported: list[str] = []
         self._modules: dict[str, object] = {}
         self._hooks_on: list[torch.nn.Module] = []
+        inside: list[str] = []
         for name, module in model.named_modules():
-            if not hasattr(module, "A_log"):
-                continue
-            file = sys.modules.get(type(module).__module__)
-            kinds = {_SCANS[n] for n in _SCANS if file is not None and hasattr(file, n)}
-            if len(kinds) != 1 or not isinstance(getattr(module, "layer_idx", None), int):
+            kind = _scan_called(module)
+            if kind is not None:
+                self.mixers[module.layer_idx] = kind
+                self._modules[type(module).__module__] = sys.modules[type(module).__module__]
+                self._hooks_on.append(module)
+                inside.append(name + ".")
+            elif hasattr(module, "A_log") and not any(name.startswith(m) for m in inside):
                 self.unsupported.append(f"{name} ({type(module).__name__})")
-                continue
-            self.mixers[module.layer_idx] = kinds.pop()
-            self._modules[file.__name__] = file
-            self._hooks_on.append(module)
         self.cache: PositionedCache | None = None
         self.positions: torch.Tensor | None = None
         self.active: int | None = None

@@ -185,7 +185,7 @@ def refuse_uncached_state(model: torch.nn.Module, scans: RecurrentScans | None =
         raise ConfigError(f"{type(model).__name__} ({model_type}) cannot decode through ppsplit's static cache: its "
                           f"recurrent layers ({scans.unsupported[0]}{', ...' if len(scans.unsupported) > 1 else ''}) "
                           "use a scan ppsplit does not route to its state cache yet (supported: Mamba-1, Mamba-2, "
-                          "Gated DeltaNet); split it without cache=")
+                          "Gated DeltaNet, Kimi delta attention); split it without cache=")
     if kinds:
         what = "; ".join(f"{kind} layers keep {_STATE_KINDS[kind]}" for kind in sorted(kinds))
         raise ConfigError(f"{type(model).__name__} ({model_type}) cannot decode through ppsplit's static KV cache: "

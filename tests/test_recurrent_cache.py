@@ -1,6 +1,6 @@
-"""Recurrent state in the stages' cache: Gated DeltaNet (Qwen3-Next), Mamba-2 (Nemotron-H) and Mamba-1
-(Falcon-Mamba) layers keep a ring of states addressed by position, so prefill, decode and a verify pass with
-rejected drafts run through the same stages. Oracles: the unsplit Hugging Face model (logits,
+"""Recurrent state in the stages' cache: Gated DeltaNet (Qwen3-Next), Kimi's delta attention (Kimi-Linear),
+Mamba-2 (Nemotron-H) and Mamba-1 (Falcon-Mamba) layers keep a ring of states addressed by position, so prefill,
+decode and a verify pass with rejected drafts run through the same stages. Oracles: the unsplit Hugging Face model (logits,
 ``output_hidden_states``, greedy ``generate``), which runs its own chunked scans and one-token recurrent steps."""
 import pytest
 import torch
@@ -23,8 +23,14 @@ CONFIGS = {
                        head_dim=16, layers_block_type=["mamba", "attention", "mamba", "mlp"], mamba_num_heads=8,
                        mamba_head_dim=8, n_groups=2, ssm_state_size=16, chunk_size=16),
     "falcon_mamba": dict(num_hidden_layers=3, state_size=8, intermediate_size=128),
+    "kimi_linear": dict(intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
+                        qk_nope_head_dim=8, num_experts=4, num_experts_per_token=2, num_shared_experts=1,
+                        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_head_dim=16,
+                        linear_num_heads=4, linear_conv_kernel_dim=4),
 }
-RECURRENT = {"qwen3_next": (0, 2), "nemotron_h": (0, 2), "falcon_mamba": (0, 1, 2)}  # layers with a ring of states
+RECURRENT = {"qwen3_next": (0, 2), "nemotron_h": (0, 2), "falcon_mamba": (0, 1, 2),  # layers with a ring of states
+             "kimi_linear": (0, 1, 2)}  # Kimi's delta attention: a decay per key channel
 # Hugging Face records Mamba's hidden states after each layer, so its index j is the output of layer j (tap j + 1).
 TAP_OFFSET = {"falcon_mamba": 1}
 ARCHS = [a for a in CONFIGS if a in CONFIG_MAPPING]
@@ -170,15 +176,15 @@ def test_recurrent_state_survives_compile_load_and_two_processes(tmp_path):
     assert torch.equal(first[0], expected(arch)) and torch.equal(again[0], expected(arch))
 
 
-@pytest.mark.skipif("kimi_linear" not in CONFIG_MAPPING, reason="this transformers has no kimi_linear")
 def test_a_recurrence_without_a_routed_scan_is_refused_before_tracing():
-    from ppsplit.passes.trace import refuse_uncached_state
+    """A decay parameter (``A_log``) outside every routed mixer means a recurrence whose state the cache would not
+    keep: refused before any trace, rather than decoded from a zero state."""
+    from tests.models import tiny_model
 
-    config = AutoConfig.for_model("kimi_linear", **COMMON, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2)
-    model = AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ConfigError, match="does not route to its state cache"):
-        refuse_uncached_state(model)
+    model = tiny_model("llama")
+    model.model.layers[1].mlp.A_log = torch.nn.Parameter(torch.zeros(4))  # a recurrence ppsplit does not know
+    with pytest.raises(ConfigError, match=r"model.layers.1.mlp \(LlamaMLP\).*does not route to its state cache"):
+        ppsplit.trace_model(model, cache=CacheConfig(2, 32))
 
 
 @pytest.mark.gpu
@@ -214,6 +220,10 @@ def _scan_cases(device):
         yield ("gated_delta", r.gated_delta_reference, r.launch_gated_delta,
                (rand(batch, tokens, 2, 16), rand(batch, tokens, 2, 16), rand(batch, tokens, 4, 24),
                 -rand(batch, tokens, 4).abs(), rand(batch, tokens, 4).sigmoid()),
+               rand(3, slots, 4, 16, 24), positions, (True,))
+        yield ("kimi_delta", r.gated_delta_reference, r.launch_gated_delta,  # a decay per key channel
+               (rand(batch, tokens, 4, 16), rand(batch, tokens, 4, 16), rand(batch, tokens, 4, 24),
+                -rand(batch, tokens, 4, 16).abs(), rand(batch, tokens, 4).sigmoid()),
                rand(3, slots, 4, 16, 24), positions, (True,))
         yield ("mamba2", r.ssm_scan_reference, r.launch_ssm_scan,
                (rand(batch, tokens, 4, 8), rand(batch, tokens, 4).abs(), -rand(4).abs(), rand(batch, tokens, 2, 16),

@@ -11,7 +11,8 @@ token. Nothing is copied or re-run on rejection.
 
 The scans run token by token in float32, with the published recurrences:
 
-- ``gated_delta_scan`` (Gated DeltaNet, Qwen3-Next / Qwen3.5 linear attention; Yang et al. 2024):
+- ``gated_delta_scan`` (Gated DeltaNet, Qwen3-Next / Qwen3.5 linear attention; Yang et al. 2024; and Kimi's delta
+  attention, whose decay ``g`` has one entry per key channel):
   ``S = S * exp(g_t); S += k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t`` with ``q, k`` L2-normalised (when
   asked) and ``q`` scaled by ``1 / sqrt(d_k)``; the state is ``[heads, d_k, d_v]``.
 - ``ssm_scan`` (Mamba's selective scan, Mamba-1 and Mamba-2 / SSD): ``h = exp(dt_t A) h + dt_t x_t B_t^T;
@@ -62,7 +63,8 @@ def _keep(ring: torch.Tensor, positions: torch.Tensor, t: int, tokens: int, stat
 def gated_delta_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                           beta: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, l2norm: bool) -> torch.Tensor:
     """Gated delta rule over ``query, key [B, T, Hk, Dk]``, ``value [B, T, Hv, Dv]``, ``g, beta [B, T, Hv]`` (``Hk``
-    divides ``Hv``: each key head serves ``Hv / Hk`` consecutive value heads), starting from and writing the ring
+    divides ``Hv``: each key head serves ``Hv / Hk`` consecutive value heads; ``g [B, T, Hv, Dk]`` decays each key
+    channel on its own, as Kimi's delta attention does), starting from and writing the ring
     ``[B', R, Hv, Dk, Dv]`` (float32) at ``positions [T]``. Returns ``[B, T, Hv, Dv]`` in the query's dtype."""
     batch, tokens, k_heads, _ = key.shape
     v_heads = value.shape[2]
@@ -77,8 +79,9 @@ def gated_delta_reference(query: torch.Tensor, key: torch.Tensor, value: torch.T
     rows = _ring_rows(ring, batch)
     state = _start_state(rows, positions)  # [B, Hv, Dk, Dv]
     out = []
+    per_key = gate.dim() == 4  # Kimi's delta attention: one decay per key channel, not per head
     for t in range(tokens):
-        state = state * gate[:, t].exp()[..., None, None]
+        state = state * (gate[:, t].exp()[..., None] if per_key else gate[:, t].exp()[..., None, None])
         remembered = (state * k[:, t, :, :, None]).sum(-2)  # S^T k: [B, Hv, Dv]
         delta = (v[:, t] - remembered) * b[:, t, :, None]
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
@@ -118,7 +121,8 @@ if HAVE_TRITON:
     def _gated_delta_kernel(q, k, v, g, beta, ring, positions, out, T, R, HV, GROUP, scale,
                             sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sgb, sgt, sgh, sbb, sbt, sbh,
                             srb, srs, srh, sob, sot, soh,
-                            DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr):
+                            DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
+                            G_PER_KEY: tl.constexpr):
         pid = tl.program_id(0)
         b, h = pid // HV, pid % HV
         hk = h // GROUP
@@ -138,9 +142,12 @@ if HAVE_TRITON:
                 qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6)
             qt = qt * scale
             vt = tl.load(v + b * svb + t * svt + h * svh + dv, mask=vmask, other=0.0).to(tl.float32)
-            gt = tl.load(g + b * sgb + t * sgt + h * sgh).to(tl.float32)
             bt = tl.load(beta + b * sbb + t * sbt + h * sbh).to(tl.float32)
-            state = state * tl.exp(gt)
+            if G_PER_KEY:
+                gk = tl.load(g + b * sgb + t * sgt + h * sgh + dk).to(tl.float32)
+                state = state * tl.exp(gk)[:, None]
+            else:
+                state = state * tl.exp(tl.load(g + b * sgb + t * sgt + h * sgh).to(tl.float32))
             remembered = tl.sum(state * kt[:, None], 0)
             delta = (vt - remembered) * bt
             state = state + kt[:, None] * delta[None, :]
@@ -196,13 +203,14 @@ def launch_gated_delta(query, key, value, g, beta, ring, positions, l2norm: bool
     v_heads, dv = value.shape[2], value.shape[3]
     if dk != _pow2(dk):
         raise ValueError(f"gated_delta_scan's kernel needs a power-of-two key head dim, got {dk}")
-    query, key, value = _last_dim_contiguous(query, key, value)
+    query, key, value, g = _last_dim_contiguous(query, key, value, g)
     out = torch.empty(batch, tokens, v_heads, dv, dtype=query.dtype, device=query.device)
     block_v = min(_pow2(dv), 32)
     wrap(_gated_delta_kernel)[(batch * v_heads, triton.cdiv(dv, block_v))](
         query, key, value, g, beta, ring, positions, out, tokens, ring.shape[1], v_heads, v_heads // k_heads,
         dk ** -0.5, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *g.stride()[:3], *beta.stride()[:3],
-        *ring.stride()[:3], *out.stride()[:3], DK=dk, DV=dv, BLOCK_V=block_v, L2NORM=l2norm, num_warps=4)
+        *ring.stride()[:3], *out.stride()[:3], DK=dk, DV=dv, BLOCK_V=block_v, L2NORM=l2norm,
+        G_PER_KEY=g.dim() == 4, num_warps=4)
     return out
 
 
