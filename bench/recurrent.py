@@ -31,6 +31,7 @@ from ppsplit import CacheConfig
 from ppsplit.passes.kv_cache import STATE_SLOTS
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from peer import top_kernels  # noqa: E402
 from shapes import config, cut  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -112,26 +113,6 @@ def ppsplit_decode(traced, pp, batch, position, device, reps, tokens=1):
                 r()
     run()
     return timed(run, device, reps), split
-
-
-def top_kernels(fn, n=8):
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    rows = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            r = rows.setdefault(e.name[:80], [0, 0.0])
-            r[0] += 1
-            r[1] += getattr(e, "device_time_total", None) or e.cuda_time_total
-    total = sum(v[1] for v in rows.values()) or 1.0
-    log(f"    {sum(v[0] for v in rows.values())} kernels, {total:.0f} us of device time")
-    for name, (count, us) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:n]:
-        log(f"    {us:9.0f} us {100 * us / total:5.1f}% x{count:<4} {name}")
 
 
 def check_greedy(model, max_len, device):
