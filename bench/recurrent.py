@@ -28,7 +28,6 @@ from transformers import AutoModelForCausalLM
 
 import ppsplit
 from ppsplit import CacheConfig
-from ppsplit.passes.kv_cache import STATE_SLOTS
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from peer import top_kernels  # noqa: E402
@@ -146,7 +145,7 @@ def bench_model(name, args, device):
         state_bytes = sum(b[0].numel() * b.element_size() // b.shape[1]
                           for n, b in traced.traced.gm.named_buffers() if n.endswith(".states"))
         log(f"   batch {batch}: traced in {time.perf_counter() - t0:.0f} s; recurrent state per sequence "
-            f"{state_bytes / 2 ** 20:.1f} MiB (x {STATE_SLOTS} ring slots in the cache)")
+            f"{state_bytes / 2 ** 20:.1f} MiB (x {traced.traced.cache.state_slots} ring slots in the cache)")
         prompt = torch.randint(3, model.config.vocab_size, (batch, args.position), device=device)
         variants = [("HF cached eager", lambda: hf_decode(model, prompt, args.reps))] + [
             (f"ppsplit pp={pp} captured", lambda pp=pp: ppsplit_decode(traced, pp, batch, args.position, device,

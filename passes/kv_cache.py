@@ -15,9 +15,10 @@ position too: a verify pass's rejected drafts are overwritten like their keys, a
 one graph.
 
 A recurrent layer (Mamba-1, Mamba-2 / SSD, Gated DeltaNet) keeps a ring ``kv_cache.<layer>.states`` of
-``[batch_size, STATE_SLOTS, *state]`` float32 states, the state after position ``p`` in slot ``p % STATE_SLOTS``
+``[batch_size, S, *state]`` float32 states (``S = CacheConfig.state_slots``), the state after position ``p`` in
+slot ``p % S``
 (``ppsplit/triton_kernels/recurrent.py``): a step starts from the state before its first position and keeps the
-state after each of its last tokens, so a verify pass of up to ``STATE_SLOTS`` tokens leaves behind the state
+state after each of its last tokens, so a verify pass of up to ``S`` tokens leaves behind the state
 after every one of them and the next step picks the one after the last accepted token. The layer's scan (the
 model file's ``mamba_selective_scan``, ``mamba2_chunk_scan`` or ``torch_chunk_gated_delta_rule``) is routed to
 ppsplit's op while tracing (``RecurrentScans``); the rest of the layer runs as the model wrote it, its short
@@ -38,8 +39,6 @@ from transformers.cache_utils import Cache, StaticLayer
 
 import ppsplit.triton_kernels.recurrent  # noqa: F401  (registers torch.ops.ppsplit.gated_delta_scan / ssm_scan)
 
-# Ring slots per recurrent layer: the longest verify pass (K drafts + 1) the stages can take back.
-STATE_SLOTS = 8
 
 
 class _PositionedLayer(StaticLayer):

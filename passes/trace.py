@@ -24,7 +24,7 @@ import ppsplit.errors
 from ppsplit.config import CacheConfig
 from ppsplit.errors import ConfigError, TraceError
 from ppsplit.fx_utils import CACHE_PREFIX, copy_buffer_persistence, set_tensor, tied_parameters
-from ppsplit.passes.kv_cache import STATE_SLOTS, PositionedCache, RecurrentScans
+from ppsplit.passes.kv_cache import PositionedCache, RecurrentScans
 from ppsplit.tensors import module_device
 
 _PREFIX = "m."  # the wrapper holds the model as ``self.m``
@@ -99,7 +99,7 @@ class _Traceable(torch.nn.Module):
                     layer.register_buffer("conv_inputs", torch.zeros(cache.batch_size, channels, cache.max_len,
                                                                      dtype=dtype, device=device), persistent=False)
                 if cache_layer.state_shape is not None:  # a recurrent layer's ring of states (float32)
-                    layer.register_buffer("states", torch.zeros(cache.batch_size, STATE_SLOTS, *cache_layer.state_shape,
+                    layer.register_buffer("states", torch.zeros(cache.batch_size, cache.state_slots, *cache_layer.state_shape,
                                                                 device=device), persistent=False)
                 if cache_layer.indexer_shape is not None:  # a sparse-attention indexer's keys: [batch, max_len, dim]
                     shape, dtype = cache_layer.indexer_shape

@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the config's)")
     p.add_argument("--max-batch", type=int, default=None, help="give every stage a static KV cache of this batch")
     p.add_argument("--max-len", type=int, default=None, help="... and this many tokens (prompt included)")
+    p.add_argument("--state-slots", type=int, default=8, help="states per recurrent layer (Mamba, Gated DeltaNet) "
+                   "and sequence: verify passes of up to this many tokens (K + 1) can be taken back")
     p.add_argument("-o", "--output", default=None, help="output folder (default: <model name>-pp<N>)")
     p.add_argument("--force", action="store_true", help="replace the output folder if it exists")
     p.add_argument("--no-fuse", action="store_true", help="keep the traced ops (no Triton tap/norm kernels)")
@@ -142,7 +144,7 @@ def _cache(args):
         return None
     if args.max_batch is None or args.max_len is None:
         raise ConfigError("--max-batch and --max-len go together: pass both to give the stages a KV cache")
-    return CacheConfig(batch_size=args.max_batch, max_len=args.max_len)
+    return CacheConfig(batch_size=args.max_batch, max_len=args.max_len, state_slots=getattr(args, "state_slots", 8))
 
 
 def cmd_compile(args) -> int:

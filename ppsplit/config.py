@@ -28,6 +28,8 @@ _FUSE_SPELLINGS = {True: "all", False: "none", "all": "all", "norms": "norms", "
 @dataclass(frozen=True)
 class CacheConfig:
     """A static KV cache for up to ``batch_size`` sequences of up to ``max_len`` tokens (prompt included).
+    ``state_slots``: states each recurrent layer (Mamba, Gated DeltaNet) keeps per sequence, the longest verify pass
+    (``K + 1`` tokens) the stages can take back; models without such layers ignore it.
 
     Example::
 
@@ -36,9 +38,10 @@ class CacheConfig:
 
     batch_size: int
     max_len: int
+    state_slots: int = 8
 
     def __post_init__(self):
-        for name in ("batch_size", "max_len"):
+        for name in ("batch_size", "max_len", "state_slots"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"CacheConfig.{name} must be a positive integer, but got {value!r}")

@@ -161,6 +161,21 @@ def test_verify_longer_than_the_ring_is_refused():
         check_state_slots(plan, plan.state_slots)
 
 
+def test_the_ring_size_follows_the_cache_config():
+    from ppsplit.speculative import check_state_slots
+
+    arch = "falcon_mamba" if "falcon_mamba" in ARCHS else ARCHS[0]
+    split = ppsplit.split_model(build(arch), 2, cache=CacheConfig(2, 32, state_slots=4))
+    rings = [b for stage in split.stages for n, b in stage.named_buffers() if n.endswith(".states")]
+    assert rings and all(r.shape[1] == 4 for r in rings) and split.plan.state_slots == 4
+    assert torch.equal(split.generate(IDS, 10), expected(arch))
+    check_state_slots(split.plan, 3)
+    with pytest.raises(ConfigError, match=r"num_draft_tokens <= 3"):
+        check_state_slots(split.plan, 4)
+    with pytest.raises(ConfigError, match="CacheConfig.state_slots must be a positive integer"):
+        CacheConfig(2, 32, state_slots=0)
+
+
 def test_recurrent_state_survives_compile_load_and_two_processes(tmp_path):
     from tests.dist_launch import generate, launch
 
