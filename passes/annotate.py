@@ -199,7 +199,9 @@ def per_token_layout(node: fx.Node, traced: Traced) -> tuple[int, tuple] | None:
 
 
 def _is_symbol(dim, symbol: str) -> bool:
-    return isinstance(dim, torch.SymInt) and str(dim.node.expr) == symbol if symbol else isinstance(dim, int)
+    if isinstance(dim, int):  # a static size; or a size export fixed to the example (a batch of the cache's rows)
+        return not symbol or symbol == str(dim)
+    return isinstance(dim, torch.SymInt) and str(dim.node.expr) == symbol
 
 
 def residual_message(annotated: "Annotated", j: int) -> str:

@@ -211,8 +211,8 @@ def test_shared_kv_across_stages_keeps_a_replica_and_equals_hf(ids):
 
 
 def test_zamba2_shared_block_reads_the_embedding_on_every_stage():
-    # Zamba2's shared attention blocks read the original embedding beside the residual stream. It is a Mamba-2
-    # hybrid, so it splits without a cache (a cache for its state-space layers is refused up front).
+    # Zamba2's shared attention blocks read the original embedding beside the residual stream; its Mamba-2 layers
+    # keep their state in the cache's ring (tests/test_recurrent_cache.py), so it decodes through the stages too.
     if "zamba2" not in CONFIG_MAPPING:
         pytest.skip("this transformers has no zamba2")
     torch.manual_seed(0)
@@ -232,6 +232,13 @@ def test_zamba2_shared_block_reads_the_embedding_on_every_stage():
         torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=0)
         for slot, tap in enumerate((1, 3)):
             torch.testing.assert_close(aux[slot], ref.hidden_states[tap], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=8, do_sample=False)
+    cached = ppsplit.trace_model(model, cache=CacheConfig(2, 32))  # export fixes the batch to the cache's 2 rows
+    for pp in (2, 3):
+        split = ppsplit.split_model(cached, pp)
+        assert split.plan.carries and split.plan.state_slots
+        assert torch.equal(split.generate(ids, 8), expected), pp
 
 
 @pytest.mark.gpu
