@@ -63,6 +63,20 @@ def test_triton_kernels_match_fp64(case, decode):
     torch.testing.assert_close(out.double(), _reference64(*args), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("n_splits", [17, 40])
+def test_split_kv_combine_over_many_splits_matches_fp64(n_splits):
+    """More splits than the combine step reads at once (16), some of them past the live length (empty): the
+    partials are rescaled chunk by chunk."""
+    extras = dict(sinks=True) if n_splits == 40 else {}
+    args = _kernel_inputs(1, 1, 8, 2, 2, 3000, 64, 2900, extras, seed=n_splits)
+    args[1][:, :, 2000:2902] *= 3  # the largest scores in a later chunk of splits: earlier partials get rescaled
+    out = torch.full((1, 2, 8, 64), float("nan")).transpose(1, 2)
+    launch_cache_attention(*args, out=out, decode=True, n_splits=n_splits)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), _reference64(*args), atol=2e-5, rtol=2e-5)
+
+
 def test_cpu_op_matches_fp64():
     for case, (batch, rows, hq, hkv, tokens, max_len, dim, start, extras) in enumerate(KERNEL_CASES):
         args = list(_kernel_inputs(batch, rows, hq, hkv, tokens, max_len, dim, start, extras, seed=case))

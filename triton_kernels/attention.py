@@ -179,7 +179,7 @@ if HAVE_TRITON:
     @triton.jit
     def _combine_kernel(M_IN, L_IN, ACC_IN, SINKS, O, sob, soh, sot, T, Hkv, n_splits,
                         G: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-                        HAS_SINKS: tl.constexpr):
+                        HAS_SINKS: tl.constexpr, SPLITS: tl.constexpr):
         bh = tl.program_id(0)
         r = tl.program_id(1)  # one row: query head kvh*G + r // T, token r % T
         b = bh // Hkv
@@ -187,16 +187,22 @@ if HAVE_TRITON:
         h = kvh * G + r // T
         t = r % T
         dv = tl.arange(0, BLOCK_DV)
+        # SPLITS partials at a time, rescaled online: a few wide loads instead of 2 x n_splits dependent ones.
         m = tl.full([1], -1.0e30, dtype=tl.float32)
-        for s in range(0, n_splits):
-            m = tl.maximum(m, tl.load(M_IN + (bh * n_splits + s) * BLOCK_M + r + tl.zeros([1], dtype=tl.int32)))
         l_sum = tl.zeros([1], dtype=tl.float32)
         acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-        for s in range(0, n_splits):
+        for s0 in range(0, n_splits, SPLITS):
+            s = s0 + tl.arange(0, SPLITS)
+            live = s < n_splits
             part = (bh * n_splits + s) * BLOCK_M + r
-            w = tl.exp2(tl.load(M_IN + part + tl.zeros([1], dtype=tl.int32)) - m)
-            l_sum += w * tl.load(L_IN + part + tl.zeros([1], dtype=tl.int32))
-            acc += tl.sum(w[:, None] * tl.load(ACC_IN + part.to(tl.int64) * BLOCK_DV + dv)[None, :], axis=0)
+            ms = tl.load(M_IN + part, mask=live, other=-1.0e30)
+            m_new = tl.maximum(m, tl.max(ms, axis=0))
+            rescale = tl.exp2(m - m_new)
+            w = tl.where(live, tl.exp2(ms - m_new), 0.0)
+            l_sum = l_sum * rescale + tl.sum(w * tl.load(L_IN + part, mask=live, other=0.0), axis=0)
+            parts = tl.load(ACC_IN + part[:, None].to(tl.int64) * BLOCK_DV + dv[None, :], mask=live[:, None], other=0.0)
+            acc = acc * rescale + tl.sum(w[:, None] * parts, axis=0)
+            m = m_new
         if HAS_SINKS:
             sink = tl.load(SINKS + h + tl.zeros([1], dtype=tl.int32)).to(tl.float32) * 1.4426950408889634
             l_sum += tl.exp2(sink - m)
@@ -297,7 +303,8 @@ def launch_cache_attention(q, k, v, positions, scale: float, window: int = 0, so
         wrap(_combine_kernel)[(B * Hkv, G * T)](
             m_part, l_part, acc_part, sinks if sinks is not None else dummy, out,
             out.stride(0), out.stride(1), out.stride(2), T, Hkv, n_splits,
-            G=G, DV=Dv, BLOCK_M=block_m, BLOCK_DV=block_dv, HAS_SINKS=sinks is not None, num_warps=1)
+            G=G, DV=Dv, BLOCK_M=block_m, BLOCK_DV=block_dv, HAS_SINKS=sinks is not None,
+            SPLITS=16, num_warps=4 if n_splits > 4 else 1)
     else:
         big = max(block_d, block_dv) > 128
         block_m, block_n = (64, 32) if big else (128, 64)
