@@ -25,48 +25,9 @@ def best_split(cost: RegionCosts, pp: int, *, memory: RegionCosts | None = None,
     if not 1 <= pp <= n:
         raise ValueError(f"cannot split {n} layers into {pp} non-empty stages")
     part = _part_cost(cost, pp)
-    if cap is None or memory is None:
-        def fits(k, i, j):
-            return True
-    else:
-        mem = _part_cost(memory, pp)
-
-        def fits(k, i, j):
-            return mem(k, i, j) <= cap
-
-    # best[k][j]: the smallest possible largest stage when stages 0..k cover layers [0, j).
-    best = [[_INF] * (n + 1) for _ in range(pp)]
-    for j in range(1, n - pp + 2):
-        if fits(0, 0, j):
-            best[0][j] = part(0, 0, j)
-    for k in range(1, pp):
-        for j in range(k + 1, n - pp + k + 2):
-            best[k][j] = min((max(best[k - 1][i], part(k, i, j)) for i in range(k, j) if fits(k, i, j)),
-                             default=_INF)
-    bound = best[pp - 1][n]
-    if bound == _INF:
-        return None
-
-    # Among the splits whose stages all stay within the bound, the most even one.
-    sq = [[_INF] * (n + 1) for _ in range(pp)]
-    choice = [[0] * (n + 1) for _ in range(pp)]
-    for j in range(1, n - pp + 2):
-        if part(0, 0, j) <= bound and fits(0, 0, j):
-            sq[0][j] = part(0, 0, j) ** 2
-    for k in range(1, pp):
-        for j in range(k + 1, n - pp + k + 2):
-            for i in range(k, j):
-                c = part(k, i, j)
-                if c <= bound and fits(k, i, j) and sq[k - 1][i] + c * c < sq[k][j]:
-                    sq[k][j], choice[k][j] = sq[k - 1][i] + c * c, i
-    sizes = []
-    j = n
-    for k in range(pp - 1, 0, -1):
-        i = choice[k][j]
-        sizes.append(j - i)
-        j = i
-    sizes.append(j)
-    return sizes[::-1]
+    mem = _part_cost(memory, pp) if cap is not None and memory is not None else None
+    bounds = _min_max_bounds(part, mem, cap, n, pp)
+    return None if bounds is None else [j - i for i, j in zip(bounds, bounds[1:])]
 
 
 def smallest_cap(memory: RegionCosts, pp: int) -> float:
@@ -102,15 +63,19 @@ def best_bounds(cost: RegionCosts, pp: int, cuts, *, memory: RegionCosts | None 
     if not 1 <= pp <= n:
         raise ValueError(f"cannot split {n} units into {pp} non-empty stages")
     part = _span_cost(cost, pp, points)
-    if cap is None or memory is None:
-        def fits(k, i, j):
-            return True
-    else:
-        mem = _span_cost(memory, pp, points)
+    mem = _span_cost(memory, pp, points) if cap is not None and memory is not None else None
+    bounds = _min_max_bounds(part, mem, cap, n, pp)
+    return None if bounds is None else [points[i] for i in bounds]
 
-        def fits(k, i, j):
-            return mem(k, i, j) <= cap
 
+def _min_max_bounds(part, mem, cap, n: int, pp: int) -> list[int] | None:
+    """The boundaries ``[0, ..., n]`` of ``pp`` contiguous non-empty stages over ``n`` units minimising the largest
+    ``part(k, i, j)`` (stage ``k`` covering units ``[i, j)``), then the sum of squares, with ``mem(k, i, j) <= cap``
+    when ``mem`` is given; ``None`` when no split fits."""
+    def fits(k, i, j):
+        return mem is None or mem(k, i, j) <= cap
+
+    # best[k][j]: the smallest possible largest stage when stages 0..k cover units [0, j).
     best = [[_INF] * (n + 1) for _ in range(pp)]
     for j in range(1, n - pp + 2):
         if fits(0, 0, j):
@@ -122,6 +87,8 @@ def best_bounds(cost: RegionCosts, pp: int, cuts, *, memory: RegionCosts | None 
     bound = best[pp - 1][n]
     if bound == _INF:
         return None
+
+    # Among the splits whose stages all stay within the bound, the most even one.
     sq = [[_INF] * (n + 1) for _ in range(pp)]
     choice = [[0] * (n + 1) for _ in range(pp)]
     for j in range(1, n - pp + 2):
@@ -137,7 +104,7 @@ def best_bounds(cost: RegionCosts, pp: int, cuts, *, memory: RegionCosts | None 
     for k in range(pp - 1, 0, -1):
         out.append(choice[k][out[-1]])
     out.append(0)
-    return [points[i] for i in reversed(out)]
+    return out[::-1]
 
 
 def _span_cost(costs: RegionCosts, pp: int, points: list[int]):
