@@ -288,7 +288,7 @@ def run_step(bench, model, traced, step, batch, tokens, start, max_len, roof):
             if name in fns:
                 log(f"  top kernels, {name}, {step} batch {batch}:")
                 try:
-                    top_kernels(fns[name])
+                    top_kernels(fns[name], args.top)
                 except Exception as e:  # noqa: BLE001
                     log(f"    profiler FAILED {type(e).__name__}: {str(e)[:200]}")
     del fns
@@ -329,6 +329,7 @@ def main():
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--profile-batches", default="1,32")
+    ap.add_argument("--top", type=int, default=10, help="kernels listed per profiled variant")
     ap.add_argument("--budget-s", type=float, default=560.0, help="skip variants not started by then")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()

@@ -77,6 +77,19 @@ def test_split_kv_combine_over_many_splits_matches_fp64(n_splits):
     torch.testing.assert_close(out.double(), _reference64(*args), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("dim,extras", [(64, {}), (48, dict(window=21)), (48, dict(alibi=True, softcap=30.0))],
+                         ids=["even", "uneven_window", "uneven_alibi_softcap"])
+def test_flash_whole_and_diagonal_blocks_match_fp64(dim, extras):
+    """A prompt spanning many small blocks: the blocks every query row sees run without masks, the diagonal
+    (and window edge) with them; a head dim below its power of two keeps the column masks."""
+    args = _kernel_inputs(2, 2, 4, 2, 90, 120, dim, 7, extras, seed=dim)
+    out = torch.full((2, 90, 4, dim), float("nan")).transpose(1, 2)
+    launch_cache_attention(*args, out=out, decode=False, config=dict(block_m=32, block_n=16))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), _reference64(*args), atol=2e-5, rtol=2e-5)
+
+
 def test_cpu_op_matches_fp64():
     for case, (batch, rows, hq, hkv, tokens, max_len, dim, start, extras) in enumerate(KERNEL_CASES):
         args = list(_kernel_inputs(batch, rows, hq, hkv, tokens, max_len, dim, start, extras, seed=case))
