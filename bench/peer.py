@@ -6,7 +6,8 @@
     HF static eager        the same step, eager
     ppsplit pp=1 / pp=4    stages with cache_attention, under ppsplit's CUDA graphs (pp=4: all four stages
                            replayed in a row = the sum of stages); "+compile": split_model(compile=True);
-                           "+fuse": split_model(fuse_projections=True) (q/k/v and gate/up as one GEMM each)
+                           "+fuse": split_model(fuse_projections=True) (q/k/v and gate/up as one GEMM each);
+                           "-gemv": split_model(gemv=False) (batch-1 projections on cuBLAS, not ppsplit's GEMV)
     pp=1 traced attention  attention=False: the traced repeat_kv + mask + SDPA (before the attention pass)
 
 Steps: decode (T=1 at position 512, static cache 1024), verify (K=4 drafts: T=5 at position 512), prefill
@@ -165,10 +166,11 @@ def hf_step(model, batch, tokens, start, max_len, compile_, device):
 
 # ---- ppsplit ----------------------------------------------------------------------------------------------------
 
-def ppsplit_step(traced, pp, batch, tokens, start, device, *, compile_=False, attention=True, fuse=False):
+def ppsplit_step(traced, pp, batch, tokens, start, device, *, compile_=False, attention=True, fuse=False,
+                 gemv=True):
     """Replay of every stage's CUDA graph in a row (on the CPU: the stages called in a row)."""
     split = ppsplit.split_model(traced, pp, aux="eagle3", compile=compile_, attention=attention,
-                                fuse_projections=fuse)
+                                fuse_projections=fuse, gemv=gemv)
     runs = []
     for k, stage in enumerate(split.stages):
         if device == "cuda":
@@ -234,17 +236,20 @@ def run_step(bench, model, traced, step, batch, tokens, start, max_len, roof):
     def hf(compile_):
         return lambda: hf_step(model, batch, tokens, start, max_len, compile_, device)
 
-    def ours(pp, compile_=False, attention=True, fuse=False):
+    def ours(pp, compile_=False, attention=True, fuse=False, gemv=True):
         return lambda: ppsplit_step(traced, pp, batch, tokens, start, device, compile_=compile_,
-                                    attention=attention, fuse=fuse)[0]
+                                    attention=attention, fuse=fuse, gemv=gemv)[0]
 
     compiles = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
     fuses = {"off": (False,), "on": (True,), "both": (False, True)}[args.fuse_projections]
+    gemvs = {"off": (False,), "on": (True,), "both": (True, False)}[args.gemv]
     for pp in args.pp:
         for c in compiles:
             for f in fuses:
-                name = f"ppsplit pp={pp}" + (" +fuse" if f else "") + (" +compile" if c else "")
-                variants[name] = ours(pp, c, fuse=f)
+                for g in gemvs:
+                    name = (f"ppsplit pp={pp}" + (" +fuse" if f else "") + (" +compile" if c else "")
+                            + ("" if g else " -gemv"))
+                    variants[name] = ours(pp, c, fuse=f, gemv=g)
         if pp == args.pp[0] and not args.no_hf_compile:
             variants["HF static+compile"] = hf(True)
         if pp == args.pp[0]:
@@ -284,7 +289,9 @@ def run_step(bench, model, traced, step, batch, tokens, start, max_len, roof):
     print_table(bench, step, batch, roof)
 
     if device == "cuda" and batch in args.profile_batches and step == "decode":
-        for name in ("ppsplit pp=1", "ppsplit pp=1 +fuse", "ppsplit pp=1 +compile", "ppsplit pp=1 +fuse +compile"):
+        for name in [n for n in fns if n.startswith("ppsplit pp=1")]:
+            if not args.profile_all and name.endswith("-gemv"):
+                continue
             if name in fns:
                 log(f"  top kernels, {name}, {step} batch {batch}:")
                 try:
@@ -321,6 +328,10 @@ def main():
                     help="ppsplit variants without and/or with split_model(compile=True)")
     ap.add_argument("--fuse-projections", choices=("off", "on", "both"), default="off",
                     help="ppsplit variants without and/or with split_model(fuse_projections=True)")
+    ap.add_argument("--gemv", choices=("off", "on", "both"), default="on",
+                    help="ppsplit variants with (default) and/or without split_model's batch-1 GEMV routing; "
+                         "without it the variant's name ends in -gemv")
+    ap.add_argument("--profile-all", action="store_true", help="also profile the -gemv variants")
     ap.add_argument("--no-hf-compile", action="store_true")
     ap.add_argument("--no-traced-baseline", dest="traced_baseline", action="store_false")
     ap.add_argument("--layers", type=int, default=32)

@@ -21,6 +21,7 @@ from ppsplit.passes.emit import emit
 from ppsplit.passes.fuse import fuse as fuse_kernels
 from ppsplit.passes.partition import partition
 from ppsplit.passes.plan import plan as make_split_plan
+from ppsplit.passes.gemv import route_gemv
 from ppsplit.passes.projections import fuse_projections as fuse_stage_projections
 from ppsplit.passes.taps import taps as add_taps
 from ppsplit.passes.trace import trace
@@ -55,7 +56,7 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
                 balance: Balance = "layers", aux_convention: str = "vllm", layers: str | None = None,
                 cache: CacheConfig | None = None, fuse: Fuse | bool = True, attention: bool = True,
                 compile: bool = False, max_stage_bytes: int | None = None, cost_model: CostModel | None = None,
-                fuse_projections: bool = False, half_layers: bool = False,
+                fuse_projections: bool = False, half_layers: bool = False, gemv: bool = True,
                 options: SplitOptions | None = None) -> SplitModel:
     """Split a Hugging Face decoder LM into ``pp`` pipeline stages that carry the taps ``aux``.
 
@@ -76,6 +77,9 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
     ``fuse_projections``: sibling linears reading one input (q/k/v, gate/up) become one linear over their
     concatenated weight per stage (``ppsplit.passes.projections``); those stages then hold the fused weight, a new
     tensor, instead of the model's separate ones.
+    ``gemv``: projections with at least 4096 outputs go through ``ppsplit::linear``, which runs ppsplit's Triton
+    GEMV for a one-row input on CUDA (decode at batch 1) and the traced ATen call otherwise
+    (``ppsplit.passes.gemv``).
     ``half_layers``: stages may also end between a layer's attention block and its MLP block, where only the
     residual stream crosses (layers without such a point stay whole); every policy then costs the halves, and
     an explicit list may count halves (``[8.5, 8, 8, 7.5]``).
@@ -93,7 +97,7 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
         options = SplitOptions(pp=pp, aux=aux, balance=balance, aux_convention=aux_convention, layers=layers,
                                cache=cache, fuse=fuse, attention=attention, compile=compile,
                                max_stage_bytes=max_stage_bytes, cost_model=cost_model or CostModel(),
-                               fuse_projections=fuse_projections, half_layers=half_layers)
+                               fuse_projections=fuse_projections, half_layers=half_layers, gemv=gemv)
     if isinstance(model, Annotated):
         traced = model
         taps = options.taps(traced.layers.num_layers)
@@ -109,7 +113,7 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
     measured = None
     if options.balance == "time":
         measured = measure_costs(traced, options.cost_model, fuse=options.fuse, attention=options.attention,
-                                 halves=options.half_layers)
+                                 halves=options.half_layers, gemv=options.gemv)
     if options.half_layers and not traced.mids:
         log.warning("half_layers: no decoder layer of %s has a point between its attention and MLP blocks where only "
                     "the residual stream crosses; planning whole layers", traced.traced.model_class)
@@ -127,6 +131,9 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
     if options.fuse_projections:
         for stage in stages:
             stage.meta["ppsplit.projections"] = fuse_stage_projections(stage)
+    if options.gemv:
+        for stage in stages:
+            stage.meta["ppsplit.gemv"] = route_gemv(stage)
     if options.compile:
         from ppsplit.inductor import compile_stages
         compile_stages(stages)

@@ -125,6 +125,7 @@ class SplitOptions:
     cost_model: CostModel = CostModel()  # the workload of the flops and time policies
     fuse_projections: bool = False  # sibling linears on one input (q/k/v, gate/up) -> one linear per stage
     half_layers: bool = False  # stages may also end between a layer's attention and MLP blocks
+    gemv: bool = True  # one-row projections (decode at batch 1) on CUDA through ppsplit's Triton GEMV
 
     def __post_init__(self):
         try:
@@ -150,6 +151,8 @@ class SplitOptions:
                               f"{self.cost_model!r}")
         if not isinstance(self.fuse_projections, bool):
             raise ConfigError(f"fuse_projections must be True or False, but got {self.fuse_projections!r}")
+        if not isinstance(self.gemv, bool):
+            raise ConfigError(f"gemv must be True or False, but got {self.gemv!r}")
         if not isinstance(self.half_layers, bool):
             raise ConfigError(f"half_layers must be True (stages may end between a layer's attention and MLP blocks) "
                               f"or False, but got {self.half_layers!r}")

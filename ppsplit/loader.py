@@ -75,10 +75,12 @@ def read_program(folder: str, k: int) -> tuple[dict, fx.Graph]:
 
 
 def load_stage(folder: str, k: int, device: torch.device | str = "cpu", *, compile: bool = False,
-               fuse_projections: bool | None = None) -> fx.GraphModule:
+               fuse_projections: bool | None = None, gemv: bool = True) -> fx.GraphModule:
     """Stage ``k`` of a compiled folder, ready to run on ``device``: ``y, aux = stage(x, positions, aux)``.
     ``compile=True`` compiles it with Inductor at its first call (see ``ppsplit.inductor``). ``fuse_projections``:
     fuse sibling projections (q/k/v, gate/up) into one linear each (``None``: as the folder was compiled).
+    ``gemv``: route projections through ``ppsplit::linear`` (Triton GEMV at batch 1 on CUDA; see
+    ``ppsplit.passes.gemv``).
 
     Example::
 
@@ -117,6 +119,9 @@ def load_stage(folder: str, k: int, device: torch.device | str = "cpu", *, compi
     if fuse_projections:
         from ppsplit.passes.projections import fuse_projections as fuse_stage_projections
         stage.meta["ppsplit.projections"] = fuse_stage_projections(stage)
+    if gemv:
+        from ppsplit.passes.gemv import route_gemv
+        stage.meta["ppsplit.gemv"] = route_gemv(stage)
     if compile:
         from ppsplit.inductor import compile_stage
         compile_stage(stage)
@@ -149,9 +154,9 @@ def validate(folder: str) -> tuple[SplitPlan, dict]:
 
 
 def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, compile: bool = False,
-         fuse_projections: bool | None = None) -> SplitModel:
+         fuse_projections: bool | None = None, gemv: bool = True) -> SplitModel:
     """The whole ``SplitModel`` of a compiled folder; stage ``k`` on ``devices[k]`` (default: all on the CPU).
-    ``compile`` and ``fuse_projections`` as in ``load_stage``.
+    ``compile``, ``fuse_projections`` and ``gemv`` as in ``load_stage``.
 
     Example::
 
@@ -163,7 +168,7 @@ def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, co
     devices = list(devices) if devices is not None else ["cpu"] * plan.pp
     if len(devices) != plan.pp:
         raise ConfigError(f"{folder} has {plan.pp} stages; pass one device per stage, got {len(devices)}")
-    stages = [load_stage(folder, k, devices[k], compile=compile, fuse_projections=fuse_projections)
+    stages = [load_stage(folder, k, devices[k], compile=compile, fuse_projections=fuse_projections, gemv=gemv)
               for k in range(plan.pp)]
     split = SplitModel(plan, stages, eos_token_id=manifest.get("eos_token_id") or (),
                        pad_token_id=manifest.get("pad_token_id"))

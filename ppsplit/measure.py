@@ -31,6 +31,7 @@ from ppsplit.passes.attention import attention as cache_attention
 from ppsplit.passes.costs import weighted
 from ppsplit.passes.emit import emit
 from ppsplit.passes.fuse import fuse as fuse_kernels
+from ppsplit.passes.gemv import route_gemv
 from ppsplit.passes.partition import partition
 from ppsplit.passes.plan import plan as make_split_plan
 from ppsplit.passes.taps import taps as add_taps
@@ -41,7 +42,7 @@ log = logging.getLogger("ppsplit")
 
 
 def measure_costs(annotated: Annotated, model: CostModel | None = None, *, fuse: Fuse = "all",
-                  attention: bool = True, rounds: int = 7, halves: bool = False) -> RegionCosts:
+                  attention: bool = True, rounds: int = 7, halves: bool = False, gemv: bool = True) -> RegionCosts:
     """Milliseconds of the embedding, each layer, the head and the per-stage work under the workload ``model``.
 
     Example::
@@ -58,8 +59,8 @@ def measure_costs(annotated: Annotated, model: CostModel | None = None, *, fuse:
     units = [1] * num_layers
     if halves:
         units = [u for j in range(num_layers) for u in ((0.5, 0.5) if j in annotated.mids else (1,))]
-    one = _stages(annotated, units, fuse, attention, halves)
-    whole = _stages(annotated, [num_layers], fuse, attention) if len(units) > 1 else None
+    one = _stages(annotated, units, fuse, attention, halves, gemv)
+    whole = _stages(annotated, [num_layers], fuse, attention, gemv=gemv) if len(units) > 1 else None
     start = time.perf_counter()
     parts = []
     for weight, tokens, position in _steps(model):
@@ -88,7 +89,7 @@ def check_measurable(module: torch.nn.Module) -> None:
 
 
 def _stages(annotated: Annotated, sizes: list, fuse: Fuse, attention: bool,
-            halves: bool = False) -> list[torch.nn.Module]:
+            halves: bool = False, gemv: bool = True) -> list[torch.nn.Module]:
     """The stages of the split with these layer counts, without taps, as ``split_model`` makes them: the
     attention pass too, since the traced attention it replaces can cost several times more (at batch 32 an
     8B layer's decode step took 890 us traced against 206 us with ``cache_attention``)."""
@@ -98,7 +99,11 @@ def _stages(annotated: Annotated, sizes: list, fuse: Fuse, attention: bool,
         cache_attention(rewritten, plan)
     if fuse != "none":
         rewritten = fuse_kernels(rewritten, plan, taps=fuse == "all")
-    return emit(rewritten, dataclasses.replace(plan, carries=rewritten.carries, replicas=rewritten.replicas))
+    stages = emit(rewritten, dataclasses.replace(plan, carries=rewritten.carries, replicas=rewritten.replicas))
+    if gemv:
+        for stage in stages:
+            route_gemv(stage)
+    return stages
 
 
 def _steps(model: CostModel):

@@ -83,7 +83,9 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     torch_dtype = DTYPES[dtype] if dtype else _config_dtype(config)
 
     # Fused projections are built when a stage is loaded: the stage files keep the checkpoint's own tensor names.
-    fuse_projections, options = options.fuse_projections, dataclasses.replace(options, fuse_projections=False)
+    # The GEMV routing is applied at load too (the stored program keeps the traced ATen calls).
+    fuse_projections = options.fuse_projections
+    options = dataclasses.replace(options, fuse_projections=False, gemv=False)
     _make_tmp(out, probe=True)  # an unwritable destination fails now, before the slow trace
     start = time.perf_counter()
     model_obj, buffers = skeleton(config, torch_dtype)

@@ -1,0 +1,106 @@
+"""One-row linear (GEMV) for decode at batch 1: ``y[1, N] = x[1, K] @ W[N, K].T (+ b)`` in one Triton kernel.
+
+At batch 1 a projection is bound by its weight bytes. cuBLAS picks split-K kernels for the narrower ones (an
+attention output projection, 4096 x 4096) and adds a second kernel to reduce the splits; this kernel gives each
+program ``BLOCK_N`` whole weight rows instead (read once, contiguous, fp32 accumulation) and writes the output
+directly: one launch, no partial buffer.
+
+``torch.ops.ppsplit.linear(x, w, b)`` runs the kernel for a CUDA ``x`` with one row and a ``[N, K]`` weight
+(``N >= MIN_OUT``, unit stride along K); anything else (more rows, the CPU) is ``torch.nn.functional.linear``,
+the same call the traced graph made. The pass ``ppsplit.passes.gemv`` routes a stage's projections here. The summation order differs from cuBLAS,
+so on the GPU the result is not bit-equal to it (both accumulate in fp32).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+DEFAULT_CONFIG = (16, 512, 4, 4)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) when no config is given
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _gemv_kernel(X, W, B, Y, N, K, stride_w,
+                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        w_rows = W + rows[:, None].to(tl.int64) * stride_w
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x = tl.load(X + k)
+                w = tl.load(w_rows + k[None, :], mask=row_ok[:, None], other=0.0)
+            else:
+                x = tl.load(X + k, mask=k < K, other=0.0)
+                w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
+            acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+
+
+def gemv_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``launch_gemv`` serves ``x @ w.T``: a CUDA input with one row, a ``[N, K]`` weight of its dtype
+    with unit stride along K."""
+    return (HAVE_TRITON and x.device.type == "cuda" and x.numel() == x.shape[-1] and w.dim() == 2
+            and w.dtype == x.dtype and w.stride(1) == 1 and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
+def launch_gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *, config=None,
+                wrap=lambda kernel: kernel) -> torch.Tensor:
+    """``x @ w.T + b`` for ``x`` with one row (any leading shape); returns ``x.shape[:-1] + (N,)``."""
+    N, K = w.shape
+    block_n, block_k, warps, stages = config or DEFAULT_CONFIG
+    block_k = min(block_k, triton.next_power_of_2(K))
+    xc = x.reshape(-1)
+    xc = xc if xc.stride(0) == 1 else xc.contiguous()
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    wrap(_gemv_kernel)[(triton.cdiv(N, block_n),)](
+        xc, w, b if b is not None else xc, y, N, K, w.stride(0),
+        HAS_BIAS=b is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages)
+    return y
+
+
+# Outputs below this stay with cuBLAS: the kernel was measured from 4096 outputs up (bench/gemv.py), and narrower
+# projections leave SMs idle with one program per BLOCK_N rows.
+MIN_OUT = 4096
+
+
+def pick_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) for an ``[n, k]`` weight: the fastest of ten configurations per
+    Llama-3.1-8B projection on an H200 (``bench/gemv.py --sweep``): 16 rows x 1024 columns for the narrow or
+    deep ones (o_proj, down), 8 x 512 for the wide ones (q/k/v, gate/up fused, lm_head)."""
+    return (16, 1024, 8, 3) if n <= 4096 or k >= 8192 else (8, 512, 4, 4)
+
+
+def _register(name: str):
+    if HAVE_TRITON:
+        from torch.library import triton_op
+
+        return triton_op(name, mutates_args=())
+    return torch.library.custom_op(name, mutates_args=())
+
+
+@_register("ppsplit::linear")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``torch.nn.functional.linear(x, weight, bias)``; a one-row CUDA input with at least ``MIN_OUT`` outputs runs
+    the Triton GEMV (see the module docstring)."""
+    if gemv_usable(x, weight) and weight.shape[0] >= MIN_OUT:
+        from torch.library import wrap_triton
+
+        with torch.cuda.device(x.device):
+            return launch_gemv(x, weight, bias, config=pick_config(*weight.shape), wrap=wrap_triton)
+    return torch.nn.functional.linear(x, weight, bias)
