@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 import ppsplit.triton_kernels.gemv  # noqa: F401  (registers torch.ops.ppsplit.linear)
-from ppsplit.passes.projections import _member
+from ppsplit.passes.projections import match_projection
 from ppsplit.triton_kernels.gemv import MIN_OUT
 
 
@@ -31,7 +31,7 @@ def route_gemv(stage: fx.GraphModule) -> int:
     graph = stage.graph
     routed = 0
     for node in list(graph.nodes):
-        m = _member(node)
+        m = match_projection(node)
         if m is None or m.out_dim != 0:
             continue
         weight = _fetch(stage, m.weight.target)

@@ -80,7 +80,7 @@ def fuse_projections(stage: fx.GraphModule) -> Projections:
     groups: dict[tuple, list[_Member]] = {}
     rejected: dict[tuple, list[tuple[str, str]]] = {}
     for node in list(graph.nodes):
-        m = _member(node)
+        m = match_projection(node)
         if m is None:
             continue
         w = _fetch(stage, m.weight.target)
@@ -105,7 +105,7 @@ def fuse_projections(stage: fx.GraphModule) -> Projections:
     return Projections(fused=tuple(fused), skipped=tuple(skipped))
 
 
-def _member(node: fx.Node) -> _Member | None:
+def match_projection(node: fx.Node) -> _Member | None:
     """``node`` as a projection whose weight (and bias) the stage holds, or ``None``."""
     if node.op != "call_function":
         return None

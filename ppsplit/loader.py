@@ -79,7 +79,7 @@ def load_stage(folder: str, k: int, device: torch.device | str = "cpu", *, compi
     """Stage ``k`` of a compiled folder, ready to run on ``device``: ``y, aux = stage(x, positions, aux)``.
     ``compile=True`` compiles it with Inductor at its first call (see ``ppsplit.inductor``). ``fuse_projections``:
     fuse sibling projections (q/k/v, gate/up) into one linear each (``None``: as the folder was compiled).
-    ``gemv``: route projections through ``ppsplit::linear`` (Triton GEMV at batch 1 on CUDA; see
+    ``gemv``: on a CUDA device, route projections through ``ppsplit::linear`` (Triton GEMV at batch 1; see
     ``ppsplit.passes.gemv``).
 
     Example::
@@ -119,7 +119,7 @@ def load_stage(folder: str, k: int, device: torch.device | str = "cpu", *, compi
     if fuse_projections:
         from ppsplit.passes.projections import fuse_projections as fuse_stage_projections
         stage.meta["ppsplit.projections"] = fuse_stage_projections(stage)
-    if gemv:
+    if gemv and device.type == "cuda":  # elsewhere the op is the traced call: serving on the CPU imports no pass
         from ppsplit.passes.gemv import route_gemv
         stage.meta["ppsplit.gemv"] = route_gemv(stage)
     if compile:

@@ -91,21 +91,26 @@ def test_narrow_and_unheld_projections_stay():
         ppsplit.split_model(tiny_model("llama"), 2, gemv="yes")
 
 
-def test_compiled_folder_routes_at_load(tmp_path):
-    """The stored program keeps the traced ATen calls; ``load`` routes them (``gemv=False`` does not)."""
+def _compiled_folder(tmp_path):
     from ppsplit.cli import main
 
     model = _wide_llama()
     model.save_pretrained(tmp_path / "ckpt")
     out = str(tmp_path / "wide-pp2")
     assert main(["compile", str(tmp_path / "ckpt"), "--pp", "2", "--aux", "1", "-o", out]) == 0
+    return out
+
+
+def test_compiled_folder_keeps_traced_calls(tmp_path):
+    """The stored program keeps the traced ATen calls; ``load`` routes them only onto a CUDA device (on the CPU
+    the op would be the same call, and serving there imports no pass)."""
+    out = _compiled_folder(tmp_path)
     stored = "".join(open(os.path.join(out, f)).read() for f in os.listdir(out) if f.endswith(".json"))
     assert "aten::linear" in stored and "ppsplit::linear" not in stored
-    loaded, plain = ppsplit.load(out), ppsplit.load(out, gemv=False)
-    assert [len(_routed(s)) for s in loaded.stages] == [4, 5]
-    assert not any(_routed(s) for s in plain.stages)
+    loaded = ppsplit.load(out)
+    assert not any(_routed(s) for s in loaded.stages)
     ids = torch.randint(3, MIN_OUT, (1, 5))
-    assert torch.equal(loaded(ids)[0], plain(ids)[0])
+    torch.testing.assert_close(loaded(ids)[0], ppsplit.split_model(_wide_llama(), 2, aux="1")(ids)[0], atol=0, rtol=0)
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------------
@@ -138,3 +143,14 @@ def test_routed_decode_on_gpu_matches_unrouted():
     ids = torch.randint(3, MIN_OUT, (1, 1), device="cuda")
     la, lb = routed(ids, torch.tensor([5], device="cuda"))[0], plain(ids, torch.tensor([5], device="cuda"))[0]
     torch.testing.assert_close(la.float(), lb.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+def test_compiled_folder_routes_when_loaded_on_gpu(tmp_path):
+    out = _compiled_folder(tmp_path)
+    loaded, plain = ppsplit.load(out, ["cuda", "cuda"]), ppsplit.load(out, ["cuda", "cuda"], gemv=False)
+    assert [len(_routed(s)) for s in loaded.stages] == [4, 5] and not any(_routed(s) for s in plain.stages)
+    ids = torch.randint(3, MIN_OUT, (1, 1), device="cuda")
+    with torch.no_grad():
+        a, b = loaded(ids)[0], plain(ids)[0]
+    torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)  # float32 folder: both accumulate in fp32
