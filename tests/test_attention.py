@@ -236,15 +236,20 @@ def test_plan_json_round_trip_keeps_the_report():
     assert ppsplit.SplitPlan.from_json(plan.to_json()) == plan and plan.attention
 
 
-def test_compiled_stage_equals_eager():
-    """compile=True (Inductor on the CPU): the same numbers and the same cache writes as the eager stage."""
+@pytest.mark.parametrize("rows,batch", [(1, 1), (3, 2)])
+def test_compiled_stage_equals_eager(rows, batch):
+    """compile=True (Inductor on the CPU): the same numbers and the same cache writes as the eager stage. With
+    more than one cache row the writes go through ``ppsplit::cache_write`` (in place under Inductor), here on a
+    batch below the cache's rows."""
     from tests.models import tiny_model
 
     model = tiny_model("llama", num_layers=1)
-    trace = ppsplit.trace_model(model, cache=CacheConfig(batch_size=1, max_len=16))
+    trace = ppsplit.trace_model(model, cache=CacheConfig(batch_size=rows, max_len=16))
     eager = ppsplit.split_model(trace, 1, aux=[1])
     compiled = ppsplit.split_model(trace, 1, aux=[1], compile=True)
-    ids = torch.randint(3, VOCAB, (1, 8))
+    writes = [n for n in compiled.stages[0].graph.nodes if n.target is torch.ops.ppsplit.cache_write.default]
+    assert len(writes) == (2 if rows > 1 else 0)
+    ids = torch.randint(3, VOCAB, (batch, 8))
     for lo in (0, 4):  # one shape, two steps: the second attends over what the first wrote
         positions = torch.arange(lo, lo + 4)
         expected, aux_e = eager(ids[:, lo:lo + 4], positions)
