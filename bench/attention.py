@@ -126,6 +126,15 @@ def decode(args, batch):
     table(f"decode: batch {batch}, T=1 at position {P}, cache {L}", timed(variants, args.rounds, 100))
 
 
+def gpu_banner(script: str) -> None:
+    """Exit with a one-line message unless a CUDA GPU is here; print the versions and the device."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} times GPU kernels: run it on a CUDA machine")
+    import triton
+
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
@@ -136,11 +145,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/attention.py times GPU kernels: run it on a CUDA machine")
-    import triton
-
-    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    gpu_banner("bench/attention.py")
     prefill(args)
     for b in (int(x) for x in args.decode_batches.split(",") if x):
         decode(args, b)

@@ -4,20 +4,19 @@ Llama-3.1-8B's shapes in bf16 (q/k/v fused, o_proj, gate/up fused, down, lm_head
 Each variant is captured in a CUDA graph and its replays timed interleaved (median of --rounds of
 ``triton.testing.do_bench``); GB/s = weight bytes over the time; "x cuBLAS" = time over cuBLAS's time.
 
-    python bench/gemv.py              # the default config against cuBLAS
+    python bench/gemv.py              # the configuration ppsplit::linear picks per shape, against cuBLAS
     python bench/gemv.py --sweep      # also a sweep of (BLOCK_N, BLOCK_K, warps, stages)
 """
 import argparse
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from attention import graphed  # noqa: E402
+from attention import gpu_banner, timed  # noqa: E402
 
-from ppsplit.triton_kernels.gemv import DEFAULT_CONFIG, launch_gemv  # noqa: E402
+from ppsplit.triton_kernels.gemv import launch_gemv, pick_config  # noqa: E402
 
 SHAPES = {"qkv 4096->6144": (4096, 6144), "o_proj 4096->4096": (4096, 4096), "gate_up 4096->28672": (4096, 28672),
           "down 14336->4096": (14336, 4096), "lm_head 4096->128256": (4096, 128256)}
@@ -30,19 +29,16 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/gemv.py times GPU kernels: run it on a CUDA machine")
-    import triton
-
-    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    gpu_banner("bench/gemv.py")
     for name, (K, N) in SHAPES.items():
         x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
         ref = (x.float() @ w.float().T)
         variants = {"cuBLAS (F.linear)": lambda x=x, w=w: F.linear(x, w)}
-        configs = [DEFAULT_CONFIG] + ([c for c in SWEEP if c != DEFAULT_CONFIG] if args.sweep else [])
+        chosen = pick_config(N, K)
+        configs = [chosen] + ([c for c in SWEEP if c != chosen] if args.sweep else [])
         for cfg in configs:
-            label = "triton " + "n{} k{} w{} s{}".format(*cfg) + (" (default)" if cfg == DEFAULT_CONFIG else "")
+            label = "triton " + "n{} k{} w{} s{}".format(*cfg) + (" (op's choice)" if cfg == chosen else "")
             try:
                 y = launch_gemv(x, w, config=cfg)
                 diff = (y.float() - ref).abs().max().item()
@@ -52,12 +48,7 @@ def main():
                 variants[label] = lambda x=x, w=w, cfg=cfg: launch_gemv(x, w, config=cfg)
             except Exception as e:  # noqa: BLE001
                 print(f"  {name} {label}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-        graphs = {label: graphed(fn) for label, fn in variants.items()}
-        times = {label: [] for label in graphs}
-        for _ in range(args.rounds):
-            for label, fn in graphs.items():
-                times[label].append(triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3)
-        med = {label: statistics.median(ts) for label, ts in times.items()}
+        med = timed(variants, args.rounds, 100)
         base = med["cuBLAS (F.linear)"]
         print(f"\n== {name}: {N * K * 2 / 1e6:.0f} MB of weight", flush=True)
         for label, us in sorted(med.items(), key=lambda kv: kv[1]):
