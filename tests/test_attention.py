@@ -162,6 +162,8 @@ def test_pass_matches_hf_and_replaces_attention(arch):
         assert split.plan.attention_lines(k)[0].startswith(f"attention: {n} of {n} -> cache_attention")
         assert [a.layer for a in split.plan.attention if a.stage == k and a.replaced] == list(range(sp.start, sp.end))
     for word in EXPECT.get(arch, ()):
+        if word.startswith("softcap") and model.config._attn_implementation != "eager":
+            continue  # transformers' SDPA path drops the soft-cap (5.17 picks SDPA for tiny Gemma 2): HF has none
         assert any(word in a.detail for a in split.plan.attention), (word, split.plan.attention)
     assert "cache_attention" in split.plan.describe()
 
