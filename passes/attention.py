@@ -36,7 +36,7 @@ import torch
 from torch import fx
 
 import ppsplit.triton_kernels.attention  # noqa: F401  (registers torch.ops.ppsplit.cache_attention)
-from ppsplit.fx_utils import CACHE_PREFIX
+from ppsplit.fx_utils import CACHE_PREFIX, get_tensor
 from ppsplit.passes.annotate import SHAPE_OPS, mutated_bases
 from ppsplit.passes.taps import Tapped
 from ppsplit.plan import AttentionSite, SplitPlan
@@ -218,7 +218,7 @@ def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
     # Learned inputs (sinks, reshaped and expanded outside the region): the check gives them random values.
     params = [a for a in external if a.op == "get_attr"]
     params += [a for a in _closure_nodes(inputs, attrs=True) if a.op == "get_attr" and a not in params
-               and isinstance(_fetch(gm, a.target), torch.nn.Parameter)]
+               and isinstance(get_tensor(gm, a.target), torch.nn.Parameter)]
     for a in inputs:
         if a.meta.get("ppsplit.token") and isinstance(a.meta.get("val"), torch.Tensor):
             raise _NoMatch(f"{a.format_node()} feeds the attention and depends on the tokens")
@@ -290,16 +290,11 @@ def _close(a: torch.Tensor, b) -> bool:
 
 
 def _param_value(gm, node: fx.Node, gen) -> torch.Tensor:
-    t = _fetch(gm, node.target)
+    t = get_tensor(gm, node.target)
     if t.device.type == "meta" or isinstance(t, torch.nn.Parameter):
         # A learned input (sinks): any value will do, the same for the subgraph and the candidate.
         return torch.randn(t.shape, generator=gen).to(_LOW.get(t.dtype, t.dtype))
     return t.detach().to("cpu", _LOW.get(t.dtype, t.dtype))
-
-
-def _fetch(gm, target: str) -> torch.Tensor:
-    mod, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(mod) if mod else gm, name)
 
 
 def _evaluate(gm, f: _Found, info, batch: int, positions, q, k, v, params):
@@ -315,7 +310,7 @@ def _evaluate(gm, f: _Found, info, batch: int, positions, q, k, v, params):
                 raise _NoMatch(f"its mask reads the input {n.target}")
             env[n] = placeholders[n.target]
         elif n.op == "get_attr":
-            t = _fetch(gm, n.target)
+            t = get_tensor(gm, n.target)
             if t.device.type == "meta":
                 raise _NoMatch(f"its mask reads {n.target}, which has no value on the meta device")
             env[n] = t.detach().to("cpu", _LOW.get(t.dtype, t.dtype))

@@ -16,7 +16,8 @@ import torch
 from torch import fx
 
 import ppsplit.triton_kernels.gemv  # noqa: F401  (registers torch.ops.ppsplit.linear)
-from ppsplit.passes.projections import match_projection
+from ppsplit.fx_utils import get_tensor
+from ppsplit.passes.projections import match_projection, plain_float
 from ppsplit.triton_kernels.gemv import MIN_OUT
 
 
@@ -34,8 +35,8 @@ def route_gemv(stage: fx.GraphModule) -> int:
         m = match_projection(node)
         if m is None or m.out_dim != 0:
             continue
-        weight = _fetch(stage, m.weight.target)
-        if weight is None or weight.dim() != 2 or weight.shape[0] < MIN_OUT or not weight.is_floating_point():
+        weight = get_tensor(stage, m.weight.target)
+        if not plain_float(weight) or weight.dim() != 2 or weight.shape[0] < MIN_OUT:
             continue
         with graph.inserting_before(node):
             new = graph.call_function(torch.ops.ppsplit.linear.default, (m.x, m.weight, m.bias))
@@ -51,13 +52,3 @@ def route_gemv(stage: fx.GraphModule) -> int:
         stage.recompile()
     return routed
 
-
-def _fetch(stage: fx.GraphModule, name: str):
-    try:
-        value = stage.get_parameter(name)
-    except AttributeError:
-        try:
-            value = stage.get_buffer(name)
-        except AttributeError:
-            return None
-    return value if type(value) in (torch.Tensor, torch.nn.Parameter) else None

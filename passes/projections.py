@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ppsplit.fx_utils import set_tensor
+from ppsplit.fx_utils import get_tensor, set_tensor
 
 aten = torch.ops.aten
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -83,7 +83,7 @@ def fuse_projections(stage: fx.GraphModule) -> Projections:
         m = match_projection(node)
         if m is None:
             continue
-        w = _fetch(stage, m.weight.target)
+        w = get_tensor(stage, m.weight.target)
         key = (m.x, node.target, m.out_dim, m.bias is not None, w.dtype, w.device, w.shape[1 - m.out_dim])
         why = _why_not(stage, m, shared, attr_nodes)
         if why:
@@ -130,13 +130,13 @@ def match_projection(node: fx.Node) -> _Member | None:
     return _Member(node, x, w, bias, transpose, out_dim)
 
 
+def plain_float(t) -> bool:
+    """Whether ``t`` is a plain float tensor or parameter (not quantised, not a tensor subclass)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype in _FLOATS
+
+
 def _is_attr(n) -> bool:
     return isinstance(n, fx.Node) and n.op == "get_attr"
-
-
-def _fetch(stage: fx.GraphModule, name: str) -> torch.Tensor:
-    mod, leaf = _owner(stage, name)
-    return getattr(mod, leaf)
 
 
 def _owner(stage: fx.GraphModule, name: str) -> tuple[torch.nn.Module, str]:
@@ -160,16 +160,16 @@ def _why_not(stage: fx.GraphModule, m: _Member, shared: set, attr_nodes: dict) -
     for attr, what in ((m.weight, "weight"), (m.bias, "bias")):
         if attr is None:
             continue
-        t = _fetch(stage, attr.target)
+        t = get_tensor(stage, attr.target)
         if attr.target in shared:
             return f"its {what} is tied or shared with another tensor"
         if attr_nodes[attr.target] > 1 or len(attr.users) > 1:
             return f"its {what} is read elsewhere in the stage"
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.dtype not in _FLOATS:
+        if not plain_float(t):
             return f"its {what} is {type(t).__name__} of {t.dtype} (quantised or a tensor subclass)"
         if t.dim() != (2 if what == "weight" else 1):
             return f"its {what} has shape {tuple(t.shape)}"
-    width = _fetch(stage, m.weight.target).shape[m.out_dim]
+    width = get_tensor(stage, m.weight.target).shape[m.out_dim]
     if width < MIN_WIDTH:
         return f"its {width} outputs are too few to gain from fusing (fewer than {MIN_WIDTH})"
     if m.transpose is not None and len(m.transpose.users) > 1:
@@ -181,14 +181,14 @@ def _fuse(stage: fx.GraphModule, members: list[_Member]) -> FusedProjection:
     graph = stage.graph
     first = members[0].node
     out_dim = members[0].out_dim
-    weights = [_fetch(stage, m.weight.target) for m in members]
+    weights = [get_tensor(stage, m.weight.target) for m in members]
     sizes = tuple(int(w.shape[out_dim]) for w in weights)
     weight_name = _fused_name(stage, [m.weight.target for m in members])
     with torch.no_grad():
         _register(stage, weight_name, torch.cat(weights, dim=out_dim), like=members[0].weight.target)
         if members[0].bias is not None:
             bias_name = weight_name.rpartition(".")[0] + ".bias"
-            _register(stage, bias_name, torch.cat([_fetch(stage, m.bias.target) for m in members]),
+            _register(stage, bias_name, torch.cat([get_tensor(stage, m.bias.target) for m in members]),
                       like=members[0].bias.target)
     with graph.inserting_before(first):
         w = graph.get_attr(weight_name)
@@ -237,7 +237,7 @@ def _fused_name(stage: fx.GraphModule, names: list[str]) -> str:
 
 def _exists(stage: fx.GraphModule, name: str) -> bool:
     try:
-        _fetch(stage, name)
+        get_tensor(stage, name)
         return True
     except AttributeError:
         return False

@@ -20,8 +20,8 @@ from ppsplit.passes.attention import attention as cache_attention
 from ppsplit.passes.emit import emit
 from ppsplit.passes.fuse import fuse as fuse_kernels
 from ppsplit.passes.partition import partition
-from ppsplit.passes.plan import plan as make_split_plan
 from ppsplit.passes.gemv import route_gemv
+from ppsplit.passes.plan import plan as make_split_plan
 from ppsplit.passes.projections import fuse_projections as fuse_stage_projections
 from ppsplit.passes.taps import taps as add_taps
 from ppsplit.passes.trace import trace

@@ -22,6 +22,12 @@ def state_slots(module: torch.nn.Module) -> int:
                default=0)
 
 
+def get_tensor(root: torch.nn.Module, fqn: str) -> torch.Tensor:
+    """The parameter or buffer of ``root`` under the dotted name ``fqn`` (``AttributeError`` if there is none)."""
+    path, _, leaf = fqn.rpartition(".")
+    return getattr(root.get_submodule(path) if path else root, leaf)
+
+
 def set_tensor(root: torch.nn.Module, fqn: str, tensor: torch.Tensor, *, parameter: bool, persistent: bool) -> None:
     """Register ``tensor`` on ``root`` under the dotted name ``fqn``, creating empty submodules on the way."""
     *path, leaf = fqn.split(".")

@@ -15,6 +15,8 @@ from typing import Iterable
 
 import torch
 
+from ppsplit.fx_utils import get_tensor
+
 
 def compile_stage(stage: torch.nn.Module, *, dynamic: bool | None = False) -> torch.nn.Module:
     """Compile ``stage`` in place with Inductor and return it. ``dynamic=False`` specialises each
@@ -62,7 +64,7 @@ def in_place_cache_writes(stage: torch.fx.GraphModule) -> int:
                 continue
         if not isinstance(buffer, torch.fx.Node) or buffer.op != "get_attr":
             continue
-        if _tensor(stage, buffer.target).shape[0] <= 1:
+        if get_tensor(stage, buffer.target).shape[0] <= 1:
             # One cache row: Inductor was measured writing in place there, fused with the rotary (H200, batch 1).
             continue
         with graph.inserting_before(node):
@@ -81,11 +83,6 @@ def in_place_cache_writes(stage: torch.fx.GraphModule) -> int:
         graph.lint()
         stage.recompile()
     return count
-
-
-def _tensor(stage: torch.nn.Module, name: str) -> torch.Tensor:
-    path, _, leaf = name.rpartition(".")
-    return getattr(stage.get_submodule(path) if path else stage, leaf)
 
 
 def compile_stages(stages: Iterable[torch.nn.Module], *, dynamic: bool | None = False) -> None:

@@ -24,7 +24,7 @@ GPU kernels (Triton):
   is split and a second small kernel combines the splits.
 - flash forward for longer prompts: one program per (query block, batch x query head), causal block skipping;
   the key blocks every query of the block sees run without masks.
-  Blocks of 64 queries x 64 keys, 4 warps, 3 stages for head dims up to 128: the fastest of eight shapes at
+  Blocks of 64 queries x 64 keys, 4 warps, 3 stages for head dims up to 128: the fastest of the ten shapes swept at
   T=2048 on an H200, 1.29x SDPA's FlashAttention-2 there (``python bench/attention.py --sweep``).
 
 The output is ``[B, Hq, T, Dv]`` laid out as ``[B, T, Hq, Dv]`` in memory, so the model's following
