@@ -39,9 +39,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import ppsplit
-import ppsplit.api  # noqa: F401  imported before forking so that each child does not pay for it
-import ppsplit.loader  # noqa: F401
-import ppsplit.writer  # noqa: F401
+import ppsplit.compile.api  # noqa: F401  imported before forking so that each child does not pay for it
+import ppsplit.artifact.loader  # noqa: F401
+import ppsplit.compile.writer  # noqa: F401
 
 warnings.filterwarnings("ignore")
 L, H, V = 4, 64, 128
@@ -242,7 +242,7 @@ def _run_checks(model_type: str, zoo: bool, send):
         return
     send("build", "ok")
     try:
-        n = ppsplit.passes.annotate.find_layers(model).num_layers
+        n = ppsplit.core.layers.find_layers(model).num_layers
         taps = [1, 2, n - 1]
         statuses = []
         for pp in (2, 3):

@@ -33,8 +33,8 @@ import transformers
 import ppsplit
 from ppsplit import CacheConfig, CostModel, ModelCosts, RegionCosts
 from ppsplit.passes.plan import make_plan
-from ppsplit.measure import stage_timer
-from ppsplit.plan import imbalance
+from ppsplit.compile.measure import stage_timer
+from ppsplit.core.plan import imbalance
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import config  # noqa: E402
@@ -57,9 +57,9 @@ def shape_costs(name: str, cache_path: str) -> dict:
     key = f"{name} torch {torch.__version__} transformers {transformers.__version__} halves"
     cached = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
     if key not in cached:
-        from ppsplit.passes.costs import count_flops
-        from ppsplit.passes.halves import half_costs
-        from ppsplit.source import skeleton
+        from ppsplit.passes.planning.costs import count_flops
+        from ppsplit.passes.planning.halves import half_costs
+        from ppsplit.compile.source import skeleton
 
         start = time.perf_counter()
         model, _ = skeleton(config(name), torch.bfloat16)

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 import ppsplit
 from ppsplit import CacheConfig
-from ppsplit.drafter_load import build_drafter
+from ppsplit.eagle3.formats import build_drafter
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from pipeline import interleaved as timed_interleaved, timer  # noqa: E402

@@ -24,6 +24,8 @@ import time
 import warnings
 
 import torch
+
+from ppsplit.core.tensors import model_dtype
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -70,8 +72,8 @@ def stage_step_ms(stage, rows, device, repeats=20):
     plan = stage.meta["ppsplit.plan"]
     if device.type != "cuda":
         x = torch.zeros(rows, 1, dtype=torch.long) if stage.meta["ppsplit.stage"] == 0 else \
-            torch.zeros(rows, 1, plan.hidden_size, dtype=getattr(torch, plan.dtype))
-        aux = torch.zeros(plan.n_slots, rows, 1, plan.hidden_size, dtype=getattr(torch, plan.dtype))
+            torch.zeros(rows, 1, plan.hidden_size, dtype=model_dtype(plan))
+        aux = torch.zeros(plan.n_slots, rows, 1, plan.hidden_size, dtype=model_dtype(plan))
         with torch.no_grad():
             stage(x, torch.tensor([7]), aux)
             start = time.perf_counter()
@@ -92,7 +94,7 @@ def stage_step_ms(stage, rows, device, repeats=20):
 
 def transfer_ms(plan, rows, device, repeats=50):
     """rank 0 -> rank 1: hidden [rows, 1, H] + aux prefix, as the pipeline sends them (NCCL or gloo)."""
-    dtype = getattr(torch, plan.dtype)
+    dtype = model_dtype(plan)
     hidden = torch.zeros(rows, 1, plan.hidden_size, dtype=dtype, device=device)
     aux = torch.zeros(plan.filled(0), rows, 1, plan.hidden_size, dtype=dtype, device=device)
     op = dist.isend if dist.get_rank() == 0 else dist.irecv

@@ -13,7 +13,8 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 import ppsplit
-from ppsplit.passes.annotate import annotate, find_layers
+from ppsplit.core.layers import find_layers
+from ppsplit.passes.annotate import annotate
 from ppsplit.passes.trace import trace
 
 try:

@@ -1,4 +1,7 @@
-"""The pass pipeline, one file per pass (installed as ``ppsplit.passes``)::
+"""The passes (installed as ``ppsplit.passes``); their order is stated once, in ``ppsplit.passes.pipeline``::
 
-    HF model -> trace -> annotate -> plan -> partition -> taps -> fuse -> emit
+    trace -> annotate -> plan -> partition -> taps -> attention -> fuse -> emit
+
+One file per pass here; their helpers in ``tracing/`` (the cache handed to the model, export blame) and
+``planning/`` (balancing, flop counts, half layers); ``rewrites/`` holds what is applied to built stages.
 """

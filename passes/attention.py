@@ -22,8 +22,8 @@ Recognition is by running, not by op patterns (as the fuse pass recognises norms
 Contiguous positions are what the probes use and what ppsplit's steps pass (prefill, decode, verify): the
 traced masks take query ``i`` at ``positions[0] + i``, ``cache_attention`` at ``positions[i]``.
 
-Result: an ``AttentionReport`` (per site: layer, stage, replaced or why not); ``SplitPlan.attention_lines(stage)`` formats what the
-plan prints per stage.
+Result: ``Attended``, the rewritten copy of the graph and one ``AttentionSite`` per layer (replaced, or why not);
+``SplitPlan.attention_lines(stage)`` formats what the plan prints per stage.
 """
 from __future__ import annotations
 
@@ -36,10 +36,11 @@ import torch
 from torch import fx
 
 import ppsplit.triton_kernels.attention  # noqa: F401  (registers torch.ops.ppsplit.cache_attention)
-from ppsplit.fx_utils import CACHE_PREFIX, get_tensor
+from ppsplit.core.fx_utils import CACHE_PREFIX, fresh_copy, get_tensor
 from ppsplit.passes.annotate import SHAPE_OPS, mutated_bases
+from ppsplit.passes.partition import Partitioned, carry_forward
 from ppsplit.passes.taps import Tapped
-from ppsplit.plan import AttentionSite, SplitPlan
+from ppsplit.core.plan import AttentionSite, SplitPlan
 from ppsplit.triton_kernels.attention import attention_reference
 
 aten = torch.ops.aten
@@ -51,8 +52,9 @@ _TOL = dict(atol=1e-4, rtol=1e-4)
 
 
 @dataclass(frozen=True)
-class AttentionReport:
-    """The attention pass's result: one ``AttentionSite`` per layer that attends over the cache."""
+class Attended(Partitioned):
+    """The attention pass's result: a rewritten copy of the graph, and one ``AttentionSite`` per layer that
+    attends over the cache (replaced, or why not)."""
 
     sites: tuple[AttentionSite, ...] = ()
 
@@ -61,16 +63,16 @@ class _NoMatch(Exception):
     pass
 
 
-def attention(tapped: Tapped, plan: SplitPlan) -> AttentionReport:
-    """Replace every provably equal attention over the static cache with ``cache_attention``, in the graph of
-    ``tapped`` (which fuse then takes).
+def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
+    """Replace every provably equal attention over the static cache with ``cache_attention``, in a copy of the
+    graph of ``tapped`` (which fuse then takes).
 
     Example::
 
-        report = attention(tapped, plan)     # after the taps pass, before fuse
-        plan = dataclasses.replace(plan, attention=report.sites)   # describe(): "attention: 4 of 4 -> ..."
+        attended = attention(tapped, plan)     # after the taps pass, before fuse
+        attended.sites                         # describe(): "attention: 4 of 4 -> ..."
     """
-    gm = tapped.gm
+    gm = fresh_copy(tapped.gm)
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     info = tapped.annotated.traced
@@ -105,7 +107,7 @@ def attention(tapped: Tapped, plan: SplitPlan) -> AttentionReport:
             sites.append(AttentionSite(layer, stage, False, str(e)))
     graph.lint()
     gm.recompile()
-    return AttentionReport(tuple(sites))
+    return carry_forward(tapped, Attended, gm=gm, sites=tuple(sites))
 
 
 def _cache_buffer(node) -> tuple[int, str] | None:

@@ -16,19 +16,19 @@ import torch
 from torch import fx
 from torch.fx.node import map_aggregate
 
-from ppsplit.errors import CrossingError
-from ppsplit.fx_utils import copy_buffer_persistence
+from ppsplit.core.errors import CrossingError
+from ppsplit.core.fx_utils import copy_buffer_persistence
 from ppsplit.passes.annotate import SHAPE_OPS, mutated_bases
-from ppsplit.passes.fuse import Fused
-from ppsplit.passes.taps import Tapped
-from ppsplit.plan import SplitPlan
-from ppsplit.tensors import DTYPES
+from ppsplit.passes.partition import Partitioned
+from ppsplit.core.plan import SplitPlan
+from ppsplit.core.tensors import DTYPES, model_dtype
 
 aten = torch.ops.aten
 
 
-def emit(rewritten: Tapped | Fused, plan: SplitPlan) -> list[fx.GraphModule]:
-    """One ``fx.GraphModule`` per stage, from the graph the taps (and, optionally, fuse) pass left."""
+def emit(rewritten: Partitioned, plan: SplitPlan) -> list[fx.GraphModule]:
+    """One ``fx.GraphModule`` per stage, from the graph the last rewrite left (taps, attention or fuse) and the
+    plan completed from the passes' reports (its carries are the ones emit packs and unpacks)."""
     gm = rewritten.gm
     graph = gm.graph
     nodes = list(graph.nodes)
@@ -42,7 +42,7 @@ def emit(rewritten: Tapped | Fused, plan: SplitPlan) -> list[fx.GraphModule]:
     info = rewritten.annotated.traced
     symbols = {info.batch_symbol: "batch", info.tokens_symbol: "tokens"}
 
-    carried = {c.name: by_name[c.name] for c in rewritten.carries}
+    carried = {c.name: by_name[c.name] for c in plan.carries}
     stages = []
     for s in range(plan.pp):
         x_src = input_ids if s == 0 else boundaries[s]
@@ -121,14 +121,14 @@ def _build(body: list, x_src, positions, aux, y_src, symbols: dict, plan: SplitP
     sizes = {"batch": batch, "tokens": tokens}
     env = {x_src: x, positions: pos, aux: buf}
     packed = {}  # carried value -> its slice of x, as it came
-    model_dtype = DTYPES[plan.dtype]
+    dtype = model_dtype(plan)
     if unpack:
         hidden = _slice(g, x, 0, plan.hidden_size)
         env[x_src] = g.call_function(aten.clone.default, (hidden,), {"memory_format": torch.contiguous_format})
         for node, carry, offset in unpack:
             packed[node] = piece = _slice(g, x, offset, offset + carry.width)
             value = g.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
-            if DTYPES[carry.dtype] != model_dtype:
+            if DTYPES[carry.dtype] != dtype:
                 value = g.call_function(aten.view.dtype, (value, DTYPES[carry.dtype]))
             value = g.call_function(aten.view.default, (value, [batch, tokens, *carry.shape]))
             if carry.token_dim != 1:  # back to the value's own layout, e.g. keys [B, heads, T, dim]
@@ -159,8 +159,8 @@ def _build(body: list, x_src, positions, aux, y_src, symbols: dict, plan: SplitP
                 if carry.token_dim != 1:
                     piece = g.call_function(aten.permute.default, (piece, _token_order(carry)))
                 piece = g.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
-                if DTYPES[carry.dtype] != model_dtype:
-                    piece = g.call_function(aten.view.dtype, (piece, model_dtype))
+                if DTYPES[carry.dtype] != dtype:
+                    piece = g.call_function(aten.view.dtype, (piece, dtype))
                 piece = g.call_function(aten.view.default, (piece, [batch, tokens, carry.width]))
             pieces.append(piece)
         y = g.call_function(aten.cat.default, (pieces, -1))

@@ -26,9 +26,10 @@ from torch import fx
 from torch.fx.node import map_aggregate
 
 import ppsplit.triton_kernels  # noqa: F401  (registers torch.ops.ppsplit.*)
-from ppsplit.passes.taps import Tapped
+from ppsplit.core.fx_utils import fresh_copy
+from ppsplit.passes.partition import Partitioned, carry_forward
 from ppsplit.passes.trace import module_path
-from ppsplit.plan import Carry, SplitPlan, StageFusion, TapFusion
+from ppsplit.core.plan import SplitPlan, StageFusion, TapFusion
 from ppsplit.triton_kernels import NORM_KINDS, norm_reference
 
 ops = torch.ops.ppsplit
@@ -37,25 +38,11 @@ _VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops
 
 
 @dataclass(frozen=True)
-class Fused:
-    """The fuse pass's result: the rewritten graph, its boundaries, and what was fused on each stage."""
+class Fused(Partitioned):
+    """The fuse pass's result: a rewritten copy of the graph, its boundaries and carries under the names of the
+    nodes that now compute them, and what was fused on each stage."""
 
-    tapped: Tapped
-    boundaries: dict[int, str]
-    report: tuple[StageFusion, ...]
-    carries: tuple[Carry, ...] = ()  # the partition's, under the names of the nodes that now compute them
-
-    @property
-    def gm(self) -> fx.GraphModule:
-        return self.tapped.gm
-
-    @property
-    def annotated(self):
-        return self.tapped.annotated
-
-    @property
-    def replicas(self):
-        return self.tapped.replicas
+    report: tuple[StageFusion, ...] = ()
 
 
 @dataclass
@@ -72,9 +59,10 @@ class NormMatch:
     kind: str
 
 
-def fuse(tapped: Tapped, plan: SplitPlan, *, taps: bool = True) -> Fused:
-    """Rewrite add/norm/tap-store groups into fused ops (``taps=False`` fuses the norms but keeps plain stores)."""
-    gm = tapped.gm
+def fuse(tapped: Partitioned, plan: SplitPlan, *, taps: bool = True) -> Fused:
+    """Rewrite add/norm/tap-store groups into fused ops, in a copy of the graph of ``tapped`` (the taps or the
+    attention pass's result); ``taps=False`` fuses the norms but keeps plain stores."""
+    gm = fresh_copy(tapped.gm)
     graph = gm.graph
     boundaries = dict(tapped.boundaries)
     carries = list(tapped.carries)
@@ -167,7 +155,7 @@ def fuse(tapped: Tapped, plan: SplitPlan, *, taps: bool = True) -> Fused:
     gm.recompile()
     stages = tuple(StageFusion(taps=tuple(sorted(report[s], key=lambda t: t.tap)), other_norms=counts[s])
                    for s in range(plan.pp))
-    return Fused(tapped=tapped, boundaries=boundaries, report=stages, carries=tuple(carries))
+    return carry_forward(tapped, Fused, gm=gm, boundaries=boundaries, carries=tuple(carries), report=stages)
 
 
 def _store_of(value: fx.Node) -> fx.Node | None:

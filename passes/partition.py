@@ -13,15 +13,16 @@ holds the copy, the boundaries (stage index -> name of the residual-stream node 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch import fx
 
-from ppsplit.errors import CrossingError
-from ppsplit.fx_utils import copy_buffer_persistence, is_cache_buffer
+from ppsplit.core.errors import CrossingError
+from ppsplit.core.fx_utils import fresh_copy, is_cache_buffer
 from ppsplit.passes.annotate import Annotated, is_view, mutated_bases, per_token_layout, residual_message
-from ppsplit.plan import Carry, SplitPlan
-from ppsplit.tensors import DTYPES, dtype_name, nbytes
+from ppsplit.core.plan import Carry, SplitPlan
+from ppsplit.core.tensors import dtype_name, model_dtype, nbytes
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,13 @@ class Partitioned:
     boundaries: dict[int, str]  # stage s > 0 -> the residual-stream node it receives from stage s - 1
     carries: tuple[Carry, ...] = ()  # the other values that cross, in the order x packs them
     replicas: tuple[tuple[int, str, int], ...] = ()  # (stage, cache buffer, bytes) kept on a stage besides its home
+
+
+def carry_forward(result: Partitioned, cls, **changes):
+    """A later pass's result of type ``cls`` (a ``Partitioned`` subclass): ``result``'s partition facts, with
+    ``changes`` (its rewritten copy of the graph, renamed boundaries, its report)."""
+    base = {f.name: getattr(result, f.name) for f in dataclasses.fields(Partitioned)}
+    return cls(**{**base, **changes})
 
 
 def stage_of_region(plan: SplitPlan, region: int) -> int:
@@ -47,7 +55,7 @@ def partition(annotated: Annotated, plan: SplitPlan) -> Partitioned:
     """Assign home stages per ``plan``; raise ``CrossingError`` if a non-residual value would cross."""
     if annotated.layers.num_layers != plan.num_layers:
         raise ValueError(f"the plan is for {plan.num_layers} layers but the graph has {annotated.layers.num_layers}")
-    gm = _fresh_copy(annotated.gm)
+    gm = fresh_copy(annotated.gm)
     nodes = list(gm.graph.nodes)
     for node in nodes:
         node.meta.pop("ppsplit.stage", None)
@@ -94,15 +102,6 @@ def partition(annotated: Annotated, plan: SplitPlan) -> Partitioned:
     return Partitioned(gm=gm, annotated=annotated, boundaries=boundaries, carries=tuple(carries), replicas=replicas)
 
 
-def _fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new graph over the same tensors, with the same node names and meta."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    copy = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    copy_buffer_persistence(copy, gm)
-    return copy
-
-
 def _replicate_shared_caches(gm: fx.GraphModule, nodes: list[fx.Node], plan: SplitPlan) -> tuple:
     """A layer that reads another layer's KV cache (Gemma's KV sharing) on a later stage gets a replica of that
     cache on its own stage: the writes into it run on both stages (their new keys and values are then carried,
@@ -147,7 +146,7 @@ def _carry(node: fx.Node, into: tuple[int, ...], reader: fx.Node, last: int, ann
         why = f"its per-token shape {list(layout[1])} is not fixed"
     else:
         size = nbytes(layout[1], val.dtype)
-        unit = nbytes((), DTYPES[plan.dtype])
+        unit = nbytes((), model_dtype(plan))
         if size % unit:
             why = f"its {size} bytes per token do not fill whole {plan.dtype} elements"
     if why:

@@ -11,7 +11,7 @@ optionally under a per-stage cap on weights + KV cache (``max_stage_bytes``). Bu
 - ``"flops"``: matmul flops counted from the traced graph's shapes for a ``CostModel`` workload
   (``passes/costs.py``); the embedding, a gather, costs nothing, the head its full matmul.
 - ``"time"``: each layer, the embedding and the head timed on the device they run on; the driver
-  (``ppsplit.measure``) measures and passes the result in as ``measured``.
+  (``ppsplit.compile.measure``) measures and passes the result in as ``measured``.
 
 A callable ``f(costs, pp) -> layer counts``, or an explicit list of counts, plugs in the same way. The plan records
 every stage's cost under the policy (``StagePlan.cost``) and the regions it summed (``SplitPlan.region_costs``).
@@ -20,16 +20,16 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ppsplit.config import Balance, CostModel
-from ppsplit.errors import ConfigError, CrossingError
-from ppsplit.fx_utils import state_slots
+from ppsplit.core.options import Balance, CostModel
+from ppsplit.core.errors import ConfigError, CrossingError
+from ppsplit.core.fx_utils import state_slots
 from ppsplit.passes.annotate import Annotated, residual_message
-from ppsplit.passes.balance import best_split, smallest_cap
-from ppsplit.passes.costs import flops_costs
-from ppsplit.passes.half_plan import make_half_plan
-from ppsplit.passes.halves import half_costs
-from ppsplit.plan import ModelCosts, RegionCosts, SplitPlan, StagePlan, fmt_bytes
-from ppsplit.tensors import dtype_name
+from ppsplit.passes.planning.balance import best_split, smallest_cap
+from ppsplit.passes.planning.costs import flops_costs
+from ppsplit.passes.planning.half_plan import make_half_plan
+from ppsplit.passes.planning.halves import half_costs
+from ppsplit.core.plan import ModelCosts, RegionCosts, SplitPlan, StagePlan, fmt_bytes
+from ppsplit.core.tensors import dtype_name
 
 BalancePolicy = Callable[[ModelCosts, int], Sequence[int]]
 
@@ -179,7 +179,7 @@ def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Ba
     elif balance == "time":
         if measured is None:
             raise ConfigError("balance='time' needs each layer timed on its device; ppsplit.split_model measures "
-                              "them (ppsplit.measure.measure_costs), this pass only plans from the result")
+                              "them (ppsplit.compile.measure.measure_costs), this pass only plans from the result")
         region = measured
     return make_plan(costs, pp, taps, balance=balance, hidden_size=int(val.shape[-1]),
                      dtype=dtype_name(val.dtype), model_class=annotated.traced.model_class,

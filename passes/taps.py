@@ -3,51 +3,29 @@
 Adds the ``aux`` input ``[n_slots, B, T, H]`` and, right after the node that computes tap ``j`` (the residual
 stream entering layer ``j``), a ``ppsplit::tap_store(aux, slot(j), value)`` on the tap's owner stage.
 
-Facts written: ``node.meta["ppsplit.tap"] = j`` on each store. The result, ``Tapped``, carries the partition
-forward unchanged.
+Facts written: ``node.meta["ppsplit.tap"] = j`` on each store. The result, ``Tapped``, holds the rewritten copy of
+the graph and the partition's facts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from torch import fx
 
 import ppsplit.triton_kernels  # noqa: F401  (registers torch.ops.ppsplit.*)
-from ppsplit.errors import CrossingError
-from ppsplit.passes.partition import Partitioned
-from ppsplit.plan import SplitPlan
+from ppsplit.core.errors import CrossingError
+from ppsplit.core.fx_utils import fresh_copy
+from ppsplit.passes.partition import Partitioned, carry_forward
+from ppsplit.core.plan import SplitPlan
 
 
 @dataclass(frozen=True)
-class Tapped:
-    """The taps pass's result: the partitioned graph with an ``aux`` input and one store per tap."""
-
-    partitioned: Partitioned
-
-    @property
-    def gm(self) -> fx.GraphModule:
-        return self.partitioned.gm
-
-    @property
-    def boundaries(self) -> dict[int, str]:
-        return self.partitioned.boundaries
-
-    @property
-    def carries(self):
-        return self.partitioned.carries
-
-    @property
-    def replicas(self):
-        return self.partitioned.replicas
-
-    @property
-    def annotated(self):
-        return self.partitioned.annotated
+class Tapped(Partitioned):
+    """The taps pass's result: a copy of the partitioned graph with an ``aux`` input and one store per tap."""
 
 
 def taps(partitioned: Partitioned, plan: SplitPlan) -> Tapped:
-    gm = partitioned.gm
+    gm = fresh_copy(partitioned.gm)
     graph = gm.graph
     positions = graph.find_nodes(op="placeholder", target="positions")[0]
     with graph.inserting_after(positions):
@@ -73,4 +51,4 @@ def taps(partitioned: Partitioned, plan: SplitPlan) -> Tapped:
                            "ppsplit.layer": value.meta.get("ppsplit.layer"),
                            "ppsplit.region": value.meta["ppsplit.region"]})
     graph.lint()
-    return Tapped(partitioned)
+    return carry_forward(partitioned, Tapped, gm=gm)

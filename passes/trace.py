@@ -20,12 +20,12 @@ import torch
 from torch import fx
 from torch.export import Dim
 
-import ppsplit.errors
-from ppsplit.config import CacheConfig
-from ppsplit.errors import ConfigError, TraceError
-from ppsplit.fx_utils import CACHE_PREFIX, copy_buffer_persistence, set_tensor, tied_parameters
-from ppsplit.passes.kv_cache import PositionedCache, RecurrentScans
-from ppsplit.tensors import module_device
+import ppsplit.core.errors
+from ppsplit.core.options import CacheConfig
+from ppsplit.core.errors import ConfigError, TraceError
+from ppsplit.core.fx_utils import CACHE_PREFIX, copy_buffer_persistence, set_tensor, tied_parameters
+from ppsplit.passes.tracing.kv_cache import PositionedCache, RecurrentScans
+from ppsplit.core.tensors import module_device
 
 _PREFIX = "m."  # the wrapper holds the model as ``self.m``
 
@@ -276,7 +276,7 @@ def _export_dynamic(model, wrapper, ids, positions, batch, tokens):
             # ("Cannot create Dim with inconsistent min=2, max=2"). The sizes' ranges are checked next.
             if "Constraints violated" not in str(e) and "Cannot create Dim" not in str(e):
                 raise
-            from ppsplit.passes import export_blame
+            from ppsplit.passes.tracing import export_blame
 
             with export_blame.guard_stacks(_is_library_file) as stacks:
                 ep = _export(wrapper, ids, positions, _auto(batch), _auto(tokens))
@@ -302,7 +302,7 @@ _UNBACKED = re.compile(r"\bu\d+\b")
 
 def _refuse_narrowed_sizes(model, batch, tokens, ep, stacks) -> None:
     """AUTO dims let export narrow a size's range silently; a stage must take every size (decode is 1 token)."""
-    from ppsplit.passes import export_blame
+    from ppsplit.passes.tracing import export_blame
 
     wanted = {d: (None if dim is Dim.STATIC else dim.max if dim.max < int(1e15) else None)
               for d, dim in ((0, batch), (1, tokens)) if dim is not Dim.STATIC}
@@ -600,7 +600,7 @@ def _describe_export_failure(model: torch.nn.Module, e: Exception) -> str:
 # Frames in these folders are torch's or ppsplit's own; the first frame outside them is the model's code. Compared
 # as folders, so a user whose checkout or model lives under a path that merely contains "ppsplit" keeps the line.
 _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                      for m in (torch, ppsplit.errors, sys.modules[__name__.rsplit(".", 1)[0]]))
+                      for m in (torch, ppsplit.core.errors, sys.modules[__name__.rsplit(".", 1)[0]]))
 
 
 def _is_library_file(filename: str) -> bool:

@@ -25,27 +25,27 @@ if os.path.isfile(os.path.join(_checkout, "pyproject.toml")) and os.path.isdir(o
     __path__.append(_checkout)
 
 _EXPORTS = {
-    "CacheConfig": "ppsplit.config", "CostModel": "ppsplit.config", "SplitOptions": "ppsplit.config",
-    "ConfigError": "ppsplit.errors", "CrossingError": "ppsplit.errors", "LayersNotFoundError": "ppsplit.errors",
-    "PpsplitError": "ppsplit.errors", "TraceError": "ppsplit.errors",
-    "ModelCosts": "ppsplit.plan", "RegionCosts": "ppsplit.plan", "SplitPlan": "ppsplit.plan", "StagePlan": "ppsplit.plan",
-    "StageFusion": "ppsplit.plan", "TapFusion": "ppsplit.plan",
-    "SplitModel": "ppsplit.runtime",
-    "CapturedStage": "ppsplit.cuda_graphs", "cuda_graph": "ppsplit.cuda_graphs",
-    "split_model": "ppsplit.api", "trace_model": "ppsplit.api",
-    "compile_model": "ppsplit.writer",
-    "load": "ppsplit.loader", "load_stage": "ppsplit.loader",
-    "backend": "ppsplit.compile_backend", "TapBackend": "ppsplit.compile_backend",
-    "last_taps": "ppsplit.compile_backend",
-    "Eagle3Drafter": "ppsplit.drafter", "load_drafter": "ppsplit.drafter_load",
-    "SpeculativeStats": "ppsplit.speculative",
+    "CacheConfig": "ppsplit.core.options", "CostModel": "ppsplit.core.options", "SplitOptions": "ppsplit.core.options",
+    "ConfigError": "ppsplit.core.errors", "CrossingError": "ppsplit.core.errors", "LayersNotFoundError": "ppsplit.core.errors",
+    "PpsplitError": "ppsplit.core.errors", "TraceError": "ppsplit.core.errors",
+    "ModelCosts": "ppsplit.core.plan", "RegionCosts": "ppsplit.core.plan", "SplitPlan": "ppsplit.core.plan", "StagePlan": "ppsplit.core.plan",
+    "StageFusion": "ppsplit.core.plan", "TapFusion": "ppsplit.core.plan",
+    "StageOptions": "ppsplit.core.options", "SplitModel": "ppsplit.serve.runtime",
+    "CapturedStage": "ppsplit.serve.cuda_graphs", "cuda_graph": "ppsplit.serve.cuda_graphs",
+    "split_model": "ppsplit.compile.api", "trace_model": "ppsplit.compile.api",
+    "compile_model": "ppsplit.compile.writer",
+    "load": "ppsplit.serve.runtime", "load_stage": "ppsplit.artifact.loader",
+    "backend": "ppsplit.compile.dynamo_backend", "TapBackend": "ppsplit.compile.dynamo_backend",
+    "last_taps": "ppsplit.compile.dynamo_backend",
+    "Eagle3Drafter": "ppsplit.eagle3.drafter", "load_drafter": "ppsplit.eagle3.formats",
+    "SpeculativeStats": "ppsplit.eagle3.speculative",
 }
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
-    if module is None:  # a submodule: ppsplit.loader, ppsplit.passes, ...
+    if module is None:  # a submodule: ppsplit.artifact.loader, ppsplit.passes, ...
         try:
             return importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as e:

@@ -52,8 +52,8 @@ def launch(world: int, target, *args, timeout: float = 20.0, deadline: float = 9
     ctx = mp.get_context("forkserver")
     # Children fork from one server that has imported torch, the loader and the Triton kernels once (~4 s of CPU
     # per process otherwise, 4 processes on 2 cores); the server is a clean process, not this one (no threads).
-    ctx.set_forkserver_preload(["torch", "ppsplit.distributed", "ppsplit.loader", "ppsplit.triton_kernels",
-                                "ppsplit.cuda_graphs", __name__])
+    ctx.set_forkserver_preload(["torch", "ppsplit.distributed", "ppsplit.artifact.loader", "ppsplit.triton_kernels",
+                                "ppsplit.serve.cuda_graphs", __name__])
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import ppsplit
-from ppsplit.errors import ConfigError, LayersNotFoundError
-from ppsplit.passes.annotate import find_layers
+from ppsplit.core.errors import ConfigError, LayersNotFoundError
+from ppsplit.core.layers import find_layers
 from tests.models import tiny_model
 
 
@@ -164,7 +164,7 @@ def test_entry_point_backend_by_name(tmp_path):
         with torch.no_grad():
             got = torch.compile(model, backend="ppsplit")(ids).logits
             ref = model(ids, output_hidden_states=True)
-        assert "ppsplit.compile_backend" in sys.modules
+        assert "ppsplit.compile.dynamo_backend" in sys.modules
         torch.testing.assert_close(got, ref.logits)
         import ppsplit
         taps = ppsplit.last_taps()

@@ -9,9 +9,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import ppsplit
 from ppsplit import CacheConfig, ConfigError, CostModel, ModelCosts, RegionCosts, SplitOptions, SplitPlan
-from ppsplit.config import parse_bytes
-from ppsplit.passes.balance import best_split
-from ppsplit.passes.costs import count_flops
+from ppsplit.core.options import parse_bytes
+from ppsplit.passes.planning.balance import best_split
+from ppsplit.passes.planning.costs import count_flops
 from ppsplit.passes.plan import make_plan
 from tests.models import tiny_model
 
@@ -135,7 +135,7 @@ def test_options_validate_cost_model_cap_and_sizes():
         SplitOptions(pp=2, max_stage_bytes=0)
     with pytest.raises(ConfigError, match="balance must be one of layers, params, flops, time, memory"):
         SplitOptions(pp=2, balance="speed")
-    from ppsplit.cli import _options, _parser
+    from ppsplit.cli.commands import build_parser as _parser, split_options as _options
 
     args = _parser().parse_args(["plan", "demo", "--pp", "2", "--balance", "flops", "--max-stage-memory", "1GiB",
                                  "--cost-model", "batch=4"])

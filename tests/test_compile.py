@@ -37,7 +37,7 @@ def compiled(checkpoint, tmp_path_factory):
 
 
 def test_stage_files_hold_exactly_their_tensors(checkpoint, compiled):
-    plan = ppsplit.loader.load_plan(str(compiled))
+    plan = ppsplit.artifact.folder.CompiledFolder(str(compiled)).plan
     assert plan.pp == 3 and plan.taps == (0, 2, 5)
     assert sorted(os.listdir(compiled)) == sorted(["plan.json", "manifest.json", "generation_config.json"] +
                                                   [f"stage_{k}.{ext}" for k in range(3) for ext in ("json", "safetensors")])
@@ -148,10 +148,10 @@ def test_force_replaces_and_failure_midway_leaves_nothing(checkpoint, tmp_path, 
     out = tmp_path / "out"
     ppsplit.compile_model(str(checkpoint), str(out), pp=2)
     ppsplit.compile_model(str(checkpoint), str(out), pp=3, force=True)
-    assert ppsplit.loader.load_plan(str(out)).pp == 3
+    assert ppsplit.artifact.folder.CompiledFolder(str(out)).plan.pp == 3
 
     calls = {"n": 0}
-    real = ppsplit.writer.write_safetensors
+    real = ppsplit.compile.writer.write_safetensors
 
     def interrupted(*a, **k):
         calls["n"] += 1
@@ -159,7 +159,7 @@ def test_force_replaces_and_failure_midway_leaves_nothing(checkpoint, tmp_path, 
             raise KeyboardInterrupt  # Ctrl-C while writing stage 1
         return real(*a, **k)
 
-    monkeypatch.setattr(ppsplit.writer, "write_safetensors", interrupted)
+    monkeypatch.setattr(ppsplit.compile.writer, "write_safetensors", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ppsplit.compile_model(str(checkpoint), str(tmp_path / "new"), pp=3)
     assert sorted(os.listdir(tmp_path)) == ["out"]
@@ -231,7 +231,7 @@ def test_hub_id_resolves_through_the_local_cache(checkpoint, tmp_path, monkeypat
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
     assert main(["compile", "ppsplit/tiny-llama", "--pp", "2", "-o", str(tmp_path / "out")]) == 0
-    assert ppsplit.loader.load_plan(str(tmp_path / "out")).pp == 2
+    assert ppsplit.artifact.folder.CompiledFolder(str(tmp_path / "out")).plan.pp == 2
     code, errors = run_cli(["compile", "ppsplit/not-there", "--pp", "2", "-o", str(tmp_path / "x")], capsys)
     assert code == 2 and "not in the local Hugging Face cache" in errors[0]
     assert not (tmp_path / "x").exists()

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import ppsplit
 from ppsplit import CacheConfig, ConfigError
-from ppsplit.speculative import accept
+from ppsplit.eagle3.speculative import accept
 from tests.drafters import drafter_config, random_drafter_tensors, write_drafter
 from tests.models import VOCAB, tiny_model
 from tests.test_decode import CACHE, cached  # the same traced models as the decoding tests
@@ -359,11 +359,11 @@ def test_drafter_errors(tmp_path):
 def publish(model, drafter, root, layout: str) -> str:
     """Save the target to ``root/target`` and the trained drafter as a published checkpoint (SpecForge ids, no
     embedding: the target's is used) to ``root/published``; returns the drafter's folder."""
-    from ppsplit.drafter_load import save_drafter
+    from ppsplit.eagle3.formats import save_drafter
 
     model.save_pretrained(root / "target", safe_serialization=True)
     save_drafter(drafter, str(root / "trained"))
-    cfg, tensors = ppsplit.drafter_load.read_drafter(str(root / "trained"))
+    cfg, tensors = ppsplit.eagle3.formats.read_drafter(str(root / "trained"))
     cfg = {k: v for k, v in cfg.items() if not k.startswith("ppsplit_")}
     tensors = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "rotary.inv_freq")}
     return write_drafter(str(root / "published"), cfg, tensors, layout)

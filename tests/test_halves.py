@@ -12,8 +12,8 @@ import torch
 
 import ppsplit
 from ppsplit import CacheConfig, ConfigError, ModelCosts, RegionCosts, SplitPlan
-from ppsplit.passes.balance import best_bounds
-from ppsplit.passes.half_plan import allowed_cuts
+from ppsplit.passes.planning.balance import best_bounds
+from ppsplit.passes.planning.half_plan import allowed_cuts
 from ppsplit.passes.plan import make_plan
 from tests.models import NUM_LAYERS as L, VOCAB, tiny_model
 from tests.test_split import last_layer_output, reference, run_stages
@@ -161,7 +161,7 @@ def test_halves_reach_what_whole_layers_cannot():
 
 
 def test_flops_and_time_per_half(traced_cache):
-    from ppsplit.passes.costs import count_flops
+    from ppsplit.passes.planning.costs import count_flops
 
     model, traced = traced_cache("llama")
     step = count_flops(traced).step(1, 1, 100, halves=True)
@@ -204,7 +204,7 @@ def test_caps_explicit_counts_and_cli():
     # An attention-only stage owns no tap: tap 1 (layer 0's output) is computed by stage 1, tap 4 by stage 2.
     assert [explicit.owner(t) for t in (0, 1, 3, 4)] == [0, 1, 1, 2]
     assert [explicit.filled(k) for k in range(3)] == [1, 3, 4]
-    from ppsplit.cli import _options, _parser
+    from ppsplit.cli.commands import build_parser as _parser, split_options as _options
 
     opts = _options(_parser().parse_args(["plan", "demo", "--pp", "2", "--half-layers", "--balance", "4.5,3.5"]))
     assert opts.half_layers and opts.balance == [4.5, 3.5]

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = {"ppsplit": "ppsplit", "ppsplit.passes": "passes", "ppsplit.triton_kernels": "triton_kernels"}
-CORE = {"ppsplit.errors", "ppsplit.config", "ppsplit.plan", "ppsplit.tensors", "ppsplit.fx_utils"}
+CORE = {"ppsplit.core.errors", "ppsplit.core.options", "ppsplit.core.plan", "ppsplit.core.tensors", "ppsplit.core.fx_utils"}
 
 
 def modules() -> dict[str, str]:
@@ -92,9 +92,9 @@ def test_imports_point_down_without_cycles_or_private_names():
 def test_the_parser_finds_the_imports_it_should():
     """The import parser is not vacuous: it finds the imports this test file knows are there."""
     mods = modules()
-    found = {t for t, _, _ in imports(mods["ppsplit.api"], set(mods))}
-    assert {"ppsplit.passes.trace", "ppsplit.config", "ppsplit.runtime"} <= found
-    assert layer("ppsplit.passes.fuse") == 1 and layer("ppsplit.plan") == 0 and layer("ppsplit.loader") == 2
+    found = {t for t, _, _ in imports(mods["ppsplit.compile.api"], set(mods))}
+    assert {"ppsplit.passes.trace", "ppsplit.core.options", "ppsplit.serve.runtime"} <= found
+    assert layer("ppsplit.passes.fuse") == 1 and layer("ppsplit.core.plan") == 0 and layer("ppsplit.artifact.loader") == 2
 
 
 def test_loading_a_compiled_folder_imports_neither_transformers_nor_the_passes(tmp_path):

@@ -9,9 +9,9 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import ppsplit
-from ppsplit.errors import ConfigError
-from ppsplit.fx_utils import is_cache_buffer
-from ppsplit.writer import compile_model
+from ppsplit.core.errors import ConfigError
+from ppsplit.core.fx_utils import is_cache_buffer
+from ppsplit.compile.writer import compile_model
 from tests.models import VOCAB, tiny_config
 
 L = 4
@@ -100,7 +100,7 @@ def test_logits_and_taps_equal_from_pretrained(compiled):
 def test_stage_files_hold_exactly_what_each_program_reads(compiled):
     arch, folder, out, pp, _, model = compiled
     hf = model.state_dict()
-    plan = ppsplit.loader.load_plan(out)
+    plan = ppsplit.artifact.folder.CompiledFolder(out).plan
     for k in range(pp):
         stage = ppsplit.load_stage(out, k)
         read = {n.target for n in stage.graph.nodes if n.op == "get_attr" and not is_cache_buffer(n.target)}

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import ppsplit
 from ppsplit import CacheConfig
-from ppsplit.passes.projections import fuse_projections
+from ppsplit.passes.rewrites.projections import fuse_projections
 from tests.models import VOCAB, tiny_model
 
 aten = torch.ops.aten
@@ -159,7 +159,7 @@ def test_compile_then_load_fuses_at_load(tmp_path, capsys):
     out = tmp_path / "qwen2-pp2"
     assert main(["compile", str(tmp_path / "ckpt"), "--pp", "2", "--aux", "1", "--max-batch", "2", "--max-len", "40",
                  "--fuse-projections", "-o", str(out)]) == 0
-    assert json.loads((out / "manifest.json").read_text())["fuse_projections"] is True
+    assert json.loads((out / "manifest.json").read_text())["stage_options"]["fuse_projections"] is True
     capsys.readouterr()
     assert main(["inspect", str(out)]) == 0 and "sibling projections fused at load" in capsys.readouterr().out
     hf_names = set(dict(model.named_parameters()))

@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING
 
 import ppsplit
 from ppsplit import CacheConfig
-from ppsplit.errors import ConfigError
+from ppsplit.core.errors import ConfigError
 
 V = 128
 COMMON = dict(vocab_size=V, hidden_size=64, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
@@ -153,7 +153,7 @@ def test_speculative_decoding_with_an_eagle3_drafter_equals_hf_greedy(arch, tmp_
 
 
 def test_verify_longer_than_the_ring_is_refused():
-    from ppsplit.speculative import check_state_slots
+    from ppsplit.eagle3.speculative import check_state_slots
 
     plan = ppsplit.split_model(cached(ARCHS[0]), 2).plan
     check_state_slots(plan, plan.state_slots - 1)  # K + 1 = slots fits
@@ -162,7 +162,7 @@ def test_verify_longer_than_the_ring_is_refused():
 
 
 def test_the_ring_size_follows_the_cache_config():
-    from ppsplit.speculative import check_state_slots
+    from ppsplit.eagle3.speculative import check_state_slots
 
     arch = "falcon_mamba" if "falcon_mamba" in ARCHS else ARCHS[0]
     split = ppsplit.split_model(build(arch), 2, cache=CacheConfig(2, 32, state_slots=4))

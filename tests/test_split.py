@@ -34,7 +34,7 @@ def reference(model, input_ids, positions=None):
 
 
 def last_layer_output(model, input_ids, positions=None):
-    stack = ppsplit.passes.annotate.find_layers(model)
+    stack = ppsplit.core.layers.find_layers(model)
     captured = {}
 
     def hook(module, args, output):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import ppsplit
-from ppsplit.passes.annotate import find_layers
+from ppsplit.core.layers import find_layers
 from tests.models import ARCHS, NUM_LAYERS, VOCAB, tiny_model
 
 L = NUM_LAYERS

@@ -7,7 +7,7 @@ directly: one launch, no partial buffer.
 
 ``torch.ops.ppsplit.linear(x, w, b)`` runs the kernel for a CUDA ``x`` with one row and a ``[N, K]`` weight
 (``N >= MIN_OUT``, unit stride along K); anything else (more rows, the CPU) is ``torch.nn.functional.linear``,
-the same call the traced graph made. The pass ``ppsplit.passes.gemv`` routes a stage's projections here. The summation order differs from cuBLAS,
+the same call the traced graph made. The pass ``ppsplit.passes.rewrites.gemv`` routes a stage's projections here. The summation order differs from cuBLAS,
 so on the GPU the result is not bit-equal to it (both accumulate in fp32).
 """
 from __future__ import annotations

@@ -1,0 +1,54 @@
+"""Stage pass (after emit and ``fuse_projections``), GEMV: a stage's projections go through ``ppsplit::linear``.
+
+``ppsplit::linear`` is ``torch.nn.functional.linear`` except for a one-row input on CUDA with at least
+``MIN_OUT`` outputs (decode at batch 1), where it runs ppsplit's Triton GEMV (``triton_kernels/gemv.py``): one
+kernel that reads the weight once, where cuBLAS picks a split-K kernel plus a reduction for some of these
+shapes. Every other call (more rows, the CPU) makes the same ATen call as the traced graph, so CPU results and
+batched steps are unchanged bit for bit.
+
+Routed: ``aten.linear(x, W[, b])``, ``aten.mm(x, W.t())`` and ``aten.addmm(b, x, W.t())`` whose weight (and bias)
+the stage holds, with ``W`` stored ``[out, in]`` and at least ``MIN_OUT`` outputs (the same recognition as
+``passes.projections``). Runs in ``split_model`` and ``load_stage`` unless ``gemv=False``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+import ppsplit.triton_kernels.gemv  # noqa: F401  (registers torch.ops.ppsplit.linear)
+from ppsplit.core.fx_utils import get_tensor
+from ppsplit.passes.rewrites.projections import match_projection, plain_float
+from ppsplit.triton_kernels.gemv import MIN_OUT
+
+
+def route_gemv(stage: fx.GraphModule) -> int:
+    """Route ``stage``'s projections through ``ppsplit::linear`` in place; returns how many were routed.
+
+    Example::
+
+        split = split_model(model, pp=2, gemv=False)
+        route_gemv(split.stages[1])   # what split_model does by default
+    """
+    graph = stage.graph
+    routed = 0
+    for node in list(graph.nodes):
+        m = match_projection(node)
+        if m is None or m.out_dim != 0:
+            continue
+        weight = get_tensor(stage, m.weight.target)
+        if not plain_float(weight) or weight.dim() != 2 or weight.shape[0] < MIN_OUT:
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(torch.ops.ppsplit.linear.default, (m.x, m.weight, m.bias))
+        new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace",
+                                                                     "nn_module_stack")})
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        if m.transpose is not None and not m.transpose.users:
+            graph.erase_node(m.transpose)
+        routed += 1
+    if routed:
+        graph.lint()
+        stage.recompile()
+    return routed
+

@@ -1,0 +1,319 @@
+"""Artifact: the compiled folder's format, in one place: file names, the manifest, the plan fingerprint, and the
+readers that check everything a folder holds before anything is built from it.
+
+    DIR/plan.json               the SplitPlan
+    DIR/manifest.json           source, dtype, versions, files, generation ids, the stage options load applies
+    DIR/stage_<k>.json          stage k's program (its FX graph; ``ppsplit.artifact.program``) and tensor list
+    DIR/stage_<k>.safetensors   stage k's tensors only, under their original names
+    DIR/drafter/                the EAGLE-3 drafter (``ppsplit compile --drafter``), if any
+    DIR/tokenizer.json, ...     tokenizer and generation files, copied from the source (read as data only)
+
+A folder is untrusted input. ``CompiledFolder`` reads ``plan.json`` and ``manifest.json`` once, checks every
+field's type, and checks each stage program (``stage_program``) and the header of each weights file (names,
+shapes and dtypes, without reading tensor data) against it; every problem is one ``FolderError`` naming the file
+and the field. ``ppsplit inspect`` runs ``check``, which is exactly what ``load`` runs before it reads tensors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+from ppsplit.core.checked import FolderError, check, from_json
+from ppsplit.core.options import StageOptions
+from ppsplit.core.plan import SplitPlan
+from ppsplit.core.tensors import DTYPES, MODEL_DTYPES
+
+PLAN = "plan.json"
+MANIFEST = "manifest.json"
+DRAFTER = "drafter"
+# Tokenizer and generation files a folder carries beside the weights, copied from the source checkpoint; all data
+# (JSON, a tokenizer model, Jinja templates), never Python.
+SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json",
+                 "chat_template.jinja", "chat_template.json")
+_TENSOR_KINDS = ("parameter", "buffer")
+_INITS = ("file", "zeros")
+
+
+def serving_files(source: str) -> list[str]:
+    """The ``SERVING_FILES`` a checkpoint folder has (plain files only)."""
+    return [n for n in SERVING_FILES if os.path.isfile(os.path.join(source, n)) and not os.path.islink(os.path.join(source, n))]
+
+
+def program_name(k: int) -> str:
+    return f"stage_{k}.json"
+
+
+def weights_name(k: int) -> str:
+    return f"stage_{k}.safetensors"
+
+
+def fingerprint(plan_json: bytes | str) -> str:
+    """The plan's fingerprint: the first 16 hex digits of the sha256 of its ``plan.json`` text. Every stage program
+    records the fingerprint of the plan it was written with, and the ranks of a pipeline compare theirs."""
+    data = plan_json.encode() if isinstance(plan_json, str) else plan_json
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class StageFiles:
+    program: str
+    weights: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What ``manifest.json`` records. ``stage_options``: the stage rewrites ``load`` applies unless told otherwise
+    (folders written before it record ``fuse_projections`` alone)."""
+
+    ppsplit: str = ""
+    torch: str = ""
+    transformers: str = ""
+    source: str = ""
+    dtype: str = ""
+    stages: tuple[StageFiles, ...] = ()
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    stage_options: StageOptions = StageOptions()
+
+    @classmethod
+    def from_dict(cls, data, where: str = MANIFEST) -> "Manifest":
+        if isinstance(data, dict) and "fuse_projections" in data:  # the layout before stage_options
+            data = dict(data)
+            fuse = check(bool, data.pop("fuse_projections"), f"{where}.fuse_projections")
+            data.setdefault("stage_options", {"fuse_projections": fuse})
+        return from_json(cls, data, where)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a stage: ``init`` ``"file"`` (read from the weights file) or ``"zeros"`` (state: the KV cache).
+    ``source`` / ``convert`` / ``target`` say where the compile found it (informational)."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    persistent: bool
+    init: str
+    source: str | None = None
+    convert: str | None = None
+    target: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in _TENSOR_KINDS or self.init not in _INITS:
+            raise ValueError(f"tensor {self.name!r}: kind must be one of {_TENSOR_KINDS} and init one of {_INITS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"tensor {self.name!r}: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if any(s < 0 for s in self.shape):
+            raise ValueError(f"tensor {self.name!r}: shape {list(self.shape)} has a negative size")
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """Stage ``index``'s program file: its tensors and its graph (validated)."""
+
+    index: int
+    tensors: tuple[TensorSpec, ...]
+    graph: object  # torch.fx.Graph
+
+    @property
+    def stored(self) -> dict[str, TensorSpec]:
+        """The tensors its weights file holds, by name."""
+        return {t.name: t for t in self.tensors if t.init == "file"}
+
+
+class CompiledFolder:
+    """A compiled folder opened for reading: ``plan`` and ``manifest`` read once and checked; ``program(k)``,
+    ``weights(k)`` and ``check()`` check the rest.
+
+    Example::
+
+        folder = CompiledFolder("demo-pp4")
+        folder.plan.pp, folder.manifest.source, folder.program(1).stored
+    """
+
+    def __init__(self, path: str):
+        if not isinstance(path, str) or not os.path.isdir(path):
+            what = "does not exist" if not isinstance(path, str) or not os.path.exists(path) else "is a file"
+            raise FolderError(f"{path} {what}; pass a folder written by ppsplit compile")
+        self.path = path
+        text = _read(os.path.join(path, PLAN))
+        self.fingerprint = fingerprint(text)
+        self.plan = SplitPlan.from_dict(_json(text, self.file(PLAN)), self.file(PLAN))
+        _check_plan(self.plan, self.file(PLAN))
+        self.manifest = Manifest.from_dict(_json(_read(self.file(MANIFEST)), self.file(MANIFEST)), self.file(MANIFEST))
+        if len(self.manifest.stages) not in (0, self.plan.pp):
+            raise FolderError(f"{self.file(MANIFEST)} lists {len(self.manifest.stages)} stages but plan.json has "
+                              f"{self.plan.pp}; compile the folder again")
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def weights(self, k: int) -> str:
+        return self.file(weights_name(k))
+
+    @property
+    def drafter(self) -> str | None:
+        """The drafter folder inside, or ``None``."""
+        path = self.file(DRAFTER)
+        return path if os.path.isdir(path) else None
+
+    def program(self, k: int) -> StageProgram:
+        """Stage ``k``'s program, checked: its tensor list, its graph (``ppsplit.artifact.program``) and that it
+        was written with this folder's plan."""
+        from ppsplit.artifact.program import ProgramError, graph_from_json, tensor_path
+
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < self.plan.pp:
+            raise FolderError(f"stage {k} does not exist: {self.path} has stages 0 to {self.plan.pp - 1}")
+        where = self.file(program_name(k))
+        data = _json(_read(where), where)
+        if not isinstance(data, dict):
+            raise FolderError(f"{where} must be a JSON object")
+        if check(int, data.get("stage"), f"{where}: stage") != k:
+            raise FolderError(f"{where} holds stage {data.get('stage')}, not stage {k}; compile the folder again")
+        recorded = data.get("plan_sha256")
+        if recorded is not None and recorded != self.fingerprint:
+            raise FolderError(f"{where} was written with another plan.json (fingerprint {str(recorded)[:16]!r}, "
+                              f"{PLAN} has {self.fingerprint}); the folder mixes two compiles: compile it again")
+        tensors = check(tuple[TensorSpec, ...], data.get("tensors"), f"{where}: tensors")
+        names = [t.name for t in tensors]
+        if len(set(names)) != len(names):
+            raise FolderError(f"{where}: tensors lists a name twice")
+        try:
+            for name in names:
+                tensor_path(name)
+            graph = graph_from_json(data.get("program"), set(names))
+        except ProgramError as e:
+            raise FolderError(f"{where}: {e}; compile the folder again") from None
+        return StageProgram(k, tensors, graph)
+
+    def check_weights(self, program: StageProgram) -> None:
+        """The weights file of ``program``'s stage holds exactly its stored tensors, with their shapes and dtypes
+        (read from the safetensors header; no tensor data is read)."""
+        from safetensors import safe_open
+
+        path = self.weights(program.index)
+        expected = program.stored
+        try:
+            with safe_open(path, framework="pt") as f:
+                stored = set(f.keys())
+                if stored != set(expected):
+                    extra = sorted(stored - set(expected))[:3]
+                    missing = sorted(set(expected) - stored)[:3]
+                    raise FolderError(f"{path} does not hold the tensors {program_name(program.index)} lists (missing "
+                                      f"{missing or 'none'}, unexpected {extra or 'none'}); the folder is corrupt, "
+                                      "compile it again")
+                for name, spec in expected.items():
+                    piece = f.get_slice(name)
+                    shape, dtype = list(piece.get_shape()), _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                    if shape != list(spec.shape) or dtype != spec.dtype:
+                        raise FolderError(f"{path}: {name} is {tuple(shape)} {dtype or piece.get_dtype()}, the program "
+                                          f"expects {tuple(spec.shape)} {spec.dtype}; compile the folder again")
+        except FolderError:
+            raise
+        except Exception as e:  # OSError, safetensors' SafetensorError (a truncated or oversized file), ...
+            first = (str(e).splitlines() or [type(e).__name__])[0][:160]
+            raise FolderError(f"cannot read {path} ({first}); the file is incomplete or corrupt: compile the folder "
+                              "again") from None
+
+    def check(self) -> list[StageProgram]:
+        """Everything ``load`` checks before it reads a tensor: the plan, the manifest, every stage program and
+        every weights file's header, and the drafter's config and tensor names (``ppsplit inspect``). Returns the
+        stage programs."""
+        programs = [self.program(k) for k in range(self.plan.pp)]
+        for program in programs:
+            self.check_weights(program)
+        if self.drafter is not None:
+            check_drafter(self.drafter, self.plan)
+        return programs
+
+
+# What the config of a drafter stored in a compiled folder may hold, by type (ppsplit writes it: save_drafter).
+_STORED_CONFIG = {"hidden_size": int, "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int,
+                  "intermediate_size": int, "target_hidden_size": int, "draft_vocab_size": int, "vocab_size": int,
+                  "rms_norm_eps": float, "hidden_act": str, "norm_before_residual": bool, "attention_bias": bool,
+                  "fc_bias": bool, "ppsplit_rope_scale": float, "ppsplit_taps": tuple[int, ...]}
+
+
+def check_drafter(path: str, plan) -> tuple[dict, dict]:
+    """The config and tensor names of the drafter a compiled folder stores, checked by type and against ``plan``
+    (what ``ppsplit inspect`` and ``load`` check) without reading tensor data. Returns ``(config, {name: shape})``."""
+    from safetensors import safe_open
+
+    where = os.path.join(path, "config.json")
+    try:
+        with open(where) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise FolderError(f"cannot read {where} ({str(e)[:120]}); compile the folder again") from None
+    if not isinstance(cfg, dict):
+        raise FolderError(f"{where} must be a JSON object")
+    for key, kind in _STORED_CONFIG.items():
+        if key in cfg and cfg[key] is not None:
+            cfg[key] = check(kind, cfg[key], f"{where}: {key}")
+    for key in ("hidden_size", "num_attention_heads", "ppsplit_taps"):
+        if key not in cfg:
+            raise FolderError(f"{where} lacks {key}; compile the folder again with ppsplit compile --drafter")
+    if any(t not in plan.taps for t in cfg["ppsplit_taps"]):
+        raise FolderError(f"{where}: the drafter reads taps {list(cfg['ppsplit_taps'])}, but the folder's plan "
+                          f"carries {list(plan.taps)}; compile the folder again")
+    weights = os.path.join(path, "drafter.safetensors")
+    try:
+        with safe_open(weights, framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as e:  # a missing, truncated or oversized file (safetensors' own error type)
+        raise FolderError(f"cannot read {weights} ({str(e).splitlines()[0][:120]}); compile the folder again") from None
+    if "embed_tokens.weight" not in shapes:
+        raise FolderError(f"{path} has no embed_tokens.weight; recompile the folder with ppsplit compile --drafter")
+    return cfg, shapes
+
+
+
+# safetensors' dtype names -> ppsplit's (DTYPES keys)
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                       "C64": "complex64"}
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise FolderError(f"{path} is missing: {os.path.dirname(path)} is not a complete ppsplit compile folder") from None
+    except OSError as e:
+        raise FolderError(f"{path} is unreadable ({e.strerror or e}); compile the folder again") from None
+
+
+def _json(data: bytes, where: str):
+    try:
+        return json.loads(data)
+    except ValueError as e:  # also UnicodeDecodeError
+        raise FolderError(f"{where} is not valid JSON ({str(e)[:120]}); compile the folder again") from None
+
+
+def _check_plan(plan: SplitPlan, where: str) -> None:
+    """What a plan read from a folder must hold beyond its types: a model dtype, sizes that make sense."""
+    if plan.dtype not in MODEL_DTYPES:
+        raise FolderError(f"{where}: dtype {plan.dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
+    if plan.hidden_size < 1 or plan.max_batch < 0 or plan.max_len < 0 or plan.state_slots < 0:
+        raise FolderError(f"{where}: hidden_size must be positive and max_batch, max_len, state_slots not negative")
+    for c in plan.carries:
+        if c.dtype not in DTYPES or c.width < 1 or any(s < 1 for s in c.shape) or c.token_dim < 1:
+            raise FolderError(f"{where}: carried value {c.name!r} has an impossible layout")
+        if any(not 0 < s < plan.pp for s in c.stages):
+            raise FolderError(f"{where}: carried value {c.name!r} goes into stage(s) {list(c.stages)}, not all of "
+                              f"1 to {plan.pp - 1}")
+
+
+def write_json(path: str, data) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2 if os.path.basename(path) in (PLAN, MANIFEST) else None)

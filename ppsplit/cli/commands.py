@@ -1,0 +1,207 @@
+"""Driver: the command line. ppsplit splits a Hugging Face decoder into pipeline stages that carry EAGLE-3 taps.
+
+    ppsplit compile MODEL --pp 4 --aux 2,16,29 [-o DIR]     write per-stage artifacts
+    ppsplit inspect DIR                                     check a compiled folder and print its plan
+    ppsplit plan MODEL --pp 4 --aux eagle3                  print the plan only (meta device, writes nothing)
+    ppsplit generate DIR --prompt-ids 1,2,3 [-k 4]          decode (speculatively with the folder's drafter)
+    ppsplit check-drafter MODEL DRAFTER                     which tap numbering an EAGLE-3 drafter was trained on
+    ppsplit run DIR --prompt "text" --max-new-tokens 32     generate, one process per stage (torch.distributed)
+
+Every ppsplit error is printed as one line on stderr with exit code 2, without a traceback; an interrupt exits 130.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+import warnings
+
+from ppsplit.cli import generate as cli_generate  # argparse only; its commands import torch when run
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # also during the first imports, before any work
+        print("ppsplit: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="ppsplit: %(message)s", stream=sys.stderr)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from ppsplit.core.errors import PpsplitError
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return COMMANDS[args.command](args)
+    except PpsplitError as e:
+        print(f"ppsplit: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `ppsplit plan ... | head`: the reader left; that is not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ppsplit import __version__
+
+    parser = argparse.ArgumentParser(prog="ppsplit", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n")[1])
+    parser.add_argument("--version", action="version", version=f"ppsplit {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("compile", help="split MODEL and write per-stage programs and weights to a folder")
+    _add_split_args(p)
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the config's)")
+    p.add_argument("--max-batch", type=int, default=None, help="give every stage a static KV cache of this batch")
+    p.add_argument("--max-len", type=int, default=None, help="... and this many tokens (prompt included)")
+    p.add_argument("--state-slots", type=int, default=8, help="states per recurrent layer (Mamba, Gated DeltaNet) "
+                   "and sequence: verify passes of up to this many tokens (K + 1) can be taken back")
+    p.add_argument("-o", "--output", default=None, help="output folder (default: <model name>-pp<N>)")
+    p.add_argument("--force", action="store_true", help="replace the output folder if it exists")
+    p.add_argument("--no-fuse", action="store_true", help="keep the traced ops (no Triton tap/norm kernels)")
+    p.add_argument("--fuse-projections", action="store_true", help="fuse sibling projections (q/k/v, gate/up) "
+                   "into one linear each when the stages are loaded (the files keep the checkpoint's names)")
+    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder or hub id: taps from its config, "
+                   "stored in DIR/drafter")
+    p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default="sglang",
+                   help="numbering of the drafter's tap ids: sglang (SpecForge layer outputs, +1) or vllm")
+
+    p = sub.add_parser("inspect", help="check a compiled folder as loading would, and print its stages and taps")
+    p.add_argument("folder")
+
+    p = sub.add_parser("plan", help="trace MODEL on the meta device and print the split plan (writes nothing)")
+    _add_split_args(p)
+    p.add_argument("--max-batch", type=int, default=None, help="plan with a static KV cache of this batch")
+    p.add_argument("--max-len", type=int, default=None, help="... and this many tokens (counts in stage memory)")
+    p.add_argument("--json", action="store_true", help="print plan.json instead of the table")
+    cli_generate.add_parsers(sub)
+
+    p = sub.add_parser("run", help="generate through a compiled folder, one process per stage (torch.distributed)")
+    from ppsplit.distributed.launch import add_arguments
+    add_arguments(p)
+    return parser
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # unwinds through the compile's cleanup
+
+
+def _add_split_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="'demo', a local checkpoint folder, or a hub id (local HF cache, else downloaded)")
+    p.add_argument("--pp", type=int, required=True, help="number of pipeline stages")
+    p.add_argument("--aux", default=None,
+                   help="tap ids like 2,16,29, or 'eagle3' for (2, L//2, L-3) (default: no taps)")
+    p.add_argument("--aux-convention", choices=("vllm", "sglang"), default="vllm",
+                   help="vllm: tap j enters layer j; sglang: the same tensor numbered j-1")
+    p.add_argument("--balance", default="layers",
+                   help="layers, params, flops, time (needs real weights), memory (weights + KV cache), or explicit "
+                        "counts like 8,9,9,6; every name minimises the slowest stage")
+    p.add_argument("--max-stage-memory", default=None, metavar="SIZE",
+                   help="cap on each stage's weights + KV cache, like 20GiB or 512MB")
+    p.add_argument("--half-layers", action="store_true",
+                   help="stages may also end between a layer's attention and MLP blocks (finer balance; explicit "
+                        "counts may then use halves, like 8.5,8,8,7.5)")
+    p.add_argument("--cost-model", default="", metavar="K=V,...",
+                   help="workload of the flops/time policies: batch, tokens, context, prefill, decode_weight, "
+                        "prefill_weight (default: batch=1,tokens=1,context=1024: one decode step)")
+
+
+def split_options(args, **extra):
+    """The command line's split options as one validated ``SplitOptions``."""
+    from ppsplit.core.options import BALANCE_POLICIES, CostModel, SplitOptions, parse_bytes
+    from ppsplit.core.errors import ConfigError
+
+    balance = args.balance
+    if balance not in BALANCE_POLICIES:
+        try:
+            balance = [float(x) if "." in x else int(x) for x in balance.split(",")]
+        except ValueError:
+            raise ConfigError(f"--balance must be one of {', '.join(BALANCE_POLICIES)}, or layer counts like 8,8,8,8, "
+                              f"but got {args.balance!r}") from None
+    cap = parse_bytes(args.max_stage_memory) if args.max_stage_memory else None
+    return SplitOptions(pp=args.pp, aux=args.aux, balance=balance, aux_convention=args.aux_convention,
+                           max_stage_bytes=cap, cost_model=CostModel.parse(args.cost_model),
+                           half_layers=args.half_layers, **extra)
+
+
+def cache_options(args):
+    from ppsplit.core.options import CacheConfig
+    from ppsplit.core.errors import ConfigError
+
+    if args.max_batch is None and args.max_len is None:
+        return None
+    if args.max_batch is None or args.max_len is None:
+        raise ConfigError("--max-batch and --max-len go together: pass both to give the stages a KV cache")
+    return CacheConfig(batch_size=args.max_batch, max_len=args.max_len, state_slots=getattr(args, "state_slots", 8))
+
+
+def cmd_compile(args) -> int:
+    from ppsplit.artifact.folder import CompiledFolder
+    from ppsplit.compile.writer import compile_model
+
+    out = args.output or f"{os.path.basename(os.path.normpath(args.model)).replace('/', '--')}-pp{args.pp}"
+    options = split_options(args, cache=cache_options(args), fuse="none" if args.no_fuse else "all",
+                       fuse_projections=args.fuse_projections)
+    path = compile_model(args.model, out, options=options, dtype=args.dtype, force=args.force,
+                         progress=sys.stderr.isatty(), drafter=args.drafter, drafter_convention=args.drafter_convention)
+    print(CompiledFolder(path).plan.describe())
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from ppsplit.artifact.folder import CompiledFolder
+
+    folder = CompiledFolder(args.folder)
+    programs = folder.check()  # exactly what load checks before it reads a tensor
+    plan, manifest = folder.plan, folder.manifest
+    print(plan.describe())
+    rewrites = ", ".join(f"{name}={on}" for name, on in dataclasses.asdict(manifest.stage_options).items())
+    print(f"source {manifest.source}, {manifest.dtype}, compiled with ppsplit {manifest.ppsplit}, torch "
+          f"{manifest.torch}, transformers {manifest.transformers}"
+          + ("; sibling projections fused at load" if manifest.stage_options.fuse_projections else ""))
+    print(f"stage rewrites load applies: {rewrites}")
+    print(f"{'stage':>5}  {'program':<14} {'weights':<20} {'bytes':>12} {'tensors':>8}")
+    for program, files in zip(programs, manifest.stages):
+        print(f"{program.index:>5}  {files.program:<14} {files.weights:<20} {files.bytes:>12,} {len(program.stored):>8}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from ppsplit.compile.api import split_model
+    from ppsplit.compile.source import load_config, skeleton
+
+    start = time.perf_counter()
+    options = split_options(args, cache=cache_options(args))
+    config = load_config(args.model)
+    split = split_model(skeleton(config)[0], options=options)
+    print(split.plan.to_json() if args.json else split.plan.describe(), flush=True)
+    logging.getLogger("ppsplit").info("planned in %.1fs", time.perf_counter() - start)
+    return 0
+
+
+def cmd_run(args) -> int:
+    from ppsplit.distributed.launch import launch
+
+    return launch(args)
+
+
+COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan, "generate": cli_generate.cmd_generate,
+            "check-drafter": cli_generate.cmd_check_drafter, "run": cmd_run}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

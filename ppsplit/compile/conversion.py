@@ -1,0 +1,149 @@
+"""Driver support: which checkpoint tensors produce each model parameter, through transformers' own weight
+conversions, and producing them one conversion group at a time.
+
+transformers 5 converts many checkpoints on load: it renames keys (Mixtral's ``block_sparse_moe`` -> ``mlp``) and
+fuses tensors (per-expert ``experts.{e}.gate_proj`` / ``up_proj`` stacked and concatenated into one
+``experts.gate_up_proj``). ``from_pretrained`` does this in ``convert_and_load_state_dict_in_model``: it renames
+every checkpoint key with ``rename_source_key`` (renamings, then at most one ``WeightConverter``), groups the keys
+by the parameter they become, and runs each group's ``convert``. ``Sources`` replays the same grouping over the
+checkpoint's header (no tensor read), so each stage can ask for exactly the groups its parameters come from and run
+them lazily; no name of any architecture is written here.
+
+Every use of ``transformers.core_model_loading`` and ``transformers.conversion_mapping`` (internal modules whose
+functions ``from_pretrained`` and PEFT use; the same in transformers 5.17 and 5.24) is in this file.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ppsplit.compile.checkpoint import ST_DTYPES, Checkpoint
+from ppsplit.core.errors import ConfigError
+
+_TORCH_DTYPES = {v: k for k, v in ST_DTYPES.items()}
+
+
+@dataclass
+class Group:
+    """The checkpoint keys that become ``targets`` (one key for a plain rename; many for a fused converter)."""
+    first: str                  # the first target: the key transformers files the group under
+    targets: list[str]
+    dtype: torch.dtype          # what from_pretrained casts each source tensor to before converting
+    converter: object = None    # the transformers WeightConverter (a template, copied per run), None for a rename
+    sources: list[tuple[str, str]] = field(default_factory=list)  # (checkpoint key, converter source pattern)
+
+
+def check_not_quantized(config, name: str) -> None:
+    """Refuse checkpoints whose weights transformers keeps quantized (FP8 block scales, MXFP4, GPTQ, AWQ, ...).
+
+    Example::
+
+        check_not_quantized(AutoConfig.from_pretrained(folder), folder)   # ConfigError naming quant_method
+    """
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        method = getattr(method, "value", method) or "unknown"
+        raise ConfigError(f"{name} is a quantized checkpoint (quantization_config.quant_method={method!r}); "
+                          "ppsplit compile supports unquantized weights (float32, float16, bfloat16) only: compile "
+                          "the unquantized (e.g. BF16) release of the model, or split a loaded model with split_model")
+
+
+class Sources:
+    """For every parameter of ``model`` (a meta skeleton), the conversion group that produces it from
+    ``checkpoint``, found the way ``from_pretrained`` finds it.
+
+    Example::
+
+        sources = Sources(model, Checkpoint(folder))
+        group = sources.group_of("model.layers.3.mlp.experts.gate_up_proj")
+        tensors = sources.run(group)   # {target name: tensor}, reading only group.sources
+    """
+
+    def __init__(self, model: torch.nn.Module, checkpoint: Checkpoint):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+        self.model, self.checkpoint = model, checkpoint
+        mapping = get_model_conversion_mapping(model)
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
+        meta = model.state_dict()
+        prefix = model.base_model_prefix
+        self.groups: dict[str, Group] = {}
+        # Sorted as from_pretrained sorts them: a converter stacks experts in the order their keys arrive.
+        for key in sorted(checkpoint.where, key=dot_natural_key):
+            renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+            if renamed not in meta and key in meta:
+                renamed, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
+            if renamed not in meta:
+                continue  # a tensor the model does not use (e.g. DeepSeek-V3's multi-token-prediction layer)
+            group = self.groups.get(renamed)
+            if group is None:
+                converter = by_pattern[pattern] if pattern is not None else None
+                targets = [renamed] if converter is None else \
+                    [renamed.replace(converter.target_patterns[0], t) for t in converter.target_patterns]
+                group = self.groups[renamed] = Group(renamed, targets, meta[renamed].dtype, converter)
+            group.sources.append((key, pattern))
+        self.producer = {t: g.first for g in self.groups.values() for t in g.targets}
+
+    def group_of(self, name: str) -> Group | None:
+        first = self.producer.get(name)
+        return self.groups[first] if first is not None else None
+
+    def plain_source(self, group: Group) -> str | None:
+        """The checkpoint key that a one-to-one rename reads as it is, else None."""
+        return group.sources[0][0] if group.converter is None and len(group.sources) == 1 else None
+
+    def run(self, group: Group) -> dict[str, torch.Tensor]:
+        """Read ``group``'s source tensors and apply transformers' conversion: ``{target name: tensor}``."""
+        if group.converter is None:
+            return {group.first: read_tensor(self.checkpoint, group.sources[0][0]).to(group.dtype)}
+        converter = copy.deepcopy(group.converter)
+        for key, pattern in group.sources:
+            # A callable is read when the converter materialises its inputs (transformers' synchronous path).
+            converter.add_tensor(group.first, key, pattern, _reader(self.checkpoint, key, group.dtype))
+        threads = torch.get_num_threads()
+        # The operations are memory copies (stack, cat, chunk): one thread runs them at memory speed, while more
+        # threads wait on each other whenever the cores are shared (5x slower on a busy 2-core machine).
+        torch.set_num_threads(1)
+        try:
+            out = converter.convert(group.first, model=self.model, config=self.model.config, hf_quantizer=None,
+                                    loading_info=None)
+        except Exception as e:
+            raise ConfigError(f"transformers' conversion {type(group.converter).__name__} failed on the checkpoint "
+                              f"tensors of {group.first} ({type(e).__name__}: {e}); the checkpoint does not match "
+                              "its config.json") from None
+        finally:
+            torch.set_num_threads(threads)
+        return {name: t[0] if isinstance(t, list) else t for name, t in out.items()}
+
+
+def _reader(checkpoint: Checkpoint, key: str, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    return lambda: read_tensor(checkpoint, key).to(dtype)
+
+
+def read_tensor(checkpoint: Checkpoint, key: str) -> torch.Tensor:
+    """One tensor from its shard: one read of exactly its bytes (no mapping of the shard, no reopening a header).
+
+    Example::
+
+        w = read_tensor(Checkpoint(folder), "model.layers.0.mlp.experts.3.up_proj.weight")
+    """
+    raw = checkpoint.raw_range(key)
+    dtype = _TORCH_DTYPES.get(raw.dtype)
+    if dtype is None:
+        return checkpoint.read_one(key)
+    data = bytearray(raw.nbytes)
+    with open(raw.path, "rb") as f:
+        f.seek(raw.offset)
+        if f.readinto(data) != raw.nbytes:
+            raise ConfigError(f"{os.path.basename(raw.path)} ended early; the shard is truncated, re-download it")
+    if not data:
+        return torch.empty(raw.shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(raw.shape)

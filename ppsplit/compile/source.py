@@ -1,0 +1,144 @@
+"""Driver support: resolve a MODEL argument (built-in demo, local checkpoint folder, or hub id) to a checkpoint
+folder and its config, and build the model skeleton that the passes trace (parameters on the meta device)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+
+import torch
+
+from ppsplit.compile.demo import DEMO_NAME, demo_config, demo_model
+from ppsplit.core.errors import ConfigError
+
+DEMO_VERSION = 1
+
+
+def cache_dir() -> str:
+    return os.environ.get("PPSPLIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ppsplit")
+
+
+def resolve_model(model: str) -> str:
+    """A local folder holding ``config.json`` and safetensors weights for MODEL.
+
+    ``demo`` is written once into ``$PPSPLIT_CACHE`` (default ``~/.cache/ppsplit``); a hub id is looked up in the
+    local Hugging Face cache, then downloaded where the network allows.
+    """
+    if model == DEMO_NAME:
+        return materialize_demo()
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ConfigError(f"{model} is a folder without config.json; pass a checkpoint folder saved with "
+                              "save_pretrained, a hub id, or 'demo'")
+        return model
+    if os.path.exists(model):
+        raise ConfigError(f"{model} is a file; pass a checkpoint folder, a hub id, or 'demo'")
+    if not _looks_like_hub_id(model):
+        raise ConfigError(f"{model} does not exist; pass a checkpoint folder, a hub id like org/name, or 'demo'")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors"]
+    try:
+        return snapshot_download(model, allow_patterns=patterns, local_files_only=True)
+    except Exception:  # not cached: try the network
+        pass
+    try:
+        return snapshot_download(model, allow_patterns=patterns)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"{model} is not a local folder, not in the local Hugging Face cache, and could not be "
+                          f"downloaded ({type(e).__name__}: {first}); pass a checkpoint folder or 'demo'") from None
+
+
+def materialize_demo() -> str:
+    """Save the demo model (seeded random weights) as a checkpoint, once; later calls reuse it."""
+    folder = os.path.join(cache_dir(), f"demo-v{DEMO_VERSION}")
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return folder
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = f"{folder}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        demo_model().save_pretrained(tmp, safe_serialization=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def load_config(model: str):
+    """The transformers config of MODEL (a name or folder); a ``ConfigError`` saying what to fix if there is none."""
+    if model == DEMO_NAME:
+        return demo_config()
+    from transformers import AutoConfig
+
+    folder = resolve_model(model)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"cannot read the config of {model}: {first}; pass a checkpoint folder with a valid "
+                          "config.json, a hub id, or 'demo'") from None
+    check_decoder(config, model)
+    return config
+
+
+def check_decoder(config, name: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(f"{name} is an encoder-decoder model ({config.model_type}); ppsplit splits decoder-only LMs")
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise ConfigError(f"{name} ({config.model_type}) is not a decoder LM that transformers can build with "
+                          "AutoModelForCausalLM; pass a causal language model")
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Parameters go to the meta device as they are registered (no memory, no init work); buffers computed in
+    ``__init__`` (rotary ``inv_freq``, ...) stay real on the CPU, since no checkpoint holds them."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def skeleton(config, dtype: torch.dtype | None = None):
+    """The model with every parameter on the meta device, and the values of its buffers (moved to meta too, so
+    the model traces as a pure meta model: every shape, no memory, no weights).
+    Returns ``(model, {buffer name: CPU tensor})``."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, **kwargs).eval()
+    _traceable_experts(model)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)
+               if b.device.type != "meta"}
+    model.to("meta")
+    return model, buffers
+
+
+def _traceable_experts(model) -> None:
+    """torch's grouped_mm takes only bf16 on the meta device: an MoE skeleton in another dtype traces its experts
+    with transformers' batched_mm instead (the same products; the CPU and GPU kernels take any float dtype)."""
+    config = getattr(model, "config", None)
+    dtype = next((p.dtype for p in model.parameters()), None)
+    if getattr(config, "_experts_implementation", None) == "grouped_mm" and dtype not in (None, torch.bfloat16):
+        model.set_experts_implementation("batched_mm")
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not name.startswith((".", "/", "~")) \
+        and all(c.isalnum() or c in "-_." for p in parts for c in p)

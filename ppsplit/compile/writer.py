@@ -1,0 +1,281 @@
+"""Compiling: ``ppsplit compile``, from a checkpoint to a compiled folder (its format: ``ppsplit.artifact.folder``).
+
+Weights are streamed from the source shards into the stage files, so memory holds one tensor, or one group of
+tensors that transformers' weight conversions fuse into one (``ppsplit.compile.conversion``), at a time. Everything is
+written into a hidden temporary folder beside the output, created before the slow work (so an unwritable
+destination fails at once), and renamed into place when complete: an error, Ctrl-C or SIGTERM
+leaves no output folder behind.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+
+import torch
+from torch import fx
+
+from ppsplit.compile.api import split_model
+from ppsplit.compile.checkpoint import ST_DTYPES, Checkpoint, write_safetensors
+from ppsplit.core.options import SplitOptions, StageOptions
+from ppsplit.compile.conversion import Sources, check_not_quantized, read_tensor
+from ppsplit.core.errors import ConfigError
+from ppsplit.core.fx_utils import is_cache_buffer, tied_parameters
+from ppsplit.artifact.folder import (MANIFEST, PLAN, Manifest, StageFiles, fingerprint, program_name, serving_files,
+                                     weights_name, write_json)
+from ppsplit.artifact.program import graph_to_json
+from ppsplit.serve.runtime import SplitModel
+from ppsplit.core.tensors import DTYPE_ALIASES, DTYPES, MODEL_DTYPES, dtype_name, nbytes
+
+log = logging.getLogger("ppsplit")
+_TMP_TAG = ".ppsplit-tmp-"
+_PROBE_TAG = ".ppsplit-probe-"
+
+
+def compile_model(model: str, out: str, *, options: SplitOptions | None = None, dtype: str | None = None,
+                  force: bool = False, progress: bool = False, drafter: str | None = None,
+                  drafter_convention: str = "sglang", **split_options) -> str:
+    """Split the checkpoint ``model`` and write the artifacts to ``out``. Returns ``out``.
+
+    The split is described by ``options`` (a ``SplitOptions``) or by the same keywords as ``split_model``
+    (``pp``, ``aux``, ``balance``, ``aux_convention``, ``cache``, ``fuse``, ``fuse_projections``: recorded in
+    ``manifest.json`` and applied by ``load``/``load_stage``, the files keep the checkpoint's names). With
+    ``drafter`` (an EAGLE-3 checkpoint), the taps come from its config (ids in ``drafter_convention`` numbering)
+    and the drafter, with its embedding copy, is stored in ``out/drafter`` (``ppsplit.load`` attaches it as
+    ``split.drafter``).
+
+    Example::
+
+        compile_model("demo", "demo-pp4", pp=4, aux="eagle3")
+        split = ppsplit.load("demo-pp4")
+    """
+    from ppsplit.compile.source import load_config, resolve_model, skeleton
+
+    if options is None:
+        if "pp" not in split_options:
+            raise ConfigError("compile_model needs pp, the number of pipeline stages (or options=SplitOptions(...))")
+        options = SplitOptions(**split_options)
+    elif split_options:
+        raise ConfigError(f"pass either options= or split keywords, not both ({', '.join(split_options)})")
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise ConfigError(f"{out} already exists; pass --force to replace it, or -o another folder")
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype is not None and dtype not in MODEL_DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPES + tuple(DTYPE_ALIASES))}, but got {dtype!r}")
+    folder = resolve_model(model)
+    config = load_config(folder)
+    check_not_quantized(config, model)
+    if drafter is not None:
+        from ppsplit.eagle3.formats import compile_taps
+        aux = compile_taps(drafter, config, options.aux, drafter_convention)
+        options = dataclasses.replace(options, aux=aux, aux_convention="vllm")
+    checkpoint = Checkpoint(folder)
+    torch_dtype = DTYPES[dtype] if dtype else _config_dtype(config)
+
+    # The stage rewrites are applied when a stage is loaded (the manifest records them): the stage files keep the
+    # checkpoint's own tensor names and the stored programs the traced ATen calls.
+    stage_options = options.stage
+    options = dataclasses.replace(options, stage=StageOptions(fuse_projections=False, gemv=False, compile=False))
+    _make_tmp(out, probe=True)  # an unwritable destination fails now, before the slow trace
+    start = time.perf_counter()
+    model_obj, buffers = skeleton(config, torch_dtype)
+    sources = Sources(model_obj, checkpoint)  # before split_model: the skeleton as transformers builds it
+    split = split_model(model_obj, options=options)
+    log.info("split into %d stages in %.1fs", split.plan.pp, time.perf_counter() - start)
+    tied = dict(tied_parameters(model_obj))  # alias -> the name a tied checkpoint stores
+    stage_specs = [_stage_tensors(stage, k, sources, buffers, tied) for k, stage in enumerate(split.stages)]
+
+    tmp = _make_tmp(out)
+    try:
+        _write(tmp, split, stage_specs, sources, buffers, model, torch_dtype, progress, stage_options)
+        if drafter is not None:
+            from ppsplit.eagle3.formats import write_compiled_drafter
+            write_compiled_drafter(tmp, drafter, split, checkpoint, tied, drafter_convention)
+        if os.path.exists(out):
+            backup = tmp + "-old"
+            os.rename(out, backup)
+            os.rename(tmp, out)
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("wrote %s in %.1fs", out, time.perf_counter() - start)
+    return out
+
+
+def _make_tmp(out: str, probe: bool = False) -> str:
+    """The hidden temporary folder beside ``out``; fails with a one-line error if that place is not writable.
+    ``probe=True`` creates and removes it at once (the check before slow work, leaving nothing behind)."""
+    parent = os.path.dirname(out)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}{_PROBE_TAG if probe else _TMP_TAG}{os.getpid()}")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        _remove_stale_tmp(parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        if probe:
+            os.rmdir(tmp)
+    except OSError as e:
+        raise ConfigError(f"cannot write the output folder {out}: {e.strerror or e}; pass -o a folder you can "
+                          "write to") from None
+    return tmp
+
+
+def _config_dtype(config) -> torch.dtype:
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, torch.dtype):
+        return value
+    return DTYPES.get(str(value).replace("torch.", ""), torch.float32)
+
+
+def _stage_tensors(stage: fx.GraphModule, k: int, sources: Sources, buffers: dict, tied: dict) -> list[dict]:
+    """What stage ``k`` needs and where each tensor comes from; raises before anything is written.
+
+    A tensor comes from the checkpoint through transformers' own conversions (``ppsplit.compile.conversion``): a plain
+    tensor is copied as stored (``source``: its checkpoint key); a renamed-and-fused one (``convert``: the
+    conversion group) is produced by running that group on only its own source tensors."""
+    persistent = set(stage.state_dict().keys())
+    specs = []
+    for kind, items in (("parameter", stage.named_parameters(remove_duplicate=False)),
+                        ("buffer", stage.named_buffers(remove_duplicate=False))):
+        for name, t in items:
+            spec = {"name": name, "kind": kind, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                    "persistent": kind == "parameter" or name in persistent}
+            group = sources.group_of(name) or sources.group_of(tied.get(name, ""))
+            if is_cache_buffer(name):
+                spec["init"] = "zeros"  # state, not weights: allocated by load_stage
+            elif group is not None:
+                spec["init"], spec["source"] = "file", sources.plain_source(group)
+                stored = spec["source"] and sources.checkpoint.raw_range(spec["source"]).shape
+                if stored and list(stored) != spec["shape"]:
+                    raise ConfigError(f"the checkpoint's {spec['source']} has shape {tuple(stored)}, but {name} needs "
+                                      f"shape {tuple(spec['shape'])}: the checkpoint does not match its config.json; "
+                                      "re-download it or fix the config")
+                if spec["source"] is None:  # the group's output ``target`` (``name``, or the name it is tied to)
+                    spec["convert"], spec["target"] = group.first, name if name in group.targets else tied[name]
+            elif name in buffers or t.device.type != "meta":
+                spec["init"], spec["source"] = "file", None
+            else:
+                raise ConfigError(f"the checkpoint has no tensor that becomes {name!r}, which stage {k} needs, "
+                                  "through transformers' weight conversions for this architecture; the checkpoint "
+                                  "does not match its config.json (or needs trust_remote_code, which ppsplit "
+                                  "does not run)")
+            specs.append(spec)
+    return specs
+
+
+def _spec_bytes(spec: dict) -> int:
+    return nbytes(spec["shape"], DTYPES[spec["dtype"]])
+
+
+def _write(tmp: str, split: SplitModel, stage_specs: list, sources: Sources, buffers: dict, source: str,
+           dtype: torch.dtype, progress: bool, stage_options: StageOptions) -> None:
+    import transformers
+
+    import ppsplit
+
+    plan_json = split.plan.to_json()
+    with open(os.path.join(tmp, PLAN), "w") as f:
+        f.write(plan_json)
+    for name in serving_files(sources.checkpoint.folder):  # tokenizer, chat template, generation_config.json
+        shutil.copyfile(os.path.join(sources.checkpoint.folder, name), os.path.join(tmp, name))
+    total = sum(_spec_bytes(s) for specs in stage_specs for s in specs if s["init"] == "file")
+    bar = _progress(total, progress)
+    files = []
+    try:
+        for k, (stage, specs) in enumerate(zip(split.stages, stage_specs)):
+            write_json(os.path.join(tmp, program_name(k)), {"stage": k, "plan_sha256": fingerprint(plan_json),
+                                                            "tensors": specs, "program": graph_to_json(stage.graph)})
+            in_file = sorted((s for s in specs if s["init"] == "file"), key=lambda s: _order(s, sources))
+            own = dict(stage.named_parameters(remove_duplicate=False)) | dict(stage.named_buffers(remove_duplicate=False))
+            entries = [(s["name"], tuple(s["shape"]), DTYPES[s["dtype"]]) for s in in_file]
+            bar.set_description(f"stage {k}")
+            size = write_safetensors(os.path.join(tmp, weights_name(k)), entries,
+                                     _stage_stream(in_file, own, sources, buffers),
+                                     metadata={"format": "pt", "ppsplit_stage": k}, progress=bar.update)
+            files.append(StageFiles(program_name(k), weights_name(k), size))
+    finally:
+        bar.close()
+    manifest = Manifest(ppsplit=ppsplit.__version__, torch=torch.__version__, transformers=transformers.__version__,
+                        source=source, dtype=dtype_name(dtype), stages=tuple(files),
+                        eos_token_id=tuple(split.eos_token_id), pad_token_id=split.pad_token_id,
+                        stage_options=stage_options)
+    write_json(os.path.join(tmp, MANIFEST), manifest.to_dict())
+
+
+def _order(spec: dict, sources: Sources) -> tuple:
+    """Plain tensors by shard (sequential reads), a conversion group's outputs next to each other."""
+    where = sources.checkpoint.where
+    if spec.get("convert"):
+        return (where[sources.groups[spec["convert"]].sources[0][0]], spec["convert"], spec["name"])
+    return (where.get(spec["source"] or "", ""), "", spec["name"])
+
+
+def _stage_stream(in_file: list[dict], own: dict, sources: Sources, buffers: dict):
+    """``(name, tensor)`` in ``in_file`` order; at most one conversion group's outputs are held at a time."""
+    checkpoint = sources.checkpoint
+    group, outputs = None, {}
+    for s in in_file:
+        if s.get("convert"):
+            if s["convert"] != group:
+                group, outputs = None, {}  # drop the last group's outputs before converting the next
+                group, outputs = s["convert"], sources.run(sources.groups[s["convert"]])
+            t = outputs.get(s["target"])
+            if t is None or list(t.shape) != s["shape"]:
+                got = "nothing" if t is None else f"shape {tuple(t.shape)}"
+                raise ConfigError(f"transformers' weight conversion of the checkpoint gives {got} for {s['target']}, "
+                                  f"the model needs shape {tuple(s['shape'])}: the checkpoint does not match its "
+                                  "config.json (missing experts or a different size); re-download it or fix the config")
+            yield s["name"], t
+        elif s["source"]:
+            raw = checkpoint.raw_range(s["source"])
+            # Same dtype: copy the bytes; otherwise read the tensor and convert it.
+            same = raw.dtype == ST_DTYPES[DTYPES[s["dtype"]]]
+            yield s["name"], raw if same else read_tensor(checkpoint, s["source"])
+        else:  # a buffer computed at init or a constant captured by the trace
+            yield s["name"], buffers.get(s["name"], own[s["name"]])
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def set_description(self, text):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True)
+
+
+def _remove_stale_tmp(parent: str) -> None:
+    """Temporary folders of compiles that were killed outright (SIGKILL) and whose process is gone."""
+    for entry in os.listdir(parent):
+        tag = next((t for t in (_TMP_TAG, _PROBE_TAG) if t in entry), None)
+        if tag is None or not entry.startswith("."):
+            continue
+        pid = entry.rsplit(tag, 1)[1].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,80 @@
+"""Core: helpers for building modules that hold tensors under their original dotted names.
+
+Shared by the trace pass (which builds the graph's root module) and the loader (which rebuilds a stage from its
+program and safetensors file). Imports torch only.
+"""
+from __future__ import annotations
+
+import torch
+
+CACHE_PREFIX = "kv_cache"  # a stage's static KV cache lives in buffers kv_cache.<layer>.keys / .values
+
+
+def is_cache_buffer(name: str) -> bool:
+    """Whether ``name`` is a KV-cache buffer (state allocated at load time, never stored in a file)."""
+    return name.startswith(CACHE_PREFIX + ".")
+
+
+def state_slots(module: torch.nn.Module) -> int:
+    """The ring slots of ``module``'s recurrent-state buffers (``kv_cache.<layer>.states [batch, slots, ...]``):
+    the longest verify pass its stages can take back; 0 when it has none."""
+    return max((b.shape[1] for n, b in module.named_buffers() if is_cache_buffer(n) and n.endswith(".states")),
+               default=0)
+
+
+def get_tensor(root: torch.nn.Module, fqn: str) -> torch.Tensor:
+    """The parameter or buffer of ``root`` under the dotted name ``fqn`` (``AttributeError`` if there is none)."""
+    path, _, leaf = fqn.rpartition(".")
+    return getattr(root.get_submodule(path) if path else root, leaf)
+
+
+def set_tensor(root: torch.nn.Module, fqn: str, tensor: torch.Tensor, *, parameter: bool, persistent: bool) -> None:
+    """Register ``tensor`` on ``root`` under the dotted name ``fqn``, creating empty submodules on the way."""
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    if parameter:
+        if not isinstance(tensor, torch.nn.Parameter):
+            tensor = torch.nn.Parameter(tensor, requires_grad=False)
+        mod.register_parameter(leaf, tensor)
+    else:
+        mod.register_buffer(leaf, tensor, persistent=persistent)
+
+
+def fresh_copy(gm: "torch.fx.GraphModule") -> "torch.fx.GraphModule":
+    """A new GraphModule over the same tensors, with a copy of the graph (same node names and meta): what a pass
+    rewrites, so that the graph an earlier pass's result holds is never edited."""
+    from torch import fx
+
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    copy_buffer_persistence(copy, gm)
+    return copy
+
+
+def copy_buffer_persistence(dst: torch.nn.Module, src: torch.nn.Module) -> None:
+    """``fx.GraphModule`` copies every buffer as persistent; keep the source's non-persistent set."""
+    for name, mod in src.named_modules():
+        if not mod._non_persistent_buffers_set:
+            continue
+        try:
+            target = dst.get_submodule(name)
+        except AttributeError:
+            continue
+        target._non_persistent_buffers_set |= {b for b in mod._non_persistent_buffers_set if b in target._buffers}
+
+
+def tied_parameters(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
+    """``(alias, canonical)`` pairs of parameter names that share one tensor (a tied embedding and ``lm_head``)."""
+    first: dict[int, str] = {}
+    tied = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied.append((name, first[id(p)]))
+        else:
+            first[id(p)] = name
+    return tuple(tied)

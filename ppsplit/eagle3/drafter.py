@@ -1,0 +1,250 @@
+"""The EAGLE-3 drafter on the last stage: the ``Eagle3Drafter`` module (``ppsplit.eagle3.formats`` reads checkpoints).
+
+An EAGLE-3 checkpoint is a one-layer Llama (SafeAILab/EAGLE ``cnets.py``, SpecForge, vLLM and SGLang
+``llama_eagle3.py``). Its forward, for a token at position ``i``::
+
+    x   = fc(cat(aux taps of position i, ascending tap id))  # skipped for the drafter's own H-wide output
+    res = x                          (or hidden_norm(x) with norm_before_residual)
+    h   = cat(input_layernorm(embed(token i+1)), hidden_norm(x))            # width 2H, embedding first
+    h   = res + o_proj(attention(q/k/v_proj(h), rotary at position i))     # causal, over this drafter's cache
+    out = h + mlp(post_attention_layernorm(h))        # pre-norm ``out`` feeds the next draft step
+    logits = lm_head(norm(out))                      # draft vocabulary; target id = draft id + d2t[draft id]
+
+The drafter keeps its own static KV cache addressed by positions, like the stages (``passes/kv_cache.py``): a call
+writes K/V at ``positions`` and attends under a causal mask on positions, so rejected drafts are overwritten by
+the next call at the same positions; nothing is rolled back. No host synchronisation in ``forward``: a draft
+step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ppsplit.core.errors import ConfigError
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: normalise in fp32, cast back, scale."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        h, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+        self.hidden_norm = RMSNorm(h, eps)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.self_attn = _Attention(h, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+                                    cfg["attention_bias"])
+        self.mlp = _MLP(h, cfg["intermediate_size"], cfg["hidden_act"])
+
+
+class Eagle3Drafter(nn.Module):
+    """An EAGLE-3 drafter fed by the packed aux buffer of a split (built by ``load_drafter``).
+
+    ``taps``: the target taps it reads (ppsplit/vLLM numbering, ascending); ``slots``: their slots in the split's
+    aux buffer. ``embed_tokens`` is the target's input embedding (a buffer: the drafter's own copy, or a reference
+    to the split's tensor on the last stage's device).
+
+    Example::
+
+        drafter = ppsplit.load_drafter("eagle3-llama-3.1-8b", split=split)
+        logits, hidden = drafter(aux, next_tokens, positions)      # prefill: aux [n_slots, B, T, H]
+        ids, _ = drafter.draft(aux, next_tokens, positions, index=T - 1, k=4)   # [B, 4] target-vocab drafts
+    """
+
+    def __init__(self, cfg: dict, taps: tuple[int, ...], slots: tuple[int, ...], embed: torch.Tensor,
+                 inv_freq: torch.Tensor, rope_scale: float = 1.0, n_slots: int | None = None):
+        super().__init__()
+        self.cfg = dict(cfg)
+        self.taps, self.slots = tuple(taps), tuple(slots)
+        h, th = cfg["hidden_size"], cfg["target_hidden_size"]
+        self.hidden_size, self.target_hidden_size = h, th
+        self.norm_before_residual = bool(cfg.get("norm_before_residual", False))
+        self.fc = nn.Linear(len(taps) * th, h, bias=cfg.get("fc_bias", False))
+        self.midlayer = _Layer(cfg)
+        self.norm = RMSNorm(h, cfg["rms_norm_eps"])
+        self.lm_head = nn.Linear(h, cfg["draft_vocab_size"], bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg["draft_vocab_size"], dtype=torch.long))
+        self.register_buffer("embed_tokens", embed, persistent=False)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.rope_scale = float(rope_scale)
+        self.n_slots = max(self.slots) + 1 if n_slots is None else n_slots  # slots in the split's aux buffer
+        self.graphs: dict = {}  # (batch, window rows, k) -> captured greedy draft (see capture)
+        for name in ("cache_keys", "cache_values", "cache_positions"):  # set by allocate_cache
+            self.register_buffer(name, None, persistent=False)
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    @property
+    def target_ids(self) -> torch.Tensor:
+        """Target-vocabulary id of each draft id: ``arange(draft_vocab) + d2t``."""
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def allocate_cache(self, batch: int, max_len: int) -> "Eagle3Drafter":
+        """Give the drafter a static KV cache of ``batch`` sequences x ``max_len`` positions (zeros)."""
+        attn = self.midlayer.self_attn
+        shape = (batch, attn.kv_heads, max_len, attn.head_dim)
+        dev, dtype = self.fc.weight.device, self.fc.weight.dtype
+        self.cache_keys = torch.zeros(shape, dtype=dtype, device=dev)
+        self.cache_values = torch.zeros(shape, dtype=dtype, device=dev)
+        self.cache_positions = torch.arange(max_len, device=dev)
+        return self
+
+    # -- forward -------------------------------------------------------------------------------------------------
+    def adapt(self, aux: torch.Tensor) -> torch.Tensor:
+        """``fc`` over the taps of the slot-major aux ``[n_slots, B, T, Ht]`` -> ``[B, T, H]``, one matmul per tap
+        accumulating into one output: the concatenated ``[B, T, 3 * Ht]`` input is never materialised."""
+        _, batch, tokens, th = aux.shape
+        flat = aux.reshape(aux.shape[0], batch * tokens, th)
+        weight = self.fc.weight  # [H, n * Ht]; the columns of tap i are weight[:, i*Ht:(i+1)*Ht] (a strided view)
+        out = F.linear(flat[self.slots[0]], weight[:, :th], self.fc.bias)
+        for i, slot in enumerate(self.slots[1:], start=1):
+            out = torch.addmm(out, flat[slot], weight[:, i * th:(i + 1) * th].t())
+        return out.view(batch, tokens, self.hidden_size)
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """One drafter pass: ``hidden`` is the aux buffer ``[n_slots, B, T, Ht]`` (goes through ``fc``) or the
+        drafter's own previous output ``[B, T, H]``; ``tokens [B, T]`` the target-vocab ids that follow each
+        position; ``positions [T]``. Returns ``(draft logits [B, T, draft_vocab], out [B, T, H])``, ``out`` before
+        the final norm (the next step's ``hidden``). Writes this pass's K/V into the cache at ``positions``."""
+        x = self.adapt(hidden) if hidden.dim() == 4 else hidden
+        layer = self.midlayer
+        normed = layer.hidden_norm(x)
+        residual = normed if self.norm_before_residual else x
+        emb = layer.input_layernorm(F.embedding(tokens, self.embed_tokens).to(x.dtype))
+        h = residual + self._attention(torch.cat([emb, normed], dim=-1), positions)
+        out = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.norm(out)), out
+
+    def _attention(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        attn = self.midlayer.self_attn
+        batch, tokens, _ = h.shape
+        q = attn.q_proj(h).view(batch, tokens, attn.heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(batch, tokens, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(batch, tokens, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = (angles.cos() * self.rope_scale).to(q.dtype), (angles.sin() * self.rope_scale).to(q.dtype)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.cache_keys is None or self.training:  # no cache (training): attend within this call
+            keys, values, key_positions = k, v, positions
+        else:
+            keys = self.cache_keys[:batch].index_copy_(2, positions, k)
+            values = self.cache_values[:batch].index_copy_(2, positions, v)
+            key_positions = self.cache_positions
+        mask = key_positions[None, :] <= positions[:, None]
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=attn.heads != attn.kv_heads)
+        return attn.o_proj(o.transpose(1, 2).reshape(batch, tokens, attn.heads * attn.head_dim))
+
+    # -- drafting ------------------------------------------------------------------------------------------------
+    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """One greedy draft step, CUDA-graph capturable: ``(hidden [B, 1, H], tokens [B, 1], positions [1]) ->
+        (next target-vocab ids [B], out [B, 1, H])``."""
+        logits, out = self(hidden, tokens, positions)
+        return self.target_ids[logits[:, -1].argmax(-1)], out
+
+    @torch.no_grad()
+    def draft(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, index, k: int,
+              temperature: float = 0.0, generator: torch.Generator | None = None):
+        """Feed a window of target features, then draft a chain of ``k`` tokens from its row ``index``.
+
+        ``aux [n_slots, B, T, Ht]`` holds the target's taps at ``positions [T]``, ``tokens [B, T]`` the token that
+        follows each position; ``index`` (int or 0-d tensor) is the last committed row: rows after it are stale and
+        are overwritten later. Returns ``(ids [B, k], q)``: target-vocab drafts, and for ``temperature > 0`` the
+        draft distributions over the target vocabulary ``[B, k, V]`` they were sampled from (else ``None``)."""
+        if k < 1:
+            raise ConfigError(f"the number of draft tokens must be at least 1, but got {k}")
+        captured = self.graphs.get((aux.shape[1], aux.shape[2], k)) if temperature <= 0 else None
+        if captured is not None:
+            graph, static, ids = captured
+            for name, value in (("aux", aux), ("tokens", tokens), ("positions", positions)):
+                static[name].copy_(value)
+            static["index"].copy_(torch.as_tensor(index).view(1))
+            graph.replay()
+            return ids.clone(), None
+        index = torch.as_tensor(index, device=positions.device).view(1)
+        logits, out = self(aux, tokens, positions)
+        logits, out, pos = logits.index_select(1, index), out.index_select(1, index), positions.index_select(0, index)
+        ids, dists = [], []
+        for j in range(k):
+            if j:
+                pos = pos + 1
+                logits, out = self(out, ids[-1][:, None], pos)
+            token, dist = self._pick(logits[:, -1], temperature, generator)
+            ids.append(token)
+            dists.append(dist)
+        return torch.stack(ids, 1), (torch.stack(dists, 1) if temperature > 0 else None)
+
+    def capture(self, batch: int, k: int, *, pool=None) -> "Eagle3Drafter":
+        """Capture greedy ``draft`` for windows of ``K + 1`` rows (what every verify step feeds it) and ``k``
+        drafts as one CUDA graph; ``draft`` then replays it for matching calls. Capture before the cache holds
+        live sequences (warm-up and capture write it)."""
+        self.graphs.pop((batch, k + 1, k), None)  # capture runs the eager path
+        dev = self.fc.weight.device
+        static = {"aux": torch.zeros(self.n_slots, batch, k + 1, self.target_hidden_size, dtype=self.fc.weight.dtype,
+                                     device=dev),
+                  "tokens": torch.zeros(batch, k + 1, dtype=torch.long, device=dev),
+                  "positions": torch.arange(k + 1, device=dev), "index": torch.zeros(1, dtype=torch.long, device=dev)}
+        run = lambda: self.draft(static["aux"], static["tokens"], static["positions"], static["index"], k)[0]  # noqa: E731
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+            ids = run()
+        self.graphs[(batch, k + 1, k)] = (graph, static, ids)
+        return self
+
+    def _pick(self, logits: torch.Tensor, temperature: float, generator):
+        if temperature <= 0:
+            return self.target_ids[logits.argmax(-1)], None
+        from ppsplit.eagle3.speculative import sample
+
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        draft_id = sample(probs, generator)
+        full = probs.new_zeros(probs.shape[0], self.embed_tokens.shape[0])
+        full[:, self.target_ids] = probs  # d2t is one-to-one: q over the target vocabulary
+        return self.target_ids[draft_id], full
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

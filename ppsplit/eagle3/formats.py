@@ -1,0 +1,289 @@
+"""Reading EAGLE-3 checkpoints into an ``Eagle3Drafter``, and the drafter inside a compiled folder.
+
+Checkpoint facts (SafeAILab/EAGLE ``cnets.py``, SpecForge, vLLM/SGLang ``llama_eagle3.py``): ``config.json`` of a
+one-layer Llama (``LlamaForCausalLMEagle3``) with ``draft_vocab_size``, optional ``target_hidden_size``,
+``eagle_config.eagle_aux_hidden_state_layer_ids`` and ``norm_before_residual``; tensors ``fc``, ``midlayer.*``
+(vLLM: ``layers.0.*``), ``norm``, ``lm_head``, ``d2t`` (target id = draft id + d2t[draft id]), ``t2d`` (unused),
+usually no ``embed_tokens`` (the target's embedding is used). Files: ``model.safetensors`` or ``pytorch_model.bin``.
+
+A compiled folder keeps the drafter in ``drafter/`` (``config.json`` + ``drafter.safetensors``) with its taps
+resolved to ppsplit numbering, the rotary frequencies and its embedding copy: ``ppsplit.load`` attaches it as
+``split.drafter`` without transformers and without reading stage 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ppsplit.eagle3.drafter import Eagle3Drafter
+from ppsplit.core.errors import ConfigError
+from ppsplit.artifact.folder import DRAFTER, FolderError, check_drafter
+from ppsplit.core.options import TAP_NUMBERINGS, eagle3_taps, to_taps
+from ppsplit.core.tensors import model_dtype
+
+_LAYER = "midlayer."
+
+
+def drafter_taps(cfg: dict, num_layers: int, aux_convention: str = "sglang") -> tuple[int, ...]:
+    """The taps (ppsplit/vLLM numbering) a drafter config asks for: ``eagle_aux_hidden_state_layer_ids`` read in
+    ``aux_convention`` (``"sglang"``/``"specforge"``: layer outputs, +1; ``"vllm"``: as written); absent ids mean
+    EAGLE-3's default ``(2, L//2, L-3)``. A compiled folder's drafter stores resolved ids as ``ppsplit_taps``.
+
+    Example::
+
+        drafter_taps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}, 32)   # (2, 16, 29)
+    """
+    if "ppsplit_taps" in cfg:
+        return tuple(cfg["ppsplit_taps"])
+    if aux_convention not in TAP_NUMBERINGS:
+        raise ConfigError(f"aux_convention must be 'sglang' (alias 'specforge': the config's ids are layer outputs, "
+                          f"+1) or 'vllm' (ids used as written), but got {aux_convention!r}")
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
+        or cfg.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        return eagle3_taps(num_layers)
+    if list(ids) != sorted(set(ids)):
+        raise ConfigError(f"drafter tap ids {list(ids)} must be distinct and ascending (the order fc was trained on)")
+    return to_taps(ids, aux_convention, num_layers, what="drafter tap id")
+
+
+def resolve_drafter(path_or_hub_id: str) -> str:
+    """A local folder with the drafter's ``config.json`` and weights (a hub id: local HF cache, then network)."""
+    if os.path.isdir(path_or_hub_id):
+        return path_or_hub_id
+    if os.path.exists(path_or_hub_id) or path_or_hub_id.startswith((".", "/", "~")):
+        raise ConfigError(f"drafter {path_or_hub_id} is not a folder; pass a folder with config.json and "
+                          "model.safetensors or pytorch_model.bin, or a hub id")
+    from huggingface_hub import snapshot_download
+
+    error = None
+    for local in (True, False):
+        try:
+            return snapshot_download(path_or_hub_id, allow_patterns=["*.json", "*.safetensors", "*.bin"],
+                                     local_files_only=local)
+        except Exception as e:  # not cached, then not reachable
+            error = e
+    raise ConfigError(f"drafter {path_or_hub_id} is neither a local folder nor a reachable hub id "
+                      f"({type(error).__name__}); pass a folder with config.json and weights") from None
+
+
+def read_drafter(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(config, tensors)`` of a drafter folder, tensor names normalised to ``midlayer.``. Reads
+    ``model.safetensors`` / ``drafter.safetensors``, or ``pytorch_model.bin`` with ``weights_only=True`` only."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {folder}/config.json ({e}); an EAGLE-3 drafter folder needs one") from None
+    for name in ("model.safetensors", "drafter.safetensors"):
+        if os.path.isfile(os.path.join(folder, name)):
+            from safetensors.torch import load_file
+
+            tensors = load_file(os.path.join(folder, name))
+            break
+    else:
+        path = os.path.join(folder, "pytorch_model.bin")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{folder} has no model.safetensors or pytorch_model.bin; pass an EAGLE-3 drafter folder")
+        try:
+            tensors = torch.load(path, map_location="cpu", weights_only=True)  # never unpickle arbitrary objects
+        except Exception as e:
+            raise ConfigError(f"cannot read {path} as plain tensors ({type(e).__name__}); convert it to "
+                              "model.safetensors") from None
+    out = {}
+    for name, t in tensors.items():
+        name = name.removeprefix("model.")
+        if name.startswith("layers.0."):  # vLLM's naming of the one layer
+            name = _LAYER + name[len("layers.0."):]
+        out[name] = t
+    return cfg, out
+
+
+def _normalised_config(cfg: dict, tensors: dict) -> dict:
+    h, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if not h or not heads:
+        raise ConfigError("the drafter config.json needs hidden_size and num_attention_heads (an EAGLE-3 Llama layer)")
+    out = dict(cfg)
+    out.setdefault("num_key_value_heads", heads)
+    out["head_dim"] = cfg.get("head_dim") or h // heads
+    out.setdefault("rms_norm_eps", 1e-6)
+    out.setdefault("hidden_act", "silu")
+    out["target_hidden_size"] = cfg.get("target_hidden_size") or h
+    out["draft_vocab_size"] = cfg.get("draft_vocab_size") or cfg.get("vocab_size")
+    out["attention_bias"] = f"{_LAYER}self_attn.q_proj.bias" in tensors
+    out["fc_bias"] = "fc.bias" in tensors
+    return out
+
+
+def _rope(cfg: dict, tensors: dict) -> tuple[torch.Tensor, float]:
+    """Rotary inverse frequencies and scale of the drafter, computed by transformers' own Llama rotary code so every
+    ``rope_scaling`` type (llama3, yarn, ...) matches; a compiled folder stores them and needs no transformers."""
+    if "rotary.inv_freq" in tensors:
+        return tensors["rotary.inv_freq"].float(), float(cfg.get("ppsplit_rope_scale", 1.0))
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+            "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor")
+    rotary = LlamaRotaryEmbedding(LlamaConfig(**{k: cfg[k] for k in keys if cfg.get(k) is not None}))
+    return rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0))
+
+
+def embedding_name(split) -> str:
+    """The FQN of the target's input-embedding table: the one read by stage 0's ``aten.embedding``."""
+    for node in split.stages[0].graph.nodes:
+        if node.op == "call_function" and "embedding" in str(node.target) and node.args \
+                and getattr(node.args[0], "op", None) == "get_attr":
+            return node.args[0].target
+    raise ConfigError("stage 0 of the split has no embedding lookup, which the drafter shares; give the drafter its "
+                      "own embed_tokens")
+
+
+def load_drafter(path_or_hub_id: str, split=None, aux_convention: str = "sglang", device=None,
+                 compile: bool = False) -> Eagle3Drafter:
+    """Load an EAGLE-3 drafter for ``split`` (which must carry the drafter's taps), on its last stage's device.
+
+    Both file formats (``model.safetensors``; ``pytorch_model.bin`` read with ``weights_only=True``), both
+    namings (``midlayer.`` and vLLM's ``layers.0.``), a separate or shared embedding (without ``embed_tokens``
+    the drafter references the target's embedding table, copied to the last stage's device when stage 0 lives
+    elsewhere, so it never travels per step). Tap ids come from the config in ``aux_convention`` numbering
+    (``"sglang"``: SpecForge's layer outputs, +1; ``"vllm"``: as written), see ``drafter_taps``. ``compile``:
+    Inductor compiles the drafter's forward (``drafter.compile(dynamic=False)``; it fuses the norms, rotary and
+    adds, and ``capture`` records the compiled kernels): an 8B-shaped draft step on an H200 went from 367 to
+    268 us. Compiling takes a few seconds per shape at the first calls, which is why it is off by default.
+
+    Example::
+
+        split = ppsplit.split_model(model, pp=4, aux="eagle3", cache=ppsplit.CacheConfig(1, 4096))
+        drafter = ppsplit.load_drafter("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", split=split)
+        out, stats = split.generate(ids, 64, drafter=drafter, num_draft_tokens=4, return_stats=True)
+    """
+    from ppsplit.core.tensors import module_device
+
+    if split is None:
+        raise ConfigError("load_drafter needs split=: the drafter reads the split's taps and embedding; split the "
+                          "target with the drafter's taps first (ppsplit compile MODEL --drafter DRAFTER does it)")
+    cfg, tensors = read_drafter(resolve_drafter(path_or_hub_id))
+    embed = tensors.get("embed_tokens.weight")
+    if embed is None:
+        name = embedding_name(split)
+        stage = split.stages[0]
+        embed = dict(stage.named_parameters()).get(name)
+        embed = (embed if embed is not None else stage.get_buffer(name)).detach()
+    drafter = build_drafter(cfg, tensors, split.plan, embed, aux_convention,
+                            device if device is not None else module_device(split.stages[-1]))
+    if compile:
+        drafter.compile(dynamic=False)
+    return drafter
+
+
+def build_drafter(cfg: dict, tensors: dict, plan, embed: torch.Tensor, aux_convention: str, device) -> Eagle3Drafter:
+    """The drafter of ``(cfg, tensors)`` for a split with ``plan``, using ``embed`` as its embedding table."""
+    cfg = _normalised_config(cfg, tensors)
+    for name in ("fc.weight", "lm_head.weight", f"{_LAYER}self_attn.q_proj.weight"):
+        if name not in tensors:
+            raise ConfigError(f"the drafter has no {name} tensor; it is not an EAGLE-3 checkpoint (its tensors: "
+                              f"{sorted(tensors)[:4]} ...)")
+    taps = drafter_taps(cfg, plan.num_layers, aux_convention)
+    missing = [t for t in taps if t not in plan.taps]
+    if missing:
+        raise ConfigError(f"the drafter reads taps {list(taps)} but the split carries {list(plan.taps)} (missing "
+                          f"{missing}); split the target with aux={','.join(map(str, taps))}")
+    th = cfg["target_hidden_size"]
+    if th != plan.hidden_size:
+        raise ConfigError(f"the drafter expects target hidden size {th} but the target has {plan.hidden_size}; "
+                          "use a drafter trained for this target")
+    if tuple(tensors["fc.weight"].shape) != (cfg["hidden_size"], len(taps) * th):
+        raise ConfigError(f"drafter fc.weight is {tuple(tensors['fc.weight'].shape)}, expected "
+                          f"({cfg['hidden_size']}, {len(taps) * th}) for {len(taps)} taps of width {th}")
+    vocab = embed.shape[0]
+    if cfg.get("vocab_size", vocab) != vocab or embed.shape[1] != cfg["hidden_size"]:
+        raise ConfigError(f"the drafter's vocabulary x hidden ({cfg.get('vocab_size')} x {cfg['hidden_size']}) does "
+                          f"not match the target's embedding {tuple(embed.shape)}; use a drafter trained for this target")
+    d2t = tensors.get("d2t")
+    if d2t is None:
+        if cfg["draft_vocab_size"] != vocab:
+            raise ConfigError(f"the drafter has no d2t tensor but its draft vocabulary ({cfg['draft_vocab_size']}) is "
+                              f"smaller than the target's ({vocab}); d2t maps draft ids to target ids")
+        d2t = torch.zeros(vocab, dtype=torch.long)
+    targets = torch.arange(d2t.shape[0]) + d2t.long().cpu()
+    if d2t.shape[0] != cfg["draft_vocab_size"] or targets.min() < 0 or targets.max() >= vocab \
+            or targets.unique().numel() != targets.numel():
+        raise ConfigError(f"the drafter's d2t ({d2t.shape[0]} entries) does not map its {cfg['draft_vocab_size']} "
+                          f"draft ids one-to-one into the target vocabulary of {vocab}")
+    if cfg["hidden_act"] not in ("silu", "gelu", "gelu_pytorch_tanh"):
+        raise ConfigError(f"drafter hidden_act {cfg['hidden_act']!r} is not supported; use silu, gelu or "
+                          "gelu_pytorch_tanh")
+    inv_freq, rope_scale = _rope(cfg, tensors)
+    dtype = model_dtype(plan)
+    device = torch.empty(0, device=device).device
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(cfg, taps, tuple(plan.taps.index(t) for t in taps), torch.empty(0), torch.empty(0),
+                                n_slots=plan.n_slots)
+    drafter = drafter.to_empty(device=device)
+    state = {k: v for k, v in tensors.items() if k not in ("t2d", "embed_tokens.weight", "rotary.inv_freq")}
+    state["d2t"] = d2t.long()
+    try:
+        drafter.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        lines = str(e).splitlines()
+        raise ConfigError(f"the drafter's tensors do not fit an EAGLE-3 layer: {(lines[1:] or lines)[0].strip()}") from None
+    drafter = drafter.to(dtype=dtype)
+    # A shared table stays a reference when it already lives on this device in this dtype (one process, one device);
+    # otherwise the drafter gets its own copy.
+    same = embed.device == device and embed.dtype == dtype
+    drafter.embed_tokens = embed.detach() if same else embed.detach().to(device=device, dtype=dtype)
+    drafter.inv_freq = inv_freq.to(device)
+    drafter.rope_scale = rope_scale
+    if plan.max_len:
+        drafter.allocate_cache(plan.max_batch, plan.max_len)
+    return drafter.eval()
+
+
+def save_drafter(drafter: Eagle3Drafter, folder: str) -> None:
+    """Write ``drafter`` as ``folder/config.json`` + ``folder/drafter.safetensors``: resolved taps, the rotary
+    frequencies and its embedding table, so loading it needs neither transformers nor the target's stage 0."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    cfg = dict(drafter.cfg, ppsplit_taps=list(drafter.taps), ppsplit_rope_scale=drafter.rope_scale)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    tensors["embed_tokens.weight"] = drafter.embed_tokens.detach().contiguous().cpu()
+    tensors["rotary.inv_freq"] = drafter.inv_freq.detach().cpu()
+    save_file(tensors, os.path.join(folder, "drafter.safetensors"), metadata={"format": "pt"})
+
+
+# -- compiled folders --------------------------------------------------------------------------------------------
+def compile_taps(drafter: str, config, aux, aux_convention: str) -> tuple[int, ...]:
+    """The taps ``ppsplit compile --drafter`` splits with (ppsplit numbering), from the drafter's config."""
+    if aux is not None:
+        raise ConfigError("pass either --aux or --drafter: with a drafter the taps come from its config")
+    cfg, _ = read_drafter(resolve_drafter(drafter))
+    return drafter_taps(cfg, config.num_hidden_layers, aux_convention)
+
+
+def write_compiled_drafter(folder: str, drafter: str, split, checkpoint, tied: dict, aux_convention: str) -> None:
+    """Store the drafter, its embedding copy included, in ``folder/drafter`` beside the last stage's artifact.
+    ``split`` is the compile's skeleton (weights on meta): the embedding is read from the target's checkpoint."""
+    cfg, tensors = read_drafter(resolve_drafter(drafter))
+    embed = tensors.get("embed_tokens.weight")
+    if embed is None:
+        name = embedding_name(split)
+        embed = checkpoint.read_one(name if name in checkpoint else tied.get(name, name))
+    built = build_drafter(cfg, tensors, split.plan, embed, aux_convention, "cpu")
+    save_drafter(built, os.path.join(folder, DRAFTER))
+
+
+def load_folder_drafter(path: str, plan, device) -> Eagle3Drafter:
+    """The drafter a compiled folder stores in ``path`` (``ppsplit compile --drafter``), built for one process that
+    holds only the last stage (its embedding copy is in the drafter's own file)."""
+    cfg, _ = check_drafter(path, plan)
+    _, tensors = read_drafter(path)
+    try:
+        return build_drafter(cfg, tensors, plan, tensors["embed_tokens.weight"], "sglang", device)
+    except ConfigError as e:
+        raise FolderError(f"{path}: {e}") from None

@@ -1,0 +1,1 @@
+"""Running stages in one process: ``SplitModel`` and CUDA-graph capture."""

@@ -1,0 +1,211 @@
+"""Driver: the in-process runtime. A ``SplitModel`` runs its stages in order, optionally stage ``k`` on device ``k``."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ppsplit.artifact.folder import CompiledFolder
+from ppsplit.artifact.loader import build_stage, check_device, stage_options
+from ppsplit.serve.cuda_graphs import CapturedStage
+from ppsplit.core.errors import ConfigError
+from ppsplit.core.fx_utils import is_cache_buffer
+from ppsplit.core.plan import SplitPlan
+from ppsplit.core.tensors import model_dtype, module_device, new_aux
+
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+class SplitModel(torch.nn.Module):
+    """The stages of one split, with the plan that made them.
+
+    Example::
+
+        split = split_model(model, pp=4, aux="eagle3")
+        logits, aux = split(input_ids)                 # runs stage 0, 1, 2, 3 in order
+        features = split.drafter_inputs(aux)           # [B, T, 3 * H], the EAGLE-3 input
+    """
+
+    def __init__(self, plan: SplitPlan, stages: Sequence[torch.nn.Module], *,
+                 eos_token_id: Sequence[int] = (), pad_token_id: int | None = None):
+        super().__init__()
+        self.plan = plan
+        self.stages = torch.nn.ModuleList(stages)
+        self.eos_token_id = tuple(eos_token_id)
+        self.pad_token_id = pad_token_id
+        self.graphs: dict[tuple[int, int], list] = {}  # (batch, tokens) -> one CapturedStage per stage
+        self.drafter = None  # an Eagle3Drafter on the last stage: load() attaches a folder's, or set it yourself
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return model_dtype(self.plan)
+
+    def place(self, devices: Sequence[torch.device | str]) -> "SplitModel":
+        """Move stage ``k`` to ``devices[k]``; ``__call__`` then moves the hidden state and the aux prefix."""
+        if len(devices) != self.plan.pp:
+            raise ValueError(f"place needs one device per stage ({self.plan.pp}), got {len(devices)}")
+        for stage, dev in zip(self.stages, devices):
+            stage.to(dev)
+        return self
+
+    def new_aux(self, batch: int, tokens: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """An uninitialised packed buffer ``[n_slots, batch, tokens, H]``; every slot is written by its owner."""
+        return new_aux(self.plan, batch, tokens, device if device is not None else module_device(self.stages[0]))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, *, check: bool = True):
+        """Run all stages: ``(input_ids [B, T], positions [T]) -> (logits [B, T, V], aux [n_slots, B, T, H])``.
+
+        The inputs are checked first (shapes, dtypes, and that batch and positions fit the KV cache: one host read
+        of ``positions``); ``check=False`` skips that, for loops that know their positions are in range."""
+        if positions is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        if check:
+            self.check_inputs(input_ids, positions)
+        batch, tokens = input_ids.shape
+        captured = self.graphs.get((batch, tokens))
+        x, aux = input_ids, None
+        for k, stage in enumerate(self.stages):
+            dev = module_device(stage)
+            if captured is not None:
+                stage = captured[k]
+            if aux is None:
+                aux = self.new_aux(batch, tokens, dev)
+            elif aux.device != dev:
+                # The receiver owns a full-size buffer and receives the filled prefix into it.
+                moved = self.new_aux(batch, tokens, dev)
+                filled = self.plan.filled(k - 1)
+                moved[:filled].copy_(aux[:filled])
+                aux = moved
+            x, aux = stage(x.to(dev), positions.to(dev), aux)
+        return x, aux
+
+    def check_inputs(self, input_ids, positions) -> None:
+        """Raise a ``ConfigError`` naming the problem if ``(input_ids, positions)`` cannot run through the stages."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in _INDEX_DTYPES:
+            what = (f"a {input_ids.dim()}-D {input_ids.dtype} tensor of shape {tuple(input_ids.shape)}"
+                    if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__)
+            raise ConfigError(f"input_ids must be a 2-D integer tensor [batch, tokens] of token ids, but got {what}; "
+                              "for one sequence use ids[None]")
+        batch, tokens = input_ids.shape
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.dtype not in _INDEX_DTYPES \
+                or positions.shape[0] != tokens:
+            what = (f"a {positions.dim()}-D {positions.dtype} tensor of shape {tuple(positions.shape)}"
+                    if isinstance(positions, torch.Tensor) else type(positions).__name__)
+            raise ConfigError(f"positions must be a 1-D integer tensor with one cache position per token ({tokens}), "
+                              f"but got {what}")
+        if not self.plan.max_len:
+            return
+        if batch > self.plan.max_batch:
+            raise ConfigError(f"batch {batch} does not fit the KV cache of {self.plan.max_batch} sequences; split "
+                              f"with CacheConfig(batch_size>={batch}, ...) or send at most {self.plan.max_batch}")
+        lo, hi = (int(v) for v in torch.stack([positions.min(), positions.max()]).tolist())
+        if lo < 0 or hi >= self.plan.max_len:
+            raise ConfigError(f"positions {lo}..{hi} do not fit the KV cache of {self.plan.max_len} tokens (positions "
+                              f"0 to {self.plan.max_len - 1}); split with a larger CacheConfig(max_len=...)")
+
+    def capture(self, batch: int, tokens: Sequence[int]) -> "SplitModel":
+        """Capture every stage as a CUDA graph for each token count (e.g. ``[prompt, 1, K + 1]``); calls whose
+        ``(batch, tokens)`` match a bucket then replay graphs. Buckets share each stage's KV cache and one
+        memory pool. Capture before the cache holds live sequences (capture writes it)."""
+        for k, stage in enumerate(self.stages):
+            if module_device(stage).type != "cuda":
+                raise ConfigError(f"capture needs CUDA: stage {k} is on {module_device(stage)}"
+                                  + ("" if torch.cuda.is_available() else " and this machine has no CUDA GPU")
+                                  + "; place the stages on GPUs first (split.place([...]) or load(folder, devices))")
+        pool = torch.cuda.graph_pool_handle()
+        for t in tokens:
+            self.graphs[(batch, t)] = [CapturedStage(stage, batch, t, pool=pool) for stage in self.stages]
+        return self
+
+    def drafter_inputs(self, aux: torch.Tensor) -> torch.Tensor:
+        """The EAGLE-3 input ``[B, T, n_slots * H]``: the taps concatenated along hidden, ascending tap id."""
+        n, batch, tokens, hidden = aux.shape
+        return aux.permute(1, 2, 0, 3).reshape(batch, tokens, n * hidden)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, drafter=None, num_draft_tokens: int = 4,
+                 temperature: float = 0.0, generator: torch.Generator | None = None, return_stats: bool = False):
+        """Greedy decoding through the stages with their KV caches: one prefill, then one token per step.
+
+        With ``drafter`` (an EAGLE-3 drafter from ``ppsplit.load_drafter``): speculative decoding, ``K =
+        num_draft_tokens`` drafts per verify pass, greedy or lossless sampling at ``temperature``; with
+        ``return_stats`` returns ``(ids, SpeculativeStats)`` (see ``ppsplit.eagle3.speculative``).
+
+        Matches ``model.generate(input_ids, do_sample=False, max_new_tokens=...)``: a sequence that has emitted
+        an end-of-sequence token continues with padding, and decoding stops when all have.
+
+        Example::
+
+            split = split_model(model, pp=2, cache=CacheConfig(batch_size=1, max_len=256))
+            out = split.generate(input_ids, max_new_tokens=32)   # [B, T + new]
+        """
+        if drafter is not None:
+            from ppsplit.eagle3 import speculative
+
+            out, stats = speculative.generate(self, input_ids, max_new_tokens, drafter, num_draft_tokens,
+                                              temperature, generator)
+            return (out, stats) if return_stats else out
+        if temperature or return_stats:
+            raise ConfigError("temperature and return_stats need a drafter (speculative decoding); plain generate "
+                              "is greedy")
+        batch, prompt = input_ids.shape
+        self._check_cache(batch, prompt + max_new_tokens)
+        device = input_ids.device
+        eos = torch.tensor(self.eos_token_id, device=device, dtype=torch.long)
+        pad = self.pad_token_id if self.pad_token_id is not None else (self.eos_token_id or (0,))[0]
+        self.check_inputs(input_ids, torch.arange(prompt, device=device))
+        logits, _ = self(input_ids, torch.arange(prompt, device=device), check=False)
+        out = [input_ids]
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        for step in range(max_new_tokens):
+            token = logits[:, -1].argmax(-1)
+            if len(eos):
+                token = torch.where(done, torch.full_like(token, pad), token)
+                done |= torch.isin(token, eos)
+            out.append(token[:, None])
+            if step == max_new_tokens - 1 or (len(eos) and bool(done.all())):
+                break
+            logits, _ = self(token[:, None], torch.tensor([prompt + step], device=device), check=False)
+        return torch.cat(out, dim=1)
+
+    def _check_cache(self, batch: int, length: int) -> None:
+        if not self.plan.max_len:
+            raise ConfigError("this split has no KV cache: pass cache=CacheConfig(batch_size, max_len) to split_model")
+        if batch > self.plan.max_batch or length > self.plan.max_len:
+            raise ConfigError(f"batch {batch} x {length} tokens does not fit the KV cache of {self.plan.max_batch} x "
+                              f"{self.plan.max_len}; split with a larger CacheConfig")
+
+    def reset_cache(self) -> None:
+        """Zero every stage's KV cache (not needed for correctness: positions overwrite, the mask hides the rest)."""
+        for stage in self.stages:
+            for name, buf in stage.named_buffers():
+                if is_cache_buffer(name):
+                    buf.zero_()
+
+
+def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, compile: bool | None = None,
+         fuse_projections: bool | None = None, gemv: bool | None = None) -> SplitModel:
+    """The whole ``SplitModel`` of a compiled folder; stage ``k`` on ``devices[k]`` (default: all on the CPU).
+    ``compile``, ``fuse_projections`` and ``gemv`` as in ``load_stage``. A drafter compiled into the folder
+    (``ppsplit compile --drafter``) is attached as ``split.drafter``.
+
+    Example::
+
+        split = ppsplit.load("demo-pp4")
+        logits, aux = split(input_ids)
+    """
+    opened = CompiledFolder(folder)
+    programs = opened.check()  # what ppsplit inspect runs, before any tensor is read
+    plan = opened.plan
+    devices = [check_device(d) for d in (devices if devices is not None else ["cpu"] * plan.pp)]
+    if len(devices) != plan.pp:
+        raise ConfigError(f"{folder} has {plan.pp} stages; pass one device per stage, got {len(devices)}")
+    options = stage_options(opened, compile=compile, fuse_projections=fuse_projections, gemv=gemv)
+    stages = [build_stage(opened, program, device, options) for program, device in zip(programs, devices)]
+    split = SplitModel(plan, stages, eos_token_id=opened.manifest.eos_token_id,
+                       pad_token_id=opened.manifest.pad_token_id)
+    if opened.drafter is not None:
+        from ppsplit.eagle3.formats import load_folder_drafter
+
+        split.drafter = load_folder_drafter(opened.drafter, plan, module_device(stages[-1]))
+    return split
