@@ -31,22 +31,21 @@ import math
 import operator
 from dataclasses import dataclass
 
-import sympy
 import torch
 from torch import fx
 
 import ppsplit.triton_kernels.attention  # noqa: F401  (registers torch.ops.ppsplit.cache_attention)
 from ppsplit.core.fx_utils import CACHE_PREFIX, fresh_copy, get_tensor
-from ppsplit.passes.annotate import SHAPE_OPS, mutated_bases
+from ppsplit.passes.annotate import mutated_bases
+from ppsplit.passes.evaluate import (COPY_OPS, SHAPE_OPS, VIEW_OPS, EvaluationError, SubgraphEvaluator,
+                                     upcast)
 from ppsplit.passes.partition import Partitioned, carry_forward
 from ppsplit.passes.taps import Tapped
 from ppsplit.core.plan import AttentionSite, SplitPlan
 from ppsplit.triton_kernels.attention import attention_reference
 
 aten = torch.ops.aten
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
-          aten.contiguous.default, aten.clone.default}
-_LOW = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+_VIEWS = VIEW_OPS | COPY_OPS
 _BUDGET = 1 << 27  # largest tensor (elements) the check may build: Hq * max_len * head_dim
 _TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -295,34 +294,26 @@ def _param_value(gm, node: fx.Node, gen) -> torch.Tensor:
     t = get_tensor(gm, node.target)
     if t.device.type == "meta" or isinstance(t, torch.nn.Parameter):
         # A learned input (sinks): any value will do, the same for the subgraph and the candidate.
-        return torch.randn(t.shape, generator=gen).to(_LOW.get(t.dtype, t.dtype))
-    return t.detach().to("cpu", _LOW.get(t.dtype, t.dtype))
+        return torch.randn(t.shape, generator=gen).to(upcast(t.dtype))
+    return t.detach().to("cpu", upcast(t.dtype))
 
 
 def _evaluate(gm, f: _Found, info, batch: int, positions, q, k, v, params):
     env = {f.q: q, f.k: k, f.v: v, **params}
     tokens = positions.shape[0]
-    sizes = {info.batch_symbol: batch, info.tokens_symbol: tokens}
     placeholders = {"input_ids": torch.zeros(batch, tokens, dtype=torch.long), "positions": positions}
-    needed = _closure(f.inputs, env)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for n in sorted(needed, key=order.get):
+    needed = sorted(_closure(f.inputs, env), key=order.get)
+    for n in needed:
         if n.op == "placeholder":
             if n.target not in placeholders:
                 raise _NoMatch(f"its mask reads the input {n.target}")
             env[n] = placeholders[n.target]
-        elif n.op == "get_attr":
-            t = get_tensor(gm, n.target)
-            if t.device.type == "meta":
-                raise _NoMatch(f"its mask reads {n.target}, which has no value on the meta device")
-            env[n] = t.detach().to("cpu", _LOW.get(t.dtype, t.dtype))
-        elif n.target in SHAPE_OPS:
-            env[n] = _size(n, sizes)
-        else:
-            env[n] = _call(n, env)
-    for n in f.region:
-        env[n] = _call(n, env)
-    return env[f.out]
+    evaluator = SubgraphEvaluator(gm, upcast=True, sizes={info.batch_symbol: batch, info.tokens_symbol: tokens})
+    try:
+        return evaluator.run_nodes([n for n in needed if n not in env] + f.region, env)[f.out]
+    except EvaluationError as e:
+        raise _NoMatch(str(e)) from None
 
 
 def _closure(roots: list, env: dict) -> set:
@@ -338,38 +329,6 @@ def _closure(roots: list, env: dict) -> set:
             raise _NoMatch(f"its mask depends on the tokens through {n.format_node()}")
         todo.extend(n.all_input_nodes)
     return seen
-
-
-def _size(node: fx.Node, sizes: dict) -> int:
-    val = node.meta.get("val")
-    expr = val.node.expr if isinstance(val, torch.SymInt) else val
-    if isinstance(expr, int):
-        return expr
-    subs = {s: sizes[str(s)] for s in expr.free_symbols if str(s) in sizes}
-    if len(subs) != len(expr.free_symbols):
-        raise _NoMatch(f"size {node.name} = {expr} depends on more than batch and token count")
-    return int(expr.subs(subs)) if not isinstance(expr, sympy.Integer) else int(expr)
-
-
-def _call(n: fx.Node, env: dict):
-    cpu = torch.device("cpu")
-
-    def conv(a):
-        if isinstance(a, fx.Node):
-            return env[a]
-        if isinstance(a, torch.device):
-            return cpu
-        if isinstance(a, torch.dtype):
-            return _LOW.get(a, a)
-        if isinstance(a, (list, tuple)):
-            return type(a)(conv(x) for x in a)
-        return a
-
-    args = conv(n.args)
-    kwargs = {key: conv(a) for key, a in n.kwargs.items()}
-    if n.op != "call_function":
-        raise _NoMatch(f"cannot evaluate {n.op} node {n.name}")
-    return n.target(*args, **kwargs)
 
 
 def _floats(f: _Found) -> list[float]:

@@ -27,14 +27,14 @@ from torch.fx.node import map_aggregate
 
 import ppsplit.triton_kernels  # noqa: F401  (registers torch.ops.ppsplit.*)
 from ppsplit.core.fx_utils import fresh_copy
+from ppsplit.passes.evaluate import VIEW_OPS, SubgraphEvaluator
 from ppsplit.passes.partition import Partitioned, carry_forward
 from ppsplit.passes.trace import module_path
 from ppsplit.core.plan import SplitPlan, StageFusion, TapFusion
 from ppsplit.triton_kernels import NORM_KINDS, norm_reference
 
 ops = torch.ops.ppsplit
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-          torch.ops.aten.alias.default}
+
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def _meta(new: fx.Node, like: fx.Node, val) -> None:
 def _producer_add(value: fx.Node) -> fx.Node | None:
     """The residual ``add(x, r)`` that computes ``value``, looking through reshapes that only it uses."""
     node = value
-    while node.op == "call_function" and node.target in _VIEWS and isinstance(node.args[0], fx.Node):
+    while node.op == "call_function" and node.target in VIEW_OPS and isinstance(node.args[0], fx.Node):
         node = node.args[0]
         if len(node.users) != 1:
             return None
@@ -268,7 +268,7 @@ def _recognise(nodes: list, value: fx.Node, params: list, output: fx.Node):
         v = torch.randn(2, 3, hidden, generator=gen).to(v_meta.dtype)
         ps = [(torch.randn(p.meta["val"].shape, generator=gen) * 0.3 + 0.7).to(p.meta["val"].dtype) for p in params]
         try:
-            got = _evaluate(nodes, {value: v, **dict(zip(params, ps))}, output)
+            got = SubgraphEvaluator(value.graph.owning_module).run_nodes(nodes, {value: v, **dict(zip(params, ps))})[output]
         except Exception:
             return None
         trials.append((v, ps, got))
@@ -282,13 +282,3 @@ def _recognise(nodes: list, value: fx.Node, params: list, output: fx.Node):
                        for v, ps, got in trials):
                     return kind, eps, w_i, b_i
     return None
-
-
-def _evaluate(nodes: list, env: dict, output: fx.Node) -> torch.Tensor:
-    env = dict(env)
-    cpu = torch.device("cpu")
-    for n in nodes:
-        args = map_aggregate(n.args, lambda a: env[a] if isinstance(a, fx.Node) else cpu if isinstance(a, torch.device) else a)
-        kwargs = map_aggregate(n.kwargs, lambda a: env[a] if isinstance(a, fx.Node) else cpu if isinstance(a, torch.device) else a)
-        env[n] = n.target(*args, **kwargs)
-    return env[output]

@@ -64,7 +64,6 @@ def partition(annotated: Annotated, plan: SplitPlan) -> Partitioned:
             if node.meta.get("ppsplit.half") == 0:  # a layer's attention half, on the stage before a mid-layer cut
                 node.meta["ppsplit.stage"] = plan.stage_of_layer(node.meta["ppsplit.region"] // 2, attention=True)
 
-    by_name = {n.name: n for n in nodes}
     boundaries = {}
     for stage in plan.stages[1:]:
         if plan.starts_mid(stage.index):

@@ -100,10 +100,10 @@ def generate_and_fail(rank, folder, prompts, new, victim, at_item, how):
     when it starts its ``at_item``-th item."""
     import signal
 
-    from ppsplit import distributed as ppd
+    from ppsplit.distributed import pipeline
 
     if rank == victim:
-        real = ppd.group_stages
+        real = pipeline.group_stages
 
         def fragile(stage, groups, rows):
             instances = real(stage, groups, rows)
@@ -121,7 +121,7 @@ def generate_and_fail(rank, folder, prompts, new, victim, at_item, how):
                 inst.forward = wrapped
             return instances
 
-        ppd.group_stages = fragile
+        pipeline.group_stages = fragile  # the name the pipeline loop calls
     return generate(rank, folder, prompts, new)
 
 

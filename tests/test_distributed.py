@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import ppsplit
+from ppsplit.artifact.folder import fingerprint
 from ppsplit import distributed as ppd
 from tests.dist_launch import generate, generate_and_fail, launch, pipelining
 from tests.models import VOCAB, tiny_model
@@ -48,7 +49,11 @@ def folders(checkpoint, tmp_path_factory):
     # The same stages under a plan that says bfloat16: what a folder compiled with another --dtype declares.
     other = shutil.copytree(out["pp2"], root / "pp2-bf16")
     plan = json.loads((other / "plan.json").read_text())
-    (other / "plan.json").write_text(json.dumps(dict(plan, dtype="bfloat16")))
+    text = json.dumps(dict(plan, dtype="bfloat16"))
+    (other / "plan.json").write_text(text)
+    for k in range(2):  # a compile writes its plan's fingerprint into each stage program
+        program = json.loads((other / f"stage_{k}.json").read_text())
+        (other / f"stage_{k}.json").write_text(json.dumps(dict(program, plan_sha256=fingerprint(text))))
     out["pp2-bf16"] = str(other)
     return out
 

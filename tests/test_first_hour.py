@@ -155,4 +155,4 @@ def test_import_from_the_folder_that_holds_a_checkout_named_ppsplit(tmp_path):
     os.symlink(ROOT, tmp_path / "ppsplit")
     done = subprocess.run([sys.executable, "-c", "import ppsplit; print(ppsplit.load.__module__)"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "ppsplit.artifact.loader", done.stderr
+    assert done.returncode == 0 and done.stdout.strip() == "ppsplit.serve.runtime", done.stderr

@@ -32,19 +32,11 @@ The output is ``[B, Hq, T, Dv]`` laid out as ``[B, T, Hq, Dv]`` in memory, so th
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
-
-    HAVE_TRITON = True
-except ImportError:  # the torch path still works everywhere
-    HAVE_TRITON = False
+from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
 
 
 def attention_reference(q, k, v, positions, scale: float, window: int = 0, softcap: float = 0.0,
@@ -362,19 +354,13 @@ def launch_cache_attention(q, k, v, positions, scale: float, window: int = 0, so
     return out
 
 
-def _register(name: str):
-    if HAVE_TRITON:
-        return triton_op(name, mutates_args=())
-    return torch.library.custom_op(name, mutates_args=())
-
-
-@_register("ppsplit::cache_attention")
+@register("ppsplit::cache_attention")
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                     scale: float, window: int, softcap: float, alibi: Optional[torch.Tensor],
                     sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """Causal attention of ``q [B, Hq, T, D]`` at ``positions`` over the cache rows ``k_cache/v_cache
     [B, Hkv, L, D]`` (already written at ``positions``); see the module docstring for the exact math."""
-    if HAVE_TRITON and q.device.type == "cuda":
+    if on_gpu(q):
         with torch.cuda.device(q.device):
             return launch_cache_attention(q, k_cache, v_cache, positions, scale, window, softcap, alibi, sinks,
                                           wrap=wrap_triton)

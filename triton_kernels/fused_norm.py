@@ -25,14 +25,7 @@ from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
-
-    HAVE_TRITON = True
-except ImportError:  # the torch path still works everywhere
-    HAVE_TRITON = False
+from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
 
 KINDS = {"none": 0, "rms": 1, "rms_1p": 2, "rms_f32w": 3, "layer": 4}  # the kernel's NORM argument
 NORM_KINDS = tuple(k for k in KINDS if k != "none")
@@ -159,30 +152,20 @@ def _copy_rows(slot: torch.Tensor, value: torch.Tensor) -> None:
     slot.view(-1, slot.shape[-1]).copy_(value.reshape(-1, value.shape[-1]))
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return HAVE_TRITON and t.device.type == "cuda"
-
-
-def _register(name: str, mutates: tuple[str, ...]):
-    if HAVE_TRITON:
-        return triton_op(name, mutates_args=mutates)
-    return torch.library.custom_op(name, mutates_args=mutates)
-
-
-@_register("ppsplit::tap_store", ("aux",))
+@register("ppsplit::tap_store", ("aux",))
 def tap_store(aux: torch.Tensor, slot: int, value: torch.Tensor) -> None:
     """``aux[slot] = value``: the store of one tap that no kernel could absorb."""
-    if _use_triton(value):
+    if on_gpu(value):
         with torch.cuda.device(value.device):
             launch_store_kernel(value, aux[slot], wrap=wrap_triton)
     else:
         _copy_rows(aux[slot], value)
 
 
-@_register("ppsplit::add_store", ("aux",))
+@register("ppsplit::add_store", ("aux",))
 def add_store(x: torch.Tensor, r: torch.Tensor, aux: torch.Tensor, slot: int) -> torch.Tensor:
     """``s = x + r; aux[slot] = s`` (a tap on a stage boundary: its norm runs on the next stage)."""
-    if _use_triton(x):
+    if on_gpu(x):
         with torch.cuda.device(x.device):
             return launch_tap_kernel(x, r, None, None, aux[slot], 0.0, "none", want_s=True, wrap=wrap_triton)[0]
     s = x + r
@@ -190,22 +173,22 @@ def add_store(x: torch.Tensor, r: torch.Tensor, aux: torch.Tensor, slot: int) ->
     return s
 
 
-@_register("ppsplit::add_norm", ())
+@register("ppsplit::add_norm")
 def add_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
              kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + r; y = norm(s)``: the residual add and the next norm in one kernel (no tap here)."""
-    if _use_triton(x):
+    if on_gpu(x):
         with torch.cuda.device(x.device):
             return launch_tap_kernel(x, r, weight, bias, None, eps, kind, want_s=True, wrap=wrap_triton)
     s = x + r
     return s, norm_reference(kind, s, weight, bias, eps)
 
 
-@_register("ppsplit::add_norm_store", ("aux",))
+@register("ppsplit::add_norm_store", ("aux",))
 def add_norm_store(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    aux: torch.Tensor, slot: int, eps: float, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x + r; aux[slot] = s; y = norm(s)`` in one kernel."""
-    if _use_triton(x):
+    if on_gpu(x):
         with torch.cuda.device(x.device):
             return launch_tap_kernel(x, r, weight, bias, aux[slot], eps, kind, want_s=True, wrap=wrap_triton)
     s = x + r
@@ -213,20 +196,20 @@ def add_norm_store(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias:
     return s, norm_reference(kind, s, weight, bias, eps)
 
 
-@_register("ppsplit::norm", ())
+@register("ppsplit::norm")
 def norm(s: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, kind: str) -> torch.Tensor:
     """``y = norm(s)`` in one kernel."""
-    if _use_triton(s):
+    if on_gpu(s):
         with torch.cuda.device(s.device):
             return launch_tap_kernel(s, None, weight, bias, None, eps, kind, want_s=False, wrap=wrap_triton)[1]
     return norm_reference(kind, s, weight, bias, eps)
 
 
-@_register("ppsplit::norm_store", ("aux",))
+@register("ppsplit::norm_store", ("aux",))
 def norm_store(s: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], aux: torch.Tensor, slot: int,
                eps: float, kind: str) -> torch.Tensor:
     """``aux[slot] = s; y = norm(s)`` in one kernel (tap 0: the embedding output entering layer 0's norm)."""
-    if _use_triton(s):
+    if on_gpu(s):
         with torch.cuda.device(s.device):  # Triton launches on the current device, not the tensors'
             return launch_tap_kernel(s, None, weight, bias, aux[slot], eps, kind, want_s=False, wrap=wrap_triton)[1]
     _copy_rows(aux[slot], s)

@@ -16,13 +16,7 @@ from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
+from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
 
 DEFAULT_CONFIG = (16, 512, 4, 4)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) when no config is given
 
@@ -54,7 +48,7 @@ if HAVE_TRITON:
 def gemv_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``launch_gemv`` serves ``x @ w.T``: a CUDA input with one row, a ``[N, K]`` weight of its dtype
     with unit stride along K."""
-    return (HAVE_TRITON and x.device.type == "cuda" and x.numel() == x.shape[-1] and w.dim() == 2
+    return (on_gpu(x) and x.numel() == x.shape[-1] and w.dim() == 2
             and w.dtype == x.dtype and w.stride(1) == 1 and x.dtype in (torch.float16, torch.bfloat16, torch.float32))
 
 
@@ -86,21 +80,11 @@ def pick_config(n: int, k: int) -> tuple[int, int, int, int]:
     return (16, 1024, 8, 3) if n <= 4096 or k >= 8192 else (8, 512, 4, 4)
 
 
-def _register(name: str):
-    if HAVE_TRITON:
-        from torch.library import triton_op
-
-        return triton_op(name, mutates_args=())
-    return torch.library.custom_op(name, mutates_args=())
-
-
-@_register("ppsplit::linear")
+@register("ppsplit::linear")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``torch.nn.functional.linear(x, weight, bias)``; a one-row CUDA input with at least ``MIN_OUT`` outputs runs
     the Triton GEMV (see the module docstring)."""
     if gemv_usable(x, weight) and weight.shape[0] >= MIN_OUT:
-        from torch.library import wrap_triton
-
         with torch.cuda.device(x.device):
             return launch_gemv(x, weight, bias, config=pick_config(*weight.shape), wrap=wrap_triton)
     return torch.nn.functional.linear(x, weight, bias)

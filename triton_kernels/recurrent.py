@@ -31,14 +31,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
-
-    HAVE_TRITON = True
-except ImportError:  # the torch path still works everywhere
-    HAVE_TRITON = False
+from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
 
 
 def _ring_rows(ring: torch.Tensor, batch: int) -> torch.Tensor:
@@ -231,21 +224,15 @@ def launch_ssm_scan(x, dt, A, B, C, ring, positions, *, wrap=lambda kernel: kern
     return out
 
 
-def _register(name: str):
-    if HAVE_TRITON:
-        return triton_op(name, mutates_args=("ring",))
-    return torch.library.custom_op(name, mutates_args=("ring",))
-
-
 def _kernel_fits(*dims: int) -> bool:
     return all(d == _pow2(d) for d in dims)
 
 
-@_register("ppsplit::gated_delta_scan")
+@register("ppsplit::gated_delta_scan", ("ring",))
 def gated_delta_scan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, l2norm: bool) -> torch.Tensor:
     """See ``gated_delta_reference``: the Triton kernel on CUDA, the reference elsewhere."""
-    if HAVE_TRITON and query.device.type == "cuda" and _kernel_fits(key.shape[-1]):
+    if on_gpu(query) and _kernel_fits(key.shape[-1]):
         with torch.cuda.device(query.device):
             return launch_gated_delta(query, key, value, g, beta, ring, positions, l2norm, wrap=wrap_triton)
     return gated_delta_reference(query, key, value, g, beta, ring, positions, l2norm)
@@ -256,11 +243,11 @@ def _(query, key, value, g, beta, ring, positions, l2norm):
     return value.new_empty(value.shape, dtype=query.dtype)
 
 
-@_register("ppsplit::ssm_scan")
+@register("ppsplit::ssm_scan", ("ring",))
 def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              ring: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """See ``ssm_scan_reference``: the Triton kernel on CUDA, the reference elsewhere."""
-    if HAVE_TRITON and x.device.type == "cuda" and _kernel_fits(B.shape[-1]):
+    if on_gpu(x) and _kernel_fits(B.shape[-1]):
         with torch.cuda.device(x.device):
             return launch_ssm_scan(x, dt, A, B, C, ring, positions, wrap=wrap_triton)
     return ssm_scan_reference(x, dt, A, B, C, ring, positions)

@@ -219,14 +219,14 @@ class RecurrentScans:
     def __init__(self, model: torch.nn.Module):
         self.mixers: dict[int, str] = {}  # layer index -> kind of scan
         self.unsupported: list[str] = []
-        self._modules: dict[str, object] = {}
+        self._files: dict[str, object] = {}
         self._hooks_on: list[torch.nn.Module] = []
         inside: list[str] = []
         for name, module in model.named_modules():
             kind = _scan_called(module)
             if kind is not None:
                 self.mixers[module.layer_idx] = kind
-                self._modules[type(module).__module__] = sys.modules[type(module).__module__]
+                self._files[type(module).__module__] = sys.modules[type(module).__module__]
                 self._hooks_on.append(module)
                 inside.append(name + ".")
             elif hasattr(module, "A_log") and not any(name.startswith(m) for m in inside):
@@ -246,7 +246,7 @@ class RecurrentScans:
         self.cache, self.positions = cache, positions
         saved, hooks = [], []
         try:
-            for file in self._modules.values():
+            for file in self._files.values():
                 for name, kind in _SCANS.items():
                     if kind in kinds and hasattr(file, name):
                         saved.append((file, name, getattr(file, name)))

@@ -150,9 +150,7 @@ class CompiledFolder:
         self.plan = SplitPlan.from_dict(_json(text, self.file(PLAN)), self.file(PLAN))
         _check_plan(self.plan, self.file(PLAN))
         self.manifest = Manifest.from_dict(_json(_read(self.file(MANIFEST)), self.file(MANIFEST)), self.file(MANIFEST))
-        if len(self.manifest.stages) not in (0, self.plan.pp):
-            raise FolderError(f"{self.file(MANIFEST)} lists {len(self.manifest.stages)} stages but plan.json has "
-                              f"{self.plan.pp}; compile the folder again")
+        _check_manifest(self.manifest, self.plan, self.file(MANIFEST))
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -272,7 +270,7 @@ def check_drafter(path: str, plan) -> tuple[dict, dict]:
     except Exception as e:  # a missing, truncated or oversized file (safetensors' own error type)
         raise FolderError(f"cannot read {weights} ({str(e).splitlines()[0][:120]}); compile the folder again") from None
     if "embed_tokens.weight" not in shapes:
-        raise FolderError(f"{path} has no embed_tokens.weight; recompile the folder with ppsplit compile --drafter")
+        raise FolderError(f"{weights} has no embed_tokens.weight; recompile the folder with ppsplit compile --drafter")
     return cfg, shapes
 
 
@@ -312,6 +310,18 @@ def _check_plan(plan: SplitPlan, where: str) -> None:
         if any(not 0 < s < plan.pp for s in c.stages):
             raise FolderError(f"{where}: carried value {c.name!r} goes into stage(s) {list(c.stages)}, not all of "
                               f"1 to {plan.pp - 1}")
+
+
+def _check_manifest(manifest: Manifest, plan: SplitPlan, where: str) -> None:
+    if manifest.dtype and manifest.dtype not in MODEL_DTYPES:
+        raise FolderError(f"{where}: dtype {manifest.dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
+    if len(manifest.stages) not in (0, plan.pp):
+        raise FolderError(f"{where} lists {len(manifest.stages)} stages but plan.json has {plan.pp}; compile the "
+                          "folder again")
+    for k, files in enumerate(manifest.stages):
+        if (files.program, files.weights) != (program_name(k), weights_name(k)) or files.bytes < 0:
+            raise FolderError(f"{where}: stage {k}'s files must be {program_name(k)} and {weights_name(k)}, but it "
+                              f"lists {files.program[:40]!r} and {files.weights[:40]!r}")
 
 
 def write_json(path: str, data) -> None:

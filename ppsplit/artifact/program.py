@@ -41,6 +41,10 @@ _FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": tor
 _DEVICE = re.compile(r"^(cpu|cuda|meta)(:\d{1,4})?$")
 _FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _META = {"ppsplit.tap": (int,), "ppsplit.fused": (str,), "ppsplit.layer": (int, type(None))}
+# String arguments whose values an operator takes from a fixed set: a program may only pass one of them (ppsplit's
+# norm kinds, and the ATen enumerations stages are seen to use). Other string arguments pass as literals.
+_STRING_VALUES = {"kind": ("none", "rms", "rms_1p", "rms_f32w", "layer"), "approximate": ("none", "tanh"),
+                  "rounding_mode": (None, "trunc", "floor"), "reduce": ("sum", "prod", "mean", "amax", "amin")}
 _PART = re.compile(r"^(?:[A-Za-z][A-Za-z0-9_]*|\d+)$")
 _RESERVED = frozenset(dir(fx.GraphModule))  # attributes a tensor name must not shadow (forward, training, ...)
 
@@ -212,7 +216,7 @@ def graph_from_json(data, tensors) -> fx.Graph:
         elif op == "call_function":
             target = _resolve(entry.get("target"))
             node = graph.call_function(target, args, _kwargs(target, kwargs, env, where))
-            _check_python_call(target, node, where)
+            _check_call(target, node, where)
         elif op == "output":
             if len(args) != 1 or kwargs or inputs != len(INPUTS):
                 raise ProgramError(f"{where}: the output takes one value, after the inputs {', '.join(INPUTS)}")
@@ -240,7 +244,16 @@ def _kwargs(target, kwargs: dict, env: dict, where: str) -> dict:
     return {k: _decode(v, env, f"{where}.kwargs.{k}") for k, v in kwargs.items()}
 
 
-def _check_python_call(target, node: fx.Node, where: str) -> None:
+def _check_call(target, node: fx.Node, where: str) -> None:
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        for i, arg in enumerate(schema.arguments):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            allowed = _STRING_VALUES.get(arg.name)
+            if isinstance(value, str) and allowed is not None and value not in allowed:
+                raise ProgramError(f"{where}: {_target_name(target)} argument {arg.name} = {value[:40]!r} is not one "
+                                   f"of {', '.join(map(str, allowed))}")
+        return
     if target is builtins.getattr:
         if len(node.args) != 2 or not isinstance(node.args[0], fx.Node) or node.args[1] != "device":
             raise ProgramError(f"{where} reads attribute {node.args[1:]!r}; only a tensor's device is allowed")

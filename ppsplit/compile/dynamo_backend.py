@@ -102,7 +102,7 @@ class TapBackend:
         self.max_batch, self.max_tokens = max_batch, max_tokens
         self.taps_of: dict[int, tuple[int, ...]] = {}  # num_layers -> tap ids
         self.stored: set[int] = set()                   # tap ids some compiled graph stores
-        self._last: tuple[int, int] | None = None
+        self.last_shape: tuple[int, int] | None = None
         self._layers: dict[int, tuple[weakref.ref, _Layer]] = {}
         self._searched: set[int] = set()
 
@@ -125,9 +125,9 @@ class TapBackend:
                 "no compiled graph stored a tap: ppsplit found no decoder layers in what torch.compile captured "
                 "(run the compiled model first; for a model whose layer list it cannot find, pass "
                 "layers='<dotted name of the decoder-layer ModuleList>')")
-        if self._last is None:
+        if self.last_shape is None:
             return self.aux_out
-        b, t = self._last
+        b, t = self.last_shape
         return self.aux_out[:, :b, :t]
 
     def _compile_inner(self, gm: fx.GraphModule, example_inputs: list, kwargs: dict) -> Callable:
@@ -425,7 +425,7 @@ def _shape_getter(gm: fx.GraphModule, value) -> Callable:
 def _recording(compiled: Callable, shape_of: Callable | None, backend: TapBackend) -> Callable:
     """Wrap the compiled graph so ``taps()`` knows the last call's (B, T) (Dynamo calls it as ``fn(*args)``)."""
     def run(*args):
-        backend._last = shape_of(args) if shape_of is not None else None  # None: taps() gives the whole buffer
+        backend.last_shape = shape_of(args) if shape_of is not None else None  # None: taps() gives the whole buffer
         return compiled(*args)
     return run
 

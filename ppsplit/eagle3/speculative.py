@@ -106,7 +106,7 @@ def generate(split, input_ids: torch.Tensor, max_new_tokens: int, drafter, num_d
                           "load the drafter with this split (load_drafter(path, split=split))")
     check_state_slots(split.plan, k)
     batch, prompt = input_ids.shape
-    split._check_cache(batch, prompt + max_new_tokens + k)  # a verify pass writes K positions past the last token
+    split.check_fits(batch, prompt + max_new_tokens + k)  # a verify pass writes K positions past the last token
     if drafter.cache_keys is None or drafter.cache_keys.shape[0] < batch \
             or drafter.cache_keys.shape[2] < prompt + max_new_tokens + k:
         drafter.allocate_cache(split.plan.max_batch, split.plan.max_len)

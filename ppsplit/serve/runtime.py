@@ -149,7 +149,7 @@ class SplitModel(torch.nn.Module):
             raise ConfigError("temperature and return_stats need a drafter (speculative decoding); plain generate "
                               "is greedy")
         batch, prompt = input_ids.shape
-        self._check_cache(batch, prompt + max_new_tokens)
+        self.check_fits(batch, prompt + max_new_tokens)
         device = input_ids.device
         eos = torch.tensor(self.eos_token_id, device=device, dtype=torch.long)
         pad = self.pad_token_id if self.pad_token_id is not None else (self.eos_token_id or (0,))[0]
@@ -168,7 +168,8 @@ class SplitModel(torch.nn.Module):
             logits, _ = self(token[:, None], torch.tensor([prompt + step], device=device), check=False)
         return torch.cat(out, dim=1)
 
-    def _check_cache(self, batch: int, length: int) -> None:
+    def check_fits(self, batch: int, length: int) -> None:
+        """Raise a ``ConfigError`` unless ``batch`` sequences of ``length`` positions fit the KV cache."""
         if not self.plan.max_len:
             raise ConfigError("this split has no KV cache: pass cache=CacheConfig(batch_size, max_len) to split_model")
         if batch > self.plan.max_batch or length > self.plan.max_len:

@@ -1,0 +1,312 @@
+"""A compiled folder is untrusted input: no string in it runs as code, and every malformed folder is one ppsplit
+error naming the file, the same from ``inspect``, ``load``, ``load_stage`` and the first forward step."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ppsplit
+from ppsplit.cli import main
+from ppsplit.core.errors import PpsplitError
+from tests.drafters import drafter_config, random_drafter_tensors, write_drafter
+from tests.models import tiny_model
+
+JSON_FILES = ("plan.json", "manifest.json", "stage_0.json", "stage_1.json")
+# Code payloads, each as a default-argument injection, an expression, a statement break, or a quote break; {mark}
+# is a file that any payload which runs creates.
+PAYLOADS = (
+    'aux=open("{mark}", "w").close()',
+    '__import__("os").system("touch {mark}")',
+    'x\n__import__("os").system("touch {mark}")\n',
+    'x"); open("{mark}", "w").close(); ("',
+    "x'); open('{mark}', 'w').close(); ('",
+    'a.b).__class__.__init__.__globals__["os"].system("touch {mark}"',
+    "lambda: open('{mark}', 'w')",
+)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """A two-stage folder of a tiny Llama with taps, a KV cache and a drafter (every kind of field present)."""
+    root = tmp_path_factory.mktemp("untrusted")
+    model = tiny_model("llama", num_layers=4)
+    model.save_pretrained(root / "ckpt")
+    cfg = drafter_config(model.config, aux_ids=[0, 1, 2])
+    drafter = write_drafter(str(root / "drafter"), cfg, random_drafter_tensors(cfg))
+    out = str(root / "folder")
+    ppsplit.compile_model(str(root / "ckpt"), out, pp=2, cache=ppsplit.CacheConfig(batch_size=1, max_len=16),
+                          drafter=drafter)
+    return out
+
+
+def strings(data, path=()):
+    """``(path, is_key)`` for every string value and every object key in ``data``."""
+    if isinstance(data, dict):
+        for k, v in data.items():
+            yield path + (k,), True
+            yield from strings(v, path + (k,))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            yield from strings(v, path + (i,))
+    elif isinstance(data, str):
+        yield path, False
+
+
+def kind_of(data, path, is_key) -> tuple:
+    """The kind of field at ``path``: the path with list indices blanked, and the op of a program node."""
+    kind, node = [], data
+    for p in path:
+        kind.append("*" if isinstance(p, int) else p)
+        node = node[p]
+        if isinstance(node, dict) and "op" in node and "name" in node:
+            kind.append(node["op"])
+    return tuple(kind) + (is_key,)
+
+
+def mutated(data, path, is_key, payload):
+    data = json.loads(json.dumps(data))
+    parent = data
+    for p in path[:-1]:
+        parent = parent[p]
+    if is_key:
+        parent[payload] = parent.pop(path[-1])
+    else:
+        parent[path[-1]] = payload
+    return data
+
+
+def cases(folder: str, per_kind: int = 1):
+    for name in JSON_FILES:
+        data = json.load(open(os.path.join(folder, name)))
+        seen: dict = {}
+        for path, is_key in strings(data):
+            kind = kind_of(data, path, is_key)
+            if seen.get(kind, 0) < per_kind:
+                seen[kind] = seen.get(kind, 0) + 1
+                yield name, data, path, is_key
+
+
+def copy_folder(src: str, dst: str) -> str:
+    """The folder's JSON files copied, its tensor files linked (the mutations touch JSON only)."""
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        s, d = os.path.join(src, name), os.path.join(dst, name)
+        if os.path.isdir(s):
+            shutil.copytree(s, d)
+        elif name.endswith(".safetensors"):
+            os.link(s, d)
+        else:
+            shutil.copyfile(s, d)
+    return dst
+
+
+def outcome(folder: str, capsys) -> str:
+    """``"ok"`` or ``"error"`` from inspect, load and a forward step, which must agree; any other exception fails."""
+    code = main(["inspect", folder])
+    err = capsys.readouterr().err
+    assert code in (0, 2), code
+    if code == 2:
+        assert err.startswith("ppsplit: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    try:
+        split = ppsplit.load(folder)
+        for k in range(split.plan.pp):
+            ppsplit.load_stage(folder, k)
+        logits, _ = split(torch.tensor([[3, 4, 5]]), torch.arange(3))
+        assert torch.isfinite(logits).all()
+        loaded = "ok"
+    except PpsplitError:
+        loaded = "error"
+    assert loaded == ("ok" if code == 0 else "error"), (loaded, err)
+    return loaded
+
+
+def test_no_string_of_a_folder_runs_code(compiled, tmp_path, capsys):
+    mark = str(tmp_path / "PWNED")
+    results = {"ok": 0, "error": 0}
+    n = 0
+    for name, data, path, is_key in cases(compiled):
+        for payload in PAYLOADS:
+            folder = copy_folder(compiled, str(tmp_path / f"case{n}"))
+            n += 1
+            with open(os.path.join(folder, name), "w") as f:
+                json.dump(mutated(data, path, is_key, payload.format(mark=mark)), f)
+            try:
+                results[outcome(folder, capsys)] += 1
+            except AssertionError as e:
+                raise AssertionError(f"{name} {'key' if is_key else 'value'} at {path}: {e}") from None
+            assert not os.path.exists(mark), f"{name} {path}: the payload ran"
+            shutil.rmtree(folder)
+    # The walk reached every kind of field: placeholders, attribute reads, calls, keywords, tensors, plan, manifest.
+    assert n > 1000 and results["error"] > 500, (n, results)
+
+
+def test_the_reported_injection_is_refused(compiled, tmp_path, capsys):
+    """The attack from the report: a placeholder target with a default argument."""
+    folder = copy_folder(compiled, str(tmp_path / "f"))
+    mark = tmp_path / "PWNED"
+    path = os.path.join(folder, "stage_0.json")
+    data = json.load(open(path))
+    node = data["program"]["nodes"][2]
+    assert (node["op"], node["target"]) == ("placeholder", "aux")
+    node["target"] = f'aux=open("{mark}", "w").close()'
+    json.dump(data, open(path, "w"))
+    assert outcome(folder, capsys) == "error"
+    assert not mark.exists()
+    with pytest.raises(PpsplitError, match=r"stage_0.json: nodes\[2\]: the program.s inputs must be x, positions, aux"):
+        ppsplit.load(folder)
+
+
+class Raw:
+    """An edit of a file's bytes (the others edit its JSON)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, raw):
+        return self.fn(raw)
+
+
+def rewrite(folder, name, edit):
+    path = os.path.join(folder, name)
+    if not isinstance(edit, Raw):
+        data = json.load(open(path))
+        edit(data)
+        json.dump(data, open(path, "w"))
+    else:
+        with open(path, "rb") as f:
+            raw = f.read()
+        with open(path, "wb") as f:
+            f.write(edit(raw))
+
+
+def set_path(keys, value):
+    def edit(data):
+        for k in keys[:-1]:
+            data = data[k]
+        data[keys[-1]] = value
+    return edit
+
+
+def first_file_tensor(folder, k=1):
+    data = json.load(open(os.path.join(folder, f"stage_{k}.json")))
+    return next(i for i, t in enumerate(data["tensors"]) if t["init"] == "file")
+
+
+def weights_edit(change):
+    def edit(raw):
+        import safetensors.torch
+
+        tensors = safetensors.torch.load(raw)
+        change(tensors)
+        return safetensors.torch.save(tensors, metadata={"format": "pt"})
+    return Raw(edit)
+
+
+MALFORMED = {
+    "bad_json": ("plan.json", Raw(lambda raw: raw[: len(raw) // 2]), "plan.json is not valid JSON"),
+    "plan_dtype": ("plan.json", set_path(["dtype"], "float8"), "plan.json: dtype 'float8' is not one of"),
+    "plan_field_type": ("plan.json", set_path(["num_layers"], "4"), "plan.json.num_layers must be an integer"),
+    "plan_unknown_field": ("plan.json", set_path(["extra"], 1), "plan.json has unknown field 'extra'"),
+    "stage_list_type": ("plan.json", set_path(["stages"], {"0": 1}), "plan.json.stages must be a list"),
+    "manifest_type": ("manifest.json", set_path(["eos_token_id"], "2"), "manifest.json.eos_token_id must be a list"),
+    "manifest_files": ("manifest.json", set_path(["stages", 0, "weights"], "../x.safetensors"),
+                       "stage 0's files must be stage_0.json and stage_0.safetensors"),
+    "unknown_op": ("stage_1.json", None, "operator aten::no_such_op.default is not registered"),
+    "tensor_dtype": ("stage_1.json", None, "dtype 'float9' is not one of"),
+    "tensor_shape_type": ("stage_1.json", None, "shape[0] must be an integer"),
+    "stage_index": ("stage_1.json", set_path(["stage"], "1"), "stage_1.json: stage must be an integer"),
+    "fingerprint": ("plan.json", set_path(["model_class"], "Other"), "was written with another plan.json"),
+    "tensor_missing": ("stage_1.safetensors", None, "does not hold the tensors stage_1.json lists"),
+    "tensor_shape": ("stage_1.safetensors", None, "the program expects"),
+    "tensor_dtype_file": ("stage_1.safetensors", None, "the program expects"),
+    "truncated": ("stage_1.safetensors", Raw(lambda raw: raw[:-100]), "the file is incomplete or corrupt"),
+    "oversized": ("stage_1.safetensors", Raw(lambda raw: raw + b"\0" * 64), "the file is incomplete or corrupt"),
+    "drafter_config": ("drafter/config.json", set_path(["hidden_size"], "64"), "hidden_size must be an integer"),
+    "drafter_taps": ("drafter/config.json", set_path(["ppsplit_taps"], [0, 7]), "the drafter reads taps [0, 7]"),
+    "drafter_tensor": ("drafter/drafter.safetensors", None, "has no embed_tokens.weight"),
+}
+
+
+def malformed_edit(case, folder):
+    name, edit, _ = MALFORMED[case]
+    k = first_file_tensor(folder)
+    stored = json.load(open(os.path.join(folder, "stage_1.json")))["tensors"][k]["name"]
+    edits = {
+        "unknown_op": lambda d: next(n for n in d["program"]["nodes"] if n["op"] == "call_function"
+                                     and n["target"].startswith("aten::")).update(target="aten::no_such_op.default"),
+        "tensor_dtype": lambda d: d["tensors"][k].update(dtype="float9"),
+        "tensor_shape_type": lambda d: d["tensors"][k].update(shape=["64"] + d["tensors"][k]["shape"][1:]),
+        "tensor_missing": weights_edit(lambda t: t.pop(stored)),
+        "tensor_shape": weights_edit(lambda t: t.update({stored: t[stored].flatten()[:-1].clone()})),
+        "tensor_dtype_file": weights_edit(lambda t: t.update({stored: t[stored].double()})),
+        "drafter_tensor": weights_edit(lambda t: t.pop("embed_tokens.weight")),
+    }
+    rewrite(folder, name, edit or edits[case])
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_folder_is_one_error_naming_the_file(compiled, tmp_path, capsys, case):
+    folder = copy_folder(compiled, str(tmp_path / "f"))
+    for name in ("stage_1.safetensors", "drafter/drafter.safetensors"):  # edited in place below: unlink first
+        path = os.path.join(folder, name)
+        data = open(path, "rb").read()
+        os.remove(path)
+        open(path, "wb").write(data)
+    malformed_edit(case, folder)
+    name, _, message = MALFORMED[case]
+    assert outcome(folder, capsys) == "error"
+    main(["inspect", folder])
+    err = capsys.readouterr().err
+    assert os.path.basename(name) in err and message in err, err
+    with pytest.raises(PpsplitError, match=None) as raised:
+        ppsplit.load(folder)
+    assert message in str(raised.value)
+
+
+def test_folders_of_the_earlier_layout_still_load(compiled, tmp_path):
+    """A manifest without stage_options (fuse_projections at the top) and programs without a plan fingerprint:
+    what ppsplit wrote before this format."""
+    folder = copy_folder(compiled, str(tmp_path / "old"))
+
+    def old_manifest(d):
+        d.pop("stage_options")
+        d["fuse_projections"] = True
+    rewrite(folder, "manifest.json", old_manifest)
+    for k in range(2):
+        rewrite(folder, f"stage_{k}.json", lambda d: d.pop("plan_sha256"))
+    split = ppsplit.load(folder)
+    assert split.stages[0].meta["ppsplit.projections"] is not None  # fuse_projections came from the old field
+    ref = ppsplit.load(compiled, fuse_projections=True)
+    ids = torch.tensor([[3, 4, 5]])
+    torch.testing.assert_close(split(ids, torch.arange(3))[0], ref(ids, torch.arange(3))[0])
+
+
+def test_tokenizer_files_are_data_and_python_files_are_never_copied(tmp_path):
+    """compile copies the tokenizer and generation files, never a Python file beside them; the folder's tokenizer
+    is read with the tokenizers library and its chat template rendered in Jinja's sandbox."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from ppsplit.artifact.tokenizer import FolderTokenizer
+
+    model = tiny_model("llama", num_layers=2)
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    vocab = {f"w{i}": i for i in range(model.config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(ckpt / "tokenizer.json"))
+    mark = tmp_path / "PWNED"
+    (ckpt / "tokenization_evil.py").write_text(f"open({str(mark)!r}, 'w')\n")
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({
+        "auto_map": {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}, "eos_token": "w2",
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}{{ ''.__class__.__mro__ }}"}))
+    out = ppsplit.compile_model(str(ckpt), str(tmp_path / "out"), pp=1)
+    assert not any(name.endswith(".py") for name in os.listdir(out))
+    t = FolderTokenizer(out)
+    assert t.encode("w5 w6") == [5, 6] and t.decode([5, 6]) == "w5 w6" and t.eos_token_ids == (2,)
+    with pytest.raises(PpsplitError, match="chat template refused"):  # the sandbox blocks __class__ / __mro__
+        t.apply_chat_template([{"role": "user", "content": "w5"}])
+    assert not mark.exists()
