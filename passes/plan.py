@@ -18,9 +18,10 @@ every stage's cost under the policy (``StagePlan.cost``) and the regions it summ
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
-from ppsplit.core.options import Balance, CostModel
+from ppsplit.core.options import COUNTED_POLICIES, Balance, CostModel
 from ppsplit.core.errors import ConfigError, CrossingError
 from ppsplit.core.fx_utils import state_slots
 from ppsplit.passes.annotate import Annotated, residual_message
@@ -28,7 +29,7 @@ from ppsplit.passes.planning.balance import best_split, smallest_cap
 from ppsplit.passes.planning.costs import flops_costs
 from ppsplit.passes.planning.half_plan import make_half_plan
 from ppsplit.passes.planning.halves import half_costs
-from ppsplit.core.plan import ModelCosts, RegionCosts, SplitPlan, StagePlan, fmt_bytes
+from ppsplit.core.plan import ModelCosts, ModelFacts, RegionCosts, SplitPlan, StagePlan, fmt_bytes
 from ppsplit.core.tensors import dtype_name
 
 BalancePolicy = Callable[[ModelCosts, int], Sequence[int]]
@@ -62,18 +63,17 @@ def balance_params(costs: ModelCosts, pp: int) -> list[int]:
 
 POLICIES: dict[str, BalancePolicy] = {"layers": balance_layers, "params": balance_params,
                                       "memory": lambda costs, pp: best_split(memory_costs(costs), pp)}
-_COUNTED = ("flops", "time")  # policies whose costs come from the graph or the device, not from ModelCosts
 
 
 def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers",
-              hidden_size: int = 0, dtype: str = "", model_class: str = "", layers_fqn: str = "",
-              max_batch: int = 0, max_len: int = 0, region_costs: RegionCosts | None = None,
+              facts: ModelFacts = ModelFacts(), region_costs: RegionCosts | None = None,
               cost_model: CostModel | None = None, max_stage_bytes: int | None = None,
-              state_slots: int = 0, half_layers: bool = False) -> SplitPlan:
+              half_layers: bool = False) -> SplitPlan:
     """Compute a ``SplitPlan`` for ``pp`` stages and the given tap ids (vLLM numbering, duplicates collapse).
     ``pp`` and ``taps`` are expected valid (``SplitOptions.taps`` checks them against the model). The ``flops``
     and ``time`` policies balance ``region_costs`` (counted by ``plan`` or measured by the driver); with
-    ``max_stage_bytes`` no stage holds more weights + KV cache than that.
+    ``max_stage_bytes`` no stage holds more weights + KV cache than that. ``facts``: what the plan records about
+    the model (sizes, names, cache layout).
 
     Example::
 
@@ -83,25 +83,24 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
     says the layer has such a point (``passes/half_plan.py``).
     """
     if half_layers and costs.mid_layers:
-        if isinstance(balance, str) and balance not in POLICIES and (balance not in _COUNTED or region_costs is None):
+        if isinstance(balance, str) and balance not in POLICIES and (balance not in COUNTED_POLICIES
+                                                                     or region_costs is None):
             return make_plan(costs, pp, taps, balance=balance, region_costs=region_costs)  # the error below
         return make_half_plan(costs, pp, taps, balance=balance, region_costs=region_costs, cost_model=cost_model,
-                              max_stage_bytes=max_stage_bytes, counted=_COUNTED, hidden_size=hidden_size, dtype=dtype,
-                              model_class=model_class, layers_fqn=layers_fqn, max_batch=max_batch, max_len=max_len,
-                              state_slots=state_slots)
+                              max_stage_bytes=max_stage_bytes, facts=facts)
     num_layers = costs.num_layers
     slots = tuple(sorted(set(int(t) for t in taps)))
     memory = memory_costs(costs)
     cap = None if max_stage_bytes is None else float(max_stage_bytes)
 
     if isinstance(balance, str):
-        if balance not in POLICIES and (balance not in _COUNTED or region_costs is None):
+        if balance not in POLICIES and (balance not in COUNTED_POLICIES or region_costs is None):
             extra = (f"; balance={balance!r} needs the costs that ppsplit.passes.plan.plan counts or "
-                     "ppsplit.split_model measures" if balance in _COUNTED else "")
+                     "ppsplit.split_model measures" if balance in COUNTED_POLICIES else "")
             raise ConfigError(f"balance must be one of {', '.join(POLICIES)} (or a list of layer counts) when "
                               f"planning from parameter counts alone, but got {balance!r}{extra}")
         name = balance
-        if balance in _COUNTED:
+        if balance in COUNTED_POLICIES:
             reported = region_costs
             sizes = best_split(region_costs, pp, memory=memory, cap=cap)
         else:
@@ -147,11 +146,9 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
         stages.append(StagePlan(index=i, start=start, end=end, cost=float(stage_cost[i]), params=params,
                                 bytes=nbytes, cache_bytes=cache))
         start = end
-    return SplitPlan(num_layers=num_layers, hidden_size=hidden_size, dtype=dtype, stages=tuple(stages), taps=slots,
-                     balance=name, model_class=model_class, layers_fqn=layers_fqn, costs=costs,
-                     max_batch=max_batch, max_len=max_len, region_costs=reported,
-                     cost_model=cost_model if name in _COUNTED else None, max_stage_bytes=max_stage_bytes,
-                     state_slots=state_slots)
+    return SplitPlan(num_layers=num_layers, stages=tuple(stages), taps=slots, balance=name, costs=costs,
+                     region_costs=reported, cost_model=cost_model if name in COUNTED_POLICIES else None,
+                     max_stage_bytes=max_stage_bytes, **dataclasses.asdict(facts))
 
 
 def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers",
@@ -181,9 +178,9 @@ def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Ba
             raise ConfigError("balance='time' needs each layer timed on its device; ppsplit.split_model measures "
                               "them (ppsplit.compile.measure.measure_costs), this pass only plans from the result")
         region = measured
-    return make_plan(costs, pp, taps, balance=balance, hidden_size=int(val.shape[-1]),
-                     dtype=dtype_name(val.dtype), model_class=annotated.traced.model_class,
-                     layers_fqn=annotated.layers.fqn, max_batch=cache.batch_size if cache else 0,
-                     max_len=cache.max_len if cache else 0, region_costs=region, cost_model=cost_model,
-                     max_stage_bytes=max_stage_bytes, state_slots=state_slots(annotated.traced.gm),
-                     half_layers=half_layers)
+    facts = ModelFacts(hidden_size=int(val.shape[-1]), dtype=dtype_name(val.dtype),
+                       model_class=annotated.traced.model_class, layers_fqn=annotated.layers.fqn,
+                       max_batch=cache.batch_size if cache else 0, max_len=cache.max_len if cache else 0,
+                       state_slots=state_slots(annotated.traced.gm))
+    return make_plan(costs, pp, taps, balance=balance, facts=facts, region_costs=region, cost_model=cost_model,
+                     max_stage_bytes=max_stage_bytes, half_layers=half_layers)

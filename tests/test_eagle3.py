@@ -484,7 +484,7 @@ def test_cli_run_speculative(compiled_with_drafter, capfd):
     assert lines[0] == "[group 0] " + ",".join(map(str, expected)), out
     assert "(2 stages, gloo, 1 groups of 1, mean acceptance length" in lines[1] and "at K=4)" in lines[1], out
     assert main(["run", folders[2], "--prompt-ids", "1,2", "-k", "0"]) == 2
-    assert "-k must be at least 1" in capfd.readouterr().err
+    assert "num_draft_tokens must be an integer >= 1" in capfd.readouterr().err
 
 
 def test_speculative_through_processes_errors(compiled_with_drafter, tmp_path):

@@ -2,6 +2,7 @@
 import pytest
 
 from ppsplit import ConfigError, ModelCosts, SplitOptions, SplitPlan
+from ppsplit.core.plan import ModelFacts
 from ppsplit.passes.plan import make_plan
 
 
@@ -58,8 +59,8 @@ def test_owner_slot_and_prefix():
 
 
 def test_json_round_trip():
-    plan = make_plan(costs(10, embed=7, head=9), 3, taps=(2, 5, 7), balance="params", hidden_size=64,
-                     dtype="bfloat16", model_class="LlamaForCausalLM", layers_fqn="model.layers")
+    facts = ModelFacts(hidden_size=64, dtype="bfloat16", model_class="LlamaForCausalLM", layers_fqn="model.layers")
+    plan = make_plan(costs(10, embed=7, head=9), 3, taps=(2, 5, 7), balance="params", facts=facts)
     again = SplitPlan.from_json(plan.to_json())
     assert again == plan
     assert again.owner(5) == plan.owner(5) and again.costs.layer_params == plan.costs.layer_params

@@ -153,25 +153,25 @@ def test_speculative_decoding_with_an_eagle3_drafter_equals_hf_greedy(arch, tmp_
 
 
 def test_verify_longer_than_the_ring_is_refused():
-    from ppsplit.eagle3.speculative import check_state_slots
+    from ppsplit.eagle3.speculative import check_speculation
 
     plan = ppsplit.split_model(cached(ARCHS[0]), 2).plan
-    check_state_slots(plan, plan.state_slots - 1)  # K + 1 = slots fits
+    check_speculation(plan, plan.state_slots - 1)  # K + 1 = slots fits
     with pytest.raises(ConfigError, match=r"num_draft_tokens <= 7"):
-        check_state_slots(plan, plan.state_slots)
+        check_speculation(plan, plan.state_slots)
 
 
 def test_the_ring_size_follows_the_cache_config():
-    from ppsplit.eagle3.speculative import check_state_slots
+    from ppsplit.eagle3.speculative import check_speculation
 
     arch = "falcon_mamba" if "falcon_mamba" in ARCHS else ARCHS[0]
     split = ppsplit.split_model(build(arch), 2, cache=CacheConfig(2, 32, state_slots=4))
     rings = [b for stage in split.stages for n, b in stage.named_buffers() if n.endswith(".states")]
     assert rings and all(r.shape[1] == 4 for r in rings) and split.plan.state_slots == 4
     assert torch.equal(split.generate(IDS, 10), expected(arch))
-    check_state_slots(split.plan, 3)
+    check_speculation(split.plan, 3)
     with pytest.raises(ConfigError, match=r"num_draft_tokens <= 3"):
-        check_state_slots(split.plan, 4)
+        check_speculation(split.plan, 4)
     with pytest.raises(ConfigError, match="CacheConfig.state_slots must be a positive integer"):
         CacheConfig(2, 32, state_slots=0)
 

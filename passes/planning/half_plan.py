@@ -9,12 +9,13 @@ list of layer counts may use halves (``[8.5, 8, 8, 7.5]``).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
-from ppsplit.core.options import Balance, CostModel
+from ppsplit.core.options import COUNTED_POLICIES, Balance, CostModel
 from ppsplit.core.errors import ConfigError
 from ppsplit.passes.planning.balance import best_bounds
-from ppsplit.core.plan import ModelCosts, RegionCosts, SplitPlan, StagePlan, fmt_bytes
+from ppsplit.core.plan import ModelCosts, ModelFacts, RegionCosts, SplitPlan, StagePlan, fmt_bytes
 
 
 def half_units(costs: ModelCosts, name: str, region_costs: RegionCosts | None) -> RegionCosts:
@@ -53,8 +54,8 @@ def allowed_cuts(costs: ModelCosts) -> list[int]:
 
 def make_half_plan(costs: ModelCosts, pp: int, taps: Sequence[int], *, balance: Balance,
                    region_costs: RegionCosts | None, cost_model: CostModel | None, max_stage_bytes: int | None,
-                   counted: tuple[str, ...], **names) -> SplitPlan:
-    """``make_plan`` in half layers (same arguments; ``names`` are the plan's descriptive fields)."""
+                   facts: ModelFacts) -> SplitPlan:
+    """``make_plan`` in half layers (same arguments)."""
     n = costs.num_layers
     cuts = allowed_cuts(costs)
     memory = half_memory(costs)
@@ -98,8 +99,8 @@ def make_half_plan(costs: ModelCosts, pp: int, taps: Sequence[int], *, balance: 
                              bytes=int(held_bytes[k]), cache_bytes=int(held_cache[k]), half_end=bool(q % 2))
                    for k, (p, q) in enumerate(zip(bounds, bounds[1:])))
     return SplitPlan(num_layers=n, stages=stages, taps=tuple(sorted(set(int(t) for t in taps))), balance=name,
-                     costs=costs, region_costs=reported, cost_model=cost_model if name in counted else None,
-                     max_stage_bytes=max_stage_bytes, **names)
+                     costs=costs, region_costs=reported, cost_model=cost_model if name in COUNTED_POLICIES else None,
+                     max_stage_bytes=max_stage_bytes, **dataclasses.asdict(facts))
 
 
 def _bounds_of(sizes: list, pp: int, n: int, cuts: list[int]) -> list[int]:

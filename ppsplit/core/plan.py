@@ -173,6 +173,20 @@ class AttentionSite:
 
 
 @dataclass(frozen=True)
+class ModelFacts:
+    """What a plan records about the model beside its costs, as the trace found it: sizes, names, and the cache
+    layout (``max_batch`` x ``max_len`` positions, ``state_slots`` ring slots of recurrent layers)."""
+
+    hidden_size: int = 0
+    dtype: str = ""
+    model_class: str = ""
+    layers_fqn: str = ""
+    max_batch: int = 0
+    max_len: int = 0
+    state_slots: int = 0
+
+
+@dataclass(frozen=True)
 class SplitPlan:
     """Stage ranges, costs and taps of one split. ``taps`` are the slots: distinct tap ids, ascending.
 

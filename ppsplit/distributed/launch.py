@@ -47,8 +47,9 @@ def check(args) -> None:
     for text in args.prompt_ids:
         _ids(text)
     if args.num_draft_tokens is not None:
-        if args.num_draft_tokens < 1:
-            raise ConfigError(f"-k must be at least 1, but got {args.num_draft_tokens}")
+        from ppsplit.eagle3.speculative import check_num_draft_tokens
+
+        check_num_draft_tokens(args.num_draft_tokens)
         from ppsplit.artifact.folder import DRAFTER
 
         if not os.path.isdir(os.path.join(args.folder, DRAFTER)):

@@ -309,11 +309,9 @@ class PipelineRank:
             k = spec["k"]
             if k is None:
                 raise ConfigError("return_stats reports speculative decoding: pass num_draft_tokens too")
-            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-                raise ConfigError(f"num_draft_tokens must be an integer >= 1, but got {k!r}")
-            from ppsplit.eagle3.speculative import check_state_slots
+            from ppsplit.eagle3.speculative import check_speculation
 
-            check_state_slots(plan, k)
+            check_speculation(plan, k)
             if not isinstance(spec["temperature"], (int, float)) or spec["temperature"] < 0:
                 raise ConfigError(f"temperature must be a number >= 0, but got {spec['temperature']!r}")
         if max(lengths) + max_new_tokens + k > plan.max_len:
@@ -538,13 +536,16 @@ class PipelineRank:
         every rank raises the same error if not."""
         problem = "collect_aux is for greedy decoding; drop it or num_draft_tokens" if collect_aux else None
         if self.last and problem is None:
-            d = self.drafter
-            if d is None:
+            from ppsplit.eagle3.speculative import check_speculation
+
+            if self.drafter is None:
                 problem = ("speculative decoding needs an EAGLE-3 drafter on the last rank: compile the folder with "
                            "--drafter, or pass PipelineRank(..., drafter=ppsplit.load_drafter(...)) there")
-            elif not d.taps or any(t not in self.plan.taps for t in d.taps):
-                problem = (f"the drafter reads taps {list(d.taps)} but the folder carries {list(self.plan.taps)}; "
-                           "compile the target with the drafter's taps (ppsplit compile MODEL --drafter DRAFTER)")
+            else:
+                try:
+                    check_speculation(self.plan, 1, self.drafter)
+                except ConfigError as e:
+                    problem = str(e)
         if self.world > 1:
             box: list = [None] * self.world
             dist.all_gather_object(box, problem, group=self.group)

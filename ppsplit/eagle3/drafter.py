@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppsplit.core.errors import ConfigError
+from ppsplit.core.graphs import capture
+
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -187,8 +188,9 @@ class Eagle3Drafter(nn.Module):
         follows each position; ``index`` (int or 0-d tensor) is the last committed row: rows after it are stale and
         are overwritten later. Returns ``(ids [B, k], q)``: target-vocab drafts, and for ``temperature > 0`` the
         draft distributions over the target vocabulary ``[B, k, V]`` they were sampled from (else ``None``)."""
-        if k < 1:
-            raise ConfigError(f"the number of draft tokens must be at least 1, but got {k}")
+        from ppsplit.eagle3.speculative import check_num_draft_tokens
+
+        check_num_draft_tokens(k)
         captured = self.graphs.get((aux.shape[1], aux.shape[2], k)) if temperature <= 0 else None
         if captured is not None:
             graph, static, ids = captured
@@ -221,15 +223,7 @@ class Eagle3Drafter(nn.Module):
                   "tokens": torch.zeros(batch, k + 1, dtype=torch.long, device=dev),
                   "positions": torch.arange(k + 1, device=dev), "index": torch.zeros(1, dtype=torch.long, device=dev)}
         run = lambda: self.draft(static["aux"], static["tokens"], static["positions"], static["index"], k)[0]  # noqa: E731
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool), torch.no_grad():
-            ids = run()
+        graph, ids = capture(run, dev, pool=pool)
         self.graphs[(batch, k + 1, k)] = (graph, static, ids)
         return self
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ppsplit.core.errors import ConfigError
+from ppsplit.core.generation import EndOfSequence
 
 
 @dataclass
@@ -99,12 +100,7 @@ def generate(split, input_ids: torch.Tensor, max_new_tokens: int, drafter, num_d
         print(stats.mean_acceptance_length)
     """
     k = num_draft_tokens
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ConfigError(f"num_draft_tokens must be an integer >= 1, but got {k!r}")
-    if not drafter.taps or any(t not in split.plan.taps for t in drafter.taps):
-        raise ConfigError(f"the drafter reads taps {list(drafter.taps)} but the split carries {list(split.plan.taps)}; "
-                          "load the drafter with this split (load_drafter(path, split=split))")
-    check_state_slots(split.plan, k)
+    check_speculation(split.plan, k, drafter)
     batch, prompt = input_ids.shape
     split.check_fits(batch, prompt + max_new_tokens + k)  # a verify pass writes K positions past the last token
     if drafter.cache_keys is None or drafter.cache_keys.shape[0] < batch \
@@ -119,9 +115,20 @@ def generate(split, input_ids: torch.Tensor, max_new_tokens: int, drafter, num_d
                   eos_token_id=split.eos_token_id, pad_token_id=split.pad_token_id)
 
 
-def check_state_slots(plan, k: int) -> None:
-    """A verify pass of ``k + 1`` tokens must fit the recurrent layers' ring of states, or rejected drafts could not
-    be taken back."""
+def check_num_draft_tokens(k) -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ConfigError(f"num_draft_tokens must be an integer >= 1, but got {k!r}")
+
+
+def check_speculation(plan, k, drafter=None) -> None:
+    """What speculative decoding needs, checked in one place: ``k >= 1`` drafts, a drafter that reads taps the split
+    carries, and a verify pass of ``k + 1`` tokens that fits the recurrent layers' ring of states (or rejected
+    drafts could not be taken back)."""
+    check_num_draft_tokens(k)
+    if drafter is not None and (not drafter.taps or any(t not in plan.taps for t in drafter.taps)):
+        raise ConfigError(f"the drafter reads taps {list(drafter.taps)} but the split carries {list(plan.taps)}; "
+                          "compile or split the target with the drafter's taps (ppsplit compile MODEL --drafter "
+                          "DRAFTER, or load_drafter(path, split=split))")
     if plan.state_slots and k + 1 > plan.state_slots:
         raise ConfigError(f"num_draft_tokens={k} needs {k + 1} states per recurrent layer, but its cache keeps "
                           f"{plan.state_slots}; use num_draft_tokens <= {plan.state_slots - 1}")
@@ -153,8 +160,7 @@ def steps(input_ids: torch.Tensor, max_new_tokens: int, drafter, k: int, tempera
     batch, prompt = input_ids.shape
     device = input_ids.device
     last = drafter.fc.weight.device
-    eos = torch.tensor(tuple(eos_token_id), device=device, dtype=torch.long)
-    pad = pad_token_id if pad_token_id is not None else (tuple(eos_token_id) or (0,))[0]
+    eos = EndOfSequence(eos_token_id, pad_token_id, device)
     stats = SpeculativeStats(num_draft_tokens=k)
 
     def pick(logits):
@@ -167,17 +173,12 @@ def steps(input_ids: torch.Tensor, max_new_tokens: int, drafter, k: int, tempera
     # The drafter pairs the taps of position i with the token at i + 1.
     window = (aux.to(last), torch.cat([input_ids[:, 1:].to(last), token[:, None]], 1), torch.arange(prompt, device=last))
     index = prompt - 1
-    out, done = [], torch.zeros(batch, dtype=torch.bool, device=device)
+    out, done = [], eos.new_done(batch)
     pos = prompt  # cache position of ``token``, the last committed token (not yet through the target)
 
-    def commit(t) -> bool:  # Hugging Face's end-of-sequence rule, one token at a time; True when all are done
-        nonlocal done
-        t = t.to(device)
-        if len(eos):
-            t = torch.where(done, torch.full_like(t, pad), t)
-            done = done | torch.isin(t, eos)
-        out.append(t[:, None])
-        return len(out) >= max_new_tokens or (len(eos) > 0 and bool(done.all()))
+    def commit(t) -> bool:  # one token per sequence; True when the output is complete
+        out.append(eos.apply(t.to(device), done)[:, None])
+        return len(out) >= max_new_tokens or eos.all_done(done)
 
     finished = commit(token)
     while not finished:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ppsplit.core.errors import ConfigError
+from ppsplit.core.graphs import capture
 from ppsplit.core.plan import SplitPlan
 from ppsplit.core.tensors import model_dtype, module_device, new_aux
 
@@ -46,15 +47,8 @@ class CapturedStage:
         self.received = plan.filled(self.index - 1) if self.index else 0
         self.own = plan.slots_of(self.index)
 
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(warmup):
-                stage(self.x, self.positions, self.aux)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
-            self.y, _ = stage(self.x, self.positions, self.aux)
+        self.graph, (self.y, _) = capture(lambda: stage(self.x, self.positions, self.aux), device, pool=pool,
+                                          warmup=warmup)
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()

@@ -9,6 +9,7 @@ from ppsplit.artifact.folder import CompiledFolder
 from ppsplit.artifact.loader import build_stage, check_device, stage_options
 from ppsplit.serve.cuda_graphs import CapturedStage
 from ppsplit.core.errors import ConfigError
+from ppsplit.core.generation import EndOfSequence
 from ppsplit.core.fx_utils import is_cache_buffer
 from ppsplit.core.plan import SplitPlan
 from ppsplit.core.tensors import model_dtype, module_device, new_aux
@@ -151,19 +152,15 @@ class SplitModel(torch.nn.Module):
         batch, prompt = input_ids.shape
         self.check_fits(batch, prompt + max_new_tokens)
         device = input_ids.device
-        eos = torch.tensor(self.eos_token_id, device=device, dtype=torch.long)
-        pad = self.pad_token_id if self.pad_token_id is not None else (self.eos_token_id or (0,))[0]
+        eos = EndOfSequence(self.eos_token_id, self.pad_token_id, device)
         self.check_inputs(input_ids, torch.arange(prompt, device=device))
         logits, _ = self(input_ids, torch.arange(prompt, device=device), check=False)
         out = [input_ids]
-        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        done = eos.new_done(batch)
         for step in range(max_new_tokens):
-            token = logits[:, -1].argmax(-1)
-            if len(eos):
-                token = torch.where(done, torch.full_like(token, pad), token)
-                done |= torch.isin(token, eos)
+            token = eos.apply(logits[:, -1].argmax(-1), done)
             out.append(token[:, None])
-            if step == max_new_tokens - 1 or (len(eos) and bool(done.all())):
+            if step == max_new_tokens - 1 or eos.all_done(done):
                 break
             logits, _ = self(token[:, None], torch.tensor([prompt + step], device=device), check=False)
         return torch.cat(out, dim=1)
