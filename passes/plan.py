@@ -25,7 +25,7 @@ from ppsplit.core.options import COUNTED_POLICIES, Balance, CostModel
 from ppsplit.core.errors import ConfigError, CrossingError
 from ppsplit.core.fx_utils import state_slots
 from ppsplit.passes.annotate import Annotated, residual_message
-from ppsplit.passes.planning.balance import best_split, smallest_cap
+from ppsplit.passes.planning.balance import best_split, given_sizes, no_split_under_cap, smallest_cap
 from ppsplit.passes.planning.costs import flops_costs
 from ppsplit.passes.planning.half_plan import make_half_plan
 from ppsplit.passes.planning.halves import half_costs
@@ -109,16 +109,9 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
                 RegionCosts(layers=(1000.0,) * num_layers, embed=1.0, head=1.0) if balance == "layers" else reported,
                 pp, memory=memory, cap=cap)
         if sizes is None:
-            need = smallest_cap(memory, pp)
-            raise ConfigError(f"no split of the {num_layers} layers into {pp} stages keeps every stage within "
-                              f"max_stage_bytes={max_stage_bytes} ({fmt_bytes(max_stage_bytes)}, weights + KV "
-                              f"cache); the smallest cap that fits pp={pp} is {int(need)} ({fmt_bytes(need)}): raise "
-                              "max_stage_bytes, use more stages, or a smaller KV cache")
+            raise no_split_under_cap(num_layers, pp, max_stage_bytes, smallest_cap(memory, pp))
     else:
-        if callable(balance):
-            name, sizes = getattr(balance, "__name__", "custom"), balance(costs, pp)
-        else:
-            name, sizes = "explicit", balance
+        name, sizes = given_sizes(balance, costs, pp)
         reported = region_costs or param_costs(costs)
     sizes = [int(n) for n in sizes]
     if len(sizes) != pp or any(n < 1 for n in sizes) or sum(sizes) != num_layers:

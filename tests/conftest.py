@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from tests.models import tiny_model
+from tests.support import tiny_model
 
 warnings.filterwarnings("ignore", message=".*Consider using tensor.detach.*")
 

@@ -11,7 +11,7 @@ import torch
 import ppsplit
 from ppsplit import CacheConfig, ConfigError, TraceError
 from ppsplit.cli import main
-from tests.models import VOCAB, tiny_model
+from tests.support import VOCAB, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,7 +7,8 @@ sum of squared stage costs (the most even), so ties are resolved the same way ev
 """
 from __future__ import annotations
 
-from ppsplit.core.plan import RegionCosts
+from ppsplit.core.errors import ConfigError
+from ppsplit.core.plan import RegionCosts, fmt_bytes
 
 _INF = float("inf")
 
@@ -117,3 +118,19 @@ def _span_cost(costs: RegionCosts, pp: int, points: list[int]):
         return (at[j] - at[i] + costs.stage + (costs.embed if k == 0 else 0.0)
                 + (costs.head if k == pp - 1 else 0.0))
     return part
+
+
+def given_sizes(balance, costs, pp: int) -> tuple[str, list]:
+    """``(name, layer counts)`` of a balance given as a function ``f(costs, pp)`` or as explicit counts."""
+    if callable(balance):
+        return getattr(balance, "__name__", "custom"), list(balance(costs, pp))
+    return "explicit", list(balance)
+
+
+def no_split_under_cap(num_layers: int, pp: int, cap: int, need: float, unit: str = "layers") -> ConfigError:
+    """The error when no split of ``num_layers`` into ``pp`` stages fits ``max_stage_bytes=cap``; ``need`` is the
+    smallest cap that would."""
+    return ConfigError(f"no split of the {num_layers} {unit} into {pp} stages keeps every stage within "
+                       f"max_stage_bytes={cap} ({fmt_bytes(cap)}, weights + KV cache); the smallest cap that fits "
+                       f"pp={pp} is {int(need)} ({fmt_bytes(need)}): raise max_stage_bytes, use more stages, or a "
+                       "smaller KV cache")

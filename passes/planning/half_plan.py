@@ -14,7 +14,7 @@ from typing import Sequence
 
 from ppsplit.core.options import COUNTED_POLICIES, Balance, CostModel
 from ppsplit.core.errors import ConfigError
-from ppsplit.passes.planning.balance import best_bounds
+from ppsplit.passes.planning.balance import best_bounds, given_sizes, no_split_under_cap
 from ppsplit.core.plan import ModelCosts, ModelFacts, RegionCosts, SplitPlan, StagePlan, fmt_bytes
 
 
@@ -69,16 +69,10 @@ def make_half_plan(costs: ModelCosts, pp: int, taps: Sequence[int], *, balance: 
         bounds = best_bounds(minimised, pp, cuts, memory=memory, cap=cap)
         if bounds is None:
             need = max(memory.span_costs(best_bounds(memory, pp, cuts)))
-            raise ConfigError(f"no split of the {n} layers (in half layers) into {pp} stages keeps every stage within "
-                              f"max_stage_bytes={max_stage_bytes} ({fmt_bytes(max_stage_bytes)}, weights + KV cache); "
-                              f"the smallest cap that fits pp={pp} is {int(need)} ({fmt_bytes(need)}): raise "
-                              "max_stage_bytes, use more stages, or a smaller KV cache")
+            raise no_split_under_cap(n, pp, max_stage_bytes, need, unit="layers (in half layers)")
     else:
-        if callable(balance):
-            name, sizes = getattr(balance, "__name__", "custom"), balance(costs, pp)
-        else:
-            name, sizes = "explicit", balance
-        bounds = _bounds_of(list(sizes), pp, n, cuts)
+        name, sizes = given_sizes(balance, costs, pp)
+        bounds = _bounds_of(sizes, pp, n, cuts)
         reported = half_units(costs, "params", None) if region_costs is None else region_costs
         if not reported.attention:
             reported = half_units(costs, "params", None)

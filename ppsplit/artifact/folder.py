@@ -247,13 +247,7 @@ def check_drafter(path: str, plan) -> tuple[dict, dict]:
     from safetensors import safe_open
 
     where = os.path.join(path, "config.json")
-    try:
-        with open(where) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise FolderError(f"cannot read {where} ({str(e)[:120]}); compile the folder again") from None
-    if not isinstance(cfg, dict):
-        raise FolderError(f"{where} must be a JSON object")
+    cfg = read_json_object(where)
     for key, kind in _STORED_CONFIG.items():
         if key in cfg and cfg[key] is not None:
             cfg[key] = check(kind, cfg[key], f"{where}: {key}")
@@ -296,6 +290,16 @@ def _json(data: bytes, where: str):
         return json.loads(data)
     except ValueError as e:  # also UnicodeDecodeError
         raise FolderError(f"{where} is not valid JSON ({str(e)[:120]}); compile the folder again") from None
+
+
+def read_json_object(path: str, missing_ok: bool = False) -> dict:
+    """The JSON object in ``path`` (``{}`` when it is absent and ``missing_ok``), or one ``FolderError``."""
+    if missing_ok and not os.path.isfile(path):
+        return {}
+    data = _json(_read(path), path)
+    if not isinstance(data, dict):
+        raise FolderError(f"{path} must be a JSON object")
+    return data
 
 
 def _check_plan(plan: SplitPlan, where: str) -> None:

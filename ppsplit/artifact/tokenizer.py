@@ -19,6 +19,7 @@ import json
 import os
 from datetime import datetime
 
+from ppsplit.artifact.folder import read_json_object
 from ppsplit.core.checked import FolderError
 from ppsplit.core.errors import ConfigError
 
@@ -44,13 +45,13 @@ class FolderTokenizer:
             self.backend = Tokenizer.from_file(path)
         except Exception as e:  # the library's own parse errors
             raise FolderError(f"{path} is not a tokenizer the tokenizers library reads ({str(e)[:120]})") from None
-        config = _json_object(os.path.join(folder, "tokenizer_config.json"))
-        special = _json_object(os.path.join(folder, "special_tokens_map.json"))
+        config = read_json_object(os.path.join(folder, "tokenizer_config.json"), missing_ok=True)
+        special = read_json_object(os.path.join(folder, "special_tokens_map.json"), missing_ok=True)
         self.tokens = {name: _content(config.get(name, special.get(name)))
                        for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.add_bos = bool(config.get("add_bos_token", False))
         self.chat_template = _chat_template(folder, config)
-        generation = _json_object(os.path.join(folder, "generation_config.json"))
+        generation = read_json_object(os.path.join(folder, "generation_config.json"), missing_ok=True)
         eos = generation.get("eos_token_id", self.token_id(self.tokens["eos_token"]))
         eos = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
         self.eos_token_ids = tuple(i for i in eos if isinstance(i, int) and not isinstance(i, bool))
@@ -82,19 +83,6 @@ class FolderTokenizer:
             raise ConfigError(f"the chat template refused these messages: {str(e)[:200]}") from None
 
 
-def _json_object(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise FolderError(f"{path} is not valid JSON ({str(e)[:120]})") from None
-    if not isinstance(data, dict):
-        raise FolderError(f"{path} must be a JSON object")
-    return data
-
-
 def _content(token) -> str | None:
     if isinstance(token, dict):
         token = token.get("content")
@@ -106,7 +94,7 @@ def _chat_template(folder: str, config: dict) -> str | None:
     if os.path.isfile(path):
         with open(path) as f:
             return f.read()
-    template = _json_object(os.path.join(folder, "chat_template.json")).get("chat_template",
+    template = read_json_object(os.path.join(folder, "chat_template.json"), missing_ok=True).get("chat_template",
                                                                              config.get("chat_template"))
     if isinstance(template, list):  # named templates: the default one
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 import ppsplit
 from ppsplit.artifact.folder import fingerprint
 from ppsplit import distributed as ppd
-from tests.dist_launch import generate, generate_and_fail, launch, pipelining
-from tests.models import VOCAB, tiny_model
+from tests.processes import generate, generate_and_fail, launch, pipelining
+from tests.support import VOCAB, tiny_model
 
 TAPS = (0, 2, 4)  # all below L=5: each equals HF hidden_states[j]
 

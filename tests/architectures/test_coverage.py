@@ -61,7 +61,7 @@ def test_split_and_decode_match_hf(name):
 # trace; without a cache each call runs the whole sequence.
 STATEFUL = {
     "recurrent_gemma": ("recurrent layers keep a recurrent state", dict(block_types=["recurrent", "recurrent", "attention"])),
-    # Qwen3-Next's Gated DeltaNet, Mamba and Mamba-2 keep their state in the cache (tests/test_recurrent_cache.py);
+    # Qwen3-Next's Gated DeltaNet, Mamba and Mamba-2 keep their state in the cache (tests/architectures/test_recurrent_cache.py);
     # MiniMax's lightning attention is another recurrence.
     "minimax": ("linear_attention layers keep a recurrent", dict(layer_types=["linear_attention", "full_attention",
                                                                               "linear_attention"])),

@@ -6,6 +6,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING
 
 import ppsplit
+from tests.support import hf_greedy
 from ppsplit import CacheConfig
 
 V = 128
@@ -33,8 +34,7 @@ def ids():
 
 @pytest.fixture(scope="module")
 def expected(model, ids):
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=10, do_sample=False)
+    return hf_greedy(model, ids, 10)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_verify_pass_with_rejected_drafts_then_decoding_equals_hf(cached, ids, e
 
 
 def test_conv_state_survives_compile_load_and_two_processes(model, ids, expected, tmp_path):
-    from tests.dist_launch import generate, launch
+    from tests.processes import generate, launch
 
     model.save_pretrained(tmp_path / "ckpt")
     folder = ppsplit.compile_model(str(tmp_path / "ckpt"), str(tmp_path / "pp2"), pp=2, cache=CacheConfig(2, 32))

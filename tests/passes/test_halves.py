@@ -15,19 +15,12 @@ from ppsplit import CacheConfig, ConfigError, ModelCosts, RegionCosts, SplitPlan
 from ppsplit.passes.planning.balance import best_bounds
 from ppsplit.passes.planning.half_plan import allowed_cuts
 from ppsplit.passes.plan import make_plan
-from tests.models import NUM_LAYERS as L, VOCAB, tiny_model
-from tests.test_split import last_layer_output, reference, run_stages
+from tests.support import NUM_LAYERS as L, VOCAB, traced_with_cache
+from tests.support import last_layer_output, reference, run_stages
 
 CACHE = CacheConfig(batch_size=2, max_len=32)
-_CACHED: dict = {}
-
-
 def cached(arch):
-    """(model, traced graph with a KV cache) per architecture, traced once."""
-    if arch not in _CACHED:
-        model = tiny_model(arch)
-        _CACHED[arch] = (model, ppsplit.trace_model(model, cache=CACHE))
-    return _CACHED[arch]
+    return traced_with_cache(arch, CACHE)
 
 
 @pytest.mark.parametrize("arch,counts", [("llama", [2.5, 2.5]), ("llama", [1.5, 2, 1.5]), ("gemma2", [0.5, 3, 1.5]),

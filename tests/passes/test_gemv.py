@@ -83,7 +83,7 @@ def test_pass_routes_wide_projections_and_keeps_results():
 
 def test_narrow_and_unheld_projections_stay():
     """Below MIN_OUT outputs nothing is routed (the tiny test models), and gemv=False is checked."""
-    from tests.models import tiny_model
+    from tests.support import tiny_model
 
     split = ppsplit.split_model(tiny_model("llama"), 2)
     assert not any(_routed(s) for s in split.stages) and [s.meta["ppsplit.gemv"] for s in split.stages] == [0, 0]

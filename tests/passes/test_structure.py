@@ -4,7 +4,7 @@ import torch
 
 import ppsplit
 from ppsplit.core.layers import find_layers
-from tests.models import ARCHS, NUM_LAYERS, VOCAB, tiny_model
+from tests.support import ARCHS, NUM_LAYERS, VOCAB, tiny_model
 
 L = NUM_LAYERS
 

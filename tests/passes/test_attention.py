@@ -11,10 +11,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import ppsplit
-import tests.test_decode as decode_tests
+import tests.serve.test_decode as decode_tests
 from ppsplit import CacheConfig
 from ppsplit.triton_kernels.attention import HAVE_TRITON, attention_reference, launch_cache_attention
-from tests.models import VOCAB
+from tests.support import VOCAB
 
 ops = torch.ops.ppsplit
 CACHE = decode_tests.CACHE
@@ -217,7 +217,7 @@ def test_unrecognised_attention_is_left_and_reported():
     AttentionInterface.register("ppsplit_test_per_head_temperature", per_head_temperature)
     # Without a registered mask function HF hands custom attention no mask: use SDPA's boolean one.
     AttentionMaskInterface.register("ppsplit_test_per_head_temperature", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    from tests.models import tiny_model
+    from tests.support import tiny_model
 
     model = tiny_model("llama", num_layers=2)
     model.set_attn_implementation("ppsplit_test_per_head_temperature")
@@ -243,7 +243,7 @@ def test_compiled_stage_equals_eager(rows, batch):
     """compile=True (Inductor on the CPU): the same numbers and the same cache writes as the eager stage. With
     more than one cache row the writes go through ``ppsplit::cache_write`` (in place under Inductor), here on a
     batch below the cache's rows."""
-    from tests.models import tiny_model
+    from tests.support import tiny_model
 
     model = tiny_model("llama", num_layers=1)
     trace = ppsplit.trace_model(model, cache=CacheConfig(batch_size=rows, max_len=16))
@@ -290,7 +290,7 @@ def test_long_prefill_on_gpu_matches_fp64():
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile", [False, True])
 def test_captured_stage_equals_eager_on_gpu(compile):
-    from tests.models import tiny_model
+    from tests.support import tiny_model
 
     model = tiny_model("gemma2").to(device="cuda", dtype=torch.bfloat16)
     split = ppsplit.split_model(model, 2, aux=[0, 2], cache=CacheConfig(batch_size=2, max_len=64), compile=compile)

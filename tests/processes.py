@@ -80,7 +80,7 @@ def launch(world: int, target, *args, timeout: float = 20.0, deadline: float = 9
         return results
 
 
-# -- rank bodies used by tests/test_distributed.py (here, so that children import nothing heavy) -----------------
+# -- rank bodies used by tests/distributed/test_distributed.py (here, so that children import nothing heavy) -----------------
 
 def generate(rank, folder, prompts, new, collect_aux=False, cuda_graphs=False):
     """Every rank runs ``PipelineRank(folder).generate``; rank 0 returns ids, the last rank its taps."""

@@ -135,7 +135,7 @@ def test_speculative_decoding_with_an_eagle3_drafter_equals_hf_greedy(arch, tmp_
     """EAGLE-3 through pp=2 stages of a hybrid: every verify pass that rejects drafts leaves the recurrent states of
     the rejected tokens in the ring, and the next pass must start from the state after the last accepted one. With
     K = 7 a verify pass fills all 8 slots; K = 8 does not fit and is refused."""
-    from tests.drafters import drafter_config, random_drafter_tensors, write_drafter
+    from tests.support import drafter_config, random_drafter_tensors, write_drafter
 
     model = build(arch)
     split = ppsplit.split_model(cached(arch), 2, aux=[1, 2, 4])
@@ -177,7 +177,7 @@ def test_the_ring_size_follows_the_cache_config():
 
 
 def test_recurrent_state_survives_compile_load_and_two_processes(tmp_path):
-    from tests.dist_launch import generate, launch
+    from tests.processes import generate, launch
 
     arch = "nemotron_h" if "nemotron_h" in ARCHS else ARCHS[0]
     build(arch).save_pretrained(tmp_path / "ckpt")
@@ -194,7 +194,7 @@ def test_recurrent_state_survives_compile_load_and_two_processes(tmp_path):
 def test_a_recurrence_without_a_routed_scan_is_refused_before_tracing():
     """A decay parameter (``A_log``) outside every routed mixer means a recurrence whose state the cache would not
     keep: refused before any trace, rather than decoded from a zero state."""
-    from tests.models import tiny_model
+    from tests.support import tiny_model
 
     model = tiny_model("llama")
     model.model.layers[1].mlp.A_log = torch.nn.Parameter(torch.zeros(4))  # a recurrence ppsplit does not know

@@ -6,13 +6,12 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import ppsplit
 from ppsplit.cli import main
 from ppsplit.core.errors import PpsplitError
-from tests.drafters import drafter_config, random_drafter_tensors, write_drafter
-from tests.models import tiny_model
+from tests.support import drafter_config, random_drafter_tensors, write_drafter
+from tests.support import tiny_model
 
 JSON_FILES = ("plan.json", "manifest.json", "stage_0.json", "stage_1.json")
 # Code payloads, each as a default-argument injection, an expression, a statement break, or a quote break; {mark}

@@ -12,7 +12,7 @@ import ppsplit
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.fx_utils import is_cache_buffer
 from ppsplit.compile.writer import compile_model
-from tests.models import VOCAB, tiny_config
+from tests.support import VOCAB, tiny_config
 
 L = 4
 _MOE = dict(num_experts_per_tok=2)

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 import ppsplit
 from ppsplit import CacheConfig, ConfigError
 from ppsplit.eagle3.speculative import accept
-from tests.drafters import drafter_config, random_drafter_tensors, write_drafter
-from tests.models import VOCAB, tiny_model
-from tests.test_decode import CACHE, cached  # the same traced models as the decoding tests
+from tests.support import drafter_config, random_drafter_tensors, write_drafter
+from tests.support import VOCAB, tiny_model
+from tests.serve.test_decode import CACHE, cached  # the same traced models as the decoding tests
 
 SPEC_IDS = [0, 1, 3]  # eagle_aux_hidden_state_layer_ids as SpecForge writes them (layer outputs)
 TAPS = [1, 2, 4]  # the same tensors in ppsplit numbering (+1)
@@ -419,7 +419,7 @@ def test_speculative_through_processes_equals_single_process(pp, compiled_with_d
     the drafts and the acceptances per step equal the single-process speculative run of each group, and the ids
     equal Hugging Face greedy; sampling (temperature 0.8, group g seeded seed + g) gives the single-process run's
     tokens too."""
-    from tests.dist_launch import launch, speculate
+    from tests.processes import launch, speculate
 
     model, folders = compiled_with_drafter
     g = torch.Generator().manual_seed(11)
@@ -450,7 +450,7 @@ def test_speculative_through_processes_equals_single_process(pp, compiled_with_d
 def test_speculative_nccl_two_gpus_equals_single_process(cuda_graphs, compiled_with_drafter):
     """NCCL, rank r on cuda:r, the drafter on rank 1 (its draft and the verify passes replayed from CUDA graphs, or
     eager): ids, drafts and acceptances equal the single-process run on one GPU."""
-    from tests.dist_launch import launch, speculate
+    from tests.processes import launch, speculate
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
@@ -491,7 +491,7 @@ def test_speculative_through_processes_errors(compiled_with_drafter, tmp_path):
     """Errors end every rank with the same one-line ConfigError: no drafter on the last rank, K < 1, collect_aux."""
     import shutil
 
-    from tests.dist_launch import launch, speculate
+    from tests.processes import launch, speculate
 
     _, folders = compiled_with_drafter
     bare = shutil.copytree(folders[2], tmp_path / "no-drafter", ignore=shutil.ignore_patterns("drafter"))

@@ -4,7 +4,7 @@ import torch
 
 import ppsplit
 from ppsplit import CacheConfig
-from tests.models import VOCAB, tiny_model
+from tests.support import VOCAB, tiny_model
 
 pytestmark = pytest.mark.gpu
 

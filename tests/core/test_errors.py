@@ -6,7 +6,7 @@ import torch
 
 import ppsplit
 from ppsplit import ConfigError, CrossingError, LayersNotFoundError, TraceError
-from tests.models import NUM_LAYERS, tiny_model
+from tests.support import NUM_LAYERS, tiny_model
 
 
 class Block(torch.nn.Module):

@@ -13,9 +13,9 @@ from ppsplit.core.options import parse_bytes
 from ppsplit.passes.planning.balance import best_split
 from ppsplit.passes.planning.costs import count_flops
 from ppsplit.passes.plan import make_plan
-from tests.models import tiny_model
+from tests.support import tiny_model
 
-H, I, HEADS, KV, D = 64, 128, 4, 2, 16  # tests/models.py's tiny shape
+H, I, HEADS, KV, D = 64, 128, 4, 2, 16  # tests/support.py's tiny shape
 BIG_VOCAB = 128000
 _TRACED = {}
 

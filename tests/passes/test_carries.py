@@ -7,8 +7,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING
 
 import ppsplit
+from tests.support import hf_greedy
 from ppsplit import CacheConfig, CrossingError
-from tests.dist_launch import generate, launch
+from tests.processes import generate, launch
 
 V, L = 128, 6
 TAPS = (1, 3, 5)  # below L: Gemma 4's hidden_states[L] is taken after the final norm, ppsplit's tap L before it
@@ -42,7 +43,7 @@ def ids():
 
 @pytest.fixture(scope="module")
 def expected(model, ids):
-    return model.generate(ids, max_new_tokens=8, do_sample=False)
+    return hf_greedy(model, ids, 8)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +178,7 @@ def test_a_long_skip_is_carried_through_every_later_stage(index_skip):
 
 
 def test_uncarriable_values_and_an_unknown_residual_are_named():
-    # Without the config's hidden_size ppsplit cannot tell the residual stream from the skip (tests/test_errors.py);
+    # Without the config's hidden_size ppsplit cannot tell the residual stream from the skip (tests/core/test_errors.py);
     # with it but two [B, T, H] values computed in the same place, neither.
     with pytest.raises(CrossingError, match=r"2 token-dependent values enter decoder layer 0 and ppsplit cannot tell "
                                             r"which is the residual stream \(the one value shaped \[batch, tokens, 16\]"):
@@ -212,7 +213,7 @@ def test_shared_kv_across_stages_keeps_a_replica_and_equals_hf(ids):
 
 def test_zamba2_shared_block_reads_the_embedding_on_every_stage():
     # Zamba2's shared attention blocks read the original embedding beside the residual stream; its Mamba-2 layers
-    # keep their state in the cache's ring (tests/test_recurrent_cache.py), so it decodes through the stages too.
+    # keep their state in the cache's ring (tests/architectures/test_recurrent_cache.py), so it decodes through the stages too.
     if "zamba2" not in CONFIG_MAPPING:
         pytest.skip("this transformers has no zamba2")
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ import torch
 import ppsplit
 from ppsplit.core.errors import ConfigError, LayersNotFoundError
 from ppsplit.core.layers import find_layers
-from tests.models import tiny_model
+from tests.support import tiny_model
 
 
 def _layers(model):
@@ -158,7 +158,7 @@ def test_entry_point_backend_by_name(tmp_path):
     nothing imported from ppsplit; taps come from ``PPSPLIT_AUX`` and ``ppsplit.last_taps()``."""
     code = textwrap.dedent("""
         import sys, torch
-        from tests.models import tiny_model
+        from tests.support import tiny_model
         model = tiny_model("gpt2", num_layers=2)
         ids = torch.randint(3, 100, (2, 4))
         with torch.no_grad():
@@ -174,7 +174,7 @@ def test_entry_point_backend_by_name(tmp_path):
         print("ok")
     """)
     env = dict(os.environ, PPSPLIT_AUX="0,1", PPSPLIT_INNER="eager")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 

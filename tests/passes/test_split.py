@@ -4,50 +4,9 @@ import torch
 
 import ppsplit
 from ppsplit.passes.plan import plan as make_plan
-from tests.models import ARCHS, NUM_LAYERS, VOCAB
+from tests.support import ARCHS, NUM_LAYERS, VOCAB, last_layer_output, reference, run_stages
 
 L = NUM_LAYERS
-
-
-def run_stages(split, input_ids, positions):
-    """Run the stages by hand on a NaN-poisoned aux buffer; return logits, aux and each stage's input."""
-    batch, tokens = input_ids.shape
-    aux = split.new_aux(batch, tokens).fill_(float("nan"))
-    x, inputs = input_ids, []
-    for k, stage in enumerate(split.stages):
-        inputs.append(x)
-        x, aux_out = stage(x, positions, aux)
-        assert aux_out is aux  # written in place
-        filled = split.plan.filled(k)
-        assert not aux[:filled].isnan().any(), f"stage {k} left a slot of aux[:{filled}] unwritten"
-        assert aux[filled:].isnan().all(), f"stage {k} wrote past its prefix aux[:{filled}]"
-    return x, aux, inputs
-
-
-def reference(model, input_ids, positions=None):
-    kwargs = {} if positions is None else {"position_ids": positions[None]}
-    with torch.no_grad():
-        out = model(input_ids, output_hidden_states=True, **kwargs)
-    # hidden_states[j] enters layer j for j < L; tap L is the last layer's output, before the final norm,
-    # which HF does not return: capture it from the last decoder layer.
-    return out.logits, list(out.hidden_states[:L])
-
-
-def last_layer_output(model, input_ids, positions=None):
-    stack = ppsplit.core.layers.find_layers(model)
-    captured = {}
-
-    def hook(module, args, output):
-        captured["h"] = output[0] if isinstance(output, tuple) else output
-
-    handle = model.get_submodule(stack.fqn)[-1].register_forward_hook(hook)
-    kwargs = {} if positions is None else {"position_ids": positions[None]}
-    try:
-        with torch.no_grad():
-            model(input_ids, **kwargs)
-    finally:
-        handle.remove()
-    return captured["h"]
 
 
 def interesting_taps(plan):

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import ppsplit
-from tests.models import NUM_LAYERS, VOCAB
-from tests.test_split import last_layer_output, reference
+from tests.support import NUM_LAYERS, VOCAB
+from tests.support import last_layer_output, reference
 
 L = NUM_LAYERS
 ops = torch.ops.ppsplit
@@ -91,7 +91,7 @@ def test_fuse_norms_only_keeps_plain_stores(traced_cache):
 
 def test_bf16_fused_split_matches_hf_bit_for_bit():
     """In bf16 on the CPU, the fused ops' torch path is the HF op sequence: identical results."""
-    from tests.models import tiny_model
+    from tests.support import tiny_model
 
     for arch in ("llama", "gemma2"):
         model = tiny_model(arch).to(torch.bfloat16)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import ppsplit
 from ppsplit.cli import main
-from tests.models import VOCAB, tiny_model
+from tests.support import VOCAB, tiny_model
 
 L = 5
 

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import ppsplit
 from ppsplit import CacheConfig
 from ppsplit.passes.rewrites.projections import fuse_projections
-from tests.models import VOCAB, tiny_model
+from tests.support import VOCAB, tiny_model
 
 aten = torch.ops.aten
 CACHE = CacheConfig(batch_size=2, max_len=40)
@@ -26,7 +26,7 @@ _MODELS: dict = {}
 
 def model_and_trace(arch):
     if arch not in _MODELS:
-        if arch == "qwen2_moe":  # not in tests/models.ARCHS: a MoE with a shared expert and its 1-wide gate
+        if arch == "qwen2_moe":  # not in tests.support.ARCHS: a MoE with a shared expert and its 1-wide gate
             torch.manual_seed(0)
             cfg = AutoConfig.for_model(arch, vocab_size=VOCAB, hidden_size=64, num_attention_heads=4,
                                        num_key_value_heads=2, num_hidden_layers=L, max_position_embeddings=256,

@@ -4,18 +4,11 @@ import torch
 
 import ppsplit
 from ppsplit import CacheConfig, ConfigError
-from tests.models import ARCHS, VOCAB, tiny_model
+from tests.support import ARCHS, VOCAB, tiny_model, traced_with_cache
 
 CACHE = CacheConfig(batch_size=2, max_len=48)
-_CACHED: dict = {}
-
-
 def cached(arch):
-    """(model, traced graph with a KV cache) per architecture."""
-    if arch not in _CACHED:
-        model = tiny_model(arch)
-        _CACHED[arch] = (model, ppsplit.trace_model(model, cache=CACHE))
-    return _CACHED[arch]
+    return traced_with_cache(arch, CACHE)
 
 
 def hf_greedy(model, ids, new_tokens):

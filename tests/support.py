@@ -1,0 +1,185 @@
+"""Shared test support: tiny decoders with random weights (no downloads), random EAGLE-3 drafters in the
+published layouts, Hugging Face references, and traced models shared between test modules."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import ppsplit
+from ppsplit import CacheConfig
+from ppsplit.core.layers import find_layers
+
+NUM_LAYERS = 5
+VOCAB = 128
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# Per-architecture overrides of the common tiny shape.
+_EXTRA = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": dict(head_dim=16),
+    "gemma2": dict(head_dim=16, sliding_window=4),
+    "phi3": {},
+    "gpt2": dict(n_embd=64, n_layer=None, n_head=4, n_positions=256),
+    "gpt_neox": dict(num_key_value_heads=None),
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=64, num_key_value_heads=None, intermediate_size=None),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+ARCHS = list(_EXTRA)
+
+
+def tiny_config(arch: str, num_layers: int = NUM_LAYERS, **overrides):
+    kw = dict(_COMMON, num_hidden_layers=num_layers)
+    for key, value in _EXTRA[arch].items():
+        if value is None:
+            kw.pop(key, None)
+        else:
+            kw[key] = value
+    if arch == "gpt2":
+        kw = {k: v for k, v in kw.items() if k not in ("hidden_size", "num_attention_heads", "num_hidden_layers",
+                                                       "intermediate_size", "max_position_embeddings")}
+        kw["n_layer"] = num_layers
+    kw.update(overrides)
+    return AutoConfig.for_model(arch, **kw)
+
+
+def tiny_model(arch: str, num_layers: int = NUM_LAYERS, seed: int = 0, **overrides) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, num_layers, **overrides)).eval()
+    # Random init leaves some weights at exactly 0 or 1 (norms, biases); perturb them so that every
+    # parameter matters and a wrong or missing weight changes the numbers.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+# ---- EAGLE-3 drafters written to disk
+
+def drafter_config(target, aux_ids=None, draft_vocab: int | None = None, **overrides) -> dict:
+    """An EAGLE-3 ``config.json`` for ``target`` (a HF config); ``aux_ids`` as a SpecForge checkpoint writes them."""
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": target.hidden_size,
+           "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+           "rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": 256,
+           "rope_theta": 5000.0,  # not transformers' default, so a theta lost on the way shows in the reference test
+           "vocab_size": target.vocab_size, "draft_vocab_size": draft_vocab or target.vocab_size,
+           "tie_word_embeddings": False}
+    if aux_ids is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_ids), "use_aux_hidden_state": True}
+    cfg.update(overrides)
+    return cfg
+
+
+def random_drafter_tensors(cfg: dict, n_taps: int = 3, seed: int = 0, scale: float = 0.2) -> dict:
+    """Tensors of a one-layer EAGLE-3 drafter (``midlayer.`` naming), random but well conditioned."""
+    g = torch.Generator().manual_seed(seed)
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = h // heads
+    th = cfg.get("target_hidden_size", h)
+    vocab, draft = cfg["vocab_size"], cfg["draft_vocab_size"]
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * scale / shape[-1] ** 0.5 * 4
+
+    def norm():
+        return 1 + 0.1 * torch.randn(h, generator=g)
+
+    t = {"fc.weight": w(h, n_taps * th), "midlayer.hidden_norm.weight": norm(),
+         "midlayer.input_layernorm.weight": norm(), "midlayer.post_attention_layernorm.weight": norm(),
+         "midlayer.self_attn.q_proj.weight": w(heads * hd, 2 * h), "midlayer.self_attn.k_proj.weight": w(kv * hd, 2 * h),
+         "midlayer.self_attn.v_proj.weight": w(kv * hd, 2 * h), "midlayer.self_attn.o_proj.weight": w(h, heads * hd),
+         "midlayer.mlp.gate_proj.weight": w(inter, h), "midlayer.mlp.up_proj.weight": w(inter, h),
+         "midlayer.mlp.down_proj.weight": w(h, inter), "norm.weight": norm(), "lm_head.weight": w(draft, h)}
+    ids = torch.sort(torch.randperm(vocab, generator=g)[:draft]).values  # the draft vocabulary: a subset of ids
+    t["d2t"] = ids - torch.arange(draft)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    t["t2d"] = t2d
+    return t
+
+
+def write_drafter(folder: str, cfg: dict, tensors: dict, layout: str = "safetensors") -> str:
+    """``layout``: ``"safetensors"`` (model.safetensors, ``midlayer.``) or ``"bin"`` (pytorch_model.bin,
+    vLLM's ``layers.0.`` naming)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    if layout == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"))
+    else:
+        renamed = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+        torch.save(renamed, os.path.join(folder, "pytorch_model.bin"))
+    return folder
+
+
+# ---- references and stage runs
+
+L = NUM_LAYERS
+
+
+def run_stages(split, input_ids, positions):
+    """Run the stages by hand on a NaN-poisoned aux buffer; return logits, aux and each stage's input."""
+    batch, tokens = input_ids.shape
+    aux = split.new_aux(batch, tokens).fill_(float("nan"))
+    x, inputs = input_ids, []
+    for k, stage in enumerate(split.stages):
+        inputs.append(x)
+        x, aux_out = stage(x, positions, aux)
+        assert aux_out is aux  # written in place
+        filled = split.plan.filled(k)
+        assert not aux[:filled].isnan().any(), f"stage {k} left a slot of aux[:{filled}] unwritten"
+        assert aux[filled:].isnan().all(), f"stage {k} wrote past its prefix aux[:{filled}]"
+    return x, aux, inputs
+
+
+def reference(model, input_ids, positions=None):
+    kwargs = {} if positions is None else {"position_ids": positions[None]}
+    with torch.no_grad():
+        out = model(input_ids, output_hidden_states=True, **kwargs)
+    # hidden_states[j] enters layer j for j < L; tap L is the last layer's output, before the final norm,
+    # which HF does not return: capture it from the last decoder layer.
+    return out.logits, list(out.hidden_states[:L])
+
+
+def last_layer_output(model, input_ids, positions=None):
+    stack = find_layers(model)
+    captured = {}
+
+    def hook(module, args, output):
+        captured["h"] = output[0] if isinstance(output, tuple) else output
+
+    handle = model.get_submodule(stack.fqn)[-1].register_forward_hook(hook)
+    kwargs = {} if positions is None else {"position_ids": positions[None]}
+    try:
+        with torch.no_grad():
+            model(input_ids, **kwargs)
+    finally:
+        handle.remove()
+    return captured["h"]
+
+
+_TRACED: dict = {}
+
+
+def traced_with_cache(arch: str, cache: CacheConfig):
+    """(tiny model, its trace with ``cache``) per architecture and cache, traced once per test session."""
+    if (arch, cache) not in _TRACED:
+        model = tiny_model(arch)
+        _TRACED[(arch, cache)] = (model, ppsplit.trace_model(model, cache=cache))
+    return _TRACED[(arch, cache)]
+
+
+def hf_greedy(model, ids, new: int):
+    """Hugging Face's greedy continuation of ``ids`` (the decoding oracle)."""
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new, do_sample=False)
