@@ -22,6 +22,9 @@ import torch.nn.functional as F
 
 from ppsplit.triton_kernels.attention import launch_cache_attention
 
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import graphed  # noqa: E402
+
 HQ, HKV, D = 32, 8, 128
 
 
@@ -29,21 +32,6 @@ def do_bench(fn, rep):
     import triton
 
     return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3  # us
-
-
-def graphed(fn):
-    """``fn`` captured in a CUDA graph: its replay, timed without Python's launch cost."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.keep = fn  # the captured tensors stay alive with the graph
-    return graph.replay
 
 
 def timed(variants: dict, rounds: int, rep: int) -> dict:

@@ -28,6 +28,7 @@ from ppsplit import CacheConfig
 from ppsplit.eagle3.formats import build_drafter
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import graphed  # noqa: E402
 from pipeline import interleaved as timed_interleaved, timer  # noqa: E402
 from shapes import config  # noqa: E402
 
@@ -39,26 +40,6 @@ TEST_ACCEPTANCE = 4.43  # tests/test_eagle3.py trained drafter, K=4 (CPU run, se
 def interleaved(bench, fns: dict, rounds: int) -> dict:
     """Median time per variant over ``rounds`` interleaved measurements (pipeline.py's, without the spread)."""
     return {k: median for k, (median, _) in timed_interleaved(bench, fns, rounds).items()}
-
-
-def graphed(fn, device):
-    """``fn`` (no arguments, static inputs captured by closure) as a CUDA-graph replay; plain ``fn`` on the CPU."""
-    if device != "cuda":
-        return fn
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        fn()
-
-    def replay():  # holds ``fn``, and with it the static inputs the graph reads: freed, their memory is reused
-        graph.replay()
-    replay.fn = fn
-    return replay
 
 
 def random_drafter(split, target_cfg, embed, draft_vocab, device, intermediate):

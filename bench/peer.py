@@ -49,6 +49,7 @@ import ppsplit
 from ppsplit import CacheConfig
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import stage_runs  # noqa: E402
 from shapes import config  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -171,28 +172,7 @@ def ppsplit_step(traced, pp, batch, tokens, start, device, *, compile_=False, at
     """Replay of every stage's CUDA graph in a row (on the CPU: the stages called in a row)."""
     split = ppsplit.split_model(traced, pp, aux="eagle3", compile=compile_, attention=attention,
                                 fuse_projections=fuse, gemv=gemv)
-    runs = []
-    for k, stage in enumerate(split.stages):
-        if device == "cuda":
-            g = ppsplit.cuda_graph(stage, batch, tokens)
-            if k == 0:
-                g.x.copy_(torch.randint(0, 1000, (batch, tokens)))
-            else:
-                g.x.normal_()
-            g.positions.copy_(torch.arange(start, start + tokens))
-            runs.append(g.replay)
-        else:
-            x = (torch.randint(0, 100, (batch, tokens)) if k == 0 else
-                 torch.randn(batch, tokens, split.plan.hidden_size, dtype=split.dtype))
-            inputs = (x, torch.arange(start, start + tokens), split.new_aux(batch, tokens, device))
-            runs.append(lambda stage=stage, inputs=inputs: stage(*inputs))
-
-    def run():
-        with torch.no_grad():
-            for r in runs:
-                r()
-    run()
-    return run, split
+    return stage_runs(split, batch, tokens, start, device), split
 
 
 def check_fused(traced, device, vocab):

@@ -30,6 +30,7 @@ import ppsplit
 from ppsplit import CacheConfig
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import stage_runs  # noqa: E402
 from peer import top_kernels  # noqa: E402
 from shapes import config, cut  # noqa: E402
 
@@ -92,25 +93,7 @@ def hf_decode(model, prompt, reps):
 def ppsplit_decode(traced, pp, batch, position, device, reps, tokens=1):
     """A step of ``tokens`` new tokens at ``position`` (1: decode, K + 1: verify, the prompt: prefill)."""
     split = ppsplit.split_model(traced, pp)
-    runs = []
-    where = torch.arange(position, position + tokens)
-    for k, stage in enumerate(split.stages):
-        if device == "cuda":
-            g = ppsplit.cuda_graph(stage, batch, tokens)
-            g.x.copy_(torch.randint(0, 1000, (batch, tokens))) if k == 0 else g.x.normal_()
-            g.positions.copy_(where)
-            runs.append(g.replay)
-        else:
-            x = torch.randint(0, 100, (batch, tokens)) if k == 0 else torch.randn(batch, tokens, split.plan.width(k),
-                                                                                  dtype=split.dtype)
-            inputs = (x, where, split.new_aux(batch, tokens, device))
-            runs.append(lambda stage=stage, inputs=inputs: stage(*inputs))
-
-    def run():
-        with torch.no_grad():
-            for r in runs:
-                r()
-    run()
+    run = stage_runs(split, batch, tokens, position, device)
     return timed(run, device, reps), split
 
 

@@ -7,12 +7,16 @@ Per T: our kernel with and without the tap store (add + RMSNorm [+ store]), the 
 bytes that must move: read x, r; write s, y (+ the slot). Under a CUDA graph, per-step times for small T.
 """
 import argparse
+import sys
 
 import torch
 import triton
 
 from ppsplit.triton_kernels import norm_reference
 from ppsplit.triton_kernels.fused_norm import launch_tap_kernel
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import graphed  # noqa: E402
 
 EPS = 1e-5
 
@@ -34,16 +38,7 @@ def bench(fn):
 
 
 def graph_time(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench(g.replay)
+    return bench(graphed(fn))
 
 
 def in_graph_time(make, sets: int = 8):
