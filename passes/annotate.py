@@ -125,7 +125,7 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
     by_name = {n.name: n for n in nodes}
     residuals = {j: _residual([by_name[name] for name in names], traced, 2 * j + 1 if j < num_layers else head_region)
                  for j, names in cuts.items()}
-    return Annotated(traced=traced, layers=stack, cuts=cuts, costs=_costs(gm, nodes, num_layers, head_region),
+    return Annotated(traced=traced, layers=stack, cuts=cuts, costs=_costs(gm, nodes, num_layers, head_region, traced),
                      residuals=residuals, mids=find_mids(nodes, residuals, num_layers))
 
 
@@ -207,8 +207,9 @@ def _cuts(nodes: list[fx.Node], num_layers: int, head_region: int) -> dict[int, 
     return {j: tuple(names) for j, names in cuts.items()}
 
 
-def _costs(gm: fx.GraphModule, nodes: list[fx.Node], num_layers: int, head_region: int) -> ModelCosts:
-    """Parameter counts per part, attributed through the first token-dependent consumers of each weight."""
+def _costs(gm: fx.GraphModule, nodes: list[fx.Node], num_layers: int, head_region: int, traced: Traced) -> ModelCosts:
+    """Parameter counts per part, attributed through the first token-dependent consumers of each weight; each
+    layer's cache as the stages will hold it (the traced stand-in scaled to the paged pool)."""
     consumers: dict[fx.Node, set[int]] = {}
     for node in reversed(nodes):
         regions: set[int] = set()
@@ -223,7 +224,7 @@ def _costs(gm: fx.GraphModule, nodes: list[fx.Node], num_layers: int, head_regio
     for name, buf in gm.named_buffers():
         m = _CACHE_RE.match(name)
         if m:
-            cache[int(m.group(1))] += buf.numel() * buf.element_size()
+            cache[int(m.group(1))] += pooled_bytes(name, buf, traced)
     params = dict(gm.named_parameters())
     embed = [0, 0]
     head = [0, 0]
@@ -250,6 +251,18 @@ def _costs(gm: fx.GraphModule, nodes: list[fx.Node], num_layers: int, head_regio
         layer_params=tuple(c[0] for c in layers), layer_bytes=tuple(c[1] for c in layers),
         layer_cache_bytes=tuple(cache) if any(cache) else (),
     )
+
+
+def pooled_bytes(name: str, buf: torch.Tensor, traced: Traced) -> int:
+    """Bytes of a cache buffer as the stages hold it: per-position entries (keys, values, convolution inputs,
+    indexer keys) over the whole block pool, recurrent states for every sequence slot."""
+    size = buf.numel() * buf.element_size()
+    cache, stand_in = traced.cache, traced.stand_in
+    if stand_in is None:
+        return size
+    if name.endswith(".states"):
+        return size * cache.batch_size
+    return size // stand_in.max_len * cache.pool_blocks * cache.block_size
 
 
 def mutated_bases(node: fx.Node) -> list[fx.Node]:

@@ -248,7 +248,7 @@ def _verify(gm: fx.GraphModule, f: _Found, info) -> tuple:
     max_len, head_dim, dv = int(kshape[2]), int(kshape[3]), int(vshape[3])
     if f.heads * max_len * max(head_dim, dv) > _BUDGET:
         raise _NoMatch(f"cache too large to check by evaluation ({f.heads} heads x {max_len} slots x {head_dim})")
-    max_batch = info.cache.batch_size if info.cache else 2
+    max_batch = info.stand_in.batch_size if info.stand_in else 2
     probes = [(min(2, max_batch), min(3, max_len), max_len // 2 - 1), (1, 1, max_len - 1),
               (min(2, max_batch), min(2, max_len), 0), (1, min(5, max_len), max(0, max_len - 5))]
     probes = [(b, t, max(0, min(p, max_len - t))) for b, t, p in probes]

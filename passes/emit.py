@@ -21,6 +21,7 @@ from ppsplit.core.fx_utils import copy_buffer_persistence
 from ppsplit.passes.annotate import SHAPE_OPS, mutated_bases
 from ppsplit.passes.partition import Partitioned
 from ppsplit.core.plan import SplitPlan
+from ppsplit.core.ragged import STEP_INPUTS
 from ppsplit.core.tensors import DTYPES, model_dtype
 
 aten = torch.ops.aten
@@ -37,6 +38,8 @@ def emit(rewritten: Partitioned, plan: SplitPlan) -> list[fx.GraphModule]:
     input_ids = graph.find_nodes(op="placeholder", target="input_ids")[0]
     positions = graph.find_nodes(op="placeholder", target="positions")[0]
     aux = graph.find_nodes(op="placeholder", target="aux")[0]
+    # A paged split's step metadata (seq, block_table, seq_start, seq_count): inputs of every stage, like positions.
+    step = [n for name in STEP_INPUTS[1:] for n in graph.find_nodes(op="placeholder", target=name)]
     output = next(n for n in reversed(nodes) if n.op == "output")
     boundaries = {s: by_name[name] for s, name in rewritten.boundaries.items()}
     info = rewritten.annotated.traced
@@ -49,7 +52,7 @@ def emit(rewritten: Partitioned, plan: SplitPlan) -> list[fx.GraphModule]:
         y_src = output.args[0] if s == plan.pp - 1 else boundaries[s + 1]
         unpack = [(carried[c.name], c, offset) for c, offset in plan.carried(s)] if s else []
         pack = [(carried[c.name], c) for c, _ in plan.carried(s + 1)] if s < plan.pp - 1 else []
-        inputs = {x_src, positions, aux, *(n for n, _, _ in unpack)}
+        inputs = {x_src, positions, aux, *step, *(n for n, _, _ in unpack)}
         effects = [n for n in nodes if _runs_on(n, s) and _has_effect(n)]
         needed = _closure([y_src, *(n for n, _ in pack), *effects], inputs, symbols)
         # A write into a recomputed tensor (a mask filled in place, say) must come along with the tensor.
@@ -63,8 +66,8 @@ def emit(rewritten: Partitioned, plan: SplitPlan) -> list[fx.GraphModule]:
             if n.meta.get("ppsplit.token") and n not in inputs and not _runs_on(n, s):
                 raise CrossingError(f"stage {s} needs {n.format_node()} from stage {n.meta.get('ppsplit.stage')}, which "
                                     "neither the residual stream nor a carried value brings")
-        stage_graph = _build(sorted(needed - inputs, key=order.get), x_src, positions, aux, y_src, symbols, plan,
-                             unpack, pack)
+        stage_graph = _build(sorted(needed - inputs, key=order.get), x_src, positions, aux, step, y_src, symbols,
+                             plan, unpack, pack)
         stage = fx.GraphModule(gm, stage_graph, class_name=f"Stage{s}")
         copy_buffer_persistence(stage, gm)
         stage.meta["ppsplit.stage"] = s
@@ -107,19 +110,27 @@ def _closure(roots: list, stop: set, symbols: dict) -> set:
     return seen
 
 
-def _build(body: list, x_src, positions, aux, y_src, symbols: dict, plan: SplitPlan, unpack: list,
+def _build(body: list, x_src, positions, aux, step: list, y_src, symbols: dict, plan: SplitPlan, unpack: list,
            pack: list) -> fx.Graph:
+    """A stage's graph. Lockstep: ``(x [B, T, ...], positions [T], aux [n, B, T, H])``. Paged (ragged steps):
+    ``(x [N, ...], positions [N], aux [n, N, H], seq, block_table, seq_start, seq_count)``, the traced row of ``N``
+    tokens being a batch of one inside."""
     g = fx.Graph()
-    x = g.placeholder("x")
+    x_in = g.placeholder("x")
     pos = g.placeholder("positions")
-    buf = g.placeholder("aux")
-    for new, old in ((x, x_src), (pos, positions), (buf, aux)):
+    aux_in = g.placeholder("aux")
+    env = {n: g.placeholder(n.target) for n in step}
+    for new, old in ((x_in, x_src), (pos, positions), (aux_in, aux), *((env[n], n) for n in step)):
         new.meta["val"] = old.meta.get("val")
+    x, buf = x_in, aux_in
+    if step:  # the row of N tokens, and the aux buffer's batch of one, as the traced graph has them
+        x = g.call_function(aten.unsqueeze.default, (x_in, 0))
+        buf = g.call_function(aten.unsqueeze.default, (aux_in, 1))
     batch = g.call_function(torch.ops.aten.sym_size.int, (x, 0))
     tokens = g.call_function(torch.ops.aten.sym_size.int, (pos, 0))
     device = g.call_function(getattr, (pos, "device"))
     sizes = {"batch": batch, "tokens": tokens}
-    env = {x_src: x, positions: pos, aux: buf}
+    env.update({x_src: x, positions: pos, aux: buf})
     packed = {}  # carried value -> its slice of x, as it came
     dtype = model_dtype(plan)
     if unpack:
@@ -164,7 +175,9 @@ def _build(body: list, x_src, positions, aux, y_src, symbols: dict, plan: SplitP
                 piece = g.call_function(aten.view.default, (piece, [batch, tokens, carry.width]))
             pieces.append(piece)
         y = g.call_function(aten.cat.default, (pieces, -1))
-    g.output((y, buf))
+    if step:
+        y = g.call_function(aten.squeeze.dim, (y, 0))
+    g.output((y, aux_in))
     for n in reversed(list(g.nodes)):  # unpacked values (and sizes) this stage does not read
         if n.op == "call_function" and not n.users and not _has_effect(n):
             g.erase_node(n)

@@ -1,6 +1,6 @@
 """The pass pipeline, stated once: the order of the passes, and ``lower``, which runs them after planning.
 
-    trace -> annotate -> plan -> partition -> taps -> attention -> fuse -> emit
+    trace -> annotate -> plan -> partition -> taps -> attention -> paged -> fuse -> emit
 
 ``trace`` and ``annotate`` run once per model (``ppsplit.trace_model``), ``plan`` once per split; ``lower`` runs
 the rest for ``split_model``, for the ``time`` policy's measurement and for ``ppsplit compile`` alike. Each pass
@@ -14,16 +14,18 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from ppsplit.core.errors import ConfigError
 from ppsplit.core.options import Fuse
 from ppsplit.core.plan import SplitPlan
 from ppsplit.passes.annotate import Annotated
 from ppsplit.passes.attention import attention as attention_pass
 from ppsplit.passes.emit import emit
 from ppsplit.passes.fuse import fuse as fuse_pass
+from ppsplit.passes.paged import paged
 from ppsplit.passes.partition import partition
 from ppsplit.passes.taps import taps
 
-ORDER = ("trace", "annotate", "plan", "partition", "taps", "attention", "fuse", "emit")
+ORDER = ("trace", "annotate", "plan", "partition", "taps", "attention", "paged", "fuse", "emit")
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,9 @@ class Lowered:
 
 
 def lower(annotated: Annotated, plan: SplitPlan, *, attention: bool = True, fuse: Fuse = "all") -> Lowered:
-    """Partition, tap, replace the cached attention (``attention``), fuse (``fuse``: "all", "norms" or "none")
-    and emit: the stages of ``plan``.
+    """Partition, tap, replace the cached attention (``attention``), page the cache (when the trace has a paged
+    cache's stand-in; ``Unpageable`` says why it cannot), fuse (``fuse``: "all", "norms" or "none") and emit: the
+    stages of ``plan``.
 
     Example::
 
@@ -46,9 +49,15 @@ def lower(annotated: Annotated, plan: SplitPlan, *, attention: bool = True, fuse
     """
     result = taps(partition(annotated, plan), plan)
     sites = fused = ()
+    info = annotated.traced
+    if info.stand_in is not None and not attention:
+        raise ConfigError("a paged cache needs the attention pass (attention=True): the traced attention reads the "
+                          "stand-in cache it replaces")
     if attention:
         result = attention_pass(result, plan)
         sites = result.sites
+    if info.stand_in is not None:
+        result = paged(result, plan, info.cache, info.stand_in)
     if fuse != "none":
         result = fuse_pass(result, plan, taps=fuse == "all")
         fused = result.report

@@ -159,6 +159,7 @@ def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Ba
         raise ConfigError("the traced graph feeds input_ids straight into layer 0; ppsplit needs an embedding")
     val = hidden.meta["val"]
     cache = annotated.traced.cache
+    paged = annotated.traced.stand_in is not None
     cost_model = cost_model or CostModel()
     region = None
     costs = annotated.costs
@@ -174,6 +175,7 @@ def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Ba
     facts = ModelFacts(hidden_size=int(val.shape[-1]), dtype=dtype_name(val.dtype),
                        model_class=annotated.traced.model_class, layers_fqn=annotated.layers.fqn,
                        max_batch=cache.batch_size if cache else 0, max_len=cache.max_len if cache else 0,
+                       block_size=cache.block_size if paged else 0, num_blocks=cache.pool_blocks if paged else 0,
                        state_slots=state_slots(annotated.traced.gm))
     return make_plan(costs, pp, taps, balance=balance, facts=facts, region_costs=region, cost_model=cost_model,
                      max_stage_bytes=max_stage_bytes, half_layers=half_layers)

@@ -45,20 +45,25 @@ class Traced:
 
     gm: fx.GraphModule
     model_class: str
-    cache: CacheConfig | None
+    cache: CacheConfig | None  # the paged cache the stages will own (the graph holds a dense stand-in, below)
     batch_symbol: str  # sympy name of the batch dimension, e.g. "s0"
     tokens_symbol: str
     tied: tuple[tuple[str, str], ...]  # (alias, canonical) pairs of parameters that share storage
     hidden_size: int = 0  # the config's, when it names one: tells the residual stream from values beside it
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # The dense cache the model is traced with, one row of ``max_len`` positions: what the attention pass proves its
+    # rewrites against, and what the paged pass replaces with the stages' block pools.
+    stand_in: CacheConfig | None = None
 
 
 class _Traceable(torch.nn.Module):
     """Fixes the call convention: ``(input_ids, positions) -> logits``, and owns the static KV cache, if any."""
 
-    def __init__(self, model: torch.nn.Module, cache: CacheConfig | None = None, num_layers: int = 0):
+    def __init__(self, model: torch.nn.Module, cache: CacheConfig | None = None, num_layers: int = 0,
+                 paged: bool = False):
         super().__init__()
+        self.paged = paged
         self.m = model
         accepted = inspect.signature(model.forward).parameters
         self._pass_positions = "position_ids" in accepted
@@ -148,9 +153,25 @@ class _Traceable(torch.nn.Module):
                 # comes from `positions`.
                 kwargs["attention_mask"] = torch.ones(input_ids.shape[0], self.max_len, dtype=torch.long,
                                                       device=input_ids.device)
-        with self.scans.routed(self.kv, positions):
+        with self.scans.routed(self.kv, positions), _no_padding_masks(self.m, self.paged):
             out = self.m(input_ids=input_ids, **kwargs)
         return out.logits if hasattr(out, "logits") else out[0]
+
+
+@contextlib.contextmanager
+def _no_padding_masks(model: torch.nn.Module, active: bool):
+    """A paged trace is one row of real tokens: the state-space layers' padding mask (``apply_mask_to_padding_states``
+    in their model files, sized from the one-row cache's mask) is the identity there, so route it to one; otherwise
+    its length would tie the token count to the stand-in's."""
+    files = {sys.modules[type(m).__module__] for m in model.modules()} if active else set()
+    saved = [(f, f.apply_mask_to_padding_states) for f in files if hasattr(f, "apply_mask_to_padding_states")]
+    try:
+        for f, _ in saved:
+            f.apply_mask_to_padding_states = lambda hidden_states, attention_mask, *args, **kwargs: hidden_states
+        yield
+    finally:
+        for f, fn in saved:
+            f.apply_mask_to_padding_states = fn
 
 
 # Layer kinds whose decoding state is not keys and values at positions (transformers' ``layer_types`` names):
@@ -194,11 +215,12 @@ def refuse_uncached_state(model: torch.nn.Module, scans: RecurrentScans | None =
 
 
 def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layers: int = 0,
-          example_tokens: int = 8) -> Traced:
+          example_tokens: int = 8, paged: bool = True) -> Traced:
     """Export ``model`` (real or on the meta device) into an FX graph ``(input_ids, positions) -> logits``.
 
-    With ``cache``, the graph owns a static KV cache (``kv_cache.<layer>.keys/values`` buffers, one per layer of
-    the ``num_layers``) that each call writes at ``positions``.
+    With ``cache``, the graph owns a cache (``kv_cache.<layer>.keys/values`` buffers, one per layer of the
+    ``num_layers``) that each call writes at ``positions``: with ``paged`` (the default) a one-row stand-in that the
+    paged pass turns into block pools, else the lockstep ``batch_size x max_len`` cache itself.
 
     Example::
 
@@ -209,9 +231,14 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     vocab = _vocab_size(model)
     max_tokens = getattr(model.config, "max_position_embeddings", None)
     max_batch = None
+    stand_in = None
     if cache is not None:
         max_tokens = cache.max_len if not max_tokens else min(max_tokens, cache.max_len)
-        max_batch = cache.batch_size
+        if paged:
+            stand_in = stand_in_cache(model, cache)
+            max_batch = 1  # a ragged step is one row of tokens
+        else:
+            max_batch = cache.batch_size
     example_tokens = min(example_tokens, max_tokens) if max_tokens else example_tokens
     example_batch = min(2, max_batch) if max_batch else 2
     ids = (torch.arange(example_batch * example_tokens, device=device) % max(vocab, 1)).view(example_batch, example_tokens)
@@ -222,7 +249,7 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     was_training = model.training
     model.eval()
     try:
-        wrapper = _Traceable(model, cache, num_layers)
+        wrapper = _Traceable(model, stand_in or cache, num_layers, paged=stand_in is not None)
         ep, length_error = _export_dynamic(model, wrapper, ids, positions, batch, tokens)
     except (ConfigError, TraceError):
         raise
@@ -253,8 +280,20 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         tokens_symbol=t_sym,
         tied=tied,
         hidden_size=_hidden_size(model),
+        stand_in=stand_in,
         **_generation_ids(model),
     )
+
+
+def stand_in_cache(model: torch.nn.Module, cache: CacheConfig) -> CacheConfig:
+    """The dense one-row cache a model is traced with: long enough that a sliding window (or attention chunk) of
+    the config shows in the attention the pass checks, short enough to check quickly."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    reach = [getattr(config, name, None) for name in ("sliding_window", "attention_chunk_size", "chunk_size")]
+    reach = max((r for r in reach if isinstance(r, int) and not isinstance(r, bool)), default=0)
+    length = min(cache.max_len, max(64, 2 * reach + 64))
+    return CacheConfig(batch_size=1, max_len=length, state_slots=cache.state_slots, block_size=cache.block_size)
 
 
 def _hidden_size(model: torch.nn.Module) -> int:

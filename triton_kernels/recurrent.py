@@ -111,23 +111,25 @@ def ssm_scan_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
 
 if HAVE_TRITON:
     @triton.jit
-    def _gated_delta_kernel(q, k, v, g, beta, ring, positions, out, T, R, HV, GROUP, scale,
+    def _gated_delta_kernel(q, k, v, g, beta, ring, positions, STARTS, COUNTS, ROWS, out, R, HV, GROUP, scale,
                             sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sgb, sgt, sgh, sbb, sbt, sbh,
                             srb, srs, srh, sob, sot, soh,
                             DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
                             G_PER_KEY: tl.constexpr):
         pid = tl.program_id(0)
-        b, h = pid // HV, pid % HV
+        s, h = pid // HV, pid % HV  # s: the sequence (ring row); its tokens are t0 .. t0 + T - 1 of row b
+        t0, T, b = tl.load(STARTS + s), tl.load(COUNTS + s), tl.load(ROWS + s)
         hk = h // GROUP
         dk = tl.arange(0, DK)
         dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         vmask = dv < DV
         tile = dk[:, None] * DV + dv[None, :]
-        p0 = tl.load(positions)
-        start = ring + b * srb + h * srh
+        p0 = tl.load(positions + t0)
+        start = ring + s * srb + h * srh
         state = tl.load(start + ((p0 - 1 + R) % R) * srs + tile, mask=vmask[None, :], other=0.0)
         state = tl.where(p0 > 0, state, 0.0)
-        for t in range(T):
+        for i in range(T):
+            t = t0 + i
             kt = tl.load(k + b * skb + t * skt + hk * skh + dk).to(tl.float32)
             qt = tl.load(q + b * sqb + t * sqt + hk * sqh + dk).to(tl.float32)
             if L2NORM:
@@ -146,16 +148,17 @@ if HAVE_TRITON:
             state = state + kt[:, None] * delta[None, :]
             o = tl.sum(state * qt[:, None], 0)
             tl.store(out + b * sob + t * sot + h * soh + dv, o.to(out.dtype.element_ty), mask=vmask)
-            if t >= T - R:
+            if i >= T - R:
                 slot = tl.load(positions + t) % R
                 tl.store(start + slot * srs + tile, state, mask=vmask[None, :])
 
     @triton.jit
-    def _ssm_kernel(x, dt, A, B, C, ring, positions, out, T, R, H, GROUP, P,
+    def _ssm_kernel(x, dt, A, B, C, ring, positions, STARTS, COUNTS, ROWS, out, R, H, GROUP, P,
                     sxb, sxt, sxh, sdb, sdt, sdh, sBb, sBt, sBg, sCb, sCt, sCg, srb, srs, srh, sob, sot, soh,
                     N: tl.constexpr, BLOCK_P: tl.constexpr, A_PER_STATE: tl.constexpr):
         pid = tl.program_id(0)
-        b, h = pid // H, pid % H
+        s, h = pid // H, pid % H  # s: the sequence (ring row); its tokens are t0 .. t0 + T - 1 of row b
+        t0, T, b = tl.load(STARTS + s), tl.load(COUNTS + s), tl.load(ROWS + s)
         grp = h // GROUP
         n = tl.arange(0, N)
         p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -165,11 +168,12 @@ if HAVE_TRITON:
             rate = tl.load(A + h * N + n).to(tl.float32)
         else:
             rate = tl.load(A + h + n * 0).to(tl.float32)
-        p0 = tl.load(positions)
-        start = ring + b * srb + h * srh
+        p0 = tl.load(positions + t0)
+        start = ring + s * srb + h * srh
         state = tl.load(start + ((p0 - 1 + R) % R) * srs + tile, mask=pmask[:, None], other=0.0)
         state = tl.where(p0 > 0, state, 0.0)
-        for t in range(T):
+        for i in range(T):
+            t = t0 + i
             step = tl.load(dt + b * sdb + t * sdt + h * sdh).to(tl.float32)
             xt = tl.load(x + b * sxb + t * sxt + h * sxh + p, mask=pmask, other=0.0).to(tl.float32)
             bt = tl.load(B + b * sBb + t * sBt + grp * sBg + n).to(tl.float32)
@@ -177,7 +181,7 @@ if HAVE_TRITON:
             state = state * tl.exp(step * rate)[None, :] + (step * xt)[:, None] * bt[None, :]
             y = tl.sum(state * ct[None, :], 1)
             tl.store(out + b * sob + t * sot + h * soh + p, y, mask=pmask)
-            if t >= T - R:
+            if i >= T - R:
                 slot = tl.load(positions + t) % R
                 tl.store(start + slot * srs + tile, state, mask=pmask[:, None])
 
@@ -190,35 +194,47 @@ def _last_dim_contiguous(*tensors):
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
-def launch_gated_delta(query, key, value, g, beta, ring, positions, l2norm: bool, *, wrap=lambda kernel: kernel):
-    """The Triton path of ``gated_delta_scan`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+def _dense_segments(batch: int, tokens: int, device):
+    """A lockstep call as segments: sequence ``b`` is row ``b``'s ``tokens`` tokens."""
+    return (torch.zeros(batch, dtype=torch.long, device=device), torch.full((batch,), tokens, device=device),
+            torch.arange(batch, device=device))
+
+
+def launch_gated_delta(query, key, value, g, beta, ring, positions, l2norm: bool, segments=None, *,
+                       wrap=lambda kernel: kernel):
+    """The Triton path of ``gated_delta_scan`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
+    ``segments``: ``(starts, counts, rows)`` per sequence (ring row); default: one per batch row."""
     batch, tokens, k_heads, dk = key.shape
     v_heads, dv = value.shape[2], value.shape[3]
     if dk != _pow2(dk):
         raise ValueError(f"gated_delta_scan's kernel needs a power-of-two key head dim, got {dk}")
     query, key, value, g = _last_dim_contiguous(query, key, value, g)
-    out = torch.empty(batch, tokens, v_heads, dv, dtype=query.dtype, device=query.device)
+    starts, counts, rows = segments if segments is not None else _dense_segments(batch, tokens, query.device)
+    out = torch.zeros(batch, tokens, v_heads, dv, dtype=query.dtype, device=query.device)  # padding: zeros
     block_v = min(_pow2(dv), 32)
-    wrap(_gated_delta_kernel)[(batch * v_heads, triton.cdiv(dv, block_v))](
-        query, key, value, g, beta, ring, positions, out, tokens, ring.shape[1], v_heads, v_heads // k_heads,
+    wrap(_gated_delta_kernel)[(starts.shape[0] * v_heads, triton.cdiv(dv, block_v))](
+        query, key, value, g, beta, ring, positions, starts, counts, rows, out, ring.shape[1], v_heads,
+        v_heads // k_heads,
         dk ** -0.5, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *g.stride()[:3], *beta.stride()[:3],
         *ring.stride()[:3], *out.stride()[:3], DK=dk, DV=dv, BLOCK_V=block_v, L2NORM=l2norm,
         G_PER_KEY=g.dim() == 4, num_warps=4)
     return out
 
 
-def launch_ssm_scan(x, dt, A, B, C, ring, positions, *, wrap=lambda kernel: kernel):
-    """The Triton path of ``ssm_scan`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+def launch_ssm_scan(x, dt, A, B, C, ring, positions, segments=None, *, wrap=lambda kernel: kernel):
+    """The Triton path of ``ssm_scan`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``); ``segments`` as in
+    ``launch_gated_delta``."""
     batch, tokens, heads, head_dim = x.shape
     groups, n = B.shape[2], B.shape[3]
     if n != _pow2(n):
         raise ValueError(f"ssm_scan's kernel needs a power-of-two state size, got {n}")
     x, B, C = _last_dim_contiguous(x, B, C)
     A = A.contiguous()
-    out = torch.empty(batch, tokens, heads, head_dim, dtype=torch.float32, device=x.device)
+    starts, counts, rows = segments if segments is not None else _dense_segments(batch, tokens, x.device)
+    out = torch.zeros(batch, tokens, heads, head_dim, dtype=torch.float32, device=x.device)  # padding: zeros
     block_p = min(_pow2(head_dim), max(1, 4096 // n))
-    wrap(_ssm_kernel)[(batch * heads, triton.cdiv(head_dim, block_p))](
-        x, dt, A, B, C, ring, positions, out, tokens, ring.shape[1], heads, heads // groups, head_dim,
+    wrap(_ssm_kernel)[(starts.shape[0] * heads, triton.cdiv(head_dim, block_p))](
+        x, dt, A, B, C, ring, positions, starts, counts, rows, out, ring.shape[1], heads, heads // groups, head_dim,
         *x.stride()[:3], *dt.stride()[:3], *B.stride()[:3], *C.stride()[:3], *ring.stride()[:3], *out.stride()[:3],
         N=n, BLOCK_P=block_p, A_PER_STATE=A.dim() == 2, num_warps=4)
     return out
@@ -255,4 +271,57 @@ def ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
 
 @ssm_scan.register_fake
 def _(x, dt, A, B, C, ring, positions):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+def _ragged(scan, per_token: tuple, out: torch.Tensor, ring, positions, seq_start, seq_count) -> torch.Tensor:
+    """A ragged step through a lockstep reference: ``scan(tensors of one sequence's tokens, ring row, positions)``
+    per sequence (row 0, contiguous tokens, its own ring row) into ``out`` (zeros, which padding tokens keep)."""
+    for s, (start, count) in enumerate(zip(seq_start.tolist(), seq_count.tolist())):
+        if count:
+            piece = [t[:, start:start + count] for t in per_token]
+            out[:, start:start + count] = scan(*piece, ring[s:s + 1], positions[start:start + count])
+    return out
+
+
+@register("ppsplit::ragged_gated_delta_scan", ("ring",))
+def ragged_gated_delta_scan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, seq_start: torch.Tensor,
+                            seq_count: torch.Tensor, l2norm: bool) -> torch.Tensor:
+    """``gated_delta_scan`` over a ragged step (``[1, N, ...]``): sequence slot ``s``'s tokens
+    ``seq_start[s] .. + seq_count[s]`` start from and write ring row ``s``."""
+    if on_gpu(query) and _kernel_fits(key.shape[-1]):
+        with torch.cuda.device(query.device):
+            return launch_gated_delta(query, key, value, g, beta, ring, positions, l2norm,
+                                      (seq_start, seq_count, torch.zeros_like(seq_start)), wrap=wrap_triton)
+    out = torch.zeros(value.shape, dtype=query.dtype, device=query.device)
+
+    def scan(q, k, v, g_, b_, ring_row, pos):
+        return gated_delta_reference(q, k, v, g_, b_, ring_row, pos, l2norm)
+    return _ragged(scan, (query, key, value, g, beta), out, ring, positions, seq_start, seq_count)
+
+
+@ragged_gated_delta_scan.register_fake
+def _(query, key, value, g, beta, ring, positions, seq_start, seq_count, l2norm):
+    return value.new_empty(value.shape, dtype=query.dtype)
+
+
+@register("ppsplit::ragged_ssm_scan", ("ring",))
+def ragged_ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                    ring: torch.Tensor, positions: torch.Tensor, seq_start: torch.Tensor,
+                    seq_count: torch.Tensor) -> torch.Tensor:
+    """``ssm_scan`` over a ragged step, as ``ragged_gated_delta_scan``."""
+    if on_gpu(x) and _kernel_fits(B.shape[-1]):
+        with torch.cuda.device(x.device):
+            return launch_ssm_scan(x, dt, A, B, C, ring, positions, (seq_start, seq_count, torch.zeros_like(seq_start)),
+                                   wrap=wrap_triton)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+
+    def scan(x_, dt_, B_, C_, ring_row, pos):
+        return ssm_scan_reference(x_, dt_, A, B_, C_, ring_row, pos)
+    return _ragged(scan, (x, dt, B, C), out, ring, positions, seq_start, seq_count)
+
+
+@ragged_ssm_scan.register_fake
+def _(x, dt, A, B, C, ring, positions, seq_start, seq_count):
     return x.new_empty(x.shape, dtype=torch.float32)

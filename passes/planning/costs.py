@@ -96,8 +96,9 @@ def count_flops(annotated: Annotated) -> FlopCounts:
     """
     info = annotated.traced
     num_layers = annotated.layers.num_layers
-    max_len = info.cache.max_len if info.cache is not None else None
-    names = {info.batch_symbol: B, info.tokens_symbol: T}
+    max_len = info.stand_in.max_len if info.stand_in is not None else None
+    # A paged trace is one row of tokens: a step of B sequences of T tokens is B * T of them.
+    names = {info.batch_symbol: B, info.tokens_symbol: T} if info.stand_in is None else {info.tokens_symbol: B * T}
     embed, head, stage = sympy.Integer(0), sympy.Integer(0), sympy.Integer(0)
     layers = [sympy.Integer(0)] * num_layers
     attention = [sympy.Integer(0)] * num_layers

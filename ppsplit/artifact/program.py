@@ -28,7 +28,10 @@ from ppsplit.core.tensors import DTYPES, dtype_name
 
 FORMAT = "ppsplit.stage-program"
 VERSION = 1
-INPUTS = ("x", "positions", "aux")  # the stage contract: y, aux = stage(x, positions, aux)
+# The stage contracts: y, aux = stage(x, positions, aux) (no cache, or a lockstep cache); and a paged cache's ragged
+# steps, which also take the step's metadata (ppsplit.core.ragged.STEP_INPUTS).
+INPUTS = ("x", "positions", "aux", "seq", "block_table", "seq_start", "seq_count")
+_CONTRACTS = (3, len(INPUTS))
 _OP_NAMESPACES = ("aten", "ppsplit", "transformers")
 _OP_NAME = re.compile(r"^(" + "|".join(_OP_NAMESPACES) + r")::([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)$")
 _PY_FUNCS = {f"operator.{name}": getattr(operator, name) for name in (
@@ -205,7 +208,8 @@ def graph_from_json(data, tensors) -> fx.Graph:
         args = tuple(_decode(a, env, f"{where}.args") for a in args)
         if op == "placeholder":
             if inputs >= len(INPUTS) or entry.get("target") != INPUTS[inputs] or args or kwargs or len(graph.nodes) > inputs:
-                raise ProgramError(f"{where}: the program's inputs must be {', '.join(INPUTS)}, first and in order")
+                raise ProgramError(f"{where}: the program's inputs must be {', '.join(INPUTS[:3])} (and for ragged "
+                                   f"steps {', '.join(INPUTS[3:])}), first and in order")
             node = graph.placeholder(INPUTS[inputs])
             inputs += 1
         elif op == "get_attr":
@@ -218,8 +222,9 @@ def graph_from_json(data, tensors) -> fx.Graph:
             node = graph.call_function(target, args, _kwargs(target, kwargs, env, where))
             _check_call(target, node, where)
         elif op == "output":
-            if len(args) != 1 or kwargs or inputs != len(INPUTS):
-                raise ProgramError(f"{where}: the output takes one value, after the inputs {', '.join(INPUTS)}")
+            if len(args) != 1 or kwargs or inputs not in _CONTRACTS:
+                raise ProgramError(f"{where}: the output takes one value, after the inputs {', '.join(INPUTS[:3])} "
+                                   f"(and for ragged steps {', '.join(INPUTS[3:])})")
             node = graph.output(args[0])
             ended = True
         else:

@@ -5,6 +5,7 @@ rewrites (``ppsplit.passes.rewrites``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -15,6 +16,7 @@ from ppsplit.core.errors import ConfigError
 from ppsplit.core.layers import LayerStack, find_layers
 from ppsplit.core.options import Aux, CacheConfig, SplitOptions
 from ppsplit.passes.annotate import Annotated, annotate
+from ppsplit.passes.paged import Unpageable
 from ppsplit.passes.pipeline import lower
 from ppsplit.passes.plan import plan as make_split_plan
 from ppsplit.passes.rewrites import apply_rewrites
@@ -24,7 +26,8 @@ from ppsplit.serve.runtime import SplitModel
 log = logging.getLogger("ppsplit")
 
 
-def trace_model(model: torch.nn.Module, *, layers: str | None = None, cache: CacheConfig | None = None) -> Annotated:
+def trace_model(model: torch.nn.Module, *, layers: str | None = None, cache: CacheConfig | None = None,
+                paged: bool = True) -> Annotated:
     """Trace and annotate ``model`` once; pass the result to ``split_model`` to split it several ways.
 
     Example::
@@ -35,13 +38,13 @@ def trace_model(model: torch.nn.Module, *, layers: str | None = None, cache: Cac
     """
     if cache is not None and not isinstance(cache, CacheConfig):
         raise ConfigError(f"cache must be a ppsplit.CacheConfig(batch_size, max_len), but got {cache!r}")
-    return _trace(model, find_layers(model, layers), cache)
+    return _trace(model, find_layers(model, layers), cache, paged)
 
 
-def _trace(model: torch.nn.Module, stack: LayerStack, cache: CacheConfig | None) -> Annotated:
+def _trace(model: torch.nn.Module, stack: LayerStack, cache: CacheConfig | None, paged: bool = True) -> Annotated:
     start = time.perf_counter()
     log.info("tracing %s (%d decoder layers) with torch.export", type(model).__name__, stack.num_layers)
-    annotated = annotate(trace(model, cache=cache, num_layers=stack.num_layers), stack)
+    annotated = annotate(trace(model, cache=cache, num_layers=stack.num_layers, paged=paged), stack)
     log.info("traced %d nodes in %.1fs", len(annotated.gm.graph.nodes), time.perf_counter() - start)
     return annotated
 
@@ -82,7 +85,16 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
         raise ConfigError("pass either options=SplitOptions(...) or the options as keywords, not both")
     traced, taps = _traced(model, options)
     plan = plan_split(traced, options, taps)
-    lowered = lower(traced, plan, attention=options.attention, fuse=options.fuse)
+    try:
+        lowered = lower(traced, plan, attention=options.attention, fuse=options.fuse)
+    except Unpageable as e:
+        if isinstance(model, Annotated):
+            raise Unpageable(f"{e}; trace with trace_model(model, cache=..., paged=False) for a lockstep cache") from None
+        # The stages keep a lockstep batch x max_len cache instead: they decode, but take no ragged steps.
+        log.warning("%s: the stages keep a lockstep cache (%s)", traced.traced.model_class, e)
+        traced = _trace(model, find_layers(model, options.layers), options.cache, paged=False)
+        plan = dataclasses.replace(plan_split(traced, options, taps), lockstep_reason=str(e))
+        lowered = lower(traced, plan, attention=options.attention, fuse=options.fuse)
     for stage in lowered.stages:
         apply_rewrites(stage, options.stage)
     info = traced.traced

@@ -33,24 +33,46 @@ _FUSE_SPELLINGS = {True: "all", False: "none", "all": "all", "norms": "norms", "
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """A static KV cache for up to ``batch_size`` sequences of up to ``max_len`` tokens (prompt included).
-    ``state_slots``: states each recurrent layer (Mamba, Gated DeltaNet) keeps per sequence, the longest verify pass
-    (``K + 1`` tokens) the stages can take back; models without such layers ignore it.
+    """The stages' paged cache: a pool of ``num_blocks`` blocks of ``block_size`` token positions per layer, shared
+    by up to ``batch_size`` sequence slots of up to ``max_len`` positions each (prompt and output). Which blocks a
+    slot owns is host data the caller passes with every step (its block table); by default the pool holds every
+    slot full (``batch_size * ceil(max_len / block_size)`` blocks), and a smaller ``num_blocks`` sizes it by the
+    tokens in flight instead. ``state_slots``: the states each recurrent layer (Mamba, Gated DeltaNet) keeps per
+    sequence slot, the longest verify pass (``K + 1`` tokens) the stages can take back.
 
     Example::
 
         split = split_model(model, pp=4, aux="eagle3", cache=CacheConfig(batch_size=8, max_len=4096))
+        CacheConfig(batch_size=64, max_len=8192, num_blocks=8192)       # 64 slots over 131072 pooled tokens
     """
 
     batch_size: int
     max_len: int
     state_slots: int = 8
+    block_size: int = 16
+    num_blocks: int | None = None
 
     def __post_init__(self):
-        for name in ("batch_size", "max_len", "state_slots"):
+        for name in ("batch_size", "max_len", "state_slots", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"CacheConfig.{name} must be a positive integer, but got {value!r}")
+        if self.block_size & (self.block_size - 1) or not 16 <= self.block_size <= 256:
+            raise ConfigError(f"CacheConfig.block_size must be a power of two from 16 to 256 (the attention kernel "
+                              f"reads a block as one tile), but got {self.block_size}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool)
+                                            or self.num_blocks < self.blocks_per_seq):
+            raise ConfigError(f"CacheConfig.num_blocks must be an integer of at least {self.blocks_per_seq} (one "
+                              f"sequence of max_len={self.max_len} positions), but got {self.num_blocks!r}")
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """The block table's width: blocks that hold ``max_len`` positions."""
+        return -(-self.max_len // self.block_size)
+
+    @property
+    def pool_blocks(self) -> int:
+        return self.num_blocks if self.num_blocks is not None else self.batch_size * self.blocks_per_seq
 
 
 @dataclass(frozen=True)

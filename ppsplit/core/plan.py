@@ -14,7 +14,7 @@ from ppsplit.core.checked import FolderError, check, from_json
 from ppsplit.core.options import CostModel
 
 _ELEMENT_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-PLAN_VERSION = 4  # 4: stages may end mid-layer; 3: values carried beside the residual stream; 2: structured fusion
+PLAN_VERSION = 5  # 5: a paged cache; 4: stages may end mid-layer; 3: carried values; 2: structured fusion
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,8 @@ class ModelFacts:
     max_batch: int = 0
     max_len: int = 0
     state_slots: int = 0
+    block_size: int = 0
+    num_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,9 @@ class SplitPlan:
     carries: tuple[Carry, ...] = ()  # values other than the residual stream that cross boundaries (partition)
     replicas: tuple[tuple[int, str, int], ...] = ()  # (stage, cache buffer, bytes): another stage's cache kept too
     state_slots: int = 0  # ring slots of recurrent layers' states: the most tokens a verify pass can take back
+    block_size: int = 0  # a paged cache (ragged stages): positions per block, and blocks in each layer's pool
+    num_blocks: int = 0
+    lockstep_reason: str = ""  # why a cached split has a lockstep cache (no ragged steps), when it does
 
     def __post_init__(self):
         if list(self.taps) != sorted(set(self.taps)) or any(not 0 <= t <= self.num_layers for t in self.taps):
@@ -236,6 +241,16 @@ class SplitPlan:
     @property
     def pp(self) -> int:
         return len(self.stages)
+
+    @property
+    def paged(self) -> bool:
+        """Whether the stages own a paged cache and take ragged steps (else: no cache, or a folder from before
+        paging with a lockstep ``max_batch x max_len`` cache)."""
+        return self.block_size > 0
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.max_len // self.block_size) if self.paged else 0
 
     @property
     def n_slots(self) -> int:
@@ -311,6 +326,10 @@ class SplitPlan:
         for s in d["stages"]:
             if not s["half_end"]:
                 del s["half_end"]
+        if not self.paged:
+            del d["block_size"], d["num_blocks"]
+        if not self.lockstep_reason:
+            del d["lockstep_reason"]
         for key, names in (("costs", ("mid_layers", "attn_params", "attn_bytes")), ("region_costs", ("attention",))):
             for name in names:
                 if d.get(key) is not None and not d[key][name]:
@@ -364,6 +383,11 @@ class SplitPlan:
     def describe(self) -> str:
         """A human-readable table of stages and taps (what ``ppsplit inspect`` prints)."""
         cache = f", KV cache {self.max_batch} x {self.max_len} tokens" if self.max_len else ""
+        if self.paged:
+            cache = (f", paged cache of {self.num_blocks} blocks x {self.block_size} positions for {self.max_batch} "
+                     f"sequences of up to {self.max_len}")
+        elif self.lockstep_reason:
+            cache += f" (lockstep: no ragged steps, because {self.lockstep_reason})"
         lines = [f"{self.model_class or 'model'}: {self.num_layers} layers, hidden {self.hidden_size}, {self.dtype}, "
                  f"pp={self.pp}, balance={self.balance}, {self.n_slots} aux slots{cache}"]
         unit = self.region_costs.unit if self.region_costs else ("layers" if self.balance == "layers" else "params")

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppsplit.core.graphs import capture
+from ppsplit.core.ragged import RaggedStep
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -107,8 +108,8 @@ class Eagle3Drafter(nn.Module):
         self.rope_scale = float(rope_scale)
         self.n_slots = max(self.slots) + 1 if n_slots is None else n_slots  # slots in the split's aux buffer
         self.graphs: dict = {}  # (batch, window rows, k) -> captured greedy draft (see capture)
-        for name in ("cache_keys", "cache_values", "cache_positions"):  # set by allocate_cache
-            self.register_buffer(name, None, persistent=False)
+        for name in ("cache_keys", "cache_values", "cache_positions", "paged_keys", "paged_values"):
+            self.register_buffer(name, None, persistent=False)  # set by allocate_cache / allocate_paged
 
     # -- state ---------------------------------------------------------------------------------------------------
     @property
@@ -124,6 +125,18 @@ class Eagle3Drafter(nn.Module):
         self.cache_keys = torch.zeros(shape, dtype=dtype, device=dev)
         self.cache_values = torch.zeros(shape, dtype=dtype, device=dev)
         self.cache_positions = torch.arange(max_len, device=dev)
+        return self
+
+    def allocate_paged(self, layout) -> "Eagle3Drafter":
+        """Give the drafter a paged cache over the target's block tables (``CacheLayout``): its positions are the
+        target's, so a request's blocks serve both; ``forward`` then takes a ``RaggedStep`` for positions."""
+        import ppsplit.triton_kernels.paged  # noqa: F401  (registers the paged ops)
+
+        attn = self.midlayer.self_attn
+        shape = (layout.num_blocks, layout.block_size, attn.kv_heads, attn.head_dim)
+        dev, dtype = self.fc.weight.device, self.fc.weight.dtype
+        self.paged_keys = torch.zeros(shape, dtype=dtype, device=dev)
+        self.paged_values = torch.zeros(shape, dtype=dtype, device=dev)
         return self
 
     # -- forward -------------------------------------------------------------------------------------------------
@@ -152,9 +165,14 @@ class Eagle3Drafter(nn.Module):
         out = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.lm_head(self.norm(out)), out
 
-    def _attention(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _attention(self, h: torch.Tensor, positions) -> torch.Tensor:
+        """Attention of ``h [B, T, 2H]`` at ``positions``: a tensor ``[T]`` (the dense cache) or a ``RaggedStep``
+        (``B = 1``, the paged cache of ``allocate_paged``)."""
         attn = self.midlayer.self_attn
         batch, tokens, _ = h.shape
+        step = positions if isinstance(positions, RaggedStep) else None
+        if step is not None:
+            positions = step.positions
         q = attn.q_proj(h).view(batch, tokens, attn.heads, attn.head_dim).transpose(1, 2)
         k = attn.k_proj(h).view(batch, tokens, attn.kv_heads, attn.head_dim).transpose(1, 2)
         v = attn.v_proj(h).view(batch, tokens, attn.kv_heads, attn.head_dim).transpose(1, 2)
@@ -162,6 +180,14 @@ class Eagle3Drafter(nn.Module):
         angles = torch.cat([freqs, freqs], dim=-1)
         cos, sin = (angles.cos() * self.rope_scale).to(q.dtype), (angles.sin() * self.rope_scale).to(q.dtype)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if step is not None:
+            ops = torch.ops.ppsplit
+            slots = ops.slot_mapping(step.positions, step.seq, step.block_table, self.paged_keys.shape[1])
+            ops.paged_write(self.paged_keys, k[0].transpose(0, 1), slots)
+            ops.paged_write(self.paged_values, v[0].transpose(0, 1), slots)
+            o = ops.paged_attention(q, self.paged_keys, self.paged_values, *step.tensors(), attn.head_dim ** -0.5, 0,
+                                    0.0, None, None)
+            return attn.o_proj(o.transpose(1, 2).reshape(batch, tokens, attn.heads * attn.head_dim))
         if self.cache_keys is None or self.training:  # no cache (training): attend within this call
             keys, values, key_positions = k, v, positions
         else:

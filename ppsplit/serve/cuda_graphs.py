@@ -13,15 +13,19 @@ import torch
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.graphs import capture
 from ppsplit.core.plan import SplitPlan
-from ppsplit.core.tensors import model_dtype, module_device, new_aux
+from ppsplit.core.ragged import CacheLayout, RaggedStep
+from ppsplit.core.tensors import model_dtype, module_device
 
 
 class CapturedStage:
-    """A stage captured for one ``(batch, tokens)`` bucket.
+    """A stage captured for one bucket: ``(batch, tokens)`` for a lockstep stage; for a paged stage (ragged steps)
+    ``batch`` is 0 and ``tokens`` the step's ``N`` (a step is padded to its bucket; padding tokens have sequence
+    slot -1, write nowhere and read nothing). The step's metadata lives in static buffers too, so a replay needs no
+    host synchronisation.
 
-    Zero-copy use: write ``x``, ``positions`` and the received prefix of ``aux`` in place, call ``replay()``,
-    read ``y`` and this stage's slots of ``aux``. ``__call__`` does the copies for you and keeps the stage
-    contract ``y, aux = captured(x, positions, aux)``.
+    Zero-copy use: write ``x``, ``positions`` (and ``meta``) and the received prefix of ``aux`` in place, call
+    ``replay()``, read ``y`` and this stage's slots of ``aux``. ``__call__`` does the copies for you and keeps the
+    stage contract ``y, aux = captured(x, positions, aux, *metadata)``.
 
     Example::
 
@@ -38,25 +42,31 @@ class CapturedStage:
             raise ConfigError(f"CUDA-graph capture needs the stage on a CUDA device, but stage {self.index} is on "
                               f"{device}; move it first (split.place([...]) or load_stage(folder, k, 'cuda:k'))")
         dtype = model_dtype(plan)
+        rows = (tokens,) if plan.paged else (batch, tokens)
         if self.index == 0:
-            self.x = torch.zeros(batch, tokens, dtype=torch.long, device=device)
+            self.x = torch.zeros(*rows, dtype=torch.long, device=device)
         else:
-            self.x = torch.zeros(batch, tokens, plan.width(self.index), dtype=dtype, device=device)
-        self.positions = torch.arange(tokens, device=device)
-        self.aux = new_aux(plan, batch, tokens, device, fill=torch.zeros)
+            self.x = torch.zeros(*rows, plan.width(self.index), dtype=dtype, device=device)
+        self.aux = torch.zeros(plan.n_slots, *rows, plan.hidden_size, dtype=dtype, device=device)
+        if plan.paged:  # every token of the capture is padding: the warm-up and capture write no cache entry
+            layout = CacheLayout.of(plan)
+            self.meta = [t.to(device) for t in RaggedStep.build([], {}, layout, pad_to=tokens).tensors()]
+        else:
+            self.meta = [torch.arange(tokens, device=device)]
+        self.positions = self.meta[0]
         self.received = plan.filled(self.index - 1) if self.index else 0
         self.own = plan.slots_of(self.index)
-
-        self.graph, (self.y, _) = capture(lambda: stage(self.x, self.positions, self.aux), device, pool=pool,
-                                          warmup=warmup)
+        self.graph, (self.y, _) = capture(lambda: stage(self.x, self.meta[0], self.aux, *self.meta[1:]), device,
+                                          pool=pool, warmup=warmup)
 
     def replay(self) -> torch.Tensor:
         self.graph.replay()
         return self.y
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, aux: torch.Tensor):
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, aux: torch.Tensor, *meta: torch.Tensor):
         self.x.copy_(x)
-        self.positions.copy_(positions)
+        for static, value in zip(self.meta, (positions, *meta)):
+            static.copy_(value)
         if self.received:
             self.aux[: self.received].copy_(aux[: self.received])
         self.graph.replay()
@@ -66,5 +76,6 @@ class CapturedStage:
 
 
 def cuda_graph(stage: torch.nn.Module, batch: int, tokens: int, *, pool=None) -> CapturedStage:
-    """Capture ``stage`` for a fixed ``(batch, tokens)`` bucket (prefill: T, decode: 1, verify: K+1)."""
+    """Capture ``stage`` for a fixed bucket: ``(batch, tokens)`` (prefill: T, decode: 1, verify: K+1), or for a
+    paged stage ``batch=0`` and ``tokens`` the step's token count."""
     return CapturedStage(stage, batch, tokens, pool=pool)

@@ -12,6 +12,7 @@ from ppsplit.core.errors import ConfigError
 from ppsplit.core.generation import EndOfSequence
 from ppsplit.core.fx_utils import is_cache_buffer
 from ppsplit.core.plan import SplitPlan
+from ppsplit.core.ragged import CacheLayout, RaggedStep
 from ppsplit.core.tensors import model_dtype, module_device, new_aux
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
@@ -34,7 +35,8 @@ class SplitModel(torch.nn.Module):
         self.stages = torch.nn.ModuleList(stages)
         self.eos_token_id = tuple(eos_token_id)
         self.pad_token_id = pad_token_id
-        self.graphs: dict[tuple[int, int], list] = {}  # (batch, tokens) -> one CapturedStage per stage
+        self.graphs: dict[tuple[int, int], list] = {}  # (batch, tokens) -> one CapturedStage per stage; paged: (0, N)
+        self.layout = CacheLayout.of(plan) if plan.paged else None
         self.drafter = None  # an Eagle3Drafter on the last stage: load() attaches a folder's, or set it yourself
 
     @property
@@ -57,12 +59,17 @@ class SplitModel(torch.nn.Module):
         """Run all stages: ``(input_ids [B, T], positions [T]) -> (logits [B, T, V], aux [n_slots, B, T, H])``.
 
         The inputs are checked first (shapes, dtypes, and that batch and positions fit the KV cache: one host read
-        of ``positions``); ``check=False`` skips that, for loops that know their positions are in range."""
+        of ``positions``); ``check=False`` skips that, for loops that know their positions are in range. With a
+        paged cache this is a ragged step in which row ``b`` is sequence slot ``b`` (``step`` runs any other)."""
         if positions is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         if check:
             self.check_inputs(input_ids, positions)
         batch, tokens = input_ids.shape
+        if self.layout is not None:
+            step = RaggedStep.lockstep(batch, tokens, int(positions[0]), self.layout)
+            logits, aux = self.step(input_ids.reshape(-1), step)
+            return logits.view(batch, tokens, -1), aux.view(aux.shape[0], batch, tokens, -1)
         captured = self.graphs.get((batch, tokens))
         x, aux = input_ids, None
         for k, stage in enumerate(self.stages):
@@ -78,6 +85,34 @@ class SplitModel(torch.nn.Module):
                 moved[:filled].copy_(aux[:filled])
                 aux = moved
             x, aux = stage(x.to(dev), positions.to(dev), aux)
+        return x, aux
+
+    def step(self, tokens: torch.Tensor, step: RaggedStep):
+        """One ragged step through every stage: ``tokens [N]`` (ids) at ``step``'s positions, sequences and blocks
+        -> ``(logits [N, V], aux [n_slots, N, H])``. ``step`` is checked when it is built (``RaggedStep.build``)."""
+        if self.layout is None:
+            raise ConfigError("ragged steps need a paged cache" + (f"; this split keeps a lockstep cache because "
+                              f"{self.plan.lockstep_reason}" if self.plan.lockstep_reason else
+                              ": split with cache=CacheConfig(batch_size, max_len)"))
+        if tokens.dim() != 1 or tokens.shape[0] != step.num_tokens:
+            raise ConfigError(f"a step of {step.num_tokens} tokens takes ids [{step.num_tokens}], but got "
+                              f"{list(tokens.shape)}")
+        n = step.num_tokens
+        captured = self.graphs.get((0, n))
+        x, aux, on = tokens, None, {}
+        for k, stage in enumerate(self.stages):
+            dev = module_device(stage)
+            meta = on.setdefault(dev, step if step.device == dev else step.to(dev, non_blocking=True))
+            if captured is not None:
+                stage = captured[k]
+            if aux is None:
+                aux = new_aux(self.plan, 1, n, dev)[:, 0]
+            elif aux.device != dev:
+                moved = new_aux(self.plan, 1, n, dev)[:, 0]
+                filled = self.plan.filled(k - 1)
+                moved[:filled].copy_(aux[:filled])
+                aux = moved
+            x, aux = stage(x.to(dev), meta.positions, aux, *meta.tensors()[1:])
         return x, aux
 
     def check_inputs(self, input_ids, positions) -> None:
@@ -100,6 +135,9 @@ class SplitModel(torch.nn.Module):
             raise ConfigError(f"batch {batch} does not fit the KV cache of {self.plan.max_batch} sequences; split "
                               f"with CacheConfig(batch_size>={batch}, ...) or send at most {self.plan.max_batch}")
         lo, hi = (int(v) for v in torch.stack([positions.min(), positions.max()]).tolist())
+        if self.layout is not None and hi - lo + 1 != tokens:
+            raise ConfigError(f"positions must be consecutive ({lo} to {lo + tokens - 1} for {tokens} tokens), but got "
+                              f"{lo} to {hi}; a step of other positions is a ragged step (SplitModel.step)")
         if lo < 0 or hi >= self.plan.max_len:
             raise ConfigError(f"positions {lo}..{hi} do not fit the KV cache of {self.plan.max_len} tokens (positions "
                               f"0 to {self.plan.max_len - 1}); split with a larger CacheConfig(max_len=...)")
@@ -107,7 +145,9 @@ class SplitModel(torch.nn.Module):
     def capture(self, batch: int, tokens: Sequence[int]) -> "SplitModel":
         """Capture every stage as a CUDA graph for each token count (e.g. ``[prompt, 1, K + 1]``); calls whose
         ``(batch, tokens)`` match a bucket then replay graphs. Buckets share each stage's KV cache and one
-        memory pool. Capture before the cache holds live sequences (capture writes it)."""
+        memory pool. A lockstep cache: capture before the cache holds live sequences (capture writes it). A paged
+        cache: a bucket is a step of ``batch * tokens`` tokens (``batch=0``: of ``tokens``), which any ragged step
+        of at most that many tokens is padded to (``step``, the engine); capturing writes no cache entry."""
         for k, stage in enumerate(self.stages):
             if module_device(stage).type != "cuda":
                 raise ConfigError(f"capture needs CUDA: stage {k} is on {module_device(stage)}"
@@ -115,7 +155,8 @@ class SplitModel(torch.nn.Module):
                                   + "; place the stages on GPUs first (split.place([...]) or load(folder, devices))")
         pool = torch.cuda.graph_pool_handle()
         for t in tokens:
-            self.graphs[(batch, t)] = [CapturedStage(stage, batch, t, pool=pool) for stage in self.stages]
+            key = (0, (batch or 1) * t) if self.layout is not None else (batch, t)
+            self.graphs[key] = [CapturedStage(stage, *key, pool=pool) for stage in self.stages]
         return self
 
     def drafter_inputs(self, aux: torch.Tensor) -> torch.Tensor:
@@ -124,22 +165,36 @@ class SplitModel(torch.nn.Module):
         return aux.permute(1, 2, 0, 3).reshape(batch, tokens, n * hidden)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, drafter=None, num_draft_tokens: int = 4,
-                 temperature: float = 0.0, generator: torch.Generator | None = None, return_stats: bool = False):
-        """Greedy decoding through the stages with their KV caches: one prefill, then one token per step.
+    def generate(self, input_ids, max_new_tokens: int, *, drafter=None, num_draft_tokens: int = 4,
+                 temperature: float = 0.0, generator: torch.Generator | None = None, return_stats: bool = False,
+                 seed: int | None = None):
+        """Decoding through the stages with their caches, greedy or sampled at ``temperature`` (each sequence
+        seeded ``seed + b``). ``input_ids``: a ``[B, T]`` tensor, or a list of prompts of any lengths (1-D tensors
+        or lists of ids).
 
         With ``drafter`` (an EAGLE-3 drafter from ``ppsplit.load_drafter``): speculative decoding, ``K =
-        num_draft_tokens`` drafts per verify pass, greedy or lossless sampling at ``temperature``; with
-        ``return_stats`` returns ``(ids, SpeculativeStats)`` (see ``ppsplit.eagle3.speculative``).
+        num_draft_tokens`` drafts per verify pass, each sequence accepting its own (greedy, or the lossless
+        rejection rule); with ``return_stats`` returns ``(ids, SpeculativeStats)`` (see ``ppsplit.eagle3``).
 
-        Matches ``model.generate(input_ids, do_sample=False, max_new_tokens=...)``: a sequence that has emitted
-        an end-of-sequence token continues with padding, and decoding stops when all have.
+        A ``[B, T]`` tensor gives ``[B, T + new]``, equal to ``model.generate(input_ids, do_sample=False, ...)``: a
+        sequence that has emitted an end-of-sequence token continues with padding, and decoding stops when all
+        have. A list gives one tensor per prompt, each equal to generating that prompt alone. With a paged cache
+        this runs the engine (``ppsplit.serve.engine``), sequences joining the batch as slots allow.
 
         Example::
 
-            split = split_model(model, pp=2, cache=CacheConfig(batch_size=1, max_len=256))
+            split = split_model(model, pp=2, cache=CacheConfig(batch_size=4, max_len=256))
             out = split.generate(input_ids, max_new_tokens=32)   # [B, T + new]
+            outs = split.generate([ids_a, ids_b], max_new_tokens=32)
         """
+        if self.layout is not None:
+            return self._generate_with_engine(input_ids, max_new_tokens, drafter, num_draft_tokens, temperature,
+                                              return_stats, seed if seed is not None else
+                                              (generator.initial_seed() if generator is not None else 0))
+        if isinstance(input_ids, (list, tuple)):
+            raise ConfigError("prompts of different lengths need a paged cache (this split keeps a lockstep one"
+                              + (f" because {self.plan.lockstep_reason}" if self.plan.lockstep_reason else "")
+                              + "); pass one [B, T] tensor")
         if drafter is not None:
             from ppsplit.eagle3 import speculative
 
@@ -147,8 +202,8 @@ class SplitModel(torch.nn.Module):
                                               temperature, generator)
             return (out, stats) if return_stats else out
         if temperature or return_stats:
-            raise ConfigError("temperature and return_stats need a drafter (speculative decoding); plain generate "
-                              "is greedy")
+            raise ConfigError("temperature and return_stats need a drafter (speculative decoding) on a split with a "
+                              "lockstep cache; plain generate there is greedy")
         batch, prompt = input_ids.shape
         self.check_fits(batch, prompt + max_new_tokens)
         device = input_ids.device
@@ -164,6 +219,36 @@ class SplitModel(torch.nn.Module):
                 break
             logits, _ = self(token[:, None], torch.tensor([prompt + step], device=device), check=False)
         return torch.cat(out, dim=1)
+
+    def _generate_with_engine(self, prompts, new: int, drafter, k: int, temperature: float, stats: bool, seed: int):
+        from ppsplit.eagle3.speculative import SpeculativeStats
+        from ppsplit.serve.engine import Engine
+        from ppsplit.serve.sampling import SamplingParams
+
+        batch = isinstance(prompts, torch.Tensor)
+        if batch and (prompts.dim() != 2 or prompts.dtype not in _INDEX_DTYPES):
+            raise ConfigError(f"input_ids must be a 2-D integer tensor [batch, tokens] or a list of prompts, but got "
+                              f"{prompts.dim()}-D {prompts.dtype}")
+        rows = list(prompts) if batch else [torch.as_tensor(p).flatten() for p in prompts]
+        params = [SamplingParams(max_tokens=new, temperature=temperature, seed=seed + i) for i in range(len(rows))]
+        engine = Engine(self, drafter=drafter, num_draft_tokens=k if drafter is not None else 0)
+        outs = engine.generate(rows, params)
+        device = rows[0].device
+        seqs = [torch.cat([r.to(device), torch.tensor(o.token_ids, dtype=torch.long, device=device)]) for r, o in
+                zip(rows, outs)]
+        if batch:  # Hugging Face's batch layout: ended sequences continue with padding to the longest
+            pad = self.pad_token_id if self.pad_token_id is not None else (self.eos_token_id or (0,))[0]
+            longest = max(len(s) for s in seqs)
+            result = torch.full((len(seqs), longest), pad, dtype=torch.long, device=device)
+            for i, s in enumerate(seqs):
+                result[i, :len(s)] = s
+        else:
+            result = seqs
+        if not stats:
+            return result
+        first = outs[0]  # the stats describe the first sequence, as before; each accepts on its own now
+        return result, SpeculativeStats(num_draft_tokens=k, draft_tokens=first.drafts, accepted=first.accepted,
+                                        committed=first.accepted, verify_passes=len(first.accepted))
 
     def check_fits(self, batch: int, length: int) -> None:
         """Raise a ``ConfigError`` unless ``batch`` sequences of ``length`` positions fit the KV cache."""

@@ -78,9 +78,13 @@ def test_speculative_greedy_equals_target_greedy(arch, tmp_path):
         assert drafter.embed_tokens.data_ptr() == table.data_ptr()
 
 
-def test_batch_sequences_accept_independently_and_commit_the_minimum(tmp_path):
-    """Drafts that are right for sequence 0 and wrong from index 1 on for sequence 1: each sequence's acceptance
-    is its own, the batch commits the minimum, and the output still equals greedy decoding."""
+def test_batch_sequences_accept_and_commit_on_their_own(tmp_path):
+    """Drafts that are right for sequence 0 and wrong from index 1 on for sequence 1, in one batch: each sequence
+    accepts and commits its own count (0: all four, 1: one), and the output still equals greedy decoding (the
+    lockstep loop committed the batch's minimum)."""
+    from ppsplit.serve.engine import Engine
+    from ppsplit.serve.sampling import SamplingParams
+
     model, graph = traced("llama")
     split = ppsplit.split_model(graph, 2, aux=TAPS)
     folder, _, _ = drafter_on_disk(tmp_path, model, "safetensors")
@@ -89,23 +93,23 @@ def test_batch_sequences_accept_independently_and_commit_the_minimum(tmp_path):
     ids = torch.randint(3, VOCAB, (2, 6))
     expected = hf_greedy(model, ids, 20)
     truth = expected[:, 6:]
-    full = []  # per verify step: did the oracle have K true tokens left to propose
+    full = {0: [], 1: []}  # per verify pass: did the oracle have K true tokens left to propose
 
-    def oracle(aux, tokens, positions, index, k, temperature=0.0, generator=None):
-        done = int(positions[0]) + int(index) + 1 - 6 + 1  # tokens already committed, the pending one included
-        drafts = truth[:, done:done + k].clone()
-        drafts = torch.cat([drafts, torch.full((2, k - drafts.shape[1]), 5)], 1)
-        drafts[1, 1:] = (drafts[1, 1:] + 1) % VOCAB  # sequence 1: only its first draft is right
-        full.append(done + k <= truth.shape[1])
-        return drafts, None
+    class Oracle(Engine):
+        def _draft(self, plan, rows, logits, aux, step):
+            for request, _ in plan:
+                if request.finish_reason is None and request.computed == len(request.tokens) - 1:
+                    b, done = int(request.id), len(request.output)
+                    drafts = truth[b, done:done + 4].tolist() + [5] * 4
+                    drafts = drafts[:4] if b == 0 else drafts[:1] + [(d + 1) % VOCAB for d in drafts[1:4]]
+                    request.drafts = drafts
+                    full[b].append(done + 4 <= truth.shape[1])
 
-    drafter.draft = oracle
-    out, stats = split.generate(ids, 20, drafter=drafter, num_draft_tokens=4, return_stats=True)
-    assert torch.equal(out, expected)
-    steps = [i for i, f in enumerate(full) if f]
-    assert len(steps) >= 5
-    assert all(stats.accepted[i] == 4 for i in steps)  # sequence 0 accepts all its (right) drafts
-    assert all(stats.committed[i] == 1 for i in steps)  # the batch advances by sequence 1's single acceptance
+    outs = Oracle(split, drafter=drafter, num_draft_tokens=4).generate(list(ids), SamplingParams(max_tokens=20))
+    assert [o.token_ids for o in outs] == truth.tolist()
+    for b, right in ((0, 4), (1, 1)):
+        passes = [i for i, f in enumerate(full[b][:len(outs[b].accepted)]) if f]
+        assert len(passes) >= 3 and all(outs[b].accepted[i] == right for i in passes), (b, outs[b].accepted)
 
 
 # -- the drafter's forward against a reference written from the published description ---------------------------

@@ -80,7 +80,7 @@ def test_stages_own_their_layers_cache():
         assert caches == {f"kv_cache.{i}.{kind}" for i in range(sp.start, sp.end) for kind in ("keys", "values")}
         assert not any(n.startswith("kv_cache.") for n in stage.state_dict())  # state, not weights
         keys = dict(stage.named_buffers())[f"kv_cache.{sp.start}.keys"]
-        assert keys.shape == (CACHE.batch_size, 2, CACHE.max_len, 16)
+        assert keys.shape == (CACHE.pool_blocks, CACHE.block_size, 2, 16)  # the paged pool: blocks x positions
         assert sp.cache_bytes == 2 * sp.num_layers * keys.numel() * keys.element_size()
     assert split.plan.max_batch == 2 and split.plan.max_len == 48
 

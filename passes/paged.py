@@ -1,0 +1,255 @@
+"""Pass 7, paged: the traced one-row cache becomes the stages' paged cache, and the stages take ragged steps.
+
+The model is traced over a dense stand-in cache of one row (``Traced.stand_in``), which the attention pass can
+prove its rewrites against. This pass swaps every use of it for the paged form (``ppsplit/triton_kernels/paged.py``)
+and adds the step's metadata inputs (``ppsplit.core.ragged.STEP_INPUTS``) after ``aux``:
+
+- a write of keys or values at ``positions`` becomes ``paged_write`` into the layer's pool
+  ``[num_blocks, block_size, kv_heads, head_dim]`` at the step's slot mapping, and the ``cache_attention`` that read
+  them a ``paged_attention`` over the pools (same scale, window, soft-cap, ALiBi, sinks);
+- a short convolution's inputs go to a pool ``[num_blocks, block_size, channels]`` the same way, and the
+  depthwise ``conv1d`` over the window the model built becomes ``paged_conv1d``, same output layout;
+- a recurrent scan's ring becomes one ring per sequence slot ``[slots, R, *state]`` (``ragged_*_scan``).
+
+Every token's own math (norms, MLPs, MoE routing, rotary from per-token position ids) runs as traced. Anything the
+paged cache cannot serve (an attention left as traced, a layer that reads another layer's cache, a sparse
+indexer's keys, a conv or scan in another form, a read of the first position standing for all tokens) raises
+``Unpageable`` naming it; the driver then keeps a lockstep cache for the split and records why.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+import ppsplit.triton_kernels.paged  # noqa: F401  (registers the paged ops)
+import ppsplit.triton_kernels.recurrent  # noqa: F401
+from ppsplit.core.errors import ConfigError
+from ppsplit.core.fx_utils import CACHE_PREFIX, fresh_copy, get_tensor, set_tensor
+from ppsplit.core.options import CacheConfig
+from ppsplit.core.plan import SplitPlan
+from ppsplit.core.ragged import STEP_INPUTS
+from ppsplit.passes.annotate import mutated_bases
+from ppsplit.passes.partition import Partitioned, carry_forward
+
+aten = torch.ops.aten
+ops = torch.ops.ppsplit
+_SCANS = {ops.ssm_scan.default: ops.ragged_ssm_scan.default,
+          ops.gated_delta_scan.default: ops.ragged_gated_delta_scan.default}
+_CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
+
+
+class Unpageable(ConfigError):
+    """The stages cannot take ragged steps over a paged cache; the message says which layer and why."""
+
+
+@dataclass(frozen=True)
+class Paged(Partitioned):
+    """The paged pass's result: a rewritten copy of the graph whose cache is paged and whose inputs are
+    ``input_ids, positions, aux`` and the step metadata."""
+
+
+def paged(result: Partitioned, plan: SplitPlan, cache: CacheConfig, stand_in: CacheConfig) -> Paged:
+    """Rewrite the stand-in cache's writes and readers into paged ops (see the module docstring)."""
+    gm = fresh_copy(result.gm)
+    graph = gm.graph
+    rewrite = _Rewrite(gm, cache, stand_in)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten.index_copy_.default and _cache_name(node.args[0]):
+            rewrite.write(node)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _SCANS:
+            rewrite.scan(node)
+    rewrite.sweep()
+    rewrite.check()
+    graph.lint()
+    gm.recompile()
+    return carry_forward(result, Paged, gm=gm)
+
+
+def _cache_name(node) -> tuple[int, str] | None:
+    """``(layer, kind)`` when ``node`` is a stand-in cache buffer (``kv_cache.<layer>.<kind>``, maybe sliced)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.slice.Tensor:
+        node = node.args[0]
+    if isinstance(node, fx.Node) and node.op == "get_attr" and node.target.startswith(CACHE_PREFIX + "."):
+        _, layer, kind = node.target.split(".")
+        return int(layer), kind
+    return None
+
+
+def _base(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and node.target is aten.slice.Tensor:
+        node = node.args[0]
+    return node
+
+
+class _Rewrite:
+    def __init__(self, gm: fx.GraphModule, cache: CacheConfig, stand_in: CacheConfig):
+        self.gm, self.graph, self.cache, self.stand_in = gm, gm.graph, cache, stand_in
+        positions = self.graph.find_nodes(op="placeholder", target="positions")[0]
+        aux = self.graph.find_nodes(op="placeholder", target="aux")[0]
+        self.positions = positions
+        val = positions.meta.get("val")
+        shapes = {"seq": None, "block_table": (cache.batch_size, cache.blocks_per_seq),
+                  "seq_start": (cache.batch_size,), "seq_count": (cache.batch_size,)}
+        self.meta = {}
+        anchor = aux
+        for name in STEP_INPUTS[1:]:
+            with self.graph.inserting_after(anchor):
+                node = self.graph.placeholder(name)
+            node.meta["ppsplit.token"] = False
+            if val is not None:
+                node.meta["val"] = val.new_empty(val.shape if shapes[name] is None else shapes[name])
+            self.meta[name] = anchor = node
+        first = next(n for n in self.graph.nodes if n.op != "placeholder")
+        with self.graph.inserting_before(first):
+            self.slots = self.graph.call_function(ops.slot_mapping.default, (positions, self.meta["seq"],
+                                                                            self.meta["block_table"], cache.block_size))
+        self.slots.meta.update({"ppsplit.token": False, "val": val.new_empty(val.shape) if val is not None else None})
+        self.pools: dict[str, fx.Node] = {}  # buffer name -> its get_attr node, now over the pool
+        self.done: set = set()  # nodes this pass made or consumed
+
+    # -- buffers ---------------------------------------------------------------------------------------------
+    def pool(self, buffer: fx.Node, kind: str) -> fx.Node:
+        """The buffer of ``buffer`` re-registered with the paged shape; its get_attr node."""
+        name = buffer.target
+        if name not in self.pools:
+            t = get_tensor(self.gm, name)
+            c = self.cache
+            if kind in ("keys", "values"):  # stand-in [1, H, L, D] -> [blocks, block_size, H, D]
+                shape = (c.pool_blocks, c.block_size, t.shape[1], *t.shape[3:])
+            elif kind == "conv_inputs":  # [1, C, L] -> [blocks, block_size, C]
+                shape = (c.pool_blocks, c.block_size, t.shape[1])
+            elif kind == "states":  # [1, R, *state] -> [slots, R, *state]
+                shape = (c.batch_size, *t.shape[1:])
+            else:
+                raise Unpageable(f"the cache's {kind} ({name}) have no paged form yet (ragged steps need it); "
+                                 "split with a lockstep cache instead")
+            set_tensor(self.gm, name, torch.zeros(shape, dtype=t.dtype, device=t.device), parameter=False,
+                       persistent=False)
+            self.pools[name] = buffer
+            buffer.meta["val"] = _fake_like(buffer.meta.get("val"), shape, t.dtype)
+        return self.pools[name]
+
+    # -- rewrites ------------------------------------------------------------------------------------------
+    def write(self, node: fx.Node) -> None:
+        """``cache[:1].index_copy_(2, positions, value)`` -> ``paged_write(pool, tokens of value, slots)``."""
+        view, dim, index, value = node.args
+        layer, kind = _cache_name(view)
+        if dim != 2 or index is not self.positions:
+            raise Unpageable(f"layer {layer} writes its {kind} along dim {dim} at {index}, not at the step's "
+                             "positions along the token dim")
+        buffer = _base(view)
+        pool = self.pool(buffer, kind)
+        g = self.graph
+        with g.inserting_before(node):
+            tokens = g.call_function(aten.transpose.int, (g.call_function(aten.select.int, (value, 0, 0)), 0, 1))
+            write = g.call_function(ops.paged_write.default, (pool, tokens, self.slots))
+        for n in (tokens, tokens.args[0], write):
+            n.meta.update({k: v for k, v in node.meta.items() if k.startswith("ppsplit.") or k == "nn_module_stack"})
+        readers = list(node.users)
+        if kind in ("keys", "values"):
+            for user in readers:
+                if user.target is not ops.cache_attention.default:
+                    raise Unpageable(f"layer {layer}'s cached {kind} are read by {user.format_node()}, not by the "
+                                     "cache_attention the paged cache replaces")
+        elif kind == "conv_inputs":
+            for user in readers:
+                self.conv(layer, user, value, pool)
+        for user in [u for u in readers if u.target is ops.cache_attention.default]:
+            self.attention(user)
+        node.replace_all_uses_with(pool)
+        self.graph.erase_node(node)
+        if view is not buffer and not view.users:
+            self.graph.erase_node(view)
+
+    def attention(self, node: fx.Node) -> None:
+        if node in self.done:
+            return
+        q, k, v, positions, scale, window, softcap, alibi, sinks = node.args
+        keys, values = (self.pool(_base(x.args[0]) if x.op == "call_function" else x, kind)
+                        for x, kind in ((k, "keys"), (v, "values")))
+        m = self.meta
+        with self.graph.inserting_before(node):
+            new = self.graph.call_function(ops.paged_attention.default, (
+                q, keys, values, positions, m["seq"], m["block_table"], m["seq_start"], m["seq_count"], scale,
+                window, softcap, alibi, sinks))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
+        self.done.add(new)
+
+    def conv(self, layer: int, reader: fx.Node, value: fx.Node, pool: fx.Node) -> None:
+        """The window the model builds from the inputs (``index_select``, a mask, casts) and the depthwise conv1d
+        over it -> ``paged_conv1d``: same output, per token from its own sequence."""
+        chain, node = [reader], reader
+        while len(node.users) == 1 and next(iter(node.users)).target in _CASTS | {aten.mul.Tensor}:
+            node = next(iter(node.users))
+            chain.append(node)
+        convs = [u for u in node.users if u.target is aten.conv1d.default]
+        if reader.target is not aten.index_select.default or len(convs) != 1 or len(node.users) != 1:
+            raise Unpageable(f"layer {layer}'s short convolution reads its cached inputs through "
+                             f"{reader.format_node()}, not the window and depthwise conv1d the paged cache replaces")
+        conv = convs[0]
+        _, weight, bias, stride, padding, dilation, groups = (list(conv.args) + [None, [1], [0], [1], 1])[:7]
+        channels = value.meta["val"].shape[1]
+        wval = weight.meta.get("val")
+        kernel = wval.shape[-1] if isinstance(wval, torch.Tensor) and wval.dim() == 3 and wval.shape[1] == 1 else None
+        if kernel is None or list(stride) != [1] or list(dilation) != [1] or groups != channels \
+                or list(padding) != [kernel - 1]:
+            raise Unpageable(f"layer {layer}'s convolution {conv.format_node()} is not the depthwise causal conv1d "
+                             "the paged cache replaces")
+        m = self.meta
+        with self.graph.inserting_before(conv):
+            new = self.graph.call_function(ops.paged_conv1d.default, (
+                value, weight, bias, pool, self.positions, m["seq"], m["block_table"]))
+        new.meta.update(conv.meta)
+        conv.replace_all_uses_with(new)
+        self.graph.erase_node(conv)
+        for n in reversed(chain):
+            if not n.users:
+                self.graph.erase_node(n)
+
+    def scan(self, node: fx.Node) -> None:
+        args = list(node.args)
+        ring, positions = args[5], args[6]
+        name = _cache_name(ring)
+        if name is None or positions is not self.positions:
+            raise Unpageable(f"the recurrent scan {node.format_node()} does not read a cache ring at the step's "
+                             "positions")
+        pool = self.pool(_base(ring), name[1])
+        m = self.meta
+        new_args = args[:5] + [pool, positions, m["seq_start"], m["seq_count"]] + args[7:]
+        with self.graph.inserting_before(node):
+            new = self.graph.call_function(_SCANS[node.target], tuple(new_args))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
+        if ring is not new_args[5] and not ring.users:
+            self.graph.erase_node(ring)
+
+    # -- what is left ----------------------------------------------------------------------------------------
+    def sweep(self) -> None:
+        """Drop what only the stand-in needed (masks over its length, window index arithmetic)."""
+        for node in reversed(list(self.graph.nodes)):
+            if node.op in ("call_function", "get_attr") and not node.users and not mutated_bases(node):
+                self.graph.erase_node(node)
+
+    def check(self) -> None:
+        for node in self.graph.nodes:
+            if node.op == "get_attr" and node.target.startswith(CACHE_PREFIX + ".") and node.target not in self.pools:
+                raise Unpageable(f"{node.target} is read as a whole ({', '.join(u.name for u in node.users)}), "
+                                 "which a paged cache cannot serve")
+            if node.op == "call_function" and node.target in (aten.select.int, aten.slice.Tensor) \
+                    and node.args[0] is self.positions:
+                raise Unpageable(f"the model reads {node.format_node()}: one position standing for every token of a "
+                                 "step, which a ragged step does not have")
+            if node.op == "call_function" and node.target is ops.cache_attention.default:
+                raise Unpageable(f"{node.format_node()} reads a cache the paged pass did not rewrite")
+
+
+def _fake_like(val, shape, dtype):
+    if isinstance(val, torch.Tensor):
+        return val.new_empty(shape, dtype=dtype)
+    return None

@@ -1,0 +1,191 @@
+"""The engine loop: continuous batching of requests of any length, per-request sampling and per-request EAGLE-3
+acceptance, against Hugging Face run one request at a time (fp32, CPU)."""
+import math
+import random
+
+import pytest
+import torch
+
+import ppsplit
+from ppsplit import CacheConfig, ConfigError
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.sampling import SamplingParams, filtered_probs
+from tests.support import drafter_config, random_drafter_tensors, tiny_model, write_drafter
+
+V = 128
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model = tiny_model("llama")
+    return model, ppsplit.trace_model(model, cache=CacheConfig(batch_size=4, max_len=80, num_blocks=14))
+
+
+def hf(model, prompt, params: SamplingParams):
+    eos = [2] + list(params.stop_token_ids)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=params.max_tokens, do_sample=False,
+                             eos_token_id=None if params.ignore_eos else eos)
+    return out[0, len(prompt):].tolist()
+
+
+def requests(n=12, seed=0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, V) for _ in range(rng.randrange(2, 49))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randrange(4, 20), stop_token_ids=(rng.randrange(3, V),),
+                             ignore_eos=rng.random() < 0.5) for _ in range(n)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_requests_arriving_at_different_steps_each_equal_hf_alone(llama, pp):
+    model, traced = llama
+    engine = Engine(ppsplit.split_model(traced, pp), max_num_batched_tokens=32)  # 14 blocks: preemption happens
+    prompts, params = requests()
+    arrivals = {i: i // 2 for i in range(len(prompts))}  # two new requests every step
+    outputs, step, ids = {}, 0, {}
+    while len(outputs) < len(prompts):
+        for i, at in arrivals.items():
+            if at == step:
+                ids[engine.add_request(prompts[i], params[i])] = i
+        for out in engine.step():
+            if out.finished:
+                outputs[ids[out.request_id]] = out
+        step += 1
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        assert outputs[i].token_ids == hf(model, prompt, p), i
+        assert outputs[i].finish_reason == ("length" if len(outputs[i].token_ids) == p.max_tokens
+                                            and outputs[i].token_ids[-1] not in (2, *p.stop_token_ids) else "stop")
+    assert engine.blocks_in_use == 0 and not engine.has_unfinished()
+
+
+def test_streaming_gives_every_token_once(llama):
+    model, traced = llama
+    engine = Engine(ppsplit.split_model(traced, 1))
+    prompts, params = requests(4, seed=1)
+    seen = {}
+    for out in engine.stream(prompts, params):
+        seen.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert seen[out.request_id] == out.token_ids
+    assert [seen[str(i)] for i in range(4)] == [hf(model, p, sp) for p, sp in zip(prompts, params)]
+
+
+def test_abort_frees_the_blocks_and_the_others_finish(llama):
+    model, traced = llama
+    engine = Engine(ppsplit.split_model(traced, 2))
+    prompts, params = requests(3, seed=2)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    engine.step()
+    engine.step()
+    used = engine.blocks_in_use
+    engine.abort(ids[1])
+    assert engine.blocks_in_use < used
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            final[out.request_id] = out
+    assert ids[1] not in final and engine.blocks_in_use == 0
+    for i in (0, 2):
+        assert final[ids[i]].token_ids == hf(model, prompts[i], params[i])
+
+
+def test_requests_are_checked_at_add_request(llama):
+    _, traced = llama
+    engine = Engine(ppsplit.split_model(traced, 1))
+    with pytest.raises(ConfigError, match="token id 99999 is outside the vocabulary of 128 ids"):
+        engine.add_request([1, 99999])
+    with pytest.raises(ConfigError, match="needs 91 positions, but a sequence of the cache holds 80"):
+        engine.add_request(list(range(3, 78)), SamplingParams(max_tokens=16))
+    with pytest.raises(ConfigError, match="at least one token"):
+        engine.add_request([])
+    for bad, message in ((dict(max_tokens=0), "max_tokens must be"), (dict(temperature=-1), "temperature must be"),
+                         (dict(top_p=0), "top_p must be"), (dict(top_k=-2), "top_k must be")):
+        with pytest.raises(ConfigError, match=message):
+            SamplingParams(**bad)
+    assert not engine.has_unfinished()
+
+
+def test_a_seed_gives_the_same_tokens_whatever_the_batch(llama):
+    _, traced = llama
+    split = ppsplit.split_model(traced, 1)
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    alone = Engine(split).generate([[5, 6, 7]], params)[0].token_ids
+    others = [SamplingParams(max_tokens=9, temperature=1.0, seed=s, ignore_eos=True) for s in range(7)]
+    batch = Engine(split).generate([[9, 9, 9, 9]] * 3 + [[5, 6, 7]] + [[4, 4]] * 4, others[:3] + [params] + others[3:])
+    assert batch[3].token_ids == alone
+
+
+def chi_square_p(counts, probs):
+    """Pearson's chi-square p-value of ``counts`` against ``probs`` (bins with expected < 5 pooled)."""
+    n = sum(counts)
+    expected = [p * n for p in probs]
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for o, e in zip(counts, expected):
+        if e < 5:
+            pool_o, pool_e = pool_o + o, pool_e + e
+        else:
+            obs.append(o)
+            exp.append(e)
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    dof = len(obs) - 1
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                   torch.tensor(stat / 2, dtype=torch.float64)).item()
+
+
+def small_target():
+    model = tiny_model("llama", vocab_size=32, eos_token_id=None)
+    return model, ppsplit.split_model(model, 1, aux=[1, 2, 4], cache=CacheConfig(batch_size=200, max_len=16))
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_sampled_tokens_follow_the_filtered_softmax(tmp_path, with_drafter):
+    """The second token of 1200 sampled continuations of one prompt (200 at a time), at temperature 0.8 and top-p
+    0.9, against the target's own filtered distribution after the first token: chi-square p > 0.001. With a
+    drafter, the drafts are accepted by the rejection rule; its output must follow the same distribution."""
+    model, split = small_target()
+    drafter = None
+    if with_drafter:
+        cfg = drafter_config(model.config, aux_ids=[0, 1, 3], draft_vocab=24)
+        drafter = ppsplit.load_drafter(write_drafter(str(tmp_path / "d"), cfg, random_drafter_tensors(cfg)),
+                                       split=split)
+    params = [SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, seed=s) for s in range(1200)]
+    prompt = [5, 9, 3]
+    pairs = []
+    for i in range(0, 1200, 200):
+        engine = Engine(split, drafter=drafter, num_draft_tokens=2 if drafter else 0)
+        pairs += [tuple(o.token_ids) for o in engine.generate([prompt] * 200, params[i:i + 200])]
+    first = max(set(p[0] for p in pairs), key=[p[0] for p in pairs].count)  # the most frequent first token
+    seconds = [p[1] for p in pairs if p[0] == first]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + [first]])).logits[0, -1]
+    probs = filtered_probs(logits, params[0]).tolist()
+    counts = [seconds.count(t) for t in range(32)]
+    assert sum(c for t, c in enumerate(counts) if probs[t] == 0) == 0  # nothing outside top-p
+    assert len(seconds) > 150 and chi_square_p(counts, probs) > 1e-3
+
+
+def test_speculative_requests_accept_on_their_own(tmp_path, llama):
+    """With a random drafter (K = 3): every request's output equals plain greedy, and its per-pass drafts and
+    acceptances equal those of the same request run alone (its batch companions change nothing)."""
+    model, traced = llama
+    split = ppsplit.split_model(ppsplit.trace_model(model, cache=CacheConfig(8, 96)), 2, aux=[1, 2, 4])
+    cfg = drafter_config(model.config, aux_ids=[0, 1, 3])
+    drafter = ppsplit.load_drafter(write_drafter(str(tmp_path / "d"), cfg, random_drafter_tensors(cfg, scale=2.0)),
+                                   split=split)
+    prompts, params = requests(6, seed=3)
+    together = Engine(split, drafter=drafter, num_draft_tokens=3).generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, together):
+        alone = Engine(split, drafter=drafter, num_draft_tokens=3).generate([prompt], p)[0]
+        assert out.token_ids == hf(model, prompt, p)
+        assert out.drafts == alone.drafts and out.accepted == alone.accepted

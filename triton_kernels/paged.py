@@ -1,0 +1,283 @@
+"""Paged state for ragged steps: one call holds ``N`` tokens of many sequences, each with its own position.
+
+The cache of a layer is a pool of fixed-size blocks, ``[num_blocks, block_size, *feature]`` (keys and values:
+``[num_blocks, block_size, kv_heads, head_dim]``; short-convolution inputs: ``[num_blocks, block_size, channels]``).
+A sequence slot ``s`` owns the blocks ``block_table[s]``; the entry of position ``p`` lives at flat slot
+``block_table[s, p // block_size] * block_size + p % block_size``. Per token a step passes its position, its
+sequence slot (``seq``, ``-1`` for padding, which writes nowhere and reads nothing), and per sequence slot where
+its tokens start among the ``N`` and how many there are (``seq_start``, ``seq_count``; a slot's tokens are
+contiguous and at consecutive positions). Rejected drafts are simply overwritten by the next step.
+
+Ops (each with a torch path for CPU tensors, which the tests compare, and a Triton kernel on CUDA):
+
+- ``slot_mapping(positions, seq, block_table, block_size)``: the flat slot of each token (``-1`` for padding);
+- ``paged_write(pool, value [N, *feature], slots)``: ``pool.flat[slots[t]] = value[t]`` for every real token;
+- ``paged_attention(q [1, Hq, N, D], keys, values, positions, seq, block_table, seq_start, seq_count, scale,
+  window, softcap, alibi, sinks)``: token ``t`` attends to the keys of its own sequence at positions
+  ``<= positions[t]`` (and ``> positions[t] - window`` with a window), the math of ``attention_reference``;
+- ``paged_conv1d(x [1, C, N], weight [C, 1, k], bias, pool, positions, seq, block_table)``: the depthwise causal
+  convolution of each token over the last ``k`` inputs of its sequence (already written into ``pool``), laid out
+  as ``aten.convolution`` with padding ``k - 1`` lays out a single sequence's window (see the paged pass).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ppsplit.triton_kernels.attention import attention_reference
+from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
+
+
+def slot_mapping_reference(positions, seq, block_table, block_size: int) -> torch.Tensor:
+    real = seq >= 0
+    rows = seq.clamp(min=0)
+    blocks = block_table[rows, (positions // block_size).clamp(0, block_table.shape[1] - 1)].long()
+    slots = blocks * block_size + positions % block_size
+    return torch.where(real, slots, torch.full_like(slots, -1))
+
+
+@torch.library.custom_op("ppsplit::slot_mapping", mutates_args=())
+def slot_mapping(positions: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """The flat cache slot of each token: ``block_table[seq, pos // bs] * bs + pos % bs``, ``-1`` for padding."""
+    return slot_mapping_reference(positions, seq, block_table, block_size)
+
+
+@slot_mapping.register_fake
+def _(positions, seq, block_table, block_size):
+    return torch.empty_like(positions)
+
+
+@register("ppsplit::paged_write", ("pool",))
+def paged_write(pool: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """``pool.view(-1, *feature)[slots[t]] = value[t]`` for every token whose slot is not negative."""
+    if on_gpu(value):
+        with torch.cuda.device(value.device):
+            launch_paged_write(pool, value, slots, wrap=wrap_triton)
+        return
+    flat = pool.view(pool.shape[0] * pool.shape[1], *pool.shape[2:])
+    real = slots >= 0
+    flat.index_copy_(0, slots[real], value[real].to(pool.dtype))
+
+
+def _segments(seq_start: torch.Tensor, seq_count: torch.Tensor):
+    """``(slot, start, count)`` of every sequence slot with tokens in this call (host read: the torch paths)."""
+    counts = seq_count.tolist()
+    starts = seq_start.tolist()
+    return [(s, starts[s], c) for s, c in enumerate(counts) if c > 0]
+
+
+def _gather(pool: torch.Tensor, block_table: torch.Tensor, slot: int, length: int) -> torch.Tensor:
+    """Entries ``0 .. length - 1`` of sequence ``slot``: ``[length, *feature]``."""
+    bs = pool.shape[1]
+    where = torch.arange(length, device=pool.device)
+    return pool[block_table[slot, where // bs].long(), where % bs]
+
+
+def paged_attention_reference(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale: float,
+                              window: int = 0, softcap: float = 0.0, alibi=None, sinks=None) -> torch.Tensor:
+    """Per sequence, ``attention_reference`` over the keys it has so far; padding tokens get zeros.
+    ``q [1, Hq, N, D]`` -> ``[1, Hq, N, Dv]``."""
+    out = torch.zeros(q.shape[:-1] + (values.shape[-1],), dtype=q.dtype, device=q.device)
+    for slot, start, count in _segments(seq_start, seq_count):
+        pos = positions[start:start + count]
+        length = int(pos.max()) + 1
+        k = _gather(keys, block_table, slot, length).permute(1, 0, 2)[None]  # [1, Hkv, L, D]
+        v = _gather(values, block_table, slot, length).permute(1, 0, 2)[None]
+        got = attention_reference(q[:, :, start:start + count], k.to(q.dtype), v.to(q.dtype), pos, scale, window,
+                                  softcap, alibi, sinks)
+        out[:, :, start:start + count] = got.to(q.dtype)
+    return out
+
+
+@register("ppsplit::paged_attention")
+def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                    seq: torch.Tensor, block_table: torch.Tensor, seq_start: torch.Tensor, seq_count: torch.Tensor,
+                    scale: float, window: int, softcap: float, alibi: Optional[torch.Tensor],
+                    sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Ragged causal attention over paged keys and values (see the module docstring). ``[1, Hq, N, Dv]``, stored
+    as ``[1, N, Hq, Dv]`` (the layout the model's output projection reads)."""
+    if on_gpu(q):
+        with torch.cuda.device(q.device):
+            return launch_paged_attention(q, keys, values, positions, seq, block_table, scale, window, softcap,
+                                          alibi, sinks, wrap=wrap_triton)
+    out = torch.empty(q.shape[0], q.shape[2], q.shape[1], values.shape[-1], dtype=q.dtype,
+                      device=q.device).transpose(1, 2)
+    out.copy_(paged_attention_reference(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale,
+                                        window, softcap, alibi, sinks))
+    return out
+
+
+def paged_conv1d_reference(x, weight, bias, pool, positions, seq, block_table) -> torch.Tensor:
+    """``[1, C, N + 2(k - 1)]`` in the weight's dtype (what ``conv1d`` with padding ``k - 1`` returns for a window
+    of ``k - 1 + N`` inputs): column ``k - 1 + t`` holds token ``t``'s depthwise convolution over the inputs of its
+    sequence at positions ``p_t - k + 1 .. p_t`` (zeros before position 0), read from ``pool``."""
+    channels, kernel = weight.shape[0], weight.shape[-1]
+    n = x.shape[-1]
+    bs = pool.shape[1]
+    taps = positions[:, None] - torch.arange(kernel - 1, -1, -1, device=positions.device)  # [N, k]
+    real = (seq[:, None] >= 0) & (taps >= 0)
+    rows = seq.clamp(min=0)[:, None].expand_as(taps)
+    blocks = block_table[rows, (taps.clamp(min=0) // bs).clamp(max=block_table.shape[1] - 1)].long()
+    window = pool[blocks, taps.clamp(min=0) % bs].float() * real[..., None]  # [N, k, C]
+    y = torch.einsum("nkc,ck->nc", window, weight.reshape(channels, kernel).float())
+    if bias is not None:
+        y = y + bias.float()
+    y = y * (seq[:, None] >= 0)
+    out = torch.zeros(1, channels, n + 2 * (kernel - 1), dtype=weight.dtype, device=x.device)
+    out[0, :, kernel - 1:kernel - 1 + n] = y.t().to(weight.dtype)
+    return out
+
+
+@register("ppsplit::paged_conv1d")
+def paged_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pool: torch.Tensor,
+                 positions: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """See ``paged_conv1d_reference``."""
+    if on_gpu(x):
+        with torch.cuda.device(x.device):
+            return launch_paged_conv1d(x, weight, bias, pool, positions, seq, block_table, wrap=wrap_triton)
+    return paged_conv1d_reference(x, weight, bias, pool, positions, seq, block_table)
+
+
+# ---- Triton kernels ------------------------------------------------------------------------------------------
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _paged_write_kernel(POOL, VALUE, SLOTS, F, svt, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(SLOTS + t)
+        if slot >= 0:
+            for f0 in range(0, F, BLOCK):
+                f = f0 + tl.arange(0, BLOCK)
+                ok = f < F
+                v = tl.load(VALUE + t.to(tl.int64) * svt + f, mask=ok)
+                tl.store(POOL + slot.to(tl.int64) * F + f, v.to(POOL.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _paged_attention_kernel(Q, K, V, POS, SEQ, TABLE, SLOPES, SINKS, O,
+                                sqh, sqt, skb, sks, skh, svb, svs, svh, soh, sot, stable,
+                                scale, window, softcap,
+                                G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
+                                BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr):
+        """One program per (token, KV head): the G query heads of that KV head attend, with an online softmax in
+        log2 units, over the blocks of the token's sequence up to its position (each KV block read once)."""
+        t = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.load(SEQ + t)
+        g = tl.arange(0, BLOCK_G)
+        row_ok = g < G
+        h = kvh * G + g
+        dv = tl.arange(0, BLOCK_DV)
+        out_mask = row_ok[:, None] & (dv[None, :] < DV)
+        out_ptr = O + h[:, None] * soh + t.to(tl.int64) * sot + dv[None, :]
+        if s < 0:  # padding: writes zeros, reads nothing
+            tl.store(out_ptr, tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32).to(O.dtype.element_ty), mask=out_mask)
+        else:
+            p = tl.load(POS + t)
+            d = tl.arange(0, BLOCK_D)
+            q = tl.load(Q + h[:, None] * sqh + t.to(tl.int64) * sqt + d[None, :],
+                        mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+            q = q.to(tl.float32) * (scale * 1.4426950408889634)
+            slope = tl.zeros([BLOCK_G], dtype=tl.float32)
+            if HAS_ALIBI:
+                slope = tl.load(SLOPES + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            lo = p * 0
+            if window > 0:
+                lo = tl.maximum(p - window + 1, 0)
+            m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+            j = tl.arange(0, BS)
+            for b0 in range(lo // BS, p // BS + 1):
+                block = tl.load(TABLE + s.to(tl.int64) * stable + b0).to(tl.int64)
+                kpos = b0 * BS + j
+                live = (kpos <= p) & (kpos >= lo)
+                k = tl.load(K + block * skb + j[:, None] * sks + kvh * skh + d[None, :],
+                            mask=live[:, None] & (d[None, :] < D), other=0.0)
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_G, BS]
+                if HAS_SOFTCAP:
+                    x = scores / (softcap * 1.4426950408889634)
+                    scores = softcap * 1.4426950408889634 * (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0)
+                if HAS_ALIBI:
+                    scores += slope[:, None] * kpos[None, :].to(tl.float32)
+                scores = tl.where(live[None, :], scores, -1.0e30)
+                m_new = tl.maximum(m_i, tl.max(scores, 1))
+                alpha = tl.exp2(m_i - m_new)
+                w = tl.where(live[None, :], tl.exp2(scores - m_new[:, None]), 0.0)
+                v = tl.load(V + block * svb + j[:, None] * svs + kvh * svh + dv[None, :],
+                            mask=live[:, None] & (dv[None, :] < DV), other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(w, v.to(tl.float32), input_precision="ieee")
+                l_i = l_i * alpha + tl.sum(w, 1)
+                m_i = m_new
+            if HAS_SINKS:
+                sink = tl.load(SINKS + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+                l_i += tl.exp2(sink - m_i)
+            tl.store(out_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _paged_conv_kernel(W, BIAS, POOL, POS, SEQ, TABLE, O, C, sob, soc, stable, spb, sps,
+                           K: tl.constexpr, BS: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr):
+        t = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = c < C
+        s = tl.load(SEQ + t)
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if s >= 0:
+            p = tl.load(POS + t)
+            for j in range(K):
+                q = p - (K - 1) + j
+                if q >= 0:
+                    block = tl.load(TABLE + s.to(tl.int64) * stable + q // BS).to(tl.int64)
+                    x = tl.load(POOL + block * spb + (q % BS) * sps + c, mask=ok, other=0.0).to(tl.float32)
+                    acc += x * tl.load(W + c * K + j, mask=ok, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                acc += tl.load(BIAS + c, mask=ok, other=0.0).to(tl.float32)
+        tl.store(O + c * soc + (K - 1 + t), acc.to(O.dtype.element_ty), mask=ok)
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (int(n) - 1).bit_length())
+
+
+def launch_paged_write(pool, value, slots, *, wrap=lambda kernel: kernel) -> None:
+    n = value.shape[0]
+    feature = value[0].numel()
+    value = value.reshape(n, feature)
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    if n:
+        wrap(_paged_write_kernel)[(n,)](pool, value, slots, feature, value.stride(0), BLOCK=min(_pow2(feature), 1024))
+
+
+def launch_paged_attention(q, keys, values, positions, seq, block_table, scale: float, window: int = 0,
+                           softcap: float = 0.0, alibi=None, sinks=None, *, wrap=lambda kernel: kernel):
+    """The Triton path of ``paged_attention`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+    _, hq, n, d = q.shape
+    hkv, dv, bs = keys.shape[2], values.shape[-1], keys.shape[1]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty(1, n, hq, dv, dtype=q.dtype, device=q.device).transpose(1, 2)
+    dummy = positions
+    wrap(_paged_attention_kernel)[(n, hkv)](
+        q, keys, values, positions, seq, block_table, alibi if alibi is not None else dummy,
+        sinks if sinks is not None else dummy, out,
+        q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),
+        values.stride(1), values.stride(2), out.stride(1), out.stride(2), block_table.stride(0),
+        scale, window, softcap, G=hq // hkv, D=d, DV=dv, BS=bs, BLOCK_G=_pow2(hq // hkv), BLOCK_D=_pow2(d),
+        BLOCK_DV=_pow2(dv),
+        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None, num_warps=4)
+    return out
+
+
+def launch_paged_conv1d(x, weight, bias, pool, positions, seq, block_table, *, wrap=lambda kernel: kernel):
+    channels, kernel = weight.shape[0], weight.shape[-1]
+    n = x.shape[-1]
+    out = torch.zeros(1, channels, n + 2 * (kernel - 1), dtype=weight.dtype, device=x.device)
+    w = weight.reshape(channels, kernel).contiguous()
+    block_c = min(_pow2(channels), 256)
+    wrap(_paged_conv_kernel)[(n, triton.cdiv(channels, block_c))](
+        w, bias if bias is not None else w, pool, positions, seq, block_table, out, channels, out.stride(0),
+        out.stride(1), block_table.stride(0), pool.stride(0), pool.stride(1), K=kernel, BS=pool.shape[1],
+        BLOCK_C=block_c, HAS_BIAS=bias is not None)
+    return out
