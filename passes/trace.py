@@ -14,7 +14,7 @@ import os
 import re
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -55,6 +55,9 @@ class Traced:
     # The dense cache the model is traced with, one row of ``max_len`` positions: what the attention pass proves its
     # rewrites against, and what the paged pass replaces with the stages' block pools.
     stand_in: CacheConfig | None = None
+    # The traced module itself, so a split that cannot page its cache can be traced again with a lockstep one.
+    source: torch.nn.Module | None = field(default=None, compare=False, repr=False)
+    retraced: dict = field(default_factory=dict, compare=False, repr=False)  # that lockstep trace, made once
 
 
 class _Traceable(torch.nn.Module):
@@ -281,6 +284,7 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         tied=tied,
         hidden_size=_hidden_size(model),
         stand_in=stand_in,
+        source=model,
         **_generation_ids(model),
     )
 

@@ -88,11 +88,13 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
     try:
         lowered = lower(traced, plan, attention=options.attention, fuse=options.fuse)
     except Unpageable as e:
-        if isinstance(model, Annotated):
-            raise Unpageable(f"{e}; trace with trace_model(model, cache=..., paged=False) for a lockstep cache") from None
         # The stages keep a lockstep batch x max_len cache instead: they decode, but take no ragged steps.
         log.warning("%s: the stages keep a lockstep cache (%s)", traced.traced.model_class, e)
-        traced = _trace(model, find_layers(model, options.layers), options.cache, paged=False)
+        info = traced.traced
+        if "lockstep" not in info.retraced:
+            info.retraced["lockstep"] = _trace(info.source, find_layers(info.source, traced.layers.fqn), info.cache,
+                                               paged=False)
+        traced = info.retraced["lockstep"]
         plan = dataclasses.replace(plan_split(traced, options, taps), lockstep_reason=str(e))
         lowered = lower(traced, plan, attention=options.attention, fuse=options.fuse)
     for stage in lowered.stages:

@@ -359,13 +359,15 @@ class SplitPlan:
         return cls.from_dict(json.loads(text))
 
     def attention_lines(self, stage: int) -> tuple[str, ...]:
-        """How many of ``stage``'s attentions became ``cache_attention``, and which stayed as traced, and why."""
+        """How many of ``stage``'s attentions became ``cache_attention`` (``paged_attention`` over a paged cache),
+        and which stayed as traced, and why."""
         sites = [a for a in self.attention if a.stage == stage]
         if not sites:
             return ()
         replaced = [a for a in sites if a.replaced]
         kinds = sorted({a.detail for a in replaced})
-        return ((f"attention: {len(replaced)} of {len(sites)} -> cache_attention"
+        op = "paged_attention" if self.paged else "cache_attention"
+        return ((f"attention: {len(replaced)} of {len(sites)} -> {op}"
                  + (f" ({'; '.join(kinds)})" if kinds else ""),)
                 + tuple(f"attention layer {a.layer} left as traced: {a.detail}" for a in sites if not a.replaced))
 

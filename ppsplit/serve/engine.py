@@ -1,14 +1,18 @@
 """Serving: the engine loop over a split with a paged cache (continuous batching, per-request sampling and EAGLE-3).
 
-Requests join and leave at any step. Each step the scheduler packs, up to a token budget: every running request's
-next window (its last sampled token, plus its ``K`` drafts when speculating), then prefill chunks of requests that
-are still reading their prompt (chunked prefill), then new requests while a sequence slot is free. A request's
-blocks are taken as its positions grow and returned the moment it finishes or is aborted; when the pool runs out a
-running request is preempted: its blocks and slot are freed and it waits to be recomputed from its prompt and the
-tokens it has produced (nothing is lost, the output is unchanged). One ``RaggedStep`` then runs through all
-stages, and each request takes its rows of the logits: its own sample (its own generator), its own acceptance of
-its drafts (greedy: the longest prefix equal to the target's argmax; sampling: the rejection rule, lossless), its
-own stop conditions. No request waits for another.
+Requests join and leave at any step. Each step the ``Scheduler`` packs, up to a token budget: every running
+request's next window (its last sampled token, plus its ``K`` drafts when speculating), then prefill chunks of
+requests still reading their prompt (chunked prefill), then new requests while a sequence slot is free. A request's
+blocks are taken as its positions grow and returned the moment it finishes or is aborted; when the pool runs out the
+newest running request is preempted: its blocks and slot are freed and it waits to be recomputed from its prompt and
+the tokens it has produced (its output is unchanged). One ``RaggedStep`` runs through all stages, and the
+``Sampler``, where the logits are, takes each request's rows: its own sample, its own acceptance of its drafts
+(greedy: the longest prefix equal to the target's argmax; sampling: the rejection rule, lossless), its next drafts.
+No request waits for another. A request's randomness is a function of its seed and the index of the token being
+drawn, so the same seed gives the same tokens whatever the batch companions, preemption included.
+
+The multi-process runtime (``ppsplit.distributed``) runs the same ``Scheduler`` on rank 0 and the same ``Sampler`` on
+the last rank.
 
 Example::
 
@@ -19,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import itertools
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,14 +32,14 @@ import torch
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment
 from ppsplit.core.tensors import module_device
-from ppsplit.serve.sampling import SamplingParams, filtered_probs, pick
+from ppsplit.serve.sampling import SamplingParams, filtered_probs, sample
 
 
 @dataclass
 class RequestOutput:
     """What a request produced: ``new_token_ids`` in this step, ``token_ids`` so far; ``finish_reason`` is
     ``"stop"`` (an end-of-sequence or stop token, kept in the output), ``"length"`` (``max_tokens``) or
-    ``"abort"``. ``accepted``: drafts accepted per verify pass (speculative decoding)."""
+    ``"abort"``. ``accepted`` / ``drafts``: per verify pass, the drafts accepted and proposed."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -43,7 +48,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     accepted: list[int] = field(default_factory=list)
-    drafts: list[list[int]] = field(default_factory=list)  # the K drafts of each verify pass
+    drafts: list[list[int]] = field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -51,26 +56,57 @@ class RequestOutput:
 
 
 @dataclass
-class _Request:
+class Request:
     id: str
     prompt: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int
     arrival: int
     output: list[int] = field(default_factory=list)
     slot: int | None = None
+    generation: int = 0  # of its slot: results for an earlier holder of the slot are dropped
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose cache entries are written (fed through the stages)
     drafts: list[int] = field(default_factory=list)  # proposed, to verify in the next window
-    draft_probs: torch.Tensor | None = None
     accepted: list[int] = field(default_factory=list)
-    verified: list[list[int]] = field(default_factory=list)  # the drafts of each verify pass
+    verified: list[list[int]] = field(default_factory=list)
     finish_reason: str | None = None
     new: list[int] = field(default_factory=list)  # produced in the current step
+    in_flight: bool = False
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+
+@dataclass(frozen=True)
+class Work:
+    """One request's part of a step: feed ``tokens`` at positions ``position ..``; ``final``: they end what the
+    request knows, so the sampler draws (``next_token`` is the prompt token after a partial chunk, else -1);
+    ``drafts``: the window's drafts to verify; ``index``: the output index of the first token to draw."""
+
+    slot: int
+    generation: int
+    position: int
+    tokens: tuple[int, ...]
+    final: bool
+    next_token: int
+    drafts: tuple[int, ...]
+    index: int
+    seed: int
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Result:
+    """The sampler's answer for one ``Work``: the tokens it committed (accepted drafts, then the sample), how many
+    drafts it accepted (-1: no verify), and the next window's drafts."""
+
+    slot: int
+    generation: int
+    tokens: tuple[int, ...]
+    accepted: int
+    drafts: tuple[int, ...]
 
 
 class BlockPool:
@@ -93,47 +129,27 @@ class BlockPool:
         return self.total - len(self.free)
 
 
-class Engine:
-    """Continuous batching over ``split`` (a ``SplitModel`` with a paged cache), optionally with an EAGLE-3
-    ``drafter`` proposing ``num_draft_tokens`` drafts per request and step. ``max_num_batched_tokens``: the token
-    budget of a step (default: 256, or the largest captured bucket); ``max_num_seqs``: sequences in flight (default:
-    the cache's slots)."""
+class Scheduler:
+    """Requests, sequence slots and blocks, and what each step feeds (see the module docstring)."""
 
-    def __init__(self, split, *, drafter=None, num_draft_tokens: int = 0, max_num_batched_tokens: int | None = None,
-                 max_num_seqs: int | None = None):
-        if not split.plan.paged:
-            why = split.plan.lockstep_reason or "it has no cache: split with cache=CacheConfig(...)"
-            raise ConfigError(f"the engine needs a split with a paged cache, and this one keeps none because {why}")
-        self.split = split
-        self.layout: CacheLayout = split.layout
-        self.device = module_device(split.stages[0])
-        self.vocab = _vocab(split)
-        self.eos = set(split.eos_token_id)
-        self.k = num_draft_tokens if drafter is not None else 0
-        self.drafter = drafter
-        if drafter is not None:
-            from ppsplit.eagle3.speculative import check_speculation
-
-            check_speculation(split.plan, num_draft_tokens, drafter)
-            drafter.allocate_paged(self.layout)
-        buckets = sorted(n for b, n in split.graphs if b == 0)
-        self.budget = max_num_batched_tokens or (buckets[-1] if buckets else 256)
-        self.buckets = buckets
-        if self.budget < self.k + 1:
-            raise ConfigError(f"max_num_batched_tokens={self.budget} cannot hold one verify window of "
-                              f"{self.k + 1} tokens")
-        self.max_seqs = min(max_num_seqs or self.layout.slots, self.layout.slots)
-        self.pool = BlockPool(self.layout.num_blocks)
+    def __init__(self, layout: CacheLayout, *, vocab: int, eos=(), k: int = 0, budget: int = 256,
+                 max_seqs: int | None = None, buckets=()):
+        self.layout, self.vocab, self.eos, self.k = layout, vocab, set(eos), k
+        self.budget, self.buckets = budget, sorted(buckets)
+        if budget < k + 1:
+            raise ConfigError(f"max_num_batched_tokens={budget} cannot hold one verify window of {k + 1} tokens")
+        self.max_seqs = min(max_seqs or layout.slots, layout.slots)
+        self.pool = BlockPool(layout.num_blocks)
         self.free_slots = list(range(self.max_seqs - 1, -1, -1))
-        self.table = torch.full((self.layout.slots, self.layout.blocks_per_seq), -1, dtype=torch.long)
-        self.waiting: deque[_Request] = deque()
-        self.running: list[_Request] = []
-        self.requests: dict[str, _Request] = {}
+        self.generations = [0] * layout.slots
+        self.table = torch.full((layout.slots, layout.blocks_per_seq), -1, dtype=torch.long)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.steps = 0
 
     # -- requests ------------------------------------------------------------------------------------------------
-    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request; it joins at the next step. Refused with one line before anything is queued: an empty
         prompt, an id outside the vocabulary, a prompt (plus ``max_tokens``) longer than a sequence of the cache."""
         params = params or SamplingParams()
@@ -155,13 +171,10 @@ class Engine:
             raise ConfigError(f"the request needs {-(-need // self.layout.block_size)} blocks, more than the cache's "
                               f"pool of {self.layout.num_blocks}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
+        if request_id in self.requests and self.requests[request_id].finish_reason is None:
             raise ConfigError(f"request id {request_id!r} is already in use")
-        generator = None
-        if not params.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-        request = _Request(request_id, prompt, params, generator, arrival=len(self.requests))
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        request = Request(request_id, prompt, params, seed, arrival=len(self.requests))
         self.requests[request_id] = request
         self.waiting.append(request)
         return request_id
@@ -172,93 +185,88 @@ class Engine:
         if request is None or request.finish_reason is not None:
             return
         request.finish_reason = "abort"
-        self._release(request)
+        self.release(request)
         if request in self.waiting:
             self.waiting.remove(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def blocks_in_use(self) -> int:
-        return self.pool.in_use
-
-    # -- the loop ------------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every request that produced tokens or finished in it."""
-        plan = self._schedule()
-        if not plan:
-            if self.waiting:
-                raise ConfigError("no request fits the cache: every waiting request needs more blocks than the pool has")
-            return []
-        segments, feeds = [], []
-        for request, tokens in plan:
-            segments.append(Segment(request.slot, request.computed, len(tokens)))
-            feeds.extend(tokens)
-        pad = next((b for b in self.buckets if b >= len(feeds)), None)
-        step = RaggedStep.build(segments, self.table, self.layout, pad_to=pad)
-        ids = torch.zeros(step.num_tokens, dtype=torch.long)
-        ids[:len(feeds)] = torch.tensor(feeds)
-        logits, aux = self.split.step(ids.to(self.device), step.to(self.device))
-        self.steps += 1
-        rows, at = {}, 0
-        for request, tokens in plan:
-            rows[request.id] = (at, len(tokens))
-            at += len(tokens)
-        outputs = []
-        finished_now = []
-        for request, tokens in plan:
-            start, count = rows[request.id]
-            request.new = []
-            fed = request.computed + count
-            window = request.drafts
-            request.computed = fed
-            if fed < len(request.tokens):  # a prefill chunk that does not finish the prompt
+    # -- a step ----------------------------------------------------------------------------------------------
+    def schedule(self) -> list[tuple[Request, Work]]:
+        """This step's work, in token order: running windows first, then prefill chunks, then new requests, within
+        the token budget; blocks are taken here (preempting the newest running request if the pool runs out).
+        Requests already in flight (the pipeline's other micro-steps) wait."""
+        budget, plan = self.budget, []
+        for request in list(self.running):
+            if request.finish_reason is not None or request.in_flight or request not in self.running:
                 continue
-            self._commit(request, logits[start:start + count], window)
-        if self.drafter is not None:
-            self._draft(plan, rows, logits, aux, step)
+            pending = request.tokens[request.computed:]
+            drafts = request.drafts if len(pending) == 1 else []  # decoding: the last token, and drafts to verify
+            feed = pending + drafts if drafts else pending[:budget]
+            if not feed or len(feed) > budget:
+                continue
+            if not self._reserve(request, request.computed + len(feed), keep=[r for r, _ in plan]):
+                continue
+            plan.append((request, self._work(request, feed, drafts)))
+            budget -= len(feed)
+        while self.waiting and self.free_slots and budget > 0:
+            request = self.waiting[0]
+            chunk = request.tokens[request.computed:][:budget]
+            request.slot = self.free_slots.pop()
+            self.generations[request.slot] += 1
+            request.generation = self.generations[request.slot]
+            self.running.append(request)
+            if not self._reserve(request, len(chunk), keep=None):
+                self.release(request)
+                break
+            self.waiting.popleft()
+            plan.append((request, self._work(request, chunk, [])))
+            budget -= len(chunk)
         for request, _ in plan:
-            if request.new or request.finish_reason:
-                outputs.append(self._output(request))
-            if request.finish_reason is not None:
-                finished_now.append(request)
-        for request in finished_now:
-            self._release(request)
-        return outputs
+            request.in_flight = True
+        return plan
 
-    def _commit(self, request: _Request, logits: torch.Tensor, drafts: list[int]) -> None:
-        """Take the request's new tokens from its rows of the logits: the sample of its last row, or, after a
-        verify window, its accepted drafts and the token at the first rejection (or the bonus token)."""
-        params = request.params
-        if drafts:
-            from ppsplit.eagle3.speculative import accept
+    def _work(self, request: Request, feed: list[int], drafts: list[int]) -> Work:
+        tokens = request.tokens
+        end = request.computed + len(feed) - len(drafts)  # the known tokens this step has fed
+        final = end >= len(tokens)
+        return Work(request.slot, request.generation, request.computed, tuple(feed), final,
+                    -1 if final else tokens[end], tuple(drafts), len(request.output), request.seed, request.params)
 
-            k = len(drafts)
-            window = logits[-(k + 1):]
-            draft = torch.tensor(drafts, device=logits.device)[None]
-            if params.greedy:
-                n, token = accept(draft, window[None])
-            else:
-                p = filtered_probs(window, params)
-                n, token = accept_filtered(draft, p[None], request.draft_probs[None], request.generator)
-            n, token = int(n[0]), int(token[0])
-            request.accepted.append(n)
-            request.verified.append(list(drafts))
-            new = drafts[:n] + [token]
-            # The rejected drafts' cache entries stay behind the next window's positions: overwritten, never read.
-            request.computed -= k - n
-        else:
-            new = [int(pick(logits[-1], params, request.generator))]
-        request.drafts, request.draft_probs = [], None
-        for token in new:
+    def step_of(self, plan) -> RaggedStep:
+        """The metadata of ``plan``, padded to the smallest captured bucket that holds it."""
+        segments = [Segment(w.slot, w.position, len(w.tokens)) for _, w in plan]
+        n = sum(s.count for s in segments)
+        return RaggedStep.build(segments, self.table, self.layout,
+                                pad_to=next((b for b in self.buckets if b >= n), None))
+
+    def apply(self, request: Request, work: Work, result: Result) -> None:
+        """Take a sampler's result for ``request``'s ``work`` (dropped when the slot has changed hands since)."""
+        request.in_flight = False
+        if request.finish_reason is not None or result.generation != request.generation:
+            return
+        request.new = []
+        request.computed += len(work.tokens)
+        if result.accepted >= 0:  # a verify window: the rejected drafts' entries stay behind, overwritten later
+            request.accepted.append(result.accepted)
+            request.verified.append(list(work.drafts))
+            request.computed -= len(work.drafts) - result.accepted
+        request.drafts = list(result.drafts)
+        for token in result.tokens:
             request.output.append(token)
             request.new.append(token)
             if self._stops(request, token):
                 break
 
-    def _stops(self, request: _Request, token: int) -> bool:
+    def advance(self, request: Request, work: Work) -> None:
+        """Count the prefill chunk of ``work`` as written (a chunk that does not finish what the request knows)."""
+        request.in_flight = False
+        if request.finish_reason is None and request.generation == work.generation:
+            request.computed += len(work.tokens)
+            request.new = []
+
+    def _stops(self, request: Request, token: int) -> bool:
         params = request.params
         if (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids:
             request.finish_reason = "stop"
@@ -266,48 +274,13 @@ class Engine:
             request.finish_reason = "length"
         return request.finish_reason is not None
 
-    def _output(self, request: _Request) -> RequestOutput:
+    def output(self, request: Request) -> RequestOutput:
         return RequestOutput(request.id, list(request.prompt), list(request.new), list(request.output),
                              request.finish_reason is not None, request.finish_reason, list(request.accepted),
                              [list(d) for d in request.verified])
 
-    # -- scheduling ----------------------------------------------------------------------------------------------
-    def _schedule(self) -> list[tuple[_Request, list[int]]]:
-        """This step's (request, tokens to feed): running windows first, then prefill chunks, then new requests,
-        within the token budget; blocks are taken here (preempting the newest running request if the pool runs
-        out)."""
-        budget = self.budget
-        plan = []
-        for request in list(self.running):
-            if request.finish_reason is not None or request not in self.running:
-                continue
-            pending = request.tokens[request.computed:]
-            if len(pending) == 1:  # decoding: the last sampled token, and the drafts to verify
-                feed = pending + request.drafts
-            else:  # prefilling (or recomputing after a preemption): a chunk of what is left
-                feed = pending[:budget]
-            if not feed or len(feed) > budget:
-                continue
-            if not self._reserve(request, request.computed + len(feed), keep=[r for r, _ in plan]):
-                continue
-            plan.append((request, feed))
-            budget -= len(feed)
-        while self.waiting and self.free_slots and budget > 0:
-            request = self.waiting[0]
-            chunk = request.tokens[request.computed:][:budget]
-            request.slot = self.free_slots.pop()
-            self.running.append(request)
-            if not self._reserve(request, len(chunk), keep=None):
-                self.running.remove(request)
-                self.free_slots.append(request.slot)
-                request.slot = None
-                break
-            self.waiting.popleft()
-            plan.append((request, chunk))
-            budget -= len(chunk)
-        return plan
-
-    def _reserve(self, request: _Request, end: int, keep: list | None) -> bool:
+    # -- blocks and slots ----------------------------------------------------------------------------------------
+    def _reserve(self, request: Request, end: int, keep: list | None) -> bool:
         """Blocks for positions ``0 .. end - 1`` (+ the drafts' positions ahead). When the pool is short, running
         requests other than ``keep`` (already in this step) are preempted, newest first; ``keep=None``: none is."""
         need = -(-(end + self.k) // self.layout.block_size) - len(request.blocks)
@@ -317,19 +290,20 @@ class Engine:
                 self.table[request.slot, len(request.blocks):len(request.blocks) + len(got)] = torch.tensor(got)
                 request.blocks += got
                 break
-            victims = [r for r in self.running if r is not request and keep is not None and r not in keep]
+            victims = [r for r in self.running if r is not request and keep is not None and r not in keep
+                       and not r.in_flight]
             if not victims:
                 return False
-            self._preempt(max(victims, key=lambda r: r.arrival))
+            self.preempt(max(victims, key=lambda r: r.arrival))
         return True
 
-    def _preempt(self, request: _Request) -> None:
+    def preempt(self, request: Request) -> None:
         """Free a running request's blocks and slot; it waits (first in line) to be recomputed from its tokens."""
-        self._release(request)
-        request.computed, request.drafts, request.draft_probs = 0, [], None
+        self.release(request)
+        request.computed, request.drafts = 0, []
         self.waiting.appendleft(request)
 
-    def _release(self, request: _Request) -> None:
+    def release(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
         if request.slot is not None:
@@ -338,95 +312,228 @@ class Engine:
             self.free_slots.append(request.slot)
         request.slot, request.blocks = None, []
 
-    # -- speculative decoding --------------------------------------------------------------------------------
-    def _draft(self, plan, rows, logits, aux, step: RaggedStep) -> None:
-        """Feed the drafter every row the stages just ran (the taps at position i, the token at i + 1: a row whose
-        token is not known yet is stale and is overwritten later), then draft ``K`` tokens for each request that
-        now waits for its next window, each from its own last committed row."""
-        drafter, dev = self.drafter, module_device(self.split.stages[-1])
+    @property
+    def blocks_in_use(self) -> int:
+        return self.pool.in_use
+
+
+def draw_generator(seed: int, index: int, device, salt: int = 0) -> torch.Generator:
+    """The generator of a request's draw at output index ``index``: a function of the seed and the index only."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + index * 7919 + salt) % (1 << 63))
+    return g
+
+
+class Sampler:
+    """Where the logits are: each request's sample or acceptance, and its next drafts (with a drafter)."""
+
+    def __init__(self, drafter=None, k: int = 0, layout: CacheLayout | None = None):
+        self.drafter, self.k = drafter, k
+        self.draft_probs: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (generation, q of its drafts)
+        if drafter is not None:
+            drafter.allocate_paged(layout)
+
+    @torch.no_grad()
+    def run(self, works: list[Work], logits: torch.Tensor, aux: torch.Tensor, step: RaggedStep,
+            table: torch.Tensor, layout: CacheLayout) -> list[Result | None]:
+        """One result per work (``None`` for a prefill chunk that draws nothing)."""
+        results, at, rows = [], 0, []
+        for w in works:
+            rows.append(at)
+            results.append(self._commit(w, logits[at:at + len(w.tokens)]) if w.final else None)
+            at += len(w.tokens)
+        if self.drafter is not None:
+            drafts = self._draft(works, rows, results, aux, step, table, layout)
+            results = [r if r is None else Result(r.slot, r.generation, r.tokens, r.accepted, drafts.get(i, ()))
+                       for i, r in enumerate(results)]
+        return results
+
+    def _commit(self, w: Work, logits: torch.Tensor) -> Result:
+        params, device = w.params, logits.device
+        if w.drafts:
+            from ppsplit.eagle3.speculative import accept
+
+            k = len(w.drafts)
+            window = logits[-(k + 1):]
+            draft = torch.tensor(w.drafts, device=device)[None]
+            if params.greedy:
+                n, token = accept(draft, window[None])
+            else:
+                gen, q = draw_generator(w.seed, w.index, device), self.draft_probs.get(w.slot)
+                if q is None or q[0] != w.generation:
+                    raise ConfigError(f"slot {w.slot}: drafts to verify without their distribution")
+                n, token = accept_filtered(draft, filtered_probs(window, params)[None], q[1][None], gen)
+            n = int(n[0])
+            return Result(w.slot, w.generation, tuple(w.drafts[:n]) + (int(token[0]),), n, ())
+        last = logits[-1]
+        if params.greedy:
+            token = int(last.argmax(-1))
+        else:
+            token = int(sample(filtered_probs(last, params), draw_generator(w.seed, w.index, device)))
+        return Result(w.slot, w.generation, (token,), -1, ())
+
+    def _draft(self, works, rows, results, aux, step: RaggedStep, table, layout) -> dict[int, tuple[int, ...]]:
+        """Feed the drafter every row the stages just ran (the taps at position i, the token at i + 1; a row whose
+        token is not known yet is stale, and overwritten later), then draft ``K`` tokens for each request that drew,
+        from its last committed row."""
+        drafter = self.drafter
+        dev = drafter.fc.weight.device
         nxt = torch.zeros(step.num_tokens, dtype=torch.long)
-        starts = {}
-        for request, _ in plan:
-            start, count = rows[request.id]
-            first = step.positions[start].item()
-            tokens = request.tokens
-            for i in range(count):
-                p = first + i + 1
-                nxt[start + i] = tokens[p] if p < len(tokens) else 0
-            if request.finish_reason is None and request.computed == len(tokens) - 1:
-                starts[request.id] = (request, start + request.computed - 1 - first)  # its last committed row
+        chain = []  # (work index, row of its last committed token, position of that row)
+        for i, (w, row, r) in enumerate(zip(works, rows, results)):
+            known = list(w.tokens[1:]) + [w.next_token]
+            if r is not None:  # the row of the last committed token: its next token is the new sample
+                last = len(w.tokens) - 1 - len(w.drafts) + len(r.tokens) - 1
+                known[last] = r.tokens[-1]
+                chain.append((i, row + last, w.position + last))
+            nxt[row:row + len(w.tokens)] = torch.tensor(known[:len(w.tokens)]).clamp(min=0)  # stale rows: any id
         meta = step.to(dev)
-        draft_logits, out = drafter(aux.to(dev)[:, None], nxt.to(dev)[None], meta)
-        if not starts:
-            return
-        chain = list(starts.values())
-        index = torch.tensor([row for _, row in chain], device=dev)
-        logits, hidden = draft_logits[0, index], out[0, index]
-        positions = [request.computed - 1 for request, _ in chain]  # the row each draft is read from
-        drafts = [[] for _ in chain]
-        probs = [[] for _ in chain]
+        logits, out = drafter(aux.to(dev)[:, None], nxt.to(dev)[None], meta)
+        if not chain:
+            return {}
+        index = torch.tensor([row for _, row, _ in chain], device=dev)
+        logits, hidden = logits[0, index], out[0, index]
+        positions = [p for _, _, p in chain]
+        drafts = {i: [] for i, _, _ in chain}
+        probs = {i: [] for i, _, _ in chain}
         for j in range(self.k):
             tokens = []
-            for i, (request, _) in enumerate(chain):
-                token, q = self._draft_pick(logits[i], request)
+            for c, (i, _, _) in enumerate(chain):
+                w = works[i]
+                token, q = self._pick(logits[c], w, j)
                 drafts[i].append(token)
                 probs[i].append(q)
                 tokens.append(token)
             if j == self.k - 1:
                 break
             positions = [p + 1 for p in positions]
-            segments = [Segment(request.slot, p, 1) for (request, _), p in zip(chain, positions)]
-            chain_step = RaggedStep.build(segments, self.table, self.layout).to(dev)
+            segments = [Segment(works[i].slot, p, 1) for (i, _, _), p in zip(chain, positions)]
+            chain_step = RaggedStep.build(segments, table, layout).to(dev)
             logits, hidden = drafter(hidden[None], torch.tensor(tokens, device=dev)[None], chain_step)
             logits, hidden = logits[0], hidden[0]
-        for i, (request, _) in enumerate(chain):
-            request.drafts = drafts[i]
-            request.draft_probs = None if request.params.greedy else torch.stack(probs[i])
+        for i, _, _ in chain:
+            w = works[i]
+            if not w.params.greedy:
+                self.draft_probs[w.slot] = (w.generation, torch.stack(probs[i]))
+        return {i: tuple(d) for i, d in drafts.items()}
 
-    def _draft_pick(self, logits: torch.Tensor, request: _Request):
-        """A draft token (target vocabulary) and, when sampling, the draft distribution over the target vocabulary."""
-        drafter, params = self.drafter, request.params
+    def _pick(self, logits: torch.Tensor, w: Work, j: int):
+        """Draft ``j`` (target vocabulary) and, when sampling, the draft distribution over the target vocabulary."""
+        drafter, params = self.drafter, w.params
         if params.greedy:
             return int(drafter.target_ids[logits.argmax(-1)]), None
-        from ppsplit.serve.sampling import sample
-
         probs = filtered_probs(logits, params)
-        token = int(drafter.target_ids[sample(probs, request.generator)])
+        gen = draw_generator(w.seed, w.index, logits.device, salt=1 + j)
+        token = int(drafter.target_ids[sample(probs, gen)])
         full = probs.new_zeros(drafter.embed_tokens.shape[0])
         full[drafter.target_ids] = probs  # d2t is one-to-one: q over the target vocabulary
         return token, full
 
-    # -- whole runs ------------------------------------------------------------------------------------------
+
+class Engine:
+    """Continuous batching over ``split`` (a ``SplitModel`` with a paged cache), in one process, optionally with an
+    EAGLE-3 ``drafter`` proposing ``num_draft_tokens`` drafts per request and step. ``max_num_batched_tokens``: the
+    token budget of a step (default: 256, or the largest captured bucket); ``max_num_seqs``: sequences in flight
+    (default: the cache's slots)."""
+
+    def __init__(self, split, *, drafter=None, num_draft_tokens: int = 0, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None):
+        if not split.plan.paged:
+            why = split.plan.lockstep_reason or "it has no cache: split with cache=CacheConfig(...)"
+            raise ConfigError(f"the engine needs a split with a paged cache, and this one keeps none because {why}")
+        k = num_draft_tokens if drafter is not None else 0
+        if drafter is not None:
+            from ppsplit.eagle3.speculative import check_speculation
+
+            check_speculation(split.plan, num_draft_tokens, drafter)
+        buckets = sorted(n for b, n in split.graphs if b == 0)
+        self.split = split
+        self.device = module_device(split.stages[0])
+        self.scheduler = Scheduler(split.layout, vocab=stage_vocab(split.stages[0]), eos=split.eos_token_id, k=k,
+                                   budget=max_num_batched_tokens or (buckets[-1] if buckets else 256),
+                                   max_seqs=max_num_seqs, buckets=buckets)
+        self.sampler = Sampler(drafter, k, split.layout)
+        self.steps = 0
+
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        return self.scheduler.add(prompt_ids, params, request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.scheduler.blocks_in_use
+
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns an output for every request that produced tokens or finished in it."""
+        sched = self.scheduler
+        plan = sched.schedule()
+        if not plan:
+            if sched.waiting:
+                raise ConfigError("no request fits the cache: every waiting request needs more blocks than the pool has")
+            return []
+        step = sched.step_of(plan)
+        ids = torch.zeros(step.num_tokens, dtype=torch.long)
+        feeds = [t for _, w in plan for t in w.tokens]
+        ids[:len(feeds)] = torch.tensor(feeds)
+        logits, aux = self.split.step(ids.to(self.device), step.to(self.device))
+        self.steps += 1
+        results = self.sampler.run([w for _, w in plan], logits, aux, step, sched.table, sched.layout)
+        return finish_step(sched, plan, results)
+
     def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
         """Add ``prompts`` and run to the end, yielding each step's ``RequestOutput``s as they come."""
-        self._add_all(prompts, params)
+        add_all(self, prompts, params)
         while self.has_unfinished():
             yield from self.step()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Add ``prompts``, run to the end, and return their final outputs in order."""
-        ids = self._add_all(prompts, params)
-        final = {}
-        while self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+        return run_to_end(self, prompts, params)
 
-    def _add_all(self, prompts, params) -> list[str]:
-        prompts = list(prompts)
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ConfigError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        return [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+
+def finish_step(sched: Scheduler, plan, results) -> list[RequestOutput]:
+    """Apply a step's results (in plan order) and release what finished; the outputs of that step."""
+    outputs = []
+    for (request, work), result in zip(plan, results):
+        if result is None:
+            sched.advance(request, work)
+        else:
+            sched.apply(request, work, result)
+        if request.new or request.finish_reason:
+            outputs.append(sched.output(request))
+            if request.finish_reason is not None:
+                sched.release(request)
+    return outputs
+
+
+def add_all(engine, prompts, params) -> list[str]:
+    prompts = list(prompts)
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ConfigError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+    return [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+
+
+def run_to_end(engine, prompts, params) -> list[RequestOutput]:
+    ids = add_all(engine, prompts, params)
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return [final[i] for i in ids]
 
 
 def accept_filtered(draft, p, q, generator):
     """The rejection rule over already filtered target probabilities ``p [B, K + 1, V]`` and draft probabilities
     ``q [B, K, V]``: accept draft ``d`` with probability ``min(1, p(d) / q(d))``; at the first rejection sample from
     ``norm(max(0, p - q))``; after ``K`` acceptances sample the bonus token from ``p``."""
-    from ppsplit.serve.sampling import sample
-
     batch, k = draft.shape
     p_d = p[:, :k].gather(2, draft[..., None])[..., 0]
     q_d = q.gather(2, draft[..., None])[..., 0]
@@ -450,11 +557,10 @@ def _ids(prompt) -> list[int]:
         raise ConfigError(f"a prompt is a list of token ids, but got {str(prompt)[:60]!r}") from None
 
 
-def _vocab(split) -> int:
+def stage_vocab(stage) -> int:
     """The vocabulary size: the rows of stage 0's embedding table."""
     from ppsplit.core.fx_utils import get_tensor
 
-    stage = split.stages[0]
     for node in stage.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.aten.embedding.default \
                 and getattr(node.args[0], "op", None) == "get_attr":

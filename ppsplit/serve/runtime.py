@@ -69,7 +69,7 @@ class SplitModel(torch.nn.Module):
         if self.layout is not None:
             step = RaggedStep.lockstep(batch, tokens, int(positions[0]), self.layout)
             logits, aux = self.step(input_ids.reshape(-1), step)
-            return logits.view(batch, tokens, -1), aux.view(aux.shape[0], batch, tokens, -1)
+            return logits.view(batch, tokens, -1), aux.view(aux.shape[0], batch, tokens, self.plan.hidden_size)
         captured = self.graphs.get((batch, tokens))
         x, aux = input_ids, None
         for k, stage in enumerate(self.stages):

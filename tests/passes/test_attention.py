@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import ppsplit
 import tests.serve.test_decode as decode_tests
-from ppsplit import CacheConfig
+from ppsplit import CacheConfig, ConfigError
 from ppsplit.triton_kernels.attention import HAVE_TRITON, attention_reference, launch_cache_attention
 from tests.support import VOCAB
 
@@ -131,7 +131,7 @@ def traced(arch):
 
 
 def _reads_cache(node):
-    return any(a.target is torch.ops.aten.index_copy_.default for a in node.all_input_nodes)
+    return any(a.op == "get_attr" and a.target.startswith("kv_cache.") for a in node.all_input_nodes)
 
 
 def _module(node):
@@ -148,24 +148,27 @@ EXPECT = {"gemma2": ("softcap 50", "window 4"), "bloom": ("ALiBi",), "gpt_oss": 
 def test_pass_matches_hf_and_replaces_attention(arch):
     model, trace = traced(arch)
     split = ppsplit.split_model(trace, 2, aux=[1, 3])
-    # Structure: every layer's attention is one cache_attention reading the cache; nothing else reads it.
+    # Structure: every layer's attention is one paged_attention over the cache's pools; nothing else reads them
+    # (their writes are paged_write).
     for k, (stage, sp) in enumerate(zip(split.stages, split.plan.stages)):
         nodes = list(stage.graph.nodes)
-        attn = [n for n in nodes if n.target is ops.cache_attention.default]
+        attn = [n for n in nodes if n.target is ops.paged_attention.default]
         assert len(attn) == sp.num_layers
+        writes = [n for n in nodes if n.target is ops.paged_write.default]
+        assert len(writes) == 2 * sp.num_layers
         readers = [n for n in nodes if _reads_cache(n)]
-        assert set(readers) == set(attn), [n.format_node() for n in readers if n not in attn]
+        assert set(readers) == set(attn) | set(writes), [n.format_node() for n in readers if n not in attn]
         gone = {torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.softmax.int,
                 torch.ops.aten._softmax.default, torch.ops.aten.expand.default, torch.ops.aten.matmul.default}
         assert not [n for n in nodes if n.target in gone and "attention" in _module(n).lower()]
         n = sp.num_layers
-        assert split.plan.attention_lines(k)[0].startswith(f"attention: {n} of {n} -> cache_attention")
+        assert split.plan.attention_lines(k)[0].startswith(f"attention: {n} of {n} -> paged_attention")
         assert [a.layer for a in split.plan.attention if a.stage == k and a.replaced] == list(range(sp.start, sp.end))
     for word in EXPECT.get(arch, ()):
         if word.startswith("softcap") and model.config._attn_implementation != "eager":
             continue  # transformers' SDPA path drops the soft-cap (5.17 picks SDPA for tiny Gemma 2): HF has none
         assert any(word in a.detail for a in split.plan.attention), (word, split.plan.attention)
-    assert "cache_attention" in split.plan.describe()
+    assert "paged_attention" in split.plan.describe()
 
     # Numbers: prefill, decode, verify chunks equal HF's logits and hidden states (taps), in fp32.
     torch.manual_seed(2)
@@ -186,8 +189,10 @@ def test_pass_matches_hf_and_replaces_attention(arch):
 
 
 def test_attention_false_keeps_traced_ops():
-    _, trace = traced("llama")
-    split = ppsplit.split_model(trace, 1, attention=False)
+    model, _ = traced("llama")
+    with pytest.raises(ConfigError, match="a paged cache needs the attention pass"):
+        ppsplit.split_model(traced("llama")[1], 1, attention=False)
+    split = ppsplit.split_model(ppsplit.trace_model(model, cache=CACHE, paged=False), 1, attention=False)
     nodes = list(split.stages[0].graph.nodes)
     assert not any(n.target is ops.cache_attention.default for n in nodes)
     assert any(n.target is torch.ops.aten.scaled_dot_product_attention.default for n in nodes)
@@ -240,16 +245,20 @@ def test_plan_json_round_trip_keeps_the_report():
 
 @pytest.mark.parametrize("rows,batch", [(1, 1), (3, 2)])
 def test_compiled_stage_equals_eager(rows, batch):
-    """compile=True (Inductor on the CPU): the same numbers and the same cache writes as the eager stage. With
-    more than one cache row the writes go through ``ppsplit::cache_write`` (in place under Inductor), here on a
-    batch below the cache's rows."""
+    """compile=True (Inductor on the CPU): the same numbers and the same cache writes as the eager stage. The paged
+    cache's writes are ``ppsplit::paged_write`` into whole pools (in place under Inductor), here on a batch below the
+    cache's sequence slots; a lockstep cache's writes of more than one row go through ``ppsplit::cache_write``."""
     from tests.support import tiny_model
 
     model = tiny_model("llama", num_layers=1)
     trace = ppsplit.trace_model(model, cache=CacheConfig(batch_size=rows, max_len=16))
     eager = ppsplit.split_model(trace, 1, aux=[1])
     compiled = ppsplit.split_model(trace, 1, aux=[1], compile=True)
-    writes = [n for n in compiled.stages[0].graph.nodes if n.target is torch.ops.ppsplit.cache_write.default]
+    writes = [n for n in compiled.stages[0].graph.nodes if n.target is torch.ops.ppsplit.paged_write.default]
+    assert len(writes) == 2 and compiled.stages[0].meta["ppsplit.compile"] == {"cache_writes_in_place": 0}
+    lockstep = ppsplit.split_model(ppsplit.trace_model(model, cache=CacheConfig(batch_size=rows, max_len=16),
+                                                       paged=False), 1, aux=[1], compile=True)
+    writes = [n for n in lockstep.stages[0].graph.nodes if n.target is torch.ops.ppsplit.cache_write.default]
     assert len(writes) == (2 if rows > 1 else 0)
     ids = torch.randint(3, VOCAB, (batch, 8))
     for lo in (0, 4):  # one shape, two steps: the second attends over what the first wrote

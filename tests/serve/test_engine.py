@@ -124,23 +124,22 @@ def test_a_seed_gives_the_same_tokens_whatever_the_batch(llama):
 
 
 def chi_square_p(counts, probs):
-    """Pearson's chi-square p-value of ``counts`` against ``probs`` (bins with expected < 5 pooled)."""
+    """Pearson's chi-square p-value of ``counts`` against ``probs``; cells with small expectations are pooled, in
+    order, into bins of at least 5 expected draws."""
     n = sum(counts)
-    expected = [p * n for p in probs]
-    obs, exp, pool_o, pool_e = [], [], 0, 0.0
-    for o, e in zip(counts, expected):
-        if e < 5:
-            pool_o, pool_e = pool_o + o, pool_e + e
-        else:
-            obs.append(o)
-            exp.append(e)
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
+    obs, exp, o_acc, e_acc = [], [], 0.0, 0.0
+    for o, p in zip(counts, probs):
+        o_acc, e_acc = o_acc + o, e_acc + p * n
+        if e_acc >= 5:
+            obs.append(o_acc)
+            exp.append(e_acc)
+            o_acc = e_acc = 0.0
+    if e_acc > 0:  # the remainder joins the last bin
+        obs[-1] += o_acc
+        exp[-1] += e_acc
     stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    dof = len(obs) - 1
-    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                   torch.tensor(stat / 2, dtype=torch.float64)).item()
+    dof = torch.tensor((len(obs) - 1) / 2, dtype=torch.float64)
+    return torch.special.gammaincc(dof, torch.tensor(stat / 2, dtype=torch.float64)).item()
 
 
 def small_target():
@@ -150,9 +149,10 @@ def small_target():
 
 @pytest.mark.parametrize("with_drafter", [False, True])
 def test_sampled_tokens_follow_the_filtered_softmax(tmp_path, with_drafter):
-    """The second token of 1200 sampled continuations of one prompt (200 at a time), at temperature 0.8 and top-p
-    0.9, against the target's own filtered distribution after the first token: chi-square p > 0.001. With a
-    drafter, the drafts are accepted by the rejection rule; its output must follow the same distribution."""
+    """The first two tokens of 1200 sampled continuations of one prompt (200 at a time), at temperature 0.8 and
+    top-p 0.9, against the target's own filtered distributions (the joint of the first token and the second given
+    it): chi-square p > 0.001, and nothing outside top-p. With a drafter the second token comes through the
+    rejection rule; the output must follow the same distribution."""
     model, split = small_target()
     drafter = None
     if with_drafter:
@@ -165,14 +165,19 @@ def test_sampled_tokens_follow_the_filtered_softmax(tmp_path, with_drafter):
     for i in range(0, 1200, 200):
         engine = Engine(split, drafter=drafter, num_draft_tokens=2 if drafter else 0)
         pairs += [tuple(o.token_ids) for o in engine.generate([prompt] * 200, params[i:i + 200])]
-    first = max(set(p[0] for p in pairs), key=[p[0] for p in pairs].count)  # the most frequent first token
-    seconds = [p[1] for p in pairs if p[0] == first]
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + [first]])).logits[0, -1]
-    probs = filtered_probs(logits, params[0]).tolist()
-    counts = [seconds.count(t) for t in range(32)]
-    assert sum(c for t, c in enumerate(counts) if probs[t] == 0) == 0  # nothing outside top-p
-    assert len(seconds) > 150 and chi_square_p(counts, probs) > 1e-3
+        first = filtered_probs(model(torch.tensor([prompt])).logits[0, -1], params[0])
+        joint = torch.zeros(32, 32, dtype=torch.float64)
+        for a in range(32):
+            if first[a] > 0:
+                second = filtered_probs(model(torch.tensor([prompt + [a]])).logits[0, -1], params[0])
+                joint[a] = first[a].double() * second.double()
+    counts = torch.zeros(32, 32)
+    for a, b in pairs:
+        counts[a, b] += 1
+    assert counts[joint == 0].sum() == 0  # nothing outside top-p
+    live = joint.flatten() > 0
+    assert chi_square_p(counts.flatten()[live].tolist(), (joint.flatten()[live] / joint.sum()).tolist()) > 1e-3
 
 
 def test_speculative_requests_accept_on_their_own(tmp_path, llama):
