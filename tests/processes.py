@@ -53,7 +53,7 @@ def launch(world: int, target, *args, timeout: float = 20.0, deadline: float = 9
     # Children fork from one server that has imported torch, the loader and the Triton kernels once (~4 s of CPU
     # per process otherwise, 4 processes on 2 cores); the server is a clean process, not this one (no threads).
     ctx.set_forkserver_preload(["torch", "ppsplit.distributed", "ppsplit.artifact.loader", "ppsplit.triton_kernels",
-                                "ppsplit.serve.cuda_graphs", __name__])
+                                "ppsplit.serve.engine", __name__])
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
@@ -80,49 +80,74 @@ def launch(world: int, target, *args, timeout: float = 20.0, deadline: float = 9
         return results
 
 
-# -- rank bodies used by tests/distributed/test_distributed.py (here, so that children import nothing heavy) -----------------
+# -- rank bodies used by the multi-process tests (here, so that children import nothing heavy) -------------------
 
-def generate(rank, folder, prompts, new, collect_aux=False, cuda_graphs=False):
-    """Every rank runs ``PipelineRank(folder).generate``; rank 0 returns ids, the last rank its taps."""
+def serve(rank, folder, requests, k=0, options=None, script=None):
+    """Every rank builds ``PipelineEngine(folder, num_draft_tokens=k, **options)``. Rank 0 adds ``requests``
+    (``(prompt, SamplingParams, arrival step)``, request ``i`` named ``"i"``) when the step count reaches their
+    arrival, steps to the end and closes; ``script(engine, step)`` (optional) runs before each step. Rank 0 returns
+    ``({id: (token_ids, finish_reason, accepted, drafts)}, blocks in use at the end, pool size, script)``; the others their
+    ``Stats``."""
     from ppsplit import distributed as ppd
 
-    runner = ppd.PipelineRank(folder if isinstance(folder, str) else folder[rank], cuda_graphs=cuda_graphs)
-    out = runner.generate(prompts if rank == 0 else None, new, collect_aux=collect_aux)
-    if collect_aux:
-        return out, runner.stats
-    # Twice: the second call reuses the communicators and the cache rows the first one wrote.
-    again = runner.generate(prompts if rank == 0 else None, new)
-    return (out, again), runner.stats
+    engine = ppd.PipelineEngine(folder, num_draft_tokens=k, **(options or {}))
+    if rank:
+        engine.follow()
+        return engine.stats
+    outputs, pending, steps = {}, sorted(enumerate(requests), key=lambda r: r[1][2]), 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][1][2] <= steps:
+            i, (prompt, params, _) = pending.pop(0)
+            engine.add_request(prompt, params, request_id=str(i))
+        if script is not None:
+            script(engine, steps)
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = (out.token_ids, out.finish_reason, out.accepted, out.drafts)
+        steps += 1
+    engine.close()
+    return outputs, engine.blocks_in_use, engine.layout.num_blocks, script
 
 
-def generate_and_fail(rank, folder, prompts, new, victim, at_item, how):
-    """Like ``generate``, but rank ``victim`` is SIGKILLed (``how="kill"``) or sleeps S seconds (``"stall:S"``)
-    when it starts its ``at_item``-th item."""
-    import signal
+def generate(rank, folder, prompts, params=None, k=0):
+    """The collective ``PipelineEngine.generate`` on every rank, twice (the second reuses the communicators and the
+    cache the first wrote); rank 0 returns both runs' outputs as ``(token_ids, accepted, drafts)`` lists."""
+    from ppsplit import distributed as ppd
 
-    from ppsplit.distributed import pipeline
+    engine = ppd.PipelineEngine(folder if isinstance(folder, str) else folder[rank], num_draft_tokens=k)
+    runs = [engine.generate(prompts if rank == 0 else None, params) for _ in range(2)]
+    if rank:
+        return engine.stats
+    return [[(o.token_ids, o.accepted, o.drafts) for o in run] for run in runs]
 
+
+class Fragile:
+    """A stage that SIGKILLs its process (``how="kill"``) or sleeps S seconds (``"stall:S"``) at its ``at``-th
+    call."""
+
+    def __init__(self, stage, at: int, how: str):
+        self.stage, self.at, self.how, self.calls = stage, at, how, 0
+
+    def __call__(self, *args):
+        import signal
+
+        self.calls += 1
+        if self.calls == self.at:
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(float(self.how.split(":")[1]))
+        return self.stage(*args)
+
+
+def generate_and_fail(rank, folder, prompts, params, victim, at, how):
+    """Like ``generate`` (once), but rank ``victim``'s stage fails at its ``at``-th micro-step (see ``Fragile``)."""
+    from ppsplit import distributed as ppd
+
+    engine = ppd.PipelineEngine(folder)
     if rank == victim:
-        real = pipeline.group_stages
-
-        def fragile(stage, groups, rows):
-            instances = real(stage, groups, rows)
-            count = {"n": 0}
-            for inst in instances:
-                forward = inst.forward
-
-                def wrapped(*a, _forward=forward):
-                    count["n"] += 1
-                    if count["n"] == at_item:
-                        if how == "kill":
-                            os.kill(os.getpid(), signal.SIGKILL)
-                        time.sleep(float(how.split(":")[1]))
-                    return _forward(*a)
-                inst.forward = wrapped
-            return instances
-
-        pipeline.group_stages = fragile  # the name the pipeline loop calls
-    return generate(rank, folder, prompts, new)
+        engine.stage = Fragile(engine.stage, at, how)
+    out = engine.generate(prompts if rank == 0 else None, params)
+    return None if out is None else [o.token_ids for o in out]
 
 
 def pipelining(rank, folder, ids, microbatches):
@@ -152,11 +177,23 @@ def pipelining(rank, folder, ids, microbatches):
     return tuple(t.clone() for t in out) if rank == world - 1 else None
 
 
-def speculate(rank, folder, prompts, new, k, temperature=0.0, seed=0, cuda_graphs=False):
-    """Every rank runs ``PipelineRank(folder).generate`` speculatively (the folder holds a drafter); rank 0 returns
-    ``(ids, stats)`` per group."""
-    from ppsplit import distributed as ppd
+class AbortInFlight:
+    """A ``serve`` script: at the first step where request ``victim`` has a verify window in flight (drafts on their
+    way through the ranks), abort it and add request ``"new"`` (``prompt``, ``params``); after the next step,
+    record ``(victim's slot, new request's slot, victim still in the pipe then)`` in ``self.seen``."""
 
-    runner = ppd.PipelineRank(folder, cuda_graphs=cuda_graphs)
-    return runner.generate(prompts if rank == 0 else None, new, num_draft_tokens=k, temperature=temperature,
-                           seed=seed, return_stats=True)
+    def __init__(self, victim: str, prompt, params):
+        self.victim, self.prompt, self.params = victim, prompt, params
+        self.slot, self.seen = None, None
+
+    def __call__(self, engine, step):
+        requests = engine.scheduler.requests
+        if self.slot is None:
+            victim = requests.get(self.victim)
+            if victim is not None and victim.in_flight and victim.drafts:
+                self.slot = victim.slot
+                engine.abort(self.victim)
+                engine.add_request(self.prompt, self.params, request_id="new")
+                self.in_pipe = any(r is victim for plan, _, _ in engine.flight for r, _ in plan)
+        elif self.seen is None and requests["new"].slot is not None:
+            self.seen = (self.slot, requests["new"].slot, self.in_pipe)

@@ -6,17 +6,14 @@ import time
 
 
 def add_parsers(sub) -> None:
-    p = sub.add_parser("generate", help="decode from a compiled folder (speculatively when it holds a drafter)")
+    from ppsplit.serve.requests import add_request_arguments
+
+    p = sub.add_parser("generate", help="decode requests through a compiled folder in this process (the engine: "
+                                        "continuous batching; speculatively with -k)")
     p.add_argument("folder")
-    prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt-ids", default=None, help="comma-separated token ids, e.g. 1,2,3")
-    prompt.add_argument("--prompt", default=None, help="text, tokenized with the source model's tokenizer")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("-k", "--num-draft-tokens", type=int, default=4, help="drafts per verify pass")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: lossless speculative sampling")
+    add_request_arguments(p)
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder (default: the one compiled into DIR)")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default="sglang")
-    p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("check-drafter", help="first-draft agreement of an EAGLE-3 drafter under both tap numberings")
     p.add_argument("model", help="the target: 'demo', a checkpoint folder or a hub id")
@@ -27,42 +24,61 @@ def add_parsers(sub) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
     import ppsplit
     from ppsplit.core.errors import ConfigError
+    from ppsplit.serve.engine import Engine
+    from ppsplit.serve.requests import check_requests, print_outputs, prompts_of, sampling_params
 
+    check_requests(args, args.folder)
     split = ppsplit.load(args.folder)
     if not split.plan.max_len:
         raise ConfigError(f"{args.folder} has no KV cache; compile it with --max-batch and --max-len to generate")
-    drafter = ppsplit.load_drafter(args.drafter, split=split, aux_convention=args.drafter_convention) \
-        if args.drafter else split.drafter
-    tokenizer = None
-    if args.prompt is not None:
-        tokenizer = _tokenizer(args.folder)
-        ids = torch.tensor([tokenizer.encode(args.prompt)])
-    else:
-        try:
-            ids = torch.tensor([[int(x) for x in args.prompt_ids.split(",")]])
-        except ValueError:
-            raise ConfigError(f"--prompt-ids must be comma-separated integers, but got {args.prompt_ids!r}") from None
-    if drafter is None and args.temperature:
-        raise ConfigError("--temperature needs a drafter (speculative sampling); plain generate is greedy")
+    drafter = None
+    if args.num_draft_tokens is not None:
+        drafter = ppsplit.load_drafter(args.drafter, split=split, aux_convention=args.drafter_convention) \
+            if args.drafter else split.drafter
+        if drafter is None:
+            raise ConfigError(f"{args.folder} holds no drafter: compile it with --drafter, or pass --drafter DIR")
+    prompts, tokenizer = prompts_of(args, args.folder)
+    params = [sampling_params(args, i) for i in range(len(prompts))]
     start = time.perf_counter()
-    if drafter is not None:
-        out, stats = split.generate(ids, args.max_new_tokens, drafter=drafter, num_draft_tokens=args.num_draft_tokens,
-                                    temperature=args.temperature,
-                                    generator=torch.Generator().manual_seed(args.seed), return_stats=True)
-    else:
-        out, stats = split.generate(ids, args.max_new_tokens), None
-    seconds = time.perf_counter() - start
-    new = out[0, ids.shape[1]:].tolist()
-    print(tokenizer.decode(new, skip_special_tokens=False) if tokenizer is not None else ",".join(map(str, new)))
-    print(f"{len(new)} tokens in {seconds:.2f}s: {len(new) / seconds:.1f} tokens/s")
-    if stats is not None:
-        print(f"mean acceptance length {stats.mean_acceptance_length:.2f} ({stats.verify_passes} verify passes, "
-              f"K={args.num_draft_tokens})")
+    if split.plan.paged:
+        engine = Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0)
+        outputs = engine.generate(prompts, params)
+    else:  # a lockstep cache (the plan says why): one request at a time
+        outputs = _lockstep(split, prompts, params, drafter, args)
+    print_outputs(outputs, tokenizer, time.perf_counter() - start,
+                  "1 process" + ("" if split.plan.paged else f", lockstep cache: {split.plan.lockstep_reason}"))
     return 0
+
+
+def _lockstep(split, prompts, params, drafter, args):
+    """Requests one after another through a split whose cache is lockstep (greedy; sampled only with a drafter)."""
+    import torch
+
+    from ppsplit.core.errors import ConfigError
+    from ppsplit.serve.engine import RequestOutput
+
+    if any(p.stop_token_ids or p.ignore_eos or p.top_k or p.top_p < 1 for p in params) or \
+            (drafter is None and args.temperature):
+        raise ConfigError(f"this folder keeps a lockstep cache ({split.plan.lockstep_reason}), which decodes greedily "
+                          "(or samples at --temperature with a drafter); drop --top-p/--top-k/--stop-token-ids/"
+                          "--ignore-eos")
+    outputs = []
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        ids = torch.tensor([prompt])
+        accepted = []
+        if drafter is not None:
+            out, stats = split.generate(ids, p.max_tokens, drafter=drafter, num_draft_tokens=args.num_draft_tokens,
+                                        temperature=p.temperature, generator=torch.Generator().manual_seed(p.seed),
+                                        return_stats=True)
+            accepted = list(stats.accepted)
+        else:
+            out = split.generate(ids, p.max_tokens)
+        new = out[0, len(prompt):].tolist()
+        reason = "stop" if new and new[-1] in split.eos_token_id and len(new) < p.max_tokens else "length"
+        outputs.append(RequestOutput(str(i), prompt, new, new, True, reason, accepted))
+    return outputs
 
 
 def _tokenizer(folder: str):

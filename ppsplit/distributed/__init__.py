@@ -1,7 +1,9 @@
-"""Multi-process pipeline: one rank per stage over ``torch.distributed`` (``pipeline``), and the launcher behind
+"""Multi-process serving: one rank per stage over ``torch.distributed`` (``engine``: ``PipelineEngine``), its
+transport (``transport``), a stage in ``torch.distributed.pipelining`` (``pipelining``), and the launcher behind
 ``ppsplit run`` / ``python -m ppsplit.run`` (``launch``)."""
-from ppsplit.distributed.pipeline import (DEFAULT_TIMEOUT, PipelineError, PipelineRank, Stats, agree, for_pipelining,
-                                          group_stages, init)
+from ppsplit.distributed.engine import PipelineEngine, Stats, buckets_up_to
+from ppsplit.distributed.pipelining import for_pipelining
+from ppsplit.distributed.transport import DEFAULT_TIMEOUT, PipelineError, agree, init
 
-__all__ = ["DEFAULT_TIMEOUT", "PipelineError", "PipelineRank", "Stats", "agree", "for_pipelining", "group_stages",
+__all__ = ["DEFAULT_TIMEOUT", "PipelineEngine", "PipelineError", "Stats", "agree", "buckets_up_to", "for_pipelining",
            "init"]

@@ -1,12 +1,11 @@
-"""Greedy (or EAGLE-3 speculative, ``-k``) generation through a compiled folder, one process per stage.
+"""Generation through a compiled folder, one process per stage: the multi-process engine on many requests.
 
-    ppsplit run DIR --prompt "text" --max-new-tokens 32 [--microbatches M] [--batch B] [-k K [--temperature T]]
-    torchrun --nproc-per-node N -m ppsplit.run DIR --prompt-ids 1,2,3 --max-new-tokens 32    # multi-host
+    ppsplit run DIR --prompt "text" --prompt "more text" --max-new-tokens 32 [--temperature T] [-k K]
+    torchrun --nproc-per-node N -m ppsplit.run DIR --prompt-ids 1,2,3 --prompt-ids 4,5 --max-new-tokens 32
 
 ``ppsplit run`` starts the ranks itself with torch.distributed's elastic launcher (one per stage, NCCL when the
-host has a GPU per stage, else gloo on the CPU); ``python -m ppsplit.run`` is the body of one rank. ``B``
-sequences (default ``M``) are decoded in ``M`` groups of ``B / M``; with several prompts, group ``g`` decodes
-prompt ``g mod len(prompts)``. Rank 0 prints each group's text (ids when DIR has no tokenizer) and tokens/s.
+host has a GPU per stage, else gloo on the CPU); ``python -m ppsplit.run`` is the body of one rank. Every prompt is
+a request of its own (any lengths); rank 0 prints each request's text (ids when DIR has no tokenizer) and tokens/s.
 """
 from __future__ import annotations
 
@@ -16,64 +15,26 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("folder", help="a folder written by ppsplit compile with --max-batch/--max-len")
-    p.add_argument("--prompt", action="append", default=[], help="prompt text (needs a tokenizer in the folder); "
-                                                                 "repeat for several prompts")
-    p.add_argument("--prompt-ids", action="append", default=[], help="prompt token ids like 1,2,3; repeatable")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--microbatches", type=int, default=1, help="groups of sequences in flight (M)")
-    p.add_argument("--batch", type=int, default=None, help="sequences in all (default: M); a multiple of M")
+    from ppsplit.serve.requests import add_request_arguments
+
+    p.add_argument("folder", help="a folder written by ppsplit compile (with its cache)")
+    add_request_arguments(p)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests in flight at most (default: the "
+                                                                  "cache's sequence slots)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per micro-step at most")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer before failing")
-    p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
-                   help="EAGLE-3 speculative decoding with K drafts per verify pass (DIR compiled with --drafter)")
-    p.add_argument("--temperature", type=float, default=0.0, help="with -k: sample at this temperature (lossless)")
 
 
 def check(args) -> None:
-    """Fail fast, before any process starts: options, folder, tokenizer."""
+    """Fail fast, before any process starts: options, folder, tokenizer, drafter."""
     from ppsplit.core.errors import ConfigError
-    from ppsplit.artifact.tokenizer import has_tokenizer
+    from ppsplit.serve.requests import check_requests, has_drafter
 
-    if not args.prompt and not args.prompt_ids:
-        raise ConfigError("pass --prompt TEXT or --prompt-ids 1,2,3")
-    if args.prompt and not has_tokenizer(args.folder):
-        raise ConfigError(f"{args.folder} has no tokenizer (tokenizer.json); pass --prompt-ids, or compile from a "
-                          "checkpoint folder that has one")
-    if args.microbatches < 1:
-        raise ConfigError(f"--microbatches must be at least 1, but got {args.microbatches}")
-    batch = args.batch or args.microbatches
-    if batch % args.microbatches:
-        raise ConfigError(f"--batch {batch} must be a multiple of --microbatches {args.microbatches}")
-    for text in args.prompt_ids:
-        _ids(text)
-    if args.num_draft_tokens is not None:
-        from ppsplit.eagle3.speculative import check_num_draft_tokens
-
-        check_num_draft_tokens(args.num_draft_tokens)
-        from ppsplit.artifact.folder import DRAFTER
-
-        if not os.path.isdir(os.path.join(args.folder, DRAFTER)):
-            raise ConfigError(f"{args.folder} holds no drafter; compile it with --drafter DRAFTER to use -k")
-    elif args.temperature:
-        raise ConfigError("--temperature needs -k (speculative sampling); plain decoding is greedy")
-
-
-def _ids(text: str) -> list[int]:
-    from ppsplit.core.errors import ConfigError
-
-    try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        ids = []
-    if not ids:
-        raise ConfigError(f"--prompt-ids must be comma-separated token ids like 1,2,3, but got {text!r}")
-    return ids
-
-
-def _prompts(args, tokenizer) -> list[list[int]]:
-    prompts = [_ids(t) for t in args.prompt_ids]
-    prompts += [tokenizer.encode(t) for t in args.prompt]
-    return prompts
+    check_requests(args, args.folder)
+    if args.num_draft_tokens is not None and not has_drafter(args.folder):
+        raise ConfigError(f"{args.folder} holds no drafter; compile it with --drafter DRAFTER to use -k")
+    if args.max_num_batched_tokens < 1:
+        raise ConfigError(f"--max-num-batched-tokens must be at least 1, but got {args.max_num_batched_tokens}")
 
 
 def rank_main(argv: list[str] | None = None) -> int:
@@ -86,42 +47,27 @@ def rank_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-
     from ppsplit import distributed as ppd
     from ppsplit.core.errors import ConfigError, PpsplitError
+    from ppsplit.serve.requests import print_outputs, prompts_of, sampling_params
 
     rank = int(os.environ.get("RANK", "0"))
     try:
         check(args)
         ppd.init(timeout=args.timeout)
-        runner = ppd.PipelineRank(args.folder)
-        groups, batch = args.microbatches, args.batch or args.microbatches
-        prompts, tokenizer = None, None
-        if runner.rank == 0:
-            if args.prompt:
-                from ppsplit.artifact.tokenizer import FolderTokenizer
-
-                tokenizer = FolderTokenizer(args.folder)
-            texts = _prompts(args, tokenizer)
-            prompts = [torch.tensor([texts[g % len(texts)]] * (batch // groups)) for g in range(groups)]
+        engine = ppd.PipelineEngine(args.folder, num_draft_tokens=args.num_draft_tokens or 0,
+                                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        prompts, tokenizer, params = None, None, None
+        if engine.rank == 0:
+            prompts, tokenizer = prompts_of(args, args.folder)
+            params = [sampling_params(args, i) for i in range(len(prompts))]
         start = time.perf_counter()
-        k = args.num_draft_tokens
-        out = runner.generate(prompts, args.max_new_tokens, num_draft_tokens=k, temperature=args.temperature,
-                              return_stats=k is not None)
-        elapsed = time.perf_counter() - start
-        spec = ""
-        if runner.rank == 0 and k is not None:
-            out, stats = out
-            spec = f", mean acceptance length {sum(s.mean_acceptance_length for s in stats) / len(stats):.2f} at K={k}"
-        if runner.rank == 0:
-            new = sum(o.shape[0] * (o.shape[1] - p.shape[1]) for o, p in zip(out, prompts))
-            for g, (o, p) in enumerate(zip(out, prompts)):
-                ids = o[0, p.shape[1]:].tolist()
-                shown = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else ",".join(map(str, ids))
-                print(f"[group {g}] {shown}", flush=True)
-            print(f"{new} tokens in {elapsed:.2f}s: {new / elapsed:.1f} tokens/s ({runner.world} stages, "
-                  f"{runner.backend}, {groups} groups of {batch // groups}{spec})", flush=True)
+        outputs = engine.generate(prompts, params)
+        if engine.rank == 0:
+            print_outputs(outputs, tokenizer, time.perf_counter() - start,
+                          f"{engine.world} stages, {engine.backend}, {len(outputs)} request"
+                          + ("s" if len(outputs) != 1 else "")
+                          + (f", K={args.num_draft_tokens}" if args.num_draft_tokens else ""))
         code = 0
     except PpsplitError as e:
         # A ConfigError is the same on every rank: rank 0 says it. A PipelineError differs per rank.
@@ -155,13 +101,7 @@ def launch(args) -> int:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=pp, run_id=f"ppsplit-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                           start_method="spawn")
-    argv = [args.folder, "--max-new-tokens", str(args.max_new_tokens), "--microbatches", str(args.microbatches),
-            "--timeout", str(args.timeout)]
-    argv += [x for t in args.prompt for x in ("--prompt", t)] + [x for t in args.prompt_ids for x in ("--prompt-ids", t)]
-    if args.batch:
-        argv += ["--batch", str(args.batch)]
-    if args.num_draft_tokens is not None:
-        argv += ["-k", str(args.num_draft_tokens), "--temperature", str(args.temperature)]
+    argv = run_argv(args)
     try:
         elastic_launch(config, sys.executable)("-m", "ppsplit.run", *argv)
     except ChildFailedError as e:
@@ -170,6 +110,19 @@ def launch(args) -> int:
         codes = ", ".join(f"rank {r}: exit {e.failures[r].exitcode}" for r in sorted(e.failures))
         raise PpsplitError(f"{len(e.failures)} of {pp} ranks failed ({codes})") from None
     return 0
+
+
+def run_argv(args) -> list[str]:
+    """The command line of one rank for ``args`` (every option passed on as given)."""
+    argv = [args.folder, "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
+            "--top-p", str(args.top_p), "--top-k", str(args.top_k), "--seed", str(args.seed), "--timeout",
+            str(args.timeout), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    argv += [x for t in args.prompt for x in ("--prompt", t)] + [x for t in args.prompt_ids for x in ("--prompt-ids", t)]
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--stop-token-ids", args.stop_token_ids),
+                        ("-k", args.num_draft_tokens)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--ignore-eos"] if args.ignore_eos else [])
 
 
 if __name__ == "__main__":

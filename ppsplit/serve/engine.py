@@ -241,11 +241,13 @@ class Scheduler:
         return RaggedStep.build(segments, self.table, self.layout,
                                 pad_to=next((b for b in self.buckets if b >= n), None))
 
-    def apply(self, request: Request, work: Work, result: Result) -> None:
-        """Take a sampler's result for ``request``'s ``work`` (dropped when the slot has changed hands since)."""
+    def apply(self, request: Request, work: Work, result: Result) -> bool:
+        """Take a sampler's result for ``request``'s ``work``; dropped (``False``) when the request has ended since
+        (an abort while its step was in flight) or the result is for an earlier holder of the slot."""
         request.in_flight = False
-        if request.finish_reason is not None or result.generation != request.generation:
-            return
+        if request.finish_reason is not None or result.generation != request.generation \
+                or work.generation != request.generation:
+            return False
         request.new = []
         request.computed += len(work.tokens)
         if result.accepted >= 0:  # a verify window: the rejected drafts' entries stay behind, overwritten later
@@ -258,13 +260,16 @@ class Scheduler:
             request.new.append(token)
             if self._stops(request, token):
                 break
+        return True
 
-    def advance(self, request: Request, work: Work) -> None:
+    def advance(self, request: Request, work: Work) -> bool:
         """Count the prefill chunk of ``work`` as written (a chunk that does not finish what the request knows)."""
         request.in_flight = False
-        if request.finish_reason is None and request.generation == work.generation:
-            request.computed += len(work.tokens)
-            request.new = []
+        if request.finish_reason is not None or request.generation != work.generation:
+            return False
+        request.computed += len(work.tokens)
+        request.new = []
+        return True
 
     def _stops(self, request: Request, token: int) -> bool:
         params = request.params
@@ -501,11 +506,8 @@ def finish_step(sched: Scheduler, plan, results) -> list[RequestOutput]:
     """Apply a step's results (in plan order) and release what finished; the outputs of that step."""
     outputs = []
     for (request, work), result in zip(plan, results):
-        if result is None:
-            sched.advance(request, work)
-        else:
-            sched.apply(request, work, result)
-        if request.new or request.finish_reason:
+        applied = sched.advance(request, work) if result is None else sched.apply(request, work, result)
+        if applied and (request.new or request.finish_reason):
             outputs.append(sched.output(request))
             if request.finish_reason is not None:
                 sched.release(request)

@@ -1,7 +1,7 @@
 """Multi-process pipeline (ppsplit.distributed, ppsplit run) on gloo: 2 and 4 CPU processes, one per stage.
 
-Oracles: Hugging Face greedy ``generate`` and ``output_hidden_states`` of the unsplit model, and the
-single-process ``SplitModel.generate`` of the same folder.
+Oracles: Hugging Face greedy ``generate`` of each prompt alone, and the in-process ``Engine`` over the same
+folder.
 """
 import json
 import os
@@ -14,7 +14,9 @@ from transformers import AutoModelForCausalLM
 import ppsplit
 from ppsplit.artifact.folder import fingerprint
 from ppsplit import distributed as ppd
-from tests.processes import generate, generate_and_fail, launch, pipelining
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.sampling import SamplingParams
+from tests.processes import generate, generate_and_fail, launch, pipelining, serve
 from tests.support import VOCAB, tiny_model
 
 TAPS = (0, 2, 4)  # all below L=5: each equals HF hidden_states[j]
@@ -45,7 +47,8 @@ def folders(checkpoint, tmp_path_factory):
     out = {}
     for name, pp in (("pp2", 2), ("pp4", 4)):
         out[name] = ppsplit.compile_model(str(checkpoint), str(root / name), pp=pp, aux=list(TAPS),
-                                          cache=ppsplit.CacheConfig(8, 48))
+                                          cache=ppsplit.CacheConfig(8, 64))
+    out["pp2-plain"] = ppsplit.compile_model(str(checkpoint), str(root / "pp2-plain"), pp=2, aux=list(TAPS))
     # The same stages under a plan that says bfloat16: what a folder compiled with another --dtype declares.
     other = shutil.copytree(out["pp2"], root / "pp2-bf16")
     plan = json.loads((other / "plan.json").read_text())
@@ -74,104 +77,102 @@ def test_compile_copies_tokenizer_and_generation_config(folders):
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= names
 
 
-def test_group_instances_write_their_own_rows_of_the_shared_cache(folders):
-    stage = ppsplit.load_stage(folders["pp2"], 1)
-    caches = {n: b for n, b in stage.named_buffers() if n.startswith("kv_cache.")}
-    a, b = ppd.group_stages(stage, groups=2, rows=3)
-    for name, buf in caches.items():
-        view = dict(b.named_buffers())[name]
-        assert view.data_ptr() == buf[3:6].data_ptr() and view.shape[0] == 3
-    x = torch.randn(3, 4, 64)
+def _requests(seed: int, n: int = 12):
+    """``n`` greedy requests, prompt lengths 2..48, arriving over the first steps, with different max_tokens; every
+    third stops at a token id of its own."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.linspace(2, 48, n).round().long().tolist()
+    out = []
+    for i, t in enumerate(lengths):
+        prompt = torch.randint(3, VOCAB, (t,), generator=g).tolist()
+        stop = (int(torch.randint(3, VOCAB, (1,), generator=g)),) if i % 3 == 2 else ()
+        out.append((prompt, SamplingParams(max_tokens=4 + i % 5, stop_token_ids=stop), i // 2))
+    return out
+
+
+def _expected(hf, prompt, params):
+    """HF greedy of ``prompt`` alone, cut at the first stop id (kept), as the engine ends a request."""
     with torch.no_grad():
-        b(x, torch.arange(4), torch.zeros(3, 3, 4, 64))
-    for name, buf in caches.items():
-        assert buf[3:6, :, :4].abs().sum() > 0  # written in place through the view
-        assert buf[:3].abs().sum() == 0 and buf[6:].abs().sum() == 0  # other groups' rows untouched
-    with pytest.raises(ppsplit.ConfigError, match="--max-batch 8"):
-        ppd.group_stages(stage, groups=3, rows=3)
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=params.max_tokens, do_sample=False)[0, len(prompt):]
+    ids = ids.tolist()
+    for i, t in enumerate(ids):
+        if t in params.stop_token_ids or t == hf.generation_config.eos_token_id:
+            return ids[:i + 1]
+    return ids
 
 
-@pytest.mark.parametrize("pp,rows,lengths", [(2, 4, (6,)), (2, 2, (5, 7)), (4, 1, (3, 6, 4, 5))],
-                         ids=["pp2-one-group", "pp2-M2", "pp4-M4"])
-def test_generate_equals_hf_and_single_process(pp, rows, lengths, folders, hf):
-    """M groups of different prompt lengths in flight; ids equal HF greedy and SplitModel.generate; the taps
-    seen on the last rank equal HF's hidden states at every position of prefill and decode."""
-    torch.manual_seed(pp + len(lengths))
-    prompts = [torch.randint(3, VOCAB, (rows, t)) for t in lengths]
-    new = 10
-    res = launch(pp, generate, folders[f"pp{pp}"], prompts, new, True, timeout=30)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_requests_arriving_at_different_steps_equal_hf_alone(pp, folders, hf):
+    """12 requests (prompts of 2..48 tokens, two arriving per step, different max_tokens and stop ids) through pp
+    gloo ranks with pp micro-steps in flight and 8 sequence slots (so some wait for a slot): each request's tokens
+    equal HF greedy of its prompt alone, and the block pool is whole again at the end."""
+    requests = _requests(pp)
+    res = launch(pp, serve, folders[f"pp{pp}"], requests, timeout=30, deadline=240)
     print(f"launch of {pp} ranks: {res['elapsed']:.1f}s")
     _ok(res, pp)
-    outs, stats = res[0][1]
-    taps = res[pp - 1][1][0]
-    single = ppsplit.load(folders[f"pp{pp}"])
-    for g, prompt in enumerate(prompts):
-        with torch.no_grad():
-            expected = hf.generate(prompt, max_new_tokens=new, do_sample=False)
-            hidden = hf(expected[:, :-1], output_hidden_states=True).hidden_states
-        assert torch.equal(outs[g], expected)
-        assert torch.equal(outs[g], single.generate(prompt, new))
-        seen = taps[g][:, :, : expected.shape[1] - 1]
-        assert seen.shape == (len(TAPS), rows, expected.shape[1] - 1, 64)
-        for slot, tap in enumerate(TAPS):
-            torch.testing.assert_close(seen[slot], hidden[tap], atol=1e-5, rtol=1e-5)
-    assert stats.items == len(lengths) * new  # prefill + new - 1 decode steps per group
-    # Boundary bytes: hidden + aux prefix per item is the payload; positions add 8 bytes per token.
-    sent = res[0][1][1]
-    assert sent.bytes_sent - sent.payload_bytes == 8 * (sum(lengths) + len(lengths) * (new - 1))
+    outputs, in_use, _, _ = res[0][1]
+    assert in_use == 0 and sorted(outputs, key=int) == [str(i) for i in range(len(requests))]
+    for i, (prompt, params, _) in enumerate(requests):
+        assert outputs[str(i)][0] == _expected(hf, prompt, params), i
+    stats = res[pp - 1][1]
+    assert stats.steps >= 4  # micro-steps, each holding some requests
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
-def test_nccl_two_gpus_equal_single_process(cuda_graphs, folders):
-    """NCCL, rank r on cuda:r, 2 groups in flight (decode steps replayed from CUDA graphs or eager), generate run
-    twice: the ids equal the single-process split on one GPU."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
-    torch.manual_seed(5)
-    prompts = [torch.randint(3, VOCAB, (2, t)) for t in (5, 7)]
-    new = 12
-    res = launch(2, generate, folders["pp2"], prompts, new, False, cuda_graphs, timeout=60, deadline=150,
-                 backend="nccl")
-    print(f"launch of 2 NCCL ranks: {res['elapsed']:.1f}s")
+def test_generate_twice_on_every_rank_equals_single_process(folders):
+    """``PipelineEngine.generate`` is collective and can be called again; both runs equal the in-process Engine."""
+    prompts = [[5, 9, 17], [4, 40, 41, 42, 43, 44, 45], [6]]
+    params = SamplingParams(max_tokens=6)
+    res = launch(2, generate, folders["pp2"], prompts, params, timeout=30, deadline=120)
     _ok(res, 2)
-    (first, again), stats = res[0][1]
-    single = ppsplit.load(folders["pp2"], ["cuda:0", "cuda:0"])
-    for g, prompt in enumerate(prompts):
-        expected = single.generate(prompt.cuda(), new).cpu()
-        assert torch.equal(first[g], expected), g
-        assert torch.equal(again[g], expected), g
-    assert stats.items == len(prompts) * new
+    single = Engine(ppsplit.load(folders["pp2"])).generate(prompts, params)
+    for run in res[0][1]:
+        assert [o[0] for o in run] == [o.token_ids for o in single]
+
+
+def test_sampling_with_seeds_equals_single_process(folders):
+    """Temperature 0.8, top-p 0.9, top-k 50 with a seed per request: the tokens across 4 ranks equal the in-process
+    engine's (a request's draws depend on its seed and output index only)."""
+    prompts = [[5, 9, 17], [4, 40, 41, 42], [6, 7]]
+    params = [SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=50, seed=s, ignore_eos=True)
+              for s in (1, 2, 3)]
+    res = launch(4, generate, folders["pp4"], prompts, params, timeout=30, deadline=120)
+    _ok(res, 4)
+    single = Engine(ppsplit.load(folders["pp4"])).generate(prompts, params)
+    assert [o[0] for o in res[0][1][0]] == [o.token_ids for o in single]
 
 
 def test_mismatched_ranks_fail_on_every_rank(folders):
-    """Folders from different compiles, a wrong world size, a job that does not fit: the same ConfigError on
+    """Folders from different compiles, a wrong world size, a prompt that does not fit: the same ConfigError on
     every rank, no hang."""
-    prompts = [torch.randint(3, VOCAB, (2, 5))]
-    res = launch(2, generate, [folders["pp2"], folders["pp2-bf16"]], prompts, 4, timeout=10, deadline=40)
+    prompts = [[5, 6, 7]]
+    res = launch(2, generate, [folders["pp2"], folders["pp2-bf16"]], prompts, timeout=10, deadline=40)
     for r in range(2):
         assert res[r][:2] == ("error", "ConfigError"), res[r]
         assert "rank 1 disagrees with rank 0 on dtype 'bfloat16' (rank 0: 'float32'), fingerprint" in res[r][2], res[r]
-    res = launch(2, generate, folders["pp4"], prompts, 4, timeout=10, deadline=40)
+    res = launch(2, generate, folders["pp4"], prompts, timeout=10, deadline=40)
     for r in range(2):
         assert res[r][:2] == ("error", "ConfigError") and "4 stages but 2 ranks" in res[r][2], res[r]
-    res = launch(2, generate, folders["pp2"], [torch.randint(3, VOCAB, (2, 40))], 20, timeout=10, deadline=40)
+    res = launch(2, generate, folders["pp2"], [[5] * 40], SamplingParams(max_tokens=20), timeout=10, deadline=40)
     for r in range(2):
         assert res[r][:2] == ("error", "ConfigError") and "--max-len" in res[r][2], res[r]
+    res = launch(2, generate, folders["pp2"], [[5, 6], [1, 99999]], timeout=10, deadline=40)
+    for r in range(2):
+        assert res[r][:2] == ("error", "ConfigError") and "outside the vocabulary" in res[r][2], res[r]
     assert res["alive"] == [] and res["elapsed"] < 40
 
 
 def test_killed_rank_ends_every_process(folders):
-    """Rank 1 of 4 is SIGKILLed mid-decode: every other rank ends by itself with a PipelineError, and the
-    first failure reported names rank 1."""
-    prompts = [torch.randint(3, VOCAB, (2, 4)) for _ in range(4)]
-    res = launch(4, generate_and_fail, folders["pp4"], prompts, 30, 1, 6, "kill", timeout=15, deadline=60)
+    """Rank 1 of 4 is SIGKILLed at its 6th micro-step: every other rank ends by itself with a PipelineError, and
+    the first failure reported names rank 1."""
+    prompts = [[5 + i, 6, 7, 8] for i in range(6)]
+    res = launch(4, generate_and_fail, folders["pp4"], prompts, SamplingParams(max_tokens=30, ignore_eos=True), 1, 6,
+                 "kill", timeout=15, deadline=60)
     assert res[1] == ("exit", -9)
     for r in (0, 2, 3):
         assert res[r][:2] == ("error", "PipelineError"), res[r]
     # Rank 2 sees rank 1 go; rank 0 (which hosts the store) reads the first failure reported; rank 3 sees
     # rank 2 go, and the first report too when rank 0's store is still up.
-    assert "could not receive from rank 1: rank 1 died" in res[2][2]
+    assert "rank 1 died" in res[2][2], res[2][2]
     assert "rank 1 died" in res[0][2], res[0][2]
     assert "rank 2 died" in res[3][2] or "rank 1 died" in res[3][2], res[3][2]
     assert res["alive"] == [] and res["elapsed"] < 60
@@ -180,8 +181,9 @@ def test_killed_rank_ends_every_process(folders):
 def test_stalled_rank_times_out(folders):
     """The last rank stops answering for longer than the timeout: rank 0 gives up after the timeout, naming it;
     the stalled rank fails on its next transfer once it resumes. Nothing hangs."""
-    prompts = [torch.randint(3, VOCAB, (2, 4)) for _ in range(2)]
-    res = launch(2, generate_and_fail, folders["pp2"], prompts, 30, 1, 4, "stall:6", timeout=2, deadline=40)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    res = launch(2, generate_and_fail, folders["pp2"], prompts, SamplingParams(max_tokens=30, ignore_eos=True), 1, 4,
+                 "stall:6", timeout=2, deadline=40)
     assert res[0][:2] == ("error", "PipelineError") and "rank 1 stalled past the timeout" in res[0][2], res[0]
     assert res[1][:2] == ("error", "PipelineError") and "rank 0" in res[1][2], res[1]
     assert res["alive"] == [] and res["elapsed"] < 25
@@ -189,15 +191,17 @@ def test_stalled_rank_times_out(folders):
 
 def test_pipelining_schedule_gpipe_gives_the_same_logits(folders):
     """A stage runs as the submodule of torch.distributed.pipelining.PipelineStage under ScheduleGPipe
-    (2 microbatches); the merged logits and aux equal the single-process split."""
+    (2 microbatches); the merged logits and aux equal the single-process split. A paged stage is refused there."""
     ids = torch.randint(3, VOCAB, (4, 6))
-    res = launch(2, pipelining, folders["pp2"], ids, 2, timeout=30)
+    res = launch(2, pipelining, folders["pp2-plain"], ids, 2, timeout=30)
     _ok(res, 2)
     logits, aux = res[1][1]
     with torch.no_grad():
-        ref_logits, ref_aux = ppsplit.load(folders["pp2"])(ids)
+        ref_logits, ref_aux = ppsplit.load(folders["pp2-plain"])(ids)
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(aux, ref_aux, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ppsplit.ConfigError, match="PipelineEngine"):
+        ppd.for_pipelining(ppsplit.load_stage(folders["pp2"], 0))
 
 
 def test_cli_run_prints_text_like_hf(folders, hf, checkpoint, capfd):
@@ -208,18 +212,19 @@ def test_cli_run_prints_text_like_hf(folders, hf, checkpoint, capfd):
     from ppsplit.cli import main
 
     tok = AutoTokenizer.from_pretrained(checkpoint)
-    prompt = "w5 w17 w9 w44"
-    ids = torch.tensor([tok(prompt)["input_ids"]])
-    with torch.no_grad():
-        expected = hf.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
-    code = main(["run", folders["pp2"], "--prompt", prompt, "--max-new-tokens", "6", "--microbatches", "2",
+    prompts = ["w5 w17 w9 w44", "w7 w3"]
+    texts = []
+    for prompt in prompts:
+        ids = torch.tensor([tok(prompt)["input_ids"]])
+        new = _expected(hf, ids[0].tolist(), SamplingParams(max_tokens=6))
+        texts.append(tok.decode(new, skip_special_tokens=True))
+    code = main(["run", folders["pp2"], "--prompt", prompts[0], "--prompt", prompts[1], "--max-new-tokens", "6",
                  "--timeout", "30"])
     out, err = capfd.readouterr()
     assert code == 0, err[-2000:]
     lines = out.splitlines()
-    text = tok.decode(expected.tolist(), skip_special_tokens=True)
-    assert lines[:2] == [f"[group 0] {text}", f"[group 1] {text}"], out
-    assert "tokens/s (2 stages, gloo, 2 groups of 1)" in lines[2]
+    assert lines[:2] == [f"[0] {texts[0]}", f"[1] {texts[1]}"], out
+    assert "tokens/s (2 stages, gloo, 2 requests)" in lines[2], out
 
 
 def test_cli_run_errors_are_one_line(folders, capsys):
@@ -228,5 +233,7 @@ def test_cli_run_errors_are_one_line(folders, capsys):
     assert main(["run", folders["pp2"], "--prompt-ids", "1,x", "--max-new-tokens", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["ppsplit: error: --prompt-ids must be comma-separated token ids like 1,2,3, but got '1,x'"]
-    assert main(["run", folders["pp2"], "--prompt-ids", "1,2", "--microbatches", "2", "--batch", "3"]) == 2
-    assert "--batch 3 must be a multiple of --microbatches 2" in capsys.readouterr().err
+    assert main(["run", folders["pp2"], "--prompt-ids", "1,2", "--temperature", "-1"]) == 2
+    assert "temperature must be a number from 0 (greedy) to 100, but got -1.0" in capsys.readouterr().err
+    assert main(["run", folders["pp2"], "--prompt-ids", "1,2", "-k", "2"]) == 2
+    assert "holds no drafter; compile it with --drafter" in capsys.readouterr().err

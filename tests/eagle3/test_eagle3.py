@@ -245,7 +245,7 @@ def test_trained_drafter_accepts_and_skips_target_passes(trained):
     prompts = torch.randint(3, 32, (3, 4), generator=g)  # unseen prompts
     calls = []
     stage0 = split.stages[0]
-    hook = stage0.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[1]))
+    hook = stage0.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[-1]))  # ids [N] (a step)
     try:
         lengths = []
         for b in range(prompts.shape[0]):
@@ -402,75 +402,101 @@ def test_compile_with_drafter_generate_and_check_drafter(trained, tmp_path, caps
 
 @pytest.fixture(scope="module")
 def compiled_with_drafter(trained, tmp_path_factory):
-    """The trained drafter as a published checkpoint, compiled with the 32-token target at pp=1, 2 and 3."""
+    """The trained drafter as a published checkpoint, compiled with the 32-token target at pp=1, 2, 3 and 4."""
     from ppsplit.cli import main
 
     model, _, drafter, _ = trained
     root = tmp_path_factory.mktemp("spec-mp")
     published = publish(model, drafter, root, "safetensors")
     folders = {}
-    for pp in (1, 2, 3):
+    for pp in (1, 2, 3, 4):
         folders[pp] = str(root / f"pp{pp}")
         assert main(["compile", str(root / "target"), "--pp", str(pp), "--drafter", published, "-o", folders[pp],
                      "--max-batch", "4", "--max-len", "64"]) == 0
     return model, folders
 
 
+def _spec_prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 32, (t,), generator=g).tolist() for t in (4, 4, 6, 6)]
+
+
 @pytest.mark.parametrize("pp", [1, 2, 3])
 def test_speculative_through_processes_equals_single_process(pp, compiled_with_drafter):
-    """One process per stage (gloo; pp=1: one rank holds everything), two groups of two sequences in flight, the
-    drafter on the last rank: the ids,
-    the drafts and the acceptances per step equal the single-process speculative run of each group, and the ids
-    equal Hugging Face greedy; sampling (temperature 0.8, group g seeded seed + g) gives the single-process run's
-    tokens too."""
-    from tests.processes import launch, speculate
+    """One process per stage (gloo; pp=1: one rank holds everything), four requests, the drafter on the last rank:
+    each request's tokens, drafts and acceptances per verify pass equal the in-process engine's, and its tokens
+    equal Hugging Face greedy of its prompt alone; sampling (temperature 0.8, a seed per request) gives the
+    in-process engine's tokens too."""
+    from ppsplit.serve.engine import Engine
+    from ppsplit.serve.sampling import SamplingParams
+    from tests.processes import generate, launch
 
     model, folders = compiled_with_drafter
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 32, (2, 4), generator=g), torch.randint(3, 32, (2, 6), generator=g)]
-    res = launch(pp, speculate, folders[pp], prompts, 20, 4, timeout=30, deadline=120)
+    prompts = _spec_prompts()
+    params = SamplingParams(max_tokens=20)
+    res = launch(pp, generate, folders[pp], prompts, params, 4, timeout=30, deadline=150)
     assert all(res[r][0] == "ok" for r in range(pp)), {r: res[r][-1][-800:] for r in range(pp)}
-    outs, stats = res[0][1]
     single = ppsplit.load(folders[pp])
-    for group, prompt in enumerate(prompts):
-        expected, ref = single.generate(prompt, 20, drafter=single.drafter, num_draft_tokens=4, return_stats=True)
-        assert torch.equal(outs[group], expected)
-        assert torch.equal(outs[group], hf_greedy(model, prompt, 20))
-        assert stats[group].draft_tokens == ref.draft_tokens and stats[group].accepted == ref.accepted
-        assert stats[group].verify_passes == ref.verify_passes < 19  # accepted drafts skipped target passes
-    print(f"pp={pp}: mean acceptance length {[round(s.mean_acceptance_length, 2) for s in stats]}")
+    ref = Engine(single, drafter=single.drafter, num_draft_tokens=4).generate(prompts, params)
+    for (tokens, accepted, drafts), expected, prompt in zip(res[0][1][0], ref, prompts):
+        assert tokens == expected.token_ids == hf_greedy(model, torch.tensor([prompt]), 20)[0, len(prompt):].tolist()
+        assert accepted == expected.accepted and drafts == expected.drafts
+        assert len(accepted) < 19  # accepted drafts skipped target passes
+    print(f"pp={pp}: mean acceptance length {[round(o.mean_acceptance_length, 2) for o in ref]}")
 
-    res = launch(pp, speculate, folders[pp], prompts, 12, 3, 0.8, 5, timeout=30, deadline=120)
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=5 + i, ignore_eos=True) for i in range(4)]
+    res = launch(pp, generate, folders[pp], prompts, params, 3, timeout=30, deadline=150)
     assert all(res[r][0] == "ok" for r in range(pp)), {r: res[r][-1][-800:] for r in range(pp)}
-    outs, _ = res[0][1]
-    for group, prompt in enumerate(prompts):
-        expected = single.generate(prompt, 12, drafter=single.drafter, num_draft_tokens=3, temperature=0.8,
-                                   generator=torch.Generator().manual_seed(5 + group))
-        assert torch.equal(outs[group], expected)
+    ref = Engine(single, drafter=single.drafter, num_draft_tokens=3).generate(prompts, params)
+    assert [o[0] for o in res[0][1][0]] == [o.token_ids for o in ref]
+
+
+def test_slot_reused_while_drafts_are_in_flight_through_four_ranks(compiled_with_drafter):
+    """A request aborted while its verify window is in flight through 4 ranks, its slot given at once to a new
+    request (the old micro-step still in the pipe): the new request's tokens equal its solo run, the others are
+    untouched, and the pool is whole at the end."""
+    from ppsplit.serve.sampling import SamplingParams
+    from tests.processes import AbortInFlight, launch, serve
+
+    model, folders = compiled_with_drafter
+    prompts = _spec_prompts()
+    params = SamplingParams(max_tokens=24)
+    fresh = [9, 4, 17, 3, 22]
+    script = AbortInFlight("1", fresh, params)
+    res = launch(4, serve, folders[4], [(p, params, 0) for p in prompts], 3, None, script, timeout=30, deadline=200)
+    assert all(res[r][0] == "ok" for r in range(4)), {r: res[r][-1][-800:] for r in range(4)}
+    outputs, in_use, _, script = res[0][1]
+    old_slot, new_slot, in_pipe = script.seen
+    assert old_slot == new_slot and in_pipe
+    assert in_use == 0 and "1" not in outputs
+    assert outputs["new"][0] == hf_greedy(model, torch.tensor([fresh]), 24)[0, len(fresh):].tolist()
+    for i in (0, 2, 3):
+        assert outputs[str(i)][0] == hf_greedy(model, torch.tensor([prompts[i]]), 24)[0, len(prompts[i]):].tolist()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
 def test_speculative_nccl_two_gpus_equals_single_process(cuda_graphs, compiled_with_drafter):
-    """NCCL, rank r on cuda:r, the drafter on rank 1 (its draft and the verify passes replayed from CUDA graphs, or
-    eager): ids, drafts and acceptances equal the single-process run on one GPU."""
-    from tests.processes import launch, speculate
+    """NCCL, rank r on cuda:r, the drafter on rank 1 (every bucket replayed from CUDA graphs, or eager): tokens,
+    drafts and acceptances equal the in-process engine on one GPU."""
+    from ppsplit.serve.engine import Engine
+    from ppsplit.serve.sampling import SamplingParams
+    from tests.processes import launch, serve
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     _, folders = compiled_with_drafter
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 32, (2, 4), generator=g), torch.randint(3, 32, (2, 6), generator=g)]
-    res = launch(2, speculate, folders[2], prompts, 20, 4, 0.0, 0, cuda_graphs, timeout=60, deadline=150,
-                 backend="nccl")
+    prompts = _spec_prompts()
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    res = launch(2, serve, folders[2], [(p, params, i) for i, p in enumerate(prompts)], 4,
+                 {"cuda_graphs": cuda_graphs, "max_num_batched_tokens": 32}, timeout=60, deadline=200, backend="nccl")
     assert all(res[r][0] == "ok" for r in range(2)), {r: res[r][-1][-800:] for r in range(2)}
-    outs, stats = res[0][1]
+    outputs = res[0][1][0]
     single = ppsplit.load(folders[2], ["cuda:0", "cuda:0"])
-    for group, prompt in enumerate(prompts):
-        expected, ref = single.generate(prompt.cuda(), 20, drafter=single.drafter, num_draft_tokens=4,
-                                        return_stats=True)
-        assert torch.equal(outs[group], expected.cpu())
-        assert stats[group].draft_tokens == ref.draft_tokens and stats[group].accepted == ref.accepted
+    ref = Engine(single, drafter=single.drafter, num_draft_tokens=4).generate(prompts, params)
+    for i, expected in enumerate(ref):
+        tokens, _, accepted, drafts = outputs[str(i)]
+        assert tokens == expected.token_ids and accepted == expected.accepted and drafts == expected.drafts
 
 
 def test_cli_run_speculative(compiled_with_drafter, capfd):
@@ -485,25 +511,24 @@ def test_cli_run_speculative(compiled_with_drafter, capfd):
     out, err = capfd.readouterr()
     assert code == 0, err[-2000:]
     lines = out.splitlines()
-    assert lines[0] == "[group 0] " + ",".join(map(str, expected)), out
-    assert "(2 stages, gloo, 1 groups of 1, mean acceptance length" in lines[1] and "at K=4)" in lines[1], out
+    assert lines[0] == ",".join(map(str, expected)), out
+    assert "(2 stages, gloo, 1 request, K=4, mean acceptance length" in lines[1], out
     assert main(["run", folders[2], "--prompt-ids", "1,2", "-k", "0"]) == 2
     assert "num_draft_tokens must be an integer >= 1" in capfd.readouterr().err
 
 
 def test_speculative_through_processes_errors(compiled_with_drafter, tmp_path):
-    """Errors end every rank with the same one-line ConfigError: no drafter on the last rank, K < 1, collect_aux."""
+    """Errors end every rank with the same one-line ConfigError: no drafter on the last rank, K < 1."""
     import shutil
 
-    from tests.processes import launch, speculate
+    from tests.processes import generate, launch
 
     _, folders = compiled_with_drafter
     bare = shutil.copytree(folders[2], tmp_path / "no-drafter", ignore=shutil.ignore_patterns("drafter"))
-    prompts = [torch.randint(3, 32, (1, 4))]
-    res = launch(2, speculate, str(bare), prompts, 4, 2, timeout=10, deadline=40)
+    res = launch(2, generate, str(bare), [[5, 6, 7]], None, 2, timeout=10, deadline=40)
     for r in range(2):
         assert res[r][:2] == ("error", "ConfigError") and "needs an EAGLE-3 drafter on the last rank" in res[r][2]
-    res = launch(2, speculate, folders[2], prompts, 4, 0, timeout=10, deadline=40)
+    res = launch(2, generate, folders[2], [[5, 6, 7]], None, -1, timeout=10, deadline=40)
     for r in range(2):
         assert res[r][:2] == ("error", "ConfigError") and "num_draft_tokens must be an integer >= 1" in res[r][2]
     assert res["alive"] == []

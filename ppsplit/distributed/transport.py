@@ -1,0 +1,141 @@
+"""Multi-process transport: joining the process group, agreeing before any tensor moves, and point-to-point
+transfers whose failures name the peer.
+
+A rank that dies or stalls makes its neighbours fail with a ``PipelineError`` naming it, within the process group's
+timeout (``init(timeout=...)``); the first failure any rank reports is kept in the rendezvous store, so a rank two
+hops away names the rank that died, not only the neighbour that left.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import time
+
+import torch
+import torch.distributed as dist
+
+from ppsplit.core.errors import ConfigError, PpsplitError
+
+DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for a peer before giving up
+
+
+class PipelineError(PpsplitError):
+    """A peer rank died, stalled past the timeout, or a transfer failed."""
+
+
+def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> str:
+    """Join the process group that ``torchrun`` (or ``ppsplit run``) describes in the environment.
+
+    NCCL when every local rank has its own GPU, else gloo. ``timeout`` (seconds) bounds every wait on a peer.
+    Returns the backend. Example: ``ppsplit.distributed.init(timeout=60)``.
+    """
+    if dist.is_initialized():
+        return dist.get_backend()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    TIMEOUT[0] = timeout
+    return backend
+
+
+TIMEOUT = [DEFAULT_TIMEOUT]  # the timeout init() was given: groups made later get the same
+
+
+def agree(header: dict) -> list[dict]:
+    """Gather every rank's ``header`` and raise the same ``ConfigError`` on every rank if they disagree.
+
+    A header may carry ``"error"`` (the rank could not load its stage): then every rank raises it. Keys
+    ``stage`` and ``rank`` may differ.
+    """
+    headers: list = [None] * dist.get_world_size()
+    dist.all_gather_object(headers, header)
+    for r, h in enumerate(headers):
+        if "error" in h:
+            raise ConfigError(f"rank {r}: {h['error']}")
+    ref = headers[0]
+    for r, h in enumerate(headers[1:], 1):
+        diff = [f"{key} {h.get(key)!r} (rank 0: {ref.get(key)!r})" for key in sorted(set(ref) | set(h))
+                if key not in ("stage", "rank") and h.get(key) != ref.get(key)]
+        if diff:
+            raise ConfigError(f"rank {r} disagrees with rank 0 on {', '.join(diff)}: every rank must load the same "
+                              "compiled folder with the same options")
+    return headers
+
+
+class Links:
+    """This rank's transfers: ``send``/``recv`` post one (to a peer rank, on the pipeline's group or the back group
+    from the last rank to rank 0), ``wait`` waits for posted ones; both raise a ``PipelineError`` naming the peer.
+    ``wait_s`` and ``bytes_sent`` count what this rank spent and sent."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.wait_s = 0.0
+        self.bytes_sent = 0
+        # Results go back to rank 0 through a group of their own: NCCL runs the operations of one communicator in
+        # order on one stream, so with pp=2 a result receive queued behind the next send down the pipe (or the
+        # next receive from rank 0 queued before a result send) would wait on each other.
+        self.back = None
+        if world > 1:
+            self.back = dist.new_group([0, world - 1], timeout=datetime.timedelta(seconds=TIMEOUT[0]))
+
+    def send(self, tensor: torch.Tensor, peer: int, what: str = "send to", back: bool = False):
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return self._post(dist.isend, tensor, peer, what, back)
+
+    def recv(self, tensor: torch.Tensor, peer: int, what: str = "receive from", back: bool = False):
+        return self._post(dist.irecv, tensor, peer, what, back)
+
+    def _post(self, op, tensor, peer, what, back):
+        try:
+            return (op(tensor, peer, group=self.back) if back else op(tensor, peer)), what, peer
+        except Exception as e:  # posting on a connection that is already gone fails at once
+            raise self.lost(e, what, peer) from None
+
+    def wait(self, posted) -> None:
+        """Wait for ``posted`` (what ``send``/``recv`` returned; ``None`` entries are skipped)."""
+        start = time.perf_counter()
+        for item in posted:
+            if item is None:
+                continue
+            work, what, peer = item
+            try:
+                work.wait()
+            except Exception as e:  # gloo raises RuntimeError, NCCL DistBackendError; both mean the peer is gone
+                raise self.lost(e, what, peer) from None
+        self.wait_s += time.perf_counter() - start
+
+    def exchange(self, tensors, peer: int, what: str, back: bool = False, receive: bool = True) -> None:
+        """Post ``tensors`` to (or from) ``peer`` and wait for all of them."""
+        op = self.recv if receive else self.send
+        self.wait([op(t, peer, what, back) for t in tensors if t.numel()])
+
+    def lost(self, error: Exception, what: str, peer: int) -> PipelineError:
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0][:160]  # gloo: "[file:line] What [addr]. Hint"
+        cause = "stalled past the timeout" if "timed out" in text.lower() or "timeout" in text.lower() \
+            else "died or closed its connection"
+        message = f"rank {self.rank}: could not {what} rank {peer}: rank {peer} {cause} ({text})"
+        first = first_failure(message)
+        if first != message:
+            message += f"; first failure reported: {first}"
+        return PipelineError(message)
+
+
+def first_failure(message: str) -> str:
+    """Record ``message`` in the rendezvous store unless another rank did first; return the first one.
+
+    A rank two hops from a dead one only sees its neighbour leave; the first report names the rank that died.
+    """
+    from torch.distributed.distributed_c10d import _get_default_store  # the one internal name used here
+
+    try:
+        store = _get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=2))  # the store's host may be gone too
+        first = store.compare_set("ppsplit/first_failure", "", message)
+        return first.decode() if isinstance(first, bytes) else str(first)
+    except Exception:  # no store (or it died with its host): report what this rank saw
+        return message

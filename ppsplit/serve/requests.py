@@ -1,0 +1,98 @@
+"""Serving: the requests of a command line. ``ppsplit generate`` (one process) and ``ppsplit run`` (one process per
+stage) take the same prompt and sampling options, read and checked here, and print their outputs the same way.
+
+    --prompt TEXT (repeatable) --prompt-ids 1,2,3 (repeatable) --max-new-tokens N --temperature T --top-p P
+    --top-k K --seed S --stop-token-ids 2,7 --ignore-eos
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from ppsplit.core.errors import ConfigError
+
+
+def add_request_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (needs a tokenizer in the folder); "
+                                                                 "repeat for several requests")
+    p.add_argument("--prompt-ids", action="append", default=[], help="prompt token ids like 1,2,3; repeatable")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per request at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample (with -k: lossless "
+                                                                  "speculative sampling)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
+    p.add_argument("--stop-token-ids", default=None, help="comma-separated ids that end a request (kept in it)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence ids")
+    p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
+                   help="EAGLE-3 speculative decoding with K drafts per verify pass (needs a drafter)")
+
+
+def check_requests(args, folder: str) -> None:
+    """Fail fast, before any model loads: at least one prompt, ids that parse, a tokenizer for text, valid
+    sampling options."""
+    from ppsplit.artifact.tokenizer import has_tokenizer
+
+    if not args.prompt and not args.prompt_ids:
+        raise ConfigError("pass --prompt TEXT or --prompt-ids 1,2,3 (each may be given several times)")
+    if args.prompt and not has_tokenizer(folder):
+        raise ConfigError(f"{folder} has no tokenizer (tokenizer.json); pass --prompt-ids, or compile from a "
+                          "checkpoint folder that has one")
+    for text in args.prompt_ids:
+        parse_ids(text, "--prompt-ids")
+    sampling_params(args, 0)
+    if args.num_draft_tokens is not None:
+        from ppsplit.eagle3.speculative import check_num_draft_tokens
+
+        check_num_draft_tokens(args.num_draft_tokens)
+
+
+def parse_ids(text: str, option: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0:
+        raise ConfigError(f"{option} must be comma-separated token ids like 1,2,3, but got {text!r}")
+    return ids
+
+
+def sampling_params(args, index: int):
+    """Request ``index``'s ``SamplingParams`` (its seed is ``--seed + index``)."""
+    from ppsplit.serve.sampling import SamplingParams
+
+    stop = parse_ids(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids else ()
+    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed + index, stop_token_ids=tuple(stop),
+                          ignore_eos=args.ignore_eos)
+
+
+def prompts_of(args, folder: str):
+    """``(prompts, tokenizer)``: the ``--prompt-ids`` requests first, then the ``--prompt`` texts, in the order
+    given; the tokenizer is ``None`` without text prompts."""
+    tokenizer = None
+    if args.prompt:
+        from ppsplit.artifact.tokenizer import FolderTokenizer
+
+        tokenizer = FolderTokenizer(folder)
+    return [parse_ids(t, "--prompt-ids") for t in args.prompt_ids] + [tokenizer.encode(t) for t in args.prompt], \
+        tokenizer
+
+
+def print_outputs(outputs, tokenizer, seconds: float, what: str) -> None:
+    """Each request's text (ids without a tokenizer), prefixed ``[i]`` when there are several, then one line of
+    throughput: ``N tokens in Ss: T tokens/s (what[, mean acceptance length A at K=k])``."""
+    for i, out in enumerate(outputs):
+        ids = out.token_ids
+        shown = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else ",".join(map(str, ids))
+        print(shown if len(outputs) == 1 else f"[{i}] {shown}", flush=True)
+    new = sum(len(o.token_ids) for o in outputs)
+    passes = [a for o in outputs for a in o.accepted]
+    spec = f", mean acceptance length {1 + sum(passes) / len(passes):.2f}" if passes else ""
+    print(f"{new} tokens in {seconds:.2f}s: {new / max(seconds, 1e-9):.1f} tokens/s ({what}{spec})", flush=True)
+
+
+def has_drafter(folder: str) -> bool:
+    from ppsplit.artifact.folder import DRAFTER
+
+    return os.path.isdir(os.path.join(folder, DRAFTER))
