@@ -242,10 +242,12 @@ class PipelineEngine:
 
     @torch.no_grad()
     def step(self):
-        """Fill the pipeline with up to ``pp`` micro-steps, then take the oldest one's results; its outputs."""
+        """Fill the pipeline with up to ``pp`` micro-steps (the requests spread evenly over them), then take the
+        oldest one's results; its outputs."""
         sched = self._driver()
+        share = -(-(len(sched.running) + len(sched.waiting)) // self.world)  # requests spread over the micro-steps
         while len(self.flight) < self.world:
-            plan = sched.schedule()
+            plan = sched.schedule(max_seqs=share)
             if not plan:
                 break
             self._launch(plan)

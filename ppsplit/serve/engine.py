@@ -193,12 +193,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- a step ----------------------------------------------------------------------------------------------
-    def schedule(self) -> list[tuple[Request, Work]]:
+    def schedule(self, max_seqs: int | None = None) -> list[tuple[Request, Work]]:
         """This step's work, in token order: running windows first, then prefill chunks, then new requests, within
-        the token budget; blocks are taken here (preempting the newest running request if the pool runs out).
-        Requests already in flight (the pipeline's other micro-steps) wait."""
+        the token budget and at most ``max_seqs`` requests; blocks are taken here (preempting the newest running
+        request if the pool runs out). Requests already in flight (the pipeline's other micro-steps) wait."""
         budget, plan = self.budget, []
+        max_seqs = max_seqs or len(self.running) + len(self.waiting)
         for request in list(self.running):
+            if len(plan) >= max_seqs:
+                break
             if request.finish_reason is not None or request.in_flight or request not in self.running:
                 continue
             pending = request.tokens[request.computed:]
@@ -210,7 +213,7 @@ class Scheduler:
                 continue
             plan.append((request, self._work(request, feed, drafts)))
             budget -= len(feed)
-        while self.waiting and self.free_slots and budget > 0:
+        while self.waiting and self.free_slots and budget > 0 and len(plan) < max_seqs:
             request = self.waiting[0]
             chunk = request.tokens[request.computed:][:budget]
             request.slot = self.free_slots.pop()
@@ -348,7 +351,7 @@ class Sampler:
             results.append(self._commit(w, logits[at:at + len(w.tokens)]) if w.final else None)
             at += len(w.tokens)
         if self.drafter is not None:
-            drafts = self._draft(works, rows, results, aux, step, table, layout)
+            drafts = self.draft(works, rows, results, aux, step, table, layout)
             results = [r if r is None else Result(r.slot, r.generation, r.tokens, r.accepted, drafts.get(i, ()))
                        for i, r in enumerate(results)]
         return results
@@ -377,7 +380,7 @@ class Sampler:
             token = int(sample(filtered_probs(last, params), draw_generator(w.seed, w.index, device)))
         return Result(w.slot, w.generation, (token,), -1, ())
 
-    def _draft(self, works, rows, results, aux, step: RaggedStep, table, layout) -> dict[int, tuple[int, ...]]:
+    def draft(self, works, rows, results, aux, step: RaggedStep, table, layout) -> dict[int, tuple[int, ...]]:
         """Feed the drafter every row the stages just ran (the taps at position i, the token at i + 1; a row whose
         token is not known yet is stale, and overwritten later), then draft ``K`` tokens for each request that drew,
         from its last committed row."""

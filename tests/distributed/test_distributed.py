@@ -152,7 +152,7 @@ def test_mismatched_ranks_fail_on_every_rank(folders):
     res = launch(2, generate, folders["pp4"], prompts, timeout=10, deadline=40)
     for r in range(2):
         assert res[r][:2] == ("error", "ConfigError") and "4 stages but 2 ranks" in res[r][2], res[r]
-    res = launch(2, generate, folders["pp2"], [[5] * 40], SamplingParams(max_tokens=20), timeout=10, deadline=40)
+    res = launch(2, generate, folders["pp2"], [[5] * 60], SamplingParams(max_tokens=20), timeout=10, deadline=40)
     for r in range(2):
         assert res[r][:2] == ("error", "ConfigError") and "--max-len" in res[r][2], res[r]
     res = launch(2, generate, folders["pp2"], [[5, 6], [1, 99999]], timeout=10, deadline=40)

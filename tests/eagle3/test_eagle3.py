@@ -95,17 +95,21 @@ def test_batch_sequences_accept_and_commit_on_their_own(tmp_path):
     truth = expected[:, 6:]
     full = {0: [], 1: []}  # per verify pass: did the oracle have K true tokens left to propose
 
-    class Oracle(Engine):
-        def _draft(self, plan, rows, logits, aux, step):
-            for request, _ in plan:
-                if request.finish_reason is None and request.computed == len(request.tokens) - 1:
-                    b, done = int(request.id), len(request.output)
-                    drafts = truth[b, done:done + 4].tolist() + [5] * 4
-                    drafts = drafts[:4] if b == 0 else drafts[:1] + [(d + 1) % VOCAB for d in drafts[1:4]]
-                    request.drafts = drafts
-                    full[b].append(done + 4 <= truth.shape[1])
+    engine = Engine(split, drafter=drafter, num_draft_tokens=4)
 
-    outs = Oracle(split, drafter=drafter, num_draft_tokens=4).generate(list(ids), SamplingParams(max_tokens=20))
+    def oracle(works, rows, results, aux, step, table, layout):  # the sampler's drafts, from the known truth
+        drafts = {}
+        for i, (w, r) in enumerate(zip(works, results)):
+            if r is not None:
+                b = next(int(q.id) for q in engine.scheduler.running if q.slot == w.slot)
+                done = w.index + len(r.tokens)
+                proposal = truth[b, done:done + 4].tolist() + [5] * 4
+                drafts[i] = tuple(proposal[:4] if b == 0 else proposal[:1] + [(d + 1) % VOCAB for d in proposal[1:4]])
+                full[b].append(done + 4 <= truth.shape[1])
+        return drafts
+
+    engine.sampler.draft = oracle
+    outs = engine.generate(list(ids), SamplingParams(max_tokens=20))
     assert [o.token_ids for o in outs] == truth.tolist()
     for b, right in ((0, 4), (1, 1)):
         passes = [i for i, f in enumerate(full[b][:len(outs[b].accepted)]) if f]
@@ -355,8 +359,8 @@ def test_drafter_errors(tmp_path):
         split.generate(ids, 4, drafter=drafter, num_draft_tokens=0)
     with pytest.raises(ConfigError, match=r"reads taps \[1, 2, 4\] but the split carries \[1, 3\]"):
         ppsplit.split_model(graph, 2, aux=[1, 3]).generate(ids, 4, drafter=drafter)
-    with pytest.raises(ConfigError, match="temperature and return_stats need a drafter"):
-        split.generate(ids, 4, temperature=1.0)
+    sampled = split.generate(ids, 4, temperature=1.0, seed=3)  # a paged split samples without a drafter too
+    assert sampled.shape == (1, 9) and torch.equal(sampled, split.generate(ids, 4, temperature=1.0, seed=3))
 
 
 # -- compiled folder and command line -----------------------------------------------------------------------------

@@ -104,7 +104,7 @@ def test_generate_errors():
         ppsplit.split_model(model, 2).generate(torch.zeros(1, 3, dtype=torch.long), 2)
     _, traced = cached("llama")
     split = ppsplit.split_model(traced, 2)
-    with pytest.raises(ConfigError, match="does not fit the KV cache of 2 x 48"):
+    with pytest.raises(ConfigError, match="needs 50 positions, but a sequence of the cache holds 48"):
         split.generate(torch.zeros(1, 40, dtype=torch.long), 10)
     with pytest.raises(ConfigError, match="CacheConfig.max_len must be a positive integer"):
         CacheConfig(batch_size=1, max_len=0)
