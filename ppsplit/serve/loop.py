@@ -117,10 +117,11 @@ class _Tracked:
 
 class EngineLoop:
     """``engine`` (an ``Engine``, or rank 0's ``PipelineEngine``) driven by one thread; ``max_queue``: unfinished
-    requests admitted at most (``submit`` raises ``QueueFull`` beyond)."""
+    requests admitted at most (``submit`` raises ``QueueFull`` beyond); ``close``: called on the loop's thread when it
+    stops without a failure (``PipelineEngine.close`` ends the job on the other ranks)."""
 
-    def __init__(self, engine, *, max_queue: int = 256, idle_wait: float = 0.05):
-        self.engine, self.max_queue, self.idle_wait = engine, max_queue, idle_wait
+    def __init__(self, engine, *, max_queue: int = 256, idle_wait: float = 0.05, close=None):
+        self.engine, self.max_queue, self.idle_wait, self.close = engine, max_queue, idle_wait, close
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.metrics = Metrics(blocks_total=engine.scheduler.layout.num_blocks)
         self.failed: str | None = None
@@ -152,6 +153,12 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id, None))
 
+    def fail(self, message: str) -> None:
+        """Mark the engine failed from outside (a rank that exited); the server then ends with exit code 1."""
+        log.error("%s", message)
+        with self._lock:
+            self.failed = self.failed or message
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self.inbox.put(("wake", "", None))
@@ -170,6 +177,8 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
                 self._snapshot()
+            if self.close is not None and self.failed is None:
+                self.close()
         except Exception as e:  # a failed step (or a rank that died): every request learns it, the server ends
             message = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             log.error("the engine loop stopped: %s", message)

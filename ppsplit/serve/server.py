@@ -71,7 +71,7 @@ class Server:
         while True:
             kind, out = await events.get()
             if kind == "error":
-                raise RuntimeError(f"the engine failed: {out}")
+                raise ApiError(f"the engine failed: {out}", status=500, kind="server_error", code="engine_failed")
             piece = text.feed(out.new_token_ids)
             if text.stopped:
                 if not out.finished:
@@ -165,21 +165,35 @@ async def _sse(server: Server, parsed, request_id: str, events: _Events, rid: st
     chat, model, done = parsed.chat, server.model, False
     extra = {"include_usage": parsed.include_usage}
     try:
-        if chat:
-            yield sse(chunk_body(rid, model, created, True, role=True, **extra))
-        async for piece, finish, tokens in server.deltas(parsed, request_id, events):
-            if chat and finish is not None and piece:  # the text, then the finish reason on an empty delta
-                yield sse(chunk_body(rid, model, created, True, text=piece, **extra))
-                piece = ""
-            yield sse(chunk_body(rid, model, created, chat, text=piece, finish=finish, **extra))
-            if finish is not None:
+        async for event in _chunks(server, parsed, request_id, events, rid, created, chat, model, extra):
+            if event is None:
                 done = True
-                if parsed.include_usage:
-                    yield sse(chunk_body(rid, model, created, chat, use=usage(len(parsed.prompt_ids), tokens)))
+            else:
+                yield event
+    except ApiError as e:  # the engine failed mid-stream: say so in the stream (the status is already sent)
+        done = True
+        yield sse(e.body())
         yield sse("[DONE]")
     finally:
         if not done:
             server.loop.abort(request_id)
+
+
+async def _chunks(server: Server, parsed, request_id: str, events: _Events, rid: str, created: int, chat: bool,
+                  model: str, extra: dict):
+    """The chunks of ``_sse``; ``None`` once the request has finished."""
+    if chat:
+        yield sse(chunk_body(rid, model, created, True, role=True, **extra))
+    async for piece, finish, tokens in server.deltas(parsed, request_id, events):
+        if chat and finish is not None and piece:  # the text, then the finish reason on an empty delta
+            yield sse(chunk_body(rid, model, created, True, text=piece, **extra))
+            piece = ""
+        yield sse(chunk_body(rid, model, created, chat, text=piece, finish=finish, **extra))
+        if finish is not None:
+            yield None
+            if parsed.include_usage:
+                yield sse(chunk_body(rid, model, created, chat, use=usage(len(parsed.prompt_ids), tokens)))
+    yield sse("[DONE]")
 
 
 # -- running ---------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""``ppsplit serve``: a live server on 127.0.0.1 (the demo model with its tokenizer, a random EAGLE-3 drafter, -k 2)
-driven with the real ``openai`` client and raw HTTP, against the engine called in this process."""
+"""``ppsplit serve``: a live server on 127.0.0.1 (the demo model in 2 stages with its tokenizer, a random EAGLE-3
+drafter, -k 2; one process, or one per stage with --ranks 2) driven with the real ``openai`` client and raw HTTP,
+against the engine called in this process."""
 import http.client
 import json
 import os
@@ -39,7 +40,7 @@ def folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     cfg = drafter_config(demo_config(), aux_ids=[1, 3, 4])
     drafter = write_drafter(str(root / "drafter"), cfg, random_drafter_tensors(cfg))
-    return ppsplit.compile_model("demo", str(root / MODEL), pp=1, drafter=drafter,
+    return ppsplit.compile_model("demo", str(root / MODEL), pp=2, drafter=drafter,
                                  cache=ppsplit.CacheConfig(batch_size=8, max_len=MAX_LEN))
 
 
@@ -335,6 +336,46 @@ def test_full_queue_503_then_sigterm_finishes_the_requests_in_flight_and_exits_0
             conn.close()
         assert server.proc.wait(60) == 0, "".join(server.lines)
         assert any("finishing 3 request(s) in flight" in line for line in server.lines)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank processes through /proc")
+def test_ranks_2_gives_the_same_outputs_and_a_dead_rank_ends_the_server(folder, oracle):
+    outputs, tok = oracle
+    server = Live(folder, "--ranks", "2", "-k", str(K))
+    try:
+        refs = outputs([tok.encode(p) for p in PROMPTS[:4]], [6, 10, 3, 12])
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda a: stream_completion(server.client, prompt=a[0], max_tokens=a[1],
+                                                            temperature=0), zip(PROMPTS, [6, 10, 3, 12])))
+        assert [(t, f, u.completion_tokens) for t, f, u in got] == \
+            [(text_of(tok, r.token_ids), r.finish_reason, len(r.token_ids)) for r in refs]
+        chat = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=5, temperature=0)
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]), add_special_tokens=False)
+        assert chat.choices[0].message.content == text_of(tok, outputs([ids], [5])[0].token_ids)
+        (follower,) = _children(server.proc.pid)
+        conn, response = _open_stream(server, max_tokens=MAX_LEN - 10)
+        os.kill(follower, signal.SIGKILL)
+        events = [line[6:] for line in response.read().split(b"\n") if line.startswith(b"data: ")]
+        assert json.loads(events[-2])["error"]["code"] == "engine_failed" and events[-1] == b"[DONE]"
+        assert server.proc.wait(60) == 1
+        assert any("rank 1" in line for line in server.lines), "".join(server.lines)
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
