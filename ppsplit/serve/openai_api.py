@@ -198,7 +198,7 @@ def chunk_body(rid: str, model: str, created: int, chat: bool, *, text: str | No
     if use is not None:
         return body | {"choices": [], "usage": use}
     if chat:
-        delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text else {})
+        delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text is not None else {})
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}

@@ -65,8 +65,8 @@ class Server:
         return parsed, request_id, events
 
     async def deltas(self, parsed, request_id: str, events: _Events):
-        """``(text, finish_reason, tokens)`` as the request's text becomes final; the last one has a finish reason.
-        A stop string ends the request in the engine at once."""
+        """``(text, finish_reason, tokens)`` for each engine step that gave the request tokens, with the text that
+        became final (maybe none); the last one has a finish reason. A stop string ends the request at once."""
         text = TextStream(self.tokenizer, parsed.stop)
         while True:
             kind, out = await events.get()
@@ -81,7 +81,7 @@ class Server:
             if out.finished:
                 yield piece + text.flush(), "stop" if out.finish_reason == "stop" else "length", text.num_tokens
                 return
-            if piece:
+            if out.new_token_ids:  # held-back text still makes a (empty) chunk: clients see every step, as vLLM's
                 yield piece, None, text.num_tokens
 
 
@@ -187,7 +187,8 @@ async def _chunks(server: Server, parsed, request_id: str, events: _Events, rid:
     async for piece, finish, tokens in server.deltas(parsed, request_id, events):
         if chat and finish is not None and piece:  # the text, then the finish reason on an empty delta
             yield sse(chunk_body(rid, model, created, True, text=piece, **extra))
-            piece = ""
+        if chat and finish is not None:
+            piece = None
         yield sse(chunk_body(rid, model, created, chat, text=piece, finish=finish, **extra))
         if finish is not None:
             yield None
