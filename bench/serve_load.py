@@ -7,7 +7,7 @@ DIR: a compiled folder with a paged cache and a tokenizer (e.g. ``ppsplit compil
 8 to 32 new tokens, greedy) runs at each concurrency level closed-loop: ``C`` clients, each sending its next
 request when the last one ended. Through the server the clients are ``openai`` streaming clients in threads; in
 process, the same requests go to an ``Engine`` that keeps ``C`` of them added. Both run in this run, one after the
-other (the server is stopped before the engine is timed). Printed per level and system: requests/s, output
+other (the server is stopped before the engine is timed); both engines use one torch thread. Printed per level and system: requests/s, output
 tokens/s, time to first token (TTFT) and inter-token latency (ITL: the gaps between a request's streamed steps)
 p50/p99, and the ratios server / in process.
 """
@@ -45,7 +45,8 @@ def summary(wall, records):
 class Server:
     def __init__(self, folder, extra):
         self.proc = subprocess.Popen([sys.executable, "-m", "ppsplit.cli", "serve", folder, "--port", "0",
-                                      "--served-model-name", "bench", *extra], stderr=subprocess.PIPE, text=True)
+                                      "--served-model-name", "bench", *extra], stderr=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
         ready = threading.Event()
 
         def read():
@@ -131,6 +132,7 @@ def main():
     import ppsplit
     from ppsplit.serve.engine import Engine, stage_vocab
 
+    torch.set_num_threads(1)  # as the server's engine (OMP_NUM_THREADS=1): the clients need the other core
     split = ppsplit.load(args.folder)
     requests = trace(args.requests, stage_vocab(split.stages[0]))
     extra = ["-k", str(args.num_draft_tokens)] if args.num_draft_tokens else []
