@@ -379,3 +379,56 @@ def test_ranks_2_gives_the_same_outputs_and_a_dead_rank_ends_the_server(folder, 
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
+
+
+# -- without a server ----------------------------------------------------------------------------------------------
+
+def test_the_demo_tokenizer_covers_the_model_and_round_trips(folder):
+    from ppsplit.compile.demo import demo_config, demo_tokenizer_json
+
+    tok = FolderTokenizer(folder)
+    assert tok.vocab_size == demo_config().vocab_size and tok.eos_token_ids == (2,)
+    text = "Hello world, the pipeline serves a request."
+    ids = tok.encode(text)
+    assert ids[0] == 1 and tok.decode(ids) == text and len(ids) < len(text) // 2  # merges learnt
+    assert demo_tokenizer_json() == demo_tokenizer_json()  # the same file on every machine
+
+
+class _Chars:
+    """A tokenizer whose token ``i`` is character ``i`` of a table; ``?`` decodes as an unfinished character."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def decode(self, ids, skip_special_tokens=True):
+        text = "".join(self.table[i] for i in ids)
+        return text.replace("?", "\ufffd")
+
+
+def test_text_stream_holds_back_what_could_start_a_stop_string():
+    from ppsplit.serve.detokenize import TextStream
+
+    tok = _Chars("abcdefgh?")
+    stream = TextStream(tok, ("cde", "zz"))
+    assert stream.feed([0, 1]) == ""  # the last len("cde") - 1 characters are held back
+    assert stream.feed([2]) == "a"
+    assert stream.feed([3]) == "b"
+    assert stream.feed([4, 5]) == "" and stream.stopped and stream.num_tokens == 5  # "cde" ends at token 4
+    assert stream.text == "ab"
+    stream = TextStream(tok)
+    assert stream.feed([0, 8]) == "a"  # an unfinished character waits
+    assert stream.feed([1]) == "\ufffdb" and stream.flush() == ""
+
+
+def test_serve_refuses_folders_and_options_in_one_line(tmp_path, capsys, folder):
+    from ppsplit.cli import main
+
+    plain = ppsplit.compile_model("demo", str(tmp_path / "plain"), pp=1)
+    assert main(["serve", plain, "--port", "0"]) == 2
+    assert "the engine needs a paged cache" in capsys.readouterr().err
+    assert main(["serve", folder, "--ranks", "3"]) == 2
+    assert "--ranks must be 1 or the folder's 2 stages" in capsys.readouterr().err
+    os.remove(os.path.join(plain, "tokenizer.json"))
+    assert main(["serve", plain]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer" in err and err.count("\n") == 1
