@@ -191,8 +191,15 @@ def _stop_case(tok, ids):
     return None
 
 
-def test_stop_strings_cut_across_token_boundaries(live, oracle):
+def test_stop_strings_cut_across_token_boundaries(live, oracle, folder):
+    from transformers import PreTrainedTokenizerFast
+
+    from ppsplit.compile.demo import demo_model
+
     outputs, tok = oracle
+    hf_model = demo_model()
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"), bos_token="<s>",
+                                     eos_token="</s>")
     tried = 0
     for prompt, ref in zip(PROMPTS, outputs([tok.encode(p) for p in PROMPTS], [40] * len(PROMPTS))):
         stop = _stop_case(tok, ref.token_ids)
@@ -204,6 +211,11 @@ def test_stop_strings_cut_across_token_boundaries(live, oracle):
         assert stop not in text_of(tok, ref.token_ids[end - 1:end])  # no single token holds it
         assert end < len(ref.token_ids)  # the engine stops the request early
         want = full[:full.index(stop)]
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            hf = hf_model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, stop_strings=[stop],
+                                   tokenizer=hf_tok)[0, len(ids):].tolist()
+        assert hf == ref.token_ids[:end], (stop, hf, ref.token_ids)  # Hugging Face stops at the same token
         got = live.client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
                                              stop=[stop, "never-in-the-output"])
         assert (got.choices[0].text, got.choices[0].finish_reason, got.usage.completion_tokens) == (want, "stop", end)
