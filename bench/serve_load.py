@@ -15,7 +15,6 @@ import argparse
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import threading

@@ -89,10 +89,10 @@ def _engine(split, args):
 
 
 def _require_serve_dependencies() -> None:
+    import importlib.util
+
     from ppsplit.core.errors import ConfigError
 
-    try:
-        import fastapi  # noqa: F401  (only whether it is installed)
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise ConfigError(f"ppsplit serve needs {e.name}: pip install 'ppsplit[serve]'") from None
+    for name in ("fastapi", "uvicorn"):
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"ppsplit serve needs {name}: pip install 'ppsplit[serve]'")
