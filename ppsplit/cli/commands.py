@@ -6,6 +6,7 @@
     ppsplit generate DIR --prompt-ids 1,2,3 [-k 4]          decode (speculatively with the folder's drafter)
     ppsplit check-drafter MODEL DRAFTER                     which tap numbering an EAGLE-3 drafter was trained on
     ppsplit run DIR --prompt "text" --max-new-tokens 32     generate, one process per stage (torch.distributed)
+    ppsplit serve DIR [--port 8000] [-k 4]                  the OpenAI HTTP API over the engine
 
 Every ppsplit error is printed as one line on stderr with exit code 2, without a traceback; an interrupt exits 130.
 """
@@ -21,6 +22,7 @@ import time
 import warnings
 
 from ppsplit.cli import generate as cli_generate  # argparse only; its commands import torch when run
+from ppsplit.cli import serve as cli_serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="generate through a compiled folder, one process per stage (torch.distributed)")
     from ppsplit.distributed.launch import add_arguments
     add_arguments(p)
+    cli_serve.add_parser(sub)
     return parser
 
 
@@ -200,7 +203,8 @@ def cmd_run(args) -> int:
 
 
 COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan, "generate": cli_generate.cmd_generate,
-            "check-drafter": cli_generate.cmd_check_drafter, "run": cmd_run}
+            "check-drafter": cli_generate.cmd_check_drafter, "run": cmd_run,
+            "serve": cli_serve.cmd_serve}
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ import shutil
 
 import torch
 
-from ppsplit.compile.demo import DEMO_NAME, demo_config, demo_model
+from ppsplit.compile.demo import DEMO_NAME, demo_config, demo_model, write_demo_tokenizer
 from ppsplit.core.errors import ConfigError
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2  # 2: with a tokenizer
 
 
 def cache_dir() -> str:
@@ -51,7 +51,7 @@ def resolve_model(model: str) -> str:
 
 
 def materialize_demo() -> str:
-    """Save the demo model (seeded random weights) as a checkpoint, once; later calls reuse it."""
+    """Save the demo model (seeded random weights) and its tokenizer as a checkpoint, once; later calls reuse it."""
     folder = os.path.join(cache_dir(), f"demo-v{DEMO_VERSION}")
     if os.path.isfile(os.path.join(folder, "model.safetensors")):
         return folder
@@ -60,6 +60,7 @@ def materialize_demo() -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         demo_model().save_pretrained(tmp, safe_serialization=True)
+        write_demo_tokenizer(tmp)
         shutil.rmtree(folder, ignore_errors=True)
         os.rename(tmp, folder)
     except BaseException:

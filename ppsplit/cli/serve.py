@@ -1,0 +1,98 @@
+"""``ppsplit serve`` (imported lazily by ``ppsplit.cli``): the OpenAI HTTP API over a compiled folder."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a compiled folder over the OpenAI HTTP API (/v1/completions, "
+                                     "/v1/chat/completions; needs ppsplit[serve])")
+    p.add_argument("folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (the log line says which)")
+    p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
+                   help="EAGLE-3 speculative decoding with K drafts per verify pass (the folder's drafter)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in flight (default: the cache's slots)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="unfinished requests admitted at most; more are answered 503 at once")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: DIR's name)")
+    p.add_argument("--ranks", type=int, default=1, help="processes: 1, or one per stage of DIR (rank 0 serves "
+                                                        "HTTP and schedules; the others run their stage)")
+    p.add_argument("--rank-timeout", type=float, default=None,
+                   help="seconds a rank waits on a peer (--ranks > 1; default: a day, as followers wait while idle)")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ppsplit
+    from ppsplit.core.errors import ConfigError
+
+    _require_serve_dependencies()
+    from ppsplit.artifact.folder import CompiledFolder
+    from ppsplit.artifact.tokenizer import FolderTokenizer, has_tokenizer
+    from ppsplit.serve.loop import EngineLoop
+    from ppsplit.serve.server import Server, bind, model_name, run
+
+    if args.max_queue < 1:
+        raise ConfigError(f"--max-queue must be >= 1, but got {args.max_queue}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be from 0 to 65535, but got {args.port}")
+    if not has_tokenizer(args.folder):
+        raise ConfigError(f"{args.folder} has no tokenizer (tokenizer.json), which serving text needs; compile from a "
+                          "checkpoint folder that has one (the demo has one)")
+    plan = CompiledFolder(args.folder).plan  # checks the folder before any process starts
+    if args.ranks != 1 and args.ranks != plan.pp:
+        raise ConfigError(f"--ranks must be 1 or the folder's {plan.pp} stages (one process per stage), but got "
+                          f"{args.ranks}")
+    _check_servable(plan, args)
+    sock = bind(args.host, args.port)  # a taken port fails before the model loads
+    watcher = None
+    if args.ranks > 1:
+        from ppsplit.serve import ranks
+
+        args.rank_timeout = args.rank_timeout or ranks.DEFAULT_RANK_TIMEOUT
+        engine, watcher = ranks.start(args, args.ranks)
+        loop = EngineLoop(engine, max_queue=args.max_queue, close=engine.close)
+        watcher.on_failure = loop.fail
+    else:
+        loop = EngineLoop(_engine(ppsplit.load(args.folder), args), max_queue=args.max_queue)
+    server = Server(loop.start(), FolderTokenizer(args.folder), args.served_model_name or model_name(args.folder),
+                    loop.engine.scheduler.layout.max_len, loop.engine.scheduler.k)
+    code = run(server, sock)
+    if watcher is not None:
+        code = code or watcher.finish()
+    return code
+
+
+def _check_servable(plan, args) -> None:
+    from ppsplit.core.errors import ConfigError
+    from ppsplit.serve.requests import has_drafter
+
+    if not plan.paged:
+        why = plan.lockstep_reason or "it has no KV cache"
+        raise ConfigError(f"{args.folder} cannot be served: the engine needs a paged cache, and {why}; compile it "
+                          "with --max-batch and --max-len")
+    if args.num_draft_tokens is not None:
+        from ppsplit.eagle3.speculative import check_num_draft_tokens
+
+        check_num_draft_tokens(args.num_draft_tokens)
+        if not has_drafter(args.folder):
+            raise ConfigError(f"-k needs a drafter, and {args.folder} holds none: compile it with --drafter")
+
+
+def _engine(split, args):
+    from ppsplit.serve.engine import Engine
+
+    drafter = split.drafter if args.num_draft_tokens is not None else None
+    return Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+
+
+def _require_serve_dependencies() -> None:
+    import importlib.util
+
+    from ppsplit.core.errors import ConfigError
+
+    for name in ("fastapi", "uvicorn"):
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"ppsplit serve needs {name}: pip install 'ppsplit[serve]'")

@@ -1,0 +1,142 @@
+"""Serving: ``ppsplit serve --ranks N``, one process per stage on this host (gloo on the CPU, NCCL with a GPU each).
+
+The serving process is rank 0: it starts ranks ``1 .. N-1`` as child processes (``python -m ppsplit.serve.ranks``),
+joins the process group with them, and drives the ``PipelineEngine`` from its engine loop; the children load their
+stage and ``follow()`` until rank 0 closes the job at shutdown, then exit 0. They ignore SIGTERM and SIGINT, so a
+signal to the whole process group drains through rank 0 as it does with one process. A child that exits while
+serving ends the server with exit code 1 (a watcher thread), and one that loses rank 0 fails its next wait on it.
+
+Waits on a peer are bounded by ``--rank-timeout`` (default one day): the followers wait on rank 0 while the server is
+idle, so this is not a stall detector; a rank that dies is seen at once through its closed connections.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+log = logging.getLogger("ppsplit")
+DEFAULT_RANK_TIMEOUT = 86400.0
+
+
+def engine_options(args) -> dict:
+    return {"num_draft_tokens": args.num_draft_tokens or 0, "max_num_batched_tokens": args.max_num_batched_tokens or 256,
+            "max_num_seqs": args.max_num_seqs}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_env(rank: int, world: int, port: int, threads: int) -> dict:
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": str(threads)}
+
+
+def start(args, world: int):
+    """Rank 0: start the other ranks, join the group, build rank 0's ``PipelineEngine``; ``(engine, children)``."""
+    import torch
+
+    from ppsplit import distributed as ppd
+
+    threads = max(1, (os.cpu_count() or 1) // world)
+    port = _free_port()
+    argv = [args.folder, "--timeout", str(args.rank_timeout), "--max-num-batched-tokens",
+            str(engine_options(args)["max_num_batched_tokens"])]
+    for flag, value in (("-k", args.num_draft_tokens), ("--max-num-seqs", args.max_num_seqs)):
+        if value is not None:
+            argv += [flag, str(value)]
+    children = []
+    for rank in range(1, world):
+        env = dict(os.environ, **_rank_env(rank, world, port, threads))
+        children.append(subprocess.Popen([sys.executable, "-m", "ppsplit.serve.ranks", *argv], env=env))
+    os.environ.update(_rank_env(0, world, port, threads))
+    torch.set_num_threads(threads)
+    watcher = Watcher(children)
+    watcher.start()  # a child that fails while the group forms would leave rank 0 waiting: end the server then
+    try:
+        ppd.init(timeout=args.rank_timeout)
+        engine = ppd.PipelineEngine(args.folder, **engine_options(args))
+    except BaseException:  # the same ConfigError is raised on every rank: rank 0 reports it, the children end
+        watcher.released.set()
+        raise
+    return engine, watcher
+
+
+class Watcher(threading.Thread):
+    """Ends this process with exit code 1 if a child rank exits before ``release``."""
+
+    def __init__(self, children):
+        super().__init__(name="ppsplit-ranks", daemon=True)
+        self.children, self.released = children, threading.Event()
+        self.on_failure = None  # while serving: a callable that ends the server (instead of exiting at once)
+
+    def run(self) -> None:
+        while not self.released.wait(0.2):
+            for rank, child in enumerate(self.children, start=1):
+                code = child.poll()
+                if code is not None and not self.released.is_set():
+                    message = f"rank {rank} exited with code {code}"
+                    if self.on_failure is None:
+                        # Rank 0 may be about to raise the same refusal (and say it); give it that time.
+                        if self.released.wait(5.0):
+                            return
+                        log.error("%s while the ranks were starting", message)
+                        os._exit(1)
+                    self.on_failure(message)
+                    return
+
+    def finish(self, timeout: float = 30.0) -> int:
+        """After rank 0 closed the job: wait for the children; the worst exit code (killing any still alive)."""
+        self.released.set()
+        worst = 0
+        for rank, child in enumerate(self.children, start=1):
+            try:
+                code = child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                code = child.wait()
+                log.error("rank %d did not end after the job closed; killed", rank)
+            worst = worst or (code != 0)
+        return int(worst)
+
+
+def follower_main(argv: list[str] | None = None) -> int:
+    """The body of ranks 1 .. N-1."""
+    import warnings
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parser = argparse.ArgumentParser(prog="python -m ppsplit.serve.ranks")
+    parser.add_argument("folder")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_RANK_TIMEOUT)
+    parser.add_argument("-k", "--num-draft-tokens", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    from ppsplit import distributed as ppd
+    from ppsplit.core.errors import ConfigError, PpsplitError
+
+    try:
+        ppd.init(timeout=args.timeout)
+        ppd.PipelineEngine(args.folder, **engine_options(args)).follow()
+        code = 0
+    except PpsplitError as e:
+        if not isinstance(e, ConfigError):  # rank 0 says a ConfigError (every rank raises the same one)
+            print(f"ppsplit: error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    sys.stderr.flush()
+    os._exit(code)  # no process-group teardown: it could wait on a peer that is gone
+
+
+if __name__ == "__main__":
+    follower_main()

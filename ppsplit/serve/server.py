@@ -1,0 +1,261 @@
+"""Serving: ``ppsplit serve``, the OpenAI HTTP API (FastAPI + uvicorn) over the engine loop.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the folder's chat template), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus text). The engine runs in one thread (``ppsplit.serve.loop``); each
+handler submits its request there and awaits its events on an asyncio queue the loop's thread fills. A full queue
+answers 503 at once; a client that goes away (mid-stream or while waiting) aborts its request, which frees its
+blocks. SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish, then the process
+exits 0; a failed engine step ends the server with the error logged and exit code 1.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import StreamingResponse
+
+from ppsplit.serve.detokenize import TextStream
+from ppsplit.serve.loop import EngineLoop, QueueFull
+from ppsplit.serve.openai_api import (ApiError, chunk_body, completion_body, now, parse, read_json, sse, usage)
+
+log = logging.getLogger("ppsplit")
+
+
+class _Events:
+    """A request's events, moved from the loop's thread onto the event loop's queue."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def __call__(self, kind, payload) -> None:  # on the engine loop's thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+
+    async def get(self):
+        return await self.queue.get()
+
+
+class Server:
+    """What the handlers share: the engine loop, the tokenizer, the model's name and the cache's limits."""
+
+    def __init__(self, loop: EngineLoop, tokenizer, model: str, max_len: int, draft_positions: int):
+        self.loop, self.tokenizer, self.model = loop, tokenizer, model
+        self.max_len, self.draft_positions = max_len, draft_positions
+        self.draining = False
+
+    async def start(self, body: dict, chat: bool):
+        """Check ``body``, submit it and wait until the engine took it: ``(parsed, request id, events)``."""
+        parsed = parse(body, chat=chat, model=self.model, tokenizer=self.tokenizer, max_len=self.max_len,
+                       draft_positions=self.draft_positions)
+        events = _Events()
+        try:
+            request_id = self.loop.submit(parsed.prompt_ids, parsed.params, events)
+        except QueueFull as e:
+            raise ApiError(str(e), status=503, kind="server_error", code="queue_full") from None
+        kind, payload = await events.get()
+        if kind == "error":
+            raise ApiError(payload, param="messages" if chat else "prompt")
+        return parsed, request_id, events
+
+    async def deltas(self, parsed, request_id: str, events: _Events):
+        """``(text, finish_reason, tokens)`` for each engine step that gave the request tokens, with the text that
+        became final (maybe none); the last one has a finish reason. A stop string ends the request at once."""
+        text = TextStream(self.tokenizer, parsed.stop)
+        while True:
+            kind, out = await events.get()
+            if kind == "error":
+                raise ApiError(f"the engine failed: {out}", status=500, kind="server_error", code="engine_failed")
+            piece = text.feed(out.new_token_ids)
+            if text.stopped:
+                if not out.finished:
+                    self.loop.abort(request_id)
+                yield piece, "stop", text.num_tokens
+                return
+            if out.finished:
+                yield piece + text.flush(), "stop" if out.finish_reason == "stop" else "length", text.num_tokens
+                return
+            if out.new_token_ids:  # held-back text still makes a (empty) chunk: clients see every step, as vLLM's
+                yield piece, None, text.num_tokens
+
+
+class Stream(StreamingResponse):
+    """Closes its generator however the response ends, so an early end aborts the request at once."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def build_app(server: Server) -> FastAPI:
+    app = FastAPI(title="ppsplit", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def generate(request: Request, chat: bool):
+        parsed, request_id, events = await server.start(read_json(await request.body()), chat)
+        rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, now()
+        if parsed.stream:
+            return Stream(_sse(server, parsed, request_id, events, rid, created),
+                           media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        whole = asyncio.ensure_future(_collect(server, parsed, request_id, events))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not whole.done():  # the client left: nobody reads the answer
+            whole.cancel()
+            server.loop.abort(request_id)
+            return Response(status_code=499)
+        gone.cancel()
+        text, finish, tokens = whole.result()
+        return JSONResponse(completion_body(rid, server.model, created, text, finish,
+                                            usage(len(parsed.prompt_ids), tokens), chat))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model, "object": "model", "created": now(),
+                                            "owned_by": "ppsplit", "max_model_len": server.max_len}]}
+
+    @app.get("/health")
+    async def health():
+        if server.loop.failed:
+            return JSONResponse({"status": "failed", "error": server.loop.failed}, status_code=503)
+        return {"status": "draining" if server.draining else "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(server.loop.metrics.text(server.model),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def _collect(server: Server, parsed, request_id: str, events: _Events):
+    parts = []
+    async for piece, finish, tokens in server.deltas(parsed, request_id, events):
+        parts.append(piece)
+        if finish is not None:
+            return "".join(parts), finish, tokens
+
+
+async def _disconnected(request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _sse(server: Server, parsed, request_id: str, events: _Events, rid: str, created: int):
+    """The OpenAI chunk stream; leaving it early (the client went away) aborts the request."""
+    chat, model, done = parsed.chat, server.model, False
+    extra = {"include_usage": parsed.include_usage}
+    try:
+        async for event in _chunks(server, parsed, request_id, events, rid, created, chat, model, extra):
+            if event is None:
+                done = True
+            else:
+                yield event
+    except ApiError as e:  # the engine failed mid-stream: say so in the stream (the status is already sent)
+        done = True
+        yield sse(e.body())
+        yield sse("[DONE]")
+    finally:
+        if not done:
+            server.loop.abort(request_id)
+
+
+async def _chunks(server: Server, parsed, request_id: str, events: _Events, rid: str, created: int, chat: bool,
+                  model: str, extra: dict):
+    """The chunks of ``_sse``; ``None`` once the request has finished."""
+    if chat:
+        yield sse(chunk_body(rid, model, created, True, role=True, **extra))
+    async for piece, finish, tokens in server.deltas(parsed, request_id, events):
+        if chat and finish is not None and piece:  # the text, then the finish reason on an empty delta
+            yield sse(chunk_body(rid, model, created, True, text=piece, **extra))
+        if chat and finish is not None:
+            piece = None
+        yield sse(chunk_body(rid, model, created, chat, text=piece, finish=finish, **extra))
+        if finish is not None:
+            yield None
+            if parsed.include_usage:
+                yield sse(chunk_body(rid, model, created, chat, use=usage(len(parsed.prompt_ids), tokens)))
+    yield sse("[DONE]")
+
+
+# -- running ---------------------------------------------------------------------------------------------------
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket (``port`` 0: any free port); a one-line error when the address is taken."""
+    from ppsplit.core.errors import ConfigError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}; pass another --port (0: any free "
+                          "one) or --host") from None
+    sock.listen(2048)  # connections made before uvicorn runs wait in the backlog
+    return sock
+
+
+def run(server: Server, sock: socket.socket, *, log_level: str = "warning") -> int:
+    """Serve on ``sock`` until SIGTERM/SIGINT (then drain) or an engine failure; the exit code."""
+    import uvicorn
+
+    class Uvicorn(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises the signal after a graceful shutdown; a drained server exits 0 instead.
+            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+        def _on_signal(self, sig, frame):
+            if not server.draining:
+                log.info("%s: no new connections; finishing %d request(s) in flight",
+                         signal.Signals(sig).name, server.loop.admitted)
+            server.draining = True
+            self.handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if server.loop.failed and not self.should_exit:
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    config = uvicorn.Config(build_app(server), log_level=log_level, access_log=False, lifespan="off",
+                            timeout_keep_alive=5)
+    host, port = sock.getsockname()[:2]
+    log.info("serving %s on http://%s:%d (OpenAI API: /v1/completions, /v1/chat/completions)", server.model,
+             host, port)
+    Uvicorn(config).run(sockets=[sock])
+    server.loop.stop()
+    if server.loop.failed:
+        log.error("the server stopped because the engine failed: %s", server.loop.failed)
+        return 1
+    log.info("drained; exiting")
+    return 0
+
+
+def model_name(folder: str) -> str:
+    return os.path.basename(os.path.normpath(folder))

@@ -1,0 +1,446 @@
+"""``ppsplit serve``: a live server on 127.0.0.1 (the demo model in 2 stages with its tokenizer, a random EAGLE-3
+drafter, -k 2; one process, or one per stage with --ranks 2) driven with the real ``openai`` client and raw HTTP,
+against the engine called in this process."""
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import ppsplit
+from ppsplit.artifact.tokenizer import FolderTokenizer
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.sampling import SamplingParams
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = "demo-serve"
+K = 2
+MAX_LEN = 128
+PROMPTS = ["Hello world", "The pipeline splits the model into stages.", "Once upon a time there was a",
+           "Write a story about a small boy", "cache", "Many people think that the sea", "1 2 3 4 5",
+           "What is the answer?"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from ppsplit.compile.demo import demo_config
+    from tests.support import drafter_config, random_drafter_tensors, write_drafter
+
+    root = tmp_path_factory.mktemp("serve")
+    cfg = drafter_config(demo_config(), aux_ids=[1, 3, 4])
+    drafter = write_drafter(str(root / "drafter"), cfg, random_drafter_tensors(cfg))
+    return ppsplit.compile_model("demo", str(root / MODEL), pp=2, drafter=drafter,
+                                 cache=ppsplit.CacheConfig(batch_size=8, max_len=MAX_LEN))
+
+
+class Live:
+    """A ``ppsplit serve`` process; its log lines are collected by a thread (so its pipe never fills)."""
+
+    def __init__(self, folder: str, *extra: str):
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen([sys.executable, "-m", "ppsplit.cli", "serve", folder, "--port", "0",
+                                      "--served-model-name", MODEL, *extra],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(120) or self.proc.poll() is not None:
+            self.proc.kill()
+            pytest.fail("the server did not start:\n" + "".join(self.lines))
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0,
+                                    timeout=120)
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if "serving" in line and "http://" in line:
+                self.port = int(line.split("http://", 1)[1].split(" ")[0].rsplit(":", 1)[1])
+                self.ready.set()
+        self.ready.set()
+
+    def connection(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+
+    def post(self, path: str, body) -> tuple[int, dict]:
+        conn = self.connection()
+        conn.request("POST", path, body=body if isinstance(body, bytes) else json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        status, data = response.status, json.loads(response.read())
+        conn.close()
+        return status, data
+
+    def metrics(self) -> dict:
+        conn = self.connection()
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                key = name.split("{")[0]
+                if "finished_reason" in name:
+                    key += "." + name.split('finished_reason="')[1].split('"')[0]
+                if "_bucket" not in key:
+                    values[key] = float(value)
+        return values
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail("the server did not exit after SIGTERM:\n" + "".join(self.lines))
+
+
+@pytest.fixture(scope="module")
+def live(folder):
+    server = Live(folder, "-k", str(K))
+    yield server
+    assert server.stop() == 0, "".join(server.lines)
+
+
+@pytest.fixture(scope="module")
+def oracle(folder):
+    """The engine in this process over the same folder: ``outputs(prompt ids, max tokens)``."""
+    torch.set_num_threads(1)
+    split = ppsplit.load(folder)
+    engine = Engine(split, drafter=split.drafter, num_draft_tokens=K)
+    tok = FolderTokenizer(folder)
+
+    def outputs(prompts, max_tokens):
+        return engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+
+    return outputs, tok
+
+
+def text_of(tok, ids) -> str:
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def stream_completion(client, **kw):
+    pieces, finish, usage = [], None, None
+    for chunk in client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return "".join(pieces), finish, usage
+
+
+def test_completions_greedy_equal_the_engine(live, oracle):
+    outputs, tok = oracle
+    lengths = [5, 9, 14, 20]
+    refs = outputs([tok.encode(p) for p in PROMPTS[:4]], lengths)
+    for prompt, n, ref in zip(PROMPTS, lengths, refs):
+        got = live.client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
+        assert got.choices[0].text == text_of(tok, ref.token_ids), prompt
+        assert got.choices[0].finish_reason == ref.finish_reason
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == \
+            (len(tok.encode(prompt)), len(ref.token_ids), len(tok.encode(prompt)) + len(ref.token_ids))
+        text, finish, usage = stream_completion(live.client, prompt=prompt, max_tokens=n, temperature=0)
+        assert (text, finish, usage.completion_tokens) == (text_of(tok, ref.token_ids), ref.finish_reason,
+                                                           len(ref.token_ids))
+    ids = tok.encode(PROMPTS[4])  # a prompt of token ids
+    got = live.client.completions.create(model=MODEL, prompt=ids, max_tokens=7, temperature=0)
+    assert got.choices[0].text == text_of(tok, outputs([ids], [7])[0].token_ids)
+    assert [m.id for m in live.client.models.list().data] == [MODEL]
+
+
+def test_chat_completions_use_the_chat_template(live, oracle):
+    outputs, tok = oracle
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+    assert ids[0] == 1 and "<|assistant|>" in tok.decode(ids, skip_special_tokens=False)
+    ref = outputs([ids], [11])[0]
+    got = live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=11, temperature=0)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == text_of(tok, ref.token_ids)
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), len(ref.token_ids))
+    chunks = list(live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=11, temperature=0,
+                                                      stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text_of(tok, ref.token_ids)
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason and chunks[-1].usage is None
+
+
+def _stop_case(tok, ids):
+    """A stop string of clean text that spans a token boundary of what ``ids`` decode to, or None."""
+    for i in range(2, len(ids) - 1):
+        before, after = text_of(tok, ids[:i]), text_of(tok, ids[:i + 1])
+        piece = after[len(before):]
+        stop = before[-2:] + piece[:2]
+        if after.startswith(before) and len(before) >= 2 and len(piece) >= 2 and "\ufffd" not in stop \
+                and piece.strip() and before[-2:].strip():
+            return stop
+    return None
+
+
+def test_stop_strings_cut_across_token_boundaries(live, oracle, folder):
+    from transformers import PreTrainedTokenizerFast
+
+    from ppsplit.compile.demo import demo_model
+
+    outputs, tok = oracle
+    hf_model = demo_model()
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"), bos_token="<s>",
+                                     eos_token="</s>")
+    tried = 0
+    for prompt, ref in zip(PROMPTS, outputs([tok.encode(p) for p in PROMPTS], [40] * len(PROMPTS))):
+        stop = _stop_case(tok, ref.token_ids)
+        if stop is None:
+            continue
+        # Hugging Face's stop_strings rule: generation ends at the first token whose text completes the string.
+        end = next(j for j in range(1, len(ref.token_ids) + 1) if stop in text_of(tok, ref.token_ids[:j]))
+        full = text_of(tok, ref.token_ids[:end])
+        assert stop not in text_of(tok, ref.token_ids[end - 1:end])  # no single token holds it
+        assert end < len(ref.token_ids)  # the engine stops the request early
+        want = full[:full.index(stop)]
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            hf = hf_model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, stop_strings=[stop],
+                                   tokenizer=hf_tok)[0, len(ids):].tolist()
+        assert hf == ref.token_ids[:end], (stop, hf, ref.token_ids)  # Hugging Face stops at the same token
+        got = live.client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                             stop=[stop, "never-in-the-output"])
+        assert (got.choices[0].text, got.choices[0].finish_reason, got.usage.completion_tokens) == (want, "stop", end)
+        text, finish, usage = stream_completion(live.client, prompt=prompt, max_tokens=40, temperature=0, stop=stop)
+        assert (text, finish, usage.completion_tokens) == (want, "stop", end)
+        tried += 1
+    assert tried >= 2
+
+
+def test_concurrent_streaming_clients_all_complete(live, oracle):
+    outputs, tok = oracle
+    n = 32
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(n)]
+    lengths = [3 + (i * 5) % 14 for i in range(n)]
+    refs = outputs([tok.encode(p) for p in prompts], lengths)
+    before = live.metrics()
+    with ThreadPoolExecutor(n) as pool:
+        got = list(pool.map(lambda a: stream_completion(live.client, prompt=a[0], max_tokens=a[1], temperature=0),
+                            zip(prompts, lengths)))
+    for (text, finish, usage), ref in zip(got, refs):
+        assert (text, finish, usage.completion_tokens) == (text_of(tok, ref.token_ids), ref.finish_reason,
+                                                           len(ref.token_ids))
+    after = live.metrics()
+    done = sum(after[k] - before[k] for k in after if k.startswith("ppsplit_request_success_total."))
+    assert done == n
+    assert after["ppsplit_generation_tokens_total"] - before["ppsplit_generation_tokens_total"] >= \
+        sum(len(r.token_ids) for r in refs)
+    assert after["ppsplit_time_to_first_token_seconds_count"] - before["ppsplit_time_to_first_token_seconds_count"] == n
+    assert after["ppsplit_kv_blocks_in_use"] == 0 and after["ppsplit_num_requests_running"] == 0
+
+
+def _wait_for(condition, seconds: float = 20):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _open_stream(live, max_tokens: int, chunks: int = 2):
+    """A raw streaming request; returns the connection after ``chunks`` events arrived."""
+    conn = live.connection()
+    conn.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": "Hello", "stream": True,
+                                                             "max_tokens": max_tokens, "temperature": 0}),
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    for _ in range(chunks):
+        assert response.readline().startswith(b"data: ")
+        response.readline()
+    return conn, response
+
+
+def test_a_dropped_client_aborts_its_request_and_frees_its_blocks(live):
+    aborted = live.metrics()["ppsplit_request_success_total.abort"]
+    conn, _ = _open_stream(live, max_tokens=MAX_LEN - 10)
+    assert live.metrics()["ppsplit_kv_blocks_in_use"] > 0
+    conn.sock.shutdown(2)
+    conn.close()
+    assert _wait_for(lambda: live.metrics()["ppsplit_request_success_total.abort"] == aborted + 1)
+    assert _wait_for(lambda: live.metrics()["ppsplit_kv_blocks_in_use"] == 0)
+    # A client that leaves while waiting for a whole (non-streamed) answer is aborted too.
+    conn = live.connection()
+    conn.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": "Hi", "temperature": 0,
+                                                             "max_tokens": MAX_LEN - 10}))
+    assert _wait_for(lambda: live.metrics()["ppsplit_kv_blocks_in_use"] > 0)
+    conn.sock.shutdown(2)
+    conn.close()
+    assert _wait_for(lambda: live.metrics()["ppsplit_request_success_total.abort"] == aborted + 2)
+    assert _wait_for(lambda: live.metrics()["ppsplit_kv_blocks_in_use"] == 0)
+
+
+BAD = [
+    ({"model": "other", "prompt": "a"}, "model", "is not served here"),
+    ({"model": MODEL, "prompt": "a " * MAX_LEN}, "prompt", "a sequence holds 128 tokens"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": MAX_LEN}, "max_tokens", "ask for at most"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": 0}, "max_tokens", "an integer >= 1"),
+    ({"model": MODEL, "prompt": "a", "temperature": 2.5}, "temperature", "from 0 (greedy) to 2"),
+    ({"model": MODEL, "prompt": "a", "top_p": 0}, "top_p", "(0, 1]"),
+    ({"model": MODEL, "prompt": "a", "logprobs": 1}, "logprobs", "unsupported field 'logprobs'"),
+    ({"model": MODEL, "prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
+    ({"model": MODEL, "prompt": "a", "n": 2}, "n", "n must be 1"),
+    ({"model": MODEL, "prompt": "a", "stop": ["x"] * 5}, "stop", "up to 4"),
+    ({"model": MODEL, "prompt": [5, 100000]}, "prompt", "outside the vocabulary"),
+    (b'{"model": "demo-serve", "prompt": ', None, "not valid JSON"),
+    (b'[1, 2]', None, "must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("body,param,says", BAD, ids=[b[1] or b[2] for b in BAD])
+def test_a_bad_request_gets_a_400_that_says_what_to_change(live, body, param, says):
+    status, data = live.post("/v1/completions", body)
+    assert status == 400, data
+    assert data["error"]["param"] == param and says in data["error"]["message"], data
+    assert data["error"]["type"] == "invalid_request_error"
+
+
+def test_bad_chat_requests_and_the_client_error_then_serving_goes_on(live, oracle):
+    status, data = live.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
+    assert status == 400 and data["error"]["param"] == "messages[0]"
+    status, data = live.post("/v1/chat/completions", {"model": MODEL, "prompt": "x"})
+    assert status == 400 and data["error"]["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match="top_k must be"):
+        live.client.completions.create(model=MODEL, prompt="a", extra_body={"top_k": -5})
+    outputs, tok = oracle
+    got = live.client.completions.create(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0,
+                                         extra_body={"top_k": 1})
+    assert got.choices[0].text == text_of(tok, outputs([tok.encode("Hello world")], [4])[0].token_ids)
+
+
+def test_seeded_sampling_repeats(live):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    a, b = (live.client.completions.create(**kw).choices[0].text for _ in range(2))
+    assert a == b
+
+
+def test_full_queue_503_then_sigterm_finishes_the_requests_in_flight_and_exits_0(folder):
+    server = Live(folder, "--max-queue", "3")
+    try:
+        streams = [_open_stream(server, max_tokens=24, chunks=1) for _ in range(3)]
+        status, data = server.post("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2})
+        assert status == 503 and data["error"]["code"] == "queue_full"
+        server.proc.send_signal(signal.SIGTERM)
+        for conn, response in streams:
+            events = [line[6:] for line in response.read().split(b"\n") if line.startswith(b"data: ")]
+            assert events[-1] == b"[DONE]"
+            last = json.loads(events[-2])
+            assert last["choices"][0]["finish_reason"] == "length"
+            conn.close()
+        assert server.proc.wait(60) == 0, "".join(server.lines)
+        assert any("finishing 3 request(s) in flight" in line for line in server.lines)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank processes through /proc")
+def test_ranks_2_gives_the_same_outputs_and_a_dead_rank_ends_the_server(folder, oracle):
+    outputs, tok = oracle
+    server = Live(folder, "--ranks", "2", "-k", str(K))
+    try:
+        refs = outputs([tok.encode(p) for p in PROMPTS[:4]], [6, 10, 3, 12])
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda a: stream_completion(server.client, prompt=a[0], max_tokens=a[1],
+                                                            temperature=0), zip(PROMPTS, [6, 10, 3, 12])))
+        assert [(t, f, u.completion_tokens) for t, f, u in got] == \
+            [(text_of(tok, r.token_ids), r.finish_reason, len(r.token_ids)) for r in refs]
+        chat = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=5, temperature=0)
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]), add_special_tokens=False)
+        assert chat.choices[0].message.content == text_of(tok, outputs([ids], [5])[0].token_ids)
+        (follower,) = _children(server.proc.pid)
+        conn, response = _open_stream(server, max_tokens=MAX_LEN - 10)
+        os.kill(follower, signal.SIGKILL)
+        events = [line[6:] for line in response.read().split(b"\n") if line.startswith(b"data: ")]
+        assert json.loads(events[-2])["error"]["code"] == "engine_failed" and events[-1] == b"[DONE]"
+        assert server.proc.wait(60) == 1
+        assert any("rank 1" in line for line in server.lines), "".join(server.lines)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+# -- without a server ----------------------------------------------------------------------------------------------
+
+def test_the_demo_tokenizer_covers_the_model_and_round_trips(folder):
+    from ppsplit.compile.demo import demo_config, demo_tokenizer_json
+
+    tok = FolderTokenizer(folder)
+    assert tok.vocab_size == demo_config().vocab_size and tok.eos_token_ids == (2,)
+    text = "Hello world, the pipeline serves a request."
+    ids = tok.encode(text)
+    assert ids[0] == 1 and tok.decode(ids) == text and len(ids) < len(text) // 2  # merges learnt
+    assert demo_tokenizer_json() == demo_tokenizer_json()  # the same file on every machine
+
+
+class _Chars:
+    """A tokenizer whose token ``i`` is character ``i`` of a table; ``?`` decodes as an unfinished character."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def decode(self, ids, skip_special_tokens=True):
+        text = "".join(self.table[i] for i in ids)
+        return text.replace("?", "\ufffd")
+
+
+def test_text_stream_holds_back_what_could_start_a_stop_string():
+    from ppsplit.serve.detokenize import TextStream
+
+    tok = _Chars("abcdefgh?")
+    stream = TextStream(tok, ("cde", "zz"))
+    assert stream.feed([0, 1]) == ""  # the last len("cde") - 1 characters are held back
+    assert stream.feed([2]) == "a"
+    assert stream.feed([3]) == "b"
+    assert stream.feed([4, 5]) == "" and stream.stopped and stream.num_tokens == 5  # "cde" ends at token 4
+    assert stream.text == "ab"
+    stream = TextStream(tok)
+    assert stream.feed([0, 8]) == "a"  # an unfinished character waits
+    assert stream.feed([1]) == "\ufffdb" and stream.flush() == ""
+
+
+def test_serve_refuses_folders_and_options_in_one_line(tmp_path, capsys, folder):
+    from ppsplit.cli import main
+
+    plain = ppsplit.compile_model("demo", str(tmp_path / "plain"), pp=1)
+    assert main(["serve", plain, "--port", "0"]) == 2
+    assert "the engine needs a paged cache" in capsys.readouterr().err
+    assert main(["serve", folder, "--ranks", "3"]) == 2
+    assert "--ranks must be 1 or the folder's 2 stages" in capsys.readouterr().err
+    os.remove(os.path.join(plain, "tokenizer.json"))
+    assert main(["serve", plain]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer" in err and err.count("\n") == 1
