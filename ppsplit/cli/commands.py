@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "into one linear each when the stages are loaded (the files keep the checkpoint's names)")
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder or hub id: taps from its config, "
                    "stored in DIR/drafter")
-    p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default="sglang",
-                   help="numbering of the drafter's tap ids: sglang (SpecForge layer outputs, +1) or vllm")
+    p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
+                   help="numbering of the drafter's tap ids (default: its format's own; speculators: vllm, "
+                        "SpecForge/EAGLE: sglang): sglang (SpecForge layer outputs, +1) or vllm (as written)")
 
     p = sub.add_parser("inspect", help="check a compiled folder as loading would, and print its stages and taps")
     p.add_argument("folder")

@@ -13,7 +13,8 @@ def add_parsers(sub) -> None:
     p.add_argument("folder")
     add_request_arguments(p)
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder (default: the one compiled into DIR)")
-    p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default="sglang")
+    p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
+                   help="numbering of the drafter's tap ids (default: its format's own)")
 
     p = sub.add_parser("check-drafter", help="first-draft agreement of an EAGLE-3 drafter under both tap numberings")
     p.add_argument("model", help="the target: 'demo', a checkpoint folder or a hub id")
