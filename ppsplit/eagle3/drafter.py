@@ -152,12 +152,13 @@ class Eagle3Drafter(nn.Module):
         self.paged_values = torch.zeros(shape, dtype=dtype, device=dev)
         return self
 
-    def save(self, folder: str, format: str = "speculators") -> str:
+    def save(self, folder: str, format: str = "speculators", verifier: str | None = None) -> str:
         """Write the drafter as a checkpoint the engines load: ``format="speculators"`` (vLLM, speculators) or
-        ``"specforge"`` (SGLang, SpecForge), tap ids in the format's numbering (``ppsplit.eagle3.export``)."""
+        ``"specforge"`` (SGLang, SpecForge), tap ids in the format's numbering (``ppsplit.eagle3.export``);
+        ``verifier``: the target's hub id or folder, recorded in the speculators config."""
         from ppsplit.eagle3.export import save_checkpoint
 
-        return save_checkpoint(self, folder, format)
+        return save_checkpoint(self, folder, format, verifier)
 
     # -- forward -------------------------------------------------------------------------------------------------
     def adapt(self, aux: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ def _tensors(drafter, layer_prefix: str, embed: bool) -> dict[str, torch.Tensor]
     return out
 
 
-def _speculators(drafter) -> tuple[dict, dict]:
+def _speculators(drafter, verifier: str | None) -> tuple[dict, dict]:
     cfg = drafter.cfg
     if not drafter.final_norm:
         raise ConfigError("the speculators format cannot express a drafter without the final norm (SpecForge "
@@ -59,7 +59,7 @@ def _speculators(drafter) -> tuple[dict, dict]:
            "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
                                                         "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-                                  "verifier": {"name_or_path": None, "architectures": []}},
+                                  "verifier": {"name_or_path": verifier, "architectures": []}},
            "transformer_layer_config": _layer(cfg), "draft_vocab_size": cfg["draft_vocab_size"],
            "norm_before_residual": drafter.norm_before_residual, "norm_before_fc": drafter.input_norm is not None,
            "fc_norm": drafter.fc_norm is not None, "norm_output": drafter.feed_normed,
@@ -73,7 +73,7 @@ def _speculators(drafter) -> tuple[dict, dict]:
     return out, tensors
 
 
-def _specforge(drafter) -> tuple[dict, dict]:
+def _specforge(drafter, verifier: str | None) -> tuple[dict, dict]:
     cfg = drafter.cfg
     for refused, why in ((drafter.feed_normed, "feeds the normed output back (speculators norm_output true)"),
                          (drafter.input_norm is not None, "norms the concatenated taps (speculators norm_before_fc)"),
@@ -97,15 +97,17 @@ def _specforge(drafter) -> tuple[dict, dict]:
     return out, _tensors(drafter, "midlayer.", embed=False)
 
 
-def save_checkpoint(drafter, folder: str, format: str) -> str:
-    """Write ``drafter`` to ``folder`` (``config.json`` + ``model.safetensors``) as ``format`` writes it."""
+def save_checkpoint(drafter, folder: str, format: str, verifier: str | None = None) -> str:
+    """Write ``drafter`` to ``folder`` (``config.json`` + ``model.safetensors``) as ``format`` writes it;
+    ``verifier``: the target's hub id or folder, which the speculators format records (its loader reads the
+    target's config from there)."""
     from safetensors.torch import save_file
 
     if format not in EXPORT_FORMATS:
         raise ConfigError(f"drafter format must be one of {', '.join(EXPORT_FORMATS)}, but got {format!r}")
     if drafter.cfg.get("fc_bias") and format == SPECULATORS:
         raise ConfigError("the speculators format has no fc bias; this drafter cannot be written in it")
-    cfg, tensors = (_speculators if format == SPECULATORS else _specforge)(drafter)
+    cfg, tensors = (_speculators if format == SPECULATORS else _specforge)(drafter, verifier)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
