@@ -161,7 +161,7 @@ VARIANTS = {
 }
 
 
-def write_variant(tmp_path, model, name, embed_in_file=False, seed=1):
+def write_variant(tmp_path, model, name, embed_in_file=False, seed=1, bf16=False):
     fmt, top, layer, flags = VARIANTS[name]
     flags = dict(flags, heads=4, kv_heads=2, theta=5000.0)
     draft = VOCAB * 3 // 4
@@ -173,6 +173,10 @@ def write_variant(tmp_path, model, name, embed_in_file=False, seed=1):
     if embed_in_file:
         t["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().clone()
     layout = "bin" if fmt == "speculators" else "safetensors"  # speculators' layers.0. naming; SpecForge's midlayer.
+    if bf16:  # stored in bf16 (as trainers ship them); the reference reads the same rounded values
+        t = {k: v.bfloat16() if v.is_floating_point() else v for k, v in t.items()}
+        write_drafter(str(tmp_path / name), cfg, t, layout)
+        return str(tmp_path / name), {k: v.float() if v.is_floating_point() else v for k, v in t.items()}, flags
     return write_drafter(str(tmp_path / name), cfg, t, layout), t, flags
 
 
@@ -185,10 +189,10 @@ def test_every_variant_drafts_like_the_reference(name, tmp_path):
     embed = model.get_input_embeddings().weight.detach()
     for pp in (1, 3):
         split = ppsplit.split_model(graph, pp, aux=TAPS)
-        folder, t, flags = write_variant(tmp_path / f"pp{pp}", model, name, embed_in_file=pp == 3)
+        folder, t, flags = write_variant(tmp_path / f"pp{pp}", model, name, embed_in_file=pp == 3, bf16=pp == 3)
         drafter = ppsplit.load_drafter(folder, split=split)  # the format's own numbering: no aux_convention
         assert drafter.taps == tuple(TAPS)
-        ref_logits, ref_ids = reference_chain(t, flags, feats, tokens, embed, k=4)
+        ref_logits, ref_ids = reference_chain(t, flags, feats, tokens, t.get("embed_tokens.weight", embed), k=4)
         T = ids.shape[1]
         _, aux = split(ids, torch.arange(T))
         with torch.no_grad():
@@ -507,3 +511,28 @@ def test_saved_drafters_are_read_back_by_the_owning_library(fmt, tmp_path, no_dy
     again = ppsplit.load_drafter(out, split=split)  # and ppsplit reads its own export
     assert torch.equal(again.draft(aux, tokens[None], torch.arange(9), 8, k=K)[0], ours)
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
+
+
+def test_compile_with_a_speculators_drafter(tmp_path):
+    """``ppsplit compile --drafter`` reads the speculators config (its numbering, its flags) and the compiled folder's
+    drafter drafts like the one loaded in process."""
+    from ppsplit.cli import main
+
+    model, graph = traced("llama")
+    model.save_pretrained(str(tmp_path / "target"))
+    folder, _, _ = write_variant(tmp_path, model, "speculators-norm_output")
+    out = str(tmp_path / "compiled")
+    assert main(["compile", str(tmp_path / "target"), "--pp", "2", "--drafter", folder, "-o", out,
+                 "--max-batch", "1", "--max-len", "32"]) == 0
+    loaded = ppsplit.load(out)
+    assert loaded.plan.taps == tuple(TAPS) and loaded.drafter.feed_normed
+    split = ppsplit.split_model(graph, 1, aux=TAPS)
+    drafter = ppsplit.load_drafter(folder, split=split)
+    torch.manual_seed(12)
+    ids = torch.randint(3, VOCAB, (1, 9))
+    _, tokens = target_features(model, ids)
+    _, aux = split(ids, torch.arange(9))
+    expected, _ = drafter.draft(aux, tokens[None], torch.arange(9), 8, k=4)
+    _, aux = loaded(ids, torch.arange(9))
+    got, _ = loaded.drafter.draft(aux, tokens[None], torch.arange(9), 8, k=4)
+    assert torch.equal(got, expected)
