@@ -536,3 +536,34 @@ def test_compile_with_a_speculators_drafter(tmp_path):
     _, aux = loaded(ids, torch.arange(9))
     got, _ = loaded.drafter.draft(aux, tokens[None], torch.arange(9), 8, k=4)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "specforge"])
+def test_a_narrower_drafter_with_its_own_embedding(fmt, tmp_path):
+    """``target_hidden_size`` (64) different from the drafter's width (32): fc maps 3 x 64 to 32, and the drafter
+    embeds with its own ``embed_tokens`` of width 32."""
+    model, graph = traced("llama")
+    draft = VOCAB * 3 // 4
+    layer = {"hidden_size": 32, "head_dim": 8, "intermediate_size": 48}
+    if fmt == "speculators":
+        cfg = speculators_config(model, draft, layer, target_hidden_size=64)
+    else:
+        cfg = specforge_config(model, draft, target_hidden_size=64, **layer)
+    flat = {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": VOCAB, "draft_vocab_size": draft, "target_hidden_size": 64}
+    t = random_drafter_tensors(flat, seed=4)
+    t["embed_tokens.weight"] = torch.randn(VOCAB, 32, generator=torch.Generator().manual_seed(2))
+    folder = write_drafter(str(tmp_path / fmt), cfg, t)
+    torch.manual_seed(13)
+    ids = torch.randint(3, VOCAB, (1, 9))
+    feats, tokens = target_features(model, ids)
+    ref_logits, ref_ids = reference_chain(t, {"heads": 4, "kv_heads": 2, "theta": 5000.0}, feats, tokens,
+                                          t["embed_tokens.weight"], k=4)
+    split = ppsplit.split_model(graph, 3, aux=TAPS)
+    drafter = ppsplit.load_drafter(folder, split=split)
+    assert drafter.fc.weight.shape == (32, 192)
+    _, aux = split(ids, torch.arange(9))
+    with torch.no_grad():
+        logits, _ = drafter(aux, tokens[None], torch.arange(9))
+    torch.testing.assert_close(logits[0], ref_logits, atol=5e-5, rtol=1e-4)
+    assert drafter.draft(aux, tokens[None], torch.arange(9), 8, k=4)[0][0].tolist() == ref_ids
