@@ -36,7 +36,6 @@ def reference_chain(t, flags, feats, tokens, embed, k):
     ``feats``: the taps ``[n, taps x Ht]``, ascending; ``tokens [n]`` the token after each position. Returns the first
     step's logits ``[n, V_draft]`` and ``k`` target-vocab drafts from the last row."""
     nh, kvh = flags["heads"], flags["kv_heads"]
-    h = t["norm.weight"].shape[0]
     hd = t["midlayer.self_attn.q_proj.weight"].shape[0] // nh
     if flags.get("input_norm"):
         feats = rms(feats, t["input_norm.weight"])
@@ -258,7 +257,8 @@ def test_config_keys_are_read_or_refused_by_name(tmp_path):
         (dict(top={"norm_before_fc": True}), "config needs tensors the checkpoint lacks: input_norm.weight"),
         (dict(t_extra={"input_norm.weight": torch.ones(192)}), "does not account for: input_norm.weight"),
         (dict(fmt="specforge", t_extra={"fc_norm.0.weight": torch.ones(64)}), "does not account for: fc_norm.0"),
-        (dict(t_extra={"midlayer.self_attn.q_norm.weight": torch.ones(16)}), "does not account for: midlayer.self_attn.q_norm"),
+        (dict(t_extra={"midlayer.self_attn.q_norm.weight": torch.ones(16)}),
+         "does not account for: midlayer.self_attn.q_norm"),
         (dict(fmt="specforge", top={"eagle_config": {"use_aux_hidden_state": False}}), "use_aux_hidden_state is false"),
         (dict(t_extra={"t2d": torch.ones(VOCAB, dtype=torch.bool)}), "t2d .* does not mark exactly"),
         (dict(t_extra={"lm_head.weight": torch.full((96, 64), float("nan"))}), "lm_head.weight holds NaN"),
@@ -452,7 +452,8 @@ def specforge_drafts(drafter, feats, tokens, k):
     return first, ids
 
 
-@pytest.mark.parametrize("flags", [{}, {"norm_output": False}, {"fc_norm": True}], ids=["default", "no-norm", "fc_norm"])
+@pytest.mark.parametrize("flags", [{}, {"norm_output": False}, {"fc_norm": True}],
+                         ids=["default", "no-norm", "fc_norm"])
 def test_specforge_checkpoints_draft_like_specforge(flags, tmp_path, no_dynamo):
     model, graph = traced("llama")
     lib = specforge_model(model, **flags)
@@ -478,7 +479,8 @@ def test_saved_drafters_are_read_back_by_the_owning_library(fmt, tmp_path, no_dy
     """``Eagle3Drafter.save`` in each format, loaded by the library that owns the format, drafts the same."""
     model, graph = traced("llama")
     split = ppsplit.split_model(graph, 1, aux=TAPS)
-    folder, _, _ = write_variant(tmp_path, model, "specforge-fc_norm" if fmt == "specforge" else "speculators-norm_output")
+    variant = "specforge-fc_norm" if fmt == "specforge" else "speculators-norm_output"
+    folder, _, _ = write_variant(tmp_path, model, variant)
     drafter = ppsplit.load_drafter(folder, split=split)
     model.save_pretrained(str(tmp_path / "target"))
     out = drafter.save(str(tmp_path / "saved"), format=fmt, verifier=str(tmp_path / "target"))
