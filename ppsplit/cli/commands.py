@@ -5,6 +5,7 @@
     ppsplit plan MODEL --pp 4 --aux eagle3                  print the plan only (meta device, writes nothing)
     ppsplit generate DIR --prompt-ids 1,2,3 [-k 4]          decode (speculatively with the folder's drafter)
     ppsplit check-drafter MODEL DRAFTER                     which tap numbering an EAGLE-3 drafter was trained on
+    ppsplit save-drafter DIR --format speculators -o OUT    the folder's drafter as a vLLM / SGLang checkpoint
     ppsplit run DIR --prompt "text" --max-new-tokens 32     generate, one process per stage (torch.distributed)
 
 Every ppsplit error is printed as one line on stderr with exit code 2, without a traceback; an interrupt exits 130.
@@ -201,7 +202,8 @@ def cmd_run(args) -> int:
 
 
 COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan, "generate": cli_generate.cmd_generate,
-            "check-drafter": cli_generate.cmd_check_drafter, "run": cmd_run}
+            "check-drafter": cli_generate.cmd_check_drafter, "save-drafter": cli_generate.cmd_save_drafter,
+            "run": cmd_run}
 
 
 if __name__ == "__main__":

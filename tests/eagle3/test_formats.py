@@ -538,6 +538,14 @@ def test_compile_with_a_speculators_drafter(tmp_path):
     _, aux = loaded(ids, torch.arange(9))
     got, _ = loaded.drafter.draft(aux, tokens[None], torch.arange(9), 8, k=4)
     assert torch.equal(got, expected)
+    # ppsplit save-drafter: the compiled folder's drafter back out as a speculators checkpoint, read again
+    assert main(["save-drafter", out, "--format", "speculators", "-o", str(tmp_path / "exported")]) == 0
+    cfg = json.load(open(tmp_path / "exported" / "config.json"))
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["norm_output"] is True
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == TAPS
+    again = ppsplit.load_drafter(str(tmp_path / "exported"), split=split)
+    assert torch.equal(again.draft(aux, tokens[None], torch.arange(9), 8, k=4)[0], expected)
+    assert main(["save-drafter", out, "--format", "specforge", "-o", str(tmp_path / "x")]) == 2  # cannot express it
 
 
 @pytest.mark.parametrize("fmt", ["speculators", "specforge"])
