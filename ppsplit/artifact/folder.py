@@ -25,6 +25,7 @@ from ppsplit.core.checked import FolderError, check, from_json
 from ppsplit.core.options import StageOptions
 from ppsplit.core.plan import SplitPlan
 from ppsplit.core.tensors import DTYPES, MODEL_DTYPES
+from ppsplit.eagle3.configs import DRAFTER_KEYS  # pure data: the drafter config a compiled folder stores
 
 PLAN = "plan.json"
 MANIFEST = "manifest.json"
@@ -235,10 +236,7 @@ class CompiledFolder:
 
 
 # What the config of a drafter stored in a compiled folder may hold, by type (ppsplit writes it: save_drafter).
-_STORED_CONFIG = {"hidden_size": int, "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int,
-                  "intermediate_size": int, "target_hidden_size": int, "draft_vocab_size": int, "vocab_size": int,
-                  "rms_norm_eps": float, "hidden_act": str, "norm_before_residual": bool, "attention_bias": bool,
-                  "fc_bias": bool, "ppsplit_rope_scale": float, "ppsplit_taps": tuple[int, ...]}
+_STORED_CONFIG = {**DRAFTER_KEYS, "ppsplit_rope_scale": float, "ppsplit_taps": tuple[int, ...]}
 
 
 def check_drafter(path: str, plan) -> tuple[dict, dict]:

@@ -5,6 +5,7 @@
     ppsplit plan MODEL --pp 4 --aux eagle3                  print the plan only (meta device, writes nothing)
     ppsplit generate DIR --prompt-ids 1,2,3 [-k 4]          decode (speculatively with the folder's drafter)
     ppsplit check-drafter MODEL DRAFTER                     which tap numbering an EAGLE-3 drafter was trained on
+    ppsplit save-drafter DIR --format speculators -o OUT    the folder's drafter as a vLLM / SGLang checkpoint
     ppsplit run DIR --prompt "text" --max-new-tokens 32     generate, one process per stage (torch.distributed)
     ppsplit serve DIR [--port 8000] [-k 4]                  the OpenAI HTTP API over the engine
 
@@ -78,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "into one linear each when the stages are loaded (the files keep the checkpoint's names)")
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder or hub id: taps from its config, "
                    "stored in DIR/drafter")
-    p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default="sglang",
-                   help="numbering of the drafter's tap ids: sglang (SpecForge layer outputs, +1) or vllm")
+    p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
+                   help="numbering of the drafter's tap ids (default: its format's own; speculators: vllm, "
+                        "SpecForge/EAGLE: sglang): sglang (SpecForge layer outputs, +1) or vllm (as written)")
 
     p = sub.add_parser("inspect", help="check a compiled folder as loading would, and print its stages and taps")
     p.add_argument("folder")
@@ -203,8 +205,8 @@ def cmd_run(args) -> int:
 
 
 COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan, "generate": cli_generate.cmd_generate,
-            "check-drafter": cli_generate.cmd_check_drafter, "run": cmd_run,
-            "serve": cli_serve.cmd_serve}
+            "check-drafter": cli_generate.cmd_check_drafter, "save-drafter": cli_generate.cmd_save_drafter,
+            "run": cmd_run, "serve": cli_serve.cmd_serve}
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``ppsplit generate`` and ``ppsplit check-drafter`` (imported lazily by ``ppsplit.cli``)."""
+"""``ppsplit generate``, ``ppsplit save-drafter`` and ``ppsplit check-drafter`` (imported lazily by ``ppsplit.cli``)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,15 @@ def add_parsers(sub) -> None:
     p.add_argument("folder")
     add_request_arguments(p)
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder (default: the one compiled into DIR)")
-    p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default="sglang")
+    p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
+                   help="numbering of the drafter's tap ids (default: its format's own)")
+
+    p = sub.add_parser("save-drafter", help="write the EAGLE-3 drafter of a compiled folder as a checkpoint vLLM "
+                                            "(speculators format) or SGLang (SpecForge format) loads")
+    p.add_argument("folder", help="a folder compiled with --drafter")
+    p.add_argument("--format", choices=("speculators", "specforge"), default="speculators")
+    p.add_argument("--verifier", default=None, help="the target's hub id or folder (recorded by the speculators format)")
+    p.add_argument("-o", "--out", required=True)
 
     p = sub.add_parser("check-drafter", help="first-draft agreement of an EAGLE-3 drafter under both tap numberings")
     p.add_argument("model", help="the target: 'demo', a checkpoint folder or a hub id")
@@ -133,4 +141,16 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     else:
         versus = f" vs {others}" if others else ""
         print(f"fits: {best} (--drafter-convention {best}); agreement {scores[best]:.3f}{versus}")
+    return 0
+
+
+def cmd_save_drafter(args: argparse.Namespace) -> int:
+    import ppsplit
+    from ppsplit.core.errors import ConfigError
+
+    split = ppsplit.load(args.folder)
+    if split.drafter is None:
+        raise ConfigError(f"{args.folder} holds no drafter: compile it with --drafter")
+    split.drafter.save(args.out, format=args.format, verifier=args.verifier)
+    print(f"wrote the drafter to {args.out} ({args.format} format, taps {','.join(map(str, split.drafter.taps))})")
     return 0

@@ -36,13 +36,14 @@ _PROBE_TAG = ".ppsplit-probe-"
 
 def compile_model(model: str, out: str, *, options: SplitOptions | None = None, dtype: str | None = None,
                   force: bool = False, progress: bool = False, drafter: str | None = None,
-                  drafter_convention: str = "sglang", **split_options) -> str:
+                  drafter_convention: str | None = None, **split_options) -> str:
     """Split the checkpoint ``model`` and write the artifacts to ``out``. Returns ``out``.
 
     The split is described by ``options`` (a ``SplitOptions``) or by the same keywords as ``split_model``
     (``pp``, ``aux``, ``balance``, ``aux_convention``, ``cache``, ``fuse``, ``fuse_projections``: recorded in
     ``manifest.json`` and applied by ``load``/``load_stage``, the files keep the checkpoint's names). With
-    ``drafter`` (an EAGLE-3 checkpoint), the taps come from its config (ids in ``drafter_convention`` numbering)
+    ``drafter`` (an EAGLE-3 checkpoint), the taps come from its config (ids numbered as its format writes them,
+    or in ``drafter_convention``)
     and the drafter, with its embedding copy, is stored in ``out/drafter`` (``ppsplit.load`` attaches it as
     ``split.drafter``).
 

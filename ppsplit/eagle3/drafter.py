@@ -1,14 +1,17 @@
 """The EAGLE-3 drafter on the last stage: the ``Eagle3Drafter`` module (``ppsplit.eagle3.formats`` reads checkpoints).
 
-An EAGLE-3 checkpoint is a one-layer Llama (SafeAILab/EAGLE ``cnets.py``, SpecForge, vLLM and SGLang
-``llama_eagle3.py``). Its forward, for a token at position ``i``::
+An EAGLE-3 checkpoint is a one-layer Llama (SafeAILab/EAGLE ``cnets.py``, SpecForge, speculators, vLLM and SGLang
+``llama_eagle3.py``). Its forward, for a token at position ``i``; the bracketed steps are per-checkpoint variants::
 
-    x   = fc(cat(aux taps of position i, ascending tap id))  # skipped for the drafter's own H-wide output
+    a   = aux taps of position i, ascending tap id        # [input_norm(cat(a))] or [fc_norm_k(a_k) per tap]
+    x   = fc(cat(a))                 # skipped for the drafter's own H-wide output
     res = x                          (or hidden_norm(x) with norm_before_residual)
     h   = cat(input_layernorm(embed(token i+1)), hidden_norm(x))            # width 2H, embedding first
-    h   = res + o_proj(attention(q/k/v_proj(h), rotary at position i))     # causal, over this drafter's cache
+    h   = res + o_proj(attention(q/k/v_proj(h), rotary at position i))     # causal [within a sliding window],
+                                                                           # [q_norm/k_norm per head: Qwen3]
     out = h + mlp(post_attention_layernorm(h))        # pre-norm ``out`` feeds the next draft step
-    logits = lm_head(norm(out))                      # draft vocabulary; target id = draft id + d2t[draft id]
+    logits = lm_head(norm(out))      # draft vocabulary; target id = draft id + d2t[draft id]
+                                     # [no norm: SpecForge norm_output false; norm(out) fed back: Eagle 3.1]
 
 The drafter keeps its own static KV cache addressed by positions, like the stages (``passes/kv_cache.py``): a call
 writes K/V at ``positions`` and attends under a causal mask on positions, so rejected drafts are overwritten by
@@ -43,13 +46,16 @@ class RMSNorm(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, qk_norm: bool = False,
+                 eps: float = 1e-6):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        if qk_norm:  # Qwen3's per-head RMSNorm of q and k, before the rotary embedding
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
 
 
 class _MLP(nn.Module):
@@ -72,7 +78,7 @@ class _Layer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.self_attn = _Attention(h, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
-                                    cfg["attention_bias"])
+                                    cfg["attention_bias"], bool(cfg.get("qk_norm")), eps)
         self.mlp = _MLP(h, cfg["intermediate_size"], cfg["hidden_act"])
 
 
@@ -98,6 +104,13 @@ class Eagle3Drafter(nn.Module):
         h, th = cfg["hidden_size"], cfg["target_hidden_size"]
         self.hidden_size, self.target_hidden_size = h, th
         self.norm_before_residual = bool(cfg.get("norm_before_residual", False))
+        self.final_norm = bool(cfg.get("final_norm", True))  # SpecForge norm_output false: lm_head reads out as is
+        self.feed_normed = bool(cfg.get("feed_normed", False))  # Eagle 3.1: the next draft step reads norm(out)
+        self.sliding_window = int(cfg.get("sliding_window") or 0)  # keys at positions (p - window, p]; 0: all
+        eps = cfg["rms_norm_eps"]
+        # speculators norm_before_fc: one RMSNorm over the concatenated taps; fc_norm: one RMSNorm per tap
+        self.input_norm = RMSNorm(len(taps) * th, eps) if cfg.get("input_norm") else None
+        self.fc_norm = nn.ModuleList(RMSNorm(th, eps) for _ in taps) if cfg.get("fc_norm") else None
         self.fc = nn.Linear(len(taps) * th, h, bias=cfg.get("fc_bias", False))
         self.midlayer = _Layer(cfg)
         self.norm = RMSNorm(h, cfg["rms_norm_eps"])
@@ -139,23 +152,40 @@ class Eagle3Drafter(nn.Module):
         self.paged_values = torch.zeros(shape, dtype=dtype, device=dev)
         return self
 
+    def save(self, folder: str, format: str = "speculators", verifier: str | None = None) -> str:
+        """Write the drafter as a checkpoint the engines load: ``format="speculators"`` (vLLM, speculators) or
+        ``"specforge"`` (SGLang, SpecForge), tap ids in the format's numbering (``ppsplit.eagle3.export``);
+        ``verifier``: the target's hub id or folder, recorded in the speculators config."""
+        from ppsplit.eagle3.export import save_checkpoint
+
+        return save_checkpoint(self, folder, format, verifier)
+
     # -- forward -------------------------------------------------------------------------------------------------
     def adapt(self, aux: torch.Tensor) -> torch.Tensor:
         """``fc`` over the taps of the slot-major aux ``[n_slots, B, T, Ht]`` -> ``[B, T, H]``, one matmul per tap
         accumulating into one output: the concatenated ``[B, T, 3 * Ht]`` input is never materialised."""
         _, batch, tokens, th = aux.shape
         flat = aux.reshape(aux.shape[0], batch * tokens, th)
+        taps = [flat[slot] for slot in self.slots]
+        if self.input_norm is not None:  # the RMS of the concatenation, summed per tap; the weight split per tap
+            norm = self.input_norm
+            square = sum(t.float().pow(2).sum(-1, keepdim=True) for t in taps)
+            scale = torch.rsqrt(square / (len(taps) * th) + norm.eps)
+            taps = [norm.weight[i * th:(i + 1) * th] * (t.float() * scale).to(t.dtype) for i, t in enumerate(taps)]
+        elif self.fc_norm is not None:
+            taps = [norm(t) for norm, t in zip(self.fc_norm, taps)]
         weight = self.fc.weight  # [H, n * Ht]; the columns of tap i are weight[:, i*Ht:(i+1)*Ht] (a strided view)
-        out = F.linear(flat[self.slots[0]], weight[:, :th], self.fc.bias)
-        for i, slot in enumerate(self.slots[1:], start=1):
-            out = torch.addmm(out, flat[slot], weight[:, i * th:(i + 1) * th].t())
+        out = F.linear(taps[0], weight[:, :th], self.fc.bias)
+        for i, tap in enumerate(taps[1:], start=1):
+            out = torch.addmm(out, tap, weight[:, i * th:(i + 1) * th].t())
         return out.view(batch, tokens, self.hidden_size)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         """One drafter pass: ``hidden`` is the aux buffer ``[n_slots, B, T, Ht]`` (goes through ``fc``) or the
         drafter's own previous output ``[B, T, H]``; ``tokens [B, T]`` the target-vocab ids that follow each
         position; ``positions [T]``. Returns ``(draft logits [B, T, draft_vocab], out [B, T, H])``, ``out`` before
-        the final norm (the next step's ``hidden``). Writes this pass's K/V into the cache at ``positions``."""
+        the final norm (after it with ``feed_normed``): the next step's ``hidden``. Writes this pass's K/V into the
+        cache at ``positions``."""
         x = self.adapt(hidden) if hidden.dim() == 4 else hidden
         layer = self.midlayer
         normed = layer.hidden_norm(x)
@@ -163,7 +193,10 @@ class Eagle3Drafter(nn.Module):
         emb = layer.input_layernorm(F.embedding(tokens, self.embed_tokens).to(x.dtype))
         h = residual + self._attention(torch.cat([emb, normed], dim=-1), positions)
         out = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.lm_head(self.norm(out)), out
+        if self.feed_normed:
+            out = self.norm(out)
+            return self.lm_head(out), out
+        return self.lm_head(self.norm(out) if self.final_norm else out), out
 
     def _attention(self, h: torch.Tensor, positions) -> torch.Tensor:
         """Attention of ``h [B, T, 2H]`` at ``positions``: a tensor ``[T]`` (the dense cache) or a ``RaggedStep``
@@ -176,6 +209,8 @@ class Eagle3Drafter(nn.Module):
         q = attn.q_proj(h).view(batch, tokens, attn.heads, attn.head_dim).transpose(1, 2)
         k = attn.k_proj(h).view(batch, tokens, attn.kv_heads, attn.head_dim).transpose(1, 2)
         v = attn.v_proj(h).view(batch, tokens, attn.kv_heads, attn.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         angles = torch.cat([freqs, freqs], dim=-1)
         cos, sin = (angles.cos() * self.rope_scale).to(q.dtype), (angles.sin() * self.rope_scale).to(q.dtype)
@@ -185,8 +220,8 @@ class Eagle3Drafter(nn.Module):
             slots = ops.slot_mapping(step.positions, step.seq, step.block_table, self.paged_keys.shape[1])
             ops.paged_write(self.paged_keys, k[0].transpose(0, 1), slots)
             ops.paged_write(self.paged_values, v[0].transpose(0, 1), slots)
-            o = ops.paged_attention(q, self.paged_keys, self.paged_values, *step.tensors(), attn.head_dim ** -0.5, 0,
-                                    0.0, None, None)
+            o = ops.paged_attention(q, self.paged_keys, self.paged_values, *step.tensors(), attn.head_dim ** -0.5,
+                                    self.sliding_window, 0.0, None, None)
             return attn.o_proj(o.transpose(1, 2).reshape(batch, tokens, attn.heads * attn.head_dim))
         if self.cache_keys is None or self.training:  # no cache (training): attend within this call
             keys, values, key_positions = k, v, positions
@@ -195,6 +230,8 @@ class Eagle3Drafter(nn.Module):
             values = self.cache_values[:batch].index_copy_(2, positions, v)
             key_positions = self.cache_positions
         mask = key_positions[None, :] <= positions[:, None]
+        if self.sliding_window:
+            mask = mask & (positions[:, None] - key_positions[None, :] < self.sliding_window)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=attn.heads != attn.kv_heads)
         return attn.o_proj(o.transpose(1, 2).reshape(batch, tokens, attn.heads * attn.head_dim))
 

@@ -1,10 +1,11 @@
 """Reading EAGLE-3 checkpoints into an ``Eagle3Drafter``, and the drafter inside a compiled folder.
 
-Checkpoint facts (SafeAILab/EAGLE ``cnets.py``, SpecForge, vLLM/SGLang ``llama_eagle3.py``): ``config.json`` of a
-one-layer Llama (``LlamaForCausalLMEagle3``) with ``draft_vocab_size``, optional ``target_hidden_size``,
-``eagle_config.eagle_aux_hidden_state_layer_ids`` and ``norm_before_residual``; tensors ``fc``, ``midlayer.*``
-(vLLM: ``layers.0.*``), ``norm``, ``lm_head``, ``d2t`` (target id = draft id + d2t[draft id]), ``t2d`` (unused),
-usually no ``embed_tokens`` (the target's embedding is used). Files: ``model.safetensors`` or ``pytorch_model.bin``.
+Checkpoint facts (SafeAILab/EAGLE ``cnets.py``, SpecForge, speculators, vLLM/SGLang ``llama_eagle3.py``): the
+config formats are in ``ppsplit.eagle3.configs``; tensors ``fc``, ``midlayer.*`` (speculators and vLLM:
+``layers.0.*``), ``norm``, ``lm_head``, ``d2t`` (target id = draft id + d2t[draft id]), ``t2d`` (the draft ids'
+mask over the target vocabulary: checked against ``d2t``), optional ``input_norm`` / ``fc_norm.<k>`` (norms of the
+taps before ``fc``), optional ``embed_tokens`` (else the target's embedding is used). Files: ``model.safetensors``
+or ``pytorch_model.bin`` (read as plain tensors only).
 
 A compiled folder keeps the drafter in ``drafter/`` (``config.json`` + ``drafter.safetensors``) with its taps
 resolved to ppsplit numbering, the rotary frequencies and its embedding copy: ``ppsplit.load`` attaches it as
@@ -17,6 +18,7 @@ import os
 
 import torch
 
+from ppsplit.eagle3.configs import DRAFTER_KEYS, FORMAT_NUMBERING, aux_ids, detect_format, drafter_config
 from ppsplit.eagle3.drafter import Eagle3Drafter
 from ppsplit.core.errors import ConfigError
 from ppsplit.artifact.folder import DRAFTER, FolderError, check_drafter
@@ -26,22 +28,25 @@ from ppsplit.core.tensors import model_dtype
 _LAYER = "midlayer."
 
 
-def drafter_taps(cfg: dict, num_layers: int, aux_convention: str = "sglang") -> tuple[int, ...]:
+def drafter_taps(cfg: dict, num_layers: int, aux_convention: str | None = None) -> tuple[int, ...]:
     """The taps (ppsplit/vLLM numbering) a drafter config asks for: ``eagle_aux_hidden_state_layer_ids`` read in
-    ``aux_convention`` (``"sglang"``/``"specforge"``: layer outputs, +1; ``"vllm"``: as written); absent ids mean
-    EAGLE-3's default ``(2, L//2, L-3)``. A compiled folder's drafter stores resolved ids as ``ppsplit_taps``.
+    ``aux_convention``, by default the format's own (speculators: ``"vllm"``, as written; SpecForge/SafeAILab flat
+    configs: ``"sglang"``, layer outputs, +1); absent ids mean EAGLE-3's default ``(2, L//2, L-3)``. A compiled
+    folder's drafter stores resolved ids as ``ppsplit_taps``.
 
     Example::
 
         drafter_taps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}, 32)   # (2, 16, 29)
+        drafter_taps({"speculators_model_type": "eagle3", "eagle_aux_hidden_state_layer_ids": [2, 16, 29]}, 32)
     """
     if "ppsplit_taps" in cfg:
         return tuple(cfg["ppsplit_taps"])
+    if aux_convention is None:
+        aux_convention = FORMAT_NUMBERING[detect_format(cfg)]
     if aux_convention not in TAP_NUMBERINGS:
         raise ConfigError(f"aux_convention must be 'sglang' (alias 'specforge': the config's ids are layer outputs, "
-                          f"+1) or 'vllm' (ids used as written), but got {aux_convention!r}")
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
-        or cfg.get("eagle_aux_hidden_state_layer_ids")
+                          f"+1), 'vllm' (ids used as written) or None (the format's own), but got {aux_convention!r}")
+    ids = aux_ids(cfg)
     if not ids:
         return eagle3_taps(num_layers)
     if list(ids) != sorted(set(ids)):
@@ -101,33 +106,17 @@ def read_drafter(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, out
 
 
-def _normalised_config(cfg: dict, tensors: dict) -> dict:
-    h, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
-    if not h or not heads:
-        raise ConfigError("the drafter config.json needs hidden_size and num_attention_heads (an EAGLE-3 Llama layer)")
-    out = dict(cfg)
-    out.setdefault("num_key_value_heads", heads)
-    out["head_dim"] = cfg.get("head_dim") or h // heads
-    out.setdefault("rms_norm_eps", 1e-6)
-    out.setdefault("hidden_act", "silu")
-    out["target_hidden_size"] = cfg.get("target_hidden_size") or h
-    out["draft_vocab_size"] = cfg.get("draft_vocab_size") or cfg.get("vocab_size")
-    out["attention_bias"] = f"{_LAYER}self_attn.q_proj.bias" in tensors
-    out["fc_bias"] = "fc.bias" in tensors
-    return out
-
-
-def _rope(cfg: dict, tensors: dict) -> tuple[torch.Tensor, float]:
-    """Rotary inverse frequencies and scale of the drafter, computed by transformers' own Llama rotary code so every
-    ``rope_scaling`` type (llama3, yarn, ...) matches; a compiled folder stores them and needs no transformers."""
+def _rope(cfg: dict, rope: dict, tensors: dict) -> tuple[torch.Tensor, float]:
+    """Rotary inverse frequencies and scale of the drafter, computed by transformers' own Llama rotary code from the
+    config's ``rope`` keys so every ``rope_scaling`` type (llama3, yarn, ...) matches; a compiled folder stores them
+    and needs no transformers."""
     if "rotary.inv_freq" in tensors:
         return tensors["rotary.inv_freq"].float(), float(cfg.get("ppsplit_rope_scale", 1.0))
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-            "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor")
-    rotary = LlamaRotaryEmbedding(LlamaConfig(**{k: cfg[k] for k in keys if cfg.get(k) is not None}))
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    rotary = LlamaRotaryEmbedding(LlamaConfig(**{k: cfg[k] for k in keys}, **rope))
     return rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0))
 
 
@@ -141,15 +130,18 @@ def embedding_name(split) -> str:
                       "own embed_tokens")
 
 
-def load_drafter(path_or_hub_id: str, split=None, aux_convention: str = "sglang", device=None,
+def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = None, device=None,
                  compile: bool = False) -> Eagle3Drafter:
     """Load an EAGLE-3 drafter for ``split`` (which must carry the drafter's taps), on its last stage's device.
 
-    Both file formats (``model.safetensors``; ``pytorch_model.bin`` read with ``weights_only=True``), both
-    namings (``midlayer.`` and vLLM's ``layers.0.``), a separate or shared embedding (without ``embed_tokens``
-    the drafter references the target's embedding table, copied to the last stage's device when stage 0 lives
-    elsewhere, so it never travels per step). Tap ids come from the config in ``aux_convention`` numbering
-    (``"sglang"``: SpecForge's layer outputs, +1; ``"vllm"``: as written), see ``drafter_taps``. ``compile``:
+    Config formats (``ppsplit.eagle3.configs``): speculators (vLLM's), SpecForge's exports and SafeAILab's
+    EAGLE-3 with each variant they write; a key ppsplit cannot honour is refused, naming it. Both file formats
+    (``model.safetensors``; ``pytorch_model.bin`` read with ``weights_only=True``), both namings (``midlayer.``
+    and ``layers.0.``), a separate or shared embedding (without ``embed_tokens`` the drafter references the
+    target's embedding table, copied to the last stage's device when stage 0 lives elsewhere, so it never travels
+    per step). Tap ids come from the config, numbered as its format writes them unless ``aux_convention``
+    (``"sglang"``: SpecForge's layer outputs, +1; ``"vllm"``: as written) says otherwise, see ``drafter_taps``.
+    ``compile``:
     Inductor compiles the drafter's forward (``drafter.compile(dynamic=False)``; it fuses the norms, rotary and
     adds, and ``capture`` records the compiled kernels): an 8B-shaped draft step on an H200 went from 367 to
     268 us. Compiling takes a few seconds per shape at the first calls, which is why it is off by default.
@@ -179,14 +171,11 @@ def load_drafter(path_or_hub_id: str, split=None, aux_convention: str = "sglang"
     return drafter
 
 
-def build_drafter(cfg: dict, tensors: dict, plan, embed: torch.Tensor, aux_convention: str, device) -> Eagle3Drafter:
+def build_drafter(cfg: dict, tensors: dict, plan, embed: torch.Tensor, aux_convention: str | None,
+                  device) -> Eagle3Drafter:
     """The drafter of ``(cfg, tensors)`` for a split with ``plan``, using ``embed`` as its embedding table."""
-    cfg = _normalised_config(cfg, tensors)
-    for name in ("fc.weight", "lm_head.weight", f"{_LAYER}self_attn.q_proj.weight"):
-        if name not in tensors:
-            raise ConfigError(f"the drafter has no {name} tensor; it is not an EAGLE-3 checkpoint (its tensors: "
-                              f"{sorted(tensors)[:4]} ...)")
     taps = drafter_taps(cfg, plan.num_layers, aux_convention)
+    cfg, rope, _ = drafter_config(cfg, tensors)
     missing = [t for t in taps if t not in plan.taps]
     if missing:
         raise ConfigError(f"the drafter reads taps {list(taps)} but the split carries {list(plan.taps)} (missing "
@@ -195,28 +184,17 @@ def build_drafter(cfg: dict, tensors: dict, plan, embed: torch.Tensor, aux_conve
     if th != plan.hidden_size:
         raise ConfigError(f"the drafter expects target hidden size {th} but the target has {plan.hidden_size}; "
                           "use a drafter trained for this target")
-    if tuple(tensors["fc.weight"].shape) != (cfg["hidden_size"], len(taps) * th):
-        raise ConfigError(f"drafter fc.weight is {tuple(tensors['fc.weight'].shape)}, expected "
-                          f"({cfg['hidden_size']}, {len(taps) * th}) for {len(taps)} taps of width {th}")
+    _check_tensors(cfg, tensors, len(taps))
     vocab = embed.shape[0]
-    if cfg.get("vocab_size", vocab) != vocab or embed.shape[1] != cfg["hidden_size"]:
+    if (cfg.get("vocab_size") or vocab) != vocab or embed.shape[1] != cfg["hidden_size"]:
         raise ConfigError(f"the drafter's vocabulary x hidden ({cfg.get('vocab_size')} x {cfg['hidden_size']}) does "
                           f"not match the target's embedding {tuple(embed.shape)}; use a drafter trained for this target")
-    d2t = tensors.get("d2t")
-    if d2t is None:
-        if cfg["draft_vocab_size"] != vocab:
-            raise ConfigError(f"the drafter has no d2t tensor but its draft vocabulary ({cfg['draft_vocab_size']}) is "
-                              f"smaller than the target's ({vocab}); d2t maps draft ids to target ids")
-        d2t = torch.zeros(vocab, dtype=torch.long)
-    targets = torch.arange(d2t.shape[0]) + d2t.long().cpu()
-    if d2t.shape[0] != cfg["draft_vocab_size"] or targets.min() < 0 or targets.max() >= vocab \
-            or targets.unique().numel() != targets.numel():
-        raise ConfigError(f"the drafter's d2t ({d2t.shape[0]} entries) does not map its {cfg['draft_vocab_size']} "
-                          f"draft ids one-to-one into the target vocabulary of {vocab}")
+    d2t = _draft_map(cfg, tensors, vocab)
+    cfg["vocab_size"] = vocab
     if cfg["hidden_act"] not in ("silu", "gelu", "gelu_pytorch_tanh"):
         raise ConfigError(f"drafter hidden_act {cfg['hidden_act']!r} is not supported; use silu, gelu or "
                           "gelu_pytorch_tanh")
-    inv_freq, rope_scale = _rope(cfg, tensors)
+    inv_freq, rope_scale = _rope(cfg, rope, tensors)
     dtype = model_dtype(plan)
     device = torch.empty(0, device=device).device
     with torch.device("meta"):
@@ -225,6 +203,13 @@ def build_drafter(cfg: dict, tensors: dict, plan, embed: torch.Tensor, aux_conve
     drafter = drafter.to_empty(device=device)
     state = {k: v for k, v in tensors.items() if k not in ("t2d", "embed_tokens.weight", "rotary.inv_freq")}
     state["d2t"] = d2t.long()
+    expected = set(drafter.state_dict())
+    extra, absent = sorted(set(state) - expected), sorted(expected - set(state))
+    if extra:
+        raise ConfigError(f"the drafter has tensors its config does not account for: {', '.join(extra[:4])}; ppsplit "
+                          "refuses to drop them (a config flag may be missing, or the layout is not supported)")
+    if absent:
+        raise ConfigError(f"the drafter's config needs tensors the checkpoint lacks: {', '.join(absent[:4])}")
     try:
         drafter.load_state_dict(state, strict=True)
     except RuntimeError as e:
@@ -242,13 +227,53 @@ def build_drafter(cfg: dict, tensors: dict, plan, embed: torch.Tensor, aux_conve
     return drafter.eval()
 
 
+def _check_tensors(cfg: dict, tensors: dict, n_taps: int) -> None:
+    for name in ("fc.weight", "lm_head.weight", f"{_LAYER}self_attn.q_proj.weight"):
+        if name not in tensors:
+            raise ConfigError(f"the drafter has no {name} tensor; it is not an EAGLE-3 checkpoint (its tensors: "
+                              f"{sorted(tensors)[:4]} ...)")
+    th = cfg["target_hidden_size"]
+    if tuple(tensors["fc.weight"].shape) != (cfg["hidden_size"], n_taps * th):
+        raise ConfigError(f"drafter fc.weight is {tuple(tensors['fc.weight'].shape)}, expected "
+                          f"({cfg['hidden_size']}, {n_taps * th}) for {n_taps} taps of width {th}")
+    for name, t in tensors.items():
+        # speculators initialises embed_tokens and lm_head to NaN: a checkpoint saved before they were loaded
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ConfigError(f"the drafter's {name} holds NaN or infinite values; it was saved before being trained "
+                              "or loaded (speculators fills embed_tokens and lm_head with NaN until then)")
+
+
+def _draft_map(cfg: dict, tensors: dict, vocab: int) -> torch.Tensor:
+    """``d2t`` (checked one-to-one into the target vocabulary, and against ``t2d`` when present)."""
+    d2t = tensors.get("d2t")
+    if d2t is None:
+        if cfg["draft_vocab_size"] != vocab:
+            raise ConfigError(f"the drafter has no d2t tensor but its draft vocabulary ({cfg['draft_vocab_size']}) is "
+                              f"smaller than the target's ({vocab}); d2t maps draft ids to target ids")
+        d2t = torch.zeros(vocab, dtype=torch.long)
+    targets = torch.arange(d2t.shape[0]) + d2t.long().cpu()
+    if d2t.shape[0] != cfg["draft_vocab_size"] or targets.min() < 0 or targets.max() >= vocab \
+            or targets.unique().numel() != targets.numel():
+        raise ConfigError(f"the drafter's d2t ({d2t.shape[0]} entries) does not map its {cfg['draft_vocab_size']} "
+                          f"draft ids one-to-one into the target vocabulary of {vocab}")
+    t2d = tensors.get("t2d")
+    if t2d is not None:
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[targets] = True
+        if tuple(t2d.shape) != (vocab,) or not torch.equal(t2d.cpu().bool(), mask):
+            raise ConfigError(f"the drafter's t2d (shape {tuple(t2d.shape)}) does not mark exactly the target ids its "
+                              "d2t maps to; the vocabulary mapping is inconsistent")
+    return d2t
+
+
 def save_drafter(drafter: Eagle3Drafter, folder: str) -> None:
     """Write ``drafter`` as ``folder/config.json`` + ``folder/drafter.safetensors``: resolved taps, the rotary
     frequencies and its embedding table, so loading it needs neither transformers nor the target's stage 0."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
-    cfg = dict(drafter.cfg, ppsplit_taps=list(drafter.taps), ppsplit_rope_scale=drafter.rope_scale)
+    cfg = {k: drafter.cfg[k] for k in (*DRAFTER_KEYS, "rope") if k in drafter.cfg}
+    cfg.update(ppsplit_taps=list(drafter.taps), ppsplit_rope_scale=drafter.rope_scale)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
@@ -284,6 +309,6 @@ def load_folder_drafter(path: str, plan, device) -> Eagle3Drafter:
     cfg, _ = check_drafter(path, plan)
     _, tensors = read_drafter(path)
     try:
-        return build_drafter(cfg, tensors, plan, tensors["embed_tokens.weight"], "sglang", device)
+        return build_drafter(cfg, tensors, plan, tensors["embed_tokens.weight"], None, device)
     except ConfigError as e:
         raise FolderError(f"{path}: {e}") from None

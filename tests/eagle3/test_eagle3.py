@@ -367,13 +367,9 @@ def test_drafter_errors(tmp_path):
 def publish(model, drafter, root, layout: str) -> str:
     """Save the target to ``root/target`` and the trained drafter as a published checkpoint (SpecForge ids, no
     embedding: the target's is used) to ``root/published``; returns the drafter's folder."""
-    from ppsplit.eagle3.formats import save_drafter
-
     model.save_pretrained(root / "target", safe_serialization=True)
-    save_drafter(drafter, str(root / "trained"))
+    drafter.save(str(root / "trained"), format="specforge")
     cfg, tensors = ppsplit.eagle3.formats.read_drafter(str(root / "trained"))
-    cfg = {k: v for k, v in cfg.items() if not k.startswith("ppsplit_")}
-    tensors = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "rotary.inv_freq")}
     return write_drafter(str(root / "published"), cfg, tensors, layout)
 
 

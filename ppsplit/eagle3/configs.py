@@ -1,0 +1,211 @@
+"""What an EAGLE-3 checkpoint's ``config.json`` says, per format, as one flat drafter config (pure data, no torch).
+
+Formats (``detect_format``):
+
+- ``speculators`` (vLLM's format; ``speculators`` ``save_pretrained``): ``speculators_model_type: "eagle3"``,
+  ``speculators_config``, the layer's Llama/Qwen3 fields under ``transformer_layer_config``, tap ids in vLLM
+  numbering (id ``j`` = ``hidden_states[j]``), ``norm_output`` = the normed output feeds the next draft (Eagle 3.1).
+- ``specforge`` (SpecForge ``export_to_sglang`` / ``export_to_hf``, SafeAILab's EAGLE-3 ``LlamaForCausalLMEagle3``):
+  a flat Llama config, tap ids (``eagle_config``) numbering layer outputs (+1), ``norm_output`` (default true) =
+  ``norm`` before ``lm_head``.
+- ``ppsplit``: what ``save_drafter`` writes into a compiled folder (already flat, taps resolved).
+
+Every key is read, or listed here as changing nothing at inference (with the reason), or refused in one line naming
+it: a setting ppsplit does not understand never passes silently.
+"""
+from __future__ import annotations
+
+from ppsplit.core.errors import ConfigError
+
+SPECULATORS, SPECFORGE, PPSPLIT = "speculators", "specforge", "ppsplit"
+# The tap numbering each format writes (``ppsplit.core.options.TAP_NUMBERINGS``).
+FORMAT_NUMBERING = {SPECULATORS: "vllm", SPECFORGE: "sglang"}
+
+# The flat drafter config (``Eagle3Drafter``'s ``cfg``) and the type of each key.
+DRAFTER_KEYS = {"hidden_size": int, "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int,
+                "intermediate_size": int, "target_hidden_size": int, "draft_vocab_size": int, "vocab_size": int,
+                "rms_norm_eps": float, "hidden_act": str, "attention_bias": bool, "fc_bias": bool,
+                "norm_before_residual": bool, "input_norm": bool, "fc_norm": bool, "qk_norm": bool,
+                "final_norm": bool, "feed_normed": bool, "sliding_window": int}
+
+# Written by transformers into every config (some only by older versions); none changes a forward pass.
+_GENERIC = {"_name_or_path", "architectures", "auto_map", "chunk_size_feed_forward", "dtype", "torch_dtype",
+            "id2label", "label2id", "is_encoder_decoder", "output_attentions", "output_hidden_states", "problem_type",
+            "return_dict", "transformers_version", "_attn_implementation_autoset", "add_cross_attention",
+            "bad_words_ids", "begin_suppress_tokens", "cross_attention_hidden_size", "decoder_start_token_id",
+            "diversity_penalty", "do_sample", "early_stopping", "encoder_no_repeat_ngram_size",
+            "exponential_decay_length_penalty", "finetuning_task", "forced_bos_token_id", "forced_eos_token_id",
+            "is_decoder", "length_penalty", "max_length", "min_length", "no_repeat_ngram_size", "num_beam_groups",
+            "num_beams", "num_return_sequences", "output_scores", "prefix", "pruned_heads",
+            "remove_invalid_values", "repetition_penalty", "return_dict_in_generate", "sep_token_id",
+            "suppress_tokens", "task_specific_params", "temperature", "tf_legacy_loss", "tie_encoder_decoder",
+            "tokenizer_class", "top_k", "top_p", "torchscript", "typical_p", "use_bfloat16"}
+# Layer keys that change nothing at inference, and why.
+_INERT = {"attention_dropout": "no dropout at inference", "initializer_range": "initialisation only",
+          "bos_token_id": "tokenizer facts", "eos_token_id": "tokenizer facts", "pad_token_id": "tokenizer facts",
+          "use_cache": "a runtime switch", "pretraining_tp": "the same matmuls, sliced",
+          "tie_word_embeddings": "the drafter's lm_head is its own draft-vocabulary tensor in every format",
+          "max_window_layers": "read through layer_types", "use_sliding_window": "read through layer_types"}
+# Layer keys the rotary embedding reads (through transformers' own Llama rotary code).
+ROPE_KEYS = ("max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor")
+_LAYER_READ = {"hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+               "rms_norm_eps", "hidden_act", "vocab_size", "attention_bias", "mlp_bias", "model_type",
+               "num_hidden_layers", "sliding_window", "layer_types", *ROPE_KEYS}
+_FLAGS = {"norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "target_hidden_size",
+          "draft_vocab_size", "eagle_aux_hidden_state_layer_ids"}
+_SPECULATORS_TOP = {"speculators_model_type", "speculators_config", "speculators_version", "transformer_layer_config",
+                    "embed_requires_grad", *_FLAGS}
+_SPECFORGE_TOP = {"eagle_config", *_FLAGS}
+_PPSPLIT_TOP = {*DRAFTER_KEYS, "rope", "ppsplit_taps", "ppsplit_rope_scale"}  # rope: the source's rotary keys
+_MODEL_TYPES = ("llama", "qwen3")  # the draft layers the formats' model code builds (speculators model_classes)
+
+
+def detect_format(cfg: dict) -> str:
+    """``speculators``, ``specforge`` (also SafeAILab's EAGLE-3 and other flat Llama configs) or ``ppsplit``."""
+    if "ppsplit_taps" in cfg:
+        return PPSPLIT
+    if "speculators_model_type" in cfg or "transformer_layer_config" in cfg:
+        return SPECULATORS
+    return SPECFORGE
+
+
+def _refuse_unknown(cfg: dict, known: set, where: str) -> None:
+    for key in cfg:
+        if key not in known and key not in _GENERIC and key not in _INERT:
+            raise ConfigError(f"drafter config key {where}{key} = {cfg[key]!r} is not one ppsplit reads, so it cannot "
+                              "honour it; remove it if it does not change the drafter's forward, else this drafter "
+                              "is not supported")
+
+
+def _flag(cfg: dict, key: str, default: bool, where: str = "") -> bool:
+    value = cfg.get(key, default)
+    value = default if value is None else value
+    if not isinstance(value, bool):
+        raise ConfigError(f"drafter config {where}{key} must be true or false, but got {value!r}")
+    return value
+
+
+def _layer(layer: dict, where: str) -> tuple[dict, dict]:
+    """The draft layer's fields of a Llama or Qwen3 config ``layer`` (flat, or speculators'
+    ``transformer_layer_config``), checked."""
+    model_type = layer.get("model_type", "llama")
+    if model_type not in _MODEL_TYPES:
+        raise ConfigError(f"drafter config {where}model_type {model_type!r} is not supported; the draft layer must be "
+                          f"one of {', '.join(_MODEL_TYPES)}")
+    h, heads = layer.get("hidden_size"), layer.get("num_attention_heads")
+    if not isinstance(h, int) or not isinstance(heads, int) or h <= 0 or heads <= 0:
+        raise ConfigError(f"the drafter config needs {where}hidden_size and {where}num_attention_heads (an EAGLE-3 "
+                          f"Llama layer), but got {h!r} and {heads!r}")
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise ConfigError(f"drafter config {where}num_hidden_layers is {layer['num_hidden_layers']}: ppsplit runs "
+                          "one-layer EAGLE-3 drafters only")
+    if _flag(layer, "mlp_bias", False, where):
+        raise ConfigError(f"drafter config {where}mlp_bias is true: biased MLP projections are not supported")
+    out = {"hidden_size": h, "num_attention_heads": heads,
+           "num_key_value_heads": layer.get("num_key_value_heads") or heads,
+           "head_dim": layer.get("head_dim") or h // heads, "intermediate_size": layer.get("intermediate_size"),
+           "rms_norm_eps": float(layer.get("rms_norm_eps") or 1e-6), "hidden_act": layer.get("hidden_act", "silu"),
+           "vocab_size": layer.get("vocab_size"), "attention_bias": _flag(layer, "attention_bias", False, where),
+           "qk_norm": model_type == "qwen3", "sliding_window": _window(layer, where)}
+    rope = {k: layer[k] for k in ROPE_KEYS if layer.get(k) is not None}
+    return out, rope
+
+
+def _window(layer: dict, where: str) -> int:
+    """The draft attention's window, as transformers reads it: ``sliding_window`` applies when ``layer_types[0]`` is
+    ``"sliding_attention"`` (speculators, Qwen3), or, without ``layer_types``, when ``use_sliding_window`` is set."""
+    window, types = layer.get("sliding_window"), layer.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != 1 or types[0] not in ("full_attention", "sliding_attention"):
+            raise ConfigError(f"drafter config {where}layer_types must be one entry, full_attention or "
+                              f"sliding_attention, for the one draft layer; got {types!r}")
+        sliding = types[0] == "sliding_attention"
+    else:
+        sliding = bool(layer.get("use_sliding_window", False)) and window is not None
+    if not sliding:
+        return 0
+    if not isinstance(window, int) or window <= 0:
+        raise ConfigError(f"drafter config {where}layer_types asks for sliding_attention but {where}sliding_window is "
+                          f"{window!r}; it must be a positive integer")
+    return window
+
+
+def _speculators(cfg: dict) -> tuple[dict, dict]:
+    if cfg.get("speculators_model_type") != "eagle3":
+        raise ConfigError(f"drafter config speculators_model_type is {cfg.get('speculators_model_type')!r}; ppsplit "
+                          "loads EAGLE-3 drafters (\"eagle3\") only")
+    _refuse_unknown(cfg, _SPECULATORS_TOP, "")
+    spec = cfg.get("speculators_config") or {}
+    if not isinstance(spec, dict):
+        raise ConfigError(f"drafter config speculators_config must be an object, but got {spec!r}")
+    _refuse_unknown(spec, {"algorithm", "proposal_methods", "default_proposal_method", "verifier"},
+                    "speculators_config.")
+    if spec.get("algorithm", "eagle3") != "eagle3":
+        raise ConfigError(f"drafter config speculators_config.algorithm is {spec['algorithm']!r}; ppsplit loads "
+                          "EAGLE-3 drafters only")
+    for method in spec.get("proposal_methods") or []:
+        # ppsplit drafts one greedy (or sampled) chain and accepts losslessly: a tolerance would change outputs
+        _refuse_unknown(method, {"proposal_type", "speculative_tokens", "accept_tolerance", "verifier_accept_k"},
+                        "speculators_config.proposal_methods[].")
+        if method.get("proposal_type", "greedy") != "greedy" or method.get("accept_tolerance", 0.0) != 0.0 \
+                or method.get("verifier_accept_k", 1) != 1:
+            raise ConfigError(f"drafter config speculators_config.proposal_methods entry {method} is not a greedy "
+                              "chain accepted exactly (proposal_type greedy, accept_tolerance 0, verifier_accept_k "
+                              "1), which is what ppsplit runs")
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ConfigError("the speculators drafter config needs a transformer_layer_config object (the draft layer's "
+                          "Llama fields)")
+    _refuse_unknown(layer, _LAYER_READ, "transformer_layer_config.")
+    out, rope = _layer(layer, "transformer_layer_config.")
+    norm_before_fc, fc_norm = _flag(cfg, "norm_before_fc", False), _flag(cfg, "fc_norm", False)
+    if norm_before_fc and fc_norm:
+        raise ConfigError("drafter config sets both norm_before_fc and fc_norm; they exclude each other")
+    out.update(input_norm=norm_before_fc, fc_norm=fc_norm, final_norm=True,
+               feed_normed=_flag(cfg, "norm_output", False))
+    return out, rope
+
+
+def _specforge(cfg: dict) -> tuple[dict, dict]:
+    _refuse_unknown(cfg, _SPECFORGE_TOP | _LAYER_READ, "")
+    eagle = cfg.get("eagle_config") or {}
+    if not isinstance(eagle, dict):
+        raise ConfigError(f"drafter config eagle_config must be an object, but got {eagle!r}")
+    _refuse_unknown(eagle, {"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state"}, "eagle_config.")
+    if not _flag(eagle, "use_aux_hidden_state", True, "eagle_config."):
+        raise ConfigError("drafter config eagle_config.use_aux_hidden_state is false: an EAGLE-1/2 drafter, which "
+                          "reads the last hidden state; ppsplit runs EAGLE-3 drafters (taps)")
+    out, rope = _layer(cfg, "")
+    norm_before_fc, fc_norm = _flag(cfg, "norm_before_fc", False), _flag(cfg, "fc_norm", False)
+    if norm_before_fc and fc_norm:
+        raise ConfigError("drafter config sets both norm_before_fc and fc_norm; they exclude each other")
+    out.update(input_norm=norm_before_fc, fc_norm=fc_norm, final_norm=_flag(cfg, "norm_output", True),
+               feed_normed=False)
+    return out, rope
+
+
+def aux_ids(cfg: dict):
+    """The tap ids a checkpoint config writes (``eagle_config`` or top level), or ``None`` for EAGLE-3's default."""
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
+        or cfg.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) for i in ids)):
+        raise ConfigError(f"drafter config eagle_aux_hidden_state_layer_ids must be a list of integers, got {ids!r}")
+    return ids or None
+
+
+def drafter_config(cfg: dict, tensors=()) -> tuple[dict, dict, str]:
+    """``(flat drafter config, rotary keys, format)`` of a checkpoint config; ``tensors``: the tensor names (``fc.bias``
+    is read from them)."""
+    fmt = detect_format(cfg)
+    if fmt == PPSPLIT:
+        _refuse_unknown(cfg, _PPSPLIT_TOP, "")
+        return dict(cfg), dict(cfg.get("rope") or {}), fmt
+    out, rope = _speculators(cfg) if fmt == SPECULATORS else _specforge(cfg)
+    out["norm_before_residual"] = _flag(cfg, "norm_before_residual", False)
+    out["target_hidden_size"] = cfg.get("target_hidden_size") or out["hidden_size"]
+    out["draft_vocab_size"] = cfg.get("draft_vocab_size") or out["vocab_size"]
+    out["fc_bias"] = "fc.bias" in tensors
+    out["rope"] = rope
+    if out["intermediate_size"] is None:
+        raise ConfigError("the drafter config needs intermediate_size (the draft layer's MLP width)")
+    return out, rope, fmt
