@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ppsplit.core.checked import FolderError, check, from_json
 from ppsplit.core.options import StageOptions
 from ppsplit.core.plan import SplitPlan
+from ppsplit.core.quant import Quantization
 from ppsplit.core.tensors import DTYPES, MODEL_DTYPES
 
 PLAN = "plan.json"
@@ -79,6 +80,7 @@ class Manifest:
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
     stage_options: StageOptions = StageOptions()
+    quantization: Quantization | None = None  # FP8 weights stored as shipped (ppsplit.core.quant)
 
     @classmethod
     def from_dict(cls, data, where: str = MANIFEST) -> "Manifest":
@@ -272,7 +274,7 @@ def check_drafter(path: str, plan) -> tuple[dict, dict]:
 # safetensors' dtype names -> ppsplit's (DTYPES keys)
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                        "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-                       "C64": "complex64"}
+                       "C64": "complex64", "F8_E4M3": "float8_e4m3fn"}
 
 
 def _read(path: str) -> bytes:
