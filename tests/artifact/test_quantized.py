@@ -262,3 +262,23 @@ def test_tampered_quantized_folder_is_one_folder_error(case, fp8_folder, tmp_pat
     assert code == 2 and len(err) == 1 and expect in err[0], err
     with pytest.raises(FolderError, match=expect.replace("(", r"\(").replace(")", r"\)")):
         ppsplit.load(str(folder))
+
+
+def test_fp8_moe_experts_are_dequantised_through_the_conversions(tmp_path, capsys):
+    """qwen3_moe with per-expert FP8 tensors: transformers' converters stack the experts, so the compile
+    dequantises them (stated per stage); attention linears stay FP8. Logits equal from_pretrained's."""
+    from tests.architectures.test_moe_compile import moe_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(moe_config("qwen3_moe")).eval()
+    ckpt = write_quantized(tmp_path / "moe", "fp8", model)
+    assert any(".experts.1.up_proj.weight_scale_inv" in k for k in load_file(ckpt / "model.safetensors"))
+    out = tmp_path / "moe-pp2"
+    assert main(["compile", str(ckpt), "--pp", "2", "-o", str(out)]) == 0
+    quant = json.load(open(out / "manifest.json"))["quantization"]
+    assert all(n > 0 for n in quant["linears"]) and all(n > 0 for n in quant["dequantized"]), quant
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    split = ppsplit.load(str(out))
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], hf(ids).logits, atol=1e-5, rtol=1e-5)
