@@ -282,3 +282,41 @@ def test_fp8_moe_experts_are_dequantised_through_the_conversions(tmp_path, capsy
     ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(split(ids)[0], hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,k,bn,bk,m", [(200, 300, 128, 128, 1), (200, 300, 128, 128, 5), (7, 33, 1, 33, 1),
+                                         (7, 33, 7, 33, 3), (130, 256, 64, 128, 17)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype):
+    """The GEMV (one row) and GEMM kernels, run on CPU tensors under TRITON_INTERPRET=1 (conftest)."""
+    from ppsplit.triton_kernels.fp8 import HAVE_TRITON, fp8_usable, launch_fp8_linear
+
+    if not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU tensors, which needs triton and TRITON_INTERPRET=1 (conftest)")
+    torch.manual_seed(n * m + k)
+    q, scale = quantize_blocks(torch.randn(n, k), bn, bk)
+    x, bias = torch.randn(m, k).to(dtype), torch.randn(n).to(dtype)
+    assert fp8_usable(x, q, bk)
+    ref = x.double() @ reference_dequant(q, scale, bn, bk).T + bias.double()
+    got = launch_fp8_linear(x, q, scale, bias, bn, bk)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.double(), ref, atol=tol * math.sqrt(k), rtol=tol)
+    assert not fp8_usable(x, q, 96) or 96 >= k  # a k-block a 128-wide tile would straddle takes the torch path
+
+
+@pytest.mark.gpu
+def test_fp8_stage_on_cuda_equals_reference_and_captures(fp8_folder):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    stage = ppsplit.load_stage(str(fp8_folder), 0, "cuda")
+    ids = torch.randint(3, 64, (1, 1), device="cuda")
+    positions = torch.zeros(1, dtype=torch.long, device="cuda")
+    aux = torch.empty(0, 1, 1, 256, device="cuda")
+    eager = stage(ids, positions, aux)[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = stage(ids, positions, aux)[0]
+    graph.replay()
+    torch.testing.assert_close(out, eager)
+    cpu = ppsplit.load_stage(str(fp8_folder), 0, "cpu")(ids.cpu(), positions.cpu(), aux.cpu())[0]
+    torch.testing.assert_close(eager.cpu(), cpu, atol=1e-4, rtol=1e-4)
