@@ -24,7 +24,7 @@ from common import banner, build_model, stage_runs  # noqa: E402
 
 import ppsplit  # noqa: E402
 from ppsplit import CacheConfig  # noqa: E402
-from ppsplit.core.fx_utils import get_tensor, set_tensor  # noqa: E402
+from ppsplit.core.fx_utils import set_tensor  # noqa: E402
 from ppsplit.passes.quantize import QuantizedWeight, quantize_linears  # noqa: E402
 
 SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)

@@ -41,8 +41,8 @@ def quantize_linears(stage: fx.GraphModule, weights: dict[str, QuantizedWeight])
 
     Example::
 
-        quantize_linears(stage, {"model.layers.0.mlp.up_proj.weight":
-                                 QuantizedWeight("model.layers.0.mlp.up_proj.weight_scale_inv", (3, 2), torch.float32, (128, 128))})
+        scale = QuantizedWeight("model.layers.0.mlp.up_proj.weight_scale_inv", (3, 2), torch.float32, (128, 128))
+        quantize_linears(stage, {"model.layers.0.mlp.up_proj.weight": scale})
     """
     graph = stage.graph
     fp8, left = [], []

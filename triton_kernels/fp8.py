@@ -67,7 +67,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fp8_gemm_kernel(X, W, S, B, Y, M, N, K, stride_x, stride_w, stride_y, GK, QN, QK,
-                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         s_cols = S + (rn // QN) * GK
@@ -79,7 +80,7 @@ if HAVE_TRITON:
             w = tl.load(W + rn[None, :].to(tl.int64) * stride_w + rk[:, None],
                         mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
             s = tl.load(s_cols + k0 // QK, mask=rn < N, other=0.0).to(tl.float32)
-            acc += tl.dot(x, w.to(x.dtype)) * s[None, :]
+            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + rm[:, None].to(tl.int64) * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
@@ -118,7 +119,8 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
         bm_, bn_, bk_, warps, stages = GEMM_CONFIG
         wrap(_fp8_gemm_kernel)[(triton.cdiv(m, bm_), triton.cdiv(n, bn_))](
             x2, weight, s, b, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), gk, block_n, qk,
-            HAS_BIAS=bias is not None, BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
+            HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # no TF32 for fp32
+            BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
     return y.reshape(*x.shape[:-1], n)
 
 

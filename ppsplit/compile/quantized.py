@@ -60,7 +60,8 @@ def read_scheme(config, name: str) -> Scheme | None:
         block = _field(quant, "weight_block_size")
         if block is None:
             return Scheme("fp8", "tensor", None, "weight_scale_inv")
-        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        if not (isinstance(block, (list, tuple)) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
             refuse(f"weight_block_size {block!r} (want two positive integers)")
         return Scheme("fp8", "block", (block[0], block[1]), "weight_scale_inv")
     if method == "compressed-tensors":
@@ -109,7 +110,8 @@ def pair_scales(checkpoint, scheme: Scheme) -> dict[str, str]:
 
 def check_pair(key: str, shape, scale_key: str, scale, scheme: Scheme) -> None:
     if scale.dtype not in _SCALE_DTYPES:
-        raise ConfigError(f"the checkpoint's {scale_key} is {scale.dtype}; scales must be one of {', '.join(_SCALE_DTYPES)}")
+        raise ConfigError(f"the checkpoint's {scale_key} is {scale.dtype}; scales must be one of "
+                          f"{', '.join(_SCALE_DTYPES)}")
     if len(shape) != 2:
         raise ConfigError(f"the checkpoint's FP8 weight {key} has shape {tuple(shape)}; ppsplit reads 2-D FP8 weights")
     grid = scale_grid(*shape, *scheme.block_of(shape))
