@@ -320,3 +320,18 @@ def test_fp8_stage_on_cuda_equals_reference_and_captures(fp8_folder):
     torch.testing.assert_close(out, eager)
     cpu = ppsplit.load_stage(str(fp8_folder), 0, "cpu")(ids.cpu(), positions.cpu(), aux.cpu())[0]
     torch.testing.assert_close(eager.cpu(), cpu, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_fp8_projections_equal_hf(fp8_folder, hf_fp8):
+    """load(fuse_projections=True): q/k/v and gate/up become one fp8_linear each over the stacked FP8 weights and
+    their stacked block scales."""
+    split = ppsplit.load(str(fp8_folder), fuse_projections=True)
+    fused = [f for s in split.stages for f in s.meta["ppsplit.projections"].fused]
+    assert len(fused) == 2 * 3 and all(".fused_" in f.weight for f in fused)
+    for s in split.stages:
+        calls = [n for n in s.graph.nodes if n.target is torch.ops.ppsplit.fp8_linear.default]
+        assert len(calls) == 4 * sum(1 for f in s.meta["ppsplit.projections"].fused if "q_proj" in f.weight)
+        assert all(dict(s.named_parameters())[n.args[1].target].dtype == FP8 for n in calls)
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], hf_fp8(ids).logits, atol=1e-5, rtol=1e-5)
