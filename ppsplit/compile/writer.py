@@ -85,7 +85,12 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     start = time.perf_counter()
     model_obj, buffers = skeleton(config, torch_dtype)
     sources = Sources(model_obj, checkpoint, scheme)  # before split_model: the skeleton as transformers builds it
-    split = split_model(model_obj, options=options)
+    target = model_obj
+    if scheme is not None:  # the plan (and balance="memory") sees the weights' bytes as stored
+        from ppsplit.compile.api import trace_model
+        traced = trace_model(model_obj, layers=options.layers, cache=options.cache)
+        target = dataclasses.replace(traced, costs=_stored_costs(traced, sources))
+    split = split_model(target, options=options)
     log.info("split into %d stages in %.1fs", split.plan.pp, time.perf_counter() - start)
     tied = dict(tied_parameters(model_obj))  # alias -> the name a tied checkpoint stores
     fp8 = [_quantize(stage, sources) for stage in split.stages] if scheme is not None else None
@@ -171,6 +176,27 @@ def _stage_tensors(stage: fx.GraphModule, k: int, sources: Sources, buffers: dic
                                   "does not run)")
             specs.append(spec)
     return specs
+
+
+def _stored_costs(traced, sources: Sources):
+    """The trace's costs with each FP8 weight counted as stored (its FP8 bytes and its scale), not in the model
+    dtype; attributed to its decoder layer by name (``<layers>.<i>.``), else to the head."""
+    costs = traced.costs
+    prefix = traced.layers.fqn + "."
+    layers, head = list(costs.layer_bytes), costs.head_bytes
+    for name, p in traced.traced.gm.named_parameters():
+        group = sources.group_of(name)
+        key = group is not None and sources.plain_source(group)
+        if not key or key not in sources.scales:
+            continue
+        raw, scale = sources.checkpoint.raw_range(key), sources.checkpoint.raw_range(sources.scales[key])
+        delta = raw.nbytes + scale.nbytes - p.numel() * p.element_size()
+        index = name[len(prefix):].split(".")[0] if name.startswith(prefix) else ""
+        if index.isdigit() and int(index) < len(layers):
+            layers[int(index)] += delta
+        else:
+            head += delta
+    return dataclasses.replace(costs, layer_bytes=tuple(layers), head_bytes=head)
 
 
 def _quantize(stage: fx.GraphModule, sources: Sources):

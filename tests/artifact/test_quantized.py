@@ -146,6 +146,10 @@ def test_stage_files_hold_the_fp8_bytes_and_half_the_bf16_size(fp8_checkpoint, t
                 assert digest == source[name], name  # FP8 weights and scales byte for byte
                 stored += 1
     assert stored == 2 * 3 * len(LINEARS)
+    plan = json.load(open(fp8_out / "plan.json"))
+    for k in range(2):  # the plan counts the weights as stored (what balance="memory" sees)
+        file_bytes = os.path.getsize(fp8_out / f"stage_{k}.safetensors")
+        assert 0.97 * file_bytes < plan["stages"][k]["bytes"] <= file_bytes, (k, plan["stages"][k]["bytes"], file_bytes)
     size = lambda d: sum(os.path.getsize(d / f"stage_{k}.safetensors") for k in range(2))  # noqa: E731
     ratio = size(fp8_out) / size(bf16_out)
     assert 0.45 < ratio < 0.55, ratio
