@@ -59,7 +59,7 @@ def write_quantized(folder, scheme: str, model=None):
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     out = {}
     for name, w in tensors.items():
-        if name.rsplit(".", 2)[-2] not in LINEARS:
+        if not (name.endswith(".weight") and "proj" in name.rsplit(".", 2)[-2] and w.dim() == 2):
             out[name] = w
             continue
         n, k = w.shape
@@ -101,7 +101,7 @@ def _greedy(step, ids, new):
     return ids
 
 
-@pytest.mark.parametrize("pp", [1, 3])
+@pytest.mark.parametrize("pp", [1, 2, 3])
 def test_fp8_compile_load_equals_hf(fp8_checkpoint, hf_fp8, pp, tmp_path, capsys):
     out = tmp_path / f"fp8-pp{pp}"
     assert main(["compile", str(fp8_checkpoint), "--pp", str(pp), "-o", str(out)]) == 0
@@ -237,7 +237,7 @@ def fp8_folder(fp8_checkpoint, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("case", ["scale_shape", "method", "fp8_elsewhere", "no_record"])
+@pytest.mark.parametrize("case", ["scale_shape", "scale_dtype", "method", "fp8_elsewhere", "no_record"])
 def test_tampered_quantized_folder_is_one_folder_error(case, fp8_folder, tmp_path, capsys):
     folder = tmp_path / "f"
     os.makedirs(folder)
@@ -249,6 +249,10 @@ def test_tampered_quantized_folder_is_one_folder_error(case, fp8_folder, tmp_pat
         spec = next(t for t in program["tensors"] if t["name"].endswith("q_proj.weight_scale_inv"))
         spec["shape"] = [3, 2]
         expect = "needs 4 values"
+    elif case == "scale_dtype":
+        spec = next(t for t in program["tensors"] if t["name"].endswith("k_proj.weight_scale_inv"))
+        spec["dtype"] = "int8"
+        expect = "k_proj.weight_scale_inv (int8) one of float32"
     elif case == "method":
         manifest["quantization"]["method"] = "awq"
         expect = "'awq'"
@@ -268,13 +272,15 @@ def test_tampered_quantized_folder_is_one_folder_error(case, fp8_folder, tmp_pat
         ppsplit.load(str(folder))
 
 
-def test_fp8_moe_experts_are_dequantised_through_the_conversions(tmp_path, capsys):
-    """qwen3_moe with per-expert FP8 tensors: transformers' converters stack the experts, so the compile
-    dequantises them (stated per stage); attention linears stay FP8. Logits equal from_pretrained's."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_fp8_moe_experts_are_dequantised_through_the_conversions(arch, tmp_path, capsys):
+    """qwen3_moe and deepseek_v3 (MLA projections, shared experts) with per-expert FP8 tensors: transformers'
+    converters stack the experts, so the compile dequantises them (stated per stage); the other linears stay FP8.
+    Logits equal from_pretrained's."""
     from tests.architectures.test_moe_compile import moe_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(moe_config("qwen3_moe")).eval()
+    model = AutoModelForCausalLM.from_config(moe_config(arch)).eval()
     ckpt = write_quantized(tmp_path / "moe", "fp8", model)
     assert any(".experts.1.up_proj.weight_scale_inv" in k for k in load_file(ckpt / "model.safetensors"))
     out = tmp_path / "moe-pp2"
@@ -337,5 +343,14 @@ def test_fused_fp8_projections_equal_hf(fp8_folder, hf_fp8):
         assert len(calls) == 4 * sum(1 for f in s.meta["ppsplit.projections"].fused if "q_proj" in f.weight)
         assert all(dict(s.named_parameters())[n.args[1].target].dtype == FP8 for n in calls)
     ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], hf_fp8(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_split_model_of_hf_loaded_fp8_model(hf_fp8):
+    """split_model of the model transformers loaded from the FP8 checkpoint (on the CPU transformers dequantises it
+    into plain linears, so it splits like any model)."""
+    split = ppsplit.split_model(hf_fp8, pp=2)
+    ids = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(split(ids)[0], hf_fp8(ids).logits, atol=1e-5, rtol=1e-5)
