@@ -85,12 +85,7 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     start = time.perf_counter()
     model_obj, buffers = skeleton(config, torch_dtype)
     sources = Sources(model_obj, checkpoint, scheme)  # before split_model: the skeleton as transformers builds it
-    target = model_obj
-    if scheme is not None:  # the plan (and balance="memory") sees the weights' bytes as stored
-        from ppsplit.compile.api import trace_model
-        traced = trace_model(model_obj, layers=options.layers, cache=options.cache)
-        target = dataclasses.replace(traced, costs=_stored_costs(traced, sources))
-    split = split_model(target, options=options)
+    split = split_model(planned(model_obj, sources, options), options=options)
     log.info("split into %d stages in %.1fs", split.plan.pp, time.perf_counter() - start)
     tied = dict(tied_parameters(model_obj))  # alias -> the name a tied checkpoint stores
     fp8 = [_quantize(stage, sources) for stage in split.stages] if scheme is not None else None
@@ -176,6 +171,17 @@ def _stage_tensors(stage: fx.GraphModule, k: int, sources: Sources, buffers: dic
                                   "does not run)")
             specs.append(spec)
     return specs
+
+
+def planned(model_obj, sources: Sources, options: SplitOptions):
+    """What ``split_model`` plans from: the skeleton, or for a quantised checkpoint its trace with each FP8 weight
+    counted as stored, so the plan's stage bytes (and ``balance="memory"``) see the real sizes."""
+    if sources.scheme is None:
+        return model_obj
+    from ppsplit.compile.api import trace_model
+
+    traced = trace_model(model_obj, layers=options.layers, cache=options.cache)
+    return dataclasses.replace(traced, costs=_stored_costs(traced, sources))
 
 
 def _stored_costs(traced, sources: Sources):

@@ -354,3 +354,12 @@ def test_split_model_of_hf_loaded_fp8_model(hf_fp8):
     ids = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(split(ids)[0], hf_fp8(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_command_counts_fp8_bytes_as_compile_does(fp8_checkpoint, fp8_folder, capsys):
+    capsys.readouterr()
+    assert main(["plan", str(fp8_checkpoint), "--pp", "2", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    compiled = json.load(open(fp8_folder / "plan.json"))
+    assert [s["bytes"] for s in planned["stages"]] == [s["bytes"] for s in compiled["stages"]]
+    assert compiled["stages"][1]["bytes"] < 0.3 * 4 * compiled["stages"][1]["params"]  # FP8, not the fp32 skeleton
