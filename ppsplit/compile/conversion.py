@@ -56,6 +56,12 @@ class Sources:
         self.model, self.checkpoint, self.scheme = model, checkpoint, scheme
         # {FP8 weight key: its scale key} (ppsplit.compile.quantized); a weight read as a float is dequantised
         self.scales: dict[str, str] = {} if scheme is None else pair_scales(checkpoint, scheme)
+        if scheme is None:
+            fp8 = next((k for k in checkpoint.where if checkpoint.raw_range(k).dtype.startswith("F8")), None)
+            if fp8 is not None:
+                raise ConfigError(f"the checkpoint stores {fp8} in {checkpoint.raw_range(fp8).dtype}, but its "
+                                  "config.json has no quantization_config saying how to scale it; restore the "
+                                  "config's quantization_config")
         mapping = get_model_conversion_mapping(model)
         renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in mapping if isinstance(m, WeightConverter)]

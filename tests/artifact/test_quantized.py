@@ -194,7 +194,7 @@ def _run(args, capsys):
     return code, err
 
 
-@pytest.mark.parametrize("case", ["gptq", "static", "ue8m0", "bad_scale", "ct_group"])
+@pytest.mark.parametrize("case", ["gptq", "static", "ue8m0", "bad_scale", "ct_group", "no_config"])
 def test_unsupported_or_inconsistent_checkpoints_are_refused(case, fp8_checkpoint, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     os.makedirs(ckpt)
@@ -204,9 +204,12 @@ def test_unsupported_or_inconsistent_checkpoints_are_refused(case, fp8_checkpoin
     quant = config["quantization_config"]
     expect = {"gptq": "quant_method 'gptq'", "static": "activation_scheme 'static'", "ue8m0": "scale_fmt 'ue8m0'",
               "bad_scale": "model.layers.1.mlp.down_proj.weight_scale_inv has shape (3, 2)",
-              "ct_group": "compressed-tensors group 'group_0' weight strategy 'group'"}[case]
+              "ct_group": "compressed-tensors group 'group_0' weight strategy 'group'",
+              "no_config": "in F8_E4M3, but its config.json has no quantization_config"}[case]
     if case == "gptq":
         config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    elif case == "no_config":
+        del config["quantization_config"]
     elif case == "static":
         quant["activation_scheme"] = "static"
     elif case == "ue8m0":
