@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ppsplit.compile.checkpoint import ST_DTYPES, Checkpoint
-from ppsplit.compile.quantized import dequantized, pair_scales
+from ppsplit.compile.quantized import dequantize_mxfp4, dequantized, pair_scales
 from ppsplit.core.errors import ConfigError
 
 _TORCH_DTYPES = {v: k for k, v in ST_DTYPES.items()}
@@ -71,6 +71,9 @@ class Sources:
         self.groups: dict[str, Group] = {}
         # Sorted as from_pretrained sorts them: a converter stacks experts in the order their keys arrive.
         for key in sorted(checkpoint.where, key=dot_natural_key):
+            if scheme is not None and scheme.method == "mxfp4" and key in self.scales:
+                self._add_mxfp4(key, rename_source_key, renamings, converters, prefix, meta)
+                continue
             renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
             if renamed not in meta and key in meta:
                 renamed, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
@@ -85,6 +88,16 @@ class Sources:
             group.sources.append((key, pattern))
         self.producer = {t: g.first for g in self.groups.values() for t in g.targets}
 
+    def _add_mxfp4(self, key, rename_source_key, renamings, converters, prefix, meta) -> None:
+        """``<name>_blocks`` + ``<name>_scales`` become parameter ``<name>`` (renamed as a plain key would be)."""
+        base = key[:-len("_blocks")]
+        renamed, _ = rename_source_key(base, renamings, converters, prefix, meta)
+        if renamed not in meta:
+            renamed, _ = rename_source_key(base, [], [], base_model_prefix=prefix, meta_state_dict=meta)
+        if renamed in meta:
+            self.groups[renamed] = Group(renamed, [renamed], meta[renamed].dtype, None,
+                                         [(key, None), (self.scales[key], None)])
+
     def group_of(self, name: str) -> Group | None:
         first = self.producer.get(name)
         return self.groups[first] if first is not None else None
@@ -95,6 +108,9 @@ class Sources:
 
     def run(self, group: Group) -> dict[str, torch.Tensor]:
         """Read ``group``'s source tensors and apply transformers' conversion: ``{target name: tensor}``."""
+        if group.converter is None and len(group.sources) == 2:  # MXFP4 blocks + scales
+            blocks, scales = (read_tensor(self.checkpoint, k) for k, _ in group.sources)
+            return {group.first: dequantize_mxfp4(blocks, scales, group.dtype)}
         if group.converter is None:
             return {group.first: self.read(group.sources[0][0], group.dtype)}
         converter = copy.deepcopy(group.converter)

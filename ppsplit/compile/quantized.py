@@ -66,6 +66,8 @@ def read_scheme(config, name: str) -> Scheme | None:
         return Scheme("fp8", "block", (block[0], block[1]), "weight_scale_inv")
     if method == "compressed-tensors":
         return _compressed_tensors(quant, refuse)
+    if method == "mxfp4":
+        return Scheme("mxfp4", "experts", None, "_scales")
     refuse(f"quant_method {method!r}")
 
 
@@ -91,7 +93,10 @@ def _compressed_tensors(quant, refuse) -> Scheme:
 
 
 def pair_scales(checkpoint, scheme: Scheme) -> dict[str, str]:
-    """``{FP8 weight key: its scale key}`` over the checkpoint's headers, each pair checked (dtype, shapes)."""
+    """``{FP8 weight key: its scale key}`` over the checkpoint's headers, each pair checked (dtype, shapes); for
+    MXFP4 ``{<name>_blocks: <name>_scales}``."""
+    if scheme.method == "mxfp4":
+        return _pair_mxfp4(checkpoint)
     pairs = {}
     for key in checkpoint.where:
         raw = checkpoint.raw_range(key)
@@ -106,6 +111,34 @@ def pair_scales(checkpoint, scheme: Scheme) -> dict[str, str]:
         check_pair(key, raw.shape, scale, checkpoint.raw_range(scale), scheme)
         pairs[key] = scale
     return pairs
+
+
+def _pair_mxfp4(checkpoint) -> dict[str, str]:
+    pairs = {}
+    for key in checkpoint.where:
+        if not key.endswith("_blocks"):
+            continue
+        scale = key[:-len("_blocks")] + "_scales"
+        blocks = checkpoint.raw_range(key)
+        if scale not in checkpoint:
+            raise ConfigError(f"the checkpoint's MXFP4 tensor {key} has no {scale}; the checkpoint is incomplete")
+        scales = checkpoint.raw_range(scale)
+        if blocks.dtype != "U8" or scales.dtype != "U8" or len(blocks.shape) < 2 or blocks.shape[-1] != 16 \
+                or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+            raise ConfigError(f"the checkpoint's {key} ({blocks.dtype} {tuple(blocks.shape)}) and {scale} "
+                              f"({scales.dtype} {tuple(scales.shape)}) are not MXFP4 blocks [..., G, 16] and E8M0 "
+                              "scales [..., G] (both U8)")
+        pairs[key] = scale
+    return pairs
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 expert blocks as ``dtype``, exactly as ``from_pretrained`` dequantises them (transformers' own
+    ``convert_moe_packed_tensors``: e2m1 pairs per byte, low nibble first, times 2**(scale - 127), then the
+    expert layout's transpose)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks, scales, dtype=dtype)
 
 
 def check_pair(key: str, shape, scale_key: str, scale, scheme: Scheme) -> None:

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = {"fp8": ("block", "tensor"), "compressed-tensors": ("channel", "tensor")}
+METHODS = {"fp8": ("block", "tensor"), "compressed-tensors": ("channel", "tensor"), "mxfp4": ("experts",)}
 WEIGHT_DTYPES = ("float8_e4m3fn",)
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def describe_supported() -> str:
     return ("block-scaled FP8 (quant_method 'fp8', float8_e4m3fn weights with weight_scale_inv, dynamic "
-            "activations) and compressed-tensors FP8 (format 'float-quantized', channel or tensor weight scales)")
+            "activations), compressed-tensors FP8 (format 'float-quantized', channel or tensor weight scales) and "
+            "MXFP4 experts (quant_method 'mxfp4', dequantised at compile)")
 
 
 @dataclass(frozen=True)
@@ -47,5 +48,7 @@ class Quantization:
             raise ValueError("block-scaled FP8 needs a positive block size [block_n, block_k]")
 
     def describe(self) -> str:
+        if self.method == "mxfp4":
+            return "mxfp4 experts (*_blocks + *_scales) dequantised to the model dtype at compile, at its full size"
         how = f"{self.block[0]}x{self.block[1]} blocks" if self.scheme == "block" else f"per-{self.scheme} scales"
         return f"{self.method} {self.weight_dtype} weights, {how}, weight-only (activations in the model dtype)"

@@ -366,3 +366,37 @@ def test_plan_command_counts_fp8_bytes_as_compile_does(fp8_checkpoint, fp8_folde
     compiled = json.load(open(fp8_folder / "plan.json"))
     assert [s["bytes"] for s in planned["stages"]] == [s["bytes"] for s in compiled["stages"]]
     assert compiled["stages"][1]["bytes"] < 0.3 * 4 * compiled["stages"][1]["params"]  # FP8, not the fp32 skeleton
+
+
+def test_mxfp4_experts_compile_dequantised_and_equal_hf(tmp_path, capsys):
+    """gpt-oss with MXFP4 experts (``*_blocks`` U8 [E, N, K/32, 16] + ``*_scales`` E8M0 [E, N, K/32]): compile
+    dequantises them to the model dtype (stated in inspect); logits equal from_pretrained's own dequantisation."""
+    from tests.architectures.test_moe_compile import moe_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(moe_config("gpt_oss")).eval()
+    folder = tmp_path / "gpt-oss-mxfp4"
+    model.save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, n = tensors.pop(name).shape  # stored [E, in, out]; MXFP4 packs [E, out, in / 32, 16]
+        tensors[name + "_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), generator=gen, dtype=torch.uint8)
+        tensors[name + "_scales"] = torch.randint(118, 124, (e, n, k // 32), generator=gen, dtype=torch.uint8)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.load(open(folder / "config.json"))
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    json.dump(config, open(folder / "config.json", "w"))
+    out = tmp_path / "mxfp4-pp2"
+    assert main(["compile", str(folder), "--pp", "2", "-o", str(out)]) == 0
+    quant = json.load(open(out / "manifest.json"))["quantization"]
+    assert quant["method"] == "mxfp4" and sum(quant["dequantized"]) == 2 * moe_config("gpt_oss").num_hidden_layers
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert "mxfp4 experts" in capsys.readouterr().out
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    split = ppsplit.load(str(out))
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], hf(ids).logits, atol=1e-4, rtol=1e-4)
