@@ -88,7 +88,12 @@ if HAVE_TRITON:
 
 
 GEMV_CONFIG = (16, 128, 4, 3)      # BLOCK_N, BLOCK_K, warps, stages
-GEMM_CONFIG = (16, 64, 128, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
+GEMM_CONFIG = (64, 128, 4, 3)  # BLOCK_N, BLOCK_K, warps, stages; BLOCK_M from the rows (gemm_block_m)
+
+
+def gemm_block_m(m: int) -> int:
+    """Rows per GEMM tile: the fewest of 16, 32, 64 that cover ``m`` (each extra row tile re-reads the weight)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 def fp8_usable(x: torch.Tensor, weight: torch.Tensor, block_k: int, block_kernel: int = 128) -> bool:
@@ -118,7 +123,8 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
             x2, weight, s, b, y, n, k, weight.stride(0), gk, block_n, qk, HAS_BIAS=bias is not None,
             BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
     else:
-        bm_, bn_, bk_, warps, stages = GEMM_CONFIG
+        bn_, bk_, warps, stages = GEMM_CONFIG
+        bm_ = gemm_block_m(m)
         wrap(_fp8_gemm_kernel)[(triton.cdiv(m, bm_), triton.cdiv(n, bn_))](
             x2, weight, s, b, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), gk, block_n, qk,
             HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # no TF32 for fp32

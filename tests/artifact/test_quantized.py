@@ -298,7 +298,7 @@ def test_fp8_moe_experts_are_dequantised_through_the_conversions(arch, tmp_path,
 
 
 @pytest.mark.parametrize("n,k,bn,bk,m", [(200, 300, 128, 128, 1), (200, 300, 128, 128, 5), (7, 33, 1, 33, 1),
-                                         (7, 33, 7, 33, 3), (130, 256, 64, 128, 17)])
+                                         (7, 33, 7, 33, 3), (130, 256, 64, 128, 17), (130, 256, 64, 128, 40)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype):
     """The GEMV (one row) and GEMM kernels, run on CPU tensors under TRITON_INTERPRET=1 (conftest)."""
