@@ -60,6 +60,8 @@ class _Member:
     bias: fx.Node | None  # get_attr
     transpose: fx.Node | None  # the aten.t between the weight and an mm / addmm
     out_dim: int  # the weight's dimension that holds the outputs (0 for [out, in], 1 for [in, out])
+    scale: fx.Node | None = None  # ppsplit::fp8_linear: the weight's block scales (get_attr) ...
+    block: tuple[int, int] | None = None  # ... and the block (block_n, block_k)
 
 
 def fuse_projections(stage: fx.GraphModule) -> Projections:
@@ -84,7 +86,7 @@ def fuse_projections(stage: fx.GraphModule) -> Projections:
         if m is None:
             continue
         w = get_tensor(stage, m.weight.target)
-        key = (m.x, node.target, m.out_dim, m.bias is not None, w.dtype, w.device, w.shape[1 - m.out_dim])
+        key = (m.x, node.target, m.out_dim, m.bias is not None, w.dtype, w.device, w.shape[1 - m.out_dim], m.block)
         why = _why_not(stage, m, shared, attr_nodes)
         if why:
             rejected.setdefault(key, []).append((m.weight.target, why))
@@ -110,6 +112,11 @@ def match_projection(node: fx.Node) -> _Member | None:
     if node.op != "call_function":
         return None
     bias = transpose = None
+    if node.target is _fp8_linear():
+        x, w, scale, bias, bn, bk = node.args
+        if not isinstance(x, fx.Node) or not _is_attr(w) or not _is_attr(scale) or (bias is not None and not _is_attr(bias)):
+            return None
+        return _Member(node, x, w, bias, None, 0, scale, (bn, bk))
     if node.target is aten.linear.default:
         x, w, *rest = node.args
         bias = rest[0] if rest else node.kwargs.get("bias")
@@ -128,6 +135,12 @@ def match_projection(node: fx.Node) -> _Member | None:
     if not isinstance(x, fx.Node) or not _is_attr(w) or (bias is not None and not _is_attr(bias)):
         return None
     return _Member(node, x, w, bias, transpose, out_dim)
+
+
+def _fp8_linear():
+    import ppsplit.triton_kernels.fp8  # noqa: F401  (registers torch.ops.ppsplit.fp8_linear)
+
+    return torch.ops.ppsplit.fp8_linear.default
 
 
 def plain_float(t) -> bool:
@@ -165,8 +178,13 @@ def _why_not(stage: fx.GraphModule, m: _Member, shared: set, attr_nodes: dict) -
             return f"its {what} is tied or shared with another tensor"
         if attr_nodes[attr.target] > 1 or len(attr.users) > 1:
             return f"its {what} is read elsewhere in the stage"
-        if not plain_float(t):
+        fp8 = m.scale is not None and what == "weight" and type(t) in (torch.Tensor, torch.nn.Parameter)
+        if not plain_float(t) and not fp8:
             return f"its {what} is {type(t).__name__} of {t.dtype} (quantised or a tensor subclass)"
+        if fp8 and t.dim() == 2 and t.shape[0] % m.block[0]:
+            return f"its {t.shape[0]} FP8 rows end in a partial block of {m.block[0]} (the scales would not line up)"
+        if fp8 and (attr_nodes[m.scale.target] > 1 or len(m.scale.users) > 1 or m.scale.target in shared):
+            return "its scale is read elsewhere in the stage"
         if t.dim() != (2 if what == "weight" else 1):
             return f"its {what} has shape {tuple(t.shape)}"
     width = get_tensor(stage, m.weight.target).shape[m.out_dim]
@@ -186,6 +204,12 @@ def _fuse(stage: fx.GraphModule, members: list[_Member]) -> FusedProjection:
     weight_name = _fused_name(stage, [m.weight.target for m in members])
     with torch.no_grad():
         _register(stage, weight_name, torch.cat(weights, dim=out_dim), like=members[0].weight.target)
+        if members[0].scale is not None:  # one scale row per block of rows: the grids stack like the weights
+            scale_name = weight_name + "_scale"
+            k = weights[0].shape[1]
+            grids = [get_tensor(stage, m.scale.target).reshape(w.shape[0] // m.block[0], -(-k // m.block[1]))
+                     for m, w in zip(members, weights)]
+            _register(stage, scale_name, torch.cat(grids), like=members[0].scale.target)
         if members[0].bias is not None:
             bias_name = weight_name.rpartition(".")[0] + ".bias"
             _register(stage, bias_name, torch.cat([get_tensor(stage, m.bias.target) for m in members]),
@@ -193,7 +217,9 @@ def _fuse(stage: fx.GraphModule, members: list[_Member]) -> FusedProjection:
     with graph.inserting_before(first):
         w = graph.get_attr(weight_name)
         b = graph.get_attr(bias_name) if members[0].bias is not None else None
-        if first.target is aten.linear.default:
+        if members[0].scale is not None:
+            args = (members[0].x, w, graph.get_attr(scale_name), b, *members[0].block)
+        elif first.target is aten.linear.default:
             args = (members[0].x, w) if b is None else (members[0].x, w, b)
         else:
             wt = graph.call_function(aten.t.default, (w,)) if members[0].transpose is not None else w
@@ -211,10 +237,10 @@ def _fuse(stage: fx.GraphModule, members: list[_Member]) -> FusedProjection:
             m.node.replace_all_uses_with(piece)
     for m in members:
         graph.erase_node(m.node)
-        for n in (m.transpose, m.weight, m.bias):
+        for n in (m.transpose, m.weight, m.bias, m.scale):
             if n is not None and not n.users:
                 graph.erase_node(n)
-        for attr in (m.weight, m.bias):
+        for attr in (m.weight, m.bias, m.scale):
             if attr is not None:
                 _drop(stage, attr.target)
     return FusedProjection(weight=weight_name, members=tuple(m.weight.target for m in members), sizes=sizes)

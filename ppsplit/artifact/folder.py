@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ppsplit.core.checked import FolderError, check, from_json
 from ppsplit.core.options import StageOptions
 from ppsplit.core.plan import SplitPlan
+from ppsplit.core.quant import SCALE_DTYPES, WEIGHT_DTYPES, Quantization
 from ppsplit.core.tensors import DTYPES, MODEL_DTYPES
 from ppsplit.eagle3.configs import DRAFTER_KEYS  # pure data: the drafter config a compiled folder stores
 
@@ -80,6 +81,7 @@ class Manifest:
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
     stage_options: StageOptions = StageOptions()
+    quantization: Quantization | None = None  # FP8 weights stored as shipped (ppsplit.core.quant)
 
     @classmethod
     def from_dict(cls, data, where: str = MANIFEST) -> "Manifest":
@@ -192,6 +194,7 @@ class CompiledFolder:
             graph = graph_from_json(data.get("program"), set(names))
         except ProgramError as e:
             raise FolderError(f"{where}: {e}; compile the folder again") from None
+        _check_fp8(graph, {t.name: t for t in tensors}, self.manifest.quantization, where)
         return StageProgram(k, tensors, graph)
 
     def check_weights(self, program: StageProgram) -> None:
@@ -270,7 +273,7 @@ def check_drafter(path: str, plan) -> tuple[dict, dict]:
 # safetensors' dtype names -> ppsplit's (DTYPES keys)
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                        "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-                       "C64": "complex64"}
+                       "C64": "complex64", "F8_E4M3": "float8_e4m3fn"}
 
 
 def _read(path: str) -> bytes:
@@ -320,10 +323,50 @@ def _check_manifest(manifest: Manifest, plan: SplitPlan, where: str) -> None:
     if len(manifest.stages) not in (0, plan.pp):
         raise FolderError(f"{where} lists {len(manifest.stages)} stages but plan.json has {plan.pp}; compile the "
                           "folder again")
+    q = manifest.quantization
+    if q is not None and not (len(q.linears) == len(q.dequantized) == plan.pp):
+        raise FolderError(f"{where}: quantization.linears and .dequantized must list one count per stage ({plan.pp})")
     for k, files in enumerate(manifest.stages):
         if (files.program, files.weights) != (program_name(k), weights_name(k)) or files.bytes < 0:
             raise FolderError(f"{where}: stage {k}'s files must be {program_name(k)} and {weights_name(k)}, but it "
                               f"lists {files.program[:40]!r} and {files.weights[:40]!r}")
+
+
+def _check_fp8(graph, specs: dict, quantization: Quantization | None, where: str) -> None:
+    """FP8 tensors are read only as ``ppsplit::fp8_linear`` weights, each with a float scale of one value per
+    block, and only in a folder whose manifest records its quantization."""
+    import math
+
+    from ppsplit.triton_kernels.fp8 import scale_grid
+
+    fp8 = {name for name, t in specs.items() if t.dtype in WEIGHT_DTYPES}
+    if fp8 and quantization is None:
+        raise FolderError(f"{where}: {sorted(fp8)[0]} is {specs[sorted(fp8)[0]].dtype}, but {MANIFEST} records no "
+                          "quantization; compile the folder again")
+    readers = {}
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target in fp8:
+            readers[node.target] = [u for u in node.users]
+        if node.op != "call_function" or getattr(node.target, "name", lambda: "")() != "ppsplit::fp8_linear":
+            continue
+        _, w, scale, _, bn, bk = (list(node.args) + [None] * 6)[:6]
+        names = [getattr(a, "target", None) if getattr(a, "op", None) == "get_attr" else None for a in (w, scale)]
+        if None in names or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in (bn, bk)):
+            raise FolderError(f"{where}: {node.name} must read a stored weight and scale with positive block sizes")
+        weight, scale_spec = specs[names[0]], specs[names[1]]
+        if weight.dtype not in WEIGHT_DTYPES or len(weight.shape) != 2 or scale_spec.dtype not in SCALE_DTYPES:
+            raise FolderError(f"{where}: {names[0]} ({weight.dtype}) must be a 2-D FP8 weight and {names[1]} "
+                              f"({scale_spec.dtype}) one of {', '.join(SCALE_DTYPES)}; compile the folder again")
+        grid = scale_grid(*weight.shape, bn, bk)
+        if math.prod(scale_spec.shape) != math.prod(grid):
+            raise FolderError(f"{where}: scale {names[1]} has shape {tuple(scale_spec.shape)}, but {names[0]} "
+                              f"{tuple(weight.shape)} in blocks of {bn}x{bk} needs {grid[0] * grid[1]} values "
+                              f"({grid[0]} x {grid[1]}); compile the folder again")
+    for name, users in readers.items():
+        if any(getattr(u.target, "name", lambda: "")() != "ppsplit::fp8_linear" or u.args[1].target != name
+               for u in users):
+            raise FolderError(f"{where}: FP8 tensor {name} is read by something other than ppsplit::fp8_linear as "
+                              "its weight; compile the folder again")
 
 
 def write_json(path: str, data) -> None:

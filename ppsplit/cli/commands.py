@@ -179,6 +179,10 @@ def cmd_inspect(args) -> int:
           f"{manifest.torch}, transformers {manifest.transformers}"
           + ("; sibling projections fused at load" if manifest.stage_options.fuse_projections else ""))
     print(f"stage rewrites load applies: {rewrites}")
+    q = manifest.quantization
+    if q is not None:
+        print(f"quantized: {q.describe()}; per stage, linears on FP8 weights {list(q.linears)}, tensors dequantized "
+              f"to {manifest.dtype} at compile {list(q.dequantized)}")
     print(f"{'stage':>5}  {'program':<14} {'weights':<20} {'bytes':>12} {'tensors':>8}")
     for program, files in zip(programs, manifest.stages):
         print(f"{program.index:>5}  {files.program:<14} {files.weights:<20} {files.bytes:>12,} {len(program.stored):>8}")
@@ -192,7 +196,17 @@ def cmd_plan(args) -> int:
     start = time.perf_counter()
     options = split_options(args, cache=cache_options(args))
     config = load_config(args.model)
-    split = split_model(skeleton(config)[0], options=options)
+    model = skeleton(config)[0]
+    if getattr(config, "quantization_config", None):  # FP8 weights counted as stored, as compile plans them
+        from ppsplit.compile.checkpoint import Checkpoint
+        from ppsplit.compile.conversion import Sources
+        from ppsplit.compile.quantized import read_scheme
+        from ppsplit.compile.source import resolve_model
+        from ppsplit.compile.writer import planned
+
+        scheme = read_scheme(config, args.model)
+        model = planned(model, Sources(model, Checkpoint(resolve_model(args.model)), scheme), options)
+    split = split_model(model, options=options)
     print(split.plan.to_json() if args.json else split.plan.describe(), flush=True)
     logging.getLogger("ppsplit").info("planned in %.1fs", time.perf_counter() - start)
     return 0

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from ppsplit.compile.checkpoint import ST_DTYPES, Checkpoint
+from ppsplit.compile.quantized import dequantize_mxfp4, dequantized, pair_scales
 from ppsplit.core.errors import ConfigError
 
 _TORCH_DTYPES = {v: k for k, v in ST_DTYPES.items()}
@@ -37,22 +38,6 @@ class Group:
     sources: list[tuple[str, str]] = field(default_factory=list)  # (checkpoint key, converter source pattern)
 
 
-def check_not_quantized(config, name: str) -> None:
-    """Refuse checkpoints whose weights transformers keeps quantized (FP8 block scales, MXFP4, GPTQ, AWQ, ...).
-
-    Example::
-
-        check_not_quantized(AutoConfig.from_pretrained(folder), folder)   # ConfigError naming quant_method
-    """
-    quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        method = getattr(method, "value", method) or "unknown"
-        raise ConfigError(f"{name} is a quantized checkpoint (quantization_config.quant_method={method!r}); "
-                          "ppsplit compile supports unquantized weights (float32, float16, bfloat16) only: compile "
-                          "the unquantized (e.g. BF16) release of the model, or split a loaded model with split_model")
-
-
 class Sources:
     """For every parameter of ``model`` (a meta skeleton), the conversion group that produces it from
     ``checkpoint``, found the way ``from_pretrained`` finds it.
@@ -64,11 +49,19 @@ class Sources:
         tensors = sources.run(group)   # {target name: tensor}, reading only group.sources
     """
 
-    def __init__(self, model: torch.nn.Module, checkpoint: Checkpoint):
+    def __init__(self, model: torch.nn.Module, checkpoint: Checkpoint, scheme=None):
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
-        self.model, self.checkpoint = model, checkpoint
+        self.model, self.checkpoint, self.scheme = model, checkpoint, scheme
+        # {FP8 weight key: its scale key} (ppsplit.compile.quantized); a weight read as a float is dequantised
+        self.scales: dict[str, str] = {} if scheme is None else pair_scales(checkpoint, scheme)
+        if scheme is None:
+            fp8 = next((k for k in checkpoint.where if checkpoint.raw_range(k).dtype.startswith("F8")), None)
+            if fp8 is not None:
+                raise ConfigError(f"the checkpoint stores {fp8} in {checkpoint.raw_range(fp8).dtype}, but its "
+                                  "config.json has no quantization_config saying how to scale it; restore the "
+                                  "config's quantization_config")
         mapping = get_model_conversion_mapping(model)
         renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in mapping if isinstance(m, WeightConverter)]
@@ -78,6 +71,9 @@ class Sources:
         self.groups: dict[str, Group] = {}
         # Sorted as from_pretrained sorts them: a converter stacks experts in the order their keys arrive.
         for key in sorted(checkpoint.where, key=dot_natural_key):
+            if scheme is not None and scheme.method == "mxfp4" and key in self.scales:
+                self._add_mxfp4(key, rename_source_key, renamings, converters, prefix, meta)
+                continue
             renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta)
             if renamed not in meta and key in meta:
                 renamed, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
@@ -92,6 +88,16 @@ class Sources:
             group.sources.append((key, pattern))
         self.producer = {t: g.first for g in self.groups.values() for t in g.targets}
 
+    def _add_mxfp4(self, key, rename_source_key, renamings, converters, prefix, meta) -> None:
+        """``<name>_blocks`` + ``<name>_scales`` become parameter ``<name>`` (renamed as a plain key would be)."""
+        base = key[:-len("_blocks")]
+        renamed, _ = rename_source_key(base, renamings, converters, prefix, meta)
+        if renamed not in meta:
+            renamed, _ = rename_source_key(base, [], [], base_model_prefix=prefix, meta_state_dict=meta)
+        if renamed in meta:
+            self.groups[renamed] = Group(renamed, [renamed], meta[renamed].dtype, None,
+                                         [(key, None), (self.scales[key], None)])
+
     def group_of(self, name: str) -> Group | None:
         first = self.producer.get(name)
         return self.groups[first] if first is not None else None
@@ -102,12 +108,15 @@ class Sources:
 
     def run(self, group: Group) -> dict[str, torch.Tensor]:
         """Read ``group``'s source tensors and apply transformers' conversion: ``{target name: tensor}``."""
+        if group.converter is None and len(group.sources) == 2:  # MXFP4 blocks + scales
+            blocks, scales = (read_tensor(self.checkpoint, k) for k, _ in group.sources)
+            return {group.first: dequantize_mxfp4(blocks, scales, group.dtype)}
         if group.converter is None:
-            return {group.first: read_tensor(self.checkpoint, group.sources[0][0]).to(group.dtype)}
+            return {group.first: self.read(group.sources[0][0], group.dtype)}
         converter = copy.deepcopy(group.converter)
         for key, pattern in group.sources:
             # A callable is read when the converter materialises its inputs (transformers' synchronous path).
-            converter.add_tensor(group.first, key, pattern, _reader(self.checkpoint, key, group.dtype))
+            converter.add_tensor(group.first, key, pattern, _reader(self, key, group.dtype))
         threads = torch.get_num_threads()
         # The operations are memory copies (stack, cat, chunk): one thread runs them at memory speed, while more
         # threads wait on each other whenever the cores are shared (5x slower on a busy 2-core machine).
@@ -124,8 +133,23 @@ class Sources:
         return {name: t[0] if isinstance(t, list) else t for name, t in out.items()}
 
 
-def _reader(checkpoint: Checkpoint, key: str, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
-    return lambda: read_tensor(checkpoint, key).to(dtype)
+    def read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """Checkpoint tensor ``key`` as ``dtype``: an FP8 weight dequantised with its scale."""
+        t = read_tensor(self.checkpoint, key)
+        scale = self.scales.get(key)
+        if scale is None:
+            return t.to(dtype)
+        return dequantized(t, read_tensor(self.checkpoint, scale), self.scheme, dtype)
+
+    def add_plain(self, name: str, key: str) -> None:
+        """A stage tensor read as stored from checkpoint ``key`` that the model skeleton does not have (a scale)."""
+        raw = self.checkpoint.raw_range(key)
+        self.groups[name] = Group(name, [name], _TORCH_DTYPES[raw.dtype], None, [(key, None)])
+        self.producer[name] = name
+
+
+def _reader(sources: Sources, key: str, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    return lambda: sources.read(key, dtype)
 
 
 def read_tensor(checkpoint: Checkpoint, key: str) -> torch.Tensor:

@@ -20,7 +20,9 @@ from torch import fx
 from ppsplit.compile.api import split_model
 from ppsplit.compile.checkpoint import ST_DTYPES, Checkpoint, write_safetensors
 from ppsplit.core.options import SplitOptions, StageOptions
-from ppsplit.compile.conversion import Sources, check_not_quantized, read_tensor
+from ppsplit.compile.conversion import Sources
+from ppsplit.compile.quantized import Scheme, read_scheme
+from ppsplit.core.quant import Quantization
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.fx_utils import is_cache_buffer, tied_parameters
 from ppsplit.artifact.folder import (MANIFEST, PLAN, Manifest, StageFiles, fingerprint, program_name, serving_files,
@@ -68,7 +70,7 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
         raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPES + tuple(DTYPE_ALIASES))}, but got {dtype!r}")
     folder = resolve_model(model)
     config = load_config(folder)
-    check_not_quantized(config, model)
+    scheme = read_scheme(config, model)
     if drafter is not None:
         from ppsplit.eagle3.formats import compile_taps
         aux = compile_taps(drafter, config, options.aux, drafter_convention)
@@ -83,15 +85,17 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     _make_tmp(out, probe=True)  # an unwritable destination fails now, before the slow trace
     start = time.perf_counter()
     model_obj, buffers = skeleton(config, torch_dtype)
-    sources = Sources(model_obj, checkpoint)  # before split_model: the skeleton as transformers builds it
-    split = split_model(model_obj, options=options)
+    sources = Sources(model_obj, checkpoint, scheme)  # before split_model: the skeleton as transformers builds it
+    split = split_model(planned(model_obj, sources, options), options=options)
     log.info("split into %d stages in %.1fs", split.plan.pp, time.perf_counter() - start)
     tied = dict(tied_parameters(model_obj))  # alias -> the name a tied checkpoint stores
+    fp8 = [_quantize(stage, sources) for stage in split.stages] if scheme is not None else None
     stage_specs = [_stage_tensors(stage, k, sources, buffers, tied) for k, stage in enumerate(split.stages)]
+    quantization = None if scheme is None else _quantization(scheme, fp8, stage_specs, sources)
 
     tmp = _make_tmp(out)
     try:
-        _write(tmp, split, stage_specs, sources, buffers, model, torch_dtype, progress, stage_options)
+        _write(tmp, split, stage_specs, sources, buffers, model, torch_dtype, progress, stage_options, quantization)
         if drafter is not None:
             from ppsplit.eagle3.formats import write_compiled_drafter
             write_compiled_drafter(tmp, drafter, split, checkpoint, tied, drafter_convention)
@@ -170,12 +174,77 @@ def _stage_tensors(stage: fx.GraphModule, k: int, sources: Sources, buffers: dic
     return specs
 
 
+def planned(model_obj, sources: Sources, options: SplitOptions):
+    """What ``split_model`` plans from: the skeleton, or for a quantised checkpoint its trace with each FP8 weight
+    counted as stored, so the plan's stage bytes (and ``balance="memory"``) see the real sizes."""
+    if sources.scheme is None:
+        return model_obj
+    from ppsplit.compile.api import trace_model
+
+    traced = trace_model(model_obj, layers=options.layers, cache=options.cache)
+    return dataclasses.replace(traced, costs=_stored_costs(traced, sources))
+
+
+def _stored_costs(traced, sources: Sources):
+    """The trace's costs with each FP8 weight counted as stored (its FP8 bytes and its scale), not in the model
+    dtype; attributed to its decoder layer by name (``<layers>.<i>.``), else to the head."""
+    costs = traced.costs
+    prefix = traced.layers.fqn + "."
+    layers, head = list(costs.layer_bytes), costs.head_bytes
+    for name, p in traced.traced.gm.named_parameters():
+        group = sources.group_of(name)
+        key = group is not None and sources.plain_source(group)
+        if not key or key not in sources.scales:
+            continue
+        raw, scale = sources.checkpoint.raw_range(key), sources.checkpoint.raw_range(sources.scales[key])
+        delta = raw.nbytes + scale.nbytes - p.numel() * p.element_size()
+        index = name[len(prefix):].split(".")[0] if name.startswith(prefix) else ""
+        if index.isdigit() and int(index) < len(layers):
+            layers[int(index)] += delta
+        else:
+            head += delta
+    return dataclasses.replace(costs, layer_bytes=tuple(layers), head_bytes=head)
+
+
+def _quantize(stage: fx.GraphModule, sources: Sources):
+    """Stage linears over the checkpoint's FP8 weights run on them as stored (``ppsplit.passes.quantize``)."""
+    from ppsplit.passes.quantize import QuantizedWeight, quantize_linears
+
+    scheme: Scheme = sources.scheme
+    weights = {}
+    for name, t in stage.named_parameters(remove_duplicate=False):
+        group = sources.group_of(name)
+        key = group is not None and sources.plain_source(group)
+        if key and key in sources.scales:
+            scale_name = name[:-len("weight")] + scheme.suffix
+            raw = sources.checkpoint.raw_range(sources.scales[key])
+            sources.add_plain(scale_name, sources.scales[key])
+            weights[name] = QuantizedWeight(scale_name, raw.shape, sources.groups[scale_name].dtype,
+                                            scheme.block_of(tuple(t.shape)))
+    return quantize_linears(stage, weights)
+
+
+def _quantization(scheme: Scheme, fp8: list, stage_specs: list, sources: Sources) -> Quantization:
+    """The manifest's record: per stage, the linears on FP8 weights and the tensors dequantised at compile."""
+    dequantized = []
+    for specs in stage_specs:
+        count = 0
+        for s in specs:
+            keys = [s["source"]] if s.get("source") else \
+                [k for k, _ in sources.groups[s["convert"]].sources] if s.get("convert") else []
+            count += s["dtype"] != "float8_e4m3fn" and any(k in sources.scales for k in keys)
+        dequantized.append(count)
+    return Quantization(scheme.method, scheme.scheme, scheme.block, linears=tuple(len(q.fp8) for q in fp8),
+                        dequantized=tuple(dequantized))
+
+
 def _spec_bytes(spec: dict) -> int:
     return nbytes(spec["shape"], DTYPES[spec["dtype"]])
 
 
 def _write(tmp: str, split: SplitModel, stage_specs: list, sources: Sources, buffers: dict, source: str,
-           dtype: torch.dtype, progress: bool, stage_options: StageOptions) -> None:
+           dtype: torch.dtype, progress: bool, stage_options: StageOptions,
+           quantization: Quantization | None = None) -> None:
     import transformers
 
     import ppsplit
@@ -205,7 +274,7 @@ def _write(tmp: str, split: SplitModel, stage_specs: list, sources: Sources, buf
     manifest = Manifest(ppsplit=ppsplit.__version__, torch=torch.__version__, transformers=transformers.__version__,
                         source=source, dtype=dtype_name(dtype), stages=tuple(files),
                         eos_token_id=tuple(split.eos_token_id), pad_token_id=split.pad_token_id,
-                        stage_options=stage_options)
+                        stage_options=stage_options, quantization=quantization)
     write_json(os.path.join(tmp, MANIFEST), manifest.to_dict())
 
 
@@ -235,9 +304,10 @@ def _stage_stream(in_file: list[dict], own: dict, sources: Sources, buffers: dic
             yield s["name"], t
         elif s["source"]:
             raw = checkpoint.raw_range(s["source"])
-            # Same dtype: copy the bytes; otherwise read the tensor and convert it.
+            # Same dtype: copy the bytes (FP8 weights and scales too); otherwise read the tensor and convert it
+            # (an FP8 weight that cannot stay FP8 is dequantised).
             same = raw.dtype == ST_DTYPES[DTYPES[s["dtype"]]]
-            yield s["name"], raw if same else read_tensor(checkpoint, s["source"])
+            yield s["name"], raw if same else sources.read(s["source"], DTYPES[s["dtype"]])
         else:  # a buffer computed at init or a constant captured by the trace
             yield s["name"], buffers.get(s["name"], own[s["name"]])
 

@@ -11,7 +11,7 @@ import torch
 # The one table of dtype names: the name ppsplit writes (``str(dtype)`` without ``torch.``) -> dtype.
 DTYPES: dict[str, torch.dtype] = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.complex64)}
+    torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn)}
 # Short names the command line accepts for the model dtype.
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 MODEL_DTYPES = ("float32", "bfloat16", "float16")

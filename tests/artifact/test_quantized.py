@@ -1,0 +1,402 @@
+"""FP8 checkpoints (block-scaled ``quant_method: "fp8"`` and compressed-tensors FP8): compile keeps the FP8 bytes,
+load runs them, and the logits equal transformers' own loading of the same checkpoint; bad input is refused."""
+import hashlib
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import ppsplit
+from ppsplit.cli import main
+from ppsplit.core.checked import FolderError
+from ppsplit.triton_kernels.fp8 import fp8_linear
+
+FP8 = torch.float8_e4m3fn
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_blocks(w: torch.Tensor, bn: int, bk: int):
+    """An independent block quantiser: one fp32 scale per [bn, bk] block (a last block may be partial), amax/448."""
+    n, k = w.shape
+    scale = torch.empty(-(-n // bn), -(-k // bk), dtype=torch.float32)
+    q = torch.empty(n, k, dtype=FP8)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].double()
+            s = float(block.abs().max()) / 448.0 or 1.0
+            scale[i, j] = s
+            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (block / s).float().to(FP8)
+    return q, scale
+
+
+def reference_dequant(q: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """fp64, one element at a time over the blocks: W[n, k] = fp8(W_q[n, k]) * scale[n // bn, k // bk]."""
+    n, k = q.shape
+    s = scale.double().reshape(-(-n // bn), -(-k // bk))
+    rows = torch.arange(n)[:, None] // bn
+    cols = torch.arange(k)[None, :] // bk
+    return q.double() * s[rows, cols]
+
+
+def _tiny(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=384, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64,
+                      eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def write_quantized(folder, scheme: str, model=None):
+    """The tiny model saved, then its linear weights quantised as ``scheme`` writes them: "fp8" (128x128 blocks,
+    weight_scale_inv), "ct-channel" / "ct-tensor" (compressed-tensors float-quantized, weight_scale)."""
+    model = model or _tiny()
+    model.save_pretrained(folder, safe_serialization=True)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    out = {}
+    for name, w in tensors.items():
+        if not (name.endswith(".weight") and "proj" in name.rsplit(".", 2)[-2] and w.dim() == 2):
+            out[name] = w
+            continue
+        n, k = w.shape
+        if scheme == "fp8":
+            out[name], out[name[:-6] + "weight_scale_inv"] = quantize_blocks(w, 128, 128)
+        else:
+            q, s = quantize_blocks(w, 1, k) if scheme == "ct-channel" else quantize_blocks(w, n, k)
+            out[name], out[name[:-6] + "weight_scale"] = q, s.reshape(n, 1) if scheme == "ct-channel" else s.reshape(1)
+    save_file(out, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    config = json.load(open(os.path.join(folder, "config.json")))
+    if scheme == "fp8":
+        config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                         "activation_scheme": "dynamic", "fmt": "e4m3"}
+    else:
+        weights = {"num_bits": 8, "type": "float", "strategy": scheme[3:], "symmetric": True, "dynamic": False,
+                   "observer": "minmax"}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
+    json.dump(config, open(os.path.join(folder, "config.json"), "w"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    return write_quantized(tmp_path_factory.mktemp("fp8") / "tiny-fp8", "fp8")
+
+
+@pytest.fixture(scope="module")
+def hf_fp8(fp8_checkpoint):
+    return AutoModelForCausalLM.from_pretrained(fp8_checkpoint, dtype=torch.float32).eval()  # dequantises on the CPU
+
+
+def _greedy(step, ids, new):
+    for _ in range(new):
+        ids = torch.cat([ids, step(ids)[:, -1:].argmax(-1)], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_fp8_compile_load_equals_hf(fp8_checkpoint, hf_fp8, pp, tmp_path, capsys):
+    out = tmp_path / f"fp8-pp{pp}"
+    assert main(["compile", str(fp8_checkpoint), "--pp", str(pp), "-o", str(out)]) == 0
+    split = ppsplit.load(str(out))
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(pp))
+    with torch.no_grad():
+        ref = hf_fp8(ids).logits
+        got = split(ids)[0]
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(_greedy(lambda x: split(x)[0], ids, 4), _greedy(lambda x: hf_fp8(x).logits, ids, 4))
+    # Structure: every linear runs on its FP8 weight; nothing was dequantised.
+    fp8_calls = sum(n.target is torch.ops.ppsplit.fp8_linear.default for s in split.stages for n in s.graph.nodes)
+    assert fp8_calls == 3 * len(LINEARS)
+    assert not any(n.target is torch.ops.aten.linear.default and "lm_head" not in str(n.args[1])
+                   for s in split.stages for n in s.graph.nodes)
+    manifest = json.load(open(out / "manifest.json"))
+    assert manifest["quantization"]["method"] == "fp8" and manifest["quantization"]["block"] == [128, 128]
+    assert sum(manifest["quantization"]["linears"]) == 21 and sum(manifest["quantization"]["dequantized"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert "quantized: fp8 float8_e4m3fn weights, 128x128 blocks" in capsys.readouterr().out
+
+
+def _tensor_hashes(path):
+    with safe_open(path, framework="pt") as f:
+        return {k: hashlib.sha256(f.get_tensor(k).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                for k in f.keys()}
+
+
+def test_stage_files_hold_the_fp8_bytes_and_half_the_bf16_size(fp8_checkpoint, tmp_path):
+    source = _tensor_hashes(fp8_checkpoint / "model.safetensors")
+    fp8_out, bf16_out, bf16_ckpt = tmp_path / "fp8", tmp_path / "bf16", tmp_path / "ckpt-bf16"
+    model = _tiny()
+    model.to(torch.bfloat16).save_pretrained(bf16_ckpt)
+    assert main(["compile", str(fp8_checkpoint), "--pp", "2", "--dtype", "bf16", "-o", str(fp8_out)]) == 0
+    assert main(["compile", str(bf16_ckpt), "--pp", "2", "-o", str(bf16_out)]) == 0
+    stored = 0
+    for k in range(2):
+        hashes = _tensor_hashes(fp8_out / f"stage_{k}.safetensors")
+        for name, digest in hashes.items():
+            if name.endswith(("weight_scale_inv", "proj.weight")):
+                assert digest == source[name], name  # FP8 weights and scales byte for byte
+                stored += 1
+    assert stored == 2 * 3 * len(LINEARS)
+    plan = json.load(open(fp8_out / "plan.json"))
+    for k in range(2):  # the plan counts the weights as stored (what balance="memory" sees)
+        file_bytes = os.path.getsize(fp8_out / f"stage_{k}.safetensors")
+        assert 0.97 * file_bytes < plan["stages"][k]["bytes"] <= file_bytes, (k, plan["stages"][k]["bytes"], file_bytes)
+    size = lambda d: sum(os.path.getsize(d / f"stage_{k}.safetensors") for k in range(2))  # noqa: E731
+    ratio = size(fp8_out) / size(bf16_out)
+    assert 0.45 < ratio < 0.55, ratio
+
+
+@pytest.mark.parametrize("scheme", ["ct-channel", "ct-tensor"])
+def test_compressed_tensors_fp8_equals_hf(scheme, tmp_path):
+    ckpt = write_quantized(tmp_path / scheme, scheme, _tiny(seed=1))
+    out = tmp_path / f"{scheme}-pp2"
+    assert main(["compile", str(ckpt), "--pp", "2", "-o", str(out)]) == 0
+    split = ppsplit.load(str(out))
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ids = torch.randint(3, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], hf(ids).logits, atol=1e-5, rtol=1e-5)
+    source = _tensor_hashes(ckpt / "model.safetensors")
+    for k in range(2):
+        for name, digest in _tensor_hashes(out / f"stage_{k}.safetensors").items():
+            if name.endswith(("weight_scale", "proj.weight")):
+                assert digest == source[name], name
+    assert json.load(open(out / "manifest.json"))["quantization"]["scheme"] == scheme[3:]
+
+
+@pytest.mark.parametrize("n,k,bn,bk", [(200, 300, 128, 128), (128, 256, 128, 128), (7, 33, 1, 33), (7, 33, 7, 33),
+                                       (130, 129, 64, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_linear_equals_fp64_reference(n, k, bn, bk, dtype):
+    torch.manual_seed(n + k)
+    q, scale = quantize_blocks(torch.randn(n, k), bn, bk)
+    x = torch.randn(3, 5, k)
+    bias = torch.randn(n)
+    ref = x.double() @ reference_dequant(q, scale, bn, bk).T + bias.double()
+    got = fp8_linear(x.to(dtype), q, scale.reshape(-1) if bn == n else scale, bias.to(dtype), bn, bk)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-2}[dtype]
+    torch.testing.assert_close(got.double(), ref, atol=tol * math.sqrt(k), rtol=tol)
+
+
+def _run(args, capsys):
+    capsys.readouterr()
+    code = main(args)
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line]
+    return code, err
+
+
+@pytest.mark.parametrize("case", ["gptq", "static", "ue8m0", "bad_scale", "ct_group", "no_config"])
+def test_unsupported_or_inconsistent_checkpoints_are_refused(case, fp8_checkpoint, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    os.makedirs(ckpt)
+    for f in os.listdir(fp8_checkpoint):
+        os.symlink(fp8_checkpoint / f, ckpt / f) if f != "config.json" else None
+    config = json.load(open(fp8_checkpoint / "config.json"))
+    quant = config["quantization_config"]
+    expect = {"gptq": "quant_method 'gptq'", "static": "activation_scheme 'static'", "ue8m0": "scale_fmt 'ue8m0'",
+              "bad_scale": "model.layers.1.mlp.down_proj.weight_scale_inv has shape (3, 2)",
+              "ct_group": "compressed-tensors group 'group_0' weight strategy 'group'",
+              "no_config": "in F8_E4M3, but its config.json has no quantization_config"}[case]
+    if case == "gptq":
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    elif case == "no_config":
+        del config["quantization_config"]
+    elif case == "static":
+        quant["activation_scheme"] = "static"
+    elif case == "ue8m0":
+        quant["scale_fmt"] = "ue8m0"
+    elif case == "ct_group":
+        config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                         "config_groups": {"group_0": {"weights": {
+                                             "num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}}}}
+    else:
+        os.remove(ckpt / "model.safetensors")
+        tensors = load_file(fp8_checkpoint / "model.safetensors")
+        name = "model.layers.1.mlp.down_proj.weight_scale_inv"
+        tensors[name] = torch.ones(3, 2)  # down_proj [256, 384] in 128x128 blocks needs [2, 3]
+        save_file(tensors, ckpt / "model.safetensors")
+    json.dump(config, open(ckpt / "config.json", "w"))
+    out = tmp_path / "out"
+    code, err = _run(["compile", str(ckpt), "--pp", "2", "-o", str(out)], capsys)
+    assert code == 2 and len(err) == 1 and expect in err[0], err
+    assert not out.exists() and not [e for e in os.listdir(tmp_path) if e.startswith(".out")]
+    if case in ("gptq", "static"):
+        assert "supported" in err[0] and "block-scaled FP8" in err[0]
+
+
+@pytest.fixture(scope="module")
+def fp8_folder(fp8_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8out") / "fp8-pp2"
+    assert main(["compile", str(fp8_checkpoint), "--pp", "2", "-o", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("case", ["scale_shape", "scale_dtype", "method", "fp8_elsewhere", "no_record"])
+def test_tampered_quantized_folder_is_one_folder_error(case, fp8_folder, tmp_path, capsys):
+    folder = tmp_path / "f"
+    os.makedirs(folder)
+    for f in os.listdir(fp8_folder):
+        os.symlink(fp8_folder / f, folder / f) if f not in ("stage_0.json", "manifest.json") else None
+    program = json.load(open(fp8_folder / "stage_0.json"))
+    manifest = json.load(open(fp8_folder / "manifest.json"))
+    if case == "scale_shape":
+        spec = next(t for t in program["tensors"] if t["name"].endswith("q_proj.weight_scale_inv"))
+        spec["shape"] = [3, 2]
+        expect = "needs 4 values"
+    elif case == "scale_dtype":
+        spec = next(t for t in program["tensors"] if t["name"].endswith("k_proj.weight_scale_inv"))
+        spec["dtype"] = "int8"
+        expect = "k_proj.weight_scale_inv (int8) one of float32"
+    elif case == "method":
+        manifest["quantization"]["method"] = "awq"
+        expect = "'awq'"
+    elif case == "no_record":
+        manifest["quantization"] = None
+        expect = "records no quantization"
+    else:  # an FP8 weight fed to a plain linear
+        node = next(n for n in program["program"]["nodes"] if n.get("target") == "ppsplit::fp8_linear.default")
+        node["target"] = "aten::linear.default"
+        node["args"] = node["args"][:2]
+        expect = "read by something other than ppsplit::fp8_linear"
+    json.dump(program, open(folder / "stage_0.json", "w"))
+    json.dump(manifest, open(folder / "manifest.json", "w"))
+    code, err = _run(["inspect", str(folder)], capsys)
+    assert code == 2 and len(err) == 1 and expect in err[0], err
+    with pytest.raises(FolderError, match=expect.replace("(", r"\(").replace(")", r"\)")):
+        ppsplit.load(str(folder))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_fp8_moe_experts_are_dequantised_through_the_conversions(arch, tmp_path, capsys):
+    """qwen3_moe and deepseek_v3 (MLA projections, shared experts) with per-expert FP8 tensors: transformers'
+    converters stack the experts, so the compile dequantises them (stated per stage); the other linears stay FP8.
+    Logits equal from_pretrained's."""
+    from tests.architectures.test_moe_compile import moe_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(moe_config(arch)).eval()
+    ckpt = write_quantized(tmp_path / "moe", "fp8", model)
+    assert any(".experts.1.up_proj.weight_scale_inv" in k for k in load_file(ckpt / "model.safetensors"))
+    out = tmp_path / "moe-pp2"
+    assert main(["compile", str(ckpt), "--pp", "2", "-o", str(out)]) == 0
+    quant = json.load(open(out / "manifest.json"))["quantization"]
+    assert all(n > 0 for n in quant["linears"]) and all(n > 0 for n in quant["dequantized"]), quant
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    split = ppsplit.load(str(out))
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,k,bn,bk,m", [(200, 300, 128, 128, 1), (200, 300, 128, 128, 5), (7, 33, 1, 33, 1),
+                                         (7, 33, 7, 33, 3), (130, 256, 64, 128, 17), (130, 256, 64, 128, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype):
+    """The GEMV (one row) and GEMM kernels, run on CPU tensors under TRITON_INTERPRET=1 (conftest)."""
+    from ppsplit.triton_kernels.fp8 import HAVE_TRITON, fp8_usable, launch_fp8_linear
+
+    if not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU tensors, which needs triton and TRITON_INTERPRET=1 (conftest)")
+    torch.manual_seed(n * m + k)
+    q, scale = quantize_blocks(torch.randn(n, k), bn, bk)
+    x, bias = torch.randn(m, k).to(dtype), torch.randn(n).to(dtype)
+    assert fp8_usable(x, q, bk)
+    ref = x.double() @ reference_dequant(q, scale, bn, bk).T + bias.double()
+    got = launch_fp8_linear(x, q, scale, bias, bn, bk)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.double(), ref, atol=tol * math.sqrt(k), rtol=tol)
+    assert not fp8_usable(x, q, 96) or 96 >= k  # a k-block a 128-wide tile would straddle takes the torch path
+
+
+@pytest.mark.gpu
+def test_fp8_stage_on_cuda_equals_reference_and_captures(fp8_folder):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    stage = ppsplit.load_stage(str(fp8_folder), 0, "cuda")
+    ids = torch.randint(3, 64, (1, 1), device="cuda")
+    positions = torch.zeros(1, dtype=torch.long, device="cuda")
+    aux = torch.empty(0, 1, 1, 256, device="cuda")
+    eager = stage(ids, positions, aux)[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = stage(ids, positions, aux)[0]
+    graph.replay()
+    torch.testing.assert_close(out, eager)
+    cpu = ppsplit.load_stage(str(fp8_folder), 0, "cpu")(ids.cpu(), positions.cpu(), aux.cpu())[0]
+    torch.testing.assert_close(eager.cpu(), cpu, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_fp8_projections_equal_hf(fp8_folder, hf_fp8):
+    """load(fuse_projections=True): q/k/v and gate/up become one fp8_linear each over the stacked FP8 weights and
+    their stacked block scales."""
+    split = ppsplit.load(str(fp8_folder), fuse_projections=True)
+    fused = [f for s in split.stages for f in s.meta["ppsplit.projections"].fused]
+    assert len(fused) == 2 * 3 and all(".fused_" in f.weight for f in fused)
+    for s in split.stages:
+        calls = [n for n in s.graph.nodes if n.target is torch.ops.ppsplit.fp8_linear.default]
+        assert len(calls) == 4 * sum(1 for f in s.meta["ppsplit.projections"].fused if "q_proj" in f.weight)
+        assert all(dict(s.named_parameters())[n.args[1].target].dtype == FP8 for n in calls)
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], hf_fp8(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_split_model_of_hf_loaded_fp8_model(hf_fp8):
+    """split_model of the model transformers loaded from the FP8 checkpoint (on the CPU transformers dequantises it
+    into plain linears, so it splits like any model)."""
+    split = ppsplit.split_model(hf_fp8, pp=2)
+    ids = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], hf_fp8(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_command_counts_fp8_bytes_as_compile_does(fp8_checkpoint, fp8_folder, capsys):
+    capsys.readouterr()
+    assert main(["plan", str(fp8_checkpoint), "--pp", "2", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    compiled = json.load(open(fp8_folder / "plan.json"))
+    assert [s["bytes"] for s in planned["stages"]] == [s["bytes"] for s in compiled["stages"]]
+    assert compiled["stages"][1]["bytes"] < 0.3 * 4 * compiled["stages"][1]["params"]  # FP8, not the fp32 skeleton
+
+
+def test_mxfp4_experts_compile_dequantised_and_equal_hf(tmp_path, capsys):
+    """gpt-oss with MXFP4 experts (``*_blocks`` U8 [E, N, K/32, 16] + ``*_scales`` E8M0 [E, N, K/32]): compile
+    dequantises them to the model dtype (stated in inspect); logits equal from_pretrained's own dequantisation."""
+    from tests.architectures.test_moe_compile import moe_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(moe_config("gpt_oss")).eval()
+    folder = tmp_path / "gpt-oss-mxfp4"
+    model.save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, n = tensors.pop(name).shape  # stored [E, in, out]; MXFP4 packs [E, out, in / 32, 16]
+        tensors[name + "_blocks"] = torch.randint(0, 256, (e, n, k // 32, 16), generator=gen, dtype=torch.uint8)
+        tensors[name + "_scales"] = torch.randint(118, 124, (e, n, k // 32), generator=gen, dtype=torch.uint8)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.load(open(folder / "config.json"))
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    json.dump(config, open(folder / "config.json", "w"))
+    out = tmp_path / "mxfp4-pp2"
+    assert main(["compile", str(folder), "--pp", "2", "-o", str(out)]) == 0
+    quant = json.load(open(out / "manifest.json"))["quantization"]
+    assert quant["method"] == "mxfp4" and sum(quant["dequantized"]) == 2 * moe_config("gpt_oss").num_hidden_layers
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert "mxfp4 experts" in capsys.readouterr().out
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    split = ppsplit.load(str(out))
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], hf(ids).logits, atol=1e-4, rtol=1e-4)
