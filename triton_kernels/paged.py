@@ -180,7 +180,7 @@ if HAVE_TRITON:
             d = tl.arange(0, BLOCK_D)
             q = tl.load(Q + h[:, None] * sqh + t.to(tl.int64) * sqt + d[None, :],
                         mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
-            q = q.to(tl.float32) * (scale * 1.4426950408889634)
+            q = (q.to(tl.float32) * (scale * 1.4426950408889634)).to(tl.float32)  # inductor passes floats as fp64
             slope = tl.zeros([BLOCK_G], dtype=tl.float32)
             if HAS_ALIBI:
                 slope = tl.load(SLOPES + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -200,7 +200,7 @@ if HAVE_TRITON:
                 scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_G, BS]
                 if HAS_SOFTCAP:
                     x = scores / (softcap * 1.4426950408889634)
-                    scores = softcap * 1.4426950408889634 * (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0)
+                    scores = (softcap * 1.4426950408889634 * (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0)).to(tl.float32)
                 if HAS_ALIBI:
                     scores += slope[:, None] * kpos[None, :].to(tl.float32)
                 scores = tl.where(live[None, :], scores, -1.0e30)

@@ -189,14 +189,16 @@ def test_option_is_validated():
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fused_stages_on_gpu_bf16(arch):
-    """bf16 on a GPU: a fused stage's CUDA-graph replay equals its eager call exactly, and the fused split's logits
-    stay within bf16 rounding of the unfused split's (cuBLAS may pick another kernel for the wider GEMM)."""
+    """bf16 on a GPU: a fused split's captured ragged bucket equals its eager call exactly, and the fused split's
+    logits stay within bf16 rounding of the unfused split's (cuBLAS may pick another kernel for the wider GEMM)."""
+    from tests.serve.test_cuda_graphs import ragged_replay_equals_eager
+
     model = tiny_model(arch).to(device="cuda", dtype=torch.bfloat16)
+    ragged_replay_equals_eager(model, fuse_projections=True)
     cache = CacheConfig(batch_size=2, max_len=64)
     plain = ppsplit.split_model(model, 2, aux=[0, 2], cache=cache)
     fused = ppsplit.split_model(model, 2, aux=[0, 2], cache=cache, fuse_projections=True)
     assert linears(plain) - linears(fused) == 3 * len(model.model.layers)
-    graphs = [ppsplit.cuda_graph(stage, 2, 1) for stage in fused.stages]  # before the prefill fills the cache
     torch.manual_seed(0)
     ids = torch.randint(3, VOCAB, (2, 9), device="cuda")
     positions = torch.arange(9, device="cuda")
@@ -204,12 +206,3 @@ def test_fused_stages_on_gpu_bf16(arch):
         ref = plain(ids, positions)[0]
         got = fused(ids, positions)[0]
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    x_e = x_g = ids[:, :1]
-    one = positions[:1] + 9
-    aux_e, aux_g = fused.new_aux(2, 1), fused.new_aux(2, 1)
-    for stage, graph in zip(fused.stages, graphs):
-        with torch.no_grad():
-            x_e, aux_e = stage(x_e, one, aux_e)
-        x_g, aux_g = graph(x_g, one, aux_g)
-        torch.testing.assert_close(x_g, x_e, atol=0, rtol=0)
-    assert torch.equal(aux_g, aux_e)
