@@ -13,6 +13,8 @@ import tempfile
 import time
 import traceback
 
+import torch
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -113,12 +115,28 @@ def generate(rank, folder, prompts, params=None, k=0):
     """The collective ``PipelineEngine.generate`` on every rank, twice (the second reuses the communicators and the
     cache the first wrote); rank 0 returns both runs' outputs as ``(token_ids, accepted, drafts)`` lists."""
     from ppsplit import distributed as ppd
+    from ppsplit.serve.sampling import SamplingParams
 
+    if isinstance(params, int):  # max_tokens
+        params = SamplingParams(max_tokens=params)
+    if isinstance(prompts, torch.Tensor):
+        prompts = [row.tolist() for row in prompts]
     engine = ppd.PipelineEngine(folder if isinstance(folder, str) else folder[rank], num_draft_tokens=k)
     runs = [engine.generate(prompts if rank == 0 else None, params) for _ in range(2)]
     if rank:
         return engine.stats
     return [[(o.token_ids, o.accepted, o.drafts) for o in run] for run in runs]
+
+
+def equal_to_hf(run, expected: torch.Tensor, eos=()) -> bool:
+    """A ``generate`` run's token ids against HF ``generate``'s ``[B, T + new]``: the same tokens, ending early only
+    at an end-of-sequence token (after which HF pads)."""
+    prompt = expected.shape[1] - max(len(r[0]) for r in run)
+    for (tokens, _, _), row in zip(run, expected.tolist()):
+        want = row[prompt:]
+        if tokens != want[:len(tokens)] or (len(tokens) < len(want) and tokens[-1] not in eos):
+            return False
+    return True
 
 
 class Fragile:

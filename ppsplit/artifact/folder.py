@@ -26,7 +26,7 @@ from ppsplit.core.options import StageOptions
 from ppsplit.core.plan import SplitPlan
 from ppsplit.core.quant import SCALE_DTYPES, WEIGHT_DTYPES, Quantization
 from ppsplit.core.tensors import DTYPES, MODEL_DTYPES
-from ppsplit.eagle3.configs import DRAFTER_KEYS  # pure data: the drafter config a compiled folder stores
+from ppsplit.core.drafter_config import DRAFTER_KEYS  # pure data: the drafter config a compiled folder stores
 
 PLAN = "plan.json"
 MANIFEST = "manifest.json"

@@ -48,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # a taken port fails before the model loads
     watcher = None
     if args.ranks > 1:
-        from ppsplit.serve import ranks
+        from ppsplit.distributed import server_ranks as ranks
 
         args.rank_timeout = args.rank_timeout or ranks.DEFAULT_RANK_TIMEOUT
         engine, watcher = ranks.start(args, args.ranks)

@@ -1,6 +1,6 @@
 """Writing an ``Eagle3Drafter`` in the layouts the engines load: speculators (vLLM) and SpecForge (SGLang).
 
-The configs are the ones those libraries' own ``save_pretrained`` write (``ppsplit.eagle3.configs`` reads both);
+The configs are the ones those libraries' own ``save_pretrained`` write (``ppsplit.core.drafter_config`` reads both);
 tap ids are written in the format's numbering. A drafter variant a format cannot express is refused, naming it.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import torch
 
 from ppsplit.core.errors import ConfigError
-from ppsplit.eagle3.configs import SPECFORGE, SPECULATORS
+from ppsplit.core.drafter_config import SPECFORGE, SPECULATORS
 
 EXPORT_FORMATS = (SPECULATORS, SPECFORGE)
 

@@ -1,7 +1,7 @@
 """Reading EAGLE-3 checkpoints into an ``Eagle3Drafter``, and the drafter inside a compiled folder.
 
 Checkpoint facts (SafeAILab/EAGLE ``cnets.py``, SpecForge, speculators, vLLM/SGLang ``llama_eagle3.py``): the
-config formats are in ``ppsplit.eagle3.configs``; tensors ``fc``, ``midlayer.*`` (speculators and vLLM:
+config formats are in ``ppsplit.core.drafter_config``; tensors ``fc``, ``midlayer.*`` (speculators and vLLM:
 ``layers.0.*``), ``norm``, ``lm_head``, ``d2t`` (target id = draft id + d2t[draft id]), ``t2d`` (the draft ids'
 mask over the target vocabulary: checked against ``d2t``), optional ``input_norm`` / ``fc_norm.<k>`` (norms of the
 taps before ``fc``), optional ``embed_tokens`` (else the target's embedding is used). Files: ``model.safetensors``
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from ppsplit.eagle3.configs import DRAFTER_KEYS, FORMAT_NUMBERING, aux_ids, detect_format, drafter_config
+from ppsplit.core.drafter_config import DRAFTER_KEYS, FORMAT_NUMBERING, aux_ids, detect_format, drafter_config
 from ppsplit.eagle3.drafter import Eagle3Drafter
 from ppsplit.core.errors import ConfigError
 from ppsplit.artifact.folder import DRAFTER, FolderError, check_drafter
@@ -134,7 +134,7 @@ def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = N
                  compile: bool = False) -> Eagle3Drafter:
     """Load an EAGLE-3 drafter for ``split`` (which must carry the drafter's taps), on its last stage's device.
 
-    Config formats (``ppsplit.eagle3.configs``): speculators (vLLM's), SpecForge's exports and SafeAILab's
+    Config formats (``ppsplit.core.drafter_config``): speculators (vLLM's), SpecForge's exports and SafeAILab's
     EAGLE-3 with each variant they write; a key ppsplit cannot honour is refused, naming it. Both file formats
     (``model.safetensors``; ``pytorch_model.bin`` read with ``weights_only=True``), both namings (``midlayer.``
     and ``layers.0.``), a separate or shared embedding (without ``embed_tokens`` the drafter references the

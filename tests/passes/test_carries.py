@@ -89,14 +89,11 @@ def test_carries_and_replicas_survive_compile_load_and_two_processes(ids, tmp_pa
     assert loaded.plan.carries == in_process.carries != () and loaded.plan.replicas == in_process.replicas != ()
     assert any(c.token_dim == 2 for c in loaded.plan.carries)
     assert torch.equal(loaded.generate(ids, 8), expected)
-    results = launch(2, generate, folder, [ids], 8)
-    assert results[0][0] == results[1][0] == "ok", results
-    (first, again), stats = results[0][1]
-    assert torch.equal(first[0], expected) and torch.equal(again[0], expected)
-    # Rank 0 sends the hidden state and the per-layer inputs of stage 1's layers (and the aux prefix) per token.
-    plan = loaded.plan
-    per_token = 4 * (plan.width(1) + 64 * plan.filled(0))
-    assert stats.payload_bytes == per_token * 2 * (7 + 7)  # 2 rows; a 7-token prefill, then 7 one-token steps
+    # KV sharing keeps a lockstep cache, which the multi-process engine does not serve: every rank says so
+    results = launch(2, generate, folder, ids, 8)
+    for r in range(2):
+        assert results[r][:2] == ("error", "ConfigError"), results[r]
+        assert "the multi-process engine needs a folder with a paged cache" in results[r][2], results[r]
 
 
 class Block(torch.nn.Module):

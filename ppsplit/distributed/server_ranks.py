@@ -1,6 +1,6 @@
 """Serving: ``ppsplit serve --ranks N``, one process per stage on this host (gloo on the CPU, NCCL with a GPU each).
 
-The serving process is rank 0: it starts ranks ``1 .. N-1`` as child processes (``python -m ppsplit.serve.ranks``),
+The serving process is rank 0: it starts ranks ``1 .. N-1`` as child processes (``python -m ppsplit.distributed.server_ranks``),
 joins the process group with them, and drives the ``PipelineEngine`` from its engine loop; the children load their
 stage and ``follow()`` until rank 0 closes the job at shutdown, then exit 0. They ignore SIGTERM and SIGINT, so a
 signal to the whole process group drains through rank 0 as it does with one process. A child that exits while
@@ -57,7 +57,7 @@ def start(args, world: int):
     children = []
     for rank in range(1, world):
         env = dict(os.environ, **_rank_env(rank, world, port, threads))
-        children.append(subprocess.Popen([sys.executable, "-m", "ppsplit.serve.ranks", *argv], env=env))
+        children.append(subprocess.Popen([sys.executable, "-m", "ppsplit.distributed.server_ranks", *argv], env=env))
     os.environ.update(_rank_env(0, world, port, threads))
     torch.set_num_threads(threads)
     watcher = Watcher(children)
@@ -115,7 +115,7 @@ def follower_main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parser = argparse.ArgumentParser(prog="python -m ppsplit.serve.ranks")
+    parser = argparse.ArgumentParser(prog="python -m ppsplit.distributed.server_ranks")
     parser.add_argument("folder")
     parser.add_argument("--timeout", type=float, default=DEFAULT_RANK_TIMEOUT)
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=None)
