@@ -22,9 +22,13 @@ except ImportError:  # the torch path still works everywhere
         return kernel
 
 
-def register(name: str, mutates_args: tuple[str, ...] = ()):
-    """The decorator that registers ``name`` (``"ppsplit::..."``) as an op."""
-    if HAVE_TRITON:
+def register(name: str, mutates_args: tuple[str, ...] = (), *, opaque: bool = False):
+    """The decorator that registers ``name`` (``"ppsplit::..."``) as an op.
+
+    ``opaque``: an op whose torch path reads its metadata on the host (a loop over the sequences of a ragged step).
+    ``torch.compile`` traces a ``triton_op``'s body on every device, and it cannot trace that loop, so such an op
+    is a plain custom op with its own fake: compiled graphs call it, and its CUDA path launches the kernel itself."""
+    if HAVE_TRITON and not opaque:
         return triton_op(name, mutates_args=mutates_args)
     return torch.library.custom_op(name, mutates_args=mutates_args)
 

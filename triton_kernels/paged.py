@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from ppsplit.triton_kernels.attention import attention_reference
-from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
+from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton
 
 
 def slot_mapping_reference(positions, seq, block_table, block_size: int) -> torch.Tensor:
@@ -49,16 +49,21 @@ def _(positions, seq, block_table, block_size):
     return torch.empty_like(positions)
 
 
-@register("ppsplit::paged_write", ("pool",))
+@register("ppsplit::paged_write", ("pool",), opaque=True)
 def paged_write(pool: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
     """``pool.view(-1, *feature)[slots[t]] = value[t]`` for every token whose slot is not negative."""
     if on_gpu(value):
         with torch.cuda.device(value.device):
-            launch_paged_write(pool, value, slots, wrap=wrap_triton)
+            launch_paged_write(pool, value, slots)
         return
     flat = pool.view(pool.shape[0] * pool.shape[1], *pool.shape[2:])
     real = slots >= 0
     flat.index_copy_(0, slots[real], value[real].to(pool.dtype))
+
+
+@paged_write.register_fake
+def _(pool, value, slots):
+    return None
 
 
 def _segments(seq_start: torch.Tensor, seq_count: torch.Tensor):
@@ -91,7 +96,7 @@ def paged_attention_reference(q, keys, values, positions, seq, block_table, seq_
     return out
 
 
-@register("ppsplit::paged_attention")
+@register("ppsplit::paged_attention", opaque=True)
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                     seq: torch.Tensor, block_table: torch.Tensor, seq_start: torch.Tensor, seq_count: torch.Tensor,
                     scale: float, window: int, softcap: float, alibi: Optional[torch.Tensor],
@@ -101,12 +106,17 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     if on_gpu(q):
         with torch.cuda.device(q.device):
             return launch_paged_attention(q, keys, values, positions, seq, block_table, scale, window, softcap,
-                                          alibi, sinks, wrap=wrap_triton)
+                                          alibi, sinks)
     out = torch.empty(q.shape[0], q.shape[2], q.shape[1], values.shape[-1], dtype=q.dtype,
                       device=q.device).transpose(1, 2)
     out.copy_(paged_attention_reference(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale,
                                         window, softcap, alibi, sinks))
     return out
+
+
+@paged_attention.register_fake
+def _(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale, window, softcap, alibi, sinks):
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], values.shape[-1]).transpose(1, 2)
 
 
 def paged_conv1d_reference(x, weight, bias, pool, positions, seq, block_table) -> torch.Tensor:
@@ -130,14 +140,20 @@ def paged_conv1d_reference(x, weight, bias, pool, positions, seq, block_table) -
     return out
 
 
-@register("ppsplit::paged_conv1d")
+@register("ppsplit::paged_conv1d", opaque=True)
 def paged_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], pool: torch.Tensor,
                  positions: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """See ``paged_conv1d_reference``."""
     if on_gpu(x):
         with torch.cuda.device(x.device):
-            return launch_paged_conv1d(x, weight, bias, pool, positions, seq, block_table, wrap=wrap_triton)
+            return launch_paged_conv1d(x, weight, bias, pool, positions, seq, block_table)
     return paged_conv1d_reference(x, weight, bias, pool, positions, seq, block_table)
+
+
+@paged_conv1d.register_fake
+def _(x, weight, bias, pool, positions, seq, block_table):
+    kernel = weight.shape[-1]
+    return weight.new_empty(1, weight.shape[0], x.shape[-1] + 2 * (kernel - 1))
 
 
 # ---- Triton kernels ------------------------------------------------------------------------------------------

@@ -284,7 +284,7 @@ def _ragged(scan, per_token: tuple, out: torch.Tensor, ring, positions, seq_star
     return out
 
 
-@register("ppsplit::ragged_gated_delta_scan", ("ring",))
+@register("ppsplit::ragged_gated_delta_scan", ("ring",), opaque=True)
 def ragged_gated_delta_scan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                             beta: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, seq_start: torch.Tensor,
                             seq_count: torch.Tensor, l2norm: bool) -> torch.Tensor:
@@ -293,7 +293,7 @@ def ragged_gated_delta_scan(query: torch.Tensor, key: torch.Tensor, value: torch
     if on_gpu(query) and _kernel_fits(key.shape[-1]):
         with torch.cuda.device(query.device):
             return launch_gated_delta(query, key, value, g, beta, ring, positions, l2norm,
-                                      (seq_start, seq_count, torch.zeros_like(seq_start)), wrap=wrap_triton)
+                                      (seq_start, seq_count, torch.zeros_like(seq_start)))
     out = torch.zeros(value.shape, dtype=query.dtype, device=query.device)
 
     def scan(q, k, v, g_, b_, ring_row, pos):
@@ -306,15 +306,14 @@ def _(query, key, value, g, beta, ring, positions, seq_start, seq_count, l2norm)
     return value.new_empty(value.shape, dtype=query.dtype)
 
 
-@register("ppsplit::ragged_ssm_scan", ("ring",))
+@register("ppsplit::ragged_ssm_scan", ("ring",), opaque=True)
 def ragged_ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                     ring: torch.Tensor, positions: torch.Tensor, seq_start: torch.Tensor,
                     seq_count: torch.Tensor) -> torch.Tensor:
     """``ssm_scan`` over a ragged step, as ``ragged_gated_delta_scan``."""
     if on_gpu(x) and _kernel_fits(B.shape[-1]):
         with torch.cuda.device(x.device):
-            return launch_ssm_scan(x, dt, A, B, C, ring, positions, (seq_start, seq_count, torch.zeros_like(seq_start)),
-                                   wrap=wrap_triton)
+            return launch_ssm_scan(x, dt, A, B, C, ring, positions, (seq_start, seq_count, torch.zeros_like(seq_start)))
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
 
     def scan(x_, dt_, B_, C_, ring_row, pos):

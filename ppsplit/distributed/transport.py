@@ -119,16 +119,22 @@ class Links:
         cause = "stalled past the timeout" if "timed out" in text.lower() or "timeout" in text.lower() \
             else "died or closed its connection"
         message = f"rank {self.rank}: could not {what} rank {peer}: rank {peer} {cause} ({text})"
-        first = first_failure(message)
+        first = first_failure(message, self.rank, self.world)
         if first != message:
             message += f"; first failure reported: {first}"
         return PipelineError(message)
 
 
-def first_failure(message: str) -> str:
+LINGER_S = 3.0  # how long rank 0, which hosts the rendezvous store, waits for the other ranks' failure reports
+
+
+def first_failure(message: str, rank: int, world: int) -> str:
     """Record ``message`` in the rendezvous store unless another rank did first; return the first one.
 
-    A rank two hops from a dead one only sees its neighbour leave; the first report names the rank that died.
+    A rank two hops from a dead one only sees its neighbour leave; the first report names the rank that died. The
+    store lives in rank 0's process (``init``'s env:// rendezvous), so rank 0 waits up to ``LINGER_S`` for every
+    other rank to report before it goes on to exit: leaving at once would close the store (and rank 0's links) under
+    ranks that have not read the first report yet, and they would name rank 0 instead of the rank that died.
     """
     from torch.distributed.distributed_c10d import _get_default_store  # the one internal name used here
 
@@ -136,6 +142,11 @@ def first_failure(message: str) -> str:
         store = _get_default_store()
         store.set_timeout(datetime.timedelta(seconds=2))  # the store's host may be gone too
         first = store.compare_set("ppsplit/first_failure", "", message)
+        reported = store.add("ppsplit/failures_reported", 1)
+        deadline = time.monotonic() + LINGER_S
+        while rank == 0 and reported < world and time.monotonic() < deadline:  # a dead rank never reports
+            time.sleep(0.05)
+            reported = store.add("ppsplit/failures_reported", 0)
         return first.decode() if isinstance(first, bytes) else str(first)
     except Exception:  # no store (or it died with its host): report what this rank saw
         return message
