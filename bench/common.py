@@ -9,6 +9,7 @@ import transformers
 
 import ppsplit
 from ppsplit.core.graphs import capture
+from ppsplit.core.ragged import CacheLayout, RaggedStep
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from shapes import config  # noqa: E402
@@ -50,17 +51,27 @@ def stage_inputs(split, k: int, batch: int, tokens: int, position: int, device):
 
 def stage_runs(split, batch: int, tokens: int, position: int, device: str):
     """One step through every stage in a row: on CUDA each stage's captured graph replayed, on the CPU the stages
-    called. Returns a function that runs the step."""
+    called. A paged split runs the lockstep batch as a ragged step (row ``b`` is sequence slot ``b``, the split's own
+    lockstep allocation), so the step attends over ``position`` live keys per sequence as a lockstep one does.
+    Returns a function that runs the step."""
+    step = None
+    if split.plan.paged:
+        step = RaggedStep.lockstep(batch, tokens, position, CacheLayout.of(split.plan)).to(device)
     runs = []
     for k, stage in enumerate(split.stages):
         x, positions, aux = stage_inputs(split, k, batch, tokens, position, device)
+        meta = (positions,)
+        if step is not None:
+            x, aux, meta = x.flatten(0, 1), aux.flatten(1, 2), step.tensors()
         if device == "cuda":
-            g = ppsplit.cuda_graph(stage, batch, tokens)
+            g = ppsplit.cuda_graph(stage, 0, batch * tokens) if step is not None else \
+                ppsplit.cuda_graph(stage, batch, tokens)
             g.x.copy_(x)
-            g.positions.copy_(positions)
+            for static, value in zip(g.meta, meta):
+                static.copy_(value)
             runs.append(g.replay)
         else:
-            runs.append(lambda stage=stage, inputs=(x, positions, aux): stage(*inputs))
+            runs.append(lambda stage=stage, inputs=(x, meta[0], aux, *meta[1:]): stage(*inputs))
 
     def run():
         with torch.no_grad():

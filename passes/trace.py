@@ -60,6 +60,22 @@ class Traced:
     retraced: dict = field(default_factory=dict, compare=False, repr=False)  # that lockstep trace, made once
 
 
+# transformers renamed `past_key_values` (`cache_params` in Mamba models) to `cache` in 5.24.
+CACHE_KEYWORDS = ("cache", "past_key_values", "cache_params")
+
+
+def cache_refusal(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot have ppsplit's cache (what ``trace_model(model, cache=...)`` would refuse, checked
+    without tracing), or ``None`` when it can."""
+    if not any(k in inspect.signature(model.forward).parameters for k in CACHE_KEYWORDS):
+        return f"{type(model).__name__}.forward takes no cache"
+    try:
+        refuse_uncached_state(model)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 class _Traceable(torch.nn.Module):
     """Fixes the call convention: ``(input_ids, positions) -> logits``, and owns the static KV cache, if any."""
 
@@ -72,8 +88,7 @@ class _Traceable(torch.nn.Module):
         self._pass_positions = "position_ids" in accepted
         self._pass_use_cache = "use_cache" in accepted
         self._pass_mask = "attention_mask" in accepted
-        # transformers renamed `past_key_values` (`cache_params` in Mamba models) to `cache` in 5.24.
-        self._cache_kw = next((k for k in ("cache", "past_key_values", "cache_params") if k in accepted), None)
+        self._cache_kw = next((k for k in CACHE_KEYWORDS if k in accepted), None)
         self.kv = None
         self.scans = RecurrentScans(model)
         # A hybrid whose forward takes use_cache only through **kwargs (GraniteMoeHybrid) would otherwise build a

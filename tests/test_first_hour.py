@@ -156,3 +156,45 @@ def test_import_from_the_folder_that_holds_a_checkout_named_ppsplit(tmp_path):
     done = subprocess.run([sys.executable, "-c", "import ppsplit; print(ppsplit.load.__module__)"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ppsplit.serve.runtime", done.stderr
+
+
+def test_readme_first_folder_generates_and_drafts(tmp_path, capsys):
+    """README's first command writes a folder that generates text right away: a paged cache by default (8 slots of
+    the demo's 2048 positions) and the demo's drafter for the eagle3 taps, whose speculative output equals greedy."""
+    out = str(tmp_path / "demo-pp4")
+    assert main(["compile", "demo", "--pp", "4", "--aux", "eagle3", "-o", out, "--force"]) == 0
+    split = ppsplit.load(out)
+    assert split.plan.paged and (split.plan.max_batch, split.plan.max_len) == (8, 2048)
+    assert split.drafter is not None and split.drafter.taps == (2, 4, 5)
+    capsys.readouterr()
+    assert main(["generate", out, "--prompt", "Hello there", "--max-new-tokens", "8"]) == 0
+    plain = capsys.readouterr().out.splitlines()
+    assert main(["generate", out, "--prompt", "Hello there", "--max-new-tokens", "8", "-k", "3"]) == 0
+    drafted = capsys.readouterr().out.splitlines()
+    assert plain[0] == drafted[0] and "8 tokens in" in plain[1] and "mean acceptance length" in drafted[1]
+
+
+def test_no_cache_folder_says_how_to_generate(tmp_path, capsys):
+    out = str(tmp_path / "plain")
+    assert main(["compile", "demo", "--pp", "2", "--no-cache", "-o", out]) == 0
+    assert not ppsplit.load(out).plan.max_len
+    capsys.readouterr()
+    assert main(["generate", out, "--prompt-ids", "1,2,3"]) == 2
+    assert "compile it without --no-cache" in capsys.readouterr().err
+    assert main(["compile", "demo", "--pp", "2", "--no-cache", "--max-batch", "2", "--max-len", "8", "-o", out]) == 2
+    assert "--no-cache gives the stages no cache" in capsys.readouterr().err
+
+
+def test_default_cache_is_left_out_for_a_model_that_takes_none(caplog):
+    """A model whose forward takes no cache compiles without one (logged), as before the default."""
+    from ppsplit.compile.writer import default_cache_for
+
+    class NoCache(torch.nn.Module):
+        def forward(self, input_ids, position_ids=None):
+            return input_ids
+
+    assert default_cache_for(tiny_model("llama")) == CacheConfig(batch_size=8, max_len=tiny_model("llama").config
+                                                                 .max_position_embeddings)
+    with caplog.at_level("INFO", logger="ppsplit"):
+        assert default_cache_for(NoCache()) is None
+    assert "no KV cache: NoCache.forward takes no cache" in caplog.text

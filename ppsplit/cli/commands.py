@@ -68,8 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="split MODEL and write per-stage programs and weights to a folder")
     _add_split_args(p)
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the config's)")
-    p.add_argument("--max-batch", type=int, default=None, help="give every stage a static KV cache of this batch")
-    p.add_argument("--max-len", type=int, default=None, help="... and this many tokens (prompt included)")
+    p.add_argument("--max-batch", type=int, default=None, help="sequences the stages' KV cache holds at once "
+                   "(default: 8, with --max-len the model's context length up to 4096)")
+    p.add_argument("--max-len", type=int, default=None, help="... and tokens per sequence (prompt included)")
+    p.add_argument("--no-cache", action="store_true", help="stages without a KV cache (every call attends within "
+                   "itself: no generate, run or serve)")
     p.add_argument("--state-slots", type=int, default=8, help="states per recurrent layer (Mamba, Gated DeltaNet) "
                    "and sequence: verify passes of up to this many tokens (K + 1) can be taken back")
     p.add_argument("-o", "--output", default=None, help="output folder (default: <model name>-pp<N>)")
@@ -148,23 +151,43 @@ def cache_options(args):
 
     if args.max_batch is None and args.max_len is None:
         return None
+    if getattr(args, "no_cache", False):
+        raise ConfigError("--no-cache gives the stages no cache; drop it, or drop --max-batch / --max-len")
     if args.max_batch is None or args.max_len is None:
-        raise ConfigError("--max-batch and --max-len go together: pass both to give the stages a KV cache")
+        raise ConfigError("--max-batch and --max-len go together: pass both to size the stages' KV cache")
     return CacheConfig(batch_size=args.max_batch, max_len=args.max_len, state_slots=getattr(args, "state_slots", 8))
 
 
 def cmd_compile(args) -> int:
     from ppsplit.artifact.folder import CompiledFolder
+    from ppsplit.compile.demo import DEMO_NAME
     from ppsplit.compile.writer import compile_model
 
     out = args.output or f"{os.path.basename(os.path.normpath(args.model)).replace('/', '--')}-pp{args.pp}"
-    options = split_options(args, cache=cache_options(args), fuse="none" if args.no_fuse else "all",
-                       fuse_projections=args.fuse_projections)
+    cache = cache_options(args)
+    options = split_options(args, cache=cache, fuse="none" if args.no_fuse else "all",
+                            fuse_projections=args.fuse_projections)
+    drafter, convention = args.drafter, args.drafter_convention
+    if drafter is None and args.model == DEMO_NAME and options.aux is not None:
+        drafter, options = demo_drafter(options), dataclasses.replace(options, aux=None)
     path = compile_model(args.model, out, options=options, dtype=args.dtype, force=args.force,
-                         progress=sys.stderr.isatty(), drafter=args.drafter, drafter_convention=args.drafter_convention)
+                         progress=sys.stderr.isatty(), drafter=drafter, drafter_convention=convention,
+                         default_cache=cache is None and not args.no_cache)
     print(CompiledFolder(path).plan.describe())
     print(f"wrote {path}")
     return 0
+
+
+def demo_drafter(options) -> str:
+    """The demo's drafter (random weights, like the demo) for the taps ``options`` asks for: compiled into the demo
+    folder, so ``generate`` / ``serve -k K`` run speculative decoding on the first folder README makes."""
+    from ppsplit.compile.demo import demo_config
+    from ppsplit.compile.source import materialize_demo_drafter
+
+    taps = options.taps(demo_config().num_hidden_layers)
+    logging.getLogger("ppsplit").info("drafter: the demo's (seeded random weights) for taps %s",
+                                      ",".join(map(str, taps)))
+    return materialize_demo_drafter(taps)
 
 
 def cmd_inspect(args) -> int:

@@ -40,7 +40,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_requests(args, args.folder)
     split = ppsplit.load(args.folder)
     if not split.plan.max_len:
-        raise ConfigError(f"{args.folder} has no KV cache; compile it with --max-batch and --max-len to generate")
+        raise ConfigError(f"{args.folder} has no KV cache (compiled with --no-cache, or a model that cannot have one); "
+                          "compile it without --no-cache to generate")
     drafter = None
     if args.num_draft_tokens is not None:
         drafter = ppsplit.load_drafter(args.drafter, split=split, aux_convention=args.drafter_convention) \

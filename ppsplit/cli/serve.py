@@ -69,9 +69,8 @@ def _check_servable(plan, args) -> None:
     from ppsplit.serve.requests import has_drafter
 
     if not plan.paged:
-        why = plan.lockstep_reason or "it has no KV cache"
-        raise ConfigError(f"{args.folder} cannot be served: the engine needs a paged cache, and {why}; compile it "
-                          "with --max-batch and --max-len")
+        why = plan.lockstep_reason or "it has no KV cache: compile it without --no-cache"
+        raise ConfigError(f"{args.folder} cannot be served: the engine needs a paged cache, and {why}")
     if args.num_draft_tokens is not None:
         from ppsplit.eagle3.speculative import check_num_draft_tokens
 

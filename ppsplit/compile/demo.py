@@ -1,5 +1,6 @@
-"""The built-in demo model: a small Llama-style decoder with seeded random weights (no download), and a byte-level
-BPE tokenizer for it, trained offline on a seeded synthetic corpus, so the demo folder takes text prompts."""
+"""The built-in demo model: a small Llama-style decoder with seeded random weights (no download), a byte-level BPE
+tokenizer for it, trained offline on a seeded synthetic corpus, so the demo folder takes text prompts, and a
+one-layer EAGLE-3 drafter with seeded random weights, so ``-k`` works on the demo folder out of the box."""
 from __future__ import annotations
 
 import json
@@ -73,3 +74,32 @@ def write_demo_tokenizer(folder: str) -> None:
               "add_bos_token": True, "chat_template": DEMO_CHAT_TEMPLATE}
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=1)
+
+
+def demo_drafter(taps: tuple[int, ...]) -> tuple[dict, dict]:
+    """``(config, tensors)`` of a one-layer EAGLE-3 drafter for the demo reading ``taps`` (ppsplit numbering), in
+    the SpecForge layout (flat Llama config, ``midlayer.`` tensors, ids numbered ``j - 1``). Its weights are seeded
+    random, like the demo's: speculative decoding runs exactly, and few drafts are accepted."""
+    target = demo_config()
+    h, heads, kv, inter = target.hidden_size, 4, 2, 512
+    hd, vocab = h // heads, target.vocab_size
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+           "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
+           "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps, "hidden_act": "silu",
+           "max_position_embeddings": target.max_position_embeddings, "rope_theta": 10000.0, "vocab_size": vocab,
+           "draft_vocab_size": vocab, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [t - 1 for t in taps],
+                                                       "use_aux_hidden_state": True}}
+    g = torch.Generator().manual_seed(1)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+
+    shapes = {"fc.weight": (h, len(taps) * h), "midlayer.self_attn.q_proj.weight": (heads * hd, 2 * h),
+              "midlayer.self_attn.k_proj.weight": (kv * hd, 2 * h), "midlayer.self_attn.v_proj.weight": (kv * hd, 2 * h),
+              "midlayer.self_attn.o_proj.weight": (h, heads * hd), "midlayer.mlp.gate_proj.weight": (inter, h),
+              "midlayer.mlp.up_proj.weight": (inter, h), "midlayer.mlp.down_proj.weight": (h, inter),
+              "lm_head.weight": (vocab, h)}
+    tensors = {name: w(*shape) for name, shape in shapes.items()}
+    for norm in ("midlayer.hidden_norm", "midlayer.input_layernorm", "midlayer.post_attention_layernorm", "norm"):
+        tensors[f"{norm}.weight"] = torch.ones(h)
+    return cfg, tensors

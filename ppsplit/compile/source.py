@@ -3,12 +3,13 @@ folder and its config, and build the model skeleton that the passes trace (param
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 
 import torch
 
-from ppsplit.compile.demo import DEMO_NAME, demo_config, demo_model, write_demo_tokenizer
+from ppsplit.compile.demo import DEMO_NAME, demo_config, demo_drafter, demo_model, write_demo_tokenizer
 from ppsplit.core.errors import ConfigError
 
 DEMO_VERSION = 2  # 2: with a tokenizer
@@ -61,6 +62,29 @@ def materialize_demo() -> str:
     try:
         demo_model().save_pretrained(tmp, safe_serialization=True)
         write_demo_tokenizer(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def materialize_demo_drafter(taps: tuple[int, ...]) -> str:
+    """Save the demo's drafter for ``taps`` (``demo.demo_drafter``) as a checkpoint, once per set of taps."""
+    from safetensors.torch import save_file
+
+    folder = os.path.join(cache_dir(), f"demo-v{DEMO_VERSION}-drafter-{'-'.join(map(str, taps))}")
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return folder
+    cfg, tensors = demo_drafter(taps)
+    tmp = f"{folder}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         shutil.rmtree(folder, ignore_errors=True)
         os.rename(tmp, folder)
     except BaseException:

@@ -19,7 +19,7 @@ from torch import fx
 
 from ppsplit.compile.api import split_model
 from ppsplit.compile.checkpoint import ST_DTYPES, Checkpoint, write_safetensors
-from ppsplit.core.options import SplitOptions, StageOptions
+from ppsplit.core.options import CacheConfig, SplitOptions, StageOptions
 from ppsplit.compile.conversion import Sources
 from ppsplit.compile.quantized import Scheme, read_scheme
 from ppsplit.core.quant import Quantization
@@ -38,7 +38,7 @@ _PROBE_TAG = ".ppsplit-probe-"
 
 def compile_model(model: str, out: str, *, options: SplitOptions | None = None, dtype: str | None = None,
                   force: bool = False, progress: bool = False, drafter: str | None = None,
-                  drafter_convention: str | None = None, **split_options) -> str:
+                  drafter_convention: str | None = None, default_cache: bool = False, **split_options) -> str:
     """Split the checkpoint ``model`` and write the artifacts to ``out``. Returns ``out``.
 
     The split is described by ``options`` (a ``SplitOptions``) or by the same keywords as ``split_model``
@@ -47,7 +47,8 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     ``drafter`` (an EAGLE-3 checkpoint), the taps come from its config (ids numbered as its format writes them,
     or in ``drafter_convention``)
     and the drafter, with its embedding copy, is stored in ``out/drafter`` (``ppsplit.load`` attaches it as
-    ``split.drafter``).
+    ``split.drafter``). ``default_cache`` (what ``ppsplit compile`` passes): without ``cache``, give the stages
+    ``default_cache_for(...)``'s paged cache, so the folder can generate and serve as written.
 
     Example::
 
@@ -85,6 +86,8 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     _make_tmp(out, probe=True)  # an unwritable destination fails now, before the slow trace
     start = time.perf_counter()
     model_obj, buffers = skeleton(config, torch_dtype)
+    if default_cache and options.cache is None:
+        options = dataclasses.replace(options, cache=default_cache_for(model_obj))
     sources = Sources(model_obj, checkpoint, scheme)  # before split_model: the skeleton as transformers builds it
     split = split_model(planned(model_obj, sources, options), options=options)
     log.info("split into %d stages in %.1fs", split.plan.pp, time.perf_counter() - start)
@@ -111,6 +114,26 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
         raise
     log.info("wrote %s in %.1fs", out, time.perf_counter() - start)
     return out
+
+
+DEFAULT_SEQUENCES = 8  # sequence slots of the cache ``ppsplit compile`` gives a folder when none is asked for
+DEFAULT_MAX_LEN = 4096  # ... and positions per sequence, or the model's context length where that is shorter
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def default_cache_for(model_obj) -> CacheConfig | None:
+    """``CacheConfig(8, min(context length, 4096))`` (a pool of every slot full: 32768 positions per layer at most),
+    or ``None``, logged with the reason, for a model whose stages cannot have ppsplit's cache."""
+    from ppsplit.passes.trace import cache_refusal
+
+    why = cache_refusal(model_obj)
+    if why is not None:
+        log.info("no KV cache: %s", why.split(";")[0])
+        return None
+    config = model_obj.config
+    context = next((v for v in (getattr(config, k, None) for k in _CONTEXT_KEYS) if isinstance(v, int) and v > 0),
+                   DEFAULT_MAX_LEN)
+    return CacheConfig(batch_size=DEFAULT_SEQUENCES, max_len=min(context, DEFAULT_MAX_LEN))
 
 
 def _make_tmp(out: str, probe: bool = False) -> str:

@@ -151,7 +151,7 @@ class PipelineEngine:
     # -- setup ---------------------------------------------------------------------------------------------------
     def _check(self, plan) -> None:
         if not plan.paged:
-            why = plan.lockstep_reason or "it was compiled without a cache: compile with --max-batch and --max-len"
+            why = plan.lockstep_reason or "it was compiled without a cache: compile it without --no-cache"
             raise ConfigError(f"the multi-process engine needs a folder with a paged cache, and this one keeps none "
                               f"because {why}")
         if plan.pp != self.world:

@@ -196,7 +196,7 @@ def test_loading_never_runs_code_from_the_folder(compiled, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(compiled, bad)
     program = json.loads((bad / "stage_0.json").read_text())
-    program["program"]["nodes"][5]["target"] = "os.system"
+    next(n for n in program["program"]["nodes"] if n["op"] == "call_function")["target"] = "os.system"
     (bad / "stage_0.json").write_text(json.dumps(program))
     with pytest.raises(ppsplit.ConfigError, match="not an allowed operator"):
         ppsplit.load_stage(str(bad), 0)
