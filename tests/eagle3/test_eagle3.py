@@ -267,6 +267,30 @@ def test_trained_drafter_accepts_and_skips_target_passes(trained):
     assert mean >= 2.0, lengths
 
 
+def test_a_batch_of_8_keeps_each_requests_own_acceptance(trained):
+    """8 unseen prompts in one batch through the engine: each request's drafts and acceptances are those it gets
+    alone, so the batch's tokens per verify pass average at least 0.95 of the requests' own mean acceptance length
+    (a batch that committed the minimum acceptance of its members, the lockstep rule, would fall well below)."""
+    from ppsplit.serve.engine import Engine
+    from ppsplit.serve.sampling import SamplingParams
+
+    model, split, drafter, g = trained
+    prompts = [p.tolist() for p in torch.randint(3, 32, (8, 4), generator=g)]
+    params = SamplingParams(max_tokens=24)
+    batch = Engine(split, drafter=drafter, num_draft_tokens=4).generate(prompts, params)
+    alone = [Engine(split, drafter=drafter, num_draft_tokens=4).generate([p], params)[0] for p in prompts]
+    for prompt, b, a in zip(prompts, batch, alone):
+        assert b.token_ids == hf_greedy(model, torch.tensor([prompt]), 24)[0, len(prompt):].tolist()
+        assert b.accepted == a.accepted
+    own = sum(a.mean_acceptance_length for a in alone) / len(alone)
+    per_pass = sum(b.mean_acceptance_length for b in batch) / len(batch)  # each request's tokens per verify pass
+    rounds = max(len(b.accepted) for b in batch)
+    minimum = [min(b.accepted[i] for b in batch if i < len(b.accepted)) for i in range(rounds)]
+    print(f"batch of 8: {per_pass:.2f} tokens per verify pass, the requests' own mean acceptance length {own:.2f}, "
+          f"the batch minimum rule {1 + sum(minimum) / len(minimum):.2f}")
+    assert own >= 2.0 and per_pass >= 0.95 * own, (per_pass, own)
+
+
 # -- sampling is lossless -----------------------------------------------------------------------------------------
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
     """Pearson chi-square goodness of fit; cells expecting fewer than ``min_expected`` are pooled."""

@@ -194,3 +194,35 @@ def test_speculative_requests_accept_on_their_own(tmp_path, llama):
         alone = Engine(split, drafter=drafter, num_draft_tokens=3).generate([prompt], p)[0]
         assert out.token_ids == hf(model, prompt, p)
         assert out.drafts == alone.drafts and out.accepted == alone.accepted
+
+
+def test_a_hybrid_speculates_per_request_like_alone(tmp_path):
+    """Qwen3-Next (Gated DeltaNet rings per sequence slot) with a random drafter, K = 3: every request's output equals
+    Hugging Face's greedy output, and its drafts and acceptances are those it gets alone (rejected drafts leave the
+    ring states of the accepted prefix for the next step)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "qwen3_next" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no qwen3_next")
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("qwen3_next", vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                               layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=4,
+                               linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    split = ppsplit.split_model(ppsplit.trace_model(model, cache=CacheConfig(4, 64)), 2, aux=[1, 2, 3])
+    assert split.plan.paged, split.plan.lockstep_reason
+    dcfg = drafter_config(model.config, aux_ids=[0, 1, 2])
+    drafter = ppsplit.load_drafter(write_drafter(str(tmp_path / "d"), dcfg, random_drafter_tensors(dcfg, scale=2.0)),
+                                   split=split)
+    prompts, params = requests(4, seed=5)
+    params = [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True) for p in params]
+    together = Engine(split, drafter=drafter, num_draft_tokens=3).generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, together):
+        alone = Engine(split, drafter=drafter, num_draft_tokens=3).generate([prompt], p)[0]
+        assert out.token_ids == hf(model, prompt, p)
+        assert out.drafts == alone.drafts and out.accepted == alone.accepted
+    assert any(sum(o.accepted) < 3 * len(o.accepted) for o in together)  # some drafts were rejected
