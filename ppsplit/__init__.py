@@ -1,12 +1,8 @@
 """ppsplit: split any Hugging Face decoder into pipeline stages that carry EAGLE-3 taps in one packed buffer.
 
-Three layers, imports pointing down only::
+Folders by layer, imports pointing down only (README "How it works"; ``tests/test_layers.py`` checks it)::
 
-    drivers   api (split_model, trace_model), writer (compile), loader (load, load_stage), runtime (SplitModel),
-              cuda_graphs, cli; EAGLE-3: drafter (Eagle3Drafter), drafter_load (load_drafter), speculative,
-              cli_generate
-    passes    ppsplit.passes: trace -> annotate -> plan -> partition -> taps -> fuse -> emit  (+ triton_kernels)
-    core      errors, config (SplitOptions, CacheConfig), plan (SplitPlan), tensors, fx_utils, program
+    cli > compile > distributed > serve > eagle3 > artifact > ppsplit.passes > ppsplit.triton_kernels > core
 
 Names are imported on first use (PEP 562), so ``ppsplit.load`` in a serving process imports neither
 transformers nor the passes.
@@ -39,6 +35,8 @@ _EXPORTS = {
     "last_taps": "ppsplit.compile.dynamo_backend",
     "Eagle3Drafter": "ppsplit.eagle3.drafter", "load_drafter": "ppsplit.eagle3.formats",
     "SpeculativeStats": "ppsplit.eagle3.speculative",
+    "Engine": "ppsplit.serve.engine", "RequestOutput": "ppsplit.serve.engine", "SamplingParams": "ppsplit.serve.sampling",
+    "RaggedStep": "ppsplit.core.ragged", "Segment": "ppsplit.core.ragged", "CacheLayout": "ppsplit.core.ragged",
 }
 __all__ = sorted(_EXPORTS)
 
