@@ -1,0 +1,167 @@
+"""The paged kernels (``triton_kernels/paged.py``) against fp64 references: ragged steps of sequences at different
+positions over shuffled blocks, odd sizes (head dims 64/128/256, blocks 16/32, 1..33 tokens per sequence), outputs
+poisoned with NaN, the pool poisoned past every sequence's live length (a kernel that reads a stale entry returns
+NaN) and padding tokens at the end.
+
+On the CPU the Triton kernels run under ``TRITON_INTERPRET=1`` in fp32; on a GPU the same cases run in bf16.
+"""
+import random
+
+import pytest
+import torch
+
+from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment
+from ppsplit.triton_kernels.common import HAVE_TRITON
+from ppsplit.triton_kernels import recurrent
+from ppsplit.triton_kernels.paged import (launch_paged_attention, launch_paged_conv1d, launch_paged_write,
+                                          paged_attention_reference, paged_conv1d_reference, slot_mapping_reference)
+
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+
+# (q heads, kv heads, head dim, block size, tokens per sequence, extras)
+ATTENTION_CASES = [
+    (8, 2, 64, 16, (1, 7, 33), {}),                          # decode, prefill chunk, verify-sized; GQA 4
+    (4, 4, 128, 32, (5, 1, 17, 2), {}),                      # MHA, blocks of 32
+    (2, 1, 256, 16, (3, 1), {}),                             # head dim 256 (Gemma), GQA 2
+    (4, 2, 64, 16, (9, 1, 4), dict(window=7, softcap=20.0)),  # Gemma 2: sliding window + soft-cap
+    (4, 4, 64, 32, (6, 1), dict(alibi=True)),                # Bloom: ALiBi
+    (4, 2, 64, 16, (5, 2, 1), dict(sinks=True, window=4)),   # gpt-oss: sinks (+ window)
+]
+
+
+def ragged(counts, block: int, slots: int, seed: int, pad: int = 3):
+    """A step of sequences ``0..len(counts)-1``, each with ``counts[s]`` tokens at a random position, over shuffled
+    blocks: ``(step, layout, lengths)`` (``lengths[s]``: positions 0..lengths[s]-1 of slot s hold live entries)."""
+    rng = random.Random(seed)
+    starts = [rng.randrange(0, 40) for _ in counts]
+    lengths = [p + c for p, c in zip(starts, counts)]
+    per_seq = max(-(-n // block) for n in lengths)
+    layout = CacheLayout(slots=slots, blocks_per_seq=per_seq, block_size=block, num_blocks=slots * per_seq + 2)
+    blocks = list(range(layout.num_blocks))
+    rng.shuffle(blocks)
+    tables = {s: blocks[s * per_seq:(s + 1) * per_seq][:-(-lengths[s] // block)] for s in range(len(counts))}
+    segments = [Segment(s, starts[s], c) for s, c in enumerate(counts)]
+    return RaggedStep.build(segments, tables, layout, pad_to=sum(counts) + pad), layout, lengths
+
+
+def pools(layout, lengths, step, kv_heads, dim, gen, dtype, device):
+    """Keys and values with every live entry random and every other entry NaN."""
+    shape = (layout.num_blocks, layout.block_size, kv_heads, dim)
+    keys, values = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    for s, n in enumerate(lengths):
+        where = torch.arange(n)
+        blocks, offsets = step.block_table[s, where // layout.block_size], where % layout.block_size
+        keys[blocks, offsets] = torch.randn(n, kv_heads, dim, generator=gen)
+        values[blocks, offsets] = torch.randn(n, kv_heads, dim, generator=gen)
+    return keys.to(device, dtype), values.to(device, dtype)
+
+
+def run_attention_case(case, dtype, device, tol):
+    hq, hkv, dim, block, counts, extras = ATTENTION_CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    step, layout, lengths = ragged(counts, block, slots=len(counts) + 1, seed=case)
+    keys, values = pools(layout, lengths, step, hkv, dim, gen, dtype, device)
+    q = torch.randn(1, hq, step.num_tokens, dim, generator=gen).to(device, dtype)
+    alibi = torch.rand(hq, generator=gen).to(device) * -0.5 if extras.get("alibi") else None
+    sinks = torch.randn(hq, generator=gen).to(device) if extras.get("sinks") else None
+    window, softcap, scale = extras.get("window", 0), extras.get("softcap", 0.0), dim ** -0.5
+    meta = step.to(device)
+    got = launch_paged_attention(q, keys, values, meta.positions, meta.seq, meta.block_table, scale, window, softcap,
+                                 alibi, sinks)
+    n = sum(counts)
+    assert not got[:, :, :n].isnan().any(), "an output left unwritten, or a stale pool entry read"
+    assert (got[:, :, n:] == 0).all(), "padding tokens must give zeros"
+    ref = paged_attention_reference(q.double().cpu(), keys.double().cpu().nan_to_num(), values.double().cpu()
+                                    .nan_to_num(), step.positions, step.seq, step.block_table, step.seq_start,
+                                    step.seq_count, scale, window, softcap,
+                                    None if alibi is None else alibi.double().cpu(),
+                                    None if sinks is None else sinks.double().cpu())
+    torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
+def test_paged_attention_kernel_matches_fp64(case):
+    run_attention_case(case, torch.float32, "cpu", 2e-5)
+
+
+def test_paged_write_kernel_writes_only_real_tokens():
+    gen = torch.Generator().manual_seed(0)
+    step, layout, _ = ragged((4, 1, 9), 16, slots=4, seed=3)
+    slots = slot_mapping_reference(step.positions, step.seq, step.block_table, layout.block_size)
+    pool = torch.full((layout.num_blocks, layout.block_size, 2, 48), float("nan"))
+    value = torch.randn(step.num_tokens, 2, 48, generator=gen)
+    expected = pool.clone().view(-1, 2, 48)
+    real = slots >= 0
+    expected[slots[real]] = value[real]
+    launch_paged_write(pool, value, slots)
+    torch.testing.assert_close(pool.view(-1, 2, 48), expected, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kernel,channels", [(4, 48), (3, 300)])
+def test_paged_conv1d_kernel_matches_fp64(kernel, channels):
+    gen = torch.Generator().manual_seed(kernel)
+    step, layout, lengths = ragged((6, 1, 3), 16, slots=4, seed=kernel)
+    pool = torch.full((layout.num_blocks, layout.block_size, channels), float("nan"))
+    for s, n in enumerate(lengths):
+        where = torch.arange(n)
+        pool[step.block_table[s, where // 16], where % 16] = torch.randn(n, channels, generator=gen)
+    weight = torch.randn(channels, 1, kernel, generator=gen)
+    bias = torch.randn(channels, generator=gen)
+    x = torch.zeros(1, channels, step.num_tokens)
+    got = launch_paged_conv1d(x, weight, bias, pool, step.positions, step.seq, step.block_table)
+    ref = paged_conv1d_reference(x.double(), weight.double(), bias.double(), pool.double().nan_to_num(),
+                                 step.positions, step.seq, step.block_table)
+    torch.testing.assert_close(got.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def ragged_scan_cases(device):
+    """(name, kernel, torch path, per-token args, extra) over one ragged step: a 12-token prefill (longer than the
+    8-state ring) at 0, a decode token at 14, a 5-token verify window at 9, then 3 padding tokens; ring row s per
+    sequence slot s, row 3 (free) untouched. The kernels' segments are (start, count, input row) per slot, as the
+    ops pass them: every token is in row 0 of the step's ``[1, N, ...]`` inputs."""
+    g = torch.Generator().manual_seed(0)
+    step, _, _ = ragged((12, 1, 5), 16, slots=4, seed=0)
+    starts, counts = [0, 14, 9], [12, 1, 5]
+    positions = torch.cat([torch.arange(p, p + c) for p, c in zip(starts, counts)] + [torch.zeros(3, dtype=torch.long)])
+    n = step.num_tokens
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device)
+
+    meta = (positions.to(device), step.seq_start.to(device), step.seq_count.to(device))
+    def rows(a):  # (start, count, input row) per sequence slot
+        return a[7], a[8], torch.zeros_like(a[7])
+
+    yield ("gated_delta", lambda *a: recurrent.launch_gated_delta(*a[:7], True, rows(a)),
+           recurrent.ragged_gated_delta_scan,
+           (rand(1, n, 2, 16), rand(1, n, 2, 16), rand(1, n, 4, 24), -rand(1, n, 4).abs(), rand(1, n, 4).sigmoid()),
+           rand(4, 8, 4, 16, 24), meta, (True,))
+    yield ("mamba2", lambda *a: recurrent.launch_ssm_scan(*a[:7], rows(a)),
+           recurrent.ragged_ssm_scan,
+           (rand(1, n, 4, 8), rand(1, n, 4).abs(), -rand(4).abs(), rand(1, n, 2, 16), rand(1, n, 2, 16)),
+           rand(4, 8, 4, 8, 16), meta, ())
+
+
+def check_ragged_scans(device):
+    for name, kernel, torch_path, args, ring, meta, extra in ragged_scan_cases(device):
+        ring_ref = ring.clone()
+        want = torch_path(*[a.cpu() for a in args], ring_ref.cpu(), *[m.cpu() for m in meta], *extra)
+        got = kernel(*args, ring, *meta)
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-5, rtol=1e-5, msg=f"{name} output")
+        torch.testing.assert_close(ring.cpu(), ring_ref.cpu(), atol=2e-5, rtol=1e-5, msg=f"{name} rings")
+
+
+def test_ragged_scan_kernels_match_the_torch_path():
+    """Each sequence starts from its own ring row at its own position and writes only that row."""
+    check_ragged_scans("cpu")
+
+
+@pytest.mark.gpu
+def test_ragged_scan_kernels_on_gpu():
+    check_ragged_scans("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
+def test_paged_attention_kernel_bf16_on_gpu(case):
+    run_attention_case(case, torch.bfloat16, "cuda", 2e-2)
