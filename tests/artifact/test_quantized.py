@@ -321,17 +321,20 @@ def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype):
 def test_fp8_stage_on_cuda_equals_reference_and_captures(fp8_folder):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    from ppsplit.core.ragged import CacheLayout, RaggedStep
+
     stage = ppsplit.load_stage(str(fp8_folder), 0, "cuda")
-    ids = torch.randint(3, 64, (1, 1), device="cuda")
-    positions = torch.zeros(1, dtype=torch.long, device="cuda")
-    aux = torch.empty(0, 1, 1, 256, device="cuda")
-    eager = stage(ids, positions, aux)[0].clone()
+    step = RaggedStep.lockstep(1, 1, 0, CacheLayout.of(stage.meta["ppsplit.plan"]))  # the folder's paged cache
+    ids = torch.randint(3, 64, (1,))
+    aux = torch.empty(0, 1, 256)
+    inputs = [t.cuda() for t in (ids, step.positions, aux, *step.tensors()[1:])]
+    eager = stage(*inputs)[0].clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = stage(ids, positions, aux)[0]
+        out = stage(*inputs)[0]
     graph.replay()
     torch.testing.assert_close(out, eager)
-    cpu = ppsplit.load_stage(str(fp8_folder), 0, "cpu")(ids.cpu(), positions.cpu(), aux.cpu())[0]
+    cpu = ppsplit.load_stage(str(fp8_folder), 0, "cpu")(ids, step.positions, aux, *step.tensors()[1:])[0]
     torch.testing.assert_close(eager.cpu(), cpu, atol=1e-4, rtol=1e-4)
 
 

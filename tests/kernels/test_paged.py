@@ -144,11 +144,11 @@ def ragged_scan_cases(device):
 
 def check_ragged_scans(device):
     for name, kernel, torch_path, args, ring, meta, extra in ragged_scan_cases(device):
-        ring_ref = ring.clone()
-        want = torch_path(*[a.cpu() for a in args], ring_ref.cpu(), *[m.cpu() for m in meta], *extra)
+        ring_ref = ring.cpu().clone()  # the torch path runs on the CPU and writes this copy
+        want = torch_path(*[a.cpu() for a in args], ring_ref, *[m.cpu() for m in meta], *extra)
         got = kernel(*args, ring, *meta)
-        torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-5, rtol=1e-5, msg=f"{name} output")
-        torch.testing.assert_close(ring.cpu(), ring_ref.cpu(), atol=2e-5, rtol=1e-5, msg=f"{name} rings")
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(ring.cpu(), ring_ref, atol=2e-5, rtol=1e-5)
 
 
 def test_ragged_scan_kernels_match_the_torch_path():
