@@ -105,8 +105,8 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     as ``[1, N, Hq, Dv]`` (the layout the model's output projection reads)."""
     if on_gpu(q):
         with torch.cuda.device(q.device):
-            return launch_paged_attention(q, keys, values, positions, seq, block_table, scale, window, softcap,
-                                          alibi, sinks)
+            return launch_paged_attention(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale,
+                                          window, softcap, alibi, sinks)
     out = torch.empty(q.shape[0], q.shape[2], q.shape[1], values.shape[-1], dtype=q.dtype,
                       device=q.device).transpose(1, 2)
     out.copy_(paged_attention_reference(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale,
@@ -172,66 +172,141 @@ if HAVE_TRITON:
                 tl.store(POOL + slot.to(tl.int64) * F + f, v.to(POOL.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _paged_attention_kernel(Q, K, V, POS, SEQ, TABLE, SLOPES, SINKS, O,
-                                sqh, sqt, skb, sks, skh, svb, svs, svh, soh, sot, stable,
-                                scale, window, softcap,
-                                G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
-                                BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr):
-        """One program per (token, KV head): the G query heads of that KV head attend, with an online softmax in
-        log2 units, over the blocks of the token's sequence up to its position (each KV block read once)."""
-        t = tl.program_id(0)
+    def _tile_of(CU, program, S: tl.constexpr):
+        """The sequence slot whose query tiles hold tile ``program``: the last ``s`` with ``CU[s] <= program``
+        (``CU`` = the running count of tiles before each slot, ``S + 1`` entries)."""
+        lo = 0
+        hi = S
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(CU + mid) <= program:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @triton.jit
+    def _paged_attention_kernel(Q, K, V, POS, TABLE, STARTS, COUNTS, CU, SLOPES, SINKS, O, PART, STATS,
+                                sqh, sqt, skb, sks, skh, svb, svs, svh, soh, sot, stable, sps, spt, sph, sss, sst,
+                                scale, window, softcap, chunk,
+                                S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                                BS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                                SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                                HAS_SINKS: tl.constexpr, IEEE: tl.constexpr):
+        """One program per (query tile, KV head, key chunk). A query tile is up to ``BLOCK_Q`` consecutive tokens of
+        one sequence times the ``G`` query heads of the KV head (``BLOCK_Q * BLOCK_G`` rows), so each key block it
+        reads serves every token of the tile (a prefill chunk reads its keys once per tile, not once per token).
+        The keys the tile sees, up to its last position, are cut into chunks of ``chunk`` positions, one per program
+        (``SPLIT``: the partial softmax of each chunk goes to ``PART`` / ``STATS`` and ``_paged_combine_kernel``
+        adds them up; else the one chunk holds every key and the program writes the output). Online softmax in
+        log2 units over ``BLOCK_N``-position tiles gathered through the block table; the products in the model's
+        dtype with fp32 accumulation (``IEEE``: fp32 models, fp32 products, no TF32)."""
+        program = tl.program_id(0)
         kvh = tl.program_id(1)
-        s = tl.load(SEQ + t)
-        g = tl.arange(0, BLOCK_G)
-        row_ok = g < G
-        h = kvh * G + g
-        dv = tl.arange(0, BLOCK_DV)
-        out_mask = row_ok[:, None] & (dv[None, :] < DV)
-        out_ptr = O + h[:, None] * soh + t.to(tl.int64) * sot + dv[None, :]
-        if s < 0:  # padding: writes zeros, reads nothing
-            tl.store(out_ptr, tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32).to(O.dtype.element_ty), mask=out_mask)
-        else:
-            p = tl.load(POS + t)
+        part = tl.program_id(2)
+        if program < tl.load(CU + S):
+            s = _tile_of(CU, program, S)
+            first = (program - tl.load(CU + s)) * BLOCK_Q  # the tile's first token within the sequence
+            count = tl.load(COUNTS + s)
+            rows = tl.arange(0, BLOCK_Q * BLOCK_G)
+            r = rows // BLOCK_G
+            g = rows % BLOCK_G
+            row_ok = (g < G) & (first + r < count)
+            t = tl.load(STARTS + s) + first + r  # the row's token among the step's N
+            h = kvh * G + g
+            p = tl.load(POS + t, mask=row_ok, other=-1)
+            p_last = tl.load(POS + tl.load(STARTS + s) + tl.minimum(first + BLOCK_Q, count) - 1)
+            lo_row = p * 0
+            lo = p_last * 0
+            if window > 0:
+                lo_row = tl.maximum(p - window + 1, 0)
+                lo = tl.maximum(tl.load(POS + tl.load(STARTS + s) + first) - window + 1, 0)
+            begin = lo + part * chunk
+            end = tl.minimum(begin + chunk, p_last + 1)
             d = tl.arange(0, BLOCK_D)
-            q = tl.load(Q + h[:, None] * sqh + t.to(tl.int64) * sqt + d[None, :],
+            q = tl.load(Q + h[:, None] * sqh + t.to(tl.int64)[:, None] * sqt + d[None, :],
                         mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
-            q = (q.to(tl.float32) * (scale * 1.4426950408889634)).to(tl.float32)  # inductor passes floats as fp64
-            slope = tl.zeros([BLOCK_G], dtype=tl.float32)
+            qk_scale = scale * 1.4426950408889634
+            slope = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
             if HAS_ALIBI:
                 slope = tl.load(SLOPES + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-            lo = p * 0
-            if window > 0:
-                lo = tl.maximum(p - window + 1, 0)
-            m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
-            j = tl.arange(0, BS)
-            for b0 in range(lo // BS, p // BS + 1):
-                block = tl.load(TABLE + s.to(tl.int64) * stable + b0).to(tl.int64)
-                kpos = b0 * BS + j
-                live = (kpos <= p) & (kpos >= lo)
-                k = tl.load(K + block * skb + j[:, None] * sks + kvh * skh + d[None, :],
-                            mask=live[:, None] & (d[None, :] < D), other=0.0)
-                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BLOCK_G, BS]
+            m_i = tl.full([BLOCK_Q * BLOCK_G], -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
+            dv = tl.arange(0, BLOCK_DV)
+            acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_DV], dtype=tl.float32)
+            j = tl.arange(0, BLOCK_N)
+            for k0 in range(begin, end, BLOCK_N):
+                kpos = k0 + j
+                block = tl.load(TABLE + s.to(tl.int64) * stable + kpos // BS, mask=kpos < end, other=0).to(tl.int64)
+                off = kpos % BS
+                in_range = kpos < end
+                k = tl.load(K + block[:, None] * skb + off[:, None] * sks + kvh * skh + d[None, :],
+                            mask=in_range[:, None] & (d[None, :] < D), other=0.0)
+                if IEEE:
+                    scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+                scores = (scores * qk_scale).to(tl.float32)  # fp32 whatever type the scale arrives in (Inductor: fp64)
                 if HAS_SOFTCAP:
                     x = scores / (softcap * 1.4426950408889634)
                     scores = (softcap * 1.4426950408889634 * (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0)).to(tl.float32)
                 if HAS_ALIBI:
                     scores += slope[:, None] * kpos[None, :].to(tl.float32)
-                scores = tl.where(live[None, :], scores, -1.0e30)
+                live = (kpos[None, :] <= p[:, None]) & (kpos[None, :] >= lo_row[:, None]) & in_range[None, :]
+                scores = tl.where(live, scores, -1.0e30)
                 m_new = tl.maximum(m_i, tl.max(scores, 1))
                 alpha = tl.exp2(m_i - m_new)
-                w = tl.where(live[None, :], tl.exp2(scores - m_new[:, None]), 0.0)
-                v = tl.load(V + block * svb + j[:, None] * svs + kvh * svh + dv[None, :],
-                            mask=live[:, None] & (dv[None, :] < DV), other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(w, v.to(tl.float32), input_precision="ieee")
+                w = tl.where(live, tl.exp2(scores - m_new[:, None]), 0.0)
+                v = tl.load(V + block[:, None] * svb + off[:, None] * svs + kvh * svh + dv[None, :],
+                            mask=in_range[:, None] & (dv[None, :] < DV), other=0.0)
+                if IEEE:
+                    pv = tl.dot(w, v, input_precision="ieee")
+                else:
+                    pv = tl.dot(w.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
                 l_i = l_i * alpha + tl.sum(w, 1)
                 m_i = m_new
+            out_mask = row_ok[:, None] & (dv[None, :] < DV)
+            if SPLIT:
+                tl.store(STATS + part * sss + t.to(tl.int64) * sst + h * 2, m_i, mask=row_ok)
+                tl.store(STATS + part * sss + t.to(tl.int64) * sst + h * 2 + 1, l_i, mask=row_ok)
+                tl.store(PART + part * sps + t.to(tl.int64)[:, None] * spt + h[:, None] * sph + dv[None, :], acc,
+                         mask=out_mask)
+            else:
+                if HAS_SINKS:
+                    sink = tl.load(SINKS + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+                    l_i += tl.exp2(sink - m_i)
+                tl.store(O + h[:, None] * soh + t.to(tl.int64)[:, None] * sot + dv[None, :],
+                         (acc / l_i[:, None]).to(O.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _paged_combine_kernel(PART, STATS, SEQ, SINKS, O, sps, spt, sph, sss, sst, soh, sot,
+                              SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, DV: tl.constexpr,
+                              BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr):
+        """The output of token ``t``, head ``h`` from its chunks' partial softmaxes (a chunk with no key for the row
+        has ``m = -1e30`` and weighs nothing; its partial is never read)."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        if tl.load(SEQ + t) >= 0:
+            k = tl.arange(0, BLOCK_SPLITS)
+            ok = k < SPLITS
+            m = tl.load(STATS + k * sss + t.to(tl.int64) * sst + h * 2, mask=ok, other=-1.0e30)
+            l = tl.load(STATS + k * sss + t.to(tl.int64) * sst + h * 2 + 1, mask=ok, other=0.0)
+            top = tl.max(m, 0)
             if HAS_SINKS:
-                sink = tl.load(SINKS + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-                l_i += tl.exp2(sink - m_i)
-            tl.store(out_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=out_mask)
+                sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+                top = tl.maximum(top, sink)
+            w = tl.exp2(m - top)
+            used = ok & (m > -1.0e29)
+            dv = tl.arange(0, BLOCK_DV)
+            part = tl.load(PART + k[:, None] * sps + t.to(tl.int64) * spt + h * sph + dv[None, :],
+                           mask=used[:, None] & (dv[None, :] < DV), other=0.0)
+            den = tl.sum(w * l, 0)
+            if HAS_SINKS:
+                den += tl.exp2(sink - top)
+            out = tl.sum(w[:, None] * part, 0) / den
+            tl.store(O + h * soh + t.to(tl.int64) * sot + dv, out.to(O.dtype.element_ty), mask=dv < DV)
 
     @triton.jit
     def _paged_conv_kernel(W, BIAS, POOL, POS, SEQ, TABLE, O, C, sob, soc, stable, spb, sps,
@@ -267,22 +342,69 @@ def launch_paged_write(pool, value, slots, *, wrap=lambda kernel: kernel) -> Non
         wrap(_paged_write_kernel)[(n,)](pool, value, slots, feature, value.stride(0), BLOCK=min(_pow2(feature), 1024))
 
 
-def launch_paged_attention(q, keys, values, positions, seq, block_table, scale: float, window: int = 0,
-                           softcap: float = 0.0, alibi=None, sinks=None, *, wrap=lambda kernel: kernel):
-    """The Triton path of ``paged_attention`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, block_size: int, device) -> dict:
+    """The launch shape of ``paged_attention`` for steps of ``n`` tokens (fixed per token count, so a captured
+    bucket replays it): rows per query tile, key positions per program, and the upper bound of query tiles.
+
+    Decode and verify steps (a few tokens per sequence) take query tiles of one or two tokens and cut each sequence's
+    keys into chunks, so that many programs share a long sequence; steps holding a prefill chunk take tiles of up to
+    64 rows, which read each key once per tile, and chunk the keys only while there are too few programs."""
+    g = hq // hkv
+    block_g = _pow2(g, least=1)
+    decode_like = n <= 4 * slots
+    block_q = max(1, (16 if decode_like else 64) // block_g)
+    tiles = _query_tiles(n, slots, block_q)
+    block_n = max(64 if block_g * block_q <= 32 else 32, block_size)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    chunk = max_positions
+    if tiles * hkv < 8 * sms:  # too few programs to keep the GPU busy through the longest sequence: chunk the keys
+        want = -(-8 * sms // (tiles * hkv))
+        chunk = max(block_n, -(-max_positions // want))
+        chunk = -(-chunk // block_n) * block_n
+    return dict(block_q=block_q, block_g=block_g, block_n=block_n, chunk=chunk, splits=-(-max_positions // chunk))
+
+
+def _query_tiles(n: int, slots: int, block_q: int) -> int:
+    """An upper bound of the query tiles of a step of ``n`` tokens: a sequence's tokens fill whole tiles but its last
+    one (tiles past the step's own exit at once)."""
+    return -(-n // block_q) + min(slots, n)
+
+
+def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale: float,
+                           window: int = 0, softcap: float = 0.0, alibi=None, sinks=None, *, config: dict | None = None):
+    """The Triton path of ``paged_attention`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``); ``config``
+    overrides ``attention_plan`` (the tests force chunking on small shapes)."""
     _, hq, n, d = q.shape
     hkv, dv, bs = keys.shape[2], values.shape[-1], keys.shape[1]
+    slots = seq_count.shape[0]
+    plan = attention_plan(n, hq, hkv, slots, block_table.shape[1] * bs, bs, q.device)
+    plan.update(config or {})
     q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty(1, n, hq, dv, dtype=q.dtype, device=q.device).transpose(1, 2)
+    out = torch.zeros(1, n, hq, dv, dtype=q.dtype, device=q.device).transpose(1, 2)  # padding tokens: zeros
+    per_slot = (seq_count + plan["block_q"] - 1) // plan["block_q"]  # query tiles of each slot, on the device
+    cu = torch.cat([per_slot.new_zeros(1), per_slot.cumsum(0)])
+    split = plan["splits"] > 1
+    part = stats = out
+    if split:
+        part = torch.empty(plan["splits"], n, hq, dv, dtype=torch.float32, device=q.device)
+        stats = torch.empty(plan["splits"], n, hq, 2, dtype=torch.float32, device=q.device)
     dummy = positions
-    wrap(_paged_attention_kernel)[(n, hkv)](
-        q, keys, values, positions, seq, block_table, alibi if alibi is not None else dummy,
-        sinks if sinks is not None else dummy, out,
-        q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),
-        values.stride(1), values.stride(2), out.stride(1), out.stride(2), block_table.stride(0),
-        scale, window, softcap, G=hq // hkv, D=d, DV=dv, BS=bs, BLOCK_G=_pow2(hq // hkv), BLOCK_D=_pow2(d),
-        BLOCK_DV=_pow2(dv),
-        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None, num_warps=4)
+    alibi_ = alibi if alibi is not None else dummy
+    sinks_ = sinks if sinks is not None else dummy
+    _paged_attention_kernel[(_query_tiles(n, slots, plan["block_q"]), hkv, plan["splits"])](
+        q, keys, values, positions, block_table, seq_start, seq_count, cu, alibi_, sinks_, out, part, stats,
+        q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
+        values.stride(2), out.stride(1), out.stride(2), block_table.stride(0),
+        *(part.stride()[:3] if split else (0, 0, 0)), *(stats.stride()[:2] if split else (0, 0)),
+        scale, window, softcap, plan["chunk"], S=slots, G=hq // hkv, D=d, DV=dv, BS=bs, BLOCK_Q=plan["block_q"],
+        BLOCK_G=plan["block_g"], BLOCK_N=plan["block_n"], BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), SPLIT=split,
+        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None,
+        IEEE=q.dtype == torch.float32, num_warps=4)
+    if split:
+        _paged_combine_kernel[(n, hq)](
+            part, stats, seq, sinks_, out, *part.stride()[:3], *stats.stride()[:2], out.stride(1), out.stride(2),
+            SPLITS=plan["splits"], BLOCK_SPLITS=_pow2(plan["splits"], least=2), DV=dv, BLOCK_DV=_pow2(dv),
+            HAS_SINKS=sinks is not None, num_warps=4)
     return out
 
 

@@ -56,7 +56,7 @@ def pools(layout, lengths, step, kv_heads, dim, gen, dtype, device):
     return keys.to(device, dtype), values.to(device, dtype)
 
 
-def run_attention_case(case, dtype, device, tol):
+def run_attention_case(case, dtype, device, tol, config=None):
     hq, hkv, dim, block, counts, extras = ATTENTION_CASES[case]
     gen = torch.Generator().manual_seed(case)
     step, layout, lengths = ragged(counts, block, slots=len(counts) + 1, seed=case)
@@ -66,8 +66,10 @@ def run_attention_case(case, dtype, device, tol):
     sinks = torch.randn(hq, generator=gen).to(device) if extras.get("sinks") else None
     window, softcap, scale = extras.get("window", 0), extras.get("softcap", 0.0), dim ** -0.5
     meta = step.to(device)
-    got = launch_paged_attention(q, keys, values, meta.positions, meta.seq, meta.block_table, scale, window, softcap,
-                                 alibi, sinks)
+    if config == "chunked":  # the keys cut into 32-position chunks, combined after; tiles of 2 tokens
+        config = dict(chunk=32, splits=-(-layout.max_len // 32), block_q=max(2, 16 // hq * hkv), block_n=32)
+    got = launch_paged_attention(q, keys, values, meta.positions, meta.seq, meta.block_table, meta.seq_start,
+                                 meta.seq_count, scale, window, softcap, alibi, sinks, config=config)
     n = sum(counts)
     assert not got[:, :, :n].isnan().any(), "an output left unwritten, or a stale pool entry read"
     assert (got[:, :, n:] == 0).all(), "padding tokens must give zeros"
@@ -79,9 +81,10 @@ def run_attention_case(case, dtype, device, tol):
     torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("config", [None, "chunked"], ids=["planned", "chunked"])
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
-def test_paged_attention_kernel_matches_fp64(case):
-    run_attention_case(case, torch.float32, "cpu", 2e-5)
+def test_paged_attention_kernel_matches_fp64(case, config):
+    run_attention_case(case, torch.float32, "cpu", 2e-5, config)
 
 
 def test_paged_write_kernel_writes_only_real_tokens():
@@ -162,6 +165,18 @@ def test_ragged_scan_kernels_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, "chunked"], ids=["planned", "chunked"])
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
-def test_paged_attention_kernel_bf16_on_gpu(case):
-    run_attention_case(case, torch.bfloat16, "cuda", 2e-2)
+def test_paged_attention_kernel_bf16_on_gpu(case, config):
+    run_attention_case(case, torch.bfloat16, "cuda", 2e-2, config)
+
+
+def test_attention_plan_chunks_long_decodes_and_tiles_prefills():
+    """Decode-sized steps get one-token tiles and chunked keys; a step holding a prefill chunk gets 64-row tiles."""
+    from ppsplit.triton_kernels.paged import attention_plan
+
+    decode = attention_plan(32, 32, 8, 32, 4096, 16, torch.device("cpu"))
+    assert decode["block_q"] * decode["block_g"] == 16 and decode["splits"] > 1
+    assert decode["chunk"] % decode["block_n"] == 0 and decode["chunk"] * decode["splits"] >= 4096
+    prefill = attention_plan(512, 32, 8, 8, 4096, 16, torch.device("cpu"))
+    assert prefill["block_q"] * prefill["block_g"] == 64
