@@ -19,35 +19,19 @@ too (the paged pool sized to the sequences' blocks, against ``batch x max_len``)
 """
 import argparse
 import random
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import banner, build_model, stage_runs  # noqa: E402
-from fp8 import SMALL, copy_bandwidth  # noqa: E402
+from fp8 import SMALL, copy_bandwidth, step_ms  # noqa: E402
 
 import ppsplit  # noqa: E402
 from ppsplit import CacheConfig  # noqa: E402
 from ppsplit.core.fx_utils import is_cache_buffer  # noqa: E402
 from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment  # noqa: E402
 from ppsplit.serve.cuda_graphs import CapturedStage  # noqa: E402
-
-
-def timed(run, device: str, rounds: int) -> float:
-    """Milliseconds per call of ``run``: median of ``rounds`` do_bench medians on CUDA, of host timings elsewhere."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return statistics.median(do_bench(run, rep=200) for _ in range(rounds))
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def cache_bytes(stage) -> int:
@@ -133,7 +117,7 @@ def main():
         "decodes alone": ragged_run(stage, decodes[:-1], tables, layout, args.device),
         "chunk alone": ragged_run(stage, [Segment(b - 1, chunk_at, args.chunk)], tables, layout, args.device),
     }
-    ms = {name: timed(run, args.device, args.rounds) for name, run in rows.items()}
+    ms = {name: step_ms(run, args.device, args.rounds) for name, run in rows.items()}
     live = {"ragged decode": sum(n + 1 for n in lengths), "lockstep decode (mean length)": b * (mean + 1)}
     print(f"\n{b} sequences of {lengths[0]}..{lengths[-1]} positions (mean {mean}), {args.layers} layers; copy "
           f"bandwidth {bw / 1e9:.0f} GB/s")

@@ -17,6 +17,16 @@ warnings.filterwarnings("ignore", message=".*Consider using tensor.detach.*")
 _TRACED: dict = {}
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster, and on a busy 2-core machine far faster (no spin-waiting).
+    A module asks for it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def traced_cache():
     """(model, traced graph) per architecture: one trace serves every split of that model."""

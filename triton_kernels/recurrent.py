@@ -111,14 +111,20 @@ def ssm_scan_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
 
 if HAVE_TRITON:
     @triton.jit
+    def _program_sequence(HEADS, STARTS, COUNTS, ROWS):
+        """This program's sequence ``s`` (its ring row) and head ``h``; the sequence's tokens are ``t0 .. t0 + T - 1``
+        of input row ``b``."""
+        pid = tl.program_id(0)
+        s = pid // HEADS
+        return s, pid % HEADS, tl.load(STARTS + s), tl.load(COUNTS + s), tl.load(ROWS + s)
+
+    @triton.jit
     def _gated_delta_kernel(q, k, v, g, beta, ring, positions, STARTS, COUNTS, ROWS, out, R, HV, GROUP, scale,
                             sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sgb, sgt, sgh, sbb, sbt, sbh,
                             srb, srs, srh, sob, sot, soh,
                             DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
                             G_PER_KEY: tl.constexpr):
-        pid = tl.program_id(0)
-        s, h = pid // HV, pid % HV  # s: the sequence (ring row); its tokens are t0 .. t0 + T - 1 of row b
-        t0, T, b = tl.load(STARTS + s), tl.load(COUNTS + s), tl.load(ROWS + s)
+        s, h, t0, T, b = _program_sequence(HV, STARTS, COUNTS, ROWS)
         hk = h // GROUP
         dk = tl.arange(0, DK)
         dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -156,9 +162,7 @@ if HAVE_TRITON:
     def _ssm_kernel(x, dt, A, B, C, ring, positions, STARTS, COUNTS, ROWS, out, R, H, GROUP, P,
                     sxb, sxt, sxh, sdb, sdt, sdh, sBb, sBt, sBg, sCb, sCt, sCg, srb, srs, srh, sob, sot, soh,
                     N: tl.constexpr, BLOCK_P: tl.constexpr, A_PER_STATE: tl.constexpr):
-        pid = tl.program_id(0)
-        s, h = pid // H, pid % H  # s: the sequence (ring row); its tokens are t0 .. t0 + T - 1 of row b
-        t0, T, b = tl.load(STARTS + s), tl.load(COUNTS + s), tl.load(ROWS + s)
+        s, h, t0, T, b = _program_sequence(H, STARTS, COUNTS, ROWS)
         grp = h // GROUP
         n = tl.arange(0, N)
         p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)

@@ -53,38 +53,36 @@ def resolve_model(model: str) -> str:
 
 def materialize_demo() -> str:
     """Save the demo model (seeded random weights) and its tokenizer as a checkpoint, once; later calls reuse it."""
-    folder = os.path.join(cache_dir(), f"demo-v{DEMO_VERSION}")
-    if os.path.isfile(os.path.join(folder, "model.safetensors")):
-        return folder
-    os.makedirs(cache_dir(), exist_ok=True)
-    tmp = f"{folder}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    def write(tmp):
         demo_model().save_pretrained(tmp, safe_serialization=True)
         write_demo_tokenizer(tmp)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.rename(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
+    return _materialize(f"demo-v{DEMO_VERSION}", write)
 
 
 def materialize_demo_drafter(taps: tuple[int, ...]) -> str:
     """Save the demo's drafter for ``taps`` (``demo.demo_drafter``) as a checkpoint, once per set of taps."""
     from safetensors.torch import save_file
 
-    folder = os.path.join(cache_dir(), f"demo-v{DEMO_VERSION}-drafter-{'-'.join(map(str, taps))}")
+    def write(tmp):
+        cfg, tensors = demo_drafter(taps)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    return _materialize(f"demo-v{DEMO_VERSION}-drafter-{'-'.join(map(str, taps))}", write)
+
+
+def _materialize(name: str, write) -> str:
+    """``cache_dir()/name``, written by ``write(folder)`` into a temporary folder renamed into place (a crash leaves
+    nothing half-written), unless it is there already."""
+    folder = os.path.join(cache_dir(), name)
     if os.path.isfile(os.path.join(folder, "model.safetensors")):
         return folder
-    cfg, tensors = demo_drafter(taps)
+    os.makedirs(cache_dir(), exist_ok=True)
     tmp = f"{folder}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         os.makedirs(tmp)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        write(tmp)
         shutil.rmtree(folder, ignore_errors=True)
         os.rename(tmp, folder)
     except BaseException:

@@ -18,13 +18,7 @@ TAPS = [1, 2, 4]  # the same tensors in ppsplit numbering (+1)
 _MODELS: dict = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster, and on a busy 2-core machine far faster (no spin-waiting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def traced(name):

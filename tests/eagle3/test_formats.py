@@ -17,12 +17,7 @@ TAPS = [1, 2, 4]  # ppsplit (= vLLM, speculators) numbering; SpecForge writes [0
 K = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- a reference written from the published description (no library) ---------------------------------------------
