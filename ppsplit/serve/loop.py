@@ -175,8 +175,11 @@ class EngineLoop:
             while not self._stop.is_set():
                 self._take_inbox(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
-                self._snapshot()
+                    outputs = self.engine.step()
+                    self._snapshot()  # before any client hears of the step: /metrics is never behind what it saw
+                    self._deliver(outputs)
+                else:
+                    self._snapshot()
             if self.close is not None and self.failed is None:
                 self.close()
         except Exception as e:  # a failed step (or a rank that died): every request learns it, the server ends
@@ -235,11 +238,14 @@ class EngineLoop:
                     m.drafts_proposed += sum(len(d) for d in out.drafts)
             if out.new_token_ids:
                 tracked.last = now
-            tracked.callback("output", out)
             if out.finished:
-                self._finish(out.request_id, None, None, reason=out.finish_reason)
+                self._finish(out.request_id, "output", out, reason=out.finish_reason)
+            else:
+                tracked.callback("output", out)
 
     def _finish(self, request_id: str, kind, payload, reason: str | None = None) -> None:
+        """End a request: its slot and the finished count first, then its last event (a client that has its last
+        event finds it counted)."""
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return
