@@ -42,6 +42,7 @@ import ppsplit
 import ppsplit.compile.api  # noqa: F401  imported before forking so that each child does not pay for it
 import ppsplit.artifact.loader  # noqa: F401
 import ppsplit.compile.writer  # noqa: F401
+from ppsplit.core.tensors import stream_rows
 
 warnings.filterwarnings("ignore")
 L, H, V = 4, 64, 128
@@ -251,8 +252,9 @@ def _run_checks(model_type: str, zoo: bool, send):
                 with torch.no_grad():
                     logits, aux = split(ids)
                 shift = TAP_SHIFT.get(model_type, 0)
-                err = max((logits - ref.logits).abs().max().item(),
-                          *((aux[k] - ref.hidden_states[t - shift]).abs().max().item() for k, t in enumerate(taps)))
+                err = max((logits - ref.logits).abs().max().item(),  # a stream of several vectors, as aux holds it
+                          *((aux[k] - stream_rows(split.plan, ref.hidden_states[t - shift])).abs().max().item()
+                            for k, t in enumerate(taps)))
                 statuses.append("ok" if err < TOL else f"pp={pp}: mismatch, max abs error {err:.1e}")
             except Exception as e:
                 statuses.append(f"pp={pp}: {reason(e)}")

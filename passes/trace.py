@@ -46,7 +46,7 @@ class Traced:
     gm: fx.GraphModule
     model_class: str
     cache: CacheConfig | None  # the paged cache the stages will own (the graph holds a dense stand-in, below)
-    batch_symbol: str  # sympy name of the batch dimension, e.g. "s0"
+    batch_symbol: str  # sympy name of the batch dimension, e.g. "s0" ("" when export fixed it: see fixed_batch)
     tokens_symbol: str
     tied: tuple[tuple[str, str], ...]  # (alias, canonical) pairs of parameters that share storage
     hidden_size: int = 0  # the config's, when it names one: tells the residual stream from values beside it
@@ -58,6 +58,7 @@ class Traced:
     # The traced module itself, so a split that cannot page its cache can be traced again with a lockstep one.
     source: torch.nn.Module | None = field(default=None, compare=False, repr=False)
     retraced: dict = field(default_factory=dict, compare=False, repr=False)  # that lockstep trace, made once
+    fixed_batch: int = 0  # the batch export fixed (a paged trace's one row, a cache's rows), 0 when it is dynamic
 
 
 class _Traceable(torch.nn.Module):
@@ -285,6 +286,7 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         hidden_size=_hidden_size(model),
         stand_in=stand_in,
         source=model,
+        fixed_batch=0 if b_sym else int(b_size),
         **_generation_ids(model),
     )
 
