@@ -103,31 +103,11 @@ def test_verify_pass_with_rejected_drafts_then_decoding_equals_hf(arch):
     recurrent state), then one-token steps from the first wrong position: each step must start from the state after
     the accepted draft, not after the rejected ones, and the tokens equal HF's greedy continuation. A second verify
     pass rejects all its drafts."""
+    from tests.support import decode_through_rejected_drafts
+
     split = ppsplit.split_model(cached(arch), 2)
-    split.reset_cache()
     greedy = expected(arch)[:, 6:]
-    with torch.no_grad():
-        split(IDS, torch.arange(6))
-        wrong = (greedy[:, 2:4] + 1) % V
-        logits, _ = split(torch.cat([greedy[:, :2], wrong], dim=1), torch.arange(6, 10))
-        picked = logits.argmax(-1)
-        assert torch.equal(picked[:, :2], greedy[:, 1:3])  # the right draft is accepted, the next is greedy[2]
-        assert not torch.equal(picked[:, 2:], greedy[:, 3:5])  # the states after a wrong draft differ
-        tokens, token = [greedy[:, :2], picked[:, 1:2]], picked[:, 1:2]
-        for position in range(8, 11):
-            logits, _ = split(token, torch.tensor([position]))
-            token = logits[:, -1:].argmax(-1)
-            tokens.append(token)
-        # Verify at 11..14 with three wrong drafts: only the committed token counts, then decode from 12.
-        drafts = (greedy[:, 6:9] + 7) % V
-        logits, _ = split(torch.cat([token, drafts], dim=1), torch.arange(11, 15))
-        token = logits[:, :1].argmax(-1)
-        tokens.append(token)
-        for position in range(12, 15):
-            logits, _ = split(token, torch.tensor([position]))
-            token = logits[:, -1:].argmax(-1)
-            tokens.append(token)
-    assert torch.equal(torch.cat(tokens, dim=1), greedy)
+    assert torch.equal(decode_through_rejected_drafts(split, IDS, greedy), greedy)
 
 
 @pytest.mark.parametrize("arch", [a for a in ("qwen3_next", "nemotron_h") if a in ARCHS])
