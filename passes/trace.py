@@ -23,7 +23,7 @@ from torch.export import Dim
 import ppsplit.core.errors
 from ppsplit.core.options import CacheConfig
 from ppsplit.core.errors import ConfigError, TraceError
-from ppsplit.core.fx_utils import CACHE_PREFIX, copy_buffer_persistence, set_tensor, tied_parameters
+from ppsplit.core.fx_utils import CACHE_PREFIX, conv_buffer, copy_buffer_persistence, set_tensor, tied_parameters
 from ppsplit.passes.tracing.kv_cache import PositionedCache, RecurrentScans
 from ppsplit.core.tensors import module_device
 
@@ -87,7 +87,7 @@ class _Traceable(torch.nn.Module):
                 raise ConfigError(f"{type(model).__name__}.forward takes no cache, so ppsplit cannot give its stages "
                                   "a KV cache; split it without cache=")
             self.max_len = cache.max_len
-            self.kv = PositionedCache(num_layers, cache.max_len)
+            self.kv = PositionedCache.for_model(model, num_layers, cache.max_len)
             self.add_module(CACHE_PREFIX, torch.nn.Module())
             self.kv_cache = getattr(self, CACHE_PREFIX)
             device = module_device(model)
@@ -103,10 +103,9 @@ class _Traceable(torch.nn.Module):
                     layer.register_buffer("values", torch.zeros(cache.batch_size, v_shape[0], cache.max_len,
                                                                 *v_shape[1:], dtype=dtype, device=device),
                                           persistent=False)
-                if cache_layer.conv_shape is not None:
-                    channels, _, dtype = cache_layer.conv_shape
-                    layer.register_buffer("conv_inputs", torch.zeros(cache.batch_size, channels, cache.max_len,
-                                                                     dtype=dtype, device=device), persistent=False)
+                for index, (channels, _, dtype) in cache_layer.conv_shapes.items():
+                    layer.register_buffer(conv_buffer(index), torch.zeros(cache.batch_size, channels, cache.max_len,
+                                                                          dtype=dtype, device=device), persistent=False)
                 if cache_layer.state_shape is not None:  # a recurrent layer's ring of states (float32)
                     layer.register_buffer("states", torch.zeros(cache.batch_size, cache.state_slots, *cache_layer.state_shape,
                                                                 device=device), persistent=False)
@@ -134,7 +133,7 @@ class _Traceable(torch.nn.Module):
                               "to its state cache (this transformers release computes them another way); split it "
                               "without cache=")
         shapes = {i: layer for i, layer in enumerate(self.kv.layers)
-                  if layer.shapes is not None or layer.conv_shape is not None or layer.state_shape is not None}
+                  if layer.shapes is not None or layer.conv_shapes or layer.state_shape is not None}
         if not shapes:
             raise ConfigError(f"{type(self.m).__name__} wrote nothing into the cache it was given, so ppsplit cannot "
                               "give its stages a KV cache; split it without cache=")

@@ -34,6 +34,11 @@ import torch
 from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
 
 
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """The references accumulate in float32, as the kernels do (float64 inputs stay float64: the tests' oracle)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _ring_rows(ring: torch.Tensor, batch: int) -> torch.Tensor:
     return ring[:batch]  # batches smaller than the cache use its leading rows, like K/V
 
@@ -54,29 +59,34 @@ def _keep(ring: torch.Tensor, positions: torch.Tensor, t: int, tokens: int, stat
 
 
 def gated_delta_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                          beta: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, l2norm: bool) -> torch.Tensor:
+                          beta: torch.Tensor | None, ring: torch.Tensor, positions: torch.Tensor, l2norm: bool,
+                          scale: float | None = None) -> torch.Tensor:
     """Gated delta rule over ``query, key [B, T, Hk, Dk]``, ``value [B, T, Hv, Dv]``, ``g, beta [B, T, Hv]`` (``Hk``
     divides ``Hv``: each key head serves ``Hv / Hk`` consecutive value heads; ``g [B, T, Hv, Dk]`` decays each key
     channel on its own, as Kimi's delta attention does), starting from and writing the ring
-    ``[B', R, Hv, Dk, Dv]`` (float32) at ``positions [T]``. Returns ``[B, T, Hv, Dv]`` in the query's dtype."""
+    ``[B', R, Hv, Dk, Dv]`` (float32) at ``positions [T]``. Returns ``[B, T, Hv, Dv]`` in the query's dtype.
+    Without ``beta``, plain gated linear attention (``linear_attention_scan``): ``S = S * exp(g_t) + k_t v_t^T``;
+    ``scale`` (default ``1 / sqrt(Dk)``) multiplies the output."""
     batch, tokens, k_heads, _ = key.shape
     v_heads = value.shape[2]
     if k_heads != v_heads:
         query = query.repeat_interleave(v_heads // k_heads, dim=2)
         key = key.repeat_interleave(v_heads // k_heads, dim=2)
-    q, k, v, gate, b = (x.float() for x in (query, key, value, g, beta))
+    q, k, v, gate = (_acc(x) for x in (query, key, value, g))
     if l2norm:
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    q = q / (q.shape[-1] ** 0.5)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
     rows = _ring_rows(ring, batch)
     state = _start_state(rows, positions)  # [B, Hv, Dk, Dv]
     out = []
     per_key = gate.dim() == 4  # Kimi's delta attention: one decay per key channel, not per head
     for t in range(tokens):
         state = state * (gate[:, t].exp()[..., None] if per_key else gate[:, t].exp()[..., None, None])
-        remembered = (state * k[:, t, :, :, None]).sum(-2)  # S^T k: [B, Hv, Dv]
-        delta = (v[:, t] - remembered) * b[:, t, :, None]
+        delta = v[:, t]
+        if beta is not None:
+            remembered = (state * k[:, t, :, :, None]).sum(-2)  # S^T k: [B, Hv, Dv]
+            delta = (delta - remembered) * _acc(beta[:, t, :, None])
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
         out.append((state * q[:, t, :, :, None]).sum(-2))
         _keep(rows, positions, t, tokens, state)
@@ -91,10 +101,10 @@ def ssm_scan_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
     skip term."""
     batch, tokens, heads, _ = x.shape
     groups = B.shape[2]
-    xs, dts = x.float(), dt.float()
-    Bs = B.float().repeat_interleave(heads // groups, dim=2)  # [B, T, H, N]
-    Cs = C.float().repeat_interleave(heads // groups, dim=2)
-    decay_rate = A.float()
+    xs, dts = _acc(x), _acc(dt)
+    Bs = _acc(B).repeat_interleave(heads // groups, dim=2)  # [B, T, H, N]
+    Cs = _acc(C).repeat_interleave(heads // groups, dim=2)
+    decay_rate = _acc(A)
     if decay_rate.dim() == 1:
         decay_rate = decay_rate[:, None]  # one rate per head, the same for every state entry
     rows = _ring_rows(ring, batch)
@@ -109,13 +119,51 @@ def ssm_scan_reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
     return torch.stack(out, dim=1)
 
 
+def linear_recurrence_reference(x: torch.Tensor, a: torch.Tensor, ring: torch.Tensor,
+                                positions: torch.Tensor) -> torch.Tensor:
+    """The diagonal linear recurrence ``h_t = a_t * h_{t-1} + x_t`` over ``x, a [B, T, D]`` (RecurrentGemma's RG-LRU
+    scan, ``RecurrentGemmaRglru._rnn_scan``, with its gate and input normalisation applied by the model), starting
+    from and writing the ring ``[B', R, D]`` (float32) at ``positions [T]``. Returns every ``h_t``, ``[B, T, D]``
+    in ``x``'s dtype."""
+    rows = _ring_rows(ring, x.shape[0])
+    state = _start_state(rows, positions)  # [B, D]
+    xs, gates = _acc(x), _acc(a)
+    out = []
+    for t in range(x.shape[1]):
+        state = gates[:, t] * state + xs[:, t]
+        out.append(state)
+        _keep(rows, positions, t, x.shape[1], state)
+    return torch.stack(out, dim=1).to(x.dtype)
+
+
 if HAVE_TRITON:
+    @triton.jit
+    def _linear_recurrence_kernel(x, a, ring, positions, STARTS, COUNTS, ROWS, out, R, D, sxb, sxt, sab, sat,
+                                  srb, srs, sob, sot, BLOCK: tl.constexpr):
+        s = tl.program_id(0)  # the sequence (ring row); its tokens are t0 .. t0 + T - 1 of row b
+        t0, T, b = tl.load(STARTS + s), tl.load(COUNTS + s), tl.load(ROWS + s)
+        d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = d < D
+        p0 = tl.load(positions + t0)
+        start = ring + s * srb
+        h = tl.load(start + ((p0 - 1 + R) % R) * srs + d, mask=mask, other=0.0)
+        h = tl.where(p0 > 0, h, 0.0)
+        for i in range(T):
+            t = t0 + i
+            xt = tl.load(x + b * sxb + t * sxt + d, mask=mask, other=0.0).to(tl.float32)
+            at = tl.load(a + b * sab + t * sat + d, mask=mask, other=0.0).to(tl.float32)
+            h = at * h + xt
+            tl.store(out + b * sob + t * sot + d, h.to(out.dtype.element_ty), mask=mask)
+            if i >= T - R:
+                slot = tl.load(positions + t) % R
+                tl.store(start + slot * srs + d, h, mask=mask)
+
     @triton.jit
     def _gated_delta_kernel(q, k, v, g, beta, ring, positions, STARTS, COUNTS, ROWS, out, R, HV, GROUP, scale,
                             sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sgb, sgt, sgh, sbb, sbt, sbh,
                             srb, srs, srh, sob, sot, soh,
                             DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
-                            G_PER_KEY: tl.constexpr):
+                            G_PER_KEY: tl.constexpr, DELTA: tl.constexpr):
         pid = tl.program_id(0)
         s, h = pid // HV, pid % HV  # s: the sequence (ring row); its tokens are t0 .. t0 + T - 1 of row b
         t0, T, b = tl.load(STARTS + s), tl.load(COUNTS + s), tl.load(ROWS + s)
@@ -137,14 +185,17 @@ if HAVE_TRITON:
                 qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6)
             qt = qt * scale
             vt = tl.load(v + b * svb + t * svt + h * svh + dv, mask=vmask, other=0.0).to(tl.float32)
-            bt = tl.load(beta + b * sbb + t * sbt + h * sbh).to(tl.float32)
             if G_PER_KEY:
                 gk = tl.load(g + b * sgb + t * sgt + h * sgh + dk).to(tl.float32)
                 state = state * tl.exp(gk)[:, None]
             else:
                 state = state * tl.exp(tl.load(g + b * sgb + t * sgt + h * sgh).to(tl.float32))
-            remembered = tl.sum(state * kt[:, None], 0)
-            delta = (vt - remembered) * bt
+            if DELTA:
+                bt = tl.load(beta + b * sbb + t * sbt + h * sbh).to(tl.float32)
+                remembered = tl.sum(state * kt[:, None], 0)
+                delta = (vt - remembered) * bt
+            else:
+                delta = vt
             state = state + kt[:, None] * delta[None, :]
             o = tl.sum(state * qt[:, None], 0)
             tl.store(out + b * sob + t * sot + h * soh + dv, o.to(out.dtype.element_ty), mask=vmask)
@@ -201,9 +252,10 @@ def _dense_segments(batch: int, tokens: int, device):
 
 
 def launch_gated_delta(query, key, value, g, beta, ring, positions, l2norm: bool, segments=None, *,
-                       wrap=lambda kernel: kernel):
-    """The Triton path of ``gated_delta_scan`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
-    ``segments``: ``(starts, counts, rows)`` per sequence (ring row); default: one per batch row."""
+                       scale: float | None = None, wrap=lambda kernel: kernel):
+    """The Triton path of ``gated_delta_scan`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``), and of
+    ``linear_attention_scan`` without ``beta``. ``segments``: ``(starts, counts, rows)`` per sequence (ring row);
+    default: one per batch row."""
     batch, tokens, k_heads, dk = key.shape
     v_heads, dv = value.shape[2], value.shape[3]
     if dk != _pow2(dk):
@@ -212,12 +264,14 @@ def launch_gated_delta(query, key, value, g, beta, ring, positions, l2norm: bool
     starts, counts, rows = segments if segments is not None else _dense_segments(batch, tokens, query.device)
     out = torch.zeros(batch, tokens, v_heads, dv, dtype=query.dtype, device=query.device)  # padding: zeros
     block_v = min(_pow2(dv), 32)
+    delta = beta is not None
+    beta = beta if delta else g  # not read without the delta rule
     wrap(_gated_delta_kernel)[(starts.shape[0] * v_heads, triton.cdiv(dv, block_v))](
         query, key, value, g, beta, ring, positions, starts, counts, rows, out, ring.shape[1], v_heads,
         v_heads // k_heads,
-        dk ** -0.5, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *g.stride()[:3], *beta.stride()[:3],
-        *ring.stride()[:3], *out.stride()[:3], DK=dk, DV=dv, BLOCK_V=block_v, L2NORM=l2norm,
-        G_PER_KEY=g.dim() == 4, num_warps=4)
+        dk ** -0.5 if scale is None else scale, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
+        *g.stride()[:3], *beta.stride()[:3], *ring.stride()[:3], *out.stride()[:3], DK=dk, DV=dv, BLOCK_V=block_v,
+        L2NORM=l2norm, G_PER_KEY=g.dim() == 4, DELTA=delta, num_warps=4)
     return out
 
 
@@ -237,6 +291,19 @@ def launch_ssm_scan(x, dt, A, B, C, ring, positions, segments=None, *, wrap=lamb
         x, dt, A, B, C, ring, positions, starts, counts, rows, out, ring.shape[1], heads, heads // groups, head_dim,
         *x.stride()[:3], *dt.stride()[:3], *B.stride()[:3], *C.stride()[:3], *ring.stride()[:3], *out.stride()[:3],
         N=n, BLOCK_P=block_p, A_PER_STATE=A.dim() == 2, num_warps=4)
+    return out
+
+
+def launch_linear_recurrence(x, a, ring, positions, segments=None, *, wrap=lambda kernel: kernel):
+    """The Triton path of ``linear_recurrence``; ``segments`` as in ``launch_gated_delta``."""
+    batch, tokens, width = x.shape
+    x, a = _last_dim_contiguous(x, a)
+    starts, counts, rows = segments if segments is not None else _dense_segments(batch, tokens, x.device)
+    out = torch.zeros_like(x)  # padding: zeros
+    block = min(_pow2(width), 1024)
+    wrap(_linear_recurrence_kernel)[(starts.shape[0], triton.cdiv(width, block))](
+        x, a, ring, positions, starts, counts, rows, out, ring.shape[1], width, *x.stride()[:2], *a.stride()[:2],
+        *ring.stride()[:2], *out.stride()[:2], BLOCK=block, num_warps=4)
     return out
 
 
@@ -324,3 +391,70 @@ def ragged_ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
 @ragged_ssm_scan.register_fake
 def _(x, dt, A, B, C, ring, positions, seq_start, seq_count):
     return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@register("ppsplit::linear_attention_scan", ("ring",))
+def linear_attention_scan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                          ring: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Gated linear attention, ``S = S * exp(g_t) + k_t v_t^T; o_t = scale * S^T q_t`` (MiniMax's lightning
+    attention, ``g`` its per-head decay): ``gated_delta_reference`` without the delta rule, the same kernel."""
+    if on_gpu(query) and _kernel_fits(key.shape[-1]):
+        with torch.cuda.device(query.device):
+            return launch_gated_delta(query, key, value, g, None, ring, positions, False, scale=scale,
+                                      wrap=wrap_triton)
+    return gated_delta_reference(query, key, value, g, None, ring, positions, False, scale)
+
+
+@linear_attention_scan.register_fake
+def _(query, key, value, g, ring, positions, scale):
+    return value.new_empty(value.shape, dtype=query.dtype)
+
+
+@register("ppsplit::ragged_linear_attention_scan", ("ring",), opaque=True)
+def ragged_linear_attention_scan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                                 ring: torch.Tensor, positions: torch.Tensor, seq_start: torch.Tensor,
+                                 seq_count: torch.Tensor, scale: float) -> torch.Tensor:
+    """``linear_attention_scan`` over a ragged step, as ``ragged_gated_delta_scan``."""
+    if on_gpu(query) and _kernel_fits(key.shape[-1]):
+        with torch.cuda.device(query.device):
+            return launch_gated_delta(query, key, value, g, None, ring, positions, False,
+                                      (seq_start, seq_count, torch.zeros_like(seq_start)), scale=scale)
+    out = torch.zeros(value.shape, dtype=query.dtype, device=query.device)
+
+    def scan(q, k, v, g_, ring_row, pos):
+        return gated_delta_reference(q, k, v, g_, None, ring_row, pos, False, scale)
+    return _ragged(scan, (query, key, value, g), out, ring, positions, seq_start, seq_count)
+
+
+@ragged_linear_attention_scan.register_fake
+def _(query, key, value, g, ring, positions, seq_start, seq_count, scale):
+    return value.new_empty(value.shape, dtype=query.dtype)
+
+
+@register("ppsplit::linear_recurrence", ("ring",))
+def linear_recurrence(x: torch.Tensor, a: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """See ``linear_recurrence_reference``: the Triton kernel on CUDA, the reference elsewhere."""
+    if on_gpu(x):
+        with torch.cuda.device(x.device):
+            return launch_linear_recurrence(x, a, ring, positions, wrap=wrap_triton)
+    return linear_recurrence_reference(x, a, ring, positions)
+
+
+@linear_recurrence.register_fake
+def _(x, a, ring, positions):
+    return torch.empty_like(x)
+
+
+@register("ppsplit::ragged_linear_recurrence", ("ring",), opaque=True)
+def ragged_linear_recurrence(x: torch.Tensor, a: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor,
+                             seq_start: torch.Tensor, seq_count: torch.Tensor) -> torch.Tensor:
+    """``linear_recurrence`` over a ragged step, as ``ragged_gated_delta_scan``."""
+    if on_gpu(x):
+        with torch.cuda.device(x.device):
+            return launch_linear_recurrence(x, a, ring, positions, (seq_start, seq_count, torch.zeros_like(seq_start)))
+    return _ragged(linear_recurrence_reference, (x, a), torch.zeros_like(x), ring, positions, seq_start, seq_count)
+
+
+@ragged_linear_recurrence.register_fake
+def _(x, a, ring, positions, seq_start, seq_count):
+    return torch.empty_like(x)

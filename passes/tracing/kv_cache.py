@@ -14,15 +14,16 @@ A short convolution (LFM2's ``conv`` layers) keeps its inputs the same way, ``kv
 position too: a verify pass's rejected drafts are overwritten like their keys, and prefill, decode and verify are
 one graph.
 
-A recurrent layer (Mamba-1, Mamba-2 / SSD, Gated DeltaNet) keeps a ring ``kv_cache.<layer>.states`` of
+A recurrent layer (Mamba-1, Mamba-2 / SSD, Gated DeltaNet, lightning attention, RG-LRU) keeps a ring ``kv_cache.<layer>.states`` of
 ``[batch_size, S, *state]`` float32 states (``S = CacheConfig.state_slots``), the state after position ``p`` in
 slot ``p % S``
 (``ppsplit/triton_kernels/recurrent.py``): a step starts from the state before its first position and keeps the
 state after each of its last tokens, so a verify pass of up to ``S`` tokens leaves behind the state
 after every one of them and the next step picks the one after the last accepted token. The layer's scan (the
-model file's ``mamba_selective_scan``, ``mamba2_chunk_scan`` or ``torch_chunk_gated_delta_rule``) is routed to
-ppsplit's op while tracing (``RecurrentScans``); the rest of the layer runs as the model wrote it, its short
-convolution through the conv inputs above.
+model file's ``mamba_selective_scan``, ``mamba2_chunk_scan`` or ``torch_chunk_gated_delta_rule``, RG-LRU's
+``_rnn_scan`` method) is routed to ppsplit's op while tracing (``RecurrentScans``); the rest of the layer runs as the
+model wrote it, its short convolution through the conv inputs above. MiniMax's lightning attention (its recurrence
+inline in its forward) has its forward routed whole.
 
 The layer classes plug into Hugging Face's ``Cache`` interface (``update``, ``get_mask_sizes``,
 ``get_query_offset``, ``get_conv_state`` / ``update_conv_state``), so the model's own code runs unchanged.
@@ -32,12 +33,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import typing
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, StaticLayer
 
 import ppsplit.triton_kernels.recurrent  # noqa: F401  (registers torch.ops.ppsplit.gated_delta_scan / ssm_scan)
+from ppsplit.core.errors import ConfigError
+from ppsplit.core.fx_utils import CONV_INPUTS, conv_index
 
 
 
@@ -51,8 +55,9 @@ class _PositionedLayer(StaticLayer):
         super().__init__(max_cache_len=max_cache_len)
         self.owner = owner
         self.shapes: tuple | None = None  # ((kv_heads, k_dim), (kv_heads, v_dim), dtype) seen by a recording run
-        self.conv_shape: tuple | None = None  # (channels, kernel, dtype) of a short convolution, seen the same way
-        self.conv_inputs: torch.Tensor | None = None
+        # Per short convolution of the layer (its state index), (channels, kernel, dtype) seen the same way.
+        self.conv_shapes: dict[int, tuple] = {}
+        self.conv_inputs: dict[int, torch.Tensor] = {}
         self.indexer_shape: tuple | None = None  # ((index_head_dim,), dtype) of the indexer keys, if the layer has one
         self.indexer_keys: torch.Tensor | None = None
         self.state_shape: tuple | None = None  # a recurrent layer's state shape, seen by a recording run
@@ -73,15 +78,15 @@ class _PositionedLayer(StaticLayer):
         values = self.values[:batch].index_copy_(2, positions, value_states)
         return keys, values
 
-    def update_conv_state(self, conv_states: torch.Tensor, kernel: int) -> torch.Tensor:
+    def update_conv_state(self, conv_states: torch.Tensor, kernel: int, index: int = 0) -> torch.Tensor:
         """Write a short convolution's new inputs ``[B, C, T]`` at ``positions`` and return the window
         ``[B, C, kernel - 1 + T]`` it convolves: the inputs at the ``kernel - 1`` positions before the first new
-        token (zeros before position 0), then the new ones."""
+        token (zeros before position 0), then the new ones. ``index``: which of the layer's convolutions."""
         if self.owner.recording:
-            self.conv_shape = (conv_states.shape[1], kernel, conv_states.dtype)
+            self.conv_shapes[index] = (conv_states.shape[1], kernel, conv_states.dtype)
             return conv_states
         positions = self.owner.positions
-        inputs = self.conv_inputs[:conv_states.shape[0]].index_copy_(2, positions, conv_states)
+        inputs = self.conv_inputs[index][:conv_states.shape[0]].index_copy_(2, positions, conv_states)
         before = positions[:1] - torch.arange(kernel - 1, 0, -1, device=positions.device)
         where = torch.cat([before, positions])
         window = inputs.index_select(2, where.clamp(min=0))
@@ -128,6 +133,19 @@ class PositionedCache(Cache):
         self.recording = False
         self.length_as_size = False  # the trace's fallback for models that do arithmetic on the cache length
 
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, num_layers: int, max_len: int) -> "PositionedCache":
+        """A cache for ``model``: also an instance of the model's own cache class where its code insists on one
+        (MiniMax refuses any cache but a ``MiniMaxCache``). That class's own methods are shadowed by this one's: the
+        state they would keep lives in the rings that ppsplit's routed mixers read instead."""
+        cache = cls(num_layers, max_len)
+        own = _own_cache_class(model)
+        if own is not None:
+            names = {k for c in own.__mro__ if c not in cls.__mro__ for k in vars(c)} - _CLASS_ATTRS
+            shadows = {k: inspect.getattr_static(cls, k) for k in names if hasattr(cls, k)}
+            cache.__class__ = type(f"Positioned{own.__name__}", (cls, own), shadows)
+        return cache
+
     def get_seq_length(self, layer_idx: int = 0):
         """What the model reads as the cached length: the first new token's position, a tensor (no host sync).
         With ``length_as_size``, an integer known to lie in ``[0, max_len)``, so export can prove size arithmetic
@@ -162,16 +180,16 @@ class PositionedCache(Cache):
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
-        if state_idx or conv_kernel_size is None:
-            raise NotImplementedError("ppsplit's cache holds one short-convolution state per layer, of a known kernel")
-        return self.layers[layer_idx].update_conv_state(conv_states, conv_kernel_size)
+        if conv_kernel_size is None:
+            raise NotImplementedError("ppsplit's cache holds short-convolution inputs of a known kernel")
+        return self.layers[layer_idx].update_conv_state(conv_states, conv_kernel_size, state_idx)
 
     def bind(self, tensors: dict[int, dict[str, torch.Tensor]]) -> None:
         """Point each layer at its buffers (``keys`` and ``values``, ``indexer_keys``, ``conv_inputs``, ``states``) by
         layer index."""
         for i, named in tensors.items():
             layer = self.layers[i]
-            layer.conv_inputs = named.get("conv_inputs")
+            layer.conv_inputs = {conv_index(n): t for n, t in named.items() if n.startswith(CONV_INPUTS)}
             layer.states = named.get("states")
             layer.indexer_keys = named.get("indexer_keys")
             if "keys" not in named:
@@ -184,10 +202,37 @@ class PositionedCache(Cache):
             layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
 
 
+_CLASS_ATTRS = {"__module__", "__doc__", "__dict__", "__weakref__", "__qualname__"}
+
+
+def _own_cache_class(model: torch.nn.Module) -> type | None:
+    """A ``Cache`` subclass of the model's own (not transformers' generic ones) that a forward of it takes."""
+    for module in model.modules():
+        try:
+            params = inspect.signature(type(module).forward).parameters
+        except (TypeError, ValueError):
+            continue
+        for name in ("cache", "past_key_values"):
+            annotation = params[name].annotation if name in params else None
+            for kind in typing.get_args(annotation) or (annotation,):
+                if isinstance(kind, type) and issubclass(kind, Cache) and kind.__module__ != Cache.__module__:
+                    return kind
+    return None
+
+
 # The scans of recurrent layers in transformers' model files, by function name: what ppsplit routes to its ops.
 _SCANS = {"torch_chunk_gated_delta_rule": "gated_delta", "torch_recurrent_gated_delta_rule": "gated_delta",
           "chunk_kimi_delta_attention": "gated_delta", "recurrent_kimi_delta_attention": "gated_delta",
           "mamba2_chunk_scan": "ssd", "mamba_selective_scan": "mamba"}
+# Scans a mixer runs as a method of its own (RecurrentGemma's RG-LRU: ``self._rnn_scan``), by method name.
+_METHOD_SCANS = {"_rnn_scan": "lru"}
+
+
+def _source(cls) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
 
 
 def _scan_called(module: torch.nn.Module) -> str | None:
@@ -199,19 +244,42 @@ def _scan_called(module: torch.nn.Module) -> str | None:
     names = [n for n in _SCANS if file is not None and hasattr(file, n)]
     if not names:
         return None
-    try:
-        code = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        return None
+    code = _source(type(module))
     kinds = {_SCANS[n] for n in names if n + "(" in code}
     return kinds.pop() if len(kinds) == 1 else None
+
+
+def _method_scan(module: torch.nn.Module) -> tuple[str, str] | None:
+    """``(method, kind)`` when ``module.forward`` calls a scan method of its own."""
+    code = _source(type(module))
+    return next(((m, k) for m, k in _METHOD_SCANS.items() if callable(getattr(type(module), m, None))
+                 and f"self.{m}(" in code), None)
+
+
+def _is_lightning(module: torch.nn.Module) -> bool:
+    """MiniMax's lightning attention: linear attention with one fixed decay per head (``slope_rate``), kept through
+    the cache's ``get_linear_cache`` / ``set_linear_cache``. Its whole forward is routed (the recurrence is inline:
+    a per-token loop when the cache holds a state, a loop over blocks of tokens when not)."""
+    parts = ("slope_rate", "qkv_proj", "output_gate", "out_proj", "norm", "act_fn", "num_attention_heads", "head_dim")
+    return "get_linear_cache(" in _source(type(module)) and all(hasattr(module, p) for p in parts)
+
+
+def _is_short_conv(module: torch.nn.Module) -> bool:
+    """A depthwise causal ``nn.Conv1d`` (padding ``kernel - 1``): the short convolution of a recurrent block."""
+    return (isinstance(module, torch.nn.Conv1d) and module.groups == module.in_channels == module.out_channels
+            and module.stride == (1,) and module.dilation == (1,) and module.padding == (module.kernel_size[0] - 1,))
 
 
 class RecurrentScans:
     """Routes a model's recurrent scans to ppsplit's ring-state ops while it runs (and is traced).
 
     The mixers are the modules with a ``layer_idx`` whose ``forward`` calls one of the scans above, defined in its
-    model file; ``unsupported`` lists the modules with an ``A_log`` (a recurrence's decay) outside every mixer:
+    model file; the modules whose ``forward`` calls a scan method of their own (``_METHOD_SCANS``; their layer from
+    their place in the model); and MiniMax-style lightning attention (``_is_lightning``), whose forward is routed
+    whole. A mixer that keeps its decoding state on its block (RecurrentGemma's recurrent block holds its
+    convolution window and RG-LRU state itself when ``use_cache``) runs its block's whole-sequence form
+    (``use_cache=False``), with the block's short causal convolutions reading their window from the cache's inputs
+    by position. ``unsupported`` lists the modules with an ``A_log`` (a recurrence's decay) outside every mixer:
     another recurrence, which the cache cannot hold. Without a cache the scans are routed too, each call starting
     from zeros: Mamba-1's reference loop would fix the token count, and exporting the chunked forms takes a minute per
     model for the same function."""
@@ -220,20 +288,44 @@ class RecurrentScans:
         self.mixers: dict[int, str] = {}  # layer index -> kind of scan
         self.unsupported: list[str] = []
         self._files: dict[str, object] = {}
-        self._hooks_on: list[torch.nn.Module] = []
+        self._hooks_on: list[tuple[torch.nn.Module, int]] = []  # (mixer, its layer): sets the active ring
+        self._patches: list[tuple[torch.nn.Module, str, object]] = []  # (module, attribute, its ppsplit form)
+        self._blocks: list[torch.nn.Module] = []  # blocks called with use_cache=False
+        modules = dict(model.named_modules())
         inside: list[str] = []
-        for name, module in model.named_modules():
+        for name, module in modules.items():
             kind = _scan_called(module)
+            method = _method_scan(module) if kind is None else None
             if kind is not None:
-                self.mixers[module.layer_idx] = kind
                 self._files[type(module).__module__] = sys.modules[type(module).__module__]
-                self._hooks_on.append(module)
-                inside.append(name + ".")
+            elif method is not None:
+                attr, kind = method
+                self._patches.append((module, attr, getattr(self, "_" + kind)))
+                self._route_block(modules, name)
+            elif _is_lightning(module):
+                kind = "lightning"
+                self._patches.append((module, "forward", self._lightning(module)))
             elif hasattr(module, "A_log") and not any(name.startswith(m) for m in inside):
                 self.unsupported.append(f"{name} ({type(module).__name__})")
+            if kind is not None:
+                layer = _layer_index(name, module)
+                self.mixers[layer] = kind
+                self._hooks_on.append((module, layer))
+                inside.append(name + ".")
         self.cache: PositionedCache | None = None
         self.positions: torch.Tensor | None = None
         self.active: int | None = None
+
+    def _route_block(self, modules: dict, name: str) -> None:
+        """The block around a method mixer: whole-sequence form, short convolutions through the cache."""
+        parent = name.rpartition(".")[0]
+        block = modules[parent]
+        if "use_cache" in inspect.signature(block.forward).parameters:
+            self._blocks.append(block)
+        for child_name, child in block.named_children():
+            if _is_short_conv(child):
+                self._patches.append((child, "forward", self._conv(child)))
+                self._hooks_on.append((child, _layer_index(f"{parent}.{child_name}", child)))
 
     @contextlib.contextmanager
     def routed(self, cache: "PositionedCache | None", positions: torch.Tensor):
@@ -251,12 +343,18 @@ class RecurrentScans:
                     if kind in kinds and hasattr(file, name):
                         saved.append((file, name, getattr(file, name)))
                         setattr(file, name, getattr(self, "_" + kind))
-            for module in self._hooks_on:
-                hooks.append(module.register_forward_pre_hook(self._enter(module.layer_idx)))
+            for module, attr, routed in self._patches:  # instance attributes over the class's own
+                setattr(module, attr, routed)
+            for module, layer in self._hooks_on:
+                hooks.append(module.register_forward_pre_hook(self._enter(layer)))
+            for block in self._blocks:
+                hooks.append(block.register_forward_pre_hook(_without_use_cache, with_kwargs=True))
             yield
         finally:
             for file, name, fn in saved:
                 setattr(file, name, fn)
+            for module, attr, _ in self._patches:
+                delattr(module, attr)
             for hook in hooks:
                 hook.remove()
             self.cache = self.positions = self.active = None
@@ -320,3 +418,57 @@ class RecurrentScans:
         if z is not None:
             y = y * F.silu(z)
         return (y, ring) if return_last_state else y
+
+    def _lru(self, hidden_states, recurrent_gate, reset, recurrent_states=None, acc_dtype=torch.float32):
+        """RecurrentGemma's ``_rnn_scan``: ``h_t = a_t h_{t-1} + x_t``, ``a`` zeroed where ``reset`` (position 0).
+        Returns ``(h, None)``: the ring holds the state, not the module."""
+        ring = self._ring(hidden_states.shape[0], (hidden_states.shape[-1],), hidden_states)
+        gate = recurrent_gate * ~reset
+        return torch.ops.ppsplit.linear_recurrence(hidden_states, gate, ring, self.positions), None
+
+    def _lightning(self, module: torch.nn.Module):
+        """MiniMax's ``MiniMaxLightningAttention.forward``: ``S = exp(-slope) S + k v^T; o = S^T q`` per head (its
+        decode step; its block-wise prefill is the same recurrence), then the norm, the output gate and the
+        projection as the model file has them."""
+        heads, dim = module.num_attention_heads, module.head_dim
+
+        def forward(hidden_states, *args, **kwargs):
+            batch, tokens, _ = hidden_states.shape
+            qkv = module.act_fn(module.qkv_proj(hidden_states)).reshape(batch, tokens, heads, 3 * dim)
+            query, key, value = torch.split(qkv, dim, dim=3)
+            decay = -module.slope_rate.reshape(1, 1, heads).expand(batch, tokens, heads)
+            ring = self._ring(batch, (heads, dim, dim), value)
+            out = torch.ops.ppsplit.linear_attention_scan(query, key, value, decay, ring, self.positions, 1.0)
+            out = module.norm(out.reshape(batch, tokens, heads * dim))
+            out = torch.sigmoid(module.output_gate(hidden_states)) * out
+            return module.out_proj(out), None
+        return forward
+
+    def _conv(self, conv: torch.nn.Conv1d):
+        """A block's short causal convolution over ``[B, C, T]``: its window of inputs from the cache by position
+        (the ``kernel - 1`` before the step, zeros before position 0). Returns what the module returns for the
+        step's inputs alone with its padding, ``[B, C, T + kernel - 1]``, whose first ``T`` columns are the tokens'
+        outputs (what the model keeps), here over the real window."""
+        kernel = conv.kernel_size[0]
+
+        def forward(x):
+            if self.cache is None:
+                return type(conv).forward(conv, x)
+            window = self.cache.layers[self.active].update_conv_state(x, kernel)  # the block's one convolution
+            return F.conv1d(window, conv.weight, conv.bias, padding=kernel - 1, groups=conv.groups)[..., kernel - 1:]
+        return forward
+
+
+def _without_use_cache(module, args, kwargs):
+    return args, {**kwargs, "use_cache": False}
+
+
+def _layer_index(name: str, module: torch.nn.Module) -> int:
+    """A mixer's decoder layer: its ``layer_idx``, else the index in its dotted name after the layer list
+    (``model.layers.3.temporal_block.rg_lru`` -> 3)."""
+    if isinstance(getattr(module, "layer_idx", None), int):
+        return module.layer_idx
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    if len(numbers) != 1:
+        raise ConfigError(f"ppsplit cannot tell which decoder layer the recurrent module {name} belongs to")
+    return numbers[0]

@@ -8,6 +8,16 @@ from __future__ import annotations
 import torch
 
 CACHE_PREFIX = "kv_cache"  # a stage's static KV cache lives in buffers kv_cache.<layer>.keys / .values
+CONV_INPUTS = "conv_inputs"  # a layer's short convolution's inputs by position; "conv_inputs_2" for its third
+
+
+def conv_buffer(index: int) -> str:
+    """The cache buffer name of a layer's ``index``-th short convolution's inputs."""
+    return CONV_INPUTS if index == 0 else f"{CONV_INPUTS}_{index}"
+
+
+def conv_index(name: str) -> int:
+    return int(name[len(CONV_INPUTS) + 1:] or 0)
 
 
 def is_cache_buffer(name: str) -> bool:
