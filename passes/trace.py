@@ -201,15 +201,17 @@ def refuse_uncached_state(model: torch.nn.Module, scans: RecurrentScans | None =
     for attr in ("layer_types", "block_types", "layers_block_type"):
         value = getattr(config, attr, None)
         if isinstance(value, (list, tuple)):
-            kinds |= {str(v) for i, v in enumerate(value) if str(v) in _STATE_KINDS and i not in scans.mixers}
+            kinds |= {str(v) for i, v in enumerate(value)
+                      if str(v) in _STATE_KINDS and i not in scans.mixers and i not in scans.convs}
     model_type = getattr(config, "model_type", "")
     if model_type in _STATE_MODELS and (scans.unsupported or not scans.mixers):
         kinds.add("recurrent")
     if scans.unsupported:
         raise ConfigError(f"{type(model).__name__} ({model_type}) cannot decode through ppsplit's static cache: its "
                           f"recurrent layers ({scans.unsupported[0]}{', ...' if len(scans.unsupported) > 1 else ''}) "
-                          "use a scan ppsplit does not route to its state cache yet (supported: Mamba-1, Mamba-2, "
-                          "Gated DeltaNet, Kimi delta attention); split it without cache=")
+                          "keep a state ppsplit does not route to its state cache yet (supported: Mamba-1, Mamba-2, "
+                          "Gated DeltaNet, Kimi delta attention, MiniMax lightning attention, RG-LRU, short "
+                          "convolutions); split it without cache=")
     if kinds:
         what = "; ".join(f"{kind} layers keep {_STATE_KINDS[kind]}" for kind in sorted(kinds))
         raise ConfigError(f"{type(model).__name__} ({model_type}) cannot decode through ppsplit's static KV cache: "

@@ -9,7 +9,8 @@ draft token leaves stale entries beyond the accepted position; the mask hides th
 ``positions`` overwrite them.
 
 A short convolution (LFM2's ``conv`` layers) keeps its inputs the same way, ``kv_cache.<layer>.conv_inputs`` of
-``[batch_size, channels, max_len]``, written at ``positions``; each step reads back the window the convolution needs
+``[batch_size, channels, max_len]`` (a layer's further ones, as Inkling's four, in ``conv_inputs_1`` ...), written
+at ``positions``; each step reads back the window the convolution needs
 (the ``kernel - 1`` inputs before its first token, zeros before position 0). Its state is therefore addressed by
 position too: a verify pass's rejected drafts are overwritten like their keys, and prefill, decode and verify are
 one graph.
@@ -286,6 +287,7 @@ class RecurrentScans:
 
     def __init__(self, model: torch.nn.Module):
         self.mixers: dict[int, str] = {}  # layer index -> kind of scan
+        self.convs: set[int] = set()  # layers with short convolutions that keep their inputs by position
         self.unsupported: list[str] = []
         self._files: dict[str, object] = {}
         self._hooks_on: list[tuple[torch.nn.Module, int]] = []  # (mixer, its layer): sets the active ring
@@ -305,8 +307,8 @@ class RecurrentScans:
             elif _is_lightning(module):
                 kind = "lightning"
                 self._patches.append((module, "forward", self._lightning(module)))
-            elif hasattr(module, "A_log") and not any(name.startswith(m) for m in inside):
-                self.unsupported.append(f"{name} ({type(module).__name__})")
+            elif not any(name.startswith(m) for m in inside):
+                self._other_state(name, module)
             if kind is not None:
                 layer = _layer_index(name, module)
                 self.mixers[layer] = kind
@@ -315,6 +317,15 @@ class RecurrentScans:
         self.cache: PositionedCache | None = None
         self.positions: torch.Tensor | None = None
         self.active: int | None = None
+
+    def _other_state(self, name: str, module: torch.nn.Module) -> None:
+        """A module outside every mixer: short-convolution inputs kept through the cache are served by position; a
+        recurrence's decay (``A_log``) or a recurrent state kept through the cache is not."""
+        code = _source(type(module))
+        if hasattr(module, "A_log") or "get_recurrent_state(" in code:
+            self.unsupported.append(f"{name} ({type(module).__name__})")
+        elif "update_conv_state(" in code:
+            self.convs.add(_layer_index(name, module))
 
     def _route_block(self, modules: dict, name: str) -> None:
         """The block around a method mixer: whole-sequence form, short convolutions through the cache."""
