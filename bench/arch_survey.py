@@ -129,7 +129,11 @@ ZOO = {
 
 # Hugging Face's Mamba models record each layer's output in output_hidden_states (no embedding entry): their
 # index j is ppsplit's tap j + 1.
-TAP_SHIFT = {"mamba": 1, "mamba2": 1, "falcon_mamba": 1}
+TAP_SHIFT = {"mamba": 1, "mamba2": 1, "falcon_mamba": 1, "rwkv": 1}
+# Model types whose own batched generate is not the model's greedy continuation: compared with the uncached forward,
+# token by token. RWKV: its stateful one-token step broadcasts the kept [B, C] token shift against the [B, 1, C]
+# token (modeling_rwkv.py, extract_key_value), mixing the rows of a batch; batch 1 is right.
+UNCACHED_ORACLE = {"rwkv"}
 
 def skip_reason(model_type: str) -> str | None:
     """Why ``model_type`` is not surveyed (None: it is)."""
@@ -266,6 +270,10 @@ def _run_checks(model_type: str, zoo: bool, send):
     try:
         with torch.no_grad():
             expected = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+            if model_type in UNCACHED_ORACLE:
+                expected = ids
+                for _ in range(NEW_TOKENS):
+                    expected = torch.cat([expected, model(expected).logits[:, -1:].argmax(-1)], dim=1)
     except Exception as e:
         send("decode", f"HF generate: {reason(e)}")
         send("compile", "- (no HF generate to compare)")

@@ -40,7 +40,8 @@ ops = torch.ops.ppsplit
 _SCANS = {ops.ssm_scan.default: ops.ragged_ssm_scan.default,
           ops.gated_delta_scan.default: ops.ragged_gated_delta_scan.default,
           ops.linear_attention_scan.default: ops.ragged_linear_attention_scan.default,
-          ops.linear_recurrence.default: ops.ragged_linear_recurrence.default}
+          ops.linear_recurrence.default: ops.ragged_linear_recurrence.default,
+          ops.wkv_scan.default: ops.ragged_wkv_scan.default}
 _CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
 
 

@@ -83,7 +83,7 @@ class _Traceable(torch.nn.Module):
         self._pass_use_cache = self._pass_use_cache or bool(self.scans.mixers) and takes_kwargs
         if cache is not None:
             refuse_uncached_state(model, self.scans)
-            if self._cache_kw is None:
+            if self._cache_kw is None and not self.scans.mixers:
                 raise ConfigError(f"{type(model).__name__}.forward takes no cache, so ppsplit cannot give its stages "
                                   "a KV cache; split it without cache=")
             self.max_len = cache.max_len
@@ -123,8 +123,8 @@ class _Traceable(torch.nn.Module):
         kwargs = {"position_ids": self.kv.positions[None]} if self._pass_positions else {}
         try:
             with torch.no_grad(), self.scans.routed(self.kv, self.kv.positions):
-                self.m(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True,
-                       **{self._cache_kw: self.kv}, **kwargs)
+                self.m(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=bool(self._cache_kw),
+                       **self._cache_kwargs(), **kwargs)
         finally:
             self.kv.recording = False
         missed = sorted(i for i in self.scans.mixers if self.kv.layers[i].state_shape is None)
@@ -139,17 +139,22 @@ class _Traceable(torch.nn.Module):
                               "give its stages a KV cache; split it without cache=")
         return shapes
 
+    def _cache_kwargs(self) -> dict:
+        """The cache the model is handed. A model whose forward takes none (RWKV keeps its state in a list it makes
+        when ``use_cache``) runs without one, ``use_cache=False``: its routed mixers read ppsplit's cache."""
+        return {self._cache_kw: self.kv} if self._cache_kw else {}
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         kwargs = {}
         if self._pass_positions:
             kwargs["position_ids"] = positions.unsqueeze(0)
         if self._pass_use_cache:
-            kwargs["use_cache"] = self.kv is not None
+            kwargs["use_cache"] = self.kv is not None and self._cache_kw is not None
         if self.kv is not None:
             # Bind the buffers on every call: export swaps module buffers for traced stand-ins.
             self.kv.bind({int(i): dict(layer.named_buffers()) for i, layer in self.kv_cache.named_children()})
             self.kv.positions = positions
-            kwargs[self._cache_kw] = self.kv
+            kwargs.update(self._cache_kwargs())
             if self._pass_mask:
                 # A mask over the whole cache, all visible: models that would otherwise size their padding mask
                 # from the cache length (a data-dependent .item()) take its width instead; the causal part still

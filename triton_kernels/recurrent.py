@@ -136,7 +136,63 @@ def linear_recurrence_reference(x: torch.Tensor, a: torch.Tensor, ring: torch.Te
     return torch.stack(out, dim=1).to(x.dtype)
 
 
+def wkv_reference(time_decay: torch.Tensor, time_first: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  ring: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """RWKV-4's WKV over ``key, value [B, T, D]`` with the per-channel ``time_decay`` (``w = -exp(time_decay)``) and
+    ``time_first`` (``u``) ``[D]``, as ``rwkv_linear_attention_cpu`` computes it:
+    ``wkv_t = (num + e^(u + k_t) v_t) / (den + e^(u + k_t))``, then ``num = e^w num + e^k_t v_t``,
+    ``den = e^w den + e^k_t``, both kept scaled by ``e^-max`` (the state ``[num, den, max]`` per channel) so no
+    exponential overflows. Starts from and writes the ring ``[B', R, 3, D]`` (float32) at ``positions [T]`` (a zero
+    state is an empty one: num = den = 0 at any max). Returns ``[B, T, D]`` in ``key``'s dtype."""
+    rows = _ring_rows(ring, key.shape[0])
+    num, den, top = _start_state(rows, positions).unbind(1)  # [B, D] each
+    decay, first = -torch.exp(_acc(time_decay)), _acc(time_first)
+    out = []
+    for t in range(key.shape[1]):
+        k, v = _acc(key[:, t]), _acc(value[:, t])
+        top_out = torch.maximum(top, k + first)
+        e1, e2 = torch.exp(top - top_out), torch.exp(k + first - top_out)
+        out.append((e1 * num + e2 * v) / (e1 * den + e2))
+        top_next = torch.maximum(top + decay, k)
+        e1, e2 = torch.exp(top + decay - top_next), torch.exp(k - top_next)
+        num, den, top = e1 * num + e2 * v, e1 * den + e2, top_next
+        _keep(rows, positions, t, key.shape[1], torch.stack([num, den, top], dim=1))
+    return torch.stack(out, dim=1).to(key.dtype)
+
+
 if HAVE_TRITON:
+    @triton.jit
+    def _wkv_kernel(w, u, k, v, ring, positions, STARTS, COUNTS, ROWS, out, R, D, skb, skt, svb, svt, srb, srs, srk,
+                    sob, sot, BLOCK: tl.constexpr):
+        s = tl.program_id(0)  # the sequence (ring row); its tokens are t0 .. t0 + T - 1 of row b
+        t0, T, b = tl.load(STARTS + s), tl.load(COUNTS + s), tl.load(ROWS + s)
+        d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = d < D
+        decay = -tl.exp(tl.load(w + d, mask=mask, other=0.0).to(tl.float32))
+        first = tl.load(u + d, mask=mask, other=0.0).to(tl.float32)
+        p0 = tl.load(positions + t0)
+        start = ring + s * srb
+        before = start + ((p0 - 1 + R) % R) * srs + d
+        num = tl.where(p0 > 0, tl.load(before, mask=mask, other=0.0), 0.0)
+        den = tl.where(p0 > 0, tl.load(before + srk, mask=mask, other=0.0), 0.0)
+        top = tl.where(p0 > 0, tl.load(before + 2 * srk, mask=mask, other=0.0), 0.0)
+        for i in range(T):
+            t = t0 + i
+            kt = tl.load(k + b * skb + t * skt + d, mask=mask, other=0.0).to(tl.float32)
+            vt = tl.load(v + b * svb + t * svt + d, mask=mask, other=0.0).to(tl.float32)
+            top_out = tl.maximum(top, kt + first)
+            e1, e2 = tl.exp(top - top_out), tl.exp(kt + first - top_out)
+            tl.store(out + b * sob + t * sot + d, ((e1 * num + e2 * vt) / (e1 * den + e2)).to(out.dtype.element_ty),
+                     mask=mask)
+            top_next = tl.maximum(top + decay, kt)
+            e1, e2 = tl.exp(top + decay - top_next), tl.exp(kt - top_next)
+            num, den, top = e1 * num + e2 * vt, e1 * den + e2, top_next
+            if i >= T - R:
+                slot = start + (tl.load(positions + t) % R) * srs + d
+                tl.store(slot, num, mask=mask)
+                tl.store(slot + srk, den, mask=mask)
+                tl.store(slot + 2 * srk, top, mask=mask)
+
     @triton.jit
     def _linear_recurrence_kernel(x, a, ring, positions, STARTS, COUNTS, ROWS, out, R, D, sxb, sxt, sab, sat,
                                   srb, srs, sob, sot, BLOCK: tl.constexpr):
@@ -307,6 +363,20 @@ def launch_linear_recurrence(x, a, ring, positions, segments=None, *, wrap=lambd
     return out
 
 
+def launch_wkv(time_decay, time_first, key, value, ring, positions, segments=None, *, wrap=lambda kernel: kernel):
+    """The Triton path of ``wkv_scan``; ``segments`` as in ``launch_gated_delta``."""
+    batch, tokens, width = key.shape
+    key, value = _last_dim_contiguous(key, value)
+    time_decay, time_first = time_decay.contiguous(), time_first.contiguous()
+    starts, counts, rows = segments if segments is not None else _dense_segments(batch, tokens, key.device)
+    out = torch.zeros_like(key)  # padding: zeros
+    block = min(_pow2(width), 1024)
+    wrap(_wkv_kernel)[(starts.shape[0], triton.cdiv(width, block))](
+        time_decay, time_first, key, value, ring, positions, starts, counts, rows, out, ring.shape[1], width,
+        *key.stride()[:2], *value.stride()[:2], *ring.stride()[:3], *out.stride()[:2], BLOCK=block, num_warps=4)
+    return out
+
+
 def _kernel_fits(*dims: int) -> bool:
     return all(d == _pow2(d) for d in dims)
 
@@ -458,3 +528,38 @@ def ragged_linear_recurrence(x: torch.Tensor, a: torch.Tensor, ring: torch.Tenso
 @ragged_linear_recurrence.register_fake
 def _(x, a, ring, positions, seq_start, seq_count):
     return torch.empty_like(x)
+
+
+@register("ppsplit::wkv_scan", ("ring",))
+def wkv_scan(time_decay: torch.Tensor, time_first: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             ring: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """See ``wkv_reference``: the Triton kernel on CUDA, the reference elsewhere."""
+    if on_gpu(key):
+        with torch.cuda.device(key.device):
+            return launch_wkv(time_decay, time_first, key, value, ring, positions, wrap=wrap_triton)
+    return wkv_reference(time_decay, time_first, key, value, ring, positions)
+
+
+@wkv_scan.register_fake
+def _(time_decay, time_first, key, value, ring, positions):
+    return torch.empty_like(key)
+
+
+@register("ppsplit::ragged_wkv_scan", ("ring",), opaque=True)
+def ragged_wkv_scan(time_decay: torch.Tensor, time_first: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    ring: torch.Tensor, positions: torch.Tensor, seq_start: torch.Tensor,
+                    seq_count: torch.Tensor) -> torch.Tensor:
+    """``wkv_scan`` over a ragged step, as ``ragged_gated_delta_scan``."""
+    if on_gpu(key):
+        with torch.cuda.device(key.device):
+            return launch_wkv(time_decay, time_first, key, value, ring, positions,
+                              (seq_start, seq_count, torch.zeros_like(seq_start)))
+
+    def scan(k, v, ring_row, pos):
+        return wkv_reference(time_decay, time_first, k, v, ring_row, pos)
+    return _ragged(scan, (key, value), torch.zeros_like(key), ring, positions, seq_start, seq_count)
+
+
+@ragged_wkv_scan.register_fake
+def _(time_decay, time_first, key, value, ring, positions, seq_start, seq_count):
+    return torch.empty_like(key)

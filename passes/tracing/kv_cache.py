@@ -24,7 +24,8 @@ after every one of them and the next step picks the one after the last accepted 
 model file's ``mamba_selective_scan``, ``mamba2_chunk_scan`` or ``torch_chunk_gated_delta_rule``, RG-LRU's
 ``_rnn_scan`` method) is routed to ppsplit's op while tracing (``RecurrentScans``); the rest of the layer runs as the
 model wrote it, its short convolution through the conv inputs above. MiniMax's lightning attention (its recurrence
-inline in its forward) has its forward routed whole.
+inline in its forward) has its forward routed whole; RWKV's token mixing its one form for every token count, its
+token shifts reading the token before from conv inputs.
 
 The layer classes plug into Hugging Face's ``Cache`` interface (``update``, ``get_mask_sizes``,
 ``get_query_offset``, ``get_conv_state`` / ``update_conv_state``), so the model's own code runs unchanged.
@@ -224,7 +225,7 @@ def _own_cache_class(model: torch.nn.Module) -> type | None:
 # The scans of recurrent layers in transformers' model files, by function name: what ppsplit routes to its ops.
 _SCANS = {"torch_chunk_gated_delta_rule": "gated_delta", "torch_recurrent_gated_delta_rule": "gated_delta",
           "chunk_kimi_delta_attention": "gated_delta", "recurrent_kimi_delta_attention": "gated_delta",
-          "mamba2_chunk_scan": "ssd", "mamba_selective_scan": "mamba"}
+          "mamba2_chunk_scan": "ssd", "mamba_selective_scan": "mamba", "rwkv_linear_attention": "wkv"}
 # Scans a mixer runs as a method of its own (RecurrentGemma's RG-LRU: ``self._rnn_scan``), by method name.
 _METHOD_SCANS = {"_rnn_scan": "lru"}
 
@@ -237,10 +238,8 @@ def _source(cls) -> str:
 
 
 def _scan_called(module: torch.nn.Module) -> str | None:
-    """The kind of scan ``module.forward`` calls, if it is a recurrent layer's mixer (it has a ``layer_idx`` and its
-    model file defines the scan)."""
-    if not isinstance(getattr(module, "layer_idx", None), int):
-        return None
+    """The kind of scan ``module.forward`` calls, if it is a recurrent layer's mixer (its model file defines the
+    scan)."""
     file = sys.modules.get(type(module).__module__)
     names = [n for n in _SCANS if file is not None and hasattr(file, n)]
     if not names:
@@ -263,6 +262,18 @@ def _is_lightning(module: torch.nn.Module) -> bool:
     a per-token loop when the cache holds a state, a loop over blocks of tokens when not)."""
     parts = ("slope_rate", "qkv_proj", "output_gate", "out_proj", "norm", "act_fn", "num_attention_heads", "head_dim")
     return "get_linear_cache(" in _source(type(module)) and all(hasattr(module, p) for p in parts)
+
+
+def _is_token_shift(module: torch.nn.Module) -> bool:
+    """``nn.ZeroPad2d((0, 0, 1, -1))`` over ``[B, T, C]``: each token gets the one before it (RWKV's time shift)."""
+    return isinstance(module, torch.nn.ZeroPad2d) and tuple(module.padding) == (0, 0, 1, -1)
+
+
+def _is_token_mix(module: torch.nn.Module) -> bool:
+    """RWKV's token mixing: inputs interpolated between each token and the one before it (``time_shift``), with
+    learned ratios (``time_mix_*``), before the projections."""
+    return (_is_token_shift(getattr(module, "time_shift", None))
+            and all(hasattr(module, p) for p in ("time_mix_key", "time_mix_receptance", "key", "receptance", "value")))
 
 
 def _is_short_conv(module: torch.nn.Module) -> bool:
@@ -295,6 +306,7 @@ class RecurrentScans:
         self._blocks: list[torch.nn.Module] = []  # blocks called with use_cache=False
         modules = dict(model.named_modules())
         inside: list[str] = []
+        shifts: dict[int, int] = {}  # layer -> token shifts routed so far (each keeps its inputs in its own buffer)
         for name, module in modules.items():
             kind = _scan_called(module)
             method = _method_scan(module) if kind is None else None
@@ -314,6 +326,8 @@ class RecurrentScans:
                 self.mixers[layer] = kind
                 self._hooks_on.append((module, layer))
                 inside.append(name + ".")
+            if _is_token_mix(module):
+                self._route_token_mix(name, module, shifts)
         self.cache: PositionedCache | None = None
         self.positions: torch.Tensor | None = None
         self.active: int | None = None
@@ -325,7 +339,22 @@ class RecurrentScans:
         if hasattr(module, "A_log") or "get_recurrent_state(" in code:
             self.unsupported.append(f"{name} ({type(module).__name__})")
         elif "update_conv_state(" in code:
-            self.convs.add(_layer_index(name, module))
+            try:
+                self.convs.add(_layer_index(name, module))
+            except ConfigError:  # no layer of its own: its layer kind decides (refuse_uncached_state)
+                pass
+
+    def _route_token_mix(self, name: str, module: torch.nn.Module, shifts: dict) -> None:
+        """RWKV's token mixing, in its one form for every token count (the model's own branches on a one-token step),
+        its shift reading the token before each one by position."""
+        layer = _layer_index(name, module)
+        index = shifts[layer] = shifts.get(layer, -1) + 1
+        self._patches.append((module.time_shift, "forward", self._shift(module.time_shift, layer, index)))
+        if hasattr(module, "extract_key_value"):  # the time mix before the WKV recurrence
+            self._patches.append((module, "extract_key_value", _time_mix(module)))
+        else:  # the channel mix
+            self._patches.append((module, "forward", _channel_mix(module)))
+        self.convs.add(layer)
 
     def _route_block(self, modules: dict, name: str) -> None:
         """The block around a method mixer: whole-sequence form, short convolutions through the cache."""
@@ -468,6 +497,46 @@ class RecurrentScans:
             window = self.cache.layers[self.active].update_conv_state(x, kernel)  # the block's one convolution
             return F.conv1d(window, conv.weight, conv.bias, padding=kernel - 1, groups=conv.groups)[..., kernel - 1:]
         return forward
+
+    def _wkv(self, time_decay, time_first, key, value, state=None, return_state=False):
+        """RWKV's ``rwkv_linear_attention``: the WKV recurrence over the ring; ``(out, None)``."""
+        ring = self._ring(key.shape[0], (3, key.shape[-1]), key)
+        return torch.ops.ppsplit.wkv_scan(time_decay, time_first, key, value, ring, self.positions), None
+
+    def _shift(self, pad: torch.nn.Module, layer: int, index: int):
+        """A token shift over ``[B, T, C]`` as a two-tap causal convolution ``[1, 0]`` over the inputs kept by
+        position (the ``index``-th of the layer's), so the token before a step's first comes from the cache (and a
+        ragged step's from each token's own sequence)."""
+        def forward(x):
+            if self.cache is None:
+                return type(pad).forward(pad, x)
+            channels, tokens = x.shape[-1], x.shape[1]
+            window = self.cache.layers[layer].update_conv_state(x.transpose(1, 2), 2, index)
+            before = torch.cat([x.new_ones(channels, 1, 1), x.new_zeros(channels, 1, 1)], dim=-1)  # y_t = x_(t-1)
+            return F.conv1d(window, before, padding=1, groups=channels)[..., 1:1 + tokens].transpose(1, 2)
+        return forward
+
+
+def _time_mix(module: torch.nn.Module):
+    """RWKV's ``RwkvSelfAttention.extract_key_value`` without its state argument (the cache keeps the shift)."""
+    def extract_key_value(hidden, state=None):
+        shifted = module.time_shift(hidden)
+        key = hidden * module.time_mix_key + shifted * (1 - module.time_mix_key)
+        value = hidden * module.time_mix_value + shifted * (1 - module.time_mix_value)
+        receptance = hidden * module.time_mix_receptance + shifted * (1 - module.time_mix_receptance)
+        return torch.sigmoid(module.receptance(receptance)), module.key(key), module.value(value), state
+    return extract_key_value
+
+
+def _channel_mix(module: torch.nn.Module):
+    """RWKV's ``RwkvFeedForward.forward`` without its state argument."""
+    def forward(hidden, state=None):
+        shifted = module.time_shift(hidden)
+        key = hidden * module.time_mix_key + shifted * (1 - module.time_mix_key)
+        receptance = hidden * module.time_mix_receptance + shifted * (1 - module.time_mix_receptance)
+        value = module.value(torch.square(torch.relu(module.key(key))))
+        return torch.sigmoid(module.receptance(receptance)) * value, state
+    return forward
 
 
 def _without_use_cache(module, args, kwargs):

@@ -40,14 +40,21 @@ CONFIGS.update({
     "recurrent_gemma": dict(intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=16, lru_width=64, conv1d_width=4, attention_window_size=16,
                             block_types=["recurrent", "recurrent", "attention"]),
+    # RWKV-4: the WKV recurrence, and two token shifts per layer (time mix, channel mix) kept by position.
+    "rwkv": dict(num_hidden_layers=4, attention_hidden_size=64, intermediate_size=128),
 })
 RECURRENT = {"qwen3_next": (0, 2), "nemotron_h": (0, 2), "falcon_mamba": (0, 1, 2),  # layers with a ring of states
              "kimi_linear": (0, 1, 2),  # Kimi's delta attention: a decay per key channel
-             "minimax": (0, 2), "recurrent_gemma": (0, 1, 3)}
+             "minimax": (0, 2), "recurrent_gemma": (0, 1, 3), "rwkv": (0, 1, 2, 3)}
 NO_CONV = {"minimax"}  # recurrent layers without a short convolution
 SCALE = {"falcon_mamba": 0.2, "minimax": 0.2, "recurrent_gemma": 0.3}  # random weights that make greedy tokens vary
-# Hugging Face records Mamba's hidden states after each layer, so its index j is the output of layer j (tap j + 1).
-TAP_OFFSET = {"falcon_mamba": 1}
+# Hugging Face records Mamba's and RWKV's hidden states after each layer: its index j is the output of layer j
+# (tap j + 1).
+TAP_OFFSET = {"falcon_mamba": 1, "rwkv": 1}
+# Hugging Face's own one-token RWKV step mixes the rows of a batch (it broadcasts the kept [B, C] shift against the
+# [B, 1, C] token: modeling_rwkv.py, extract_key_value), so its batched generate is not the model's greedy
+# continuation; the oracle is the uncached forward, token by token (and batch-1 generate, below).
+UNCACHED_ORACLE = {"rwkv"}
 ARCHS = [a for a in CONFIGS if a in CONFIG_MAPPING]
 
 _models = {}
@@ -80,7 +87,13 @@ _expected = {}
 def expected(arch: str) -> torch.Tensor:
     if arch not in _expected:
         with torch.no_grad():
-            _expected[arch] = build(arch).generate(IDS, max_new_tokens=10, do_sample=False)
+            if arch in UNCACHED_ORACLE:
+                out = IDS
+                for _ in range(10):
+                    out = torch.cat([out, build(arch)(out).logits[:, -1:].argmax(-1)], dim=1)
+                _expected[arch] = out
+            else:
+                _expected[arch] = build(arch).generate(IDS, max_new_tokens=10, do_sample=False)
         assert len(set(_expected[arch][:, 6:].flatten().tolist())) > 4, "degenerate reference: retune the weights"
     return _expected[arch]
 
@@ -243,6 +256,10 @@ def _scan_cases(device):
                 -rand(1, 1, 3).abs().expand(batch, tokens, 3), None), rand(3, slots, 3, 16, 24), positions, (False,))
         yield ("lru", r.linear_recurrence_reference, r.launch_linear_recurrence,
                (rand(batch, tokens, 37), rand(batch, tokens, 37).sigmoid()), rand(3, slots, 37), positions, ())
+        yield ("wkv", r.wkv_reference, r.launch_wkv,  # keys large enough that the max-scaling matters
+               (rand(37), rand(37), 30 * rand(batch, tokens, 37), rand(batch, tokens, 37)),
+               torch.stack([rand(3, slots, 37).abs(), rand(3, slots, 37).abs() + 1, rand(3, slots, 37)], 2),
+               positions, ())
         yield ("mamba1", r.ssm_scan_reference, r.launch_ssm_scan,
                (rand(batch, 6, tokens).transpose(1, 2)[..., None], rand(batch, 6, tokens).abs().transpose(1, 2),
                 -rand(6, 16).abs(), rand(batch, 16, tokens).transpose(1, 2)[:, :, None],
@@ -272,7 +289,16 @@ def test_scan_kernels_on_gpu_equal_the_reference():
     _check_kernels("cuda")
 
 
-NEW_RINGS = [a for a in ("minimax", "recurrent_gemma") if a in ARCHS]
+NEW_RINGS = [a for a in ("minimax", "recurrent_gemma", "rwkv") if a in ARCHS]
+
+
+@pytest.mark.skipif("rwkv" not in ARCHS, reason="this transformers has no rwkv")
+def test_rwkv_one_sequence_decodes_like_hf_generate():
+    """Batch 1, where Hugging Face's stateful one-token step is right: its generate is the oracle itself."""
+    split = ppsplit.split_model(cached("rwkv"), 2)
+    with torch.no_grad():
+        want = build("rwkv").generate(IDS[:1], max_new_tokens=10, do_sample=False)
+    assert torch.equal(split.generate(IDS[:1], 10), want) and torch.equal(want, expected("rwkv")[:1])
 
 
 @pytest.mark.parametrize("arch", NEW_RINGS)
@@ -307,6 +333,6 @@ def test_the_engine_serves_requests_arriving_at_different_steps_like_hf_alone(ar
         outputs.update({ids[o.request_id]: o.token_ids for o in engine.step() if o.finished})
         step += 1
     for i, prompt in enumerate(prompts):
-        with torch.no_grad():
+        with torch.no_grad():  # one sequence: Hugging Face's own generate is right for RWKV too
             want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
         assert outputs[i] == want[0, len(prompt):].tolist(), i
