@@ -41,7 +41,8 @@ _SCANS = {ops.ssm_scan.default: ops.ragged_ssm_scan.default,
           ops.gated_delta_scan.default: ops.ragged_gated_delta_scan.default,
           ops.linear_attention_scan.default: ops.ragged_linear_attention_scan.default,
           ops.linear_recurrence.default: ops.ragged_linear_recurrence.default,
-          ops.wkv_scan.default: ops.ragged_wkv_scan.default}
+          ops.wkv_scan.default: ops.ragged_wkv_scan.default,
+          ops.mlstm_scan.default: ops.ragged_mlstm_scan.default}
 _CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
 
 

@@ -24,7 +24,7 @@ import ppsplit.core.errors
 from ppsplit.core.options import CacheConfig
 from ppsplit.core.errors import ConfigError, TraceError
 from ppsplit.core.fx_utils import CACHE_PREFIX, conv_buffer, copy_buffer_persistence, set_tensor, tied_parameters
-from ppsplit.passes.tracing.kv_cache import PositionedCache, RecurrentScans
+from ppsplit.passes.tracing.kv_cache import PositionedCache, RecurrentScans, takes_foreign_cache
 from ppsplit.core.tensors import module_device
 
 _PREFIX = "m."  # the wrapper holds the model as ``self.m``
@@ -75,6 +75,8 @@ class _Traceable(torch.nn.Module):
         self._pass_mask = "attention_mask" in accepted
         # transformers renamed `past_key_values` (`cache_params` in Mamba models) to `cache` in 5.24.
         self._cache_kw = next((k for k in ("cache", "past_key_values", "cache_params") if k in accepted), None)
+        if takes_foreign_cache(model):  # its routed mixers read ppsplit's cache; the model is handed none
+            self._cache_kw = None
         self.kv = None
         self.scans = RecurrentScans(model)
         # A hybrid whose forward takes use_cache only through **kwargs (GraniteMoeHybrid) would otherwise build a

@@ -19,8 +19,13 @@ The scans run token by token in float32, with the published recurrences:
   y_t = h C_t`` per head; the state is ``[heads, head_dim, d_state]``. Mamba-2 has one ``A`` per head
   (``A [H]``); Mamba-1 one per channel and state entry (``A [H, N]``, ``head_dim = 1``). ``B``, ``C`` come in
   ``G`` groups shared by ``H / G`` heads.
+- ``linear_attention_scan`` (MiniMax's lightning attention): gated linear attention, ``S = S * exp(g_t) + k_t v_t^T;
+  o_t = scale * S^T q_t``, the gated-delta kernel without the delta rule.
+- ``linear_recurrence`` (RecurrentGemma's RG-LRU): ``h_t = a_t * h_{t-1} + x_t`` per channel.
+- ``wkv_scan`` (RWKV-4): the WKV numerator and denominator per channel, kept scaled by their running maximum.
+- ``mlstm_scan`` (xLSTM's mLSTM): matrix memory ``C``, normaliser ``n`` and stabiliser ``m`` per head.
 
-Both are ``torch.library`` custom ops that write the ring in place, so a traced stage keeps them as one call each
+Each is a ``torch.library`` custom op that writes the ring in place, so a traced stage keeps them as one call each
 and CUDA graphs capture them (no host reads: the slots come from ``positions`` on the device). On CUDA each is one
 Triton kernel per call: a program per (sequence, head, tile of the state) holds its tile in registers and walks the
 tokens in order (a prompt of ``T`` tokens is ``T`` sequential steps inside the kernel, not ``T`` launches; there is no
@@ -160,7 +165,77 @@ def wkv_reference(time_decay: torch.Tensor, time_first: torch.Tensor, key: torch
     return torch.stack(out, dim=1).to(key.dtype)
 
 
+def mlstm_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, igate: torch.Tensor,
+                    fgate: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, eps: float) -> torch.Tensor:
+    """xLSTM's mLSTM over ``query, key [B, T, H, Dk]``, ``value [B, T, H, Dv]``, gate pre-activations
+    ``igate, fgate [B, T, H]``, as ``mlstm_recurrent_step_native`` steps it: with ``m = max(logsigmoid(f) + m, i)``,
+    ``C = e^(logsigmoid(f) + m_old - m) C + e^(i - m) k v^T``, ``n`` the same with ``k``, and
+    ``h = (q C) / (max(|q . n|, e^-m) + eps)``, ``q`` scaled by ``1 / sqrt(Dk)`` (``C`` and ``n`` are kept scaled
+    by ``e^-m``, so nothing overflows; ``h`` does not depend on the scaling). The ring ``[B', R, H, Dk, Dv + 2]``
+    (float32) holds ``C``, then ``n``, then ``m`` in every row. Returns ``[B, T, H, Dv]`` in the query's dtype."""
+    dv = value.shape[-1]
+    rows = _ring_rows(ring, key.shape[0])
+    state = _start_state(rows, positions)
+    cell, norm, top = state[..., :dv], state[..., dv], state[..., 0, dv + 1]  # [B, H, Dk, Dv], [B, H, Dk], [B, H]
+    q = _acc(query) * query.shape[-1] ** -0.5
+    k, v, i, f = (_acc(x) for x in (key, value, igate, fgate))
+    out = []
+    for t in range(key.shape[1]):
+        f_log = torch.nn.functional.logsigmoid(f[:, t])
+        new_top = torch.maximum(f_log + top, i[:, t])
+        forget, write = torch.exp(f_log + top - new_top), torch.exp(i[:, t] - new_top)
+        cell = forget[..., None, None] * cell + write[..., None, None] * k[:, t, :, :, None] * v[:, t, :, None, :]
+        norm = forget[..., None] * norm + write[..., None] * k[:, t]
+        top = new_top
+        below = torch.maximum((q[:, t] * norm).sum(-1).abs(), torch.exp(-top)) + eps
+        out.append((q[:, t, :, :, None] * cell).sum(-2) / below[..., None])
+        kept = torch.cat([cell, norm[..., None], top[..., None, None].expand_as(norm[..., None])], dim=-1)
+        _keep(rows, positions, t, key.shape[1], kept)
+    return torch.stack(out, dim=1).to(query.dtype)
+
+
 if HAVE_TRITON:
+    @triton.jit
+    def _mlstm_kernel(q, k, v, ig, fg, ring, positions, STARTS, COUNTS, ROWS, out, R, H, DV, scale, eps,
+                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sib, sit, sih, sfb, sft, sfh, srb, srs, srh,
+                      sob, sot, soh, DK: tl.constexpr, BLOCK_V: tl.constexpr):
+        pid = tl.program_id(0)
+        s, h = pid // H, pid % H  # s: the sequence (ring row); its tokens are t0 .. t0 + T - 1 of row b
+        t0, T, b = tl.load(STARTS + s), tl.load(COUNTS + s), tl.load(ROWS + s)
+        dk = tl.arange(0, DK)
+        dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        vmask = dv < DV
+        row = DV + 2  # a ring row: C (DV entries), n, m
+        p0 = tl.load(positions + t0)
+        start = ring + s * srb + h * srh
+        before = start + ((p0 - 1 + R) % R) * srs
+        cell = tl.load(before + dk[:, None] * row + dv[None, :], mask=vmask[None, :], other=0.0)
+        cell = tl.where(p0 > 0, cell, 0.0)
+        norm = tl.where(p0 > 0, tl.load(before + dk * row + DV), 0.0)
+        top = tl.where(p0 > 0, tl.load(before + DV + 1), 0.0)
+        for i in range(T):
+            t = t0 + i
+            kt = tl.load(k + b * skb + t * skt + h * skh + dk).to(tl.float32)
+            qt = tl.load(q + b * sqb + t * sqt + h * sqh + dk).to(tl.float32) * scale
+            vt = tl.load(v + b * svb + t * svt + h * svh + dv, mask=vmask, other=0.0).to(tl.float32)
+            it = tl.load(ig + b * sib + t * sit + h * sih).to(tl.float32)
+            ft = tl.load(fg + b * sfb + t * sft + h * sfh).to(tl.float32)
+            f_log = tl.minimum(ft, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(ft)))  # logsigmoid
+            new_top = tl.maximum(f_log + top, it)
+            forget, write = tl.exp(f_log + top - new_top), tl.exp(it - new_top)
+            cell = forget * cell + write * kt[:, None] * vt[None, :]
+            norm = forget * norm + write * kt
+            top = new_top
+            below = tl.maximum(tl.abs(tl.sum(qt * norm, 0)), tl.exp(-top)) + eps
+            o = tl.sum(cell * qt[:, None], 0) / below
+            tl.store(out + b * sob + t * sot + h * soh + dv, o.to(out.dtype.element_ty), mask=vmask)
+            if i >= T - R:
+                slot = start + (tl.load(positions + t) % R) * srs
+                tl.store(slot + dk[:, None] * row + dv[None, :], cell, mask=vmask[None, :])
+                if tl.program_id(1) == 0:  # n and m are the same in every tile of C
+                    tl.store(slot + dk * row + DV, norm)
+                    tl.store(slot + dk * row + DV + 1, top + 0.0 * norm)
+
     @triton.jit
     def _wkv_kernel(w, u, k, v, ring, positions, STARTS, COUNTS, ROWS, out, R, D, skb, skt, svb, svt, srb, srs, srk,
                     sob, sot, BLOCK: tl.constexpr):
@@ -377,6 +452,24 @@ def launch_wkv(time_decay, time_first, key, value, ring, positions, segments=Non
     return out
 
 
+def launch_mlstm(query, key, value, igate, fgate, ring, positions, eps: float, segments=None, *,
+                 wrap=lambda kernel: kernel):
+    """The Triton path of ``mlstm_scan``; ``segments`` as in ``launch_gated_delta``."""
+    batch, tokens, heads, dk = key.shape
+    dv = value.shape[-1]
+    if dk != _pow2(dk):
+        raise ValueError(f"mlstm_scan's kernel needs a power-of-two key head dim, got {dk}")
+    query, key, value = _last_dim_contiguous(query, key, value)
+    starts, counts, rows = segments if segments is not None else _dense_segments(batch, tokens, query.device)
+    out = torch.zeros(value.shape, dtype=query.dtype, device=query.device)  # padding: zeros
+    block_v = min(_pow2(dv), 32)
+    wrap(_mlstm_kernel)[(starts.shape[0] * heads, triton.cdiv(dv, block_v))](
+        query, key, value, igate, fgate, ring, positions, starts, counts, rows, out, ring.shape[1], heads, dv,
+        dk ** -0.5, eps, *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *igate.stride()[:3],
+        *fgate.stride()[:3], *ring.stride()[:3], *out.stride()[:3], DK=dk, BLOCK_V=block_v, num_warps=4)
+    return out
+
+
 def _kernel_fits(*dims: int) -> bool:
     return all(d == _pow2(d) for d in dims)
 
@@ -563,3 +656,39 @@ def ragged_wkv_scan(time_decay: torch.Tensor, time_first: torch.Tensor, key: tor
 @ragged_wkv_scan.register_fake
 def _(time_decay, time_first, key, value, ring, positions, seq_start, seq_count):
     return torch.empty_like(key)
+
+
+@register("ppsplit::mlstm_scan", ("ring",))
+def mlstm_scan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, igate: torch.Tensor, fgate: torch.Tensor,
+               ring: torch.Tensor, positions: torch.Tensor, eps: float) -> torch.Tensor:
+    """See ``mlstm_reference``: the Triton kernel on CUDA, the reference elsewhere."""
+    if on_gpu(query) and _kernel_fits(key.shape[-1]):
+        with torch.cuda.device(query.device):
+            return launch_mlstm(query, key, value, igate, fgate, ring, positions, eps, wrap=wrap_triton)
+    return mlstm_reference(query, key, value, igate, fgate, ring, positions, eps)
+
+
+@mlstm_scan.register_fake
+def _(query, key, value, igate, fgate, ring, positions, eps):
+    return value.new_empty(value.shape, dtype=query.dtype)
+
+
+@register("ppsplit::ragged_mlstm_scan", ("ring",), opaque=True)
+def ragged_mlstm_scan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, igate: torch.Tensor,
+                      fgate: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, seq_start: torch.Tensor,
+                      seq_count: torch.Tensor, eps: float) -> torch.Tensor:
+    """``mlstm_scan`` over a ragged step, as ``ragged_gated_delta_scan``."""
+    if on_gpu(query) and _kernel_fits(key.shape[-1]):
+        with torch.cuda.device(query.device):
+            return launch_mlstm(query, key, value, igate, fgate, ring, positions, eps,
+                                (seq_start, seq_count, torch.zeros_like(seq_start)))
+    out = torch.zeros(value.shape, dtype=query.dtype, device=query.device)
+
+    def scan(q, k, v, i, f, ring_row, pos):
+        return mlstm_reference(q, k, v, i, f, ring_row, pos, eps)
+    return _ragged(scan, (query, key, value, igate, fgate), out, ring, positions, seq_start, seq_count)
+
+
+@ragged_mlstm_scan.register_fake
+def _(query, key, value, igate, fgate, ring, positions, seq_start, seq_count, eps):
+    return value.new_empty(value.shape, dtype=query.dtype)

@@ -24,8 +24,8 @@ after every one of them and the next step picks the one after the last accepted 
 model file's ``mamba_selective_scan``, ``mamba2_chunk_scan`` or ``torch_chunk_gated_delta_rule``, RG-LRU's
 ``_rnn_scan`` method) is routed to ppsplit's op while tracing (``RecurrentScans``); the rest of the layer runs as the
 model wrote it, its short convolution through the conv inputs above. MiniMax's lightning attention (its recurrence
-inline in its forward) has its forward routed whole; RWKV's token mixing its one form for every token count, its
-token shifts reading the token before from conv inputs.
+inline in its forward) has its forward routed whole, as xLSTM's mLSTM backend; RWKV's token mixing runs its one
+form for every token count, its token shifts reading the token before from conv inputs.
 
 The layer classes plug into Hugging Face's ``Cache`` interface (``update``, ``get_mask_sizes``,
 ``get_query_offset``, ``get_conv_state`` / ``update_conv_state``), so the model's own code runs unchanged.
@@ -142,7 +142,7 @@ class PositionedCache(Cache):
         state they would keep lives in the rings that ppsplit's routed mixers read instead."""
         cache = cls(num_layers, max_len)
         own = _own_cache_class(model)
-        if own is not None:
+        if own is not None and issubclass(own, Cache):
             names = {k for c in own.__mro__ if c not in cls.__mro__ for k in vars(c)} - _CLASS_ATTRS
             shadows = {k: inspect.getattr_static(cls, k) for k in names if hasattr(cls, k)}
             cache.__class__ = type(f"Positioned{own.__name__}", (cls, own), shadows)
@@ -208,7 +208,7 @@ _CLASS_ATTRS = {"__module__", "__doc__", "__dict__", "__weakref__", "__qualname_
 
 
 def _own_cache_class(model: torch.nn.Module) -> type | None:
-    """A ``Cache`` subclass of the model's own (not transformers' generic ones) that a forward of it takes."""
+    """A cache class of the model's own (not transformers' generic ones) that a forward of it takes."""
     for module in model.modules():
         try:
             params = inspect.signature(type(module).forward).parameters
@@ -217,9 +217,17 @@ def _own_cache_class(model: torch.nn.Module) -> type | None:
         for name in ("cache", "past_key_values"):
             annotation = params[name].annotation if name in params else None
             for kind in typing.get_args(annotation) or (annotation,):
-                if isinstance(kind, type) and issubclass(kind, Cache) and kind.__module__ != Cache.__module__:
+                if isinstance(kind, type) and kind.__module__ not in (Cache.__module__, "builtins") \
+                        and kind.__name__.endswith("Cache"):
                     return kind
     return None
+
+
+def takes_foreign_cache(model: torch.nn.Module) -> bool:
+    """Whether ``model`` keeps its state in a cache class of its own that is no ``Cache`` (xLSTM's ``xLSTMCache``
+    holds its recurrent states itself): ppsplit's cache cannot stand in for it."""
+    own = _own_cache_class(model)
+    return own is not None and not issubclass(own, Cache)
 
 
 # The scans of recurrent layers in transformers' model files, by function name: what ppsplit routes to its ops.
@@ -262,6 +270,17 @@ def _is_lightning(module: torch.nn.Module) -> bool:
     a per-token loop when the cache holds a state, a loop over blocks of tokens when not)."""
     parts = ("slope_rate", "qkv_proj", "output_gate", "out_proj", "norm", "act_fn", "num_attention_heads", "head_dim")
     return "get_linear_cache(" in _source(type(module)) and all(hasattr(module, p) for p in parts)
+
+
+_MLSTM_ARGS = {"query", "key", "value", "igate", "fgate", "c_initial", "n_initial", "m_initial"}
+
+
+def _is_mlstm(module: torch.nn.Module) -> bool:
+    """xLSTM's mLSTM backend: a module whose forward takes the mLSTM's gates and its initial states (``C, n, m``)."""
+    try:
+        return _MLSTM_ARGS <= set(inspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):
+        return False
 
 
 def _is_token_shift(module: torch.nn.Module) -> bool:
@@ -319,6 +338,9 @@ class RecurrentScans:
             elif _is_lightning(module):
                 kind = "lightning"
                 self._patches.append((module, "forward", self._lightning(module)))
+            elif _is_mlstm(module):
+                kind = "mlstm"
+                self._patches.append((module, "forward", self._mlstm(module)))
             elif not any(name.startswith(m) for m in inside):
                 self._other_state(name, module)
             if kind is not None:
@@ -496,6 +518,19 @@ class RecurrentScans:
                 return type(conv).forward(conv, x)
             window = self.cache.layers[self.active].update_conv_state(x, kernel)  # the block's one convolution
             return F.conv1d(window, conv.weight, conv.bias, padding=kernel - 1, groups=conv.groups)[..., kernel - 1:]
+        return forward
+
+    def _mlstm(self, module: torch.nn.Module):
+        """xLSTM's ``xLSTMBackend.forward`` over ``[B, H, T, D]`` (its chunkwise, sequence and one-step kernels are one
+        recurrence): ``(h, None)``, the state in the ring."""
+        eps = float(getattr(getattr(module, "config", None), "eps", 1e-6))
+
+        def forward(query, key, value, igate, fgate, *args, **kwargs):
+            batch, heads, _, dk = key.shape
+            ring = self._ring(batch, (heads, dk, value.shape[-1] + 2), value)
+            h = torch.ops.ppsplit.mlstm_scan(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                             igate.transpose(1, 2), fgate.transpose(1, 2), ring, self.positions, eps)
+            return h.transpose(1, 2), None
         return forward
 
     def _wkv(self, time_decay, time_first, key, value, state=None, return_state=False):

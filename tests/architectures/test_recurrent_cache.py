@@ -1,6 +1,6 @@
 """Recurrent state in the stages' cache: Gated DeltaNet (Qwen3-Next), Kimi's delta attention (Kimi-Linear),
-Mamba-2 (Nemotron-H), Mamba-1 (Falcon-Mamba), MiniMax's lightning attention and RecurrentGemma's RG-LRU layers keep
-a ring of states addressed by position, so prefill,
+Mamba-2 (Nemotron-H), Mamba-1 (Falcon-Mamba), MiniMax's lightning attention, RecurrentGemma's RG-LRU, RWKV-4's WKV
+and xLSTM's mLSTM layers keep a ring of states addressed by position, so prefill,
 decode and a verify pass with rejected drafts run through the same stages. Oracles: the unsplit Hugging Face model (logits,
 ``output_hidden_states``, greedy ``generate``), which runs its own chunked scans and one-token recurrent steps."""
 import pytest
@@ -42,12 +42,15 @@ CONFIGS.update({
                             block_types=["recurrent", "recurrent", "attention"]),
     # RWKV-4: the WKV recurrence, and two token shifts per layer (time mix, channel mix) kept by position.
     "rwkv": dict(num_hidden_layers=4, attention_hidden_size=64, intermediate_size=128),
+    # xLSTM: mLSTM blocks (matrix memory, exponential gating); chunks of 4 make Hugging Face's prefill chunkwise.
+    "xlstm": dict(embedding_dim=64, num_hidden_layers=4, num_blocks=4, num_heads=4, chunk_size=4, qk_dim_factor=1.0),
 })
 RECURRENT = {"qwen3_next": (0, 2), "nemotron_h": (0, 2), "falcon_mamba": (0, 1, 2),  # layers with a ring of states
              "kimi_linear": (0, 1, 2),  # Kimi's delta attention: a decay per key channel
-             "minimax": (0, 2), "recurrent_gemma": (0, 1, 3), "rwkv": (0, 1, 2, 3)}
-NO_CONV = {"minimax"}  # recurrent layers without a short convolution
-SCALE = {"falcon_mamba": 0.2, "minimax": 0.2, "recurrent_gemma": 0.3}  # random weights that make greedy tokens vary
+             "minimax": (0, 2), "recurrent_gemma": (0, 1, 3), "rwkv": (0, 1, 2, 3), "xlstm": (0, 1, 2, 3)}
+NO_CONV = {"minimax", "xlstm"}  # recurrent layers without a short convolution
+SCALE = {"falcon_mamba": 0.2, "minimax": 0.2, "recurrent_gemma": 0.3,  # random weights that make greedy tokens vary
+         "xlstm": 0.1}
 # Hugging Face records Mamba's and RWKV's hidden states after each layer: its index j is the output of layer j
 # (tap j + 1).
 TAP_OFFSET = {"falcon_mamba": 1, "rwkv": 1}
@@ -260,6 +263,11 @@ def _scan_cases(device):
                (rand(37), rand(37), 30 * rand(batch, tokens, 37), rand(batch, tokens, 37)),
                torch.stack([rand(3, slots, 37).abs(), rand(3, slots, 37).abs() + 1, rand(3, slots, 37)], 2),
                positions, ())
+        yield ("mlstm", r.mlstm_reference, r.launch_mlstm,
+               (rand(batch, tokens, 3, 16), rand(batch, tokens, 3, 16), rand(batch, tokens, 3, 40),
+                3 * rand(batch, tokens, 3), 3 * rand(batch, tokens, 3)),
+               torch.cat([rand(3, slots, 3, 16, 41), rand(3, slots, 3, 1, 1).expand(3, slots, 3, 16, 1)], -1),
+               positions, (1e-6,))
         yield ("mamba1", r.ssm_scan_reference, r.launch_ssm_scan,
                (rand(batch, 6, tokens).transpose(1, 2)[..., None], rand(batch, 6, tokens).abs().transpose(1, 2),
                 -rand(6, 16).abs(), rand(batch, 16, tokens).transpose(1, 2)[:, :, None],
@@ -289,7 +297,7 @@ def test_scan_kernels_on_gpu_equal_the_reference():
     _check_kernels("cuda")
 
 
-NEW_RINGS = [a for a in ("minimax", "recurrent_gemma", "rwkv") if a in ARCHS]
+NEW_RINGS = [a for a in ("minimax", "recurrent_gemma", "rwkv", "xlstm") if a in ARCHS]
 
 
 @pytest.mark.skipif("rwkv" not in ARCHS, reason="this transformers has no rwkv")
