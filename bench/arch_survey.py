@@ -103,6 +103,8 @@ OVERRIDES = {
     "bamba": dict(attn_layer_indices=[1]),  # default: no attention layer at all, which its generate cannot cache
     "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"] * 2),  # shared-KV layers need both kinds
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] * 2),  # default: all Mamba
+    "zaya": dict(num_experts_per_tok=1),  # its config validator: top-1 routing only
+    "xlstm": dict(qk_dim_factor=1.0),  # HF's chunkwise mLSTM kernel fails for a key dim below the value dim here
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # default None experts  # its sliding layers' head_dim is qk_nope + qk_rope
 }
 

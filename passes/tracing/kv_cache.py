@@ -25,7 +25,9 @@ model file's ``mamba_selective_scan``, ``mamba2_chunk_scan`` or ``torch_chunk_ga
 ``_rnn_scan`` method) is routed to ppsplit's op while tracing (``RecurrentScans``); the rest of the layer runs as the
 model wrote it, its short convolution through the conv inputs above. MiniMax's lightning attention (its recurrence
 inline in its forward) has its forward routed whole, as xLSTM's mLSTM backend; RWKV's token mixing runs its one
-form for every token count, its token shifts reading the token before from conv inputs.
+form for every token count, its token shifts reading the token before from conv inputs; ZAYA's attention
+projection reads its q/k convolution windows and the token before from conv inputs (the model keeps only the last
+window and the last token's value, which a verify pass could not take back).
 
 The layer classes plug into Hugging Face's ``Cache`` interface (``update``, ``get_mask_sizes``,
 ``get_query_offset``, ``get_conv_state`` / ``update_conv_state``), so the model's own code runs unchanged.
@@ -86,7 +88,7 @@ class _PositionedLayer(StaticLayer):
         token (zeros before position 0), then the new ones. ``index``: which of the layer's convolutions."""
         if self.owner.recording:
             self.conv_shapes[index] = (conv_states.shape[1], kernel, conv_states.dtype)
-            return conv_states
+            return F.pad(conv_states, (kernel - 1, 0))  # the window's shape, a history of zeros
         positions = self.owner.positions
         inputs = self.conv_inputs[index][:conv_states.shape[0]].index_copy_(2, positions, conv_states)
         before = positions[:1] - torch.arange(kernel - 1, 0, -1, device=positions.device)
@@ -283,6 +285,14 @@ def _is_mlstm(module: torch.nn.Module) -> bool:
         return False
 
 
+def _is_cca(module: torch.nn.Module) -> bool:
+    """ZAYA's compressed convolutional attention projection: q/k mixed by causal convolutions, half of each value
+    head from the token before (``v_proj_delayed``), both kept through the cache."""
+    parts = ("conv_qk_depthwise", "conv_qk_grouped", "v_proj_current", "v_proj_delayed", "q_proj", "k_proj",
+             "conv_kernel_size", "head_dim", "num_key_value_groups", "layer_idx")
+    return all(hasattr(module, p) for p in parts) and "get_conv_state(" in _source(type(module))
+
+
 def _is_token_shift(module: torch.nn.Module) -> bool:
     """``nn.ZeroPad2d((0, 0, 1, -1))`` over ``[B, T, C]``: each token gets the one before it (RWKV's time shift)."""
     return isinstance(module, torch.nn.ZeroPad2d) and tuple(module.padding) == (0, 0, 1, -1)
@@ -341,6 +351,9 @@ class RecurrentScans:
             elif _is_mlstm(module):
                 kind = "mlstm"
                 self._patches.append((module, "forward", self._mlstm(module)))
+            elif _is_cca(module):  # its state is inputs by position, like a short convolution's
+                self._patches.append((module, "forward", self._cca(module)))
+                self.convs.add(module.layer_idx)
             elif not any(name.startswith(m) for m in inside):
                 self._other_state(name, module)
             if kind is not None:
@@ -394,7 +407,7 @@ class RecurrentScans:
         """Within the block, the model's scans run ppsplit's ops on ``cache``'s rings (or on a ring of its own per
         call, without a cache), starting at ``positions``."""
         kinds = set(self.mixers.values())
-        if not kinds:
+        if not kinds and not self._patches:
             yield
             return
         self.cache, self.positions = cache, positions
@@ -539,16 +552,45 @@ class RecurrentScans:
         return torch.ops.ppsplit.wkv_scan(time_decay, time_first, key, value, ring, self.positions), None
 
     def _shift(self, pad: torch.nn.Module, layer: int, index: int):
-        """A token shift over ``[B, T, C]`` as a two-tap causal convolution ``[1, 0]`` over the inputs kept by
-        position (the ``index``-th of the layer's), so the token before a step's first comes from the cache (and a
-        ragged step's from each token's own sequence)."""
+        """RWKV's ``time_shift`` over ``[B, T, C]``: ``_previous`` (the model's own without a cache)."""
         def forward(x):
+            return type(pad).forward(pad, x) if self.cache is None else self._previous(x, layer, index)
+        return forward
+
+    def _previous(self, x: torch.Tensor, layer: int, index: int) -> torch.Tensor:
+        """Each token's previous one of ``x [B, T, C]`` (zeros before position 0), as a two-tap causal convolution
+        ``[1, 0]`` over the inputs kept by position (the layer's ``index``-th), so the token before a step's first
+        comes from the cache (and in a ragged step from each token's own sequence)."""
+        channels, tokens = x.shape[-1], x.shape[1]
+        window = self.cache.layers[layer].update_conv_state(x.transpose(1, 2), 2, index)
+        before = torch.cat([x.new_ones(channels, 1, 1), x.new_zeros(channels, 1, 1)], dim=-1)  # y_t = x_(t-1)
+        return F.conv1d(window, before, padding=1, groups=channels)[..., 1:1 + tokens].transpose(1, 2)
+
+    def _cca(self, module: torch.nn.Module):
+        """ZAYA's ``ZayaCCAProjection.forward``: its q/k convolutions over the window of inputs kept by position
+        (the model keeps only the last window, which a verify pass cannot take back), and its delayed values from
+        the token before by position (the model keeps only the last token's)."""
+        layer, dim, groups = module.layer_idx, module.head_dim, module.num_key_value_groups
+
+        def forward(hidden_states, cache=None, conv_mask=None):
             if self.cache is None:
-                return type(pad).forward(pad, x)
-            channels, tokens = x.shape[-1], x.shape[1]
-            window = self.cache.layers[layer].update_conv_state(x.transpose(1, 2), 2, index)
-            before = torch.cat([x.new_ones(channels, 1, 1), x.new_zeros(channels, 1, 1)], dim=-1)  # y_t = x_(t-1)
-            return F.conv1d(window, before, padding=1, groups=channels)[..., 1:1 + tokens].transpose(1, 2)
+                return type(module).forward(module, hidden_states, None, conv_mask)
+            if conv_mask is not None:
+                hidden_states = hidden_states * conv_mask[:, :, None].to(hidden_states.dtype)
+            batch, tokens, _ = hidden_states.shape
+            shape = (batch, tokens, -1, dim)
+            queries, keys = module.q_proj(hidden_states), module.k_proj(hidden_states)
+            query_residual = (queries.view(shape) + keys.view(shape).repeat_interleave(groups, dim=2)) * 0.5
+            key_residual = query_residual.view(batch, tokens, -1, groups, dim).mean(dim=-2)
+            window = self.cache.layers[layer].update_conv_state(torch.cat([queries, keys], dim=-1).transpose(1, 2),
+                                                                module.conv_kernel_size + 1, 0)
+            qk = module.conv_qk_grouped(module.conv_qk_depthwise(window)).transpose(1, 2)
+            split = queries.shape[-1]
+            query = qk[..., :split].view(shape) + query_residual
+            key = qk[..., split:].view(shape) + key_residual
+            delayed = module.v_proj_delayed(self._previous(hidden_states, layer, 1))
+            value = torch.cat([module.v_proj_current(hidden_states), delayed], dim=-1).view(shape)
+            return query, key, value
         return forward
 
 
