@@ -217,8 +217,8 @@ def refuse_uncached_state(model: torch.nn.Module, scans: RecurrentScans | None =
         raise ConfigError(f"{type(model).__name__} ({model_type}) cannot decode through ppsplit's static cache: its "
                           f"recurrent layers ({scans.unsupported[0]}{', ...' if len(scans.unsupported) > 1 else ''}) "
                           "keep a state ppsplit does not route to its state cache yet (supported: Mamba-1, Mamba-2, "
-                          "Gated DeltaNet, Kimi delta attention, MiniMax lightning attention, RG-LRU, short "
-                          "convolutions); split it without cache=")
+                          "Gated DeltaNet, Kimi delta attention, MiniMax lightning attention, RG-LRU, RWKV-4, xLSTM's "
+                          "mLSTM, ZAYA's CCA, short convolutions); split it without cache=")
     if kinds:
         what = "; ".join(f"{kind} layers keep {_STATE_KINDS[kind]}" for kind in sorted(kinds))
         raise ConfigError(f"{type(model).__name__} ({model_type}) cannot decode through ppsplit's static KV cache: "

@@ -594,13 +594,16 @@ class RecurrentScans:
         return forward
 
 
+def _mixes(module: torch.nn.Module, hidden: torch.Tensor, *names: str) -> list[torch.Tensor]:
+    """RWKV's inputs: each token interpolated with the one before by the learned ``time_mix_<name>``."""
+    shifted = module.time_shift(hidden)
+    return [hidden * mix + shifted * (1 - mix) for mix in (getattr(module, f"time_mix_{n}") for n in names)]
+
+
 def _time_mix(module: torch.nn.Module):
     """RWKV's ``RwkvSelfAttention.extract_key_value`` without its state argument (the cache keeps the shift)."""
     def extract_key_value(hidden, state=None):
-        shifted = module.time_shift(hidden)
-        key = hidden * module.time_mix_key + shifted * (1 - module.time_mix_key)
-        value = hidden * module.time_mix_value + shifted * (1 - module.time_mix_value)
-        receptance = hidden * module.time_mix_receptance + shifted * (1 - module.time_mix_receptance)
+        key, value, receptance = _mixes(module, hidden, "key", "value", "receptance")
         return torch.sigmoid(module.receptance(receptance)), module.key(key), module.value(value), state
     return extract_key_value
 
@@ -608,9 +611,7 @@ def _time_mix(module: torch.nn.Module):
 def _channel_mix(module: torch.nn.Module):
     """RWKV's ``RwkvFeedForward.forward`` without its state argument."""
     def forward(hidden, state=None):
-        shifted = module.time_shift(hidden)
-        key = hidden * module.time_mix_key + shifted * (1 - module.time_mix_key)
-        receptance = hidden * module.time_mix_receptance + shifted * (1 - module.time_mix_receptance)
+        key, receptance = _mixes(module, hidden, "key", "receptance")
         value = module.value(torch.square(torch.relu(module.key(key))))
         return torch.sigmoid(module.receptance(receptance)) * value, state
     return forward
