@@ -25,8 +25,10 @@ Facts about the whole graph come back in the typed result, ``Annotated``:
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import fx
@@ -36,7 +38,7 @@ from ppsplit.core.layers import LayerStack
 from ppsplit.core.fx_utils import CACHE_PREFIX
 from ppsplit.passes.planning.halves import find_mids
 from ppsplit.passes.trace import Traced, module_path
-from ppsplit.core.plan import ModelCosts
+from ppsplit.core.plan import ModelCosts, Stream
 
 # Ops whose result depends only on the shape of their tensor argument, never its values.
 _CACHE_RE = re.compile(r"^" + CACHE_PREFIX + r"\.(\d+)\.")
@@ -129,28 +131,47 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
                      residuals=residuals, mids=find_mids(nodes, residuals, num_layers))
 
 
+class Layout(NamedTuple):
+    """Where a token value keeps its batch and token axes, and its other (per-token) dims in order."""
+
+    batch_dim: int
+    token_dim: int
+    shape: tuple
+
+
 def per_token_shape(node: fx.Node, traced: Traced) -> tuple | None:
     """``shape[2:]`` when ``node``'s value is a tensor shaped ``[B, T, ...]`` (the traced batch and token
     count), else ``None``."""
     layout = per_token_layout(node, traced)
-    return layout[1] if layout is not None and layout[0] == 1 else None
+    return layout.shape if layout is not None and layout[:2] == (0, 1) else None
 
 
-def per_token_layout(node: fx.Node, traced: Traced) -> tuple[int, tuple] | None:
-    """``(token_dim, other dims)`` when ``node``'s value is a tensor with the batch first and the token count at
-    ``token_dim`` (``[B, T, ...]``, or ``[B, heads, T, dim]`` as attention keeps keys and values), else ``None``."""
+def per_token_layout(node: fx.Node, traced: Traced) -> Layout | None:
+    """Where ``node``'s value keeps the batch and the token count: ``[B, T, ...]``, ``[B, heads, T, dim]`` as
+    attention keeps keys and values, ``[n, B, T, H]`` as Gemma 3n stacks its streams (the batch first when it can
+    be); ``None`` when it is not a tensor with one axis of each."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.dim() < 2 or not _is_symbol(val.shape[0], traced.batch_symbol):
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
         return None
-    dims = [d for d in range(1, val.dim()) if _is_symbol(val.shape[d], traced.tokens_symbol)]
-    if len(dims) != 1:
-        return None
-    return dims[0], tuple(s for d, s in enumerate(val.shape) if d not in (0, dims[0]))
+    batch = [d for d in range(val.dim()) if _is_symbol(val.shape[d], traced.batch_symbol, traced.fixed_batch)]
+    for b in batch[:2]:  # a fixed batch of 1 may also match a later axis of size 1
+        dims = [d for d in range(val.dim()) if d != b and _is_symbol(val.shape[d], traced.tokens_symbol)]
+        if len(dims) == 1:
+            return Layout(b, dims[0], tuple(s for d, s in enumerate(val.shape) if d not in (b, dims[0])))
+    return None
 
 
-def _is_symbol(dim, symbol: str) -> bool:
+def stream_layout(node: fx.Node, traced: Traced) -> Stream | None:
+    """The ``Stream`` of a residual-stream node holding several hidden vectors per token (None: ``[B, T, H]``)."""
+    layout = per_token_layout(node, traced)
+    if layout is None or (layout[:2] == (0, 1) and len(layout.shape) == 1):
+        return None
+    return Stream(shape=tuple(int(d) for d in layout.shape), batch_dim=layout.batch_dim, token_dim=layout.token_dim)
+
+
+def _is_symbol(dim, symbol: str, fixed: int = 0) -> bool:
     if isinstance(dim, int):  # a static size; or a size export fixed to the example (a batch of the cache's rows)
-        return not symbol or symbol == str(dim)
+        return (not symbol and (not fixed or dim == fixed)) or symbol == str(dim)
     return isinstance(dim, torch.SymInt) and str(dim.node.expr) == symbol
 
 
@@ -164,7 +185,8 @@ def residual_message(annotated: "Annotated", j: int) -> str:
     by_name = {n.name: n for n in annotated.gm.graph.nodes}
     detail = "; ".join(by_name[n].format_node() for n in names)
     hidden = annotated.traced.hidden_size
-    rule = (f"the one value shaped [batch, tokens, {hidden}] that the layer reads, computed last" if hidden else
+    rule = (f"the one value shaped [batch, tokens, {hidden}], or holding a fixed number of {hidden}-wide vectors per "
+            "token, that the layer reads, computed last" if hidden else
             "the model's config names no hidden_size to tell it by")
     return (f"{len(names)} token-dependent values enter {where} and ppsplit cannot tell which is the residual "
             f"stream ({rule}): {detail}. Choose other stage boundaries or aux ids, or report the model")
@@ -173,17 +195,30 @@ def residual_message(annotated: "Annotated", j: int) -> str:
 def _residual(values: list[fx.Node], traced: Traced, reader: int) -> str | None:
     """The residual stream among the values crossing one cut (see ``Annotated.residuals``): the only value, else
     of those shaped ``[B, T, hidden_size]``, the ones that the next layer (region ``reader``) reads, and of those
-    the one computed last."""
+    the one computed last; when no such value is read, the same among the values holding a fixed number of
+    hidden-size vectors per token (a stream of several, ``[n, B, T, H]`` or ``[B, T, n, H]``)."""
     if len(values) == 1:
         return values[0].name
-    hidden = [v for v in values if traced.hidden_size and per_token_shape(v, traced) == (traced.hidden_size,)
-              and v.meta["val"].is_floating_point()]
-    read = [v for v in hidden if any(u.meta.get("ppsplit.region") == reader for u in v.users)]
-    if not read:
-        return None
-    latest = max(v.meta["ppsplit.region"] for v in read)
-    last = [v for v in read if v.meta["ppsplit.region"] == latest]
-    return last[0].name if len(last) == 1 else None
+    for wide in (False, True):
+        hidden = [v for v in values if v.meta["val"].is_floating_point() and _holds_hidden(v, traced, wide)]
+        read = [v for v in hidden if any(u.meta.get("ppsplit.region") == reader for u in v.users)]
+        if read:
+            latest = max(v.meta["ppsplit.region"] for v in read)
+            last = [v for v in read if v.meta["ppsplit.region"] == latest]
+            return last[0].name if len(last) == 1 else None
+    return None
+
+
+def _holds_hidden(node: fx.Node, traced: Traced, several: bool) -> bool:
+    """Whether ``node`` is ``[B, T, hidden_size]`` (``several``: a fixed number > 1 of hidden-size vectors per
+    token, in any axis order)."""
+    if not traced.hidden_size:
+        return False
+    if not several:
+        return per_token_shape(node, traced) == (traced.hidden_size,)
+    layout = per_token_layout(node, traced)
+    return (layout is not None and len(layout.shape) > 1 and layout.shape[-1] == traced.hidden_size
+            and all(isinstance(d, int) for d in layout.shape) and math.prod(layout.shape) > traced.hidden_size)
 
 
 def _is_size(node: fx.Node) -> bool:

@@ -17,7 +17,7 @@ from torch import fx
 from torch.fx.node import map_aggregate
 
 from ppsplit.core.errors import CrossingError
-from ppsplit.core.fx_utils import copy_buffer_persistence
+from ppsplit.core.fx_utils import copy_buffer_persistence, from_token_rows, token_rows
 from ppsplit.passes.annotate import SHAPE_OPS, mutated_bases
 from ppsplit.passes.partition import Partitioned
 from ppsplit.core.plan import SplitPlan
@@ -66,8 +66,9 @@ def emit(rewritten: Partitioned, plan: SplitPlan) -> list[fx.GraphModule]:
             if n.meta.get("ppsplit.token") and n not in inputs and not _runs_on(n, s):
                 raise CrossingError(f"stage {s} needs {n.format_node()} from stage {n.meta.get('ppsplit.stage')}, which "
                                     "neither the residual stream nor a carried value brings")
+        streams = (plan.stream if s > 0 else None, plan.stream if s < plan.pp - 1 else None)
         stage_graph = _build(sorted(needed - inputs, key=order.get), x_src, positions, aux, step, y_src, symbols,
-                             plan, unpack, pack)
+                             plan, unpack, pack, streams)
         stage = fx.GraphModule(gm, stage_graph, class_name=f"Stage{s}")
         copy_buffer_persistence(stage, gm)
         stage.meta["ppsplit.stage"] = s
@@ -111,10 +112,12 @@ def _closure(roots: list, stop: set, symbols: dict) -> set:
 
 
 def _build(body: list, x_src, positions, aux, step: list, y_src, symbols: dict, plan: SplitPlan, unpack: list,
-           pack: list) -> fx.Graph:
+           pack: list, streams: tuple) -> fx.Graph:
     """A stage's graph. Lockstep: ``(x [B, T, ...], positions [T], aux [n, B, T, H])``. Paged (ragged steps):
     ``(x [N, ...], positions [N], aux [n, N, H], seq, block_table, seq_start, seq_count)``, the traced row of ``N``
-    tokens being a batch of one inside."""
+    tokens being a batch of one inside. ``streams``: the ``Stream`` layout of the residual stream this stage
+    receives and sends (None: ``[B, T, H]`` as it is, or no stream: the tokens in, the logits out)."""
+    stream_in, stream_out = streams
     g = fx.Graph()
     x_in = g.placeholder("x")
     pos = g.placeholder("positions")
@@ -133,20 +136,13 @@ def _build(body: list, x_src, positions, aux, step: list, y_src, symbols: dict, 
     env.update({x_src: x, positions: pos, aux: buf})
     packed = {}  # carried value -> its slice of x, as it came
     dtype = model_dtype(plan)
-    if unpack:
+    if unpack or stream_in:
         hidden = _slice(g, x, 0, plan.hidden_size)
-        env[x_src] = g.call_function(aten.clone.default, (hidden,), {"memory_format": torch.contiguous_format})
+        env[x_src] = (from_token_rows(g, hidden, stream_in) if stream_in else
+                      g.call_function(aten.clone.default, (hidden,), {"memory_format": torch.contiguous_format}))
         for node, carry, offset in unpack:
             packed[node] = piece = _slice(g, x, offset, offset + carry.width)
-            value = g.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
-            if DTYPES[carry.dtype] != dtype:
-                value = g.call_function(aten.view.dtype, (value, DTYPES[carry.dtype]))
-            value = g.call_function(aten.view.default, (value, [batch, tokens, *carry.shape]))
-            if carry.token_dim != 1:  # back to the value's own layout, e.g. keys [B, heads, T, dim]
-                order = _token_order(carry, inverse=True)
-                value = g.call_function(aten.clone.default, (g.call_function(aten.permute.default, (value, order)),),
-                                        {"memory_format": torch.contiguous_format})
-            env[node] = value
+            env[node] = from_token_rows(g, piece, carry, _reinterpreted(carry, dtype))
 
     def devices(a):
         return device if isinstance(a, torch.device) else a
@@ -161,18 +157,15 @@ def _build(body: list, x_src, positions, aux, step: list, y_src, symbols: dict, 
         new.kwargs = map_aggregate(new.kwargs, devices)
         env[n] = new
     y = env[y_src]
+    if stream_out:
+        y = token_rows(g, y, stream_out)
     if pack:
         pieces = [y]
         for node, carry in pack:
             piece = packed.get(node)
             if piece is None:
-                piece = env[node]
-                if carry.token_dim != 1:
-                    piece = g.call_function(aten.permute.default, (piece, _token_order(carry)))
-                piece = g.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
-                if DTYPES[carry.dtype] != dtype:
-                    piece = g.call_function(aten.view.dtype, (piece, dtype))
-                piece = g.call_function(aten.view.default, (piece, [batch, tokens, carry.width]))
+                reinterpret = _reinterpreted(carry, dtype)
+                piece = token_rows(g, env[node], carry, dtype if reinterpret is not None else None)
             pieces.append(piece)
         y = g.call_function(aten.cat.default, (pieces, -1))
     if step:
@@ -185,11 +178,9 @@ def _build(body: list, x_src, positions, aux, step: list, y_src, symbols: dict, 
     return g
 
 
-def _token_order(carry, inverse: bool = False) -> list[int]:
-    """The permutation that brings a carried value's token axis to dim 1 (``inverse``: back to ``token_dim``)."""
-    rank = 2 + len(carry.shape)
-    order = [0, carry.token_dim] + [d for d in range(1, rank) if d != carry.token_dim]
-    return [order.index(d) for d in range(rank)] if inverse else order
+def _reinterpreted(carry, dtype: torch.dtype) -> torch.dtype | None:
+    """The carried value's own dtype when its bytes travel as ``dtype`` elements (an int32 index in bfloat16)."""
+    return DTYPES[carry.dtype] if DTYPES[carry.dtype] != dtype else None
 
 
 def _slice(g: fx.Graph, x: fx.Node, start: int, end: int) -> fx.Node:

@@ -80,7 +80,7 @@ def fuse(tapped: Partitioned, plan: SplitPlan, *, taps: bool = True) -> Fused:
         carries[:] = [dataclasses.replace(c, name=new.name) if c.name == old.name else c for c in carries]
         replaced[old] = new
 
-    for match in find_norms(gm, plan.hidden_size):
+    for match in find_norms(gm, plan.vector_size):
         value = replaced.get(match.input, match.input)
         stage = match.output.meta.get("ppsplit.stage")
         add = _producer_add(value)

@@ -26,7 +26,7 @@ from torch import fx
 import ppsplit.triton_kernels.paged  # noqa: F401  (registers the paged ops)
 import ppsplit.triton_kernels.recurrent  # noqa: F401
 from ppsplit.core.errors import ConfigError
-from ppsplit.core.fx_utils import CACHE_PREFIX, fresh_copy, get_tensor, set_tensor
+from ppsplit.core.fx_utils import CACHE_PREFIX, CONV_INPUTS, fresh_copy, get_tensor, set_tensor
 from ppsplit.core.options import CacheConfig
 from ppsplit.core.plan import SplitPlan
 from ppsplit.core.ragged import STEP_INPUTS
@@ -35,8 +35,14 @@ from ppsplit.passes.partition import Partitioned, carry_forward
 
 aten = torch.ops.aten
 ops = torch.ops.ppsplit
+# Each scan's ragged form takes the same arguments with the pool for the ring and the step's seq_start, seq_count
+# after positions.
 _SCANS = {ops.ssm_scan.default: ops.ragged_ssm_scan.default,
-          ops.gated_delta_scan.default: ops.ragged_gated_delta_scan.default}
+          ops.gated_delta_scan.default: ops.ragged_gated_delta_scan.default,
+          ops.linear_attention_scan.default: ops.ragged_linear_attention_scan.default,
+          ops.linear_recurrence.default: ops.ragged_linear_recurrence.default,
+          ops.wkv_scan.default: ops.ragged_wkv_scan.default,
+          ops.mlstm_scan.default: ops.ragged_mlstm_scan.default}
 _CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
 
 
@@ -119,7 +125,7 @@ class _Rewrite:
             c = self.cache
             if kind in ("keys", "values"):  # stand-in [1, H, L, D] -> [blocks, block_size, H, D]
                 shape = (c.pool_blocks, c.block_size, t.shape[1], *t.shape[3:])
-            elif kind == "conv_inputs":  # [1, C, L] -> [blocks, block_size, C]
+            elif kind.startswith(CONV_INPUTS):  # [1, C, L] -> [blocks, block_size, C]
                 shape = (c.pool_blocks, c.block_size, t.shape[1])
             elif kind == "states":  # [1, R, *state] -> [slots, R, *state]
                 shape = (c.batch_size, *t.shape[1:])
@@ -154,7 +160,7 @@ class _Rewrite:
                 if user.target is not ops.cache_attention.default:
                     raise Unpageable(f"layer {layer}'s cached {kind} are read by {user.format_node()}, not by the "
                                      "cache_attention the paged cache replaces")
-        elif kind == "conv_inputs":
+        elif kind.startswith(CONV_INPUTS):
             for user in readers:
                 self.conv(layer, user, value, pool)
         for user in [u for u in readers if u.target is ops.cache_attention.default]:
@@ -213,20 +219,21 @@ class _Rewrite:
 
     def scan(self, node: fx.Node) -> None:
         args = list(node.args)
-        ring, positions = args[5], args[6]
+        at = [a.name for a in node.target._schema.arguments].index("ring")
+        ring, positions = args[at], args[at + 1]
         name = _cache_name(ring)
         if name is None or positions is not self.positions:
             raise Unpageable(f"the recurrent scan {node.format_node()} does not read a cache ring at the step's "
                              "positions")
         pool = self.pool(_base(ring), name[1])
         m = self.meta
-        new_args = args[:5] + [pool, positions, m["seq_start"], m["seq_count"]] + args[7:]
+        new_args = args[:at] + [pool, positions, m["seq_start"], m["seq_count"]] + args[at + 2:]
         with self.graph.inserting_before(node):
             new = self.graph.call_function(_SCANS[node.target], tuple(new_args))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         self.graph.erase_node(node)
-        if ring is not new_args[5] and not ring.users:
+        if ring is not pool and not ring.users:
             self.graph.erase_node(ring)
 
     # -- what is left ----------------------------------------------------------------------------------------

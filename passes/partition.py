@@ -2,10 +2,12 @@
 
 Values that do not depend on the tokens (positions, rotary cos/sin, masks, weights) get no home: emit
 recomputes them on every stage that needs them. Of the token-dependent values, the residual stream crosses
-each boundary into the next stage; any other value that a later stage reads (Gemma 4's per-layer inputs, a
-long skip from the embedding) is *carried*: packed into ``x`` after the hidden state at every boundary between
-its home and its last reader, as raw bytes in the model dtype. It must be shaped ``[B, T, ...]`` with a fixed
-per-token size that fills whole elements of the model dtype; anything else is a ``CrossingError`` naming it.
+each boundary into the next stage (token-major, in the one layout ``plan.stream`` records when it holds several
+hidden vectors per token); any other value that a later stage reads (Gemma 4's per-layer inputs, a long skip from
+the embedding) is *carried*: packed into ``x`` after the hidden state at every boundary between its home and its
+last reader, as raw bytes in the model dtype, token-major. It must have one batch and one token axis
+(``[B, T, ...]``, keys ``[B, heads, T, dim]``) with a fixed per-token size that fills whole elements of the model
+dtype; anything else is a ``CrossingError`` naming it.
 
 The pass works on a fresh copy of the annotated graph (same tensors, same node names and facts), so one trace
 serves many splits. Facts written: ``node.meta["ppsplit.stage"]`` on token nodes; the result, ``Partitioned``,
@@ -20,7 +22,8 @@ from torch import fx
 
 from ppsplit.core.errors import CrossingError
 from ppsplit.core.fx_utils import fresh_copy, is_cache_buffer
-from ppsplit.passes.annotate import Annotated, is_view, mutated_bases, per_token_layout, residual_message
+from ppsplit.passes.annotate import (Annotated, is_view, mutated_bases, per_token_layout, residual_message,
+                                     stream_layout)
 from ppsplit.core.plan import Carry, SplitPlan
 from ppsplit.core.tensors import dtype_name, model_dtype, nbytes
 
@@ -76,6 +79,7 @@ def partition(annotated: Annotated, plan: SplitPlan) -> Partitioned:
             residual = annotated.residuals[stage.start]
         if residual is None:
             raise CrossingError(residual_message(annotated, stage.start))
+        check_stream(nodes, residual, annotated, plan, f"the residual stream into stage {stage.index}")
         boundaries[stage.index] = residual
 
     replicas = _replicate_shared_caches(gm, nodes, plan)
@@ -99,6 +103,17 @@ def partition(annotated: Annotated, plan: SplitPlan) -> Partitioned:
             carries.append(_carry(node, into, reader, last, annotated, plan))
     gm.graph.lint()
     return Partitioned(gm=gm, annotated=annotated, boundaries=boundaries, carries=tuple(carries), replicas=replicas)
+
+
+def check_stream(nodes: list[fx.Node], name: str, annotated: Annotated, plan: SplitPlan, what: str) -> None:
+    """``CrossingError`` unless node ``name`` (a cut's residual stream) has the layout the plan packs it in."""
+    node = next(n for n in nodes if n.name == name)
+    found = stream_layout(node, annotated.traced)
+    if found != plan.stream:
+        seen = f"[{found.dims()}]" if found else f"{list(node.meta['val'].shape)}"
+        want = f"[{plan.stream.dims()}]" if plan.stream else f"[B, T, {plan.hidden_size}]"
+        raise CrossingError(f"{what}, {node.format_node()}, is laid out {seen}, but the stream entering layer 0 is "
+                            f"{want}; ppsplit packs one layout at every cut. Choose other stage boundaries or aux ids")
 
 
 def _replicate_shared_caches(gm: fx.GraphModule, nodes: list[fx.Node], plan: SplitPlan) -> tuple:
@@ -140,11 +155,11 @@ def _carry(node: fx.Node, into: tuple[int, ...], reader: fx.Node, last: int, ann
     val = node.meta.get("val")
     why = None
     if layout is None:
-        why = "it is not a tensor with the batch first and one dimension of tokens"
-    elif not all(isinstance(d, int) for d in layout[1]):
-        why = f"its per-token shape {list(layout[1])} is not fixed"
+        why = "it is not a tensor with one dimension of batch and one of tokens"
+    elif not all(isinstance(d, int) for d in layout.shape):
+        why = f"its per-token shape {list(layout.shape)} is not fixed"
     else:
-        size = nbytes(layout[1], val.dtype)
+        size = nbytes(layout.shape, val.dtype)
         unit = nbytes((), model_dtype(plan))
         if size % unit:
             why = f"its {size} bytes per token do not fill whole {plan.dtype} elements"
@@ -152,5 +167,5 @@ def _carry(node: fx.Node, into: tuple[int, ...], reader: fx.Node, last: int, ann
         raise CrossingError(f"{node.format_node()} (stage {node.meta['ppsplit.stage']}) is read by {reader.name} on "
                             f"stage {last}, and only the residual stream or a value ppsplit can carry beside it may "
                             f"cross a stage boundary, but {why}. Choose other stage boundaries or report the model")
-    return Carry(name=node.name, shape=tuple(int(d) for d in layout[1]), dtype=dtype_name(val.dtype), stages=into,
-                 width=size // unit, token_dim=layout[0])
+    return Carry(name=node.name, shape=tuple(int(d) for d in layout.shape), dtype=dtype_name(val.dtype), stages=into,
+                 width=size // unit, token_dim=layout.token_dim, batch_dim=layout.batch_dim)

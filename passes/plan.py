@@ -18,13 +18,13 @@ every stage's cost under the policy (``StagePlan.cost``) and the regions it summ
 """
 from __future__ import annotations
 
-import dataclasses
+import math
 from typing import Callable, Sequence
 
 from ppsplit.core.options import COUNTED_POLICIES, Balance, CostModel
 from ppsplit.core.errors import ConfigError, CrossingError
 from ppsplit.core.fx_utils import state_slots
-from ppsplit.passes.annotate import Annotated, residual_message
+from ppsplit.passes.annotate import Annotated, residual_message, stream_layout
 from ppsplit.passes.planning.balance import best_split, given_sizes, no_split_under_cap, smallest_cap
 from ppsplit.passes.planning.costs import flops_costs
 from ppsplit.passes.planning.half_plan import make_half_plan
@@ -141,7 +141,7 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
         start = end
     return SplitPlan(num_layers=num_layers, stages=tuple(stages), taps=slots, balance=name, costs=costs,
                      region_costs=reported, cost_model=cost_model if name in COUNTED_POLICIES else None,
-                     max_stage_bytes=max_stage_bytes, **dataclasses.asdict(facts))
+                     max_stage_bytes=max_stage_bytes, **facts.fields())
 
 
 def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Balance = "layers",
@@ -172,7 +172,9 @@ def plan(annotated: Annotated, pp: int, taps: Sequence[int] = (), *, balance: Ba
             raise ConfigError("balance='time' needs each layer timed on its device; ppsplit.split_model measures "
                               "them (ppsplit.compile.measure.measure_costs), this pass only plans from the result")
         region = measured
-    facts = ModelFacts(hidden_size=int(val.shape[-1]), dtype=dtype_name(val.dtype),
+    stream = stream_layout(hidden, annotated.traced)
+    facts = ModelFacts(hidden_size=math.prod(stream.shape) if stream else int(val.shape[-1]), stream=stream,
+                       dtype=dtype_name(val.dtype),
                        model_class=annotated.traced.model_class, layers_fqn=annotated.layers.fqn,
                        max_batch=cache.batch_size if cache else 0, max_len=cache.max_len if cache else 0,
                        block_size=cache.block_size if paged else 0, num_blocks=cache.pool_blocks if paged else 0,

@@ -23,8 +23,8 @@ from torch.export import Dim
 import ppsplit.core.errors
 from ppsplit.core.options import CacheConfig
 from ppsplit.core.errors import ConfigError, TraceError
-from ppsplit.core.fx_utils import CACHE_PREFIX, copy_buffer_persistence, set_tensor, tied_parameters
-from ppsplit.passes.tracing.kv_cache import PositionedCache, RecurrentScans
+from ppsplit.core.fx_utils import CACHE_PREFIX, conv_buffer, copy_buffer_persistence, set_tensor, tied_parameters
+from ppsplit.passes.tracing.kv_cache import PositionedCache, RecurrentScans, takes_foreign_cache
 from ppsplit.core.tensors import module_device
 
 _PREFIX = "m."  # the wrapper holds the model as ``self.m``
@@ -46,7 +46,7 @@ class Traced:
     gm: fx.GraphModule
     model_class: str
     cache: CacheConfig | None  # the paged cache the stages will own (the graph holds a dense stand-in, below)
-    batch_symbol: str  # sympy name of the batch dimension, e.g. "s0"
+    batch_symbol: str  # sympy name of the batch dimension, e.g. "s0" ("" when export fixed it: see fixed_batch)
     tokens_symbol: str
     tied: tuple[tuple[str, str], ...]  # (alias, canonical) pairs of parameters that share storage
     hidden_size: int = 0  # the config's, when it names one: tells the residual stream from values beside it
@@ -58,6 +58,7 @@ class Traced:
     # The traced module itself, so a split that cannot page its cache can be traced again with a lockstep one.
     source: torch.nn.Module | None = field(default=None, compare=False, repr=False)
     retraced: dict = field(default_factory=dict, compare=False, repr=False)  # that lockstep trace, made once
+    fixed_batch: int = 0  # the batch export fixed (a paged trace's one row, a cache's rows), 0 when it is dynamic
 
 
 # transformers renamed `past_key_values` (`cache_params` in Mamba models) to `cache` in 5.24.
@@ -67,10 +68,11 @@ CACHE_KEYWORDS = ("cache", "past_key_values", "cache_params")
 def cache_refusal(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot have ppsplit's cache (what ``trace_model(model, cache=...)`` would refuse, checked
     without tracing), or ``None`` when it can."""
-    if not any(k in inspect.signature(model.forward).parameters for k in CACHE_KEYWORDS):
+    scans = RecurrentScans(model)
+    if not any(k in inspect.signature(model.forward).parameters for k in CACHE_KEYWORDS) and not scans.mixers:
         return f"{type(model).__name__}.forward takes no cache"
     try:
-        refuse_uncached_state(model)
+        refuse_uncached_state(model, scans)
     except ConfigError as e:
         return str(e)
     return None
@@ -89,6 +91,8 @@ class _Traceable(torch.nn.Module):
         self._pass_use_cache = "use_cache" in accepted
         self._pass_mask = "attention_mask" in accepted
         self._cache_kw = next((k for k in CACHE_KEYWORDS if k in accepted), None)
+        if takes_foreign_cache(model):  # its routed mixers read ppsplit's cache; the model is handed none
+            self._cache_kw = None
         self.kv = None
         self.scans = RecurrentScans(model)
         # A hybrid whose forward takes use_cache only through **kwargs (GraniteMoeHybrid) would otherwise build a
@@ -97,11 +101,11 @@ class _Traceable(torch.nn.Module):
         self._pass_use_cache = self._pass_use_cache or bool(self.scans.mixers) and takes_kwargs
         if cache is not None:
             refuse_uncached_state(model, self.scans)
-            if self._cache_kw is None:
+            if self._cache_kw is None and not self.scans.mixers:
                 raise ConfigError(f"{type(model).__name__}.forward takes no cache, so ppsplit cannot give its stages "
                                   "a KV cache; split it without cache=")
             self.max_len = cache.max_len
-            self.kv = PositionedCache(num_layers, cache.max_len)
+            self.kv = PositionedCache.for_model(model, num_layers, cache.max_len)
             self.add_module(CACHE_PREFIX, torch.nn.Module())
             self.kv_cache = getattr(self, CACHE_PREFIX)
             device = module_device(model)
@@ -117,10 +121,9 @@ class _Traceable(torch.nn.Module):
                     layer.register_buffer("values", torch.zeros(cache.batch_size, v_shape[0], cache.max_len,
                                                                 *v_shape[1:], dtype=dtype, device=device),
                                           persistent=False)
-                if cache_layer.conv_shape is not None:
-                    channels, _, dtype = cache_layer.conv_shape
-                    layer.register_buffer("conv_inputs", torch.zeros(cache.batch_size, channels, cache.max_len,
-                                                                     dtype=dtype, device=device), persistent=False)
+                for index, (channels, _, dtype) in cache_layer.conv_shapes.items():
+                    layer.register_buffer(conv_buffer(index), torch.zeros(cache.batch_size, channels, cache.max_len,
+                                                                          dtype=dtype, device=device), persistent=False)
                 if cache_layer.state_shape is not None:  # a recurrent layer's ring of states (float32)
                     layer.register_buffer("states", torch.zeros(cache.batch_size, cache.state_slots, *cache_layer.state_shape,
                                                                 device=device), persistent=False)
@@ -138,8 +141,8 @@ class _Traceable(torch.nn.Module):
         kwargs = {"position_ids": self.kv.positions[None]} if self._pass_positions else {}
         try:
             with torch.no_grad(), self.scans.routed(self.kv, self.kv.positions):
-                self.m(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True,
-                       **{self._cache_kw: self.kv}, **kwargs)
+                self.m(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=bool(self._cache_kw),
+                       **self._cache_kwargs(), **kwargs)
         finally:
             self.kv.recording = False
         missed = sorted(i for i in self.scans.mixers if self.kv.layers[i].state_shape is None)
@@ -148,23 +151,28 @@ class _Traceable(torch.nn.Module):
                               "to its state cache (this transformers release computes them another way); split it "
                               "without cache=")
         shapes = {i: layer for i, layer in enumerate(self.kv.layers)
-                  if layer.shapes is not None or layer.conv_shape is not None or layer.state_shape is not None}
+                  if layer.shapes is not None or layer.conv_shapes or layer.state_shape is not None}
         if not shapes:
             raise ConfigError(f"{type(self.m).__name__} wrote nothing into the cache it was given, so ppsplit cannot "
                               "give its stages a KV cache; split it without cache=")
         return shapes
+
+    def _cache_kwargs(self) -> dict:
+        """The cache the model is handed. A model whose forward takes none (RWKV keeps its state in a list it makes
+        when ``use_cache``) runs without one, ``use_cache=False``: its routed mixers read ppsplit's cache."""
+        return {self._cache_kw: self.kv} if self._cache_kw else {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         kwargs = {}
         if self._pass_positions:
             kwargs["position_ids"] = positions.unsqueeze(0)
         if self._pass_use_cache:
-            kwargs["use_cache"] = self.kv is not None
+            kwargs["use_cache"] = self.kv is not None and self._cache_kw is not None
         if self.kv is not None:
             # Bind the buffers on every call: export swaps module buffers for traced stand-ins.
             self.kv.bind({int(i): dict(layer.named_buffers()) for i, layer in self.kv_cache.named_children()})
             self.kv.positions = positions
-            kwargs[self._cache_kw] = self.kv
+            kwargs.update(self._cache_kwargs())
             if self._pass_mask:
                 # A mask over the whole cache, all visible: models that would otherwise size their padding mask
                 # from the cache length (a data-dependent .item()) take its width instead; the causal part still
@@ -216,15 +224,17 @@ def refuse_uncached_state(model: torch.nn.Module, scans: RecurrentScans | None =
     for attr in ("layer_types", "block_types", "layers_block_type"):
         value = getattr(config, attr, None)
         if isinstance(value, (list, tuple)):
-            kinds |= {str(v) for i, v in enumerate(value) if str(v) in _STATE_KINDS and i not in scans.mixers}
+            kinds |= {str(v) for i, v in enumerate(value)
+                      if str(v) in _STATE_KINDS and i not in scans.mixers and i not in scans.convs}
     model_type = getattr(config, "model_type", "")
     if model_type in _STATE_MODELS and (scans.unsupported or not scans.mixers):
         kinds.add("recurrent")
     if scans.unsupported:
         raise ConfigError(f"{type(model).__name__} ({model_type}) cannot decode through ppsplit's static cache: its "
                           f"recurrent layers ({scans.unsupported[0]}{', ...' if len(scans.unsupported) > 1 else ''}) "
-                          "use a scan ppsplit does not route to its state cache yet (supported: Mamba-1, Mamba-2, "
-                          "Gated DeltaNet, Kimi delta attention); split it without cache=")
+                          "keep a state ppsplit does not route to its state cache yet (supported: Mamba-1, Mamba-2, "
+                          "Gated DeltaNet, Kimi delta attention, MiniMax lightning attention, RG-LRU, RWKV-4, xLSTM's "
+                          "mLSTM, ZAYA's CCA, short convolutions); split it without cache=")
     if kinds:
         what = "; ".join(f"{kind} layers keep {_STATE_KINDS[kind]}" for kind in sorted(kinds))
         raise ConfigError(f"{type(model).__name__} ({model_type}) cannot decode through ppsplit's static KV cache: "
@@ -300,6 +310,7 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         hidden_size=_hidden_size(model),
         stand_in=stand_in,
         source=model,
+        fixed_batch=0 if b_sym else int(b_size),
         **_generation_ids(model),
     )
 

@@ -183,3 +183,34 @@ def hf_greedy(model, ids, new: int):
     """Hugging Face's greedy continuation of ``ids`` (the decoding oracle)."""
     with torch.no_grad():
         return model.generate(ids, max_new_tokens=new, do_sample=False)
+
+
+def decode_through_rejected_drafts(split, ids, greedy):
+    """The tokens a cached split decodes after ``ids`` through verify passes that reject drafts, to compare with
+    ``greedy`` (Hugging Face's continuation, at least 9 tokens): prefill, a verify pass of [committed token, right
+    draft, two wrong drafts] (the wrong ones overwrite keys and update recurrent states), one-token steps from the
+    first wrong position, a verify pass that rejects all its three drafts, then one-token steps again. Each step must
+    start from the cache after the accepted tokens only. Asserts the rejections took place."""
+    n = ids.shape[1]
+    split.reset_cache()
+    with torch.no_grad():
+        vocab = split(ids, torch.arange(n))[0].shape[-1]
+        wrong = (greedy[:, 2:4] + 1) % vocab
+        logits, _ = split(torch.cat([greedy[:, :2], wrong], dim=1), torch.arange(n, n + 4))
+        picked = logits.argmax(-1)
+        assert torch.equal(picked[:, :2], greedy[:, 1:3])  # the right draft is accepted, the next is greedy[2]
+        assert not torch.equal(picked[:, 2:], greedy[:, 3:5])  # what follows a wrong draft differs
+        tokens, token = [greedy[:, :2], picked[:, 1:2]], picked[:, 1:2]
+        for position in range(n + 2, n + 5):
+            logits, _ = split(token, torch.tensor([position]))
+            token = logits[:, -1:].argmax(-1)
+            tokens.append(token)
+        drafts = (greedy[:, 6:9] + 7) % vocab  # all wrong: only the committed token counts
+        logits, _ = split(torch.cat([token, drafts], dim=1), torch.arange(n + 5, n + 9))
+        token = logits[:, :1].argmax(-1)
+        tokens.append(token)
+        for position in range(n + 6, n + 9):
+            logits, _ = split(token, torch.tensor([position]))
+            token = logits[:, -1:].argmax(-1)
+            tokens.append(token)
+    return torch.cat(tokens, dim=1)

@@ -9,7 +9,6 @@ list of layer counts may use halves (``[8.5, 8, 8, 7.5]``).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 from ppsplit.core.options import COUNTED_POLICIES, Balance, CostModel
@@ -94,7 +93,7 @@ def make_half_plan(costs: ModelCosts, pp: int, taps: Sequence[int], *, balance: 
                    for k, (p, q) in enumerate(zip(bounds, bounds[1:])))
     return SplitPlan(num_layers=n, stages=stages, taps=tuple(sorted(set(int(t) for t in taps))), balance=name,
                      costs=costs, region_costs=reported, cost_model=cost_model if name in COUNTED_POLICIES else None,
-                     max_stage_bytes=max_stage_bytes, **dataclasses.asdict(facts))
+                     max_stage_bytes=max_stage_bytes, **facts.fields())
 
 
 def _bounds_of(sizes: list, pp: int, n: int, cuts: list[int]) -> list[int]:

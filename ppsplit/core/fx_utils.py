@@ -8,6 +8,16 @@ from __future__ import annotations
 import torch
 
 CACHE_PREFIX = "kv_cache"  # a stage's static KV cache lives in buffers kv_cache.<layer>.keys / .values
+CONV_INPUTS = "conv_inputs"  # a layer's short convolution's inputs by position; "conv_inputs_2" for its third
+
+
+def conv_buffer(index: int) -> str:
+    """The cache buffer name of a layer's ``index``-th short convolution's inputs."""
+    return CONV_INPUTS if index == 0 else f"{CONV_INPUTS}_{index}"
+
+
+def conv_index(name: str) -> int:
+    return int(name[len(CONV_INPUTS) + 1:] or 0)
 
 
 def is_cache_buffer(name: str) -> bool:
@@ -78,3 +88,52 @@ def tied_parameters(model: torch.nn.Module) -> tuple[tuple[str, str], ...]:
         else:
             first[id(p)] = name
     return tuple(tied)
+
+
+def token_rows(graph: "torch.fx.Graph", value: "torch.fx.Node", layout, as_dtype: torch.dtype | None = None,
+               meta: dict | None = None) -> "torch.fx.Node":
+    """Nodes, at ``graph``'s insertion point, that lay ``value`` out token-major as ``[B, T, elements]`` (a
+    ``core.plan.PerToken`` layout says where its batch and token axes are), its bytes read as ``as_dtype`` when
+    given: how ``x`` and the aux slots hold a stream or carried value. ``meta`` goes on every new node."""
+    aten = torch.ops.aten
+    order = layout.order()
+    if order != sorted(order):
+        value = _call(graph, aten.permute.default, (value, order), meta)
+    value = _call(graph, aten.clone.default, (value,), meta, memory_format=torch.contiguous_format)
+    if layout.shape:
+        value = _call(graph, aten.flatten.using_ints, (value, 2, -1), meta)
+    else:
+        value = _call(graph, aten.unsqueeze.default, (value, -1), meta)
+    if as_dtype is not None:
+        value = _call(graph, aten.view.dtype, (value, as_dtype), meta)
+    return value
+
+
+def from_token_rows(graph: "torch.fx.Graph", rows: "torch.fx.Node", layout, as_dtype: torch.dtype | None = None,
+                    meta: dict | None = None) -> "torch.fx.Node":
+    """The inverse of ``token_rows``: ``rows [B, T, width]`` (a slice of ``x``) as the model's own contiguous
+    tensor."""
+    aten = torch.ops.aten
+    value = _call(graph, aten.clone.default, (rows,), meta, memory_format=torch.contiguous_format)
+    if as_dtype is not None:
+        value = _call(graph, aten.view.dtype, (value, as_dtype), meta)
+    if layout.shape:
+        value = _call(graph, aten.unflatten.int, (value, -1, list(layout.shape)), meta)
+    else:
+        value = _call(graph, aten.squeeze.dim, (value, -1), meta)
+    order = layout.order(inverse=True)
+    if order != sorted(order):
+        value = _call(graph, aten.permute.default, (value, order), meta)
+        value = _call(graph, aten.clone.default, (value,), meta, memory_format=torch.contiguous_format)
+    return value
+
+
+def _call(graph, target, args, meta, **kwargs):
+    """A new node, with ``meta`` and, where its inputs have one, its (fake) value."""
+    node = graph.call_function(target, args, kwargs)
+    if meta is not None:
+        node.meta.update(meta)
+        vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in args]
+        if isinstance(vals[0], torch.Tensor):
+            node.meta["val"] = target(*vals, **kwargs)
+    return node

@@ -14,7 +14,8 @@ from ppsplit.core.checked import FolderError, check, from_json
 from ppsplit.core.options import CostModel
 
 _ELEMENT_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-PLAN_VERSION = 5  # 5: a paged cache; 4: stages may end mid-layer; 3: carried values; 2: structured fusion
+PLAN_VERSION = 6  # 6: a residual stream of several vectors per token; 5: a paged cache; 4: stages may end mid-layer;
+# 3: carried values; 2: structured fusion
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,57 @@ class StageFusion:
         return tuple(t.describe() for t in self.taps) + extra
 
 
+def token_major(rank: int, batch_dim: int, token_dim: int) -> list[int]:
+    """The permutation that brings a value's batch and token axes to the front, its other axes after them in order:
+    how ``x`` and the aux slots lay out a value the model keeps another way (its inverse puts it back)."""
+    return [batch_dim, token_dim] + [d for d in range(rank) if d not in (batch_dim, token_dim)]
+
+
+class PerToken:
+    """What ``Carry`` and ``Stream`` share: a value with a batch axis, a token axis and fixed per-token dims
+    (``shape``, the other dims in the model's order), packed token-major into ``[B, T, elements]``."""
+
+    shape: tuple[int, ...]
+    batch_dim: int
+    token_dim: int
+
+    def order(self, inverse: bool = False) -> list[int]:
+        """The permutation to token-major (``inverse``: back to the model's layout)."""
+        order = token_major(2 + len(self.shape), self.batch_dim, self.token_dim)
+        return [order.index(d) for d in range(len(order))] if inverse else order
+
+    def dims(self) -> str:
+        """``"B, T, 4, 64"``-style dims in the model's order."""
+        dims = [str(d) for d in self.shape]
+        for axis, name in sorted(((self.batch_dim, "B"), (self.token_dim, "T"))):
+            dims.insert(axis, name)
+        return ", ".join(dims)
+
+
 @dataclass(frozen=True)
-class Carry:
+class Stream(PerToken):
+    """The residual stream when it is not one ``[B, T, hidden_size]`` tensor but a fixed number of hidden vectors
+    per token: Gemma 3n's AltUp stack ``[4, B, T, H]``, hyper-connection streams ``[B, T, 4, H]``. Every cut has it
+    in the same layout; ``x`` and each aux slot hold it token-major, ``[B, T, prod(shape)]`` (the model's tensor
+    with its batch and token axes moved to the front), so ``plan.hidden_size`` is ``prod(shape)``.
+
+    Example::
+
+        Stream(shape=(4, 2048), batch_dim=1, token_dim=2)   # Gemma 3n: [4, B, T, 2048], x is [B, T, 8192]
+    """
+
+    shape: tuple[int, ...]
+    batch_dim: int = 0
+    token_dim: int = 1
+
+    @property
+    def vector(self) -> int:
+        """The width of one hidden vector (what the model's norms normalise)."""
+        return self.shape[-1]
+
+
+@dataclass(frozen=True)
+class Carry(PerToken):
     """A token-dependent value, other than the residual stream, that a later stage reads (Gemma 4's per-layer
     inputs, say). It crosses the boundary into each stage in ``stages`` packed into ``x`` after the hidden
     state: ``x`` is ``[B, T, plan.width(k)]`` in the model dtype, and this value takes ``width`` of those
@@ -148,17 +198,16 @@ class Carry:
     """
 
     name: str  # the traced node that computes it
-    shape: tuple[int, ...]  # per token: its dims other than the batch (first) and the tokens (at token_dim)
+    shape: tuple[int, ...]  # per token: its dims other than the batch and the tokens, in order
     dtype: str
     stages: tuple[int, ...]  # the stages whose input carries it
     width: int  # elements of the model dtype per token
     token_dim: int = 1  # where the value keeps the token axis: 1 for [B, T, ...], 2 for keys [B, heads, T, dim]
+    batch_dim: int = 0  # where it keeps the batch axis
 
     def describe(self) -> str:
-        dims = ["B", *map(str, self.shape)]
-        dims.insert(self.token_dim, "T")
         into = ",".join(map(str, self.stages))
-        return f"{self.name} [{', '.join(dims)}] {self.dtype} into stage(s) {into}"
+        return f"{self.name} [{self.dims()}] {self.dtype} into stage(s) {into}"
 
 
 @dataclass(frozen=True)
@@ -186,6 +235,11 @@ class ModelFacts:
     state_slots: int = 0
     block_size: int = 0
     num_blocks: int = 0
+    stream: Stream | None = None
+
+    def fields(self) -> dict:
+        """The facts as ``SplitPlan`` keyword arguments (nested dataclasses kept, unlike ``dataclasses.asdict``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True)
@@ -200,7 +254,7 @@ class SplitPlan:
     """
 
     num_layers: int
-    hidden_size: int
+    hidden_size: int  # elements per token of the residual stream: x's first part, one aux slot (see stream)
     dtype: str
     stages: tuple[StagePlan, ...]
     taps: tuple[int, ...] = ()
@@ -222,6 +276,7 @@ class SplitPlan:
     block_size: int = 0  # a paged cache (ragged stages): positions per block, and blocks in each layer's pool
     num_blocks: int = 0
     lockstep_reason: str = ""  # why a cached split has a lockstep cache (no ragged steps), when it does
+    stream: Stream | None = None  # a residual stream of several hidden vectors per token (None: [B, T, H])
 
     def __post_init__(self):
         if list(self.taps) != sorted(set(self.taps)) or any(not 0 <= t <= self.num_layers for t in self.taps):
@@ -251,6 +306,12 @@ class SplitPlan:
     @property
     def blocks_per_seq(self) -> int:
         return -(-self.max_len // self.block_size) if self.paged else 0
+
+    @property
+    def vector_size(self) -> int:
+        """The width of one hidden vector, what the model's norms normalise: ``hidden_size`` unless the stream
+        holds several vectors per token."""
+        return self.stream.vector if self.stream else self.hidden_size
 
     @property
     def n_slots(self) -> int:
@@ -330,6 +391,11 @@ class SplitPlan:
             del d["block_size"], d["num_blocks"]
         if not self.lockstep_reason:
             del d["lockstep_reason"]
+        if self.stream is None:  # written only when used, as the fields above: older plans keep their layout
+            del d["stream"]
+        for c in d["carries"]:
+            if not c["batch_dim"]:
+                del c["batch_dim"]
         for key, names in (("costs", ("mid_layers", "attn_params", "attn_bytes")), ("region_costs", ("attention",))):
             for name in names:
                 if d.get(key) is not None and not d[key][name]:
@@ -390,7 +456,8 @@ class SplitPlan:
                      f"sequences of up to {self.max_len}")
         elif self.lockstep_reason:
             cache += f" (lockstep: no ragged steps, because {self.lockstep_reason})"
-        lines = [f"{self.model_class or 'model'}: {self.num_layers} layers, hidden {self.hidden_size}, {self.dtype}, "
+        hidden = f"stream [{self.stream.dims()}]" if self.stream else f"hidden {self.hidden_size}"
+        lines = [f"{self.model_class or 'model'}: {self.num_layers} layers, {hidden}, {self.dtype}, "
                  f"pp={self.pp}, balance={self.balance}, {self.n_slots} aux slots{cache}"]
         unit = self.region_costs.unit if self.region_costs else ("layers" if self.balance == "layers" else "params")
         balance = f"stage cost in {unit}: slowest / mean = {self.imbalance:.3f}"

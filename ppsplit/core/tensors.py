@@ -44,3 +44,11 @@ def model_dtype(plan) -> torch.dtype:
 def new_aux(plan, batch: int, tokens: int, device, fill=torch.empty) -> torch.Tensor:
     """The packed aux buffer of ``plan``: ``[n_slots, batch, tokens, H]`` in the model dtype."""
     return fill((plan.n_slots, batch, tokens, plan.hidden_size), dtype=model_dtype(plan), device=device)
+
+
+def stream_rows(plan, stream: torch.Tensor) -> torch.Tensor:
+    """The residual stream as the model keeps it (``output_hidden_states[j]``: ``[B, T, H]``, or Gemma 3n's
+    ``[4, B, T, H]``) laid out as ``x`` and the aux slots hold it, ``[B, T, plan.hidden_size]``."""
+    if plan.stream is None:
+        return stream
+    return stream.permute(plan.stream.order()).flatten(2)

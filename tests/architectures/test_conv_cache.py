@@ -108,3 +108,67 @@ def test_captured_conv_stages_equal_eager_on_gpu(model, ids):
     split.reset_cache()
     split.capture(2, [prompt.shape[1], 1])
     assert torch.equal(split.generate(prompt, 10), eager)
+
+
+# Convolution state kept by position in several buffers per layer (conv_inputs, conv_inputs_1, ...). Inkling: four
+# short convolutions per layer (keys, values, after the attention and the MLP blocks). ZAYA: its attention's q/k mixed
+# by convolutions over the tokens before, and half of each value head from the token before (the model keeps only the
+# last window and the last token's value, which a verify pass could not take back; ppsplit keeps them by position).
+# Both keep their attention as traced (relative-position logits; the q/k convolutions are not depthwise), so their
+# caches stay lockstep: traced lockstep at once.
+CONV_MODELS = {
+    "inkling_text": (dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                          swa_head_dim=16, sliding_window_size=8, d_rel=8, rel_extent=64,
+                          layer_types=["hybrid_sliding", "hybrid"], max_position_embeddings=256, intermediate_size=128,
+                          mlp_layer_types=["dense"] * 2, bos_token_id=1, eos_token_id=2), 0.02, 4),
+    "zaya": (dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=256, moe_intermediate_size=64, num_experts=4,
+                  num_experts_per_tok=1, layer_types=["hybrid"] * 2, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2), 0.3, 2),
+}
+_conv_models: dict = {}
+
+
+def conv_model(arch: str):
+    """(model, its lockstep cached trace, its conv buffers per layer)."""
+    if arch not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {arch}")
+    config, scale, buffers = CONV_MODELS[arch]
+    if arch not in _conv_models:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **config)).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * scale)
+        _conv_models[arch] = (model, ppsplit.trace_model(model, cache=CacheConfig(2, 32), paged=False), buffers)
+    return _conv_models[arch]
+
+
+@pytest.mark.parametrize("arch", list(CONV_MODELS))
+def test_convolution_states_split_decode_and_verify_rejected_drafts_like_hf(ids, arch):
+    from tests.support import decode_through_rejected_drafts
+
+    model, cached, count = conv_model(arch)
+    want = hf_greedy(model, ids, 10)
+    assert len(set(want[:, 6:].flatten().tolist())) > 4, "degenerate reference: retune the weights"
+    split = ppsplit.split_model(cached, 2, aux=[0, 1])
+    with torch.no_grad():  # the prompt through the cache: logits and taps as Hugging Face's
+        ref = model(ids, output_hidden_states=True)
+        logits, aux = split(ids, torch.arange(6))
+    torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=1e-4)  # ZAYA's activations reach ~10
+    for slot in (0, 1):
+        torch.testing.assert_close(aux[slot], ref.hidden_states[slot], atol=1e-4, rtol=1e-4)
+    buffers = {n for stage in split.stages for n, _ in stage.named_buffers() if n.startswith("kv_cache.")}
+    names = ["conv_inputs"] + [f"conv_inputs_{i}" for i in range(1, count)]
+    assert {f"kv_cache.{layer}.{name}" for layer in range(2) for name in names} <= buffers
+    assert torch.equal(split.generate(ids, 10), want)
+    assert torch.equal(decode_through_rejected_drafts(split, ids, want[:, 6:]), want[:, 6:])
+
+
+@pytest.mark.parametrize("arch", list(CONV_MODELS))
+def test_convolution_states_compile_to_a_folder_that_decodes_like_hf(ids, arch, tmp_path):
+    model, _, _ = conv_model(arch)
+    model.save_pretrained(tmp_path / "ckpt")
+    folder = ppsplit.compile_model(str(tmp_path / "ckpt"), str(tmp_path / "pp2"), pp=2, cache=CacheConfig(2, 32))
+    assert torch.equal(ppsplit.load(folder).generate(ids, 10), hf_greedy(model, ids, 10))

@@ -60,11 +60,9 @@ def test_split_and_decode_match_hf(name):
 # Families whose decoding state is not K/V at positions: a cache is refused up front, with the reason, before any
 # trace; without a cache each call runs the whole sequence.
 STATEFUL = {
-    "recurrent_gemma": ("recurrent layers keep a recurrent state", dict(block_types=["recurrent", "recurrent", "attention"])),
-    # Qwen3-Next's Gated DeltaNet, Mamba and Mamba-2 keep their state in the cache (tests/architectures/test_recurrent_cache.py);
-    # MiniMax's lightning attention is another recurrence.
-    "minimax": ("linear_attention layers keep a recurrent", dict(layer_types=["linear_attention", "full_attention",
-                                                                              "linear_attention"])),
+    # The recurrences ppsplit routes keep their state in the cache (tests/architectures/test_recurrent_cache.py);
+    # DeepSeek-V4's compressed KV (token windows pooled into entries) is not one of them.
+    "deepseek_v4": ("compressed_attention layers keep a compressed KV state", {}),
 }
 
 
@@ -76,7 +74,7 @@ def test_state_space_and_indexer_caches_are_refused_up_front(model_type):
         pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
     reason, kw = STATEFUL[model_type]
     config = AutoConfig.for_model(model_type, num_hidden_layers=3, **kw)
-    if not any(str(v) in ("linear_attention", "hybrid", "recurrent", "indexed_attention")
+    if not any(str(v) in ("linear_attention", "hybrid", "recurrent", "indexed_attention") or "compressed" in str(v)
                for attr in ("layer_types", "block_types") for v in (getattr(config, attr, None) or ())):
         pytest.skip(f"this transformers' {model_type} config names no layer kinds")
     with torch.device("meta"):

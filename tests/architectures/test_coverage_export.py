@@ -88,14 +88,14 @@ def test_token_count_dependent_path_names_the_model_line():
 
 
 def test_a_token_count_fixed_by_a_python_loop_is_refused_at_trace():
-    """RecurrentGemma's RG-LRU scan loops over the tokens in Python: export unrolls it for the example's 8 tokens and
-    fixes the token count. That used to pass the trace and fail at the first other length (an IndexError in the
-    stage); now the trace says so. (Mamba's loop did the same until ppsplit routed its scan to its own op.)"""
-    config = AutoConfig.for_model("recurrent_gemma", vocab_size=64, hidden_size=32, num_hidden_layers=3,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, lru_width=32,
-                                  intermediate_size=64, block_types=["recurrent", "recurrent", "attention"])
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ppsplit.TraceError, match=r"could not keep the token count of RecurrentGemmaForCausalLM "
+    """A layer that loops over the tokens in Python (as RecurrentGemma's RG-LRU scan and Mamba's did before ppsplit
+    routed them to its own ops): export unrolls it for the example's 8 tokens and fixes the token count. That used to
+    pass the trace and fail at the first other length (an IndexError in the stage); the trace says so."""
+    from tests.support import tiny_model
+
+    model = tiny_model("llama")
+    mlp = model.model.layers[1].mlp
+    mlp.forward = lambda x: torch.stack([type(mlp).forward(mlp, x[:, t]) for t in range(x.shape[1])], dim=1)
+    with pytest.raises(ppsplit.TraceError, match=r"could not keep the token count of LlamaForCausalLM "
                                                  r"dynamic.* would take only token counts 8\.\.8"):
         ppsplit.trace_model(model)

@@ -181,8 +181,8 @@ def test_uncarriable_values_and_an_unknown_residual_are_named():
                                             r"which is the residual stream \(the one value shaped \[batch, tokens, 16\]"):
         ppsplit.split_model(TwinDecoder(), 2)
     # A value without a token axis (here one number per sequence) cannot travel per token.
-    with pytest.raises(CrossingError, match=r"is read by .* on stage 1, .* but it is not a tensor with the batch "
-                                            r"first and one dimension of tokens"):
+    with pytest.raises(CrossingError, match=r"is read by .* on stage 1, .* but it is not a tensor with one dimension "
+                                            r"of batch and one of tokens"):
         ppsplit.split_model(SkipDecoder(pooled=True), 2)
 
 
