@@ -168,3 +168,21 @@ def test_bad_input_is_one_line_exit_2_before_any_work(case, demo_folder, tmp_pat
     assert expected in err, err
     if case not in ("other-prompts", "not-ours"):
         assert not out.exists()
+
+
+def test_one_rank_per_stage_writes_what_one_process_writes(demo_folder, tmp_path, capfd):
+    """``--ranks 2``: each process loads one stage (gloo on the CPU), the engine answers the prompts across the ranks,
+    the rows go down the pipe and the last rank writes them: the same files as one process."""
+    prompts = write_rows(tmp_path / "p.jsonl", ROWS)
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    assert main(["collect", demo_folder, "--prompts", prompts, "-o", one, "--generate", "6"]) == 0
+    capfd.readouterr()
+    assert main(["collect", demo_folder, "--prompts", prompts, "-o", two, "--generate", "6", "--ranks", "2"]) == 0
+    assert "(2 stages, gloo)" in capfd.readouterr().out  # written by the last of two ranks
+    assert open(os.path.join(one, "collect.json")).read() == open(os.path.join(two, "collect.json")).read()
+    for i in range(len(ROWS)):
+        a, b = (torch.load(collect.sample_path(d, i, 5000), weights_only=True) for d in (one, two))
+        assert a.keys() == b.keys() and a["input_ids"].tolist() == b["input_ids"].tolist()
+        assert torch.equal(a["loss_mask"], b["loss_mask"])
+        for key in ("hidden_state", "aux_hidden_state"):
+            torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
