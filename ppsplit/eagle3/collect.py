@@ -323,13 +323,17 @@ def run(job: Job, split) -> Report:
     start = last_log = time.perf_counter()
     chunk = max(1, split.plan.max_batch) * 4
     for at in range(0, len(job.rows), chunk):
-        for row in answered(split, job.rows[at:at + chunk], job.record.generate):
+        rows = job.rows[at:at + chunk]
+        if any(r.answer for r in rows):
+            log.info("collect: the target answers rows %d to %d (%d new tokens at most)", rows[0].index,
+                     rows[-1].index, job.record.generate)
+        for row in answered(split, rows, job.record.generate):
             write_sample(job.out, row.index, job.record.shard_size, forward(split, row, job.record.logits))
             report.written += 1
             report.tokens += len(row.ids)
             if time.perf_counter() - last_log > 10:
                 last_log = time.perf_counter()
-                log.info("collect: %d of %d rows written (%d were already in %s), %.1f rows/s", report.written,
+                log.info("collect: %d of %d rows written (%d were already in %s), %.2f rows/s", report.written,
                          len(job.rows), job.skipped, job.out, report.written / (last_log - start))
     report.seconds = time.perf_counter() - start
     return report
