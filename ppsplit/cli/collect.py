@@ -4,6 +4,7 @@ the layout SpecForge's offline training reads (``ppsplit.eagle3.collect``), in t
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_parser(sub) -> None:
@@ -35,7 +36,12 @@ def cmd_collect(args: argparse.Namespace) -> int:
         return start_ranks(args.folder, "ppsplit.distributed.collect", collect_argv(args))
     import ppsplit
 
-    report = run(job, ppsplit.load(args.folder))
+    try:
+        report = run(job, ppsplit.load(args.folder))
+    except KeyboardInterrupt:
+        print(f"ppsplit: interrupted; the rows written so far stay in {args.out} (whole files only): the same command "
+              "resumes", file=sys.stderr)
+        return 130
     print(f"wrote {report.written} sequences ({report.tokens} tokens) to {args.out} in {report.seconds:.1f}s"
           + (f"; {job.skipped} were already there" if job.skipped else ""))
     return 0

@@ -74,13 +74,17 @@ def read_rows(path: str, tokenizer_folder: str | None = None) -> list[Row]:
     tokenizer = None
     rows = []
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            data = _row_object(line, path, number)
-            if tokenizer is None and "input_ids" not in data:
-                tokenizer = _tokenizer(tokenizer_folder, path, number)
-            rows.append(_row(len(rows), data, tokenizer, f"{path}:{number}"))
+        try:
+            lines = f.readlines()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); write JSONL in UTF-8") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        data = _row_object(line, path, number)
+        if tokenizer is None and "input_ids" not in data:
+            tokenizer = _tokenizer(tokenizer_folder, path, number)
+        rows.append(_row(len(rows), data, tokenizer, f"{path}:{number}"))
     if not rows:
         raise ConfigError(f"{path} holds no rows; write one JSON object per line, like {{\"prompt\": \"Hi\"}}")
     return rows
@@ -125,7 +129,7 @@ def _row(index: int, data: dict, tokenizer, where: str) -> Row:
         prompt, reply = tokenizer.encode_reply(turn, data["response"])
         return Row(index, tuple(prompt + reply), (0,) * len(prompt) + (1,) * len(reply))
     ids, mask = data["input_ids"], data.get("loss_mask")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+    if not isinstance(ids, list) or not ids or not all(type(i) is int and i >= 0 for i in ids):
         raise ConfigError(f"{where}: input_ids must be a non-empty list of token ids")
     mask = [1] * len(ids) if mask is None else mask
     if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
@@ -177,12 +181,22 @@ def open_output(out: str, record: Record) -> set[int]:
         if diff:
             raise ConfigError(f"{out} was collected with another {', '.join(diff)} ({RECORD}); pass another -o, or "
                               "remove it to start again")
-    elif os.path.isdir(out) and os.listdir(out):
+    elif os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"{out} exists and is not a collect output (no {RECORD}); pass another -o")
     else:
         os.makedirs(out, exist_ok=True)
         _publish(path, lambda tmp: _write_json(tmp, dataclasses.asdict(record)))
+    _remove_stale(out)
     return {i for i in range(record.rows) if os.path.isfile(sample_path(out, i, record.shard_size))}
+
+
+def _remove_stale(out: str) -> None:
+    """A killed run's temporary files (one collect writes into OUT at a time)."""
+    for shard in os.listdir(out):
+        if shard.startswith("rows_") and os.path.isdir(os.path.join(out, shard)):
+            for name in os.listdir(os.path.join(out, shard)):
+                if ".ckpt.tmp-" in name:
+                    os.remove(os.path.join(out, shard, name))
 
 
 def sample_path(out: str, index: int, shard_size: int) -> str:

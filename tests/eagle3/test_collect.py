@@ -132,7 +132,9 @@ def test_resume_skips_what_is_written_and_a_failure_leaves_no_half_file(demo_fol
     assert sorted(os.listdir(shard)) == ["data_0.ckpt", "data_1.ckpt"]  # no data_2, no temporary file
     monkeypatch.setattr(torch, "save", save)
     first = os.stat(os.path.join(shard, "data_0.ckpt")).st_mtime_ns
+    open(os.path.join(shard, "data_3.ckpt.tmp-999999"), "wb").close()  # what a killed run (SIGKILL) leaves
     job = collect.prepare(demo_folder, prompts, out)
+    assert sorted(os.listdir(shard)) == ["data_0.ckpt", "data_1.ckpt"]
     assert [r.index for r in job.rows] == [2, 3] and job.skipped == 2
     report = collect.run(job, split)
     assert (report.written, report.skipped) == (2, 2)
