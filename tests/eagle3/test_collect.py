@@ -96,7 +96,7 @@ def test_collect_no_cache_three_stages_with_logits(tmp_path):
     model = tiny_model("llama")
     model.save_pretrained(tmp_path / "ckpt")
     folder = str(tmp_path / "pp3")
-    assert main(["compile", str(tmp_path / "ckpt"), "--pp", "3", "--aux", "0,2,4", "-o", folder]) == 0
+    assert main(["compile", str(tmp_path / "ckpt"), "--pp", "3", "--aux", "0,2,4", "--no-cache", "-o", folder]) == 0
     rows = [{"input_ids": [3 + i, 9, 17, 40 + i, 2 * i + 5]} for i in range(3)]
     job = collect.prepare(folder, write_rows(tmp_path / "p.jsonl", rows), str(tmp_path / "d"), logits=True,
                           shard_size=2)
