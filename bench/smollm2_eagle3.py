@@ -23,6 +23,7 @@ Prints the mean acceptance length, target passes per generated token and whether
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -150,16 +151,22 @@ def target_head(target_folder: str, lm_head: torch.Tensor):
     return head.eval()
 
 
-def use_reference_loss() -> None:
+@contextlib.contextmanager
+def reference_loss():
     """SpecForge's KL loss is a Triton kernel, which needs a GPU; on the CPU use the reference implementation SpecForge
-    ships beside it (``specforge.core.loss._compute_loss``: the same soft cross-entropy, in torch)."""
+    ships beside it (``specforge.core.loss._compute_loss``: the same soft cross-entropy, in torch), while training."""
     import types
 
     import specforge.algorithms.eagle3.model as model
     from specforge.core import loss
 
+    kernel = model.LogSoftmaxLoss
     if not torch.cuda.is_available():
         model.LogSoftmaxLoss = types.SimpleNamespace(apply=loss._compute_loss)
+    try:
+        yield
+    finally:
+        model.LogSoftmaxLoss = kernel
 
 
 def train(drafter, head, data: str, *, epochs: float, batch: int, lr: float, ttt: int, seconds: float | None,
@@ -174,7 +181,6 @@ def train(drafter, head, data: str, *, epochs: float, batch: int, lr: float, ttt
     from specforge.training.strategies.base import Eagle3TrainStrategy
 
     torch.manual_seed(seed)
-    use_reference_loss()
     dataset = build_offline_eagle3_dataset(data, max_len=2048)
     collate = DataCollatorWithPadding()
     model = OnlineEagle3Model(drafter, length=ttt, attention_backend="sdpa")
@@ -187,7 +193,7 @@ def train(drafter, head, data: str, *, epochs: float, batch: int, lr: float, ttt
         1 + torch.cos(torch.tensor(min(s, total) / total * torch.pi)).item()))
     start, step, figures = time.perf_counter(), 0, {}
     drafter.train()
-    with torch.compiler.set_stance("force_eager"):  # SpecForge compiles a few helpers; eager is the same math
+    with torch.compiler.set_stance("force_eager"), reference_loss():  # eager: the same math as SpecForge's compiled
         while step < total:
             for order in torch.randperm(len(dataset)).split(batch):
                 tensors = collate([dataset[int(i)] for i in order])
@@ -264,8 +270,12 @@ def main() -> None:
     p.add_argument("--train-seconds", type=float, default=None, help="stop training after this long")
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=96, help="tokens per held-out prompt")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (here and in the ppsplit commands)")
     args = p.parse_args()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    # One thread by default: on cores shared with other work, two threads wait on each other at every parallel
+    # region (measured here: HF generate 6x slower with 2 threads than with 1 on a loaded 2-core machine).
+    torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the ppsplit commands this script runs
     w = lambda *a: os.path.join(args.work, *a)  # noqa: E731
     os.makedirs(args.work, exist_ok=True)
     if not os.path.isdir(w("hf")):
