@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import ppsplit
+from bench import smollm2_eagle3 as example
 from ppsplit.cli import main
 from ppsplit.compile.demo import demo_model, write_demo_tokenizer
 
 pytest.importorskip("specforge", reason="SpecForge trains the drafter (installed by .ci/run without dependencies)")
-example = pytest.importorskip("bench.smollm2_eagle3")
 
 
 def test_collect_train_save_load_and_decode_like_greedy(tmp_path):
