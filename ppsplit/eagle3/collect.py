@@ -174,8 +174,13 @@ def open_output(out: str, record: Record) -> set[int]:
     """Create ``out`` (or resume it: it must hold the same ``record``); the rows already written there."""
     path = os.path.join(out, RECORD)
     if os.path.isfile(path):
-        with open(path) as f:
-            old = json.load(f)
+        from ppsplit.artifact.folder import read_json_object
+
+        try:
+            old = read_json_object(path)
+        except ConfigError:
+            raise ConfigError(f"{path} is not the record collect writes (a JSON object); pass another -o, or remove "
+                              f"{out} to start again") from None
         ours = json.loads(json.dumps(dataclasses.asdict(record)))
         diff = [k for k in sorted(set(old) | set(ours)) if old.get(k) != ours.get(k)]
         if diff:
