@@ -82,6 +82,23 @@ class FolderTokenizer:
         except jinja2.exceptions.TemplateError as e:  # raise_exception() in the template, or a sandbox refusal
             raise ConfigError(f"the chat template refused these messages: {str(e)[:200]}") from None
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of ``messages`` under the chat template (no tokenizer specials added: the template writes
+        its own)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def encode_reply(self, messages: list[dict], reply: str) -> tuple[list[int], list[int]]:
+        """``(prompt ids, reply ids)`` of ``messages`` answered by the assistant with ``reply``: the prompt as
+        ``encode_chat`` gives it, then the rest of the rendered conversation (the reply and whatever the template
+        closes its turn with), tokenised on its own, as a model generating the reply would have produced it."""
+        prompt = self.apply_chat_template(messages, add_generation_prompt=True)
+        full = self.apply_chat_template(messages + [{"role": "assistant", "content": reply}],
+                                        add_generation_prompt=False)
+        if not full.startswith(prompt):
+            raise ConfigError("the chat template renders the reply so that the conversation does not continue the "
+                              "prompt (it rewrites earlier turns); pass token ids instead")
+        return self.encode(prompt, add_special_tokens=False), self.encode(full[len(prompt):], add_special_tokens=False)
+
 
 def _content(token) -> str | None:
     if isinstance(token, dict):

@@ -6,6 +6,7 @@
     ppsplit generate DIR --prompt-ids 1,2,3 [-k 4]          decode (speculatively with the folder's drafter)
     ppsplit check-drafter MODEL DRAFTER                     which tap numbering an EAGLE-3 drafter was trained on
     ppsplit save-drafter DIR --format speculators -o OUT    the folder's drafter as a vLLM / SGLang checkpoint
+    ppsplit collect DIR --prompts FILE.jsonl -o OUT         drafter training data (taps) for SpecForge
     ppsplit run DIR --prompt "text" --max-new-tokens 32     generate, one process per stage (torch.distributed)
     ppsplit serve DIR [--port 8000] [-k 4]                  the OpenAI HTTP API over the engine
 
@@ -22,7 +23,8 @@ import sys
 import time
 import warnings
 
-from ppsplit.cli import generate as cli_generate  # argparse only; its commands import torch when run
+from ppsplit.cli import collect as cli_collect  # argparse only; its commands import torch when run
+from ppsplit.cli import generate as cli_generate
 from ppsplit.cli import serve as cli_serve
 
 
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=None, help="... and this many tokens (counts in stage memory)")
     p.add_argument("--json", action="store_true", help="print plan.json instead of the table")
     cli_generate.add_parsers(sub)
+    cli_collect.add_parser(sub)
 
     p = sub.add_parser("run", help="generate through a compiled folder, one process per stage (torch.distributed)")
     from ppsplit.distributed.launch import add_arguments
@@ -243,6 +246,7 @@ def cmd_run(args) -> int:
 
 COMMANDS = {"compile": cmd_compile, "inspect": cmd_inspect, "plan": cmd_plan, "generate": cli_generate.cmd_generate,
             "check-drafter": cli_generate.cmd_check_drafter, "save-drafter": cli_generate.cmd_save_drafter,
+            "collect": cli_collect.cmd_collect,
             "run": cmd_run, "serve": cli_serve.cmd_serve}
 
 

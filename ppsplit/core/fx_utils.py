@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ppsplit.core.errors import ConfigError
+
 CACHE_PREFIX = "kv_cache"  # a stage's static KV cache lives in buffers kv_cache.<layer>.keys / .values
 CONV_INPUTS = "conv_inputs"  # a layer's short convolution's inputs by position; "conv_inputs_2" for its third
 
@@ -137,3 +139,12 @@ def _call(graph, target, args, meta, **kwargs):
         if isinstance(vals[0], torch.Tensor):
             node.meta["val"] = target(*vals, **kwargs)
     return node
+
+
+def stage_vocab(stage) -> int:
+    """The vocabulary size: the rows of stage 0's embedding table."""
+    for node in stage.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.embedding.default \
+                and getattr(node.args[0], "op", None) == "get_attr":
+            return get_tensor(stage, node.args[0].target).shape[0]
+    raise ConfigError("stage 0 has no embedding lookup to tell the vocabulary size from")

@@ -49,8 +49,8 @@ from ppsplit.core.errors import ConfigError, PpsplitError
 from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment
 from ppsplit.core.tensors import model_dtype
 from ppsplit.distributed.transport import Links, agree
-from ppsplit.serve.engine import (Result, Sampler, Scheduler, Work, finish_step, run_to_end, add_all,
-                                  stage_vocab)
+from ppsplit.core.fx_utils import stage_vocab
+from ppsplit.serve.engine import Result, Sampler, Scheduler, Work, finish_step, run_to_end, add_all
 from ppsplit.serve.sampling import SamplingParams
 
 RUN, END, REFUSED = 1, 0, 2

@@ -82,6 +82,13 @@ def rank_main(argv: list[str] | None = None) -> int:
 
 def launch(args) -> int:
     """Start one rank per stage of ``args.folder`` on this host and wait for them (``ppsplit run``)."""
+    check(args)
+    return start_ranks(args.folder, "ppsplit.run", run_argv(args))
+
+
+def start_ranks(folder: str, module: str, argv: list[str]) -> int:
+    """Run ``python -m module *argv`` as one rank per stage of ``folder`` on this host (torch's elastic launcher) and
+    wait for them. A rank's ppsplit error is printed by the rank (exit 2); any other failure is raised here."""
     import logging
     import uuid
 
@@ -92,8 +99,7 @@ def launch(args) -> int:
     from ppsplit.artifact.folder import CompiledFolder
     from ppsplit.core.errors import PpsplitError
 
-    check(args)
-    pp = CompiledFolder(args.folder).plan.pp
+    pp = CompiledFolder(folder).plan.pp
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= pp
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below
     if not gpu:  # the ranks share this host's cores
@@ -101,15 +107,33 @@ def launch(args) -> int:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=pp, run_id=f"ppsplit-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
                           start_method="spawn")
-    argv = run_argv(args)
     try:
-        elastic_launch(config, sys.executable)("-m", "ppsplit.run", *argv)
+        elastic_launch(config, sys.executable)("-m", module, *argv)
     except ChildFailedError as e:
         if all(f.exitcode == 2 for f in e.failures.values()):
             return 2  # each rank printed its ppsplit error (a ConfigError once, by rank 0)
         codes = ", ".join(f"rank {r}: exit {e.failures[r].exitcode}" for r in sorted(e.failures))
         raise PpsplitError(f"{len(e.failures)} of {pp} ranks failed ({codes})") from None
     return 0
+
+
+def add_collect_arguments(p: argparse.ArgumentParser) -> None:
+    """``ppsplit collect``'s options (one process, or one rank per stage: ``ppsplit.distributed.collect``)."""
+    p.add_argument("folder", help="a folder written by ppsplit compile with taps (--aux or --drafter)")
+    p.add_argument("--prompts", required=True, help="JSONL, one row per line: {\"prompt\": ..., \"response\": ...} "
+                   "(chat template), {\"text\": ...} or {\"input_ids\": [...], \"loss_mask\": [...]}")
+    p.add_argument("-o", "--out", required=True, help="output folder; a re-run skips the rows already written")
+    p.add_argument("--generate", type=int, default=0, metavar="N", help="the target answers prompts that have no "
+                   "response, greedily, N new tokens at most (needs a folder with a KV cache)")
+    p.add_argument("--logits", action="store_true", help="also write the target's logits [1, T, V] per sequence")
+    p.add_argument("--shard-size", type=int, default=5000, help="rows per rows_<a>-<b> subfolder")
+    p.add_argument("--timeout", type=float, default=300.0, help="one rank per stage: seconds a rank waits for a peer")
+
+
+def collect_argv(args) -> list[str]:
+    """The command line of one collect rank for ``args`` (every option passed on as given)."""
+    return [args.folder, "--prompts", args.prompts, "-o", args.out, "--generate", str(args.generate),
+            "--shard-size", str(args.shard_size), "--timeout", str(args.timeout)] + (["--logits"] if args.logits else [])
 
 
 def run_argv(args) -> list[str]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ppsplit.core.errors import ConfigError
+from ppsplit.core.fx_utils import stage_vocab
 from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment
 from ppsplit.core.tensors import module_device
 from ppsplit.serve.sampling import SamplingParams, filtered_probs, sample
@@ -560,14 +561,3 @@ def _ids(prompt) -> list[int]:
         return [int(t) for t in prompt]
     except (TypeError, ValueError):
         raise ConfigError(f"a prompt is a list of token ids, but got {str(prompt)[:60]!r}") from None
-
-
-def stage_vocab(stage) -> int:
-    """The vocabulary size: the rows of stage 0's embedding table."""
-    from ppsplit.core.fx_utils import get_tensor
-
-    for node in stage.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.embedding.default \
-                and getattr(node.args[0], "op", None) == "get_attr":
-            return get_tensor(stage, node.args[0].target).shape[0]
-    raise ConfigError("stage 0 has no embedding lookup to tell the vocabulary size from")

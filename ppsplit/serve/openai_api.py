@@ -129,10 +129,9 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
         raise ApiError("this model's folder has no chat template; use /v1/completions with a prompt",
                        param="messages")
     try:
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+        return tokenizer.encode_chat(plain, add_generation_prompt=True)
     except ConfigError as e:
         raise ApiError(str(e), param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)  # the template writes its own special tokens
 
 
 def _content(content, i: int) -> str:
