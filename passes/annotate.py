@@ -81,6 +81,7 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
         return None
 
     nodes = list(graph.nodes)
+    _refuse_repeated_layers(nodes, stack, traced.model_class)
     for node in nodes:
         # Size arithmetic (SymInt values) is shared by every layer that needs it: it belongs to none.
         node.meta["ppsplit.layer"] = None if _is_size(node) else layer_of(node)
@@ -111,8 +112,9 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
             region = 2 * layer + 1
             if latest > region:
                 src = max(token_inputs, key=lambda a: a.meta["ppsplit.region"])
-                raise TraceError(f"node {node.format_node()} in decoder layer {layer} reads {src.name}, computed "
-                                 "after that layer; ppsplit needs layers that run in index order")
+                raise TraceError(f"{traced.model_class}'s decoder layer {layer} reads {src.name}, which its forward "
+                                 f"computes after that layer: it runs the layers of {stack.fqn} out of index order, "
+                                 "and ppsplit cuts the pipeline along that order; report the model")
         node.meta["ppsplit.region"] = region
         # An in-place write of token data into an otherwise token-free tensor makes that tensor token data.
         for base in mutated_bases(node):
@@ -127,6 +129,26 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
                  for j, names in cuts.items()}
     return Annotated(traced=traced, layers=stack, cuts=cuts, costs=_costs(gm, nodes, num_layers, head_region, traced),
                      residuals=residuals, mids=find_mids(nodes, residuals, num_layers))
+
+
+def _refuse_repeated_layers(nodes: list[fx.Node], stack: LayerStack, model_class: str) -> None:
+    """A forward that calls a decoder layer more than once (a looped section, as in recurrent-depth models) has no
+    stage boundary along the layer list that each layer crosses once. Export names a module's ``n``-th call
+    ``<name>@<n-1>`` in ``nn_module_stack``."""
+    layer = re.compile(re.escape(stack.fqn) + r"\.(\d+)")
+    calls: dict[int, int] = {}
+    for node in nodes:
+        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+            m = layer.fullmatch(module_path(path))
+            if m and "@" in key:
+                i = int(m.group(1))
+                calls[i] = max(calls.get(i, 1), int(key.rpartition("@")[2]) + 1)
+    if calls:
+        first, last = min(calls), max(calls)
+        raise TraceError(f"{model_class} runs decoder layers {first}..{last} of {stack.fqn} up to {max(calls.values())} "
+                         "times per forward (a looped section); ppsplit cuts the pipeline along the layer list and "
+                         "needs each layer to run once, in index order. Splitting it would need the looped layers kept "
+                         "on one stage and the taps defined per loop, which ppsplit does not do; report the model")
 
 
 def per_token_shape(node: fx.Node, traced: Traced) -> tuple | None:

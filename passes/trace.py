@@ -315,8 +315,9 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     was_training = model.training
     model.eval()
     try:
-        wrapper = _Traceable(model, stand_in or cache, num_layers, paged=stand_in is not None)
-        ep, length_error = _export_dynamic(model, wrapper, ids, positions, batch, tokens)
+        with _traceable_experts(model, device):
+            wrapper = _Traceable(model, stand_in or cache, num_layers, paged=stand_in is not None)
+            ep, length_error = _export_dynamic(model, wrapper, ids, positions, batch, tokens)
     except (ConfigError, TraceError):
         raise
     except Exception as e:  # export raises many types; all mean "this model cannot be captured as is"
@@ -468,7 +469,7 @@ def _refuse_narrowed_sizes(model, batch, tokens, ep, stacks) -> None:
     if not narrowed:
         return
     dim, (lo, hi) = next(iter(narrowed.items()))
-    frame = export_blame.blame(ep, stacks, dim, wanted[dim]) if lo != hi else None  # a fixed size has no symbol
+    frame = export_blame.blame(ep, stacks, dim, wanted[dim]) if lo != hi else export_blame.blame_fixed(stacks, lo)
     where = (f" at {frame.filename.rsplit('/', 2)[-1]}:{frame.lineno} `{(frame.line or '').strip()}` (the model's own "
              "code, not ppsplit)") if frame else ""
     name = ("batch", "token count")[dim]
@@ -753,8 +754,8 @@ def _describe_export_failure(model: torch.nn.Module, e: Exception) -> str:
 
 # Frames in these folders are torch's or ppsplit's own; the first frame outside them is the model's code. Compared
 # as folders, so a user whose checkout or model lives under a path that merely contains "ppsplit" keeps the line.
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                      for m in (torch, ppsplit.core.errors, sys.modules[__name__.rsplit(".", 1)[0]]))
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (
+    torch.__file__, os.path.dirname(ppsplit.core.errors.__file__), sys.modules[__name__.rsplit(".", 1)[0]].__file__))
 
 
 def _is_library_file(filename: str) -> bool:
