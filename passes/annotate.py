@@ -35,7 +35,7 @@ from ppsplit.core.errors import TraceError
 from ppsplit.core.layers import LayerStack
 from ppsplit.core.fx_utils import CACHE_PREFIX
 from ppsplit.passes.planning.halves import find_mids
-from ppsplit.passes.trace import Traced, module_path
+from ppsplit.passes.trace import Traced, module_path, refuse_looped_layers
 from ppsplit.core.plan import ModelCosts
 
 # Ops whose result depends only on the shape of their tensor argument, never its values.
@@ -132,9 +132,8 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
 
 
 def _refuse_repeated_layers(nodes: list[fx.Node], stack: LayerStack, model_class: str) -> None:
-    """A forward that calls a decoder layer more than once (a looped section, as in recurrent-depth models) has no
-    stage boundary along the layer list that each layer crosses once. Export names a module's ``n``-th call
-    ``<name>@<n-1>`` in ``nn_module_stack``."""
+    """Decoder layers the traced forward called more than once are refused (``refuse_looped_layers``). Export names a
+    module's ``n``-th call ``<name>@<n-1>`` in ``nn_module_stack``."""
     layer = re.compile(re.escape(stack.fqn) + r"\.(\d+)")
     calls: dict[int, int] = {}
     for node in nodes:
@@ -143,12 +142,7 @@ def _refuse_repeated_layers(nodes: list[fx.Node], stack: LayerStack, model_class
             if m and "@" in key:
                 i = int(m.group(1))
                 calls[i] = max(calls.get(i, 1), int(key.rpartition("@")[2]) + 1)
-    if calls:
-        first, last = min(calls), max(calls)
-        raise TraceError(f"{model_class} runs decoder layers {first}..{last} of {stack.fqn} up to {max(calls.values())} "
-                         "times per forward (a looped section); ppsplit cuts the pipeline along the layer list and "
-                         "needs each layer to run once, in index order. Splitting it would need the looped layers kept "
-                         "on one stage and the taps defined per loop, which ppsplit does not do; report the model")
+    refuse_looped_layers(model_class, stack.fqn, calls)
 
 
 def per_token_shape(node: fx.Node, traced: Traced) -> tuple | None:

@@ -64,10 +64,11 @@ class _Traceable(torch.nn.Module):
     """Fixes the call convention: ``(input_ids, positions) -> logits``, and owns the static KV cache, if any."""
 
     def __init__(self, model: torch.nn.Module, cache: CacheConfig | None = None, num_layers: int = 0,
-                 paged: bool = False):
+                 paged: bool = False, layers: str | None = None):
         super().__init__()
         self.paged = paged
         self.m = model
+        self.layers = layers
         accepted = inspect.signature(model.forward).parameters
         self._pass_positions = "position_ids" in accepted
         self._pass_use_cache = "use_cache" in accepted
@@ -117,12 +118,18 @@ class _Traceable(torch.nn.Module):
         self.kv.recording = True
         self.kv.positions = torch.zeros(1, dtype=torch.long, device=device)
         kwargs = {"position_ids": self.kv.positions[None]} if self._pass_positions else {}
+        calls: dict[int, int] = {}
         try:
-            with torch.no_grad(), _unread_values(device), self.scans.routed(self.kv, self.kv.positions):
+            with torch.no_grad(), _unread_values(device), self.scans.routed(self.kv, self.kv.positions), \
+                    _layer_calls(self.m, self.layers, calls):
                 self.m(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True,
                        **{self._cache_kw: self.kv}, **kwargs)
+        except Exception:
+            refuse_looped_layers(type(self.m).__name__, self.layers, calls)  # a looped section trips up the cache
+            raise
         finally:
             self.kv.recording = False
+        refuse_looped_layers(type(self.m).__name__, self.layers, calls)
         missed = sorted(i for i in self.scans.mixers if self.kv.layers[i].state_shape is None)
         if missed:
             raise ConfigError(f"{type(self.m).__name__}'s recurrent layers {missed} did not run the scan ppsplit routes "
@@ -156,6 +163,31 @@ class _Traceable(torch.nn.Module):
                 _constants_with_values(input_ids.device), _config_use_cache(self.m, self.kv is not None):
             out = self.m(input_ids=input_ids, **kwargs)
         return out.logits if hasattr(out, "logits") else out[0]
+
+
+@contextlib.contextmanager
+def _layer_calls(model: torch.nn.Module, layers: str | None, calls: dict[int, int]):
+    """Counts into ``calls`` (``{index: calls}``) the calls of each decoder layer in ``model.<layers>`` in the block."""
+    stack = model.get_submodule(layers) if layers else []
+    hooks = [layer.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls.get(i, 0) + 1))
+             for i, layer in enumerate(stack)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def refuse_looped_layers(model_class: str, layers: str | None, calls: dict[int, int]) -> None:
+    """A forward that calls a decoder layer more than once (a looped section, as in recurrent-depth models) has no
+    stage boundary along the layer list that each layer crosses once: refused, naming the layers."""
+    looped = {i: n for i, n in calls.items() if n > 1}
+    if looped:
+        raise TraceError(f"{model_class} runs decoder layers {min(looped)}..{max(looped)} of {layers} up to "
+                         f"{max(looped.values())} times per forward (a looped section); ppsplit cuts the pipeline along "
+                         "the layer list and needs each layer to run once, in index order. Splitting it would need the "
+                         "looped layers kept on one stage and the taps defined per loop, which ppsplit does not do; "
+                         "report the model")
 
 
 @contextlib.contextmanager
@@ -281,7 +313,7 @@ def refuse_uncached_state(model: torch.nn.Module, scans: RecurrentScans | None =
 
 
 def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layers: int = 0,
-          example_tokens: int = 8, paged: bool = True) -> Traced:
+          example_tokens: int = 8, paged: bool = True, layers: str | None = None) -> Traced:
     """Export ``model`` (real or on the meta device) into an FX graph ``(input_ids, positions) -> logits``.
 
     With ``cache``, the graph owns a cache (``kv_cache.<layer>.keys/values`` buffers, one per layer of the
@@ -316,7 +348,7 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     model.eval()
     try:
         with _traceable_experts(model, device):
-            wrapper = _Traceable(model, stand_in or cache, num_layers, paged=stand_in is not None)
+            wrapper = _Traceable(model, stand_in or cache, num_layers, paged=stand_in is not None, layers=layers)
             ep, length_error = _export_dynamic(model, wrapper, ids, positions, batch, tokens)
     except (ConfigError, TraceError):
         raise

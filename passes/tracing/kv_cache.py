@@ -58,6 +58,11 @@ class _PositionedLayer(StaticLayer):
         self.state_shape: tuple | None = None  # a recurrent layer's state shape, seen by a recording run
         self.states: torch.Tensor | None = None
 
+    def __deepcopy__(self, memo):
+        # A model that copies cache layers for itself (Dory's per-loop copies) gets an unbound layer of the same cache,
+        # not a copy of the owner and its buffers.
+        return _PositionedLayer(self.owner, self.max_cache_len)
+
     def lazy_initialization(self, key_states, value_states):  # buffers are bound by the owner, never allocated here
         raise RuntimeError("ppsplit cache layer used before its buffers were bound")
 
