@@ -24,7 +24,7 @@ import ppsplit.core.errors
 from ppsplit.core.options import CacheConfig
 from ppsplit.core.errors import ConfigError, TraceError
 from ppsplit.core.fx_utils import CACHE_PREFIX, copy_buffer_persistence, set_tensor, tied_names, tied_parameters
-from ppsplit.passes.tracing.kv_cache import PositionedCache, RecurrentScans
+from ppsplit.passes.tracing.kv_cache import PositionedCache, RecurrentScans, is_cache_part
 from ppsplit.core.tensors import module_device
 
 _PREFIX = "m."  # the wrapper holds the model as ``self.m``
@@ -352,6 +352,11 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
             ep, length_error = _export_dynamic(model, wrapper, ids, positions, batch, tokens)
     except (ConfigError, TraceError):
         raise
+    except AttributeError as e:
+        if is_cache_part(getattr(e, "obj", None)):
+            raise ConfigError(f"{type(model).__name__} reads {e.name!r} from its cache, which ppsplit's cache does not "
+                              "have (the model needs cache layers of a kind of its own); split it without cache=") from e
+        raise TraceError(_describe_export_failure(model, e)) from e
     except Exception as e:  # export raises many types; all mean "this model cannot be captured as is"
         raise TraceError(_describe_export_failure(model, e)) from e
     finally:

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, StaticLayer
 
 import ppsplit.triton_kernels.recurrent  # noqa: F401  (registers torch.ops.ppsplit.gated_delta_scan / ssm_scan)
+from ppsplit.core.errors import ConfigError
 
 
 
@@ -133,6 +134,14 @@ class PositionedCache(Cache):
         self.recording = False
         self.length_as_size = False  # the trace's fallback for models that do arithmetic on the cache length
 
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx >= len(self.layers):
+            raise ConfigError(f"the model writes cache layer {layer_idx} but has {len(self.layers)} decoder layers "
+                              "(several attentions per layer, or a cache indexed otherwise); ppsplit's cache holds one "
+                              "attention per decoder layer, indexed like them, so it cannot give this model a cache; "
+                              "split it without cache=")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def get_seq_length(self, layer_idx: int = 0):
         """What the model reads as the cached length: the first new token's position, a tensor (no host sync).
         With ``length_as_size``, an integer known to lie in ``[0, max_len)``, so export can prove size arithmetic
@@ -187,6 +196,11 @@ class PositionedCache(Cache):
             layer.device = keys.device
             layer.batch_size, layer.num_heads = keys.shape[:2]
             layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
+
+
+def is_cache_part(obj) -> bool:
+    """Whether ``obj`` is ppsplit's cache or one of its layers (what a model reading a missing attribute read it on)."""
+    return isinstance(obj, (PositionedCache, _PositionedLayer))
 
 
 # The scans of recurrent layers in transformers' model files, by function name: what ppsplit routes to its ops.

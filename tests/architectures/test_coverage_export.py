@@ -33,6 +33,13 @@ CONFIGS = {
     "granitemoe_swa": dict(vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                            sliding_window=4, max_position_embeddings=64),
+    # Hyper-connection streams, a compressed-block indexer and experts; its indexer reads cache layers of its own.
+    "qwen4_exp_text": dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+                           linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                           moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                           num_experts_per_tok=2, hc_lowrank=8, max_position_embeddings=64, indexer_n_heads=2,
+                           indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4),
     # A looped (recurrent-depth) section: layers 1..2 run twice per forward.
     "dory": dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4,
@@ -88,6 +95,18 @@ def test_data_dependent_expert_loops_name_the_model_line(name, line):
     msg = str(err.value)
     assert "\n" not in msg and line in msg and "in expert_hit" in msg, msg
     assert "the model's own code, not ppsplit" in msg and "GuardOnDataDependentSymNode" in msg
+
+
+@pytest.mark.parametrize("name,why", [
+    ("longcat_flash", "the model writes cache layer 4 but has 4 decoder layers"),  # two attentions per layer
+    ("qwen4_exp_text", "Qwen4ExpForCausalLM reads 'indexer_position_ids' from its cache")])
+def test_caches_indexed_or_shaped_otherwise_are_refused_in_one_line(name, why):
+    """A model whose cache is not one attention per decoder layer, or whose cache layers are a kind of its own, is
+    refused with the reason, not an IndexError or AttributeError from inside transformers."""
+    with pytest.raises(ppsplit.ConfigError) as err:
+        ppsplit.trace_model(build(name), cache=CacheConfig(1, 32))
+    msg = str(err.value)
+    assert "\n" not in msg and why in msg and msg.endswith("split it without cache="), msg
 
 
 def test_token_count_dependent_path_names_the_model_line():
