@@ -3,6 +3,7 @@ a constant made from Python data (a list index, `torch.tensor(finfo.min)`), HF's
 `.tolist()`, and a tied head that registers before the embedding it shares. Each folder decodes like HF."""
 import pytest
 import torch
+import transformers
 
 import ppsplit
 from ppsplit import CacheConfig
@@ -40,6 +41,10 @@ def test_compiled_folder_decodes_like_hf(name, tmp_path):
     config.setdefault("model_type", name)
     model = random_model(config)
     ids = torch.randint(3, V, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        if not torch.allclose(model(ids[:, :3]).logits, model(ids).logits[:, :3], atol=1e-5):
+            pytest.skip(f"transformers {transformers.__version__}'s {name} is not causal (later tokens change earlier "
+                        "logits): its generate disagrees with its own forward, so no split can match both")
     expected = hf_greedy(model, ids, 6)
     model.save_pretrained(tmp_path / "ckpt")
     folder = ppsplit.compile_model(str(tmp_path / "ckpt"), str(tmp_path / "out"), pp=2, cache=CacheConfig(2, 16))

@@ -3,8 +3,12 @@ like HF; experts transformers lets a caller switch (`experts_implementation="eag
 makes for itself (GraniteMoeSWA) are switched while tracing; models with a data-dependent loop of their own (dbrx,
 longcat_flash), a token-count-dependent path (deepseek_v4, cpmant) or decoder layers that run more than once (dory,
 hrm_text) get one line naming the reason, before any split."""
+import inspect
+import sys
+
 import pytest
 import torch
+import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
 import ppsplit
@@ -103,8 +107,11 @@ def test_data_dependent_expert_loops_name_the_model_line(name, line):
 def test_caches_indexed_or_shaped_otherwise_are_refused_in_one_line(name, why):
     """A model whose cache is not one attention per decoder layer, or whose cache layers are a kind of its own, is
     refused with the reason, not an IndexError or AttributeError from inside transformers."""
+    model = build(name)
+    if name == "qwen4_exp_text" and "indexer_position_ids" not in inspect.getsource(sys.modules[type(model).__module__]):
+        pytest.skip(f"transformers {transformers.__version__}'s Qwen4-Exp reads no indexer_position_ids from its cache")
     with pytest.raises(ppsplit.ConfigError) as err:
-        ppsplit.trace_model(build(name), cache=CacheConfig(1, 32))
+        ppsplit.trace_model(model, cache=CacheConfig(1, 32))
     msg = str(err.value)
     assert "\n" not in msg and why in msg and msg.endswith("split it without cache="), msg
 
