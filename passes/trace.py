@@ -328,6 +328,7 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     device = module_device(model)
     vocab = _vocab_size(model)
     max_tokens = getattr(model.config, "max_position_embeddings", None)
+    max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None  # XLNet's -1: no limit
     max_batch = None
     stand_in = None
     if cache is not None:

@@ -44,6 +44,8 @@ CONFIGS = {
                            moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
                            num_experts_per_tok=2, hc_lowrank=8, max_position_embeddings=64, indexer_n_heads=2,
                            indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4),
+    # max_position_embeddings is -1 (no limit); its memory `curr_out[-mem_len:]` depends on the token count
+    "xlnet": dict(vocab_size=V, d_model=64, n_layer=2, n_head=4, d_inner=128),
     # A looped (recurrent-depth) section: layers 1..2 run twice per forward.
     "dory": dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4,
@@ -141,6 +143,16 @@ def test_a_token_count_fixed_by_a_python_loop_is_refused_at_trace():
     with pytest.raises(ppsplit.TraceError, match=r"could not keep the token count of RecurrentGemmaForCausalLM "
                                                  r"dynamic.* would take only token counts 8\.\.8"):
         ppsplit.trace_model(model)
+
+
+def test_a_model_without_a_position_limit_traces_up_to_its_own_code():
+    """XLNet says max_position_embeddings=-1; that means no limit (it crashed ppsplit's example input), and the trace
+    then names the line of its own that depends on the token count, its memory of the last mem_len states."""
+    with pytest.raises(ppsplit.TraceError) as err:
+        ppsplit.trace_model(build("xlnet"))
+    msg = str(err.value)
+    assert "\n" not in msg and "could not keep the token count of XLNetLMHeadModel dynamic" in msg, msg
+    assert "modeling_xlnet.py:" in msg, msg
 
 
 def test_token_count_fixed_by_python_names_the_model_line():
