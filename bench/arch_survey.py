@@ -13,7 +13,7 @@ Then, each check independent of the others:
 
   build    the tiny model (hidden 64, 4 layers, vocab 128) with weights perturbed by randn * 0.02
   split    split_model(model, pp, aux=[1, 2, L-1]) for pp 2 and 3: logits and taps equal model(ids,
-           output_hidden_states=True) (max abs error < 1e-4)
+           output_hidden_states=True, position_ids=0..T-1) (max abs error < 1e-4)
   decode   split_model(model, 2, cache=CacheConfig(2, 64)).generate(ids, 16) equals model.generate(ids,
            max_new_tokens=16, do_sample=False) token for token
   compile  save_pretrained, ppsplit.compile_model(ckpt, out, pp=2, cache=CacheConfig(2, 64)), ppsplit.load(out)
@@ -24,6 +24,7 @@ Each model type runs in a forked child with a timeout, so a hang or crash in one
 from __future__ import annotations
 
 import argparse
+import inspect
 import multiprocessing as mp
 import os
 import re
@@ -74,7 +75,7 @@ _SIZES = [
     (("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim", "time_step_rank"), 8),
     (("state_size", "mamba_d_state", "ssm_state_size", "hidden_size_per_layer_input"), 16),
     (("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length", "max_sequence_length"), 256),
-    (("sliding_window", "attention_window"), 4),
+    (("sliding_window", "attention_window", "window_size"), 4),
     (("first_k_dense_replace",), 1),
 ]
 _SHRINK = {name: value for names, value in _SIZES for name in names}
@@ -106,6 +107,17 @@ OVERRIDES = {
     "zaya": dict(num_experts_per_tok=1),  # its config validator: top-1 routing only
     "xlstm": dict(qk_dim_factor=1.0),  # HF's chunkwise mLSTM kernel fails for a key dim below the value dim here
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),  # default None experts  # its sliding layers' head_dim is qk_nope + qk_rope
+    # n_input + n_recurrent + n_output = layers; its released layer_types list attention and MLP blocks apart
+    "dory": dict(layer_types=["sliding_attention", "full_attention"] * 2, n_input_layers=1, n_recurrent_layers=2,
+                 n_output_layers=1),
+    "reformer": dict(is_decoder=True, axial_pos_shape=[16, 16], axial_pos_embds_dim=[16, 48]),  # shape product = positions
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),  # sub-configs take no shrunk defaults
+                 ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
+    "longcat_flash": dict(expert_ffn_hidden_size=32, zero_expert_num=2, head_dim=8),
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=4),  # its indexer has no defaults
+    "inkling2_text": dict(unpadded_vocab_size=V),
+    "inkling2_loop_text": dict(unpadded_vocab_size=V),
 }
 
 # The 34 hand-tuned configs of bench/RESULTS.md section 2 (``--zoo``), unchanged.
@@ -234,6 +246,14 @@ def reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {line}"[:200]
 
 
+def positions_of(model, ids) -> dict:
+    """``position_ids`` 0..T-1, as ``split(ids)`` and Hugging Face's generate give them, where the forward takes them.
+    Without them the RoBERTa family numbers its positions from ``padding_idx + 1``, unlike its own generate."""
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return {}
+    return {"position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1)}
+
+
 def _run_checks(model_type: str, zoo: bool, send):
     """The four checks; ``send(check, status)`` after each, so a timeout later keeps what is known."""
     torch.manual_seed(1)
@@ -241,7 +261,7 @@ def _run_checks(model_type: str, zoo: bool, send):
     try:  # a config the shrinking rules made invalid fails here, in Hugging Face's own forward
         model = tiny_model(model_type, zoo)
         with torch.no_grad():
-            ref = model(ids, output_hidden_states=True)
+            ref = model(ids, output_hidden_states=True, **positions_of(model, ids))
     except Exception as e:
         send("build", reason(e))
         for check in CHECKS[1:]:

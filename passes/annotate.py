@@ -37,7 +37,7 @@ from ppsplit.core.errors import TraceError
 from ppsplit.core.layers import LayerStack
 from ppsplit.core.fx_utils import CACHE_PREFIX
 from ppsplit.passes.planning.halves import find_mids
-from ppsplit.passes.trace import Traced, module_path
+from ppsplit.passes.trace import Traced, module_path, refuse_looped_layers
 from ppsplit.core.plan import ModelCosts, Stream
 
 # Ops whose result depends only on the shape of their tensor argument, never its values.
@@ -83,6 +83,7 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
         return None
 
     nodes = list(graph.nodes)
+    _refuse_repeated_layers(nodes, stack, traced.model_class)
     for node in nodes:
         # Size arithmetic (SymInt values) is shared by every layer that needs it: it belongs to none.
         node.meta["ppsplit.layer"] = None if _is_size(node) else layer_of(node)
@@ -113,8 +114,9 @@ def annotate(traced: Traced, stack: LayerStack) -> Annotated:
             region = 2 * layer + 1
             if latest > region:
                 src = max(token_inputs, key=lambda a: a.meta["ppsplit.region"])
-                raise TraceError(f"node {node.format_node()} in decoder layer {layer} reads {src.name}, computed "
-                                 "after that layer; ppsplit needs layers that run in index order")
+                raise TraceError(f"{traced.model_class}'s decoder layer {layer} reads {src.name}, which its forward "
+                                 f"computes after that layer: it runs the layers of {stack.fqn} out of index order, "
+                                 "and ppsplit cuts the pipeline along that order; report the model")
         node.meta["ppsplit.region"] = region
         # An in-place write of token data into an otherwise token-free tensor makes that tensor token data.
         for base in mutated_bases(node):
@@ -137,6 +139,20 @@ class Layout(NamedTuple):
     batch_dim: int
     token_dim: int
     shape: tuple
+
+
+def _refuse_repeated_layers(nodes: list[fx.Node], stack: LayerStack, model_class: str) -> None:
+    """Decoder layers the traced forward called more than once are refused (``refuse_looped_layers``). Export names a
+    module's ``n``-th call ``<name>@<n-1>`` in ``nn_module_stack``."""
+    layer = re.compile(re.escape(stack.fqn) + r"\.(\d+)")
+    calls: dict[int, int] = {}
+    for node in nodes:
+        for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+            m = layer.fullmatch(module_path(path))
+            if m and "@" in key:
+                i = int(m.group(1))
+                calls[i] = max(calls.get(i, 1), int(key.rpartition("@")[2]) + 1)
+    refuse_looped_layers(model_class, stack.fqn, calls)
 
 
 def per_token_shape(node: fx.Node, traced: Traced) -> tuple | None:

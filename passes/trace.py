@@ -23,8 +23,9 @@ from torch.export import Dim
 import ppsplit.core.errors
 from ppsplit.core.options import CacheConfig
 from ppsplit.core.errors import ConfigError, TraceError
-from ppsplit.core.fx_utils import CACHE_PREFIX, conv_buffer, copy_buffer_persistence, set_tensor, tied_parameters
-from ppsplit.passes.tracing.kv_cache import PositionedCache, RecurrentScans, takes_foreign_cache
+from ppsplit.core.fx_utils import (CACHE_PREFIX, conv_buffer, copy_buffer_persistence, set_tensor, tied_names,
+                                   tied_parameters)
+from ppsplit.passes.tracing.kv_cache import PositionedCache, RecurrentScans, is_cache_part, takes_foreign_cache
 from ppsplit.core.tensors import module_device
 
 _PREFIX = "m."  # the wrapper holds the model as ``self.m``
@@ -82,10 +83,11 @@ class _Traceable(torch.nn.Module):
     """Fixes the call convention: ``(input_ids, positions) -> logits``, and owns the static KV cache, if any."""
 
     def __init__(self, model: torch.nn.Module, cache: CacheConfig | None = None, num_layers: int = 0,
-                 paged: bool = False):
+                 paged: bool = False, layers: str | None = None):
         super().__init__()
         self.paged = paged
         self.m = model
+        self.layers = layers
         accepted = inspect.signature(model.forward).parameters
         self._pass_positions = "position_ids" in accepted
         self._pass_use_cache = "use_cache" in accepted
@@ -95,10 +97,6 @@ class _Traceable(torch.nn.Module):
             self._cache_kw = None
         self.kv = None
         self.scans = RecurrentScans(model)
-        # A hybrid whose forward takes use_cache only through **kwargs (GraniteMoeHybrid) would otherwise build a
-        # cache of its own on every uncached call; that cache's prefill padding fixes the token count.
-        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
-        self._pass_use_cache = self._pass_use_cache or bool(self.scans.mixers) and takes_kwargs
         if cache is not None:
             refuse_uncached_state(model, self.scans)
             if self._cache_kw is None and not self.scans.mixers:
@@ -139,12 +137,18 @@ class _Traceable(torch.nn.Module):
         self.kv.recording = True
         self.kv.positions = torch.zeros(1, dtype=torch.long, device=device)
         kwargs = {"position_ids": self.kv.positions[None]} if self._pass_positions else {}
+        calls: dict[int, int] = {}
         try:
-            with torch.no_grad(), self.scans.routed(self.kv, self.kv.positions):
+            with torch.no_grad(), _unread_values(device), self.scans.routed(self.kv, self.kv.positions), \
+                    _layer_calls(self.m, self.layers, calls):
                 self.m(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=bool(self._cache_kw),
                        **self._cache_kwargs(), **kwargs)
+        except Exception:
+            refuse_looped_layers(type(self.m).__name__, self.layers, calls)  # a looped section trips up the cache
+            raise
         finally:
             self.kv.recording = False
+        refuse_looped_layers(type(self.m).__name__, self.layers, calls)
         missed = sorted(i for i in self.scans.mixers if self.kv.layers[i].state_shape is None)
         if missed:
             raise ConfigError(f"{type(self.m).__name__}'s recurrent layers {missed} did not run the scan ppsplit routes "
@@ -179,9 +183,101 @@ class _Traceable(torch.nn.Module):
                 # comes from `positions`.
                 kwargs["attention_mask"] = torch.ones(input_ids.shape[0], self.max_len, dtype=torch.long,
                                                       device=input_ids.device)
-        with self.scans.routed(self.kv, positions), _no_padding_masks(self.m, self.paged):
+        with self.scans.routed(self.kv, positions), _no_padding_masks(self.m, self.paged), \
+                _constants_with_values(input_ids.device), _config_use_cache(self.m, self.kv is not None):
             out = self.m(input_ids=input_ids, **kwargs)
         return out.logits if hasattr(out, "logits") else out[0]
+
+
+@contextlib.contextmanager
+def _layer_calls(model: torch.nn.Module, layers: str | None, calls: dict[int, int]):
+    """Counts into ``calls`` (``{index: calls}``) the calls of each decoder layer in ``model.<layers>`` in the block."""
+    stack = model.get_submodule(layers) if layers else []
+    hooks = [layer.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls.get(i, 0) + 1))
+             for i, layer in enumerate(stack)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def refuse_looped_layers(model_class: str, layers: str | None, calls: dict[int, int]) -> None:
+    """A forward that calls a decoder layer more than once (a looped section, as in recurrent-depth models) has no
+    stage boundary along the layer list that each layer crosses once: refused, naming the layers."""
+    looped = {i: n for i, n in calls.items() if n > 1}
+    if looped:
+        raise TraceError(f"{model_class} runs decoder layers {min(looped)}..{max(looped)} of {layers} up to "
+                         f"{max(looped.values())} times per forward (a looped section); ppsplit cuts the pipeline along "
+                         "the layer list and needs each layer to run once, in index order. Splitting it would need the "
+                         "looped layers kept on one stage and the taps defined per loop, which ppsplit does not do; "
+                         "report the model")
+
+
+@contextlib.contextmanager
+def _config_use_cache(model: torch.nn.Module, use_cache: bool):
+    """A model traced without a cache that takes ``use_cache`` only from its config (a forward without that argument,
+    GraniteMoeSWA, GraniteMoeHybrid) would build a cache of its own on every call, whose sliding-window or prefill
+    code fixes the token count: its configs say ``use_cache=False`` while it runs."""
+    if use_cache:
+        yield
+        return
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "use_cache")}
+    saved = [(c, c.use_cache) for c in configs.values()]
+    try:
+        for c, _ in saved:
+            c.use_cache = False
+        yield
+    finally:
+        for c, value in saved:
+            c.use_cache = value
+
+
+class _ConstantsOnCpu(torch.overrides.TorchFunctionMode):
+    """A tensor the model's code makes from Python data (``torch.tensor(finfo.min, device=x.device)``, a list index
+    ``qkv[..., [-2], :]``) keeps no values on the meta device, and the graph would hold it as a constant that no
+    checkpoint can fill. Made on the CPU and then moved, the graph holds the CPU constant and a copy to the device
+    (which the emitted stages take from ``positions``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], torch.Tensor) \
+                and _is_meta(kwargs.get("device")):
+            return func(*args, **{**kwargs, "device": "cpu"}).to("meta")
+        if func is torch.Tensor.new_tensor and _is_meta(args[0].device) and not isinstance(args[1], torch.Tensor):
+            return torch.tensor(args[1], **{"dtype": args[0].dtype, **kwargs, "device": "cpu"}).to("meta")
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and _is_meta(args[0].device):
+            args = (args[0], _list_indices_moved(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+def _is_meta(device) -> bool:
+    return device is not None and torch.device(device).type == "meta"
+
+
+def _list_indices_moved(index):
+    """``index`` with each list of ints (an advanced index) made on the CPU and moved to the meta device."""
+    def moved(i):
+        if isinstance(i, list) and i and all(isinstance(v, int) and not isinstance(v, bool) for v in i):
+            return torch.tensor(i, device="cpu").to("meta")
+        return i
+    return tuple(moved(i) for i in index) if isinstance(index, tuple) else moved(index)
+
+
+def _constants_with_values(device: torch.device):
+    return _ConstantsOnCpu() if device.type == "meta" else contextlib.nullcontext()
+
+
+def _unread_values(device: torch.device):
+    """The recording run of a model on the meta device runs under fake tensors with a shape environment: a value the
+    model's code reads on the host (MoE routing's ``expert_size.tolist()``, HF's padding-token check) has no data on
+    meta, and becomes a symbol there, as it does in the export that follows."""
+    if device.type != "meta":
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
 
 
 @contextlib.contextmanager
@@ -243,7 +339,7 @@ def refuse_uncached_state(model: torch.nn.Module, scans: RecurrentScans | None =
 
 
 def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layers: int = 0,
-          example_tokens: int = 8, paged: bool = True) -> Traced:
+          example_tokens: int = 8, paged: bool = True, layers: str | None = None) -> Traced:
     """Export ``model`` (real or on the meta device) into an FX graph ``(input_ids, positions) -> logits``.
 
     With ``cache``, the graph owns a cache (``kv_cache.<layer>.keys/values`` buffers, one per layer of the
@@ -258,6 +354,7 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     device = module_device(model)
     vocab = _vocab_size(model)
     max_tokens = getattr(model.config, "max_position_embeddings", None)
+    max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None  # XLNet's -1: no limit
     max_batch = None
     stand_in = None
     if cache is not None:
@@ -277,10 +374,16 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     was_training = model.training
     model.eval()
     try:
-        wrapper = _Traceable(model, stand_in or cache, num_layers, paged=stand_in is not None)
-        ep, length_error = _export_dynamic(model, wrapper, ids, positions, batch, tokens)
+        with _traceable_experts(model, device):
+            wrapper = _Traceable(model, stand_in or cache, num_layers, paged=stand_in is not None, layers=layers)
+            ep, length_error = _export_dynamic(model, wrapper, ids, positions, batch, tokens)
     except (ConfigError, TraceError):
         raise
+    except AttributeError as e:
+        if is_cache_part(getattr(e, "obj", None)):
+            raise ConfigError(f"{type(model).__name__} reads {e.name!r} from its cache, which ppsplit's cache does not "
+                              "have (the model needs cache layers of a kind of its own); split it without cache=") from e
+        raise TraceError(_describe_export_failure(model, e)) from e
     except Exception as e:  # export raises many types; all mean "this model cannot be captured as is"
         raise TraceError(_describe_export_failure(model, e)) from e
     finally:
@@ -300,6 +403,8 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         if dim is not Dim.STATIC and not sym:
             raise TraceError(f"torch.export fixed the {name} of {type(model).__name__} to the traced example instead of "
                              "keeping it dynamic; the stages would only accept that size. Report the model")
+    if cache is not None:
+        _mask_rows_at_positions(gm, (stand_in or cache).max_len, t_size)
     return Traced(
         gm=gm,
         model_class=type(model).__name__,
@@ -313,6 +418,56 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
         fixed_batch=0 if b_sym else int(b_size),
         **_generation_ids(model),
     )
+
+
+@contextlib.contextmanager
+def _traceable_experts(model: torch.nn.Module, device: torch.device):
+    """transformers runs MoE experts through an implementation a caller may switch (``experts_implementation``):
+    "eager" loops over the experts a batch routed to (``for expert_idx in expert_hit``), which no graph can hold for
+    every batch; "grouped_mm" traces on the meta device only in bf16. While tracing, the experts run "grouped_mm" where
+    it traces, else "batched_mm" (the same products, each token's experts gathered)."""
+    can_switch = getattr(model, "_can_set_experts_implementation", None)
+    if can_switch is None or not can_switch():
+        yield
+        return
+    dtype = next((p.dtype for p in model.parameters()), None)
+    grouped = "grouped_mm" if device.type != "meta" or dtype in (None, torch.bfloat16) else "batched_mm"
+    saved = model.get_experts_implementation()
+    wanted = {key: grouped if impl in ("eager", "grouped_mm") else impl for key, impl in saved.items()}
+    if wanted == saved:
+        yield
+        return
+    model.set_experts_implementation(wanted)
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(saved)
+
+
+def _mask_rows_at_positions(gm: fx.GraphModule, keys: int, tokens) -> None:
+    """A model that reads its own mask table by the key count minus the query count (GPT-Neo's window mask
+    ``bias[:, :, key_length - query_length : key_length]``) takes its queries for the last of its keys. The cache
+    holds ``keys`` slots addressed by position, so the rows the queries need are their positions: such a slice of a
+    constant becomes an ``index_select`` at ``positions``."""
+    if not isinstance(tokens, torch.SymInt):
+        return
+    graph = gm.graph
+    positions = graph.find_nodes(op="placeholder", target="positions")[0]
+    last_rows = keys - tokens.node.expr
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.slice.Tensor or len(node.args) < 4:
+            continue
+        table, dim, start, end = node.args[:4]
+        start_val = start.meta.get("val") if isinstance(start, fx.Node) else None
+        if table.op != "get_attr" or table.target.startswith(CACHE_PREFIX) or end != keys \
+                or not isinstance(start_val, torch.SymInt) or (start_val.node.expr - last_rows).expand() != 0:
+            continue
+        with graph.inserting_before(node):
+            rows = graph.call_function(torch.ops.aten.index_select.default, (table, dim, positions))
+        rows.meta = dict(node.meta)
+        node.replace_all_uses_with(rows)
+        graph.erase_node(node)
+    gm.recompile()
 
 
 def stand_in_cache(model: torch.nn.Module, cache: CacheConfig) -> CacheConfig:
@@ -379,7 +534,7 @@ def _refuse_narrowed_sizes(model, batch, tokens, ep, stacks) -> None:
     if not narrowed:
         return
     dim, (lo, hi) = next(iter(narrowed.items()))
-    frame = export_blame.blame(ep, stacks, dim, wanted[dim]) if lo != hi else None  # a fixed size has no symbol
+    frame = export_blame.blame(ep, stacks, dim, wanted[dim]) if lo != hi else export_blame.blame_fixed(stacks, lo)
     where = (f" at {frame.filename.rsplit('/', 2)[-1]}:{frame.lineno} `{(frame.line or '').strip()}` (the model's own "
              "code, not ppsplit)") if frame else ""
     name = ("batch", "token count")[dim]
@@ -580,11 +735,7 @@ def _is_identity_arith(node: fx.Node) -> bool:
 def _untie(gm: fx.GraphModule, tied: tuple[tuple[str, str], ...]) -> None:
     """Export keeps one name for a tensor shared by several parameters (a tied embedding and lm_head). Give each
     use the name of the module that reads it, so the head's stage holds ``lm_head.weight``, not the embedding."""
-    groups: dict[str, set[str]] = {}
-    for alias, canonical in tied:
-        group = groups.setdefault(canonical, {canonical})
-        group.add(alias)
-        groups[alias] = group
+    groups = tied_names(tied)
     if not groups:
         return
     graph = gm.graph
@@ -668,8 +819,8 @@ def _describe_export_failure(model: torch.nn.Module, e: Exception) -> str:
 
 # Frames in these folders are torch's or ppsplit's own; the first frame outside them is the model's code. Compared
 # as folders, so a user whose checkout or model lives under a path that merely contains "ppsplit" keeps the line.
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                      for m in (torch, ppsplit.core.errors, sys.modules[__name__.rsplit(".", 1)[0]]))
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (
+    torch.__file__, os.path.dirname(ppsplit.core.errors.__file__), sys.modules[__name__.rsplit(".", 1)[0]].__file__))
 
 
 def _is_library_file(filename: str) -> bool:

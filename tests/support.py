@@ -51,8 +51,16 @@ def tiny_config(arch: str, num_layers: int = NUM_LAYERS, **overrides):
 
 
 def tiny_model(arch: str, num_layers: int = NUM_LAYERS, seed: int = 0, **overrides) -> torch.nn.Module:
+    return random_model(tiny_config(arch, num_layers, **overrides), seed)
+
+
+def random_model(config, seed: int = 0) -> torch.nn.Module:
+    """The causal LM of ``config`` (or of ``{"model_type": ..., **fields}``) with seeded random weights."""
+    if isinstance(config, dict):
+        fields = dict(config)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, num_layers, **overrides)).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     # Random init leaves some weights at exactly 0 or 1 (norms, biases); perturb them so that every
     # parameter matters and a wrong or missing weight changes the numbers.
     with torch.no_grad():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import traceback
 
 import torch
@@ -108,6 +109,13 @@ def blame(ep: torch.export.ExportedProgram, stacks: dict[str, traceback.FrameSum
         if f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}" in str(getattr(guard, "sloc", "")):
             return frame
     return restricting[0][1] if restricting else None
+
+
+def blame_fixed(stacks: dict[str, traceback.FrameSummary], size: int) -> traceback.FrameSummary | None:
+    """The model line of the guard that fixed a size to the traced example's ``size`` (``Eq(s70, 8)``: Python that
+    turns the size into an int, as ``range(seq_len)`` does)."""
+    fixed = re.compile(rf"Eq\((s\d+), {size}\)|Eq\({size}, (s\d+)\)")
+    return next((frame for expr, frame in stacks.items() if fixed.fullmatch(expr)), None)
 
 
 def _int(bound) -> int | None:

@@ -67,6 +67,11 @@ class _PositionedLayer(StaticLayer):
         self.state_shape: tuple | None = None  # a recurrent layer's state shape, seen by a recording run
         self.states: torch.Tensor | None = None
 
+    def __deepcopy__(self, memo):
+        # A model that copies cache layers for itself (Dory's per-loop copies) gets an unbound layer of the same cache,
+        # not a copy of the owner and its buffers.
+        return _PositionedLayer(self.owner, self.max_cache_len)
+
     def lazy_initialization(self, key_states, value_states):  # buffers are bound by the owner, never allocated here
         raise RuntimeError("ppsplit cache layer used before its buffers were bound")
 
@@ -150,6 +155,14 @@ class PositionedCache(Cache):
             cache.__class__ = type(f"Positioned{own.__name__}", (cls, own), shadows)
         return cache
 
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx >= len(self.layers):
+            raise ConfigError(f"the model writes cache layer {layer_idx} but has {len(self.layers)} decoder layers "
+                              "(several attentions per layer, or a cache indexed otherwise); ppsplit's cache holds one "
+                              "attention per decoder layer, indexed like them, so it cannot give this model a cache; "
+                              "split it without cache=")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def get_seq_length(self, layer_idx: int = 0):
         """What the model reads as the cached length: the first new token's position, a tensor (no host sync).
         With ``length_as_size``, an integer known to lie in ``[0, max_len)``, so export can prove size arithmetic
@@ -230,6 +243,11 @@ def takes_foreign_cache(model: torch.nn.Module) -> bool:
     holds its recurrent states itself): ppsplit's cache cannot stand in for it."""
     own = _own_cache_class(model)
     return own is not None and not issubclass(own, Cache)
+
+
+def is_cache_part(obj) -> bool:
+    """Whether ``obj`` is ppsplit's cache or one of its layers (what a model reading a missing attribute read it on)."""
+    return isinstance(obj, (PositionedCache, _PositionedLayer))
 
 
 # The scans of recurrent layers in transformers' model files, by function name: what ppsplit routes to its ops.

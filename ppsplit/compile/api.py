@@ -44,7 +44,7 @@ def trace_model(model: torch.nn.Module, *, layers: str | None = None, cache: Cac
 def _trace(model: torch.nn.Module, stack: LayerStack, cache: CacheConfig | None, paged: bool = True) -> Annotated:
     start = time.perf_counter()
     log.info("tracing %s (%d decoder layers) with torch.export", type(model).__name__, stack.num_layers)
-    annotated = annotate(trace(model, cache=cache, num_layers=stack.num_layers, paged=paged), stack)
+    annotated = annotate(trace(model, cache=cache, num_layers=stack.num_layers, paged=paged, layers=stack.fqn), stack)
     log.info("traced %d nodes in %.1fs", len(annotated.gm.graph.nodes), time.perf_counter() - start)
     return annotated
 

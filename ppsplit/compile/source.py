@@ -145,20 +145,10 @@ def skeleton(config, dtype: torch.dtype | None = None):
     kwargs = {"dtype": dtype} if dtype is not None else {}
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, **kwargs).eval()
-    _traceable_experts(model)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)
                if b.device.type != "meta"}
     model.to("meta")
     return model, buffers
-
-
-def _traceable_experts(model) -> None:
-    """torch's grouped_mm takes only bf16 on the meta device: an MoE skeleton in another dtype traces its experts
-    with transformers' batched_mm instead (the same products; the CPU and GPU kernels take any float dtype)."""
-    config = getattr(model, "config", None)
-    dtype = next((p.dtype for p in model.parameters()), None)
-    if getattr(config, "_experts_implementation", None) == "grouped_mm" and dtype not in (None, torch.bfloat16):
-        model.set_experts_implementation("batched_mm")
 
 
 def _looks_like_hub_id(name: str) -> bool:

@@ -24,7 +24,7 @@ from ppsplit.compile.conversion import Sources
 from ppsplit.compile.quantized import Scheme, read_scheme
 from ppsplit.core.quant import Quantization
 from ppsplit.core.errors import ConfigError
-from ppsplit.core.fx_utils import is_cache_buffer, tied_parameters
+from ppsplit.core.fx_utils import is_cache_buffer, tied_names, tied_parameters
 from ppsplit.artifact.folder import (MANIFEST, PLAN, Manifest, StageFiles, fingerprint, program_name, serving_files,
                                      weights_name, write_json)
 from ppsplit.artifact.program import graph_to_json
@@ -91,7 +91,7 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     sources = Sources(model_obj, checkpoint, scheme)  # before split_model: the skeleton as transformers builds it
     split = split_model(planned(model_obj, sources, options), options=options)
     log.info("split into %d stages in %.1fs", split.plan.pp, time.perf_counter() - start)
-    tied = dict(tied_parameters(model_obj))  # alias -> the name a tied checkpoint stores
+    tied = tied_names(tied_parameters(model_obj))  # name -> every name sharing its tensor
     fp8 = [_quantize(stage, sources) for stage in split.stages] if scheme is not None else None
     stage_specs = [_stage_tensors(stage, k, sources, buffers, tied) for k, stage in enumerate(split.stages)]
     quantization = None if scheme is None else _quantization(scheme, fp8, stage_specs, sources)
@@ -174,7 +174,8 @@ def _stage_tensors(stage: fx.GraphModule, k: int, sources: Sources, buffers: dic
         for name, t in items:
             spec = {"name": name, "kind": kind, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
                     "persistent": kind == "parameter" or name in persistent}
-            group = sources.group_of(name) or sources.group_of(tied.get(name, ""))
+            names = tied.get(name, (name,))  # a tied tensor is stored under one of its names
+            group = next((g for g in map(sources.group_of, names) if g is not None), None)
             if is_cache_buffer(name):
                 spec["init"] = "zeros"  # state, not weights: allocated by load_stage
             elif group is not None:
@@ -185,9 +186,13 @@ def _stage_tensors(stage: fx.GraphModule, k: int, sources: Sources, buffers: dic
                                       f"shape {tuple(spec['shape'])}: the checkpoint does not match its config.json; "
                                       "re-download it or fix the config")
                 if spec["source"] is None:  # the group's output ``target`` (``name``, or the name it is tied to)
-                    spec["convert"], spec["target"] = group.first, name if name in group.targets else tied[name]
+                    spec["convert"], spec["target"] = group.first, next(n for n in names if n in group.targets)
             elif name in buffers or t.device.type != "meta":
                 spec["init"], spec["source"] = "file", None
+            elif not spec["persistent"]:
+                raise ConfigError(f"stage {k} reads {name!r}, a constant the model's forward makes from Python data in "
+                                  "a way the trace on the meta device keeps no value of; compile cannot fill it "
+                                  "(split_model of the loaded model can). Report the model")
             else:
                 raise ConfigError(f"the checkpoint has no tensor that becomes {name!r}, which stage {k} needs, "
                                   "through transformers' weight conversions for this architecture; the checkpoint "

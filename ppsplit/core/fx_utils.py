@@ -148,3 +148,14 @@ def stage_vocab(stage) -> int:
                 and getattr(node.args[0], "op", None) == "get_attr":
             return get_tensor(stage, node.args[0].target).shape[0]
     raise ConfigError("stage 0 has no embedding lookup to tell the vocabulary size from")
+
+
+def tied_names(tied: tuple[tuple[str, str], ...]) -> dict[str, tuple[str, ...]]:
+    """Each name of ``tied_parameters``' pairs -> every name that shares its tensor, itself first. Which of them a
+    checkpoint stores depends on the model (its ``_tied_weights_keys``), not on the order modules register."""
+    groups: dict[str, list[str]] = {}
+    for alias, canonical in tied:
+        group = groups.setdefault(canonical, [canonical])
+        group.append(alias)
+        groups[alias] = group
+    return {name: (name, *(n for n in group if n != name)) for name, group in groups.items()}

@@ -298,7 +298,7 @@ def write_compiled_drafter(folder: str, drafter: str, split, checkpoint, tied: d
     embed = tensors.get("embed_tokens.weight")
     if embed is None:
         name = embedding_name(split)
-        embed = checkpoint.read_one(name if name in checkpoint else tied.get(name, name))
+        embed = checkpoint.read_one(next((n for n in tied.get(name, ()) if n in checkpoint), name))
     built = build_drafter(cfg, tensors, split.plan, embed, aux_convention, "cpu")
     save_drafter(built, os.path.join(folder, DRAFTER))
 

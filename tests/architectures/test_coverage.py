@@ -1,11 +1,13 @@
-"""Decoders beyond the core zoo that once crashed inside ppsplit: post-LayerNorm layers (openai-gpt, OPT-350m's
-layout), a scalar input beside the attention (xglm) and data-dependent MoE routing sizes (jetmoe). Split with taps and cached greedy decoding against HF."""
+"""Decoders beyond the core zoo that once crashed or decoded wrongly inside ppsplit: post-LayerNorm layers (openai-gpt,
+OPT-350m's layout), a scalar input beside the attention (xglm), GPT-Neo's window mask over a cache and data-dependent
+MoE routing sizes (jetmoe). Split with taps and cached greedy decoding against HF."""
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import ppsplit
 from ppsplit import CacheConfig
+from tests.support import random_model
 
 V = 128
 CONFIGS = {
@@ -16,6 +18,11 @@ CONFIGS = {
     # A scalar float input beside its attention (its embedding scale) once crashed the attention pass's ALiBi probe.
     "xglm": dict(vocab_size=V, d_model=64, ffn_dim=128, num_layers=4, attention_heads=4, max_position_embeddings=64,
                  pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Its window mask is a slice of a [max_positions, max_positions] table by key count minus query count; with a
+    # window (4) shorter than the prompt it must be read at the queries' positions in the cache.
+    "gpt_neo-window": dict(model_type="gpt_neo", vocab_size=V, hidden_size=64, num_layers=4, num_heads=4,
+                           max_position_embeddings=64, attention_types=[[["global", "local"], 2]], window_size=4,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "jetmoe": dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, kv_channels=16, num_local_experts=4, num_experts_per_tok=2,
                    max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2),
@@ -23,14 +30,7 @@ CONFIGS = {
 
 
 def build(name):
-    kw = dict(CONFIGS[name])
-    model_type = kw.pop("model_type", name)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return model
+    return random_model({"model_type": name, **CONFIGS[name]})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -53,7 +53,10 @@ def test_split_and_decode_match_hf(name):
     cached = ppsplit.trace_model(model, cache=CacheConfig(batch_size=2, max_len=24))
     expected = model.generate(ids, max_new_tokens=8, do_sample=False)
     for pp in (2, 3):
-        out = ppsplit.split_model(cached, pp, aux=[2]).generate(ids, 8)
+        split = ppsplit.split_model(cached, pp, aux=[2])
+        logits, _ = split(ids, torch.arange(6))  # the prefill step, through the cache
+        torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=0)
+        out = split.generate(ids, 8)
         assert torch.equal(out, expected), f"{name} pp={pp}:\n{out[:, 6:]}\n{expected[:, 6:]}"
 
 
