@@ -368,3 +368,47 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty(B, T, Hq, v_cache.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
     out.copy_(attention_reference(q, k_cache, v_cache, positions, scale, window, softcap, alibi, sinks))
     return out
+
+
+def latent_attention_reference(q, latents, ropes, weight, nope_dim: int, positions, scale: float, window: int = 0,
+                               softcap: float = 0.0):
+    """Multi-head latent attention (MLA: DeepSeek-V2/V3 and the models built like them) in the absorbed form.
+
+    ``q [B, H, T, dn + dr]`` (each head's non-rotary part, then its rotary part), ``latents [B, 1, L, r]`` and
+    ``ropes [B, 1, L, dr]`` (the cached latent and rotary key of every position, one for all heads), ``weight
+    [H * (dn + dv), r]`` (``kv_b_proj``: per head ``W_uk [dn, r]`` then ``W_uv [dv, r]``). Hugging Face expands every
+    cached position to per-head keys ``[W_uk c; k_r]`` and values ``W_uv c``; the same attention, per head::
+
+        q_lat = W_uk^T q_nope                       (r wide)
+        s_j   = scale * (q_lat . c_j + q_rope . k_r_j), masked as in ``attention_reference``
+        out   = W_uv (sum_j p_j c_j)                -> [B, H, T, dv]
+
+    i.e. ``attention_reference`` of the query ``[q_lat; q_rope]`` over one KV head whose key is ``[c; k_r]`` and value
+    ``c``, then ``W_uv``: no expanded key or value exists (vLLM's and FlashMLA's MLA). fp32 math (fp64 for fp64)."""
+    heads = q.shape[1]
+    f = torch.float64 if q.dtype == torch.float64 else torch.float32
+    w = weight.to(f).view(heads, -1, weight.shape[-1])
+    q_lat = torch.matmul(q[..., :nope_dim].to(f), w[:, :nope_dim])
+    query = torch.cat([q_lat, q[..., nope_dim:].to(f)], dim=-1)
+    keys = torch.cat([latents.to(f), ropes.to(f)], dim=-1)
+    o_lat = attention_reference(query, keys, latents.to(f), positions, scale, window, softcap)
+    return torch.matmul(o_lat, w[:, nope_dim:].transpose(-1, -2)).to(q.dtype)
+
+
+@register("ppsplit::latent_attention", opaque=True)
+def latent_attention(q: torch.Tensor, latents: torch.Tensor, ropes: torch.Tensor, weight: torch.Tensor,
+                     nope_dim: int, positions: torch.Tensor, scale: float, window: int,
+                     softcap: float) -> torch.Tensor:
+    """``latent_attention_reference`` over a dense cache, ``[B, H, T, dv]`` laid out as ``[B, T, H, dv]``: what the
+    attention pass proves an MLA layer equal to in a paged trace; the paged pass then makes it
+    ``paged_latent_attention`` (so it never reaches a stage, and runs in torch only)."""
+    out = torch.empty(q.shape[0], q.shape[2], q.shape[1], weight.shape[0] // q.shape[1] - nope_dim, dtype=q.dtype,
+                      device=q.device).transpose(1, 2)
+    out.copy_(latent_attention_reference(q, latents, ropes, weight, nope_dim, positions, scale, window, softcap))
+    return out
+
+
+@latent_attention.register_fake
+def _(q, latents, ropes, weight, nope_dim, positions, scale, window, softcap):
+    dv = weight.shape[0] // q.shape[1] - nope_dim
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], dv).transpose(1, 2)

@@ -13,8 +13,9 @@ import torch
 from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment
 from ppsplit.triton_kernels.common import HAVE_TRITON
 from ppsplit.triton_kernels import recurrent
-from ppsplit.triton_kernels.paged import (launch_paged_attention, launch_paged_conv1d, launch_paged_write,
-                                          paged_attention_reference, paged_conv1d_reference, slot_mapping_reference)
+from ppsplit.triton_kernels.paged import (launch_paged_attention, launch_paged_conv1d, launch_paged_latent_attention,
+                                          launch_paged_write, paged_attention_reference, paged_conv1d_reference,
+                                          paged_latent_attention_reference, slot_mapping_reference)
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
@@ -85,6 +86,46 @@ def run_attention_case(case, dtype, device, tol, config=None):
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
 def test_paged_attention_kernel_matches_fp64(case, config):
     run_attention_case(case, torch.float32, "cpu", 2e-5, config)
+
+
+# MLA: (heads, latent r, rotary dr, non-rotary dn, value dv, block size, tokens per sequence, extras)
+LATENT_CASES = [
+    (4, 40, 24, 8, 16, 16, (1, 7, 33), {}),                # one program holds every head
+    (20, 48, 8, 16, 24, 32, (5, 1, 2), {}),                # 20 heads: two programs of 10 read the one latent head
+    (6, 32, 16, 8, 8, 16, (9, 1, 4), dict(window=7, softcap=20.0)),
+]
+
+
+def run_latent_case(case, dtype, device, tol, config=None):
+    heads, r, dr, dn, dv, block, counts, extras = LATENT_CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    step, layout, lengths = ragged(counts, block, slots=len(counts) + 1, seed=case)
+    latents, _ = pools(layout, lengths, step, 1, r, gen, dtype, device)
+    ropes, _ = pools(layout, lengths, step, 1, dr, gen, dtype, device)
+    q = torch.randn(1, heads, step.num_tokens, dn + dr, generator=gen).to(device, dtype)
+    weight = (torch.randn(heads * (dn + dv), r, generator=gen) / r ** 0.5).to(device, dtype)
+    window, softcap, scale = extras.get("window", 0), extras.get("softcap", 0.0), (dn + dr) ** -0.5
+    meta = step.to(device)
+    if config == "chunked":
+        config = dict(chunk=32, splits=-(-layout.max_len // 32), block_q=2, block_n=32)
+    got = launch_paged_latent_attention(q, latents, ropes, weight, dn, meta.positions, meta.seq, meta.block_table,
+                                        meta.seq_start, meta.seq_count, scale, window, softcap, config=config)
+    n = sum(counts)
+    assert got.shape == (1, heads, step.num_tokens, dv)
+    assert not got[:, :, :n].isnan().any(), "an output left unwritten, or a stale pool entry read"
+    assert (got[:, :, n:] == 0).all(), "padding tokens must give zeros"
+    ref = paged_latent_attention_reference(q.double().cpu(), latents.double().cpu().nan_to_num(),
+                                           ropes.double().cpu().nan_to_num(), weight.double().cpu(), dn, step.positions,
+                                           step.seq, step.block_table, step.seq_start, step.seq_count, scale, window,
+                                           softcap)
+    torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("config", [None, "chunked"], ids=["planned", "chunked"])
+@pytest.mark.parametrize("case", range(len(LATENT_CASES)))
+def test_paged_latent_attention_kernel_matches_fp64(case, config):
+    """MLA: the kernel's second key part (the rotary keys' pool) and one latent head read by every query head."""
+    run_latent_case(case, torch.float32, "cpu", 2e-5, config)
 
 
 def test_paged_write_kernel_writes_only_real_tokens():
@@ -169,6 +210,13 @@ def test_ragged_scan_kernels_on_gpu():
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
 def test_paged_attention_kernel_bf16_on_gpu(case, config):
     run_attention_case(case, torch.bfloat16, "cuda", 2e-2, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, "chunked"], ids=["planned", "chunked"])
+@pytest.mark.parametrize("case", range(len(LATENT_CASES)))
+def test_paged_latent_attention_kernel_bf16_on_gpu(case, config):
+    run_latent_case(case, torch.bfloat16, "cuda", 3e-2, config)
 
 
 def test_attention_plan_chunks_long_decodes_and_tiles_prefills():
