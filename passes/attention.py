@@ -42,7 +42,8 @@ from ppsplit.passes.evaluate import (COPY_OPS, SHAPE_OPS, VIEW_OPS, EvaluationEr
 from ppsplit.passes.partition import Partitioned, carry_forward
 from ppsplit.passes.taps import Tapped
 from ppsplit.core.plan import AttentionSite, SplitPlan
-from ppsplit.triton_kernels.attention import attention_reference
+from ppsplit.passes.rewrites.projections import match_projection
+from ppsplit.triton_kernels.attention import attention_reference, latent_attention_reference
 
 aten = torch.ops.aten
 _VIEWS = VIEW_OPS | COPY_OPS
@@ -81,7 +82,9 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
             where = _cache_buffer(node.args[0])
             if where is not None:
                 writes.setdefault(where[0], {})[where[1]] = node
-    verified: dict[tuple, tuple] = {}
+    verified: dict[tuple, tuple | _NoMatch] = {}
+    # MLA's absorbed form is what a paged cache of latents needs; a lockstep split keeps MLA as traced.
+    latent = info.stand_in is not None
     sites = []
     for layer, kv in sorted(writes.items()):
         k, v = kv.get("keys"), kv.get("values")
@@ -89,24 +92,38 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
         try:
             if k is None or v is None:
                 raise _NoMatch("the layer writes only one of keys/values")
-            found = _match(gm, k, v, order)
-            key = found.signature()
-            if key not in verified:
-                try:
-                    verified[key] = _verify(gm, found, info)
-                except _NoMatch as e:
-                    verified[key] = e
-            if isinstance(verified[key], _NoMatch):
-                raise verified[key]
-            scale, window, softcap, alibi, sink = verified[key]
-            params = (scale, window, softcap, alibi, None if sink is None else _sinks(found)[sink])
-            _replace(gm, found, params)
-            sites.append(AttentionSite(layer, stage, True, _describe(params)))
+            mla = _latent_projection(k, v) if latent else None
+            if mla is not None:
+                detail = _rewrite_latent(gm, k, v, mla, order, info, verified)
+            else:
+                detail = _rewrite(gm, k, v, order, info, verified)
+            sites.append(AttentionSite(layer, stage, True, detail))
         except _NoMatch as e:
             sites.append(AttentionSite(layer, stage, False, str(e)))
     graph.lint()
     gm.recompile()
     return carry_forward(tapped, Attended, gm=gm, sites=tuple(sites))
+
+
+def _rewrite(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict) -> str:
+    """The attention over the cached ``k``, ``v`` -> ``cache_attention``; its description (else ``_NoMatch``)."""
+    found = _match(gm, k, v, order)
+    scale, window, softcap, alibi, sink = _verified(verified, found.signature(), lambda: _verify(gm, found, info))
+    params = (scale, window, softcap, alibi, None if sink is None else _sinks(found)[sink])
+    _replace(gm, found, params)
+    return _describe(params)
+
+
+def _verified(verified: dict, key: tuple, verify):
+    """``verify()`` once per distinct subgraph (layers built alike share the answer, and a refusal)."""
+    if key not in verified:
+        try:
+            verified[key] = verify()
+        except _NoMatch as e:
+            verified[key] = e
+    if isinstance(verified[key], _NoMatch):
+        raise verified[key]
+    return verified[key]
 
 
 def _cache_buffer(node) -> tuple[int, str] | None:
@@ -191,6 +208,14 @@ def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
                 todo.append(a)
             else:
                 external.append(a)
+    return _found(gm, k, v, out, region, external, (batch, heads, tokens, kshape[3]), order)
+
+
+def _found(gm, k: fx.Node, v: fx.Node, out: fx.Node, region: set, external: list, qshape: tuple,
+           order: dict) -> _Found:
+    """The attention whose nodes are ``region`` (ending in ``out``), reading the cached ``k``, ``v`` and the
+    ``external`` nodes, checked to be self-contained; its query is the one token-dependent input, seen through views
+    as ``qshape``."""
     for n in list(region):  # an unused half of a tuple result (max's indices) goes with it
         region.update(u for u in n.users if u.target is operator.getitem and not u.users)
     for n in region:
@@ -206,7 +231,6 @@ def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
         raise _NoMatch(f"expected one query input, found {len(tokenish)} token-dependent inputs "
                        f"({', '.join(a.name for a in tokenish)})")
     q = tokenish[0]
-    qshape = (batch, heads, tokens, kshape[3])
     while _shape(q) != qshape:
         if q.op != "call_function" or q.target not in _VIEWS and q.target is not aten.transpose.int \
                 or len(q.users) != 1:
@@ -223,18 +247,19 @@ def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
     for a in inputs:
         if a.meta.get("ppsplit.token") and isinstance(a.meta.get("val"), torch.Tensor):
             raise _NoMatch(f"{a.format_node()} feeds the attention and depends on the tokens")
-    order_of = order.get
-    return _Found(k=k, v=v, q=q, out=out, region=sorted(region, key=order_of), inputs=inputs, params=params,
-                  heads=heads)
+    return _Found(k=k, v=v, q=q, out=out, region=sorted(region, key=order.get), inputs=inputs, params=params,
+                  heads=qshape[1])
 
 
-def _downstream(start: fx.Node) -> set:
-    """Nodes reading ``start``, transitively, within its decoder layer."""
+def _downstream(start: fx.Node, writes: bool = False) -> set:
+    """Nodes reading ``start``, transitively, within its decoder layer; with ``writes``, also those reading a tensor
+    that one of them writes in place (MLA's keys assembled by ``copy_`` into a ``new_empty``)."""
     layer = start.meta.get("ppsplit.layer")
     seen, todo = set(), [start]
     while todo:
         n = todo.pop()
-        for u in n.users:
+        written = [b for b in mutated_bases(n) if b.op == "call_function"] if writes and n is not start else []
+        for u in list(n.users) + [u for b in written for u in b.users]:
             if u not in seen and u.op == "call_function" and u.meta.get("ppsplit.layer") == layer:
                 seen.add(u)
                 todo.append(u)
@@ -248,25 +273,9 @@ def _verify(gm: fx.GraphModule, f: _Found, info) -> tuple:
     max_len, head_dim, dv = int(kshape[2]), int(kshape[3]), int(vshape[3])
     if f.heads * max_len * max(head_dim, dv) > _BUDGET:
         raise _NoMatch(f"cache too large to check by evaluation ({f.heads} heads x {max_len} slots x {head_dim})")
-    max_batch = info.stand_in.batch_size if info.stand_in else 2
-    probes = [(min(2, max_batch), min(3, max_len), max_len // 2 - 1), (1, 1, max_len - 1),
-              (min(2, max_batch), min(2, max_len), 0), (1, min(5, max_len), max(0, max_len - 5))]
-    probes = [(b, t, max(0, min(p, max_len - t))) for b, t, p in probes]
     gen = torch.Generator().manual_seed(0)
     params = {p: _param_value(gm, p, gen) for p in f.params}
-    cases = []
-    for batch, tokens, start in probes:
-        positions = torch.arange(start, start + tokens)
-        q = torch.randn(batch, f.heads, tokens, head_dim, generator=gen)
-        k = torch.randn(batch, int(kshape[1]), max_len, head_dim, generator=gen)
-        v = torch.randn(batch, int(vshape[1]), max_len, dv, generator=gen)
-        try:
-            got = _evaluate(gm, f, info, batch, positions, q, k, v, params)
-        except _NoMatch:
-            raise
-        except Exception as e:  # the subgraph does something our evaluation cannot reproduce
-            raise _NoMatch(f"could not evaluate it ({type(e).__name__}: {str(e)[:80]})") from None
-        cases.append((positions, q, k, v, got))
+    cases = _cases(gm, f, info, head_dim, params, gen)
     first = cases[0]
     alibis = [None] + _alibi_candidates(gm, f, info, first[0], first[1].shape[0], max_len)
     sinks = _sinks(f)
@@ -280,6 +289,31 @@ def _verify(gm: fx.GraphModule, f: _Found, info) -> tuple:
                                for pos, q, k, v, got in cases):
                             return scale, window, softcap, alibi, None if sink is None else sinks.index(sink)
     raise _NoMatch("no scale/window/soft-cap/ALiBi/sinks makes cache_attention equal it")
+
+
+def _cases(gm, f: _Found, info, q_dim: int, params: dict, gen) -> list:
+    """``(positions, q, k, v, the subgraph's output)`` on random ``q [b, heads, t, q_dim]`` and cached ``k``, ``v``
+    for a few batch sizes, token counts and start positions (stale random values past the live length)."""
+    kshape, vshape = f.k.meta["val"].shape, f.v.meta["val"].shape
+    max_len = int(kshape[2])
+    max_batch = info.stand_in.batch_size if info.stand_in else 2
+    probes = [(min(2, max_batch), min(3, max_len), max_len // 2 - 1), (1, 1, max_len - 1),
+              (min(2, max_batch), min(2, max_len), 0), (1, min(5, max_len), max(0, max_len - 5))]
+    probes = [(b, t, max(0, min(p, max_len - t))) for b, t, p in probes]
+    cases = []
+    for batch, tokens, start in probes:
+        positions = torch.arange(start, start + tokens)
+        q = torch.randn(batch, f.heads, tokens, q_dim, generator=gen)
+        k = torch.randn(batch, *(int(d) for d in kshape[1:]), generator=gen)
+        v = torch.randn(batch, *(int(d) for d in vshape[1:]), generator=gen)
+        try:
+            got = _evaluate(gm, f, info, batch, positions, q, k, v, params)
+        except _NoMatch:
+            raise
+        except Exception as e:  # the subgraph does something our evaluation cannot reproduce
+            raise _NoMatch(f"could not evaluate it ({type(e).__name__}: {str(e)[:80]})") from None
+        cases.append((positions, q, k, v, got))
+    return cases
 
 
 def _sinks(f: _Found) -> list:
@@ -408,6 +442,120 @@ def _alibi_candidates(gm, f: _Found, info, positions, batch: int, max_len: int) 
     return found
 
 
+# ---- MLA: a cache of latents, expanded to keys and values every step ----------------------------------------
+
+@dataclass(frozen=True)
+class _Latent:
+    """An MLA layer's parts (``latent_attention_reference`` has the math): the cache reads of the latents ``[B, 1, L,
+    r]`` and of the rotary keys ``[B, 1, L, dr]``, and the projection weight ``[H * (dn + dv), r]`` that expands the
+    latents per head into a key part (``dn``) and a value (``dv``)."""
+
+    latent: fx.Node
+    rope: fx.Node
+    weight: fx.Node
+    heads: int
+    nope: int
+    value: int
+
+
+def _latent_projection(k: fx.Node, v: fx.Node) -> _Latent | None:
+    """The layer's MLA parts when its graph has MLA's structure: one cached tensor of one head is read (through
+    views) by a projection without bias whose weight the graph holds, and its output, through views and transposes,
+    is split along the last dim into ``[B, H, L, dn]`` and ``[B, H, L, dv]``; the other cached tensor is one head
+    too. Whether the layer computes MLA is then proved by evaluation (``_verify_latent``)."""
+    for latent, rope in ((k, v), (v, k)):
+        lshape, rshape = _shape(latent), _shape(rope)
+        if lshape is None or rshape is None or len(lshape) != 4 or len(rshape) != 4 or lshape[1] != 1 \
+                or rshape[1] != 1:
+            return None
+        node = latent
+        while len(node.users) == 1 and next(iter(node.users)).target in _VIEWS:
+            node = next(iter(node.users))
+        proj = next((m for m in map(match_projection, node.users) if m is not None and m.x is node), None)
+        if proj is None or proj.bias is not None or proj.out_dim != 0:
+            continue
+        split = _head_split(proj.node)
+        if split is not None and _shape(proj.weight) == (split[0] * (split[1] + split[2]), lshape[3]):
+            return _Latent(latent, rope, proj.weight, *split)
+    return None
+
+
+def _head_split(node: fx.Node) -> tuple[int, int, int] | None:
+    """``(H, dn, dv)`` when ``node``'s value, through views and transposes, is split in two along its last dim as
+    ``[B, H, L, dn + dv]``."""
+    for _ in range(8):
+        split = next((u for u in node.users if u.target is aten.split_with_sizes.default), None)
+        if split is not None:
+            shape, sizes = _shape(node), split.args[1]
+            dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+            if shape is None or len(shape) != 4 or len(sizes) != 2 or dim not in (-1, 3):
+                return None
+            return int(shape[1]), int(sizes[0]), int(sizes[1])
+        views = [u for u in node.users if u.target in _VIEWS or u.target in (aten.transpose.int, aten.permute.default)]
+        if len(views) != 1:
+            return None
+        node = views[0]
+    return None
+
+
+def _rewrite_latent(gm, k: fx.Node, v: fx.Node, mla: _Latent, order: dict, info, verified: dict) -> str:
+    """The MLA attention over the cached latents -> ``latent_attention``; its description (else ``_NoMatch``)."""
+    found = _match_latent(gm, mla, order)
+    key = ("latent", mla.nope) + found.signature()
+    scale, window, softcap = _verified(verified, key, lambda: _verify_latent(gm, found, mla, info))
+    rdim, dr = _shape(mla.latent)[3], _shape(mla.rope)[3]
+    detail = f"MLA: latent {rdim} + rotary {dr} per position, " + _describe((scale, window, softcap, None, None))
+    positions = gm.graph.find_nodes(op="placeholder", target="positions")[0]
+    with gm.graph.inserting_before(found.out):
+        node = gm.graph.call_function(torch.ops.ppsplit.latent_attention.default, (
+            found.q, mla.latent, mla.rope, mla.weight, mla.nope, positions, float(scale), int(window), float(softcap)))
+    _swap(gm, found, node, detail)
+    return detail
+
+
+def _match_latent(gm: fx.GraphModule, mla: _Latent, order: dict) -> _Found:
+    """The attention of an MLA layer: every node reading the cached latents or rotary keys up to the first that is
+    ``[B, H, T, dv]`` and reads both (the expansion, the keys' assembly and the attention)."""
+    from_latent, from_rope = _downstream(mla.latent, writes=True), _downstream(mla.rope, writes=True)
+    positions = gm.graph.find_nodes(op="placeholder", target="positions")[0]
+    tokens = positions.meta["val"].shape[0]
+    batch = _shape(mla.latent)[0]
+
+    def is_out(shape):
+        return (shape is not None and len(shape) == 4 and shape[0] == batch and shape[1] == mla.heads
+                and shape[2] == tokens and shape[3] == mla.value)
+
+    out = next((n for n in sorted(from_latent & from_rope, key=order.get) if is_out(_shape(n))), None)
+    if out is None:
+        raise _NoMatch(f"no op reading both its cached latents and rotary keys gives [B, {mla.heads}, T, {mla.value}]")
+    region = {n for n in from_latent | from_rope if order[n] <= order[out]}
+    external = list(dict.fromkeys(a for n in sorted(region, key=order.get) for a in n.all_input_nodes
+                                  if a not in region))
+    qshape = (batch, mla.heads, tokens, mla.nope + _shape(mla.rope)[3])
+    return _found(gm, mla.latent, mla.rope, out, region, external, qshape, order)
+
+
+def _verify_latent(gm: fx.GraphModule, f: _Found, mla: _Latent, info) -> tuple:
+    """``(scale, window, softcap)`` with which ``latent_attention_reference`` equals the traced subgraph on random
+    queries, latents, rotary keys and weights (so it holds for the model's own)."""
+    _, _, max_len, rdim = _shape(mla.latent)
+    dr = _shape(mla.rope)[3]
+    if mla.heads * max_len * (rdim + dr + mla.nope + mla.value) > _BUDGET:
+        raise _NoMatch(f"cache too large to check by evaluation ({mla.heads} heads x {max_len} slots)")
+    gen = torch.Generator().manual_seed(0)
+    params = {p: _param_value(gm, p, gen) for p in f.params}
+    weight = params[mla.weight] / math.sqrt(rdim)  # keys and values of the size the model's have
+    params[mla.weight] = weight
+    cases = _cases(gm, f, info, mla.nope + dr, params, gen)
+    for scale in _scales(f, mla.nope + dr):
+        for softcap in _softcaps(f):
+            for window in _windows(gm, f):
+                if all(_close(latent_attention_reference(q, c, kr, weight, mla.nope, pos, scale, window, softcap), got)
+                       for pos, q, c, kr, got in cases):
+                    return scale, window, softcap
+    raise _NoMatch("its cache holds MLA latents, but no scale/window/soft-cap makes latent_attention equal it")
+
+
 # ---- rewrite --------------------------------------------------------------------------------------------------
 
 def _replace(gm: fx.GraphModule, f: _Found, params: tuple) -> None:
@@ -423,15 +571,20 @@ def _replace(gm: fx.GraphModule, f: _Found, params: tuple) -> None:
         node = graph.call_function(torch.ops.ppsplit.cache_attention.default,
                                    (f.q, f.k, f.v, positions, float(scale), int(window), float(softcap),
                                     alibi_node, sink))
+    _swap(gm, f, node, _describe(params))
+
+
+def _swap(gm: fx.GraphModule, f: _Found, node: fx.Node, detail: str) -> None:
+    """``node`` in place of the attention ``f``: its uses, its meta; the attention's nodes erased."""
     for key in ("nn_module_stack", "stack_trace", "ppsplit.layer", "ppsplit.region", "ppsplit.stage",
                 "ppsplit.token", "val"):
         if key in f.out.meta:
             node.meta[key] = f.out.meta[key]
-    node.meta["ppsplit.attention"] = _describe(params)
+    node.meta["ppsplit.attention"] = detail
     f.out.replace_all_uses_with(node)
     for n in reversed(f.region):
         if not n.users:
-            graph.erase_node(n)
+            gm.graph.erase_node(n)
 
 
 def _alibi_buffer(gm: fx.GraphModule, slopes: torch.Tensor) -> str:

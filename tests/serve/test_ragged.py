@@ -25,6 +25,9 @@ CONFIGS = {
     "qwen3_next": dict(head_dim=16, layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=4,
                        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "deepseek_v3": dict(num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=20,
+                        qk_nope_head_dim=12, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),  # MLA latents
     "nemotron_h": dict(head_dim=16, layers_block_type=["mamba", "attention", "mamba", "mlp"], mamba_num_heads=8,
                        mamba_head_dim=8, n_groups=2, ssm_state_size=16, chunk_size=16),  # Mamba-2
 }
@@ -103,7 +106,7 @@ def test_a_mixed_step_equals_each_sequence_alone(arch):
             assert_matches(segments, logits, aux, refs)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_next"] if "qwen3_next" in ARCHS else ["llama"])
+@pytest.mark.parametrize("arch", [a for a in ("llama", "qwen3_next", "deepseek_v3") if a in ARCHS])
 def test_a_reused_slot_and_reused_blocks_read_nothing_stale(arch):
     """A slot freed and given to a new sequence, with blocks another sequence used: the new sequence's tokens equal a
     fresh run (its keys, ring states and convolution inputs are overwritten before they are read)."""
@@ -131,14 +134,41 @@ def test_lockstep_calls_and_equal_length_generate_still_work():
     assert torch.equal(split.generate(ids, 8), model.generate(ids, max_new_tokens=8, do_sample=False))
 
 
-def test_prompts_of_different_lengths_generate_like_each_alone():
-    model, traced = build("qwen3")
+@pytest.mark.parametrize("arch", [a for a in ("qwen3", "deepseek_v3") if a in ARCHS])
+def test_prompts_of_different_lengths_generate_like_each_alone(arch):
+    model, traced = build(arch)
     split = ppsplit.split_model(ppsplit.trace_model(model, cache=CacheConfig(4, 64, num_blocks=12)), 2)
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, V, (n,), generator=gen) for n in (3, 10, 17, 24, 33, 40)]
     outs = split.generate(prompts, 12)
     for prompt, out in zip(prompts, outs):
         assert torch.equal(out, model.generate(prompt[None], max_new_tokens=12, do_sample=False)[0])
+
+
+def test_mla_pages_its_latents_not_expanded_keys():
+    """DeepSeek-V3: each layer's pools hold the latent (kv_lora_rank) and the rotary key (qk_rope_head_dim) of every
+    position, one head, and the plan's cache bytes are those pools; the attention reads them as
+    ``paged_latent_attention`` and no projection reads the cache (no key or value is expanded)."""
+    if "deepseek_v3" not in ARCHS:
+        pytest.skip("this transformers has no deepseek_v3")
+    _, traced = build("deepseek_v3")
+    cfg = CONFIGS["deepseek_v3"]
+    split = ppsplit.split_model(traced, 2)
+    layout = split.layout
+    for k, stage in enumerate(split.stages):
+        pools = {n: b for n, b in stage.named_buffers() if n.startswith("kv_cache.")}
+        layers = range(split.plan.stages[k].start, split.plan.stages[k].end)
+        assert {n: tuple(b.shape) for n, b in pools.items()} == {
+            f"kv_cache.{i}.{kind}": (layout.num_blocks, layout.block_size, 1, width)
+            for i in layers for kind, width in (("keys", cfg["kv_lora_rank"]), ("values", cfg["qk_rope_head_dim"]))}
+        assert split.plan.stages[k].cache_bytes == sum(b.numel() * b.element_size() for b in pools.values())
+        nodes = list(stage.graph.nodes)
+        attn = [n for n in nodes if n.target is torch.ops.ppsplit.paged_latent_attention.default]
+        assert len(attn) == len(layers)
+        readers = {u.target for n in nodes if n.op == "get_attr" and n.target in pools for u in n.users}
+        assert readers == {torch.ops.ppsplit.paged_write.default, torch.ops.ppsplit.paged_latent_attention.default}
+        assert split.plan.attention_lines(k)[0].startswith(f"attention: {len(layers)} of {len(layers)} -> paged")
+    assert "MLA: latent 24 + rotary 8 per position" in split.plan.describe()
 
 
 def test_bad_metadata_is_refused_before_anything_runs():
@@ -167,18 +197,16 @@ def test_bad_metadata_is_refused_before_anything_runs():
 
 
 def test_models_whose_cache_cannot_be_paged_keep_a_lockstep_cache_and_say_why():
-    """DeepSeek-V3's cache holds MLA latents that its attention expands per step: the paged pass does not serve that
-    yet, so the split keeps a lockstep cache, the plan says why, and ragged steps are refused with the reason."""
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model("deepseek_v3", **{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32,
-                               n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16,
-                               q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8,
-                               first_k_dense_replace=1, n_group=1, topk_group=1)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    split = ppsplit.split_model(model, 2, cache=CacheConfig(2, 32))
-    assert not split.plan.paged and "cached keys are read by" in split.plan.lockstep_reason
+    """DeepSeek-V3.2's sparse attention reads only the keys its indexer picks for each token (its mask depends on the
+    tokens): the paged pass does not serve that yet, so the split keeps a lockstep cache, the plan says why, and
+    ragged steps are refused with the reason."""
+    from tests.architectures.test_indexer import build as build_indexed, prompt
+
+    model, traced = build_indexed("deepseek_v32")
+    split = ppsplit.split_model(traced, 2)
+    assert not split.plan.paged and "layer 0's attention stays as traced" in split.plan.lockstep_reason
     assert "lockstep: no ragged steps" in split.plan.describe()
-    ids = torch.randint(3, V, (2, 5))
+    ids = prompt()
     assert torch.equal(split.generate(ids, 6), model.generate(ids, max_new_tokens=6, do_sample=False))
     with pytest.raises(ConfigError, match="ragged steps need a paged cache; this split keeps a lockstep cache"):
         split.step(torch.zeros(1, dtype=torch.long), None)
