@@ -22,6 +22,13 @@ Recognition is by running, not by op patterns (as the fuse pass recognises norms
 Contiguous positions are what the probes use and what ppsplit's steps pass (prefill, decode, verify): the
 traced masks take query ``i`` at ``positions[0] + i``, ``cache_attention`` at ``positions[i]``.
 
+MLA (in a paged trace only; a lockstep split keeps it as traced): when one cached tensor is read through a projection
+whose weight the graph holds and split per head into a key part and a value, the layer is a candidate for
+``ppsplit::latent_attention`` (``triton_kernels/attention.py`` has the math). Its subgraph is every node reading the
+cached latents or rotary keys up to the first ``[B, H, T, dv]`` node that reads both (the expansion, the keys'
+assembly, the attention), checked as in 1. and evaluated as in 3. on random latents, rotary keys, queries and
+projection weights against ``latent_attention_reference``.
+
 Result: ``Attended``, the rewritten copy of the graph and one ``AttentionSite`` per layer (replaced, or why not);
 ``SplitPlan.attention_lines(stage)`` formats what the plan prints per stage.
 """

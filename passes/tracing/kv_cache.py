@@ -1,8 +1,9 @@
 """The static KV cache the trace pass hands the model: ``CacheConfig(batch_size, max_len)`` made concrete.
 
 Each decoder layer's keys and values live in two buffers ``kv_cache.<layer>.keys`` / ``.values`` of shape
-``[batch_size, kv_heads, max_len, head_dim]``; a sparse-attention indexer (DeepSeek-V3.2's DSA) keeps its keys in a
-third, ``kv_cache.<layer>.indexer_keys`` of ``[batch_size, max_len, index_head_dim]``. A step writes its ``T`` new
+``[batch_size, kv_heads, max_len, head_dim]`` (an MLA layer's hold its latent and its rotary key, one head each, as
+it hands them to ``cache.update``); a sparse-attention indexer (DeepSeek-V3.2's DSA) keeps its keys in a third,
+``kv_cache.<layer>.indexer_keys`` of ``[batch_size, max_len, index_head_dim]``. A step writes its ``T`` new
 keys and values at ``positions`` (the cache positions of the new tokens) and attends over the whole buffer under a
 causal mask on those positions. Nothing else is remembered between steps: there is no length counter. A rejected
 draft token leaves stale entries beyond the accepted position; the mask hides them, and the next step's
