@@ -101,7 +101,7 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
                 raise _NoMatch("the layer writes only one of keys/values")
             mla = _latent_projection(k, v) if latent else None
             if mla is not None:
-                detail = _rewrite_latent(gm, k, v, mla, order, info, verified)
+                detail = _rewrite_latent(gm, mla, order, info, verified)
             else:
                 detail = _rewrite(gm, k, v, order, info, verified)
             sites.append(AttentionSite(layer, stage, True, detail))
@@ -470,11 +470,9 @@ def _latent_projection(k: fx.Node, v: fx.Node) -> _Latent | None:
     views) by a projection without bias whose weight the graph holds, and its output, through views and transposes,
     is split along the last dim into ``[B, H, L, dn]`` and ``[B, H, L, dv]``; the other cached tensor is one head
     too. Whether the layer computes MLA is then proved by evaluation (``_verify_latent``)."""
+    if any(_shape(x) is None or len(_shape(x)) != 4 or _shape(x)[1] != 1 for x in (k, v)):
+        return None
     for latent, rope in ((k, v), (v, k)):
-        lshape, rshape = _shape(latent), _shape(rope)
-        if lshape is None or rshape is None or len(lshape) != 4 or len(rshape) != 4 or lshape[1] != 1 \
-                or rshape[1] != 1:
-            return None
         node = latent
         while len(node.users) == 1 and next(iter(node.users)).target in _VIEWS:
             node = next(iter(node.users))
@@ -482,7 +480,7 @@ def _latent_projection(k: fx.Node, v: fx.Node) -> _Latent | None:
         if proj is None or proj.bias is not None or proj.out_dim != 0:
             continue
         split = _head_split(proj.node)
-        if split is not None and _shape(proj.weight) == (split[0] * (split[1] + split[2]), lshape[3]):
+        if split is not None and _shape(proj.weight) == (split[0] * (split[1] + split[2]), _shape(latent)[3]):
             return _Latent(latent, rope, proj.weight, *split)
     return None
 
@@ -505,7 +503,7 @@ def _head_split(node: fx.Node) -> tuple[int, int, int] | None:
     return None
 
 
-def _rewrite_latent(gm, k: fx.Node, v: fx.Node, mla: _Latent, order: dict, info, verified: dict) -> str:
+def _rewrite_latent(gm, mla: _Latent, order: dict, info, verified: dict) -> str:
     """The MLA attention over the cached latents -> ``latent_attention``; its description (else ``_NoMatch``)."""
     found = _match_latent(gm, mla, order)
     key = ("latent", mla.nope) + found.signature()
