@@ -17,7 +17,10 @@ Ops (each with a torch path for CPU tensors, which the tests compare, and a Trit
   ``<= positions[t]`` (and ``> positions[t] - window`` with a window), the math of ``attention_reference``;
 - ``paged_latent_attention(q [1, H, N, dn + dr], latents, ropes, weight, nope_dim, positions, seq, ...)``: MLA over
   pools of latents ``[num_blocks, block_size, 1, r]`` and rotary keys ``[..., 1, dr]``, the math of
-  ``latent_attention_reference`` per sequence (the kernel is ``paged_attention``'s with a second key part);
+  ``latent_attention_reference`` per sequence (the kernel is ``paged_attention``'s with a second key part); with
+  ``selected [1, N, K]`` (DeepSeek-V3.2's sparse attention) each token over the positions listed, gathered (torch);
+- ``paged_indexer_topk(q [1, N, H, D], weights, keys [num_blocks, block_size, D], positions, seq, ...)``: the
+  positions a sparse-attention indexer picks per token over its own sequence's keys (torch, no host read);
 - ``paged_conv1d(x [1, C, N], weight [C, 1, k], bias, pool, positions, seq, block_table)``: the depthwise causal
   convolution of each token over the last ``k`` inputs of its sequence (already written into ``pool``), laid out
   as ``aten.convolution`` with padding ``k - 1`` lays out a single sequence's window (see the paged pass).
@@ -28,7 +31,8 @@ from typing import Optional
 
 import torch
 
-from ppsplit.triton_kernels.attention import attention_reference, latent_attention_reference
+from ppsplit.triton_kernels.attention import (attention_reference, indexer_scores, latent_attention_reference,
+                                              top_positions)
 from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton
 
 
@@ -123,10 +127,13 @@ def _(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale,
 
 
 def paged_latent_attention_reference(q, latents, ropes, weight, nope_dim: int, positions, seq, block_table,
-                                     seq_start, seq_count, scale: float, window: int = 0,
-                                     softcap: float = 0.0) -> torch.Tensor:
+                                     seq_start, seq_count, scale: float, window: int = 0, softcap: float = 0.0,
+                                     selected=None) -> torch.Tensor:
     """Per sequence, ``latent_attention_reference`` over the latents and rotary keys it has so far; padding tokens
     get zeros. ``q [1, H, N, dn + dr]`` -> ``[1, H, N, dv]``."""
+    if selected is not None:
+        return _sparse_latent_attention(q, latents, ropes, weight, nope_dim, positions, seq, block_table, scale,
+                                        window, softcap, selected)
     dv = weight.shape[0] // q.shape[1] - nope_dim
     out = torch.zeros(q.shape[:-1] + (dv,), dtype=q.dtype, device=q.device)
     for slot, start, count in _segments(seq_start, seq_count):
@@ -139,26 +146,73 @@ def paged_latent_attention_reference(q, latents, ropes, weight, nope_dim: int, p
     return out
 
 
+def _sparse_latent_attention(q, latents, ropes, weight, nope_dim: int, positions, seq, block_table, scale: float,
+                             window: int, softcap: float, selected) -> torch.Tensor:
+    """``latent_attention_reference`` of each token over the ``K`` positions of its own sequence that ``selected [1,
+    N, K]`` lists, each once, as a top-k gives them (``-1``: none; positions past the token's own, or out of its
+    window, are not seen): the listed
+    latents and rotary keys gathered through the block table, each token a batch of one query over ``K`` slots. No
+    host read, so it runs on any device and captures."""
+    sel = selected[0]
+    bs, k = latents.shape[1], sel.shape[-1]
+    live = (sel >= 0) & (sel <= positions[:, None]) & (seq[:, None] >= 0)
+    if window > 0:
+        live = live & (positions[:, None] - sel < window)
+    where = sel.clamp(min=0)
+    blocks = block_table[seq.clamp(min=0)[:, None], where // bs].clamp(min=0)
+    # [N, 1, K, *]; what is not seen is zeroed, so that a stale entry (even a NaN) weighs nothing
+    c, kr = (pool[blocks, where % bs].masked_fill(~live[:, :, None, None], 0).transpose(1, 2).to(q.dtype)
+             for pool in (latents, ropes))
+    slots = torch.arange(k, device=q.device)
+    out = latent_attention_reference(q[0].transpose(0, 1)[:, :, None], c, kr, weight.to(q.dtype), nope_dim,
+                                     slots[-1:], scale, 0, softcap, torch.where(live, slots, -1)[:, None])
+    return out[:, :, 0].transpose(0, 1)[None].nan_to_num(0.0)  # a token with nothing to see (padding): zeros
+
+
+def paged_indexer_topk_reference(q, weights, keys, positions, seq, block_table, scale: float,
+                                 topk: int) -> torch.Tensor:
+    """``indexer_topk`` of each token over its own sequence's keys in the pool ``[num_blocks, block_size, D]``
+    (every position a block table can hold, gathered: no host read) -> ``[1, N, topk]``; padding tokens get ``-1``."""
+    bs = keys.shape[1]
+    where = torch.arange(block_table.shape[1] * bs, device=q.device)
+    blocks = block_table[seq.clamp(min=0)][:, where // bs].clamp(min=0)  # [N, L]
+    visible = (where <= positions[:, None]) & (seq[:, None] >= 0)
+    return top_positions(indexer_scores(q[0], weights, keys[blocks, where % bs], visible, scale), topk)[None]
+
+
+@register("ppsplit::paged_indexer_topk", opaque=True)
+def paged_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                       seq: torch.Tensor, block_table: torch.Tensor, scale: float, topk: int) -> torch.Tensor:
+    """See ``paged_indexer_topk_reference`` (the same torch on every device)."""
+    return paged_indexer_topk_reference(q, weights, keys, positions, seq, block_table, scale, topk)
+
+
+@paged_indexer_topk.register_fake
+def _(q, weights, keys, positions, seq, block_table, scale, topk):
+    return q.new_empty(1, q.shape[1], min(topk, block_table.shape[1] * keys.shape[1]), dtype=torch.long)
+
+
 @register("ppsplit::paged_latent_attention", opaque=True)
 def paged_latent_attention(q: torch.Tensor, latents: torch.Tensor, ropes: torch.Tensor, weight: torch.Tensor,
                            nope_dim: int, positions: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
                            seq_start: torch.Tensor, seq_count: torch.Tensor, scale: float, window: int,
-                           softcap: float) -> torch.Tensor:
+                           softcap: float, selected: Optional[torch.Tensor]) -> torch.Tensor:
     """Ragged MLA over paged latents (see the module docstring). ``[1, H, N, dv]``, stored as ``[1, N, H, dv]``."""
     dv = weight.shape[0] // q.shape[1] - nope_dim
     out = torch.empty(q.shape[0], q.shape[2], q.shape[1], dv, dtype=q.dtype, device=q.device).transpose(1, 2)
-    if on_gpu(q):
+    if on_gpu(q) and selected is None:
         with torch.cuda.device(q.device):
             out.copy_(launch_paged_latent_attention(q, latents, ropes, weight, nope_dim, positions, seq, block_table,
                                                     seq_start, seq_count, scale, window, softcap))
         return out
     out.copy_(paged_latent_attention_reference(q, latents, ropes, weight, nope_dim, positions, seq, block_table,
-                                               seq_start, seq_count, scale, window, softcap))
+                                               seq_start, seq_count, scale, window, softcap, selected))
     return out
 
 
 @paged_latent_attention.register_fake
-def _(q, latents, ropes, weight, nope_dim, positions, seq, block_table, seq_start, seq_count, scale, window, softcap):
+def _(q, latents, ropes, weight, nope_dim, positions, seq, block_table, seq_start, seq_count, scale, window, softcap,
+      selected):
     dv = weight.shape[0] // q.shape[1] - nope_dim
     return q.new_empty(q.shape[0], q.shape[2], q.shape[1], dv).transpose(1, 2)
 
