@@ -27,7 +27,7 @@ from torch import fx
 import ppsplit.triton_kernels.paged  # noqa: F401  (registers the paged ops)
 import ppsplit.triton_kernels.recurrent  # noqa: F401
 from ppsplit.core.errors import ConfigError
-from ppsplit.core.fx_utils import CACHE_PREFIX, CONV_INPUTS, fresh_copy, get_tensor, set_tensor
+from ppsplit.core.fx_utils import CACHE_PREFIX, CONV_INPUTS, INDEXER_KEYS, fresh_copy, get_tensor, set_tensor
 from ppsplit.core.options import CacheConfig
 from ppsplit.core.plan import SplitPlan
 from ppsplit.core.ragged import STEP_INPUTS
@@ -131,6 +131,8 @@ class _Rewrite:
                 shape = (c.pool_blocks, c.block_size, t.shape[1], *t.shape[3:])
             elif kind.startswith(CONV_INPUTS):  # [1, C, L] -> [blocks, block_size, C]
                 shape = (c.pool_blocks, c.block_size, t.shape[1])
+            elif kind == INDEXER_KEYS:  # [1, L, D] -> [blocks, block_size, D]
+                shape = (c.pool_blocks, c.block_size, t.shape[2])
             elif kind == "states":  # [1, R, *state] -> [slots, R, *state]
                 shape = (c.batch_size, *t.shape[1:])
             else:
@@ -144,19 +146,23 @@ class _Rewrite:
 
     # -- rewrites ------------------------------------------------------------------------------------------
     def write(self, node: fx.Node) -> None:
-        """``cache[:1].index_copy_(2, positions, value)`` -> ``paged_write(pool, tokens of value, slots)``."""
+        """``cache[:1].index_copy_(2, positions, value)`` -> ``paged_write(pool, tokens of value, slots)`` (indexer
+        keys ``[1, L, D]``: along dim 1)."""
         view, dim, index, value = node.args
         layer, kind = _cache_name(view)
-        if dim != 2 or index is not self.positions:
+        token_dim = 1 if kind == INDEXER_KEYS else 2
+        if dim != token_dim or index is not self.positions:
             raise Unpageable(f"layer {layer} writes its {kind} along dim {dim} at {index}, not at the step's "
                              "positions along the token dim")
         buffer = _base(view)
         pool = self.pool(buffer, kind)
         g = self.graph
         with g.inserting_before(node):
-            tokens = g.call_function(aten.transpose.int, (g.call_function(aten.select.int, (value, 0, 0)), 0, 1))
+            tokens = row = g.call_function(aten.select.int, (value, 0, 0))
+            if token_dim == 2:
+                tokens = g.call_function(aten.transpose.int, (row, 0, 1))
             write = g.call_function(ops.paged_write.default, (pool, tokens, self.slots))
-        for n in (tokens, tokens.args[0], write):
+        for n in {tokens, row, write}:
             n.meta.update({k: v for k, v in node.meta.items() if k.startswith("ppsplit.") or k == "nn_module_stack"})
         readers = list(node.users)
         if kind in ("keys", "values"):
@@ -171,6 +177,9 @@ class _Rewrite:
         elif kind.startswith(CONV_INPUTS):
             for user in readers:
                 self.conv(layer, user, value, pool)
+        elif kind == INDEXER_KEYS:
+            for user in readers:
+                self.indexer(layer, user, pool)
         for user in [u for u in readers if u.target in _ATTENTIONS]:
             self.attention(user)
         node.replace_all_uses_with(pool)
@@ -184,9 +193,9 @@ class _Rewrite:
         m = self.meta
         step = (m["seq"], m["block_table"], m["seq_start"], m["seq_count"])
         if node.target is ops.latent_attention.default:  # MLA: pools of latents and rotary keys
-            q, latents, ropes, weight, nope, positions, scale, window, softcap = node.args
+            q, latents, ropes, weight, nope, positions, scale, window, softcap, selected = node.args
             args = (q, self.cached(latents), self.cached(ropes), weight, nope, positions, *step, scale, window,
-                    softcap)
+                    softcap, selected)
             target = ops.paged_latent_attention.default
         else:
             q, k, v, positions, scale, window, softcap, alibi, sinks = node.args
@@ -198,6 +207,19 @@ class _Rewrite:
         node.replace_all_uses_with(new)
         self.graph.erase_node(node)
         self.done.add(new)
+
+    def indexer(self, layer: int, node: fx.Node, pool: fx.Node) -> None:
+        """``indexer_topk`` over the stand-in's indexer keys -> ``paged_indexer_topk`` over their pool."""
+        if node.target is not ops.indexer_topk.default:
+            raise Unpageable(f"layer {layer}'s indexer keys are read by {node.format_node()}, not by the indexer_topk "
+                             "the paged cache replaces")
+        q, weights, _, positions, scale, topk = node.args
+        with self.graph.inserting_before(node):
+            new = self.graph.call_function(ops.paged_indexer_topk.default, (
+                q, weights, pool, positions, self.meta["seq"], self.meta["block_table"], scale, topk))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
 
     def cached(self, read: fx.Node) -> fx.Node:
         """The pool of the cache buffer that ``read`` (its write, or the buffer itself) reads."""
@@ -270,7 +292,7 @@ class _Rewrite:
                     and node.args[0] is self.positions:
                 raise Unpageable(f"the model reads {node.format_node()}: one position standing for every token of a "
                                  "step, which a ragged step does not have")
-            if node.op == "call_function" and node.target in _ATTENTIONS:
+            if node.op == "call_function" and node.target in _ATTENTIONS | {ops.indexer_topk.default}:
                 raise Unpageable(f"{node.format_node()} reads a cache the paged pass did not rewrite")
 
 

@@ -46,7 +46,7 @@ from transformers.cache_utils import Cache, StaticLayer
 
 import ppsplit.triton_kernels.recurrent  # noqa: F401  (registers torch.ops.ppsplit.gated_delta_scan / ssm_scan)
 from ppsplit.core.errors import ConfigError
-from ppsplit.core.fx_utils import CONV_INPUTS, conv_index
+from ppsplit.core.fx_utils import CONV_INPUTS, INDEXER_KEYS, conv_index
 
 
 
@@ -196,7 +196,7 @@ class PositionedCache(Cache):
             layer = self.layers[i]
             layer.conv_inputs = {conv_index(n): t for n, t in named.items() if n.startswith(CONV_INPUTS)}
             layer.states = named.get("states")
-            layer.indexer_keys = named.get("indexer_keys")
+            layer.indexer_keys = named.get(INDEXER_KEYS)
             if "keys" not in named:
                 continue
             keys, values = named["keys"], named["values"]

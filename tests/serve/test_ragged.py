@@ -31,7 +31,8 @@ CONFIGS = {
     "nemotron_h": dict(head_dim=16, layers_block_type=["mamba", "attention", "mamba", "mlp"], mamba_num_heads=8,
                        mamba_head_dim=8, n_groups=2, ssm_state_size=16, chunk_size=16),  # Mamba-2
 }
-ARCHS = [a for a in CONFIGS if a in CONFIG_MAPPING]
+INDEXED = ("deepseek_v32",)  # sparse attention (MLA + DSA): tests.architectures.test_indexer's tie-free model
+ARCHS = [a for a in (*CONFIGS, *INDEXED) if a in CONFIG_MAPPING]
 CACHE = CacheConfig(batch_size=4, max_len=48, block_size=16)
 TAPS = (1, 3)
 _built: dict = {}
@@ -39,11 +40,16 @@ _built: dict = {}
 
 def build(arch):
     if arch not in _built:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **{**COMMON, **CONFIGS[arch]})).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
+        if arch in INDEXED:
+            from tests.architectures.test_indexer import indexed_model
+
+            model = indexed_model(arch)
+        else:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **{**COMMON, **CONFIGS[arch]})).eval()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.02)
         _built[arch] = (model, ppsplit.trace_model(model, cache=CACHE))
     return _built[arch]
 
@@ -106,7 +112,7 @@ def test_a_mixed_step_equals_each_sequence_alone(arch):
             assert_matches(segments, logits, aux, refs)
 
 
-@pytest.mark.parametrize("arch", [a for a in ("llama", "qwen3_next", "deepseek_v3") if a in ARCHS])
+@pytest.mark.parametrize("arch", [a for a in ("llama", "qwen3_next", "deepseek_v3", "deepseek_v32") if a in ARCHS])
 def test_a_reused_slot_and_reused_blocks_read_nothing_stale(arch):
     """A slot freed and given to a new sequence, with blocks another sequence used: the new sequence's tokens equal a
     fresh run (its keys, ring states and convolution inputs are overwritten before they are read)."""
@@ -145,30 +151,36 @@ def test_prompts_of_different_lengths_generate_like_each_alone(arch):
         assert torch.equal(out, model.generate(prompt[None], max_new_tokens=12, do_sample=False)[0])
 
 
-def test_mla_pages_its_latents_not_expanded_keys():
-    """DeepSeek-V3: each layer's pools hold the latent (kv_lora_rank) and the rotary key (qk_rope_head_dim) of every
-    position, one head, and the plan's cache bytes are those pools; the attention reads them as
-    ``paged_latent_attention`` and no projection reads the cache (no key or value is expanded)."""
-    if "deepseek_v3" not in ARCHS:
-        pytest.skip("this transformers has no deepseek_v3")
-    _, traced = build("deepseek_v3")
-    cfg = CONFIGS["deepseek_v3"]
+@pytest.mark.parametrize("arch", [a for a in ("deepseek_v3", "deepseek_v32") if a in ARCHS])
+def test_mla_pages_its_latents_not_expanded_keys(arch):
+    """DeepSeek-V3 and V3.2: each layer's pools hold the latent (kv_lora_rank) and the rotary key (qk_rope_head_dim)
+    of every position, one head (V3.2: and its indexer's key), and the plan's cache bytes are those pools; the
+    attention reads them as ``paged_latent_attention`` (V3.2: over the positions ``paged_indexer_topk`` picks), and
+    no projection reads the cache (no key or value is expanded)."""
+    model, traced = build(arch)
+    cfg = model.config
     split = ppsplit.split_model(traced, 2)
     layout = split.layout
+    widths = {"keys": (1, cfg.kv_lora_rank), "values": (1, cfg.qk_rope_head_dim)}
+    ops = torch.ops.ppsplit
+    readers = {ops.paged_write.default, ops.paged_latent_attention.default}
+    if arch == "deepseek_v32":
+        widths["indexer_keys"] = (cfg.index_head_dim,)
+        readers.add(ops.paged_indexer_topk.default)
     for k, stage in enumerate(split.stages):
         pools = {n: b for n, b in stage.named_buffers() if n.startswith("kv_cache.")}
         layers = range(split.plan.stages[k].start, split.plan.stages[k].end)
         assert {n: tuple(b.shape) for n, b in pools.items()} == {
-            f"kv_cache.{i}.{kind}": (layout.num_blocks, layout.block_size, 1, width)
-            for i in layers for kind, width in (("keys", cfg["kv_lora_rank"]), ("values", cfg["qk_rope_head_dim"]))}
+            f"kv_cache.{i}.{kind}": (layout.num_blocks, layout.block_size, *width)
+            for i in layers for kind, width in widths.items()}
         assert split.plan.stages[k].cache_bytes == sum(b.numel() * b.element_size() for b in pools.values())
         nodes = list(stage.graph.nodes)
-        attn = [n for n in nodes if n.target is torch.ops.ppsplit.paged_latent_attention.default]
-        assert len(attn) == len(layers)
-        readers = {u.target for n in nodes if n.op == "get_attr" and n.target in pools for u in n.users}
-        assert readers == {torch.ops.ppsplit.paged_write.default, torch.ops.ppsplit.paged_latent_attention.default}
+        assert sum(n.target is ops.paged_latent_attention.default for n in nodes) == len(layers)
+        assert {u.target for n in nodes if n.op == "get_attr" and n.target in pools for u in n.users} == readers
+        assert not any(n.target is torch.ops.aten.topk.default and n.meta.get("ppsplit.layer") in layers
+                       and "indexer" in str(n.meta.get("nn_module_stack")) for n in nodes)
         assert split.plan.attention_lines(k)[0].startswith(f"attention: {len(layers)} of {len(layers)} -> paged")
-    assert "MLA: latent 24 + rotary 8 per position" in split.plan.describe()
+    assert f"MLA: latent {cfg.kv_lora_rank} + rotary {cfg.qk_rope_head_dim} per position" in split.plan.describe()
 
 
 def test_bad_metadata_is_refused_before_anything_runs():
@@ -197,14 +209,15 @@ def test_bad_metadata_is_refused_before_anything_runs():
 
 
 def test_models_whose_cache_cannot_be_paged_keep_a_lockstep_cache_and_say_why():
-    """DeepSeek-V3.2's sparse attention reads only the keys its indexer picks for each token (its mask depends on the
-    tokens): the paged pass does not serve that yet, so the split keeps a lockstep cache, the plan says why, and
-    ragged steps are refused with the reason."""
+    """GLM-MoE-DSA with shared indexers (a layer attends over the positions the layer before it picked): the paged
+    pass does not serve that yet, so the split keeps a lockstep cache, the plan says why, and ragged steps are
+    refused with the reason."""
     from tests.architectures.test_indexer import build as build_indexed, prompt
 
-    model, traced = build_indexed("deepseek_v32")
+    model, traced = build_indexed("glm_moe_dsa_shared")
     split = ppsplit.split_model(traced, 2)
     assert not split.plan.paged and "layer 0's attention stays as traced" in split.plan.lockstep_reason
+    assert "also read by another layer (an indexer shared between layers)" in split.plan.lockstep_reason
     assert "lockstep: no ragged steps" in split.plan.describe()
     ids = prompt()
     assert torch.equal(split.generate(ids, 6), model.generate(ids, max_new_tokens=6, do_sample=False))
