@@ -223,15 +223,16 @@ def test_a_hybrid_speculates_per_request_like_alone(tmp_path):
     assert any(sum(o.accepted) < 3 * len(o.accepted) for o in together)  # some drafts were rejected
 
 
-def test_mla_requests_each_equal_hf_alone(tmp_path):
-    """DeepSeek-V3 (MLA: latents and rotary keys in the paged pools): requests of different lengths batched
-    continuously, greedy and with an EAGLE-3 drafter (K = 3, verify windows over the latents), each give Hugging
-    Face's greedy output."""
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_mla_requests_each_equal_hf_alone(tmp_path, arch):
+    """DeepSeek-V3 (MLA: latents and rotary keys in the paged pools) and V3.2 (sparse attention over the positions its
+    indexer picks): requests of different lengths batched continuously, greedy and with an EAGLE-3 drafter (K = 3,
+    verify windows over the latents), each give Hugging Face's greedy output."""
     from tests.serve.test_ragged import ARCHS, build
 
-    if "deepseek_v3" not in ARCHS:
-        pytest.skip("this transformers has no deepseek_v3")
-    model, traced = build("deepseek_v3")
+    if arch not in ARCHS:
+        pytest.skip(f"this transformers has no {arch}")
+    model, traced = build(arch)
     split = ppsplit.split_model(traced, 2, aux=[1, 2, 3])
     rng = random.Random(4)
     prompts = [[rng.randrange(3, V) for _ in range(n)] for n in (3, 17, 9, 30, 5)]
