@@ -22,6 +22,13 @@ Recognition is by running, not by op patterns (as the fuse pass recognises norms
 Contiguous positions are what the probes use and what ppsplit's steps pass (prefill, decode, verify): the
 traced masks take query ``i`` at ``positions[0] + i``, ``cache_attention`` at ``positions[i]``.
 
+MLA (in a paged trace only; a lockstep split keeps it as traced): when one cached tensor is read through a projection
+whose weight the graph holds and split per head into a key part and a value, the layer is a candidate for
+``ppsplit::latent_attention`` (``triton_kernels/attention.py`` has the math). Its subgraph is every node reading the
+cached latents or rotary keys up to the first ``[B, H, T, dv]`` node that reads both (the expansion, the keys'
+assembly, the attention), checked as in 1. and evaluated as in 3. on random latents, rotary keys, queries and
+projection weights against ``latent_attention_reference``.
+
 Result: ``Attended``, the rewritten copy of the graph and one ``AttentionSite`` per layer (replaced, or why not);
 ``SplitPlan.attention_lines(stage)`` formats what the plan prints per stage.
 """
@@ -35,14 +42,15 @@ import torch
 from torch import fx
 
 import ppsplit.triton_kernels.attention  # noqa: F401  (registers torch.ops.ppsplit.cache_attention)
-from ppsplit.core.fx_utils import CACHE_PREFIX, fresh_copy, get_tensor
+from ppsplit.core.fx_utils import CACHE_PREFIX, INDEXER_KEYS, fresh_copy, get_tensor
 from ppsplit.passes.annotate import mutated_bases
 from ppsplit.passes.evaluate import (COPY_OPS, SHAPE_OPS, VIEW_OPS, EvaluationError, SubgraphEvaluator,
                                      upcast)
 from ppsplit.passes.partition import Partitioned, carry_forward
 from ppsplit.passes.taps import Tapped
 from ppsplit.core.plan import AttentionSite, SplitPlan
-from ppsplit.triton_kernels.attention import attention_reference
+from ppsplit.passes.rewrites.projections import match_projection
+from ppsplit.triton_kernels.attention import attention_reference, indexer_scores, latent_attention_reference
 
 aten = torch.ops.aten
 _VIEWS = VIEW_OPS | COPY_OPS
@@ -81,7 +89,9 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
             where = _cache_buffer(node.args[0])
             if where is not None:
                 writes.setdefault(where[0], {})[where[1]] = node
-    verified: dict[tuple, tuple] = {}
+    verified: dict[tuple, tuple | _NoMatch] = {}
+    # MLA's absorbed form is what a paged cache of latents needs; a lockstep split keeps MLA as traced.
+    latent = info.stand_in is not None
     sites = []
     for layer, kv in sorted(writes.items()):
         k, v = kv.get("keys"), kv.get("values")
@@ -89,19 +99,12 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
         try:
             if k is None or v is None:
                 raise _NoMatch("the layer writes only one of keys/values")
-            found = _match(gm, k, v, order)
-            key = found.signature()
-            if key not in verified:
-                try:
-                    verified[key] = _verify(gm, found, info)
-                except _NoMatch as e:
-                    verified[key] = e
-            if isinstance(verified[key], _NoMatch):
-                raise verified[key]
-            scale, window, softcap, alibi, sink = verified[key]
-            params = (scale, window, softcap, alibi, None if sink is None else _sinks(found)[sink])
-            _replace(gm, found, params)
-            sites.append(AttentionSite(layer, stage, True, _describe(params)))
+            mla = _latent_projection(k, v) if latent else None
+            if mla is not None:
+                detail = _rewrite_latent(gm, mla, kv.get(INDEXER_KEYS), order, info, verified)
+            else:
+                detail = _rewrite(gm, k, v, order, info, verified)
+            sites.append(AttentionSite(layer, stage, True, detail))
         except _NoMatch as e:
             sites.append(AttentionSite(layer, stage, False, str(e)))
     graph.lint()
@@ -109,14 +112,36 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
     return carry_forward(tapped, Attended, gm=gm, sites=tuple(sites))
 
 
+def _rewrite(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict) -> str:
+    """The attention over the cached ``k``, ``v`` -> ``cache_attention``; its description (else ``_NoMatch``)."""
+    found = _match(gm, k, v, order)
+    scale, window, softcap, alibi, sink = _verified(verified, found.signature(), lambda: _verify(gm, found, info))
+    params = (scale, window, softcap, alibi, None if sink is None else _sinks(found)[sink])
+    _replace(gm, found, params)
+    return _describe(params)
+
+
+def _verified(verified: dict, key: tuple, verify):
+    """``verify()`` once per distinct subgraph (layers built alike share the answer, and a refusal)."""
+    if key not in verified:
+        try:
+            verified[key] = verify()
+        except _NoMatch as e:
+            verified[key] = e
+    if isinstance(verified[key], _NoMatch):
+        raise verified[key]
+    return verified[key]
+
+
 def _cache_buffer(node) -> tuple[int, str] | None:
-    """``(layer, "keys"|"values")`` when ``node`` is ``kv_cache.<layer>.<kind>[:batch]``."""
+    """``(layer, kind)`` when ``node`` is ``kv_cache.<layer>.<kind>[:batch]`` of keys, values or indexer keys."""
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.slice.Tensor:
         node = node.args[0]
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         return None
     parts = node.target.split(".")
-    if len(parts) == 3 and parts[0] == CACHE_PREFIX and parts[1].isdigit() and parts[2] in ("keys", "values"):
+    if len(parts) == 3 and parts[0] == CACHE_PREFIX and parts[1].isdigit() \
+            and parts[2] in ("keys", "values", INDEXER_KEYS):
         return int(parts[1]), parts[2]
     return None
 
@@ -131,9 +156,10 @@ class _Found:
     inputs: list  # position-only tensors and sizes the region reads (evaluated from positions)
     params: list  # get_attr nodes the region reads
     heads: int
+    selected: fx.Node | None = None  # sparse attention: the positions each token sees, picked by an indexer
 
     def signature(self) -> tuple:
-        index = {n: ("in", i) for i, n in enumerate([self.q, self.k, self.v])}
+        index = {n: ("in", i) for i, n in enumerate([self.q, self.k, self.v, self.selected]) if n is not None}
         index.update({n: ("ext", n.name) for n in self.inputs})
         index.update({n: ("param", tuple(n.meta["val"].shape), str(n.meta["val"].dtype)) for n in self.params})
         index.update({n: ("node", i) for i, n in enumerate(self.region)})
@@ -191,22 +217,21 @@ def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
                 todo.append(a)
             else:
                 external.append(a)
-    for n in list(region):  # an unused half of a tuple result (max's indices) goes with it
-        region.update(u for u in n.users if u.target is operator.getitem and not u.users)
-    for n in region:
-        if n is not out and any(u not in region for u in n.users):
-            raise _NoMatch(f"{n.format_node()} inside the attention is also read outside it")
-        if n.op != "call_function":
-            raise _NoMatch(f"unexpected {n.op} node {n.name} inside the attention")
-        if any(b not in region for b in mutated_bases(n)):
-            raise _NoMatch(f"{n.format_node()} inside the attention writes a tensor outside it")
-    tokenish = [a for a in external if a not in (k, v) and a.meta.get("ppsplit.token")
+    return _found(gm, k, v, out, region, external, (batch, heads, tokens, kshape[3]), order)
+
+
+def _found(gm, k: fx.Node, v: fx.Node, out: fx.Node, region: set, external: list, qshape: tuple,
+           order: dict, selected: fx.Node | None = None) -> _Found:
+    """The attention whose nodes are ``region`` (ending in ``out``), reading the cached ``k``, ``v`` and the
+    ``external`` nodes, checked to be self-contained; its query is the one token-dependent input besides ``selected``
+    (sparse attention's picks), seen through views as ``qshape``."""
+    _self_contained(region, out)
+    tokenish = [a for a in external if a not in (k, v, selected) and a.meta.get("ppsplit.token")
                 and isinstance(a.meta.get("val"), torch.Tensor)]
     if len(tokenish) != 1:
         raise _NoMatch(f"expected one query input, found {len(tokenish)} token-dependent inputs "
                        f"({', '.join(a.name for a in tokenish)})")
     q = tokenish[0]
-    qshape = (batch, heads, tokens, kshape[3])
     while _shape(q) != qshape:
         if q.op != "call_function" or q.target not in _VIEWS and q.target is not aten.transpose.int \
                 or len(q.users) != 1:
@@ -215,7 +240,7 @@ def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
         external.remove(q)
         q = q.args[0]
         external.append(q)
-    inputs = [a for a in external if a not in (k, v, q) and a.op != "get_attr"]
+    inputs = [a for a in external if a not in (k, v, q, selected) and a.op != "get_attr"]
     # Learned inputs (sinks, reshaped and expanded outside the region): the check gives them random values.
     params = [a for a in external if a.op == "get_attr"]
     params += [a for a in _closure_nodes(inputs, attrs=True) if a.op == "get_attr" and a not in params
@@ -223,18 +248,33 @@ def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
     for a in inputs:
         if a.meta.get("ppsplit.token") and isinstance(a.meta.get("val"), torch.Tensor):
             raise _NoMatch(f"{a.format_node()} feeds the attention and depends on the tokens")
-    order_of = order.get
-    return _Found(k=k, v=v, q=q, out=out, region=sorted(region, key=order_of), inputs=inputs, params=params,
-                  heads=heads)
+    return _Found(k=k, v=v, q=q, out=out, region=sorted(region, key=order.get), inputs=inputs, params=params,
+                  heads=qshape[1], selected=selected)
 
 
-def _downstream(start: fx.Node) -> set:
-    """Nodes reading ``start``, transitively, within its decoder layer."""
+def _self_contained(region: set, out: fx.Node, what: str = "the attention") -> None:
+    """Check that ``region`` (extended by the unused halves of its tuple results) is read outside only through
+    ``out`` and writes nothing outside itself."""
+    for n in list(region):  # an unused half of a tuple result (max's indices) goes with it
+        region.update(u for u in n.users if u.target is operator.getitem and not u.users)
+    for n in region:
+        if n is not out and any(u not in region for u in n.users):
+            raise _NoMatch(f"{n.format_node()} inside {what} is also read outside it")
+        if n.op != "call_function":
+            raise _NoMatch(f"unexpected {n.op} node {n.name} inside {what}")
+        if any(b not in region for b in mutated_bases(n)):
+            raise _NoMatch(f"{n.format_node()} inside {what} writes a tensor outside it")
+
+
+def _downstream(start: fx.Node, writes: bool = False) -> set:
+    """Nodes reading ``start``, transitively, within its decoder layer; with ``writes``, also those reading a tensor
+    that one of them writes in place (MLA's keys assembled by ``copy_`` into a ``new_empty``)."""
     layer = start.meta.get("ppsplit.layer")
     seen, todo = set(), [start]
     while todo:
         n = todo.pop()
-        for u in n.users:
+        written = [b for b in mutated_bases(n) if b.op == "call_function"] if writes and n is not start else []
+        for u in list(n.users) + [u for b in written for u in b.users]:
             if u not in seen and u.op == "call_function" and u.meta.get("ppsplit.layer") == layer:
                 seen.add(u)
                 todo.append(u)
@@ -248,25 +288,9 @@ def _verify(gm: fx.GraphModule, f: _Found, info) -> tuple:
     max_len, head_dim, dv = int(kshape[2]), int(kshape[3]), int(vshape[3])
     if f.heads * max_len * max(head_dim, dv) > _BUDGET:
         raise _NoMatch(f"cache too large to check by evaluation ({f.heads} heads x {max_len} slots x {head_dim})")
-    max_batch = info.stand_in.batch_size if info.stand_in else 2
-    probes = [(min(2, max_batch), min(3, max_len), max_len // 2 - 1), (1, 1, max_len - 1),
-              (min(2, max_batch), min(2, max_len), 0), (1, min(5, max_len), max(0, max_len - 5))]
-    probes = [(b, t, max(0, min(p, max_len - t))) for b, t, p in probes]
     gen = torch.Generator().manual_seed(0)
     params = {p: _param_value(gm, p, gen) for p in f.params}
-    cases = []
-    for batch, tokens, start in probes:
-        positions = torch.arange(start, start + tokens)
-        q = torch.randn(batch, f.heads, tokens, head_dim, generator=gen)
-        k = torch.randn(batch, int(kshape[1]), max_len, head_dim, generator=gen)
-        v = torch.randn(batch, int(vshape[1]), max_len, dv, generator=gen)
-        try:
-            got = _evaluate(gm, f, info, batch, positions, q, k, v, params)
-        except _NoMatch:
-            raise
-        except Exception as e:  # the subgraph does something our evaluation cannot reproduce
-            raise _NoMatch(f"could not evaluate it ({type(e).__name__}: {str(e)[:80]})") from None
-        cases.append((positions, q, k, v, got))
+    cases = _cases(gm, f, info, head_dim, params, gen)
     first = cases[0]
     alibis = [None] + _alibi_candidates(gm, f, info, first[0], first[1].shape[0], max_len)
     sinks = _sinks(f)
@@ -277,9 +301,49 @@ def _verify(gm: fx.GraphModule, f: _Found, info) -> tuple:
                     for sink in [None, *sinks]:
                         sink_value = params[sink] if sink is not None else None
                         if all(_close(attention_reference(q, k, v, pos, scale, window, softcap, alibi, sink_value), got)
-                               for pos, q, k, v, got in cases):
+                               for pos, q, k, v, got, _ in cases):
                             return scale, window, softcap, alibi, None if sink is None else sinks.index(sink)
     raise _NoMatch("no scale/window/soft-cap/ALiBi/sinks makes cache_attention equal it")
+
+
+def _cases(gm, f: _Found, info, q_dim: int, params: dict, gen) -> list:
+    """``(positions, q, k, v, the subgraph's output, selected)`` on random ``q [b, heads, t, q_dim]``, cached ``k``,
+    ``v`` (and, for sparse attention, ``K`` random positions per token) for a few batch sizes, token counts and start
+    positions (stale random values past the live length)."""
+    kshape, vshape = f.k.meta["val"].shape, f.v.meta["val"].shape
+    max_len = int(kshape[2])
+    cases = []
+    for batch, tokens, start in _probes(info, max_len):
+        positions = torch.arange(start, start + tokens)
+        q = torch.randn(batch, f.heads, tokens, q_dim, generator=gen)
+        k = torch.randn(batch, *(int(d) for d in kshape[1:]), generator=gen)
+        v = torch.randn(batch, *(int(d) for d in vshape[1:]), generator=gen)
+        env = {f.q: q, f.k: k, f.v: v, **params}
+        selected = None
+        if f.selected is not None:  # distinct positions as an indexer picks them: visible ones first, then stale
+            score = torch.rand(batch, tokens, max_len, generator=gen) + (torch.arange(max_len) <= positions[:, None])
+            env[f.selected] = selected = score.argsort(-1, descending=True)[..., :_shape(f.selected)[-1]]
+        cases.append((positions, q, k, v, _run(gm, f, info, batch, positions, env), selected))
+    return cases
+
+
+def _probes(info, max_len: int) -> list[tuple[int, int, int]]:
+    """``(batch, tokens, first position)`` of the checks: prefill, decode and verify sizes, at the start, middle and
+    end of the cache."""
+    max_batch = info.stand_in.batch_size if info.stand_in else 2
+    probes = [(min(2, max_batch), min(3, max_len), max_len // 2 - 1), (1, 1, max_len - 1),
+              (min(2, max_batch), min(2, max_len), 0), (1, min(5, max_len), max(0, max_len - 5))]
+    return [(b, t, max(0, min(p, max_len - t))) for b, t, p in probes]
+
+
+def _run(gm, f: _Found, info, batch: int, positions, env: dict):
+    """``_evaluate``, any failure of the evaluation itself a ``_NoMatch``."""
+    try:
+        return _evaluate(gm, f, info, batch, positions, env)
+    except _NoMatch:
+        raise
+    except Exception as e:  # the subgraph does something our evaluation cannot reproduce
+        raise _NoMatch(f"could not evaluate it ({type(e).__name__}: {str(e)[:80]})") from None
 
 
 def _sinks(f: _Found) -> list:
@@ -298,8 +362,9 @@ def _param_value(gm, node: fx.Node, gen) -> torch.Tensor:
     return t.detach().to("cpu", upcast(t.dtype))
 
 
-def _evaluate(gm, f: _Found, info, batch: int, positions, q, k, v, params):
-    env = {f.q: q, f.k: k, f.v: v, **params}
+def _evaluate(gm, f: _Found, info, batch: int, positions, env: dict):
+    """The value of ``f.out`` from ``env`` (node -> value: the query, the cache, parameters) and ``positions``."""
+    env = dict(env)
     tokens = positions.shape[0]
     placeholders = {"input_ids": torch.zeros(batch, tokens, dtype=torch.long), "positions": positions}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -395,7 +460,7 @@ def _alibi_candidates(gm, f: _Found, info, positions, batch: int, max_len: int) 
             continue
         try:
             probe = _Found(k=f.k, v=f.v, q=f.q, out=node, region=[], inputs=[node], params=[], heads=f.heads)
-            value = _evaluate(gm, probe, info, batch, positions, None, None, None, {})
+            value = _evaluate(gm, probe, info, batch, positions, {})
         except Exception:  # noqa: BLE001  (not a bias we can read)
             continue
         if value.numel() % (batch * f.heads * max_len):
@@ -406,6 +471,244 @@ def _alibi_candidates(gm, f: _Found, info, positions, batch: int, max_len: int) 
                 and slopes.abs().max() > 0:
             found.append(slopes)
     return found
+
+
+# ---- MLA: a cache of latents, expanded to keys and values every step ----------------------------------------
+
+@dataclass(frozen=True)
+class _Latent:
+    """An MLA layer's parts (``latent_attention_reference`` has the math): the cache reads of the latents ``[B, 1, L,
+    r]`` and of the rotary keys ``[B, 1, L, dr]``, and the projection weight ``[H * (dn + dv), r]`` that expands the
+    latents per head into a key part (``dn``) and a value (``dv``)."""
+
+    latent: fx.Node
+    rope: fx.Node
+    weight: fx.Node
+    heads: int
+    nope: int
+    value: int
+
+
+def _latent_projection(k: fx.Node, v: fx.Node) -> _Latent | None:
+    """The layer's MLA parts when its graph has MLA's structure: one cached tensor of one head is read (through
+    views) by a projection without bias whose weight the graph holds, and its output, through views and transposes,
+    is split along the last dim into ``[B, H, L, dn]`` and ``[B, H, L, dv]``; the other cached tensor is one head
+    too. Whether the layer computes MLA is then proved by evaluation (``_verify_latent``)."""
+    if any(_shape(x) is None or len(_shape(x)) != 4 or _shape(x)[1] != 1 for x in (k, v)):
+        return None
+    for latent, rope in ((k, v), (v, k)):
+        node = latent
+        while len(node.users) == 1 and next(iter(node.users)).target in _VIEWS:
+            node = next(iter(node.users))
+        proj = next((m for m in map(match_projection, node.users) if m is not None and m.x is node), None)
+        if proj is None or proj.bias is not None or proj.out_dim != 0:
+            continue
+        split = _head_split(proj.node)
+        if split is not None and _shape(proj.weight) == (split[0] * (split[1] + split[2]), _shape(latent)[3]):
+            return _Latent(latent, rope, proj.weight, *split)
+    return None
+
+
+def _head_split(node: fx.Node) -> tuple[int, int, int] | None:
+    """``(H, dn, dv)`` when ``node``'s value, through views and transposes, is split in two along its last dim as
+    ``[B, H, L, dn + dv]``."""
+    for _ in range(8):
+        split = next((u for u in node.users if u.target is aten.split_with_sizes.default), None)
+        if split is not None:
+            shape, sizes = _shape(node), split.args[1]
+            dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+            if shape is None or len(shape) != 4 or len(sizes) != 2 or dim not in (-1, 3):
+                return None
+            return int(shape[1]), int(sizes[0]), int(sizes[1])
+        views = [u for u in node.users if u.target in _VIEWS or u.target in (aten.transpose.int, aten.permute.default)]
+        if len(views) != 1:
+            return None
+        node = views[0]
+    return None
+
+
+def _rewrite_latent(gm, mla: _Latent, indexer_keys: fx.Node | None, order: dict, info, verified: dict) -> str:
+    """The MLA attention over the cached latents -> ``latent_attention`` (and, for sparse attention, its indexer over
+    ``indexer_keys`` -> ``indexer_topk``); its description (else ``_NoMatch``)."""
+    found = _match_latent(gm, mla, order)
+    key = ("latent", mla.nope) + found.signature()
+    scale, window, softcap = _verified(verified, key, lambda: _verify_latent(gm, found, mla, info))
+    rdim, dr = _shape(mla.latent)[3], _shape(mla.rope)[3]
+    detail = f"MLA: latent {rdim} + rotary {dr} per position, " + _describe((scale, window, softcap, None, None))
+    indexer = None
+    if found.selected is not None:
+        if indexer_keys is None:
+            raise _NoMatch("its sparse attention's positions are picked by no indexer over this layer's cache")
+        indexer = _match_indexer(gm, indexer_keys, found.selected, order, info.cache.max_len)
+        index_scale = _verified(verified, ("indexer",) + indexer.signature(),
+                                lambda: _verify_indexer(gm, indexer, info))
+        detail += f"; sparse over {_shape(found.selected)[-1]} positions an indexer picks, scale {index_scale:.6g}"
+    positions = gm.graph.find_nodes(op="placeholder", target="positions")[0]
+    with gm.graph.inserting_before(found.out):
+        node = gm.graph.call_function(torch.ops.ppsplit.latent_attention.default, (
+            found.q, mla.latent, mla.rope, mla.weight, mla.nope, positions, float(scale), int(window), float(softcap),
+            found.selected))
+    _swap(gm, found, node, detail)
+    if indexer is not None:
+        _replace_indexer(gm, indexer, found.selected.args[0], index_scale)
+    return detail
+
+
+def _match_latent(gm: fx.GraphModule, mla: _Latent, order: dict) -> _Found:
+    """The attention of an MLA layer: every node reading the cached latents or rotary keys up to the first that is
+    ``[B, H, T, dv]`` and reads both (the expansion, the keys' assembly and the attention)."""
+    from_latent, from_rope = _downstream(mla.latent, writes=True), _downstream(mla.rope, writes=True)
+    positions = gm.graph.find_nodes(op="placeholder", target="positions")[0]
+    tokens = positions.meta["val"].shape[0]
+    batch = _shape(mla.latent)[0]
+
+    def is_out(shape):
+        return (shape is not None and len(shape) == 4 and shape[0] == batch and shape[1] == mla.heads
+                and shape[2] == tokens and shape[3] == mla.value)
+
+    out = next((n for n in sorted(from_latent & from_rope, key=order.get) if is_out(_shape(n))), None)
+    if out is None:
+        raise _NoMatch(f"no op reading both its cached latents and rotary keys gives [B, {mla.heads}, T, {mla.value}]")
+    region = {n for n in from_latent | from_rope if order[n] <= order[out]}
+    selected = _selection(region)
+    external = list(dict.fromkeys(a for n in sorted(region, key=order.get) for a in n.all_input_nodes
+                                  if a not in region))
+    qshape = (batch, mla.heads, tokens, mla.nope + _shape(mla.rope)[3])
+    return _found(gm, mla.latent, mla.rope, out, region, external, qshape, order, selected)
+
+
+def _selection(region: set) -> fx.Node | None:
+    """Sparse attention (DeepSeek-V3.2's DSA): the indices of the layer's ``topk`` from which the attention's mask is
+    built (scattered, cast, combined with the causal mask). The nodes between them join ``region``; the indices are
+    then an input of the attention, its ``selected``."""
+    layer = next(iter(region)).meta.get("ppsplit.layer")
+    todo = [a for n in region for a in n.all_input_nodes if a not in region]
+    seen, found = set(), set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n in region or n.op != "call_function" or not n.meta.get("ppsplit.token") \
+                or n.meta.get("ppsplit.layer") != layer:
+            continue
+        seen.add(n)
+        if n.target is operator.getitem and n.args[1] == 1 and isinstance(n.args[0], fx.Node) \
+                and n.args[0].target is aten.topk.default:
+            found.add(n)
+            continue
+        todo.extend(n.all_input_nodes)
+    if len(found) != 1:
+        return None
+    selected = found.pop()
+    between = seen & _downstream(selected)
+    if any(u.meta.get("ppsplit.layer") != layer for n in between | {selected} for u in n.users):
+        raise _NoMatch("its sparse attention's positions are also read by another layer (an indexer shared between "
+                       "layers), which the paged cache does not serve yet")
+    region.update(between)
+    return selected
+
+
+def _verify_latent(gm: fx.GraphModule, f: _Found, mla: _Latent, info) -> tuple:
+    """``(scale, window, softcap)`` with which ``latent_attention_reference`` equals the traced subgraph on random
+    queries, latents, rotary keys and weights (so it holds for the model's own)."""
+    _, _, max_len, rdim = _shape(mla.latent)
+    dr = _shape(mla.rope)[3]
+    if mla.heads * max_len * (mla.nope + max(dr, mla.value)) > _BUDGET:  # the expanded keys or values
+        raise _NoMatch(f"cache too large to check by evaluation ({mla.heads} heads x {max_len} slots)")
+    gen = torch.Generator().manual_seed(0)
+    params = {p: _param_value(gm, p, gen) for p in f.params}
+    weight = params[mla.weight] / math.sqrt(rdim)  # keys and values of the size the model's have
+    params[mla.weight] = weight
+    cases = _cases(gm, f, info, mla.nope + dr, params, gen)
+    for scale in _scales(f, mla.nope + dr):
+        for softcap in _softcaps(f):
+            for window in _windows(gm, f):
+                if all(_close(latent_attention_reference(q, c, kr, weight, mla.nope, pos, scale, window, softcap, sel),
+                              got) for pos, q, c, kr, got, sel in cases):
+                    return scale, window, softcap
+    raise _NoMatch("its cache holds MLA latents, but no scale/window/soft-cap makes latent_attention equal it")
+
+
+def _match_indexer(gm: fx.GraphModule, keys: fx.Node, selected: fx.Node, order: dict, max_len: int) -> _Found:
+    """A sparse-attention indexer (``indexer_scores`` has the math): every node reading the cached indexer keys
+    ``[B, L, D]`` up to the scores ``[B, T, L]`` whose ``topk`` indices are ``selected``. Its two token-dependent
+    inputs are its queries ``[B, T, H, D]`` (``q``) and their per-head weights (``v``: ``H`` per token, any layout)."""
+    topk = selected.args[0]
+    scores = topk.args[0]
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    if len(topk.args) > 3 or set(topk.kwargs) - {"dim"} or dim not in (-1, 2) or _shape(scores) is None \
+            or len(_shape(scores)) != 3:
+        raise _NoMatch(f"its indexer's {topk.format_node()} is not a top-k of the largest [B, T, L] scores")
+    length = _shape(keys)[1]
+    if topk.args[1] >= length and length < max_len:
+        # The model took min(its top-k, the cache length): the stand-in is too short to show its top-k.
+        raise _NoMatch(f"its indexer keeps all {length} positions of the traced cache, so how many it keeps of a "
+                       f"longer one is unknown; trace with a cache of at most {length} positions")
+    region = {n for n in _downstream(keys) if order[n] <= order[scores]}
+    if scores not in region:
+        raise _NoMatch("its indexer's scores do not read the cached indexer keys")
+    _self_contained(region, scores, "the indexer")
+    external = list(dict.fromkeys(a for n in sorted(region, key=order.get) for a in n.all_input_nodes
+                                  if a not in region and a is not keys))
+    tokenish = [a for a in external if a.meta.get("ppsplit.token") and isinstance(a.meta.get("val"), torch.Tensor)]
+    queries = [a for a in tokenish if len(_shape(a)) == 4 and _shape(a)[3] == _shape(keys)[2]]
+    if len(tokenish) != 2 or len(queries) != 1:
+        raise _NoMatch(f"its indexer reads {len(tokenish)} token-dependent inputs, not queries [B, T, H, D] and their "
+                       "weights")
+    q = queries[0]
+    weights = next(a for a in tokenish if a is not q)
+    heads = _shape(q)[2]
+    if math.prod(_shape(weights)) != math.prod(_shape(q)[:3]):
+        raise _NoMatch(f"its indexer's weights {weights.format_node()} are not one per query head and token")
+    inputs = [a for a in external if a not in tokenish and a.op != "get_attr"]
+    params = [a for a in external if a.op == "get_attr"]
+    return _Found(k=keys, v=weights, q=q, out=scores, region=sorted(region, key=order.get), inputs=inputs,
+                  params=params, heads=heads)
+
+
+def _verify_indexer(gm: fx.GraphModule, f: _Found, info) -> float:
+    """The scale with which ``indexer_scores`` equals the traced scores on random queries, weights and keys: the
+    same ``-inf`` (not visible) and the same values elsewhere."""
+    _, max_len, dim = _shape(f.k)
+    gen = torch.Generator().manual_seed(0)
+    params = {p: _param_value(gm, p, gen) for p in f.params}
+    cases = []
+    for batch, tokens, start in _probes(info, max_len):
+        positions = torch.arange(start, start + tokens)
+        q = torch.randn(batch, tokens, f.heads, dim, generator=gen)
+        weights = torch.randn(batch, tokens, *_shape(f.v)[2:], generator=gen)
+        keys = torch.randn(batch, max_len, dim, generator=gen)
+        got = _run(gm, f, info, batch, positions, {f.q: q, f.v: weights, f.k: keys, **params})
+        cases.append((positions, q, weights, keys, got))
+    for scale in _scales(f, dim):
+        if all(_same_scores(indexer_scores(q, w, k[:, None], torch.arange(max_len) <= pos[:, None], scale), got)
+               for pos, q, w, k, got in cases):
+            return scale
+    raise _NoMatch("no scale makes indexer_scores equal its indexer's scores")
+
+
+def _same_scores(a: torch.Tensor, b) -> bool:
+    if not isinstance(b, torch.Tensor) or a.shape != b.shape or not torch.equal(a.isinf(), b.isinf()):
+        return False
+    finite = ~a.isinf()
+    return torch.allclose(a[finite], b[finite].to(a.dtype), **_TOL)
+
+
+def _replace_indexer(gm: fx.GraphModule, f: _Found, topk: fx.Node, scale: float) -> None:
+    """The indexer ``f`` and the ``topk`` of its scores -> ``indexer_topk``."""
+    graph = gm.graph
+    positions = graph.find_nodes(op="placeholder", target="positions")[0]
+    with graph.inserting_before(topk):
+        node = graph.call_function(torch.ops.ppsplit.indexer_topk.default,
+                                   (f.q, f.v, f.k, positions, float(scale), int(topk.args[1])))
+    for key in ("nn_module_stack", "stack_trace", "ppsplit.layer", "ppsplit.region", "ppsplit.stage", "ppsplit.token"):
+        if key in topk.meta:
+            node.meta[key] = topk.meta[key]
+    picks = [u for u in topk.users if u.args[1] == 1]
+    node.meta["val"] = picks[0].meta["val"] if picks else None
+    for u in picks:
+        u.replace_all_uses_with(node)
+    for n in reversed([*f.region, topk, *topk.users]):
+        if not n.users:
+            graph.erase_node(n)
 
 
 # ---- rewrite --------------------------------------------------------------------------------------------------
@@ -423,15 +726,20 @@ def _replace(gm: fx.GraphModule, f: _Found, params: tuple) -> None:
         node = graph.call_function(torch.ops.ppsplit.cache_attention.default,
                                    (f.q, f.k, f.v, positions, float(scale), int(window), float(softcap),
                                     alibi_node, sink))
+    _swap(gm, f, node, _describe(params))
+
+
+def _swap(gm: fx.GraphModule, f: _Found, node: fx.Node, detail: str) -> None:
+    """``node`` in place of the attention ``f``: its uses, its meta; the attention's nodes erased."""
     for key in ("nn_module_stack", "stack_trace", "ppsplit.layer", "ppsplit.region", "ppsplit.stage",
                 "ppsplit.token", "val"):
         if key in f.out.meta:
             node.meta[key] = f.out.meta[key]
-    node.meta["ppsplit.attention"] = _describe(params)
+    node.meta["ppsplit.attention"] = detail
     f.out.replace_all_uses_with(node)
     for n in reversed(f.region):
         if not n.users:
-            graph.erase_node(n)
+            gm.graph.erase_node(n)
 
 
 def _alibi_buffer(gm: fx.GraphModule, slopes: torch.Tensor) -> str:

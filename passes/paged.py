@@ -6,7 +6,8 @@ and adds the step's metadata inputs (``ppsplit.core.ragged.STEP_INPUTS``) after 
 
 - a write of keys or values at ``positions`` becomes ``paged_write`` into the layer's pool
   ``[num_blocks, block_size, kv_heads, head_dim]`` at the step's slot mapping, and the ``cache_attention`` that read
-  them a ``paged_attention`` over the pools (same scale, window, soft-cap, ALiBi, sinks);
+  them a ``paged_attention`` over the pools (same scale, window, soft-cap, ALiBi, sinks); MLA's ``latent_attention``
+  (its keys hold latents, its values rotary keys, one head each) a ``paged_latent_attention``;
 - a short convolution's inputs go to a pool ``[num_blocks, block_size, channels]`` the same way, and the
   depthwise ``conv1d`` over the window the model built becomes ``paged_conv1d``, same output layout;
 - a recurrent scan's ring becomes one ring per sequence slot ``[slots, R, *state]`` (``ragged_*_scan``).
@@ -26,11 +27,12 @@ from torch import fx
 import ppsplit.triton_kernels.paged  # noqa: F401  (registers the paged ops)
 import ppsplit.triton_kernels.recurrent  # noqa: F401
 from ppsplit.core.errors import ConfigError
-from ppsplit.core.fx_utils import CACHE_PREFIX, CONV_INPUTS, fresh_copy, get_tensor, set_tensor
+from ppsplit.core.fx_utils import CACHE_PREFIX, CONV_INPUTS, INDEXER_KEYS, fresh_copy, get_tensor, set_tensor
 from ppsplit.core.options import CacheConfig
 from ppsplit.core.plan import SplitPlan
 from ppsplit.core.ragged import STEP_INPUTS
 from ppsplit.passes.annotate import mutated_bases
+from ppsplit.passes.attention import Attended
 from ppsplit.passes.partition import Partitioned, carry_forward
 
 aten = torch.ops.aten
@@ -44,6 +46,7 @@ _SCANS = {ops.ssm_scan.default: ops.ragged_ssm_scan.default,
           ops.wkv_scan.default: ops.ragged_wkv_scan.default,
           ops.mlstm_scan.default: ops.ragged_mlstm_scan.default}
 _CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
+_ATTENTIONS = {ops.cache_attention.default, ops.latent_attention.default}  # the readers of cached keys it pages
 
 
 class Unpageable(ConfigError):
@@ -56,11 +59,11 @@ class Paged(Partitioned):
     ``input_ids, positions, aux`` and the step metadata."""
 
 
-def paged(result: Partitioned, plan: SplitPlan, cache: CacheConfig, stand_in: CacheConfig) -> Paged:
+def paged(result: Attended, plan: SplitPlan, cache: CacheConfig, stand_in: CacheConfig) -> Paged:
     """Rewrite the stand-in cache's writes and readers into paged ops (see the module docstring)."""
     gm = fresh_copy(result.gm)
     graph = gm.graph
-    rewrite = _Rewrite(gm, cache, stand_in)
+    rewrite = _Rewrite(gm, cache, stand_in, {site.layer: site for site in result.sites})
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is aten.index_copy_.default and _cache_name(node.args[0]):
             rewrite.write(node)
@@ -91,8 +94,9 @@ def _base(node: fx.Node) -> fx.Node:
 
 
 class _Rewrite:
-    def __init__(self, gm: fx.GraphModule, cache: CacheConfig, stand_in: CacheConfig):
+    def __init__(self, gm: fx.GraphModule, cache: CacheConfig, stand_in: CacheConfig, sites: dict):
         self.gm, self.graph, self.cache, self.stand_in = gm, gm.graph, cache, stand_in
+        self.sites = sites  # layer -> its AttentionSite: why an attention stayed as traced
         positions = self.graph.find_nodes(op="placeholder", target="positions")[0]
         aux = self.graph.find_nodes(op="placeholder", target="aux")[0]
         self.positions = positions
@@ -127,6 +131,8 @@ class _Rewrite:
                 shape = (c.pool_blocks, c.block_size, t.shape[1], *t.shape[3:])
             elif kind.startswith(CONV_INPUTS):  # [1, C, L] -> [blocks, block_size, C]
                 shape = (c.pool_blocks, c.block_size, t.shape[1])
+            elif kind == INDEXER_KEYS:  # [1, L, D] -> [blocks, block_size, D]
+                shape = (c.pool_blocks, c.block_size, t.shape[2])
             elif kind == "states":  # [1, R, *state] -> [slots, R, *state]
                 shape = (c.batch_size, *t.shape[1:])
             else:
@@ -140,30 +146,41 @@ class _Rewrite:
 
     # -- rewrites ------------------------------------------------------------------------------------------
     def write(self, node: fx.Node) -> None:
-        """``cache[:1].index_copy_(2, positions, value)`` -> ``paged_write(pool, tokens of value, slots)``."""
+        """``cache[:1].index_copy_(2, positions, value)`` -> ``paged_write(pool, tokens of value, slots)`` (indexer
+        keys ``[1, L, D]``: along dim 1)."""
         view, dim, index, value = node.args
         layer, kind = _cache_name(view)
-        if dim != 2 or index is not self.positions:
+        token_dim = 1 if kind == INDEXER_KEYS else 2
+        if dim != token_dim or index is not self.positions:
             raise Unpageable(f"layer {layer} writes its {kind} along dim {dim} at {index}, not at the step's "
                              "positions along the token dim")
         buffer = _base(view)
         pool = self.pool(buffer, kind)
         g = self.graph
         with g.inserting_before(node):
-            tokens = g.call_function(aten.transpose.int, (g.call_function(aten.select.int, (value, 0, 0)), 0, 1))
+            tokens = row = g.call_function(aten.select.int, (value, 0, 0))
+            if token_dim == 2:
+                tokens = g.call_function(aten.transpose.int, (row, 0, 1))
             write = g.call_function(ops.paged_write.default, (pool, tokens, self.slots))
-        for n in (tokens, tokens.args[0], write):
+        for n in {tokens, row, write}:
             n.meta.update({k: v for k, v in node.meta.items() if k.startswith("ppsplit.") or k == "nn_module_stack"})
         readers = list(node.users)
         if kind in ("keys", "values"):
+            site = self.sites.get(layer)
+            if site is not None and not site.replaced:
+                raise Unpageable(f"layer {layer}'s attention stays as traced ({site.detail}); the paged cache serves "
+                                 "only the attention ppsplit rewrites")
             for user in readers:
-                if user.target is not ops.cache_attention.default:
+                if user.target not in _ATTENTIONS:
                     raise Unpageable(f"layer {layer}'s cached {kind} are read by {user.format_node()}, not by the "
-                                     "cache_attention the paged cache replaces")
+                                     "cache_attention (or MLA's latent_attention) the paged cache replaces")
         elif kind.startswith(CONV_INPUTS):
             for user in readers:
                 self.conv(layer, user, value, pool)
-        for user in [u for u in readers if u.target is ops.cache_attention.default]:
+        elif kind == INDEXER_KEYS:
+            for user in readers:
+                self.indexer(layer, user, pool)
+        for user in [u for u in readers if u.target in _ATTENTIONS]:
             self.attention(user)
         node.replace_all_uses_with(pool)
         self.graph.erase_node(node)
@@ -173,18 +190,41 @@ class _Rewrite:
     def attention(self, node: fx.Node) -> None:
         if node in self.done:
             return
-        q, k, v, positions, scale, window, softcap, alibi, sinks = node.args
-        keys, values = (self.pool(_base(x.args[0]) if x.op == "call_function" else x, kind)
-                        for x, kind in ((k, "keys"), (v, "values")))
         m = self.meta
+        step = (m["seq"], m["block_table"], m["seq_start"], m["seq_count"])
+        if node.target is ops.latent_attention.default:  # MLA: pools of latents and rotary keys
+            q, latents, ropes, weight, nope, positions, scale, window, softcap, selected = node.args
+            args = (q, self.cached(latents), self.cached(ropes), weight, nope, positions, *step, scale, window,
+                    softcap, selected)
+            target = ops.paged_latent_attention.default
+        else:
+            q, k, v, positions, scale, window, softcap, alibi, sinks = node.args
+            args = (q, self.cached(k), self.cached(v), positions, *step, scale, window, softcap, alibi, sinks)
+            target = ops.paged_attention.default
         with self.graph.inserting_before(node):
-            new = self.graph.call_function(ops.paged_attention.default, (
-                q, keys, values, positions, m["seq"], m["block_table"], m["seq_start"], m["seq_count"], scale,
-                window, softcap, alibi, sinks))
+            new = self.graph.call_function(target, args)
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         self.graph.erase_node(node)
         self.done.add(new)
+
+    def indexer(self, layer: int, node: fx.Node, pool: fx.Node) -> None:
+        """``indexer_topk`` over the stand-in's indexer keys -> ``paged_indexer_topk`` over their pool."""
+        if node.target is not ops.indexer_topk.default:
+            raise Unpageable(f"layer {layer}'s indexer keys are read by {node.format_node()}, not by the indexer_topk "
+                             "the paged cache replaces")
+        q, weights, _, positions, scale, topk = node.args
+        with self.graph.inserting_before(node):
+            new = self.graph.call_function(ops.paged_indexer_topk.default, (
+                q, weights, pool, positions, self.meta["seq"], self.meta["block_table"], scale, topk))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
+
+    def cached(self, read: fx.Node) -> fx.Node:
+        """The pool of the cache buffer that ``read`` (its write, or the buffer itself) reads."""
+        buffer = _base(read.args[0]) if read.op == "call_function" else read
+        return self.pool(buffer, _cache_name(buffer)[1])
 
     def conv(self, layer: int, reader: fx.Node, value: fx.Node, pool: fx.Node) -> None:
         """The window the model builds from the inputs (``index_select``, a mask, casts) and the depthwise conv1d
@@ -252,7 +292,7 @@ class _Rewrite:
                     and node.args[0] is self.positions:
                 raise Unpageable(f"the model reads {node.format_node()}: one position standing for every token of a "
                                  "step, which a ragged step does not have")
-            if node.op == "call_function" and node.target is ops.cache_attention.default:
+            if node.op == "call_function" and node.target in _ATTENTIONS | {ops.indexer_topk.default}:
                 raise Unpageable(f"{node.format_node()} reads a cache the paged pass did not rewrite")
 
 

@@ -23,8 +23,8 @@ from torch.export import Dim
 import ppsplit.core.errors
 from ppsplit.core.options import CacheConfig
 from ppsplit.core.errors import ConfigError, TraceError
-from ppsplit.core.fx_utils import (CACHE_PREFIX, conv_buffer, copy_buffer_persistence, set_tensor, tied_names,
-                                   tied_parameters)
+from ppsplit.core.fx_utils import (CACHE_PREFIX, INDEXER_KEYS, conv_buffer, copy_buffer_persistence, set_tensor,
+                                   tied_names, tied_parameters)
 from ppsplit.passes.tracing.kv_cache import PositionedCache, RecurrentScans, is_cache_part, takes_foreign_cache
 from ppsplit.core.tensors import module_device
 
@@ -127,8 +127,8 @@ class _Traceable(torch.nn.Module):
                                                                 device=device), persistent=False)
                 if cache_layer.indexer_shape is not None:  # a sparse-attention indexer's keys: [batch, max_len, dim]
                     shape, dtype = cache_layer.indexer_shape
-                    layer.register_buffer("indexer_keys", torch.zeros(cache.batch_size, cache.max_len, *shape,
-                                                                      dtype=dtype, device=device), persistent=False)
+                    layer.register_buffer(INDEXER_KEYS, torch.zeros(cache.batch_size, cache.max_len, *shape,
+                                                                  dtype=dtype, device=device), persistent=False)
                 self.kv_cache.add_module(str(i), layer)
 
     def _record_kv_shapes(self, device) -> dict:
@@ -471,11 +471,13 @@ def _mask_rows_at_positions(gm: fx.GraphModule, keys: int, tokens) -> None:
 
 
 def stand_in_cache(model: torch.nn.Module, cache: CacheConfig) -> CacheConfig:
-    """The dense one-row cache a model is traced with: long enough that a sliding window (or attention chunk) of
-    the config shows in the attention the pass checks, short enough to check quickly."""
+    """The dense one-row cache a model is traced with: long enough that a sliding window (or attention chunk, or the
+    positions a sparse-attention indexer keeps) of the config shows in the attention the pass checks, short enough to
+    check quickly."""
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    reach = [getattr(config, name, None) for name in ("sliding_window", "attention_chunk_size", "chunk_size")]
+    reach = [getattr(config, name, None) for name in ("sliding_window", "attention_chunk_size", "chunk_size",
+                                                      "index_topk")]
     reach = max((r for r in reach if isinstance(r, int) and not isinstance(r, bool)), default=0)
     length = min(cache.max_len, max(64, 2 * reach + 64))
     return CacheConfig(batch_size=1, max_len=length, state_slots=cache.state_slots, block_size=cache.block_size)

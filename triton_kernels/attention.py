@@ -40,8 +40,10 @@ from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, tri
 
 
 def attention_reference(q, k, v, positions, scale: float, window: int = 0, softcap: float = 0.0,
-                        alibi: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None):
-    """The exact math above in torch, over the whole cache with a mask (fp32 math, or fp64 for fp64 inputs)."""
+                        alibi: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+                        selected: Optional[torch.Tensor] = None):
+    """The exact math above in torch, over the whole cache with a mask (fp32 math, or fp64 for fp64 inputs).
+    ``selected [B, T, K]``: each query also sees only the slots it lists (sparse attention; ``-1`` lists none)."""
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -57,6 +59,8 @@ def attention_reference(q, k, v, positions, scale: float, window: int = 0, softc
     visible = slots <= qpos
     if window > 0:
         visible = visible & (qpos - slots < window)
+    if selected is not None:
+        visible = visible & (selected[..., None] == slots).any(-2)[:, None]
     s = s.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         sink = sinks.to(f).view(1, Hq, 1, 1).expand(B, Hq, T, 1)
@@ -368,3 +372,82 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty(B, T, Hq, v_cache.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
     out.copy_(attention_reference(q, k_cache, v_cache, positions, scale, window, softcap, alibi, sinks))
     return out
+
+
+def latent_attention_reference(q, latents, ropes, weight, nope_dim: int, positions, scale: float, window: int = 0,
+                               softcap: float = 0.0, selected: Optional[torch.Tensor] = None):
+    """Multi-head latent attention (MLA: DeepSeek-V2/V3 and the models built like them) in the absorbed form.
+
+    ``q [B, H, T, dn + dr]`` (each head's non-rotary part, then its rotary part), ``latents [B, 1, L, r]`` and
+    ``ropes [B, 1, L, dr]`` (the cached latent and rotary key of every position, one for all heads), ``weight
+    [H * (dn + dv), r]`` (``kv_b_proj``: per head ``W_uk [dn, r]`` then ``W_uv [dv, r]``). Hugging Face expands every
+    cached position to per-head keys ``[W_uk c; k_r]`` and values ``W_uv c``; the same attention, per head::
+
+        q_lat = W_uk^T q_nope                       (r wide)
+        s_j   = scale * (q_lat . c_j + q_rope . k_r_j), masked as in ``attention_reference``
+        out   = W_uv (sum_j p_j c_j)                -> [B, H, T, dv]
+
+    i.e. ``attention_reference`` of the query ``[q_lat; q_rope]`` over one KV head whose key is ``[c; k_r]`` and value
+    ``c``, then ``W_uv``: no expanded key or value exists (vLLM's and FlashMLA's MLA). fp32 math (fp64 for fp64).
+    ``selected [B, T, K]``: DeepSeek-V3.2's sparse attention, each token over the positions its indexer picked."""
+    heads = q.shape[1]
+    f = torch.float64 if q.dtype == torch.float64 else torch.float32
+    w = weight.to(f).view(heads, -1, weight.shape[-1])
+    q_lat = torch.matmul(q[..., :nope_dim].to(f), w[:, :nope_dim])
+    query = torch.cat([q_lat, q[..., nope_dim:].to(f)], dim=-1)
+    keys = torch.cat([latents.to(f), ropes.to(f)], dim=-1)
+    o_lat = attention_reference(query, keys, latents.to(f), positions, scale, window, softcap, selected=selected)
+    return torch.matmul(o_lat, w[:, nope_dim:].transpose(-1, -2)).to(q.dtype)
+
+
+@register("ppsplit::latent_attention", opaque=True)
+def latent_attention(q: torch.Tensor, latents: torch.Tensor, ropes: torch.Tensor, weight: torch.Tensor,
+                     nope_dim: int, positions: torch.Tensor, scale: float, window: int, softcap: float,
+                     selected: Optional[torch.Tensor]) -> torch.Tensor:
+    """``latent_attention_reference`` over a dense cache, ``[B, H, T, dv]`` laid out as ``[B, T, H, dv]``: what the
+    attention pass proves an MLA layer equal to in a paged trace; the paged pass then makes it
+    ``paged_latent_attention`` (so it never reaches a stage, and runs in torch only)."""
+    out = torch.empty(q.shape[0], q.shape[2], q.shape[1], weight.shape[0] // q.shape[1] - nope_dim, dtype=q.dtype,
+                      device=q.device).transpose(1, 2)
+    out.copy_(latent_attention_reference(q, latents, ropes, weight, nope_dim, positions, scale, window, softcap,
+                                         selected))
+    return out
+
+
+@latent_attention.register_fake
+def _(q, latents, ropes, weight, nope_dim, positions, scale, window, softcap, selected):
+    dv = weight.shape[0] // q.shape[1] - nope_dim
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], dv).transpose(1, 2)
+
+
+def indexer_scores(q, weights, keys, visible, scale: float) -> torch.Tensor:
+    """A sparse-attention indexer's scores (DeepSeek-V3.2's DSA; ``DeepseekV32Indexer`` in transformers):
+    ``s[j] = sum_h weights[h] * relu(scale * q[h] . keys[j])`` where ``visible[j]``, ``-inf`` elsewhere. ``q [..., H,
+    D]``, ``weights`` (``H`` per token, any shape), ``keys [..., L, D]``, ``visible [..., L]`` -> ``[..., L]`` in fp32
+    (fp64 for fp64)."""
+    f = torch.float64 if q.dtype == torch.float64 else torch.float32
+    per_head = torch.relu(torch.einsum("...hd,...ld->...hl", q.to(f), keys.to(f)) * scale)
+    s = torch.einsum("...h,...hl->...l", weights.to(f).reshape(q.shape[:-1]), per_head)
+    return s.masked_fill(~visible, float("-inf"))
+
+
+def top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """The ``topk`` best-scored positions along the last dim, ``-1`` where fewer than ``topk`` are visible."""
+    values, where = scores.topk(min(topk, scores.shape[-1]), dim=-1)
+    return where.masked_fill(values == float("-inf"), -1)
+
+
+@register("ppsplit::indexer_topk", opaque=True)
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, scale: float,
+                 topk: int) -> torch.Tensor:
+    """The positions a sparse-attention indexer picks for each token over a dense cache: ``q [B, T, H, D]``, ``keys
+    [B, L, D]``, the ``topk`` positions ``<= positions[t]`` of best ``indexer_scores`` -> ``[B, T, topk]`` int64 (``-1``
+    past the visible ones). What the attention pass proves a DSA indexer equal to in a paged trace; the paged pass
+    makes it ``paged_indexer_topk``."""
+    visible = torch.arange(keys.shape[1], device=q.device) <= positions.view(-1, 1)  # [T, L]
+    return top_positions(indexer_scores(q, weights, keys[:, None], visible, scale), topk)
+
+
+@indexer_topk.register_fake
+def _(q, weights, keys, positions, scale, topk):
+    return q.new_empty(q.shape[0], q.shape[1], min(topk, keys.shape[1]), dtype=torch.long)

@@ -15,6 +15,12 @@ Ops (each with a torch path for CPU tensors, which the tests compare, and a Trit
 - ``paged_attention(q [1, Hq, N, D], keys, values, positions, seq, block_table, seq_start, seq_count, scale,
   window, softcap, alibi, sinks)``: token ``t`` attends to the keys of its own sequence at positions
   ``<= positions[t]`` (and ``> positions[t] - window`` with a window), the math of ``attention_reference``;
+- ``paged_latent_attention(q [1, H, N, dn + dr], latents, ropes, weight, nope_dim, positions, seq, ...)``: MLA over
+  pools of latents ``[num_blocks, block_size, 1, r]`` and rotary keys ``[..., 1, dr]``, the math of
+  ``latent_attention_reference`` per sequence (the kernel is ``paged_attention``'s with a second key part); with
+  ``selected [1, N, K]`` (DeepSeek-V3.2's sparse attention) each token over the positions listed, gathered (torch);
+- ``paged_indexer_topk(q [1, N, H, D], weights, keys [num_blocks, block_size, D], positions, seq, ...)``: the
+  positions a sparse-attention indexer picks per token over its own sequence's keys (torch, no host read);
 - ``paged_conv1d(x [1, C, N], weight [C, 1, k], bias, pool, positions, seq, block_table)``: the depthwise causal
   convolution of each token over the last ``k`` inputs of its sequence (already written into ``pool``), laid out
   as ``aten.convolution`` with padding ``k - 1`` lays out a single sequence's window (see the paged pass).
@@ -25,7 +31,8 @@ from typing import Optional
 
 import torch
 
-from ppsplit.triton_kernels.attention import attention_reference
+from ppsplit.triton_kernels.attention import (attention_reference, indexer_scores, latent_attention_reference,
+                                              top_positions)
 from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton
 
 
@@ -119,6 +126,97 @@ def _(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale,
     return q.new_empty(q.shape[0], q.shape[2], q.shape[1], values.shape[-1]).transpose(1, 2)
 
 
+def paged_latent_attention_reference(q, latents, ropes, weight, nope_dim: int, positions, seq, block_table,
+                                     seq_start, seq_count, scale: float, window: int = 0, softcap: float = 0.0,
+                                     selected=None) -> torch.Tensor:
+    """Per sequence, ``latent_attention_reference`` over the latents and rotary keys it has so far; padding tokens
+    get zeros. ``q [1, H, N, dn + dr]`` -> ``[1, H, N, dv]``."""
+    if selected is not None:
+        return _sparse_latent_attention(q, latents, ropes, weight, nope_dim, positions, seq, block_table, scale,
+                                        window, softcap, selected)
+    dv = weight.shape[0] // q.shape[1] - nope_dim
+    out = torch.zeros(q.shape[:-1] + (dv,), dtype=q.dtype, device=q.device)
+    for slot, start, count in _segments(seq_start, seq_count):
+        pos = positions[start:start + count]
+        length = int(pos.max()) + 1
+        c, kr = (_gather(pool, block_table, slot, length).permute(1, 0, 2)[None].to(q.dtype)
+                 for pool in (latents, ropes))  # [1, 1, L, r] and [1, 1, L, dr]
+        out[:, :, start:start + count] = latent_attention_reference(
+            q[:, :, start:start + count], c, kr, weight.to(q.dtype), nope_dim, pos, scale, window, softcap)
+    return out
+
+
+def _sparse_latent_attention(q, latents, ropes, weight, nope_dim: int, positions, seq, block_table, scale: float,
+                             window: int, softcap: float, selected) -> torch.Tensor:
+    """``latent_attention_reference`` of each token over the ``K`` positions of its own sequence that ``selected [1,
+    N, K]`` lists, each once, as a top-k gives them (``-1``: none; positions past the token's own, or out of its
+    window, are not seen): the listed
+    latents and rotary keys gathered through the block table, each token a batch of one query over ``K`` slots. No
+    host read, so it runs on any device and captures."""
+    sel = selected[0]
+    bs, k = latents.shape[1], sel.shape[-1]
+    live = (sel >= 0) & (sel <= positions[:, None]) & (seq[:, None] >= 0)
+    if window > 0:
+        live = live & (positions[:, None] - sel < window)
+    where = sel.clamp(min=0)
+    blocks = block_table[seq.clamp(min=0)[:, None], where // bs].clamp(min=0)
+    # [N, 1, K, *]; what is not seen is zeroed, so that a stale entry (even a NaN) weighs nothing
+    c, kr = (pool[blocks, where % bs].masked_fill(~live[:, :, None, None], 0).transpose(1, 2).to(q.dtype)
+             for pool in (latents, ropes))
+    slots = torch.arange(k, device=q.device)
+    out = latent_attention_reference(q[0].transpose(0, 1)[:, :, None], c, kr, weight.to(q.dtype), nope_dim,
+                                     slots[-1:], scale, 0, softcap, torch.where(live, slots, -1)[:, None])
+    return out[:, :, 0].transpose(0, 1)[None].nan_to_num(0.0)  # a token with nothing to see (padding): zeros
+
+
+def paged_indexer_topk_reference(q, weights, keys, positions, seq, block_table, scale: float,
+                                 topk: int) -> torch.Tensor:
+    """``indexer_topk`` of each token over its own sequence's keys in the pool ``[num_blocks, block_size, D]``
+    (every position a block table can hold, gathered: no host read) -> ``[1, N, topk]``; padding tokens get ``-1``."""
+    bs = keys.shape[1]
+    where = torch.arange(block_table.shape[1] * bs, device=q.device)
+    blocks = block_table[seq.clamp(min=0)][:, where // bs].clamp(min=0)  # [N, L]
+    visible = (where <= positions[:, None]) & (seq[:, None] >= 0)
+    return top_positions(indexer_scores(q[0], weights, keys[blocks, where % bs], visible, scale), topk)[None]
+
+
+@register("ppsplit::paged_indexer_topk", opaque=True)
+def paged_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                       seq: torch.Tensor, block_table: torch.Tensor, scale: float, topk: int) -> torch.Tensor:
+    """See ``paged_indexer_topk_reference`` (the same torch on every device)."""
+    return paged_indexer_topk_reference(q, weights, keys, positions, seq, block_table, scale, topk)
+
+
+@paged_indexer_topk.register_fake
+def _(q, weights, keys, positions, seq, block_table, scale, topk):
+    return q.new_empty(1, q.shape[1], min(topk, block_table.shape[1] * keys.shape[1]), dtype=torch.long)
+
+
+@register("ppsplit::paged_latent_attention", opaque=True)
+def paged_latent_attention(q: torch.Tensor, latents: torch.Tensor, ropes: torch.Tensor, weight: torch.Tensor,
+                           nope_dim: int, positions: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
+                           seq_start: torch.Tensor, seq_count: torch.Tensor, scale: float, window: int,
+                           softcap: float, selected: Optional[torch.Tensor]) -> torch.Tensor:
+    """Ragged MLA over paged latents (see the module docstring). ``[1, H, N, dv]``, stored as ``[1, N, H, dv]``."""
+    dv = weight.shape[0] // q.shape[1] - nope_dim
+    out = torch.empty(q.shape[0], q.shape[2], q.shape[1], dv, dtype=q.dtype, device=q.device).transpose(1, 2)
+    if on_gpu(q) and selected is None:
+        with torch.cuda.device(q.device):
+            out.copy_(launch_paged_latent_attention(q, latents, ropes, weight, nope_dim, positions, seq, block_table,
+                                                    seq_start, seq_count, scale, window, softcap))
+        return out
+    out.copy_(paged_latent_attention_reference(q, latents, ropes, weight, nope_dim, positions, seq, block_table,
+                                               seq_start, seq_count, scale, window, softcap, selected))
+    return out
+
+
+@paged_latent_attention.register_fake
+def _(q, latents, ropes, weight, nope_dim, positions, seq, block_table, seq_start, seq_count, scale, window, softcap,
+      selected):
+    dv = weight.shape[0] // q.shape[1] - nope_dim
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], dv).transpose(1, 2)
+
+
 def paged_conv1d_reference(x, weight, bias, pool, positions, seq, block_table) -> torch.Tensor:
     """``[1, C, N + 2(k - 1)]`` in the weight's dtype (what ``conv1d`` with padding ``k - 1`` returns for a window
     of ``k - 1 + N`` inputs): column ``k - 1 + t`` holds token ``t``'s depthwise convolution over the inputs of its
@@ -186,14 +284,15 @@ if HAVE_TRITON:
         return lo
 
     @triton.jit
-    def _paged_attention_kernel(Q, K, V, POS, TABLE, STARTS, COUNTS, CU, SLOPES, SINKS, O, PART, STATS,
-                                sqh, sqt, skb, sks, skh, svb, svs, svh, soh, sot, stable, sps, spt, sph, sss, sst,
-                                scale, window, softcap, chunk,
+    def _paged_attention_kernel(Q, K, V, Q2, K2, POS, TABLE, STARTS, COUNTS, CU, SLOPES, SINKS, O, PART, STATS,
+                                sqh, sqt, skb, sks, skh, svb, svs, svh, sq2h, sq2t, sk2b, sk2s, sk2h, soh, sot,
+                                stable, sps, spt, sph, sss, sst, scale, window, softcap, chunk,
                                 S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                                BS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
+                                D2: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                                SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                                HAS_SINKS: tl.constexpr, IEEE: tl.constexpr):
+                                BLOCK_D2: tl.constexpr, SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                                HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ROPE: tl.constexpr,
+                                IEEE: tl.constexpr):
         """One program per (query tile, KV head, key chunk). A query tile is up to ``BLOCK_Q`` consecutive tokens of
         one sequence times the ``G`` query heads of the KV head (``BLOCK_Q * BLOCK_G`` rows), so each key block it
         reads serves every token of the tile (a prefill chunk reads its keys once per tile, not once per token).
@@ -201,7 +300,8 @@ if HAVE_TRITON:
         (``SPLIT``: the partial softmax of each chunk goes to ``PART`` / ``STATS`` and ``_paged_combine_kernel``
         adds them up; else the one chunk holds every key and the program writes the output). Online softmax in
         log2 units over ``BLOCK_N``-position tiles gathered through the block table; the products in the model's
-        dtype with fp32 accumulation (``IEEE``: fp32 models, fp32 products, no TF32)."""
+        dtype with fp32 accumulation (``IEEE``: fp32 models, fp32 products, no TF32). ``HAS_ROPE``: the key has a
+        second part in its own pool (MLA's rotary key ``K2``, ``D2`` wide) that the query's ``Q2`` part meets."""
         program = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
@@ -227,6 +327,10 @@ if HAVE_TRITON:
             d = tl.arange(0, BLOCK_D)
             q = tl.load(Q + h[:, None] * sqh + t.to(tl.int64)[:, None] * sqt + d[None, :],
                         mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+            if HAS_ROPE:
+                d2 = tl.arange(0, BLOCK_D2)
+                q2 = tl.load(Q2 + h[:, None] * sq2h + t.to(tl.int64)[:, None] * sq2t + d2[None, :],
+                             mask=row_ok[:, None] & (d2[None, :] < D2), other=0.0)
             qk_scale = scale * 1.4426950408889634
             slope = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
             if HAS_ALIBI:
@@ -247,6 +351,13 @@ if HAVE_TRITON:
                     scores = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
                     scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+                if HAS_ROPE:
+                    k2 = tl.load(K2 + block[:, None] * sk2b + off[:, None] * sk2s + kvh * sk2h + d2[None, :],
+                                 mask=in_range[:, None] & (d2[None, :] < D2), other=0.0)
+                    if IEEE:
+                        scores += tl.dot(q2, tl.trans(k2), input_precision="ieee")
+                    else:
+                        scores += tl.dot(q2, tl.trans(k2.to(q2.dtype)))
                 scores = (scores * qk_scale).to(tl.float32)  # fp32 whatever type the scale arrives in (Inductor: fp64)
                 if HAS_SOFTCAP:
                     x = scores / (softcap * 1.4426950408889634)
@@ -371,15 +482,23 @@ def _query_tiles(n: int, slots: int, block_q: int) -> int:
 
 
 def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale: float,
-                           window: int = 0, softcap: float = 0.0, alibi=None, sinks=None, *, config: dict | None = None):
+                           window: int = 0, softcap: float = 0.0, alibi=None, sinks=None, *, config: dict | None = None,
+                           rope: tuple | None = None):
     """The Triton path of ``paged_attention`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``); ``config``
-    overrides ``attention_plan`` (the tests force chunking on small shapes)."""
+    overrides ``attention_plan`` (the tests force chunking on small shapes). ``rope = (q2 [1, Hq, N, D2], pool2
+    [num_blocks, block_size, 1, D2])``: a second key part, scored as ``q2 . k2`` beside ``q . k`` (MLA)."""
     _, hq, n, d = q.shape
     hkv, dv, bs = keys.shape[2], values.shape[-1], keys.shape[1]
+    q2, k2 = rope if rope is not None else (q, keys)  # never read without a rope part
+    strides = [keys.stride(2), values.stride(2), k2.stride(2)]
+    if rope is not None:
+        # MLA's one KV head serves every query head: programs take a group of heads each (as many registers as a
+        # GQA group needs) and all read KV head 0 (head stride 0).
+        hkv, strides = hq // _heads_per_program(hq), [0, 0, 0]
     slots = seq_count.shape[0]
     plan = attention_plan(n, hq, hkv, slots, block_table.shape[1] * bs, bs, q.device)
     plan.update(config or {})
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    q, q2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, q2))
     out = torch.zeros(1, n, hq, dv, dtype=q.dtype, device=q.device).transpose(1, 2)  # padding tokens: zeros
     per_slot = (seq_count + plan["block_q"] - 1) // plan["block_q"]  # query tiles of each slot, on the device
     cu = torch.cat([per_slot.new_zeros(1), per_slot.cumsum(0)])
@@ -391,21 +510,40 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
     dummy = positions
     alibi_ = alibi if alibi is not None else dummy
     sinks_ = sinks if sinks is not None else dummy
+    d2 = q2.shape[-1] if rope is not None else 1
     _paged_attention_kernel[(_query_tiles(n, slots, plan["block_q"]), hkv, plan["splits"])](
-        q, keys, values, positions, block_table, seq_start, seq_count, cu, alibi_, sinks_, out, part, stats,
-        q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
-        values.stride(2), out.stride(1), out.stride(2), block_table.stride(0),
-        *(part.stride()[:3] if split else (0, 0, 0)), *(stats.stride()[:2] if split else (0, 0)),
-        scale, window, softcap, plan["chunk"], S=slots, G=hq // hkv, D=d, DV=dv, BS=bs, BLOCK_Q=plan["block_q"],
-        BLOCK_G=plan["block_g"], BLOCK_N=plan["block_n"], BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), SPLIT=split,
-        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None,
-        IEEE=q.dtype == torch.float32, num_warps=4)
+        q, keys, values, q2, k2, positions, block_table, seq_start, seq_count, cu, alibi_, sinks_, out, part, stats,
+        q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), strides[0], values.stride(0), values.stride(1),
+        strides[1], q2.stride(1), q2.stride(2), k2.stride(0), k2.stride(1), strides[2], out.stride(1), out.stride(2),
+        block_table.stride(0), *(part.stride()[:3] if split else (0, 0, 0)), *(stats.stride()[:2] if split else (0, 0)),
+        scale, window, softcap, plan["chunk"], S=slots, G=hq // hkv, D=d, DV=dv, D2=d2, BS=bs, BLOCK_Q=plan["block_q"],
+        BLOCK_G=plan["block_g"], BLOCK_N=plan["block_n"], BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), BLOCK_D2=_pow2(d2),
+        SPLIT=split, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None,
+        HAS_ROPE=rope is not None, IEEE=q.dtype == torch.float32, num_warps=4)
     if split:
         _paged_combine_kernel[(n, hq)](
             part, stats, seq, sinks_, out, *part.stride()[:3], *stats.stride()[:2], out.stride(1), out.stride(2),
             SPLITS=plan["splits"], BLOCK_SPLITS=_pow2(plan["splits"], least=2), DV=dv, BLOCK_DV=_pow2(dv),
             HAS_SINKS=sinks is not None, num_warps=4)
     return out
+
+
+def _heads_per_program(heads: int, most: int = 16) -> int:
+    return max(g for g in range(1, min(heads, most) + 1) if heads % g == 0)
+
+
+def launch_paged_latent_attention(q, latents, ropes, weight, nope_dim: int, positions, seq, block_table, seq_start,
+                                  seq_count, scale: float, window: int = 0, softcap: float = 0.0, *,
+                                  config: dict | None = None):
+    """The Triton path of ``paged_latent_attention``: each head's query into the latent space (``W_uk``), the
+    paged kernel over one KV head whose key is ``[latent; rope]`` and value the latent, then ``W_uv``.
+    ``[1, H, N, dv]``."""
+    heads = q.shape[1]
+    w = weight.to(q.dtype).view(heads, -1, weight.shape[-1])  # [H, dn + dv, r]
+    q_lat = torch.matmul(q[..., :nope_dim], w[:, :nope_dim])  # [1, H, N, r]
+    o_lat = launch_paged_attention(q_lat, latents, latents, positions, seq, block_table, seq_start, seq_count, scale,
+                                   window, softcap, config=config, rope=(q[..., nope_dim:], ropes))
+    return torch.matmul(o_lat, w[:, nope_dim:].transpose(-1, -2))
 
 
 def launch_paged_conv1d(x, weight, bias, pool, positions, seq, block_table, *, wrap=lambda kernel: kernel):

@@ -1,8 +1,9 @@
 """The static KV cache the trace pass hands the model: ``CacheConfig(batch_size, max_len)`` made concrete.
 
 Each decoder layer's keys and values live in two buffers ``kv_cache.<layer>.keys`` / ``.values`` of shape
-``[batch_size, kv_heads, max_len, head_dim]``; a sparse-attention indexer (DeepSeek-V3.2's DSA) keeps its keys in a
-third, ``kv_cache.<layer>.indexer_keys`` of ``[batch_size, max_len, index_head_dim]``. A step writes its ``T`` new
+``[batch_size, kv_heads, max_len, head_dim]`` (an MLA layer's hold its latent and its rotary key, one head each, as
+it hands them to ``cache.update``); a sparse-attention indexer (DeepSeek-V3.2's DSA) keeps its keys in a third,
+``kv_cache.<layer>.indexer_keys`` of ``[batch_size, max_len, index_head_dim]``. A step writes its ``T`` new
 keys and values at ``positions`` (the cache positions of the new tokens) and attends over the whole buffer under a
 causal mask on those positions. Nothing else is remembered between steps: there is no length counter. A rejected
 draft token leaves stale entries beyond the accepted position; the mask hides them, and the next step's
@@ -45,7 +46,7 @@ from transformers.cache_utils import Cache, StaticLayer
 
 import ppsplit.triton_kernels.recurrent  # noqa: F401  (registers torch.ops.ppsplit.gated_delta_scan / ssm_scan)
 from ppsplit.core.errors import ConfigError
-from ppsplit.core.fx_utils import CONV_INPUTS, conv_index
+from ppsplit.core.fx_utils import CONV_INPUTS, INDEXER_KEYS, conv_index
 
 
 
@@ -208,7 +209,7 @@ class PositionedCache(Cache):
             layer = self.layers[i]
             layer.conv_inputs = {conv_index(n): t for n, t in named.items() if n.startswith(CONV_INPUTS)}
             layer.states = named.get("states")
-            layer.indexer_keys = named.get("indexer_keys")
+            layer.indexer_keys = named.get(INDEXER_KEYS)
             if "keys" not in named:
                 continue
             keys, values = named["keys"], named["values"]

@@ -11,6 +11,7 @@ from ppsplit.core.errors import ConfigError
 
 CACHE_PREFIX = "kv_cache"  # a stage's static KV cache lives in buffers kv_cache.<layer>.keys / .values
 CONV_INPUTS = "conv_inputs"  # a layer's short convolution's inputs by position; "conv_inputs_2" for its third
+INDEXER_KEYS = "indexer_keys"  # a sparse-attention indexer's keys by position
 
 
 def conv_buffer(index: int) -> str:

@@ -1,6 +1,6 @@
-"""Sparse attention with an indexer cache (DeepSeek-V3.2's DSA): the indexer's keys live in each stage's static
-cache beside K/V (``kv_cache.<layer>.indexer_keys``), written at positions, so one stage serves prefill, decode and
-verification. The oracle is Hugging Face's model and its own cache (``DynamicIndexedLayer``)."""
+"""Sparse attention with an indexer cache (DeepSeek-V3.2's DSA): the indexer's keys live in each stage's cache beside
+the MLA latents (``kv_cache.<layer>.indexer_keys``, a block pool), written at positions, so one stage serves prefill,
+decode and verification. The oracle is Hugging Face's model and its own cache (``DynamicIndexedLayer``)."""
 import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
@@ -24,6 +24,14 @@ _MODELS: dict = {}
 
 
 def build(model_type):
+    """``(indexed_model(model_type), its trace with CACHE)``, built once."""
+    if model_type not in _MODELS:
+        model = indexed_model(model_type)
+        _MODELS[model_type] = (model, ppsplit.trace_model(model, cache=CACHE))
+    return _MODELS[model_type]
+
+
+def indexed_model(model_type):
     """A tiny random DSA model whose indexer scores have no exact ties. The indexer scores keys with
     ``relu(q . k)``; random weights make many scores exactly 0, and ``topk`` breaks such ties differently in every
     implementation (HF's own cached and uncached forwards disagree). A constant positive part in q (a bias on
@@ -32,23 +40,21 @@ def build(model_type):
     base = model_type.removesuffix("_shared")
     if base not in CONFIG_MAPPING:
         pytest.skip(f"transformers {__import__('transformers').__version__} has no {base}")
-    if model_type not in _MODELS:
-        torch.manual_seed(0)
-        config = AutoConfig.for_model(base, **dict(_SHAPE, **_EXTRA[model_type]))
-        model = AutoModelForCausalLM.from_config(config).eval()
-        rope = config.qk_rope_head_dim
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
-            for layer in model.model.layers:
-                attn, ix = layer.self_attn, layer.self_attn.indexer
-                attn.q_a_proj.bias[0] = 10.0
-                if ix is None:  # a "shared" layer
-                    continue
-                ix.wq_b.weight.view(ix.n_heads, ix.head_dim, -1)[:, rope:, 0] = 1.0
-                ix.k_norm.bias[rope:] = 2.0
-        _MODELS[model_type] = (model, ppsplit.trace_model(model, cache=CACHE))
-    return _MODELS[model_type]
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(base, **dict(_SHAPE, **_EXTRA[model_type]))
+    model = AutoModelForCausalLM.from_config(config).eval()
+    rope = config.qk_rope_head_dim
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+        for layer in model.model.layers:
+            attn, ix = layer.self_attn, layer.self_attn.indexer
+            attn.q_a_proj.bias[0] = 10.0
+            if ix is None:  # a "shared" layer
+                continue
+            ix.wq_b.weight.view(ix.n_heads, ix.head_dim, -1)[:, rope:, 0] = 1.0
+            ix.k_norm.bias[rope:] = 2.0
+    return model
 
 
 def prompt(seed=0, batch=2, tokens=10):
@@ -85,15 +91,20 @@ def test_cached_generate_matches_hf_and_holds_its_indexer_keys():
         split = ppsplit.split_model(traced, pp, aux=[2])
         out = split.generate(ids, 12)
         assert torch.equal(out, hf.sequences), f"pp={pp}:\n{out[:, 10:]}\n{hf.sequences[:, 10:]}"
-        # Each stage's cache holds the indexer keys HF's cache holds, position for position.
+        # Each stage's cache holds the indexer keys HF's cache holds, position for position: in block pools, where a
+        # lockstep call (here a prefill of the generated sequences) gives row b the blocks b * M .. (b + 1) * M - 1.
+        assert split.plan.paged, split.plan.lockstep_reason
+        written = hf_cache.layers[0].indexer_keys.shape[1]
+        split(hf.sequences[:, :written], torch.arange(written))
         buffers = {}
         for stage in split.stages:
             buffers.update((n, b) for n, b in stage.named_buffers() if n.endswith(".indexer_keys"))
         assert sorted(buffers) == [f"kv_cache.{i}.indexer_keys" for i in range(4)]
+        per_row = split.layout.blocks_per_seq
         for i in range(4):
             expected = hf_cache.layers[i].indexer_keys
-            torch.testing.assert_close(buffers[f"kv_cache.{i}.indexer_keys"][:2, :expected.shape[1]], expected,
-                                       atol=1e-5, rtol=0)
+            rows = buffers[f"kv_cache.{i}.indexer_keys"][:2 * per_row].reshape(2, -1, expected.shape[-1])
+            torch.testing.assert_close(rows[:, :expected.shape[1]], expected, atol=1e-5, rtol=0)
 
 
 def test_verify_with_rejected_drafts_then_decode():

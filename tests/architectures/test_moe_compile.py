@@ -150,3 +150,20 @@ def test_fp32_moe_checkpoint_compiles_with_a_cache_and_decodes(tmp_path_factory)
     with torch.no_grad():
         expected = hf.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(ppsplit.load(out).generate(ids, 8), expected)
+
+
+def test_deepseek_v3_folder_pages_its_mla_latents(tmp_path_factory):
+    """A DeepSeek-V3 compiled with the default cache (what ``ppsplit compile`` gives) holds a paged cache whose pools
+    keep each position's latent and rotary key (not the expanded keys and values), and it generates prompts of
+    different lengths like from_pretrained."""
+    folder, hf = checkpoint("deepseek_v3", tmp_path_factory)
+    out = compile_model(str(folder), str(folder.parent / "out-default"), pp=2, default_cache=True)
+    split = ppsplit.load(out)
+    assert split.plan.paged, split.plan.lockstep_reason
+    widths = {tuple(b.shape[2:]) for stage in split.stages for n, b in stage.named_buffers() if is_cache_buffer(n)}
+    assert widths == {(1, hf.config.kv_lora_rank), (1, hf.config.qk_rope_head_dim)}
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (4, 11)]
+    for prompt, got in zip(prompts, split.generate(prompts, 8)):
+        with torch.no_grad():
+            assert torch.equal(got, hf.generate(prompt[None], max_new_tokens=8, do_sample=False)[0])

@@ -13,8 +13,11 @@ import torch
 from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment
 from ppsplit.triton_kernels.common import HAVE_TRITON
 from ppsplit.triton_kernels import recurrent
-from ppsplit.triton_kernels.paged import (launch_paged_attention, launch_paged_conv1d, launch_paged_write,
-                                          paged_attention_reference, paged_conv1d_reference, slot_mapping_reference)
+from ppsplit.triton_kernels.attention import indexer_topk, latent_attention_reference
+from ppsplit.triton_kernels.paged import (launch_paged_attention, launch_paged_conv1d, launch_paged_latent_attention,
+                                          launch_paged_write, paged_attention_reference, paged_conv1d_reference,
+                                          paged_indexer_topk, paged_latent_attention, paged_latent_attention_reference,
+                                          slot_mapping_reference)
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
@@ -85,6 +88,107 @@ def run_attention_case(case, dtype, device, tol, config=None):
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
 def test_paged_attention_kernel_matches_fp64(case, config):
     run_attention_case(case, torch.float32, "cpu", 2e-5, config)
+
+
+# MLA: (heads, latent r, rotary dr, non-rotary dn, value dv, block size, tokens per sequence, extras)
+LATENT_CASES = [
+    (4, 40, 24, 8, 16, 16, (1, 7, 33), {}),                # one program holds every head
+    (20, 48, 8, 16, 24, 32, (5, 1, 2), {}),                # 20 heads: two programs of 10 read the one latent head
+    (6, 32, 16, 8, 8, 16, (9, 1, 4), dict(window=7, softcap=20.0)),
+]
+
+
+def run_latent_case(case, dtype, device, tol, config=None):
+    heads, r, dr, dn, dv, block, counts, extras = LATENT_CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    step, layout, lengths = ragged(counts, block, slots=len(counts) + 1, seed=case)
+    latents, _ = pools(layout, lengths, step, 1, r, gen, dtype, device)
+    ropes, _ = pools(layout, lengths, step, 1, dr, gen, dtype, device)
+    q = torch.randn(1, heads, step.num_tokens, dn + dr, generator=gen).to(device, dtype)
+    weight = (torch.randn(heads * (dn + dv), r, generator=gen) / r ** 0.5).to(device, dtype)
+    window, softcap, scale = extras.get("window", 0), extras.get("softcap", 0.0), (dn + dr) ** -0.5
+    meta = step.to(device)
+    if config == "chunked":
+        config = dict(chunk=32, splits=-(-layout.max_len // 32), block_q=2, block_n=32)
+    got = launch_paged_latent_attention(q, latents, ropes, weight, dn, meta.positions, meta.seq, meta.block_table,
+                                        meta.seq_start, meta.seq_count, scale, window, softcap, config=config)
+    n = sum(counts)
+    assert got.shape == (1, heads, step.num_tokens, dv)
+    assert not got[:, :, :n].isnan().any(), "an output left unwritten, or a stale pool entry read"
+    assert (got[:, :, n:] == 0).all(), "padding tokens must give zeros"
+    ref = paged_latent_attention_reference(q.double().cpu(), latents.double().cpu().nan_to_num(),
+                                           ropes.double().cpu().nan_to_num(), weight.double().cpu(), dn, step.positions,
+                                           step.seq, step.block_table, step.seq_start, step.seq_count, scale, window,
+                                           softcap)
+    torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("config", [None, "chunked"], ids=["planned", "chunked"])
+@pytest.mark.parametrize("case", range(len(LATENT_CASES)))
+def test_paged_latent_attention_kernel_matches_fp64(case, config):
+    """MLA: the kernel's second key part (the rotary keys' pool) and one latent head read by every query head."""
+    run_latent_case(case, torch.float32, "cpu", 2e-5, config)
+
+
+def gathered(pool, step, slot, length):
+    """Positions ``0 .. length - 1`` of sequence ``slot`` from ``pool``: ``[length, *feature]``."""
+    where = torch.arange(length)
+    return pool[step.block_table[slot, where // pool.shape[1]], where % pool.shape[1]]
+
+
+def test_paged_indexer_picks_each_sequences_own_best_positions():
+    """DSA's indexer over a ragged step: each token's picks are those of the dense ``indexer_topk`` over its own
+    sequence alone (stale pool entries are NaN: reading one would poison the scores); padding tokens pick none."""
+    gen = torch.Generator().manual_seed(0)
+    heads, dim, topk = 3, 24, 5
+    step, layout, lengths = ragged((1, 7, 3, 12), 16, slots=5, seed=1)
+    keys = torch.full((layout.num_blocks, layout.block_size, dim), float("nan"))
+    for s, n in enumerate(lengths):
+        where = torch.arange(n)
+        keys[step.block_table[s, where // 16], where % 16] = torch.randn(n, dim, generator=gen)
+    q = torch.randn(1, step.num_tokens, heads, dim, generator=gen)
+    weights = torch.rand(1, step.num_tokens, 1, heads, generator=gen) + 0.1
+    # No ties: head 0 scores every key above 0 (and the relu of the others still matters).
+    q[..., 0, 0], keys[..., 0] = 8.0, keys[..., 0].abs() + 1.0
+    got = paged_indexer_topk(q, weights, keys, step.positions, step.seq, step.block_table, 0.3, topk)
+    assert got.shape == (1, step.num_tokens, topk) and (got[0, sum((1, 7, 3, 12)):] == -1).all()
+    for s, (start, count) in enumerate(zip(step.seq_start.tolist(), step.seq_count.tolist())):
+        if not count:
+            continue
+        rows = slice(start, start + count)
+        alone = indexer_topk(q[:, rows], weights[:, rows], gathered(keys, step, s, lengths[s])[None],
+                             step.positions[rows], 0.3, topk)
+        assert got[0, rows].sort(-1).values.tolist() == alone[0].sort(-1).values.tolist()
+
+
+def test_sparse_latent_attention_sees_only_the_picked_positions():
+    """DeepSeek-V3.2: each token attends over the positions listed for it (-1: none; a stale or future one is not
+    seen), as the dense reference over its own sequence does; padding tokens give zeros."""
+    heads, r, dr, dn, dv, counts = 4, 40, 8, 12, 20, (1, 7, 3)
+    gen = torch.Generator().manual_seed(2)
+    step, layout, lengths = ragged(counts, 16, slots=4, seed=2)
+    latents, _ = pools(layout, lengths, step, 1, r, gen, torch.float64, "cpu")
+    ropes, _ = pools(layout, lengths, step, 1, dr, gen, torch.float64, "cpu")
+    q = torch.randn(1, heads, step.num_tokens, dn + dr, generator=gen, dtype=torch.float64)
+    weight = torch.randn(heads * (dn + dv), r, generator=gen, dtype=torch.float64) / r ** 0.5
+    # Distinct positions, as a top-k gives them: the token's own first (every real token sees one), then others, past
+    # and future ones among them, and a -1.
+    others = torch.rand(step.num_tokens, layout.max_len, generator=gen)
+    others[torch.arange(step.num_tokens), step.positions] = 2.0
+    picks = others.argsort(-1, descending=True)[None, :, :6]
+    picks[0, :, 5] = -1
+    got = paged_latent_attention(q, latents, ropes, weight, dn, step.positions, step.seq, step.block_table,
+                                 step.seq_start, step.seq_count, dn ** -0.5, 0, 0.0, picks)
+    n = sum(counts)
+    assert (got[:, :, n:] == 0).all()
+    for s, (start, count) in enumerate(zip(step.seq_start.tolist(), step.seq_count.tolist())):
+        if not count:
+            continue
+        rows = slice(start, start + count)
+        c, kr = (gathered(pool, step, s, lengths[s]).permute(1, 0, 2)[None] for pool in (latents, ropes))
+        alone = latent_attention_reference(q[:, :, rows], c, kr, weight, dn, step.positions[rows], dn ** -0.5,
+                                           selected=picks[:, rows])
+        torch.testing.assert_close(got[:, :, rows], alone, atol=1e-12, rtol=1e-12)
 
 
 def test_paged_write_kernel_writes_only_real_tokens():
@@ -169,6 +273,13 @@ def test_ragged_scan_kernels_on_gpu():
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
 def test_paged_attention_kernel_bf16_on_gpu(case, config):
     run_attention_case(case, torch.bfloat16, "cuda", 2e-2, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, "chunked"], ids=["planned", "chunked"])
+@pytest.mark.parametrize("case", range(len(LATENT_CASES)))
+def test_paged_latent_attention_kernel_bf16_on_gpu(case, config):
+    run_latent_case(case, torch.bfloat16, "cuda", 3e-2, config)
 
 
 def test_attention_plan_chunks_long_decodes_and_tiles_prefills():

@@ -237,6 +237,56 @@ def test_unrecognised_attention_is_left_and_reported():
     assert torch.equal(split.generate(prompt, 8), expected)
 
 
+def _deepseek_v3(attn_implementation="sdpa"):
+    from tests.serve.test_ragged import COMMON, CONFIGS
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("deepseek_v3", **{**COMMON, **CONFIGS["deepseek_v3"]})
+    cfg._attn_implementation = attn_implementation
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_mla_becomes_latent_attention_in_a_paged_split(impl):
+    """DeepSeek-V3 (SDPA and eager): the traced expansion of the cached latents and the attention over it become one
+    ``paged_latent_attention`` per layer (proved by evaluation), and chunks of a prompt equal HF's logits."""
+    model = _deepseek_v3(impl)
+    split = ppsplit.split_model(model, 2, cache=CacheConfig(2, 32))
+    assert split.plan.paged, split.plan.lockstep_reason
+    assert all(a.replaced and a.detail.startswith("MLA: latent 24 + rotary 8") for a in split.plan.attention)
+    for stage in split.stages:
+        targets = [n.target for n in stage.graph.nodes]
+        assert ops.paged_latent_attention.default in targets
+        assert torch.ops.aten.scaled_dot_product_attention.default not in targets
+        assert torch.ops.aten.softmax.int not in targets and torch.ops.aten._softmax.default not in targets
+    ids = torch.randint(3, VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids).logits
+    for lo, hi in [(0, 7), (7, 8), (8, 13)]:
+        torch.testing.assert_close(split(ids[:, lo:hi], torch.arange(lo, hi))[0], full[:, lo:hi], atol=1e-5,
+                                   rtol=1e-5)
+
+
+def test_an_expansion_that_is_not_mla_stays_lockstep_and_says_why():
+    """A layer built like MLA whose values are doubled after the split is not ``latent_attention``'s math (the proof
+    by evaluation fails): the split keeps a lockstep cache naming the reason, and its numbers still equal HF's. The
+    lockstep split keeps the traced MLA, as before."""
+    model = _deepseek_v3()
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        expand = attn.expand_kv
+        attn.expand_kv = lambda kv, rot, expand=expand: (lambda k, v: (k, v * 2))(*expand(kv, rot))
+    split = ppsplit.split_model(model, 2, cache=CacheConfig(2, 32))
+    assert not split.plan.paged
+    assert "its cache holds MLA latents, but no scale/window/soft-cap makes latent_attention equal it" in \
+        split.plan.lockstep_reason
+    assert not any(n.target is ops.latent_attention.default for s in split.stages for n in s.graph.nodes)
+    prompt = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(split.generate(prompt, 6), expected)
+
+
 def test_plan_json_round_trip_keeps_the_report():
     _, trace = traced("gemma2")
     plan = ppsplit.split_model(trace, 2).plan

@@ -221,3 +221,30 @@ def test_a_hybrid_speculates_per_request_like_alone(tmp_path):
         assert out.token_ids == hf(model, prompt, p)
         assert out.drafts == alone.drafts and out.accepted == alone.accepted
     assert any(sum(o.accepted) < 3 * len(o.accepted) for o in together)  # some drafts were rejected
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_mla_requests_each_equal_hf_alone(tmp_path, arch):
+    """DeepSeek-V3 (MLA: latents and rotary keys in the paged pools) and V3.2 (sparse attention over the positions its
+    indexer picks): requests of different lengths batched continuously, greedy and with an EAGLE-3 drafter (K = 3,
+    verify windows over the latents), each give Hugging Face's greedy output."""
+    from tests.serve.test_ragged import ARCHS, build
+
+    if arch not in ARCHS:
+        pytest.skip(f"this transformers has no {arch}")
+    model, traced = build(arch)
+    split = ppsplit.split_model(traced, 2, aux=[1, 2, 3])
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, V) for _ in range(n)] for n in (3, 17, 9, 30, 5)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (12, 8, 15, 10, 6)]
+    expected = [hf(model, prompt, p) for prompt, p in zip(prompts, params)]
+    engine = Engine(split, max_num_batched_tokens=24)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert engine.blocks_in_use == 0
+    dcfg = drafter_config(model.config, aux_ids=[0, 1, 2])
+    drafter = ppsplit.load_drafter(write_drafter(str(tmp_path / "d"), dcfg, random_drafter_tensors(dcfg, scale=2.0)),
+                                   split=split)
+    speculative = Engine(split, drafter=drafter, num_draft_tokens=3).generate(prompts[:3], params[:3])
+    assert [o.token_ids for o in speculative] == expected[:3]
+    # Every step verified K + 1 tokens; rejected drafts' latents were overwritten by the next step's.
+    assert all(o.accepted and sum(o.accepted) < 3 * len(o.accepted) for o in speculative)

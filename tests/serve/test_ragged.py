@@ -25,10 +25,14 @@ CONFIGS = {
     "qwen3_next": dict(head_dim=16, layer_types=["linear_attention", "full_attention"] * 2, linear_num_value_heads=4,
                        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "deepseek_v3": dict(num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=20,
+                        qk_nope_head_dim=12, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),  # MLA latents
     "nemotron_h": dict(head_dim=16, layers_block_type=["mamba", "attention", "mamba", "mlp"], mamba_num_heads=8,
                        mamba_head_dim=8, n_groups=2, ssm_state_size=16, chunk_size=16),  # Mamba-2
 }
-ARCHS = [a for a in CONFIGS if a in CONFIG_MAPPING]
+INDEXED = ("deepseek_v32",)  # sparse attention (MLA + DSA): tests.architectures.test_indexer's tie-free model
+ARCHS = [a for a in (*CONFIGS, *INDEXED) if a in CONFIG_MAPPING]
 CACHE = CacheConfig(batch_size=4, max_len=48, block_size=16)
 TAPS = (1, 3)
 _built: dict = {}
@@ -36,11 +40,16 @@ _built: dict = {}
 
 def build(arch):
     if arch not in _built:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **{**COMMON, **CONFIGS[arch]})).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
+        if arch in INDEXED:
+            from tests.architectures.test_indexer import indexed_model
+
+            model = indexed_model(arch)
+        else:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **{**COMMON, **CONFIGS[arch]})).eval()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.02)
         _built[arch] = (model, ppsplit.trace_model(model, cache=CACHE))
     return _built[arch]
 
@@ -103,7 +112,7 @@ def test_a_mixed_step_equals_each_sequence_alone(arch):
             assert_matches(segments, logits, aux, refs)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_next"] if "qwen3_next" in ARCHS else ["llama"])
+@pytest.mark.parametrize("arch", [a for a in ("llama", "qwen3_next", "deepseek_v3", "deepseek_v32") if a in ARCHS])
 def test_a_reused_slot_and_reused_blocks_read_nothing_stale(arch):
     """A slot freed and given to a new sequence, with blocks another sequence used: the new sequence's tokens equal a
     fresh run (its keys, ring states and convolution inputs are overwritten before they are read)."""
@@ -131,14 +140,47 @@ def test_lockstep_calls_and_equal_length_generate_still_work():
     assert torch.equal(split.generate(ids, 8), model.generate(ids, max_new_tokens=8, do_sample=False))
 
 
-def test_prompts_of_different_lengths_generate_like_each_alone():
-    model, traced = build("qwen3")
+@pytest.mark.parametrize("arch", [a for a in ("qwen3", "deepseek_v3") if a in ARCHS])
+def test_prompts_of_different_lengths_generate_like_each_alone(arch):
+    model, traced = build(arch)
     split = ppsplit.split_model(ppsplit.trace_model(model, cache=CacheConfig(4, 64, num_blocks=12)), 2)
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, V, (n,), generator=gen) for n in (3, 10, 17, 24, 33, 40)]
     outs = split.generate(prompts, 12)
     for prompt, out in zip(prompts, outs):
         assert torch.equal(out, model.generate(prompt[None], max_new_tokens=12, do_sample=False)[0])
+
+
+@pytest.mark.parametrize("arch", [a for a in ("deepseek_v3", "deepseek_v32") if a in ARCHS])
+def test_mla_pages_its_latents_not_expanded_keys(arch):
+    """DeepSeek-V3 and V3.2: each layer's pools hold the latent (kv_lora_rank) and the rotary key (qk_rope_head_dim)
+    of every position, one head (V3.2: and its indexer's key), and the plan's cache bytes are those pools; the
+    attention reads them as ``paged_latent_attention`` (V3.2: over the positions ``paged_indexer_topk`` picks), and
+    no projection reads the cache (no key or value is expanded)."""
+    model, traced = build(arch)
+    cfg = model.config
+    split = ppsplit.split_model(traced, 2)
+    layout = split.layout
+    widths = {"keys": (1, cfg.kv_lora_rank), "values": (1, cfg.qk_rope_head_dim)}
+    ops = torch.ops.ppsplit
+    readers = {ops.paged_write.default, ops.paged_latent_attention.default}
+    if arch == "deepseek_v32":
+        widths["indexer_keys"] = (cfg.index_head_dim,)
+        readers.add(ops.paged_indexer_topk.default)
+    for k, stage in enumerate(split.stages):
+        pools = {n: b for n, b in stage.named_buffers() if n.startswith("kv_cache.")}
+        layers = range(split.plan.stages[k].start, split.plan.stages[k].end)
+        assert {n: tuple(b.shape) for n, b in pools.items()} == {
+            f"kv_cache.{i}.{kind}": (layout.num_blocks, layout.block_size, *width)
+            for i in layers for kind, width in widths.items()}
+        assert split.plan.stages[k].cache_bytes == sum(b.numel() * b.element_size() for b in pools.values())
+        nodes = list(stage.graph.nodes)
+        assert sum(n.target is ops.paged_latent_attention.default for n in nodes) == len(layers)
+        assert {u.target for n in nodes if n.op == "get_attr" and n.target in pools for u in n.users} == readers
+        assert not any(n.target is torch.ops.aten.topk.default and n.meta.get("ppsplit.layer") in layers
+                       and "indexer" in str(n.meta.get("nn_module_stack")) for n in nodes)
+        assert split.plan.attention_lines(k)[0].startswith(f"attention: {len(layers)} of {len(layers)} -> paged")
+    assert f"MLA: latent {cfg.kv_lora_rank} + rotary {cfg.qk_rope_head_dim} per position" in split.plan.describe()
 
 
 def test_bad_metadata_is_refused_before_anything_runs():
@@ -167,18 +209,17 @@ def test_bad_metadata_is_refused_before_anything_runs():
 
 
 def test_models_whose_cache_cannot_be_paged_keep_a_lockstep_cache_and_say_why():
-    """DeepSeek-V3's cache holds MLA latents that its attention expands per step: the paged pass does not serve that
-    yet, so the split keeps a lockstep cache, the plan says why, and ragged steps are refused with the reason."""
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model("deepseek_v3", **{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32,
-                               n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16,
-                               q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8,
-                               first_k_dense_replace=1, n_group=1, topk_group=1)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    split = ppsplit.split_model(model, 2, cache=CacheConfig(2, 32))
-    assert not split.plan.paged and "cached keys are read by" in split.plan.lockstep_reason
+    """GLM-MoE-DSA with shared indexers (a layer attends over the positions the layer before it picked): the paged
+    pass does not serve that yet, so the split keeps a lockstep cache, the plan says why, and ragged steps are
+    refused with the reason."""
+    from tests.architectures.test_indexer import build as build_indexed, prompt
+
+    model, traced = build_indexed("glm_moe_dsa_shared")
+    split = ppsplit.split_model(traced, 2)
+    assert not split.plan.paged and "layer 0's attention stays as traced" in split.plan.lockstep_reason
+    assert "also read by another layer (an indexer shared between layers)" in split.plan.lockstep_reason
     assert "lockstep: no ragged steps" in split.plan.describe()
-    ids = torch.randint(3, V, (2, 5))
+    ids = prompt()
     assert torch.equal(split.generate(ids, 6), model.generate(ids, max_new_tokens=6, do_sample=False))
     with pytest.raises(ConfigError, match="ragged steps need a paged cache; this split keeps a lockstep cache"):
         split.step(torch.zeros(1, dtype=torch.long), None)
