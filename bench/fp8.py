@@ -11,6 +11,8 @@ the ``kernels-community/finegrained-fp8`` hub kernel; where it cannot load (no n
     python bench/fp8.py                       # batch 1 and 32, 32 layers, KV prefix 512
     python bench/fp8.py --layers 4 --batch 1  # a quicker look
     python bench/fp8.py --device cpu --small --layers 2 --rounds 1   # a smoke run of the script itself (no timing claims)
+    python bench/fp8.py --sweep               # the kernels alone per projection shape: every tile configuration
+                                              # against bf16 cuBLAS and the FP8 bytes' roofline
 """
 import argparse
 import statistics
@@ -85,6 +87,18 @@ def step_ms(run, device: str, rounds: int) -> float:
     return statistics.median(times)
 
 
+def profile(run, title: str, top: int = 14) -> None:
+    """The step's kernels by GPU time over 5 runs (a captured graph's kernels are traced one by one)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+    print(f"\n{title}: kernels over 5 steps")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70))
+
+
 def hf_fp8_status() -> str:
     try:
         from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
@@ -95,6 +109,77 @@ def hf_fp8_status() -> str:
         return f"unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
 
 
+# Llama-3.1-8B's projections, [N, K]: q and o, k and v, gate and up, down; q/k/v and gate/up fused
+SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
+          "qkv": (6144, 4096), "gate_up": (28672, 4096)}
+GEMV_SWEEP = [(bn, bk, w, st) for bn in (2, 4, 8) for bk in (512, 1024, 2048) for w in (4, 8) for st in (2, 4)]
+GEMM_SWEEP = [(bn, bk, 4, st, split) for bn in (16, 32, 64) for bk in (64, 128) for st in (3, 4)
+              for split in (1, 2, 4, 8)]
+
+
+def hf_kernel(path: str | None):
+    """transformers' block-FP8 linear as its 4.x releases ran it in-tree (``act_quant`` then
+    ``w8a8_block_fp8_matmul_triton``: W8A8, activations quantised per 128-wide group), from a copy of that module's
+    kernels at ``path`` (5.x fetches the same kernels from the hub, which the GPU machine cannot reach)."""
+    if not path:
+        return None
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_fp8", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def run(x, q, scale):
+        xq, xs = mod.act_quant(x, 128)
+        return mod.w8a8_block_fp8_matmul_triton(xq, q, xs, scale, [128, 128], output_dtype=x.dtype)
+    return run
+
+
+def sweep(batches, bw: float, hf_path: str | None = None) -> None:
+    """Each FP8 kernel configuration per projection shape and row count, CUDA-graph timed, against bf16 cuBLAS
+    (and ppsplit's bf16 GEMV at one row, and transformers' Triton block-FP8 kernels with ``--hf-kernel``); the
+    fastest configuration per shape is printed last."""
+    from triton.testing import do_bench_cudagraph
+
+    from ppsplit.triton_kernels.fp8 import launch_fp8_linear
+    from ppsplit.triton_kernels.gemv import launch_gemv, pick_config
+
+    def timed(fn):
+        fn()
+        return do_bench_cudagraph(fn, rep=30) * 1e3
+
+    hf = hf_kernel(hf_path)
+    best = {}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        q, scale = quantize(w)
+        for m in batches:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            roof = (n * k + scale.numel() * 4 + m * (k + n) * 2) / bw * 1e6
+            cublas = timed(lambda: torch.nn.functional.linear(x, w))
+            line = f"{name:<8} [{n}x{k}] m={m:<3} roofline {roof:7.1f} us  bf16 cuBLAS {cublas:7.1f} us"
+            if m == 1:
+                line += f"  bf16 GEMV {timed(lambda: launch_gemv(x, w, config=pick_config(n, k))):7.1f} us"
+            if hf is not None:
+                line += f"  HF fp8 (W8A8 Triton) {timed(lambda: hf(x, q, scale)):7.1f} us"
+            print(line, flush=True)
+            rows = []
+            for cfg in GEMV_SWEEP if m == 1 else GEMM_SWEEP:
+                try:
+                    us = timed(lambda: launch_fp8_linear(x, q, scale, None, 128, 128, config=cfg))
+                except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
+                    print(f"    {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                rows.append((us, cfg))
+            rows.sort()
+            for us, cfg in rows[:3]:
+                print(f"    fp8 {cfg}: {us:7.1f} us  x roofline {us / roof:5.2f}  x bf16 cuBLAS {us / cublas:5.2f}")
+            best[name, m] = rows[0]
+    print("\nfastest per shape:")
+    for (name, m), (us, cfg) in best.items():
+        print(f"  {name:<8} m={m:<3} {cfg} {us:7.1f} us")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -103,10 +188,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="a small hidden size (CPU smoke runs)")
+    ap.add_argument("--sweep", action="store_true", help="time the kernels alone, every tile configuration")
+    ap.add_argument("--profile", action="store_true", help="print each variant's kernels by GPU time")
+    ap.add_argument("--hf-kernel", help="with --sweep: a copy of transformers 4.x's finegrained_fp8 Triton kernels")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/fp8.py times CUDA graphs: run it on a CUDA machine (or --device cpu --small for a smoke run)")
     print(banner(args.device), flush=True)
+    if args.sweep:
+        return sweep(args.batch, copy_bandwidth("cuda"), args.hf_kernel)
     overrides = dict(num_hidden_layers=args.layers, **(SMALL if args.small else {}))
     model = build_model("llama-3.1-8b", args.device, **overrides)
     max_len = args.prefix + 8
@@ -125,6 +215,8 @@ def main():
         for batch in args.batch:
             run = stage_runs(split, batch, 1, args.prefix, args.device)
             ms = step_ms(run, args.device, args.rounds)
+            if args.profile and args.device == "cuda":
+                profile(run, f"{variant}, batch {batch}")
             step_bytes = weights + batch * args.prefix * kv_per_token
             results[variant, batch] = (ms, step_bytes)
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; transformers' FP8 kernels: {hf_fp8_status()}")

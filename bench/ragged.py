@@ -16,6 +16,7 @@ too (the paged pool sized to the sequences' blocks, against ``batch x max_len``)
     python bench/ragged.py                                   # CUDA: 32 layers, 32 sequences of 128..4096
     python bench/ragged.py --layers 8                        # a quicker look
     python bench/ragged.py --device cpu --small --layers 2 --rounds 1 --max-len 256 --chunk 32   # a smoke run
+    python bench/ragged.py --sweep                           # one layer's attention kernels alone, launch plans swept
 """
 import argparse
 import random
@@ -66,6 +67,64 @@ def ragged_run(stage, segments, tables, layout, device):
     return g.replay
 
 
+def sweep(lengths, block: int, bw: float) -> None:
+    """One layer's attention alone (Llama-3.1-8B heads), CUDA-graph timed: the paged kernel over shuffled blocks under
+    its own plan and under overridden ones, against the lockstep split-KV kernel at the mean length."""
+    from triton.testing import do_bench_cudagraph
+
+    from ppsplit.triton_kernels.attention import launch_cache_attention
+    from ppsplit.triton_kernels.paged import attention_plan, launch_paged_attention
+
+    hq, hkv, d, b = 32, 8, 128, len(lengths)
+    need = [-(-(n + 1) // block) for n in lengths]
+    pool = sum(need)
+    ids = list(range(pool))
+    random.Random(0).shuffle(ids)
+    table = torch.full((b, max(need)), -1, dtype=torch.int32)
+    at = 0
+    for s, count in enumerate(need):
+        table[s, :count] = torch.tensor(ids[at:at + count])
+        at += count
+    dev = dict(device="cuda", dtype=torch.bfloat16)
+    keys, values = (torch.randn(pool, block, hkv, d, **dev) for _ in range(2))
+    q = torch.randn(1, b, hq, d, **dev).transpose(1, 2)
+    positions = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    seq = torch.arange(b, dtype=torch.int32, device="cuda")
+    starts, counts, table = seq.clone(), torch.ones_like(seq), table.cuda()
+    mean = round(sum(lengths) / b)
+    kc, vc = (torch.randn(b, hkv, mean + 8, d, **dev) for _ in range(2))
+    ql = torch.randn(b, 1, hq, d, **dev).transpose(1, 2)
+    pl = torch.full((1,), mean, dtype=torch.int32, device="cuda")
+    scale = d ** -0.5
+
+    def timed(fn):
+        fn()
+        return do_bench_cudagraph(fn, rep=50) * 1e3
+
+    live = sum(n + 1 for n in lengths) * 2 * hkv * d * 2
+    lock = timed(lambda: launch_cache_attention(ql, kc, vc, pl, scale))
+    print(f"\none layer, {b} decodes of {lengths[0]}..{lengths[-1]}: live KV {live / 2**20:.1f} MiB, roofline "
+          f"{live / bw * 1e6:.1f} us; lockstep split-KV at the mean length {lock:.1f} us")
+    plan = attention_plan(b, hq, hkv, b, table.shape[1] * block, block, q.device)
+    rows = []
+    span = table.shape[1] * block
+    for over in [{}] + [dict(block_q=bq, block_n=bn, chunk=c, splits=-(-span // c), warps=w, stages=st)
+                        for bq in (1, 4) for bn in (32, 64) for c in (512, 1024) for w in (2, 4, 8)
+                        for st in (2, 3, 4)]:
+        cfg = {**plan, **over}
+        try:
+            us = timed(lambda: launch_paged_attention(q, keys, values, positions, seq, table, starts, counts, scale,
+                                                      config=over))
+        except Exception as e:  # a tile the compiler refuses
+            print(f"  {cfg}: {type(e).__name__}")
+            continue
+        rows.append((us, over == {}, cfg))
+    rows.sort(key=lambda r: r[0])
+    for us, default, cfg in rows[:8] + [r for r in rows[8:] if r[1]]:
+        print(f"  {'plan ' if default else '     '}{cfg}: {us:7.1f} us  x roofline {us * 1e-6 * bw / live:5.2f}  "
+              f"x lockstep {us / lock:5.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -76,10 +135,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="a small hidden size (CPU smoke runs)")
+    ap.add_argument("--sweep", action="store_true", help="one layer's attention kernels alone, launch plans swept")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/ragged.py times CUDA graphs: run it on a CUDA machine (or --device cpu --small for a smoke run)")
     print(banner(args.device), flush=True)
+    if args.sweep:
+        lengths = [round(args.min_len + i * (args.max_len - args.min_len) / max(1, args.batch - 1))
+                   for i in range(args.batch)]
+        return sweep(lengths, 16, copy_bandwidth("cuda"))
     model = build_model("llama-3.1-8b", args.device, num_hidden_layers=args.layers, **(SMALL if args.small else {}))
     cfg = model.config
     b = args.batch

@@ -2,6 +2,7 @@
 # Everything that needs the GPU, in one device call: install ppsplit there (no network: no build isolation,
 # no dependencies), run the GPU tests, then the benchmarks. Logs go to $OUT.
 #   bash bench/run_gpu.sh [tests] [kernel] [anchor] [pipeline] [backend] [eagle3] [balance] [pipeline_mp]
+#                         [ragged] [ragged_sweep] [fp8] [fp8_sweep]
 #   (default: the first four)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -18,7 +19,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,memory.used --format
 for step in $what; do
   echo "=== $step"
   case $step in
-    tests)    python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 ;;
+    tests)    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 ;;
     kernel)   python3 bench/tap_kernel.py 2>&1 | tee "$OUT/tap_kernel.txt" ;;
     anchor)   [ -f .anchor/tap_anchor.py ] && python3 .anchor/tap_anchor.py 2>&1 | tee "$OUT/anchor.txt" ;;
     pipeline) python3 bench/pipeline.py 2>&1 | tee "$OUT/pipeline.txt" ;;
@@ -26,6 +27,10 @@ for step in $what; do
     eagle3)   python3 bench/eagle3.py 2>&1 | tee "$OUT/eagle3.txt" ;;
     balance)  python3 bench/balance.py --gpu 2>&1 | tee "$OUT/balance.txt" ;;
     pipeline_mp) python3 bench/pipeline_mp.py 2>&1 | tee "$OUT/pipeline_mp.txt" ;;   # 2 GPUs, NCCL (issue 9)
+    ragged)   python3 bench/ragged.py --layers 8 2>&1 | tee "$OUT/ragged.txt" ;;             # issue 27
+    ragged_sweep) python3 bench/ragged.py --sweep 2>&1 | tee "$OUT/ragged_sweep.txt" ;;
+    fp8)      python3 bench/fp8.py --layers 8 ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.txt" ;;                   # issue 31
+    fp8_sweep) python3 bench/fp8.py --sweep ${HF_FP8:+--hf-kernel $HF_FP8} 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
     *)        python3 bench/pipeline.py --sections "$step" 2>&1 | tee "$OUT/pipeline_$step.txt" ;;
   esac
 done

@@ -10,13 +10,17 @@ column may be partial, as in DeepSeek-V3's ``weight_dequant``). The three layout
 
 The math is ``W[n, k] = float(W_q[n, k]) * scale[n // block_n, k // block_k]`` (transformers'
 ``Fp8Dequantize`` / compressed-tensors' ``dequantize``, both multiply), then ``F.linear`` in ``x``'s dtype.
-On CUDA (``fp8_usable``) one Triton kernel reads the FP8 weight and its scales directly (weight-only: the
-activations stay in their dtype): a GEMV for one row (decode at batch 1: each program holds ``BLOCK_N`` whole
-weight rows, the scale applied per ``BLOCK_K`` tile), a tiled ``tl.dot`` GEMM for more rows, with each
-``[BLOCK_M, BLOCK_N]`` partial product scaled by its weight block's scale as it is accumulated (as DeepSeek-V3's
-``fp8_gemm`` does), so no dequantised weight is ever written. ``BLOCK_K`` divides ``block_k`` (or one k-block
-spans the whole row), so a tile never straddles two scales. Elsewhere a torch path dequantises the weight on the
-fly (what the CPU tests compare); it is the correctness path, not the fast one.
+On CUDA (``fp8_usable``) Triton kernels read the FP8 weight and its scales directly (weight-only: the
+activations stay in their dtype), so no dequantised weight is ever written:
+
+- one row (decode at batch 1): a GEMV, each program ``BLOCK_N`` whole weight rows; a ``BLOCK_K`` tile may span
+  several k-blocks, whose products are summed apart and scaled by their block's scale;
+- more rows: a tiled ``tl.dot`` GEMM, each ``[BLOCK_M, BLOCK_N]`` partial product scaled by its weight block's
+  scale as it is accumulated (as DeepSeek-V3's ``fp8_gemm`` does; ``BLOCK_K`` lies inside one k-block), with the
+  k-range split over several programs whose fp32 partial tiles a second kernel adds up in a fixed order.
+
+Elsewhere a torch path dequantises the weight on the fly (what the CPU tests compare); it is the correctness path,
+not the fast one.
 """
 from __future__ import annotations
 
@@ -48,47 +52,96 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fp8_gemv_kernel(X, W, S, B, Y, N, K, stride_w, GK, QN, QK,
-                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, ONE_K_BLOCK: tl.constexpr, SUB: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``BLOCK_N`` whole weight rows per program. A ``BLOCK_K`` tile spans ``SUB`` k-blocks (``SUB = 1``: the
+        tile lies inside one): its products are summed per k-block and scaled by that block's scale, so the scales
+        cost ``SUB`` loads per row and tile, not one per weight. ``ONE_K_BLOCK``: one scale per row (per channel,
+        per tensor), applied once at the end."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         w_rows = W + rows[:, None].to(tl.int64) * stride_w
         s_rows = S + (rows // QN) * GK
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if ONE_K_BLOCK:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, SUB], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
             w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
-            s = tl.load(s_rows + k0 // QK, mask=row_ok, other=0.0).to(tl.float32)
-            acc += w * x[None, :] * s[:, None]
+            if ONE_K_BLOCK:
+                acc += w * x[None, :]
+            else:
+                kb = k0 // QK + tl.arange(0, SUB)
+                s = tl.load(s_rows[:, None] + kb[None, :], mask=row_ok[:, None] & (kb[None, :] < GK), other=0.0)
+                if SUB == 1:
+                    acc += tl.sum(w * x[None, :], axis=1)[:, None] * s
+                else:
+                    acc += tl.sum(tl.reshape(w * x[None, :], [BLOCK_N, SUB, BLOCK_K // SUB]), axis=2) * s
         y = tl.sum(acc, axis=1)
+        if ONE_K_BLOCK:
+            y *= tl.load(s_rows, mask=row_ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
     @triton.jit
-    def _fp8_gemm_kernel(X, W, S, B, Y, M, N, K, stride_x, stride_w, stride_y, GK, QN, QK,
-                         HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _fp8_gemm_kernel(X, W, S, B, Y, M, N, K, K_PER, stride_x, stride_w, stride_y, stride_split, GK, QN, QK,
+                         HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """A ``[BLOCK_M, BLOCK_N]`` output tile of the k-range ``[K_PER * z, K_PER * (z + 1))`` per program; each
+        ``BLOCK_K`` step lies inside one k-block, and its partial product is scaled by the weight block's scale as it
+        is accumulated. ``SPLIT``: the k-range is one of several, and the tile goes to its fp32 slice of ``Y``
+        (``_fp8_split_sum_kernel`` adds the slices up, in a fixed order); else it is the output."""
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        z = tl.program_id(2)
+        k_lo = z * K_PER
+        k_hi = tl.minimum(k_lo + K_PER, K)
         s_cols = S + (rn // QN) * GK
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(X + rm[:, None].to(tl.int64) * stride_x + rk[None, :],
-                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+                        mask=(rm[:, None] < M) & (rk[None, :] < k_hi), other=0.0)
             w = tl.load(W + rn[None, :].to(tl.int64) * stride_w + rk[:, None],
-                        mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+                        mask=(rn[None, :] < N) & (rk[:, None] < k_hi), other=0.0)
             s = tl.load(s_cols + k0 // QK, mask=rn < N, other=0.0).to(tl.float32)
             acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
+        out = Y + z.to(tl.int64) * stride_split + rm[:, None].to(tl.int64) * stride_y + rn[None, :]
+        ok = (rm[:, None] < M) & (rn[None, :] < N)
+        if SPLIT:
+            tl.store(out, acc, mask=ok)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _fp8_split_sum_kernel(P, B, Y, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        """``Y = sum_z P[z] (+ b)``: the k-ranges' fp32 slices of a split GEMM, added in order (deterministic)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < MN
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for z in tl.static_range(SPLITS):
+            acc += tl.load(P + z * MN + i, mask=ok, other=0.0)
         if HAS_BIAS:
-            acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rm[:, None].to(tl.int64) * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+            acc += tl.load(B + i % N, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-GEMV_CONFIG = (16, 128, 4, 3)      # BLOCK_N, BLOCK_K, warps, stages
-GEMM_CONFIG = (64, 128, 4, 3)  # BLOCK_N, BLOCK_K, warps, stages; BLOCK_M from the rows (gemm_block_m)
+# The fastest tiles per Llama-3.1-8B projection on an H200 (``bench/fp8.py --sweep``, bench/RESULTS.md section 25).
+def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the one-row kernel: 2048-wide tiles; 2 rows per program for the
+    MLP's [14336, 4096] and [4096, 14336], 8 for the rest."""
+    return (2, 2048, 4, 2) if 8192 < max(n, k) <= 16384 else (8, 2048, 8, 4)
+
+
+def gemm_config(n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages, k-ranges) of the GEMM: the k split over 4 ranges (4x the programs of an
+    unsplit GEMM at 32 rows, whose few programs could not hide the loads' latency); 64 columns per tile."""
+    return (64, 128, 4, 3, 4) if n >= 4096 else (16, 128, 4, 3, 4)
 
 
 def gemm_block_m(m: int) -> int:
@@ -98,17 +151,31 @@ def gemm_block_m(m: int) -> int:
 
 def fp8_usable(x: torch.Tensor, weight: torch.Tensor, block_k: int, block_kernel: int = 128) -> bool:
     """Whether the Triton kernels serve this call: CUDA (or the interpreter), an ``[N, K]`` FP8 weight with unit
-    stride along K, and a ``BLOCK_K`` tile that never straddles two k-blocks."""
+    stride along K, and k-blocks that ``block_kernel``-wide tiles never straddle."""
     return (weight.dim() == 2 and weight.dtype == FP8_DTYPE and weight.stride(1) == 1
             and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and (block_k % block_kernel == 0 or block_k >= weight.shape[1]))
 
 
-def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=lambda kernel: kernel):
-    """The Triton path of ``fp8_linear`` (see the module docstring); ``x`` of any leading shape."""
+def _tile_k(block_k: int, k: int, tile: int, spans: bool) -> tuple[int, int]:
+    """``(BLOCK_K, SUB)``: the configured ``tile`` where k-blocks allow it (one k-block over the row: any tile;
+    a tile inside one k-block; with ``spans``, a tile of ``SUB`` whole k-blocks), else 128 (``fp8_usable``)."""
+    tile = min(tile, triton.next_power_of_2(k))
+    if block_k >= k or block_k % tile == 0:
+        return tile, 1
+    if spans and tile % block_k == 0:
+        return tile, tile // block_k
+    return 128, 1
+
+
+def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=lambda kernel: kernel, config=None):
+    """The Triton path of ``fp8_linear`` (see the module docstring); ``x`` of any leading shape. ``config``
+    ``(BLOCK_N, BLOCK_K, warps, stages)`` overrides ``gemv_config``, ``(BLOCK_N, BLOCK_K, warps, stages, k-ranges)``
+    ``gemm_config`` (``bench/fp8.py --sweep``)."""
     n, k = weight.shape
     gk = scale_grid(n, k, block_n, block_k)[1]
-    qk = block_k if block_k < k else k  # one k-block over the row: every tile reads scale column 0
+    one = block_k >= k
+    qk = k if one else block_k  # one k-block over the row: every tile reads scale column 0
     x2 = x.reshape(-1, k)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     m = x2.shape[0]
@@ -118,17 +185,25 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
     s = scale.reshape(-1)
     b = bias if bias is not None else s
     if m == 1:
-        bn_, bk_, warps, stages = GEMV_CONFIG
+        bn_, bk_, warps, stages = (config or gemv_config(n, k))[:4]
+        bk_, sub = _tile_k(block_k, k, bk_, spans=True)
         wrap(_fp8_gemv_kernel)[(triton.cdiv(n, bn_),)](
             x2, weight, s, b, y, n, k, weight.stride(0), gk, block_n, qk, HAS_BIAS=bias is not None,
-            BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
+            ONE_K_BLOCK=one, SUB=sub, BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
     else:
-        bn_, bk_, warps, stages = GEMM_CONFIG
+        bn_, bk_, warps, stages, *split = config or gemm_config(n)
+        bk_ = max(_tile_k(block_k, k, bk_, spans=False)[0], 16)
         bm_ = gemm_block_m(m)
-        wrap(_fp8_gemm_kernel)[(triton.cdiv(m, bm_), triton.cdiv(n, bn_))](
-            x2, weight, s, b, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), gk, block_n, qk,
+        k_per = triton.cdiv(triton.cdiv(k, split[0] if split else 1), bk_) * bk_  # whole tiles per k-range
+        splits = triton.cdiv(k, k_per)
+        out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        wrap(_fp8_gemm_kernel)[(triton.cdiv(m, bm_), triton.cdiv(n, bn_), splits)](
+            x2, weight, s, b, out, m, n, k, k_per, x2.stride(0), weight.stride(0), n, m * n, gk, block_n, qk,
             HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # no TF32 for fp32
-            BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
+            SPLIT=splits > 1, BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
+        if splits > 1:
+            wrap(_fp8_split_sum_kernel)[(triton.cdiv(m * n, 1024),)](
+                out, b, y, m * n, n, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=1024)
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -455,24 +455,27 @@ def launch_paged_write(pool, value, slots, *, wrap=lambda kernel: kernel) -> Non
 
 def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, block_size: int, device) -> dict:
     """The launch shape of ``paged_attention`` for steps of ``n`` tokens (fixed per token count, so a captured
-    bucket replays it): rows per query tile, key positions per program, and the upper bound of query tiles.
+    bucket replays it): rows per query tile, key positions per program, the upper bound of query tiles, warps and
+    pipeline stages.
 
-    Decode and verify steps (a few tokens per sequence) take query tiles of one or two tokens and cut each sequence's
-    keys into chunks, so that many programs share a long sequence; steps holding a prefill chunk take tiles of up to
-    64 rows, which read each key once per tile, and chunk the keys only while there are too few programs."""
+    A decode step (no more tokens than sequence slots) takes query tiles of one token, the G query heads of a KV
+    head; verify steps (a few tokens per sequence) tiles of 16 rows; steps holding a prefill chunk tiles of up to 64
+    rows, which read each key once per tile. Each sequence's keys are cut into chunks while there are too few
+    programs to keep the GPU busy through the longest sequence. Chosen by ``bench/ragged.py --sweep`` on an H200
+    (bench/RESULTS.md)."""
     g = hq // hkv
     block_g = _pow2(g, least=1)
-    decode_like = n <= 4 * slots
-    block_q = max(1, (16 if decode_like else 64) // block_g)
-    tiles = _query_tiles(n, slots, block_q)
+    rows = 16 if n <= 4 * slots else 64
+    block_q = 1 if n <= slots else max(1, rows // block_g)
     block_n = max(64 if block_g * block_q <= 32 else 32, block_size)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     chunk = max_positions
-    if tiles * hkv < 8 * sms:  # too few programs to keep the GPU busy through the longest sequence: chunk the keys
-        want = -(-8 * sms // (tiles * hkv))
-        chunk = max(block_n, -(-max_positions // want))
-        chunk = -(-chunk // block_n) * block_n
-    return dict(block_q=block_q, block_g=block_g, block_n=block_n, chunk=chunk, splits=-(-max_positions // chunk))
+    live = -(-n // block_q) * hkv  # programs that hold tokens when every sequence fills its tiles
+    if live < 8 * sms:  # too few programs to keep the GPU busy through the longest sequence: chunk the keys
+        want = -(-8 * sms // live)
+        chunk = _pow2(-(-max_positions // want), least=block_n)  # a power of two: 1024, not 832, for 4112 keys
+    return dict(block_q=block_q, block_g=block_g, block_n=block_n, chunk=chunk, splits=-(-max_positions // chunk),
+                warps=4, stages=3)
 
 
 def _query_tiles(n: int, slots: int, block_q: int) -> int:
@@ -519,7 +522,7 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
         scale, window, softcap, plan["chunk"], S=slots, G=hq // hkv, D=d, DV=dv, D2=d2, BS=bs, BLOCK_Q=plan["block_q"],
         BLOCK_G=plan["block_g"], BLOCK_N=plan["block_n"], BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), BLOCK_D2=_pow2(d2),
         SPLIT=split, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None,
-        HAS_ROPE=rope is not None, IEEE=q.dtype == torch.float32, num_warps=4)
+        HAS_ROPE=rope is not None, IEEE=q.dtype == torch.float32, num_warps=plan["warps"], num_stages=plan["stages"])
     if split:
         _paged_combine_kernel[(n, hq)](
             part, stats, seq, sinks_, out, *part.stride()[:3], *stats.stride()[:2], out.stride(1), out.stride(2),

@@ -298,10 +298,14 @@ def test_fp8_moe_experts_are_dequantised_through_the_conversions(arch, tmp_path,
 
 
 @pytest.mark.parametrize("n,k,bn,bk,m", [(200, 300, 128, 128, 1), (200, 300, 128, 128, 5), (7, 33, 1, 33, 1),
-                                         (7, 33, 7, 33, 3), (130, 256, 64, 128, 17), (130, 256, 64, 128, 40)])
+                                         (7, 33, 7, 33, 3), (130, 256, 64, 128, 17), (130, 256, 64, 128, 40),
+                                         (40, 600, 64, 256, 1), (40, 600, 64, 256, 9)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype):
-    """The GEMV (one row) and GEMM kernels, run on CPU tensors under TRITON_INTERPRET=1 (conftest)."""
+@pytest.mark.parametrize("config", [None, (8, 128, 4, 2), (32, 1024, 4, 3), (16, 64, 4, 2, 3)])
+def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype, config):
+    """The GEMV (one row) and GEMM kernels, run on CPU tensors under TRITON_INTERPRET=1 (conftest), with the
+    default tiles, with tiles inside a k-block and across several (the GEMV sums each k-block apart), and with the
+    GEMM's k split over three ranges (their fp32 partial sums added by a second kernel)."""
     from ppsplit.triton_kernels.fp8 import HAVE_TRITON, fp8_usable, launch_fp8_linear
 
     if not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
@@ -311,7 +315,7 @@ def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype):
     x, bias = torch.randn(m, k).to(dtype), torch.randn(n).to(dtype)
     assert fp8_usable(x, q, bk)
     ref = x.double() @ reference_dequant(q, scale, bn, bk).T + bias.double()
-    got = launch_fp8_linear(x, q, scale, bias, bn, bk)
+    got = launch_fp8_linear(x, q, scale, bias, bn, bk, config=config)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(got.double(), ref, atol=tol * math.sqrt(k), rtol=tol)
     assert not fp8_usable(x, q, 96) or 96 >= k  # a k-block a 128-wide tile would straddle takes the torch path

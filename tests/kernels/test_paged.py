@@ -283,11 +283,14 @@ def test_paged_latent_attention_kernel_bf16_on_gpu(case, config):
 
 
 def test_attention_plan_chunks_long_decodes_and_tiles_prefills():
-    """Decode-sized steps get one-token tiles and chunked keys; a step holding a prefill chunk gets 64-row tiles."""
+    """Decode steps get one-token tiles and chunked keys; verify steps 16-row tiles; a step holding a prefill chunk
+    gets 64-row tiles."""
     from ppsplit.triton_kernels.paged import attention_plan
 
     decode = attention_plan(32, 32, 8, 32, 4096, 16, torch.device("cpu"))
-    assert decode["block_q"] * decode["block_g"] == 16 and decode["splits"] > 1
+    assert decode["block_q"] == 1 and decode["block_g"] == 4 and decode["splits"] > 1
     assert decode["chunk"] % decode["block_n"] == 0 and decode["chunk"] * decode["splits"] >= 4096
+    verify = attention_plan(32, 32, 8, 8, 4096, 16, torch.device("cpu"))  # 8 sequences verifying 4 tokens
+    assert verify["block_q"] * verify["block_g"] == 16 and verify["splits"] > 1
     prefill = attention_plan(512, 32, 8, 8, 4096, 16, torch.device("cpu"))
     assert prefill["block_q"] * prefill["block_g"] == 64
