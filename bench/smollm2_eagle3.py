@@ -170,10 +170,11 @@ def reference_loss():
 
 
 def train(drafter, head, data: str, *, epochs: float, batch: int, lr: float, ttt: int, seconds: float | None,
-          log_every: int = 20, seed: int = 0) -> dict:
+          log_every: int = 20, seed: int = 0, start_step: int = 0) -> dict:
     """SpecForge's offline EAGLE-3 step (``Eagle3TrainStrategy.forward_loss`` over ``OnlineEagle3Model``, test-time
     training ``ttt`` steps deep) on SpecForge's dataset and collator over ``data``, AdamW with warm-up and cosine
-    decay. Stops after ``epochs`` or ``seconds``. Returns the last logged figures."""
+    decay. Stops after ``epochs`` or ``seconds``. ``start_step``: the schedule continues from there (a drafter
+    trained that far by an earlier run; AdamW's moments start afresh). Returns the last logged figures."""
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
     from specforge.data.preprocessing import build_offline_eagle3_dataset
     from specforge.data.utils import DataCollatorWithPadding
@@ -191,7 +192,9 @@ def train(drafter, head, data: str, *, epochs: float, batch: int, lr: float, ttt
     warm = max(1, total // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
         1 + torch.cos(torch.tensor(min(s, total) / total * torch.pi)).item()))
-    start, step, figures = time.perf_counter(), 0, {}
+    for _ in range(start_step):
+        sched.step()
+    start, step, figures = time.perf_counter(), start_step, {}
     drafter.train()
     with torch.compiler.set_stance("force_eager"), reference_loss():  # eager: the same math as SpecForge's compiled
         while step < total:
@@ -268,6 +271,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ttt", type=int, default=4, help="test-time-training depth (SpecForge's length)")
     p.add_argument("--train-seconds", type=float, default=None, help="stop training after this long")
+    p.add_argument("--resume-step", type=int, default=0, help="continue the drafter saved in --work, trained that "
+                   "many steps of the same schedule by an earlier run (stopped by --train-seconds)")
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=96, help="tokens per held-out prompt")
     p.add_argument("--threads", type=int, default=1, help="torch threads (here and in the ppsplit commands)")
@@ -298,10 +303,13 @@ def main() -> None:
     run(args, w, compiled, test_prompts, collect_s)
 
 
-def train_and_save(hf: str, split, data: str, work: str, *, draft_vocab: int, **train_args) -> tuple[str, dict]:
+def train_and_save(hf: str, split, data: str, work: str, *, draft_vocab: int, resume: bool = False,
+                   **train_args) -> tuple[str, dict]:
     """Steps 4 and 5's first half: a SpecForge drafter trained on ``data`` for the target checkpoint ``hf``, saved by
     SpecForge (``work/drafter-specforge``), read by ppsplit and saved in the speculators format
-    (``work/drafter-speculators``, returned with the training figures)."""
+    (``work/drafter-speculators``, returned with the training figures). ``resume``: start from the weights in
+    ``work/drafter-specforge``."""
+    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import ppsplit
@@ -311,6 +319,8 @@ def train_and_save(hf: str, split, data: str, work: str, *, draft_vocab: int, **
                                          target.get_input_embeddings().weight)
     head = target_head(hf, target.get_output_embeddings().weight)
     del target
+    if resume:
+        drafter.load_state_dict(load_file(os.path.join(work, "drafter-specforge", "model.safetensors")))
     start = time.perf_counter()
     figures = train(drafter, head, data, **train_args)
     figures.update(train_s=round(time.perf_counter() - start, 1), draft_vocab_coverage=round(covered, 4))
@@ -330,10 +340,11 @@ def run(args, w, compiled: str, test_prompts: list[str], collect_s: float) -> No
 
     split = ppsplit.load(compiled)
     spec, train_figures = w("drafter-speculators"), {}
-    if not os.path.isdir(spec):
+    if not os.path.isdir(spec) or args.resume_step:
         spec, train_figures = train_and_save(w("hf"), split, w("data"), args.work, draft_vocab=args.draft_vocab,
                                              epochs=args.epochs, batch=args.batch, lr=args.lr, ttt=args.ttt,
-                                             seconds=args.train_seconds)
+                                             seconds=args.train_seconds, resume=bool(args.resume_step),
+                                             start_step=args.resume_step)
     drafter = ppsplit.load_drafter(spec, split=split)  # the speculators folder, read back
     figures = evaluate(split, drafter, chat_ids(compiled, test_prompts), args.new_tokens, args.k)
     rows = sum(len(os.listdir(w("data", d))) for d in os.listdir(w("data")) if d.startswith("rows_"))
