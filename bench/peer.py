@@ -6,7 +6,8 @@
     HF static eager        the same step, eager
     ppsplit pp=1 / pp=4    stages with cache_attention, under ppsplit's CUDA graphs (pp=4: all four stages
                            replayed in a row = the sum of stages); "+compile": split_model(compile=True);
-                           "+fuse": split_model(fuse_projections=True) (q/k/v and gate/up as one GEMM each);
+                           no mark: split_model's default projections (on CUDA fused q/k/v and gate/up, unless
+                           compile=True); "+fuse" / "-fuse": fuse_projections=True / False (--fuse-projections);
                            "-gemv": split_model(gemv=False) (batch-1 projections on cuBLAS, not ppsplit's GEMV)
     pp=1 traced attention  attention=False: the traced repeat_kv + mask + SDPA (before the attention pass)
 
@@ -167,7 +168,7 @@ def hf_step(model, batch, tokens, start, max_len, compile_, device):
 
 # ---- ppsplit ----------------------------------------------------------------------------------------------------
 
-def ppsplit_step(traced, pp, batch, tokens, start, device, *, compile_=False, attention=True, fuse=False,
+def ppsplit_step(traced, pp, batch, tokens, start, device, *, compile_=False, attention=True, fuse=None,
                  gemv=True):
     """Replay of every stage's CUDA graph in a row (on the CPU: the stages called in a row)."""
     split = ppsplit.split_model(traced, pp, aux="eagle3", compile=compile_, attention=attention,
@@ -216,18 +217,19 @@ def run_step(bench, model, traced, step, batch, tokens, start, max_len, roof):
     def hf(compile_):
         return lambda: hf_step(model, batch, tokens, start, max_len, compile_, device)
 
-    def ours(pp, compile_=False, attention=True, fuse=False, gemv=True):
+    def ours(pp, compile_=False, attention=True, fuse=None, gemv=True):
         return lambda: ppsplit_step(traced, pp, batch, tokens, start, device, compile_=compile_,
                                     attention=attention, fuse=fuse, gemv=gemv)[0]
 
     compiles = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
-    fuses = {"off": (False,), "on": (True,), "both": (False, True)}[args.fuse_projections]
+    fuses = {"default": (None,), "off": (False,), "on": (True,), "both": (False, True)}[args.fuse_projections]
     gemvs = {"off": (False,), "on": (True,), "both": (True, False)}[args.gemv]
     for pp in args.pp:
         for c in compiles:
             for f in fuses:
                 for g in gemvs:
-                    name = (f"ppsplit pp={pp}" + (" +fuse" if f else "") + (" +compile" if c else "")
+                    name = (f"ppsplit pp={pp}" + {None: "", True: " +fuse", False: " -fuse"}[f]
+                            + (" +compile" if c else "")
                             + ("" if g else " -gemv"))
                     variants[name] = ours(pp, c, fuse=f, gemv=g)
         if pp == args.pp[0] and not args.no_hf_compile:
@@ -306,8 +308,9 @@ def main():
     ap.add_argument("--pp", default="1,4")
     ap.add_argument("--compile", choices=("off", "on", "both"), default="both",
                     help="ppsplit variants without and/or with split_model(compile=True)")
-    ap.add_argument("--fuse-projections", choices=("off", "on", "both"), default="off",
-                    help="ppsplit variants without and/or with split_model(fuse_projections=True)")
+    ap.add_argument("--fuse-projections", choices=("default", "off", "on", "both"), default="default",
+                    help="ppsplit variants with split_model's default (fused on CUDA, separate under compile=True), "
+                         "and/or separate (off) and/or fused (on) sibling projections")
     ap.add_argument("--gemv", choices=("off", "on", "both"), default="on",
                     help="ppsplit variants with (default) and/or without split_model's batch-1 GEMV routing; "
                          "without it the variant's name ends in -gemv")
@@ -347,7 +350,7 @@ def main():
         traced = ppsplit.trace_model(model, cache=CacheConfig(max(batches), args.max_len))
         log(f"traced with a {max(batches)} x {args.max_len} cache in {time.perf_counter() - t0:.0f} s")
         log("pp=1 " + " / ".join(ppsplit.split_model(traced, 1).plan.attention_lines(0)))
-        if args.fuse_projections != "off":
+        if args.fuse_projections in ("on", "both"):
             try:
                 check_fused(traced, device, model.config.vocab_size)
             except Exception as e:  # noqa: BLE001

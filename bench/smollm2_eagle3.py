@@ -51,10 +51,19 @@ TOPICS = ("rivers, mountains, volcanoes, deserts, forests, oceans, glaciers, isl
 TEMPLATES = ["Write a short paragraph about {}.", "Explain {} to a ten year old.", "Give three facts about {}.",
              "What are the benefits of {}?", "Describe {} in two sentences.", "Why do people like {}?",
              "Write a short poem about {}.", "What should a beginner know about {}?"]
+# ``--templates 16``: eight more training templates (the held-out prompts keep the first eight's)
+MORE_TEMPLATES = ["Tell me a fun fact about {}.", "How does {} affect everyday life?", "Write a short story about {}.",
+                  "What are common questions people ask about {}?", "Summarize what you know about {}.",
+                  "What is the history of {}?", "How would you teach a friend about {}?",
+                  "What are the pros and cons of {}?"]
 
 
-def make_prompts(n_train: int, n_test: int, seed: int = 0) -> tuple[list[str], list[str]]:
-    """Train prompts and held-out prompts from the templates; a held-out prompt's topic is never in training."""
+def make_prompts(n_train: int, n_test: int, seed: int = 0, templates: int = 8) -> tuple[list[str], list[str]]:
+    """Train prompts and held-out prompts from the templates; a held-out prompt's topic is never in training.
+    ``templates`` above 8 appends the training topics under ``MORE_TEMPLATES`` after the first eight's prompts (which,
+    like the held-out prompts, stay those of ``templates=8``)."""
+    if not 8 <= templates <= len(TEMPLATES) + len(MORE_TEMPLATES):
+        raise SystemExit(f"--templates must be 8..{len(TEMPLATES) + len(MORE_TEMPLATES)}")
     rng = random.Random(seed)
     subjects = list(TOPICS)
     rng.shuffle(subjects)
@@ -62,7 +71,9 @@ def make_prompts(n_train: int, n_test: int, seed: int = 0) -> tuple[list[str], l
     train = [t.format(s) for s in train_topics for t in TEMPLATES]
     rng.shuffle(train)
     test = [rng.choice(TEMPLATES).format(s) for s in test_topics]
-    return train[:n_train], test
+    more = [t.format(s) for s in train_topics for t in MORE_TEMPLATES[:templates - 8]]
+    random.Random(seed + 1).shuffle(more)
+    return (train + more)[:n_train], test
 
 
 def hf_from_gguf(wheel: str, out: str) -> None:
@@ -135,8 +146,15 @@ def specforge_drafter(target_config, taps, draft_vocab: int, data: str, embed: t
         drafter.t2d.copy_(t2d)
         drafter.embed_tokens.weight.copy_(embed)
     drafter.freeze_embedding()
-    covered = sum(counts[t] for t in t2d.nonzero().flatten().tolist()) / max(1, sum(counts.values()))
-    return drafter, covered
+    return drafter, vocab_coverage(t2d, data, c.vocab_size, counts)
+
+
+def vocab_coverage(t2d: torch.Tensor, data: str, vocab: int, counts: dict | None = None) -> float:
+    """The share of the loss-bearing tokens in ``data`` that the draft vocabulary (``t2d``) holds."""
+    from specforge.training.vocab_mapping import count_effective_feature_tokens
+
+    counts = counts if counts is not None else count_effective_feature_tokens(data, target_vocab_size=vocab)
+    return sum(counts[t] for t in t2d.nonzero().flatten().tolist()) / max(1, sum(counts.values()))
 
 
 def target_head(target_folder: str, lm_head: torch.Tensor):
@@ -262,6 +280,7 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=8, help="sequences the folder's cache holds")
     p.add_argument("--train-prompts", type=int, default=256)
     p.add_argument("--test-prompts", type=int, default=24)
+    p.add_argument("--templates", type=int, default=8, help="training prompt templates, 8..16 (more varied replies)")
     p.add_argument("--generate", type=int, default=96, help="new tokens of each collected answer, at most")
     p.add_argument("--engine-answers", action="store_true", help="the target answers inside ppsplit collect "
                    "(--generate) rather than by Hugging Face generate beforehand (slow on a CPU)")
@@ -273,6 +292,8 @@ def main() -> None:
     p.add_argument("--train-seconds", type=float, default=None, help="stop training after this long")
     p.add_argument("--resume-step", type=int, default=0, help="continue the drafter saved in --work, trained that "
                    "many steps of the same schedule by an earlier run (stopped by --train-seconds)")
+    p.add_argument("--init-drafter", default=None, help="a SpecForge drafter folder (an earlier run's "
+                   "drafter-specforge) to start training from, on a fresh schedule")
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=96, help="tokens per held-out prompt")
     p.add_argument("--threads", type=int, default=1, help="torch threads (here and in the ppsplit commands)")
@@ -289,38 +310,45 @@ def main() -> None:
     if not os.path.isdir(compiled):
         ppsplit_cli("compile", w("hf"), "--pp", str(args.pp), "--aux", "eagle3", "--max-batch", str(args.max_batch),
                     "--max-len", "512", "-o", compiled)
-    train_prompts, test_prompts = make_prompts(args.train_prompts, args.test_prompts)
+    train_prompts, test_prompts = make_prompts(args.train_prompts, args.test_prompts, templates=args.templates)
     start = time.perf_counter()
     if args.engine_answers:  # the target answers inside collect (the engine through the stages)
         write_jsonl(w("train.jsonl"), train_prompts)
         ppsplit_cli("collect", compiled, "--prompts", w("train.jsonl"), "--generate", str(args.generate), "-o",
                     w("data"))
     else:
-        if not os.path.isfile(w("train.jsonl")):
-            write_jsonl(w("train.jsonl"), train_prompts, hf_answers(w("hf"), train_prompts, args.generate))
+        answered = {}  # replies an earlier run of this --work wrote (or a copied train.jsonl): asked once
+        if os.path.isfile(w("train.jsonl")):
+            with open(w("train.jsonl")) as f:
+                answered = {row["prompt"]: row["response"] for row in map(json.loads, f)}
+        missing = [q for q in train_prompts if q not in answered]
+        if missing or len(answered) != len(train_prompts):
+            answered.update(zip(missing, hf_answers(w("hf"), missing, args.generate) if missing else []))
+            write_jsonl(w("train.jsonl"), train_prompts, [answered[q] for q in train_prompts])
         ppsplit_cli("collect", compiled, "--prompts", w("train.jsonl"), "-o", w("data"))
     collect_s = time.perf_counter() - start
     run(args, w, compiled, test_prompts, collect_s)
 
 
-def train_and_save(hf: str, split, data: str, work: str, *, draft_vocab: int, resume: bool = False,
+def train_and_save(hf: str, split, data: str, work: str, *, draft_vocab: int, init: str | None = None,
                    **train_args) -> tuple[str, dict]:
     """Steps 4 and 5's first half: a SpecForge drafter trained on ``data`` for the target checkpoint ``hf``, saved by
     SpecForge (``work/drafter-specforge``), read by ppsplit and saved in the speculators format
-    (``work/drafter-speculators``, returned with the training figures). ``resume``: start from the weights in
-    ``work/drafter-specforge``."""
+    (``work/drafter-speculators``, returned with the training figures). ``init``: a SpecForge drafter folder whose
+    weights training starts from, its draft vocabulary map kept (the coverage reported is that map's over ``data``)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import ppsplit
 
-    target = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    drafter, covered = specforge_drafter(AutoConfig.from_pretrained(hf), split.plan.taps, draft_vocab, data,
+    target, config = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), AutoConfig.from_pretrained(hf)
+    drafter, covered = specforge_drafter(config, split.plan.taps, draft_vocab, data,
                                          target.get_input_embeddings().weight)
     head = target_head(hf, target.get_output_embeddings().weight)
     del target
-    if resume:
-        drafter.load_state_dict(load_file(os.path.join(work, "drafter-specforge", "model.safetensors")))
+    if init:
+        drafter.load_state_dict(load_file(os.path.join(init, "model.safetensors")))
+        covered = vocab_coverage(drafter.t2d, data, config.vocab_size)
     start = time.perf_counter()
     figures = train(drafter, head, data, **train_args)
     figures.update(train_s=round(time.perf_counter() - start, 1), draft_vocab_coverage=round(covered, 4))
@@ -340,11 +368,11 @@ def run(args, w, compiled: str, test_prompts: list[str], collect_s: float) -> No
 
     split = ppsplit.load(compiled)
     spec, train_figures = w("drafter-speculators"), {}
-    if not os.path.isdir(spec) or args.resume_step:
+    if not os.path.isdir(spec) or args.resume_step or args.init_drafter:
         spec, train_figures = train_and_save(w("hf"), split, w("data"), args.work, draft_vocab=args.draft_vocab,
                                              epochs=args.epochs, batch=args.batch, lr=args.lr, ttt=args.ttt,
-                                             seconds=args.train_seconds, resume=bool(args.resume_step),
-                                             start_step=args.resume_step)
+                                             seconds=args.train_seconds, start_step=args.resume_step,
+                                             init=w("drafter-specforge") if args.resume_step else args.init_drafter)
     drafter = ppsplit.load_drafter(spec, split=split)  # the speculators folder, read back
     figures = evaluate(split, drafter, chat_ids(compiled, test_prompts), args.new_tokens, args.k)
     rows = sum(len(os.listdir(w("data", d))) for d in os.listdir(w("data")) if d.startswith("rows_"))

@@ -46,10 +46,19 @@ assert [r.option for r in REWRITES] == list(StageOptions.__dataclass_fields__), 
 
 def apply_rewrites(stage: torch.fx.GraphModule, options: StageOptions, device: torch.device | None = None) -> None:
     """Apply the rewrites ``options`` switches on, in ``REWRITES`` order. With ``device`` (what ``load`` passes)
-    the CUDA-only rewrites run only on a CUDA device."""
+    the CUDA-only rewrites run only on a CUDA device. An option left ``None`` (on where it is the fast path)
+    is decided by ``device``, or else by where the stage's tensors are."""
+    where = device or stage_device(stage)
     for rewrite in REWRITES:
-        if not getattr(options, rewrite.option):
+        if not options.on(rewrite.option, where):
             continue
         if rewrite.cuda_only and device is not None and device.type != "cuda":
             continue
         stage.meta[rewrite.meta] = rewrite.run(stage)
+
+
+def stage_device(stage: torch.nn.Module) -> torch.device:
+    """The device of ``stage``'s first parameter or buffer (the CPU for a stage that holds none)."""
+    for t in (*stage.parameters(), *stage.buffers()):
+        return t.device
+    return torch.device("cpu")

@@ -9,7 +9,8 @@ Runs on one stage ``GraphModule`` at a time, after ``emit`` in ``split_model`` o
 stage from a compiled folder: the folder keeps the Hugging Face tensors under their original names, and the
 fused weight is built once, when the stage is built. The stage then holds the concatenated weight (and bias)
 under a derived name, ``<common prefix>.fused_<q_proj>_<k_proj>_<v_proj>.weight``, and no longer holds the
-separate ones, so the stage's memory does not grow.
+separate ones; those (which ``split_model``'s source model still holds) become views of the concatenation, so
+fusing does not grow the process's memory.
 
 Fused: ``aten.linear(x, W[, b])``, ``aten.mm(x, W.t())`` and ``aten.addmm(b, x, W.t())`` (also with ``W`` stored
 ``[in, out]`` as GPT-2's Conv1D does), grouped by input, form, dtype, device, input size and whether they have a
@@ -158,15 +159,30 @@ def _owner(stage: fx.GraphModule, name: str) -> tuple[torch.nn.Module, str]:
 
 
 def _shared_names(stage: fx.GraphModule) -> set[str]:
-    """Names of tensors that the stage holds under more than one name, or that share storage with another."""
-    by_key: dict = {}
+    """Names of tensors that the stage holds under more than one name, or whose bytes overlap another's (views of
+    disjoint parts of one storage, as an earlier fusing leaves the source model's tensors, are not shared)."""
+    by_id: dict = {}
+    by_storage: dict = {}
     for name, t in [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]:
-        keys = {("id", id(t))}
+        by_id.setdefault(id(t), []).append(name)
         if t.device.type != "meta" and t.untyped_storage().data_ptr():
-            keys.add(("storage", t.device, t.untyped_storage().data_ptr()))
-        for key in keys:
-            by_key.setdefault(key, []).append(name)
-    return {name for names in by_key.values() if len(names) > 1 for name in names}
+            span = (t.storage_offset(), t.storage_offset() + _extent(t))
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((span, name))
+    shared = {name for names in by_id.values() if len(names) > 1 for name in names}
+    for spans in by_storage.values():
+        spans.sort()
+        reach, reacher = -1, None  # the furthest end so far, and whose
+        for (start, end), name in spans:
+            if start < reach:
+                shared |= {name, reacher}
+            if end > reach:
+                reach, reacher = end, name
+    return shared
+
+
+def _extent(t: torch.Tensor) -> int:
+    """How many elements from ``t``'s storage offset its view spans (1 past its last element)."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
 
 
 def _why_not(stage: fx.GraphModule, m: _Member, shared: set, attr_nodes: dict) -> str | None:
@@ -203,16 +219,17 @@ def _fuse(stage: fx.GraphModule, members: list[_Member]) -> FusedProjection:
     sizes = tuple(int(w.shape[out_dim]) for w in weights)
     weight_name = _fused_name(stage, [m.weight.target for m in members])
     with torch.no_grad():
-        _register(stage, weight_name, torch.cat(weights, dim=out_dim), like=members[0].weight.target)
+        _register(stage, weight_name, _stack(weights, out_dim), like=members[0].weight.target)
         if members[0].scale is not None:  # one scale row per block of rows: the grids stack like the weights
             scale_name = weight_name + "_scale"
             k = weights[0].shape[1]
-            grids = [get_tensor(stage, m.scale.target).reshape(w.shape[0] // m.block[0], -(-k // m.block[1]))
+            grids = [(get_tensor(stage, m.scale.target), (w.shape[0] // m.block[0], -(-k // m.block[1])))
                      for m, w in zip(members, weights)]
-            _register(stage, scale_name, torch.cat(grids), like=members[0].scale.target)
+            _register(stage, scale_name, _stack([s for s, _ in grids], 0, [g for _, g in grids]),
+                      like=members[0].scale.target)
         if members[0].bias is not None:
             bias_name = weight_name.rpartition(".")[0] + ".bias"
-            _register(stage, bias_name, torch.cat([get_tensor(stage, m.bias.target) for m in members]),
+            _register(stage, bias_name, _stack([get_tensor(stage, m.bias.target) for m in members], 0),
                       like=members[0].bias.target)
     with graph.inserting_before(first):
         w = graph.get_attr(weight_name)
@@ -244,6 +261,19 @@ def _fuse(stage: fx.GraphModule, members: list[_Member]) -> FusedProjection:
             if attr is not None:
                 _drop(stage, attr.target)
     return FusedProjection(weight=weight_name, members=tuple(m.weight.target for m in members), sizes=sizes)
+
+
+def _stack(parts: list[torch.Tensor], dim: int, shapes: list[tuple[int, ...]] | None = None) -> torch.Tensor:
+    """``parts`` (each seen as its ``shapes`` entry) concatenated along ``dim``; each part then becomes a view of its
+    slice of the result. The parts are the stage's former tensors, which ``split_model``'s source model still
+    holds: as views they cost no memory, so fusing does not grow what the process holds."""
+    shapes = shapes or [tuple(p.shape) for p in parts]
+    whole = torch.cat([p.reshape(shape) for p, shape in zip(parts, shapes)], dim=dim)
+    start = 0
+    for part, shape in zip(parts, shapes):
+        part.data = whole.narrow(dim, start, shape[dim]).view(part.shape)
+        start += shape[dim]
+    return whole
 
 
 def _fused_name(stage: fx.GraphModule, names: list[str]) -> str:

@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default=None, help="output folder (default: <model name>-pp<N>)")
     p.add_argument("--force", action="store_true", help="replace the output folder if it exists")
     p.add_argument("--no-fuse", action="store_true", help="keep the traced ops (no Triton tap/norm kernels)")
-    p.add_argument("--fuse-projections", action="store_true", help="fuse sibling projections (q/k/v, gate/up) "
-                   "into one linear each when the stages are loaded (the files keep the checkpoint's names)")
+    p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="fuse sibling projections (q/k/v, gate/up) into one linear each when the stages are loaded "
+                   "(the files keep the checkpoint's names); default: on CUDA devices")
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder or hub id: taps from its config, "
                    "stored in DIR/drafter")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
@@ -203,7 +204,8 @@ def cmd_inspect(args) -> int:
     rewrites = ", ".join(f"{name}={on}" for name, on in dataclasses.asdict(manifest.stage_options).items())
     print(f"source {manifest.source}, {manifest.dtype}, compiled with ppsplit {manifest.ppsplit}, torch "
           f"{manifest.torch}, transformers {manifest.transformers}"
-          + ("; sibling projections fused at load" if manifest.stage_options.fuse_projections else ""))
+          + {True: "; sibling projections fused at load", None: "; sibling projections fused at load on CUDA",
+             False: ""}[manifest.stage_options.fuse_projections])
     print(f"stage rewrites load applies: {rewrites}")
     q = manifest.quantization
     if q is not None:

@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Literal, Sequence, Union
 
 from ppsplit.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("ppsplit")
 
@@ -135,7 +138,10 @@ class StageOptions:
     """Rewrites of built stages (``ppsplit.passes.rewrites``), applied by ``split_model`` and by ``load`` alike;
     ``ppsplit compile`` records them in the folder's manifest and leaves the stored programs as traced.
 
-    ``fuse_projections``: sibling linears on one input (q/k/v, gate/up) become one linear per stage.
+    ``fuse_projections``: sibling linears on one input (q/k/v, gate/up) become one linear per stage. ``None`` (the
+    default): on stages whose tensors are on a CUDA device, where it is the faster decode step, unless ``compile``
+    is on (fused and Inductor-compiled stages ended in an illegal memory access on an H200, not yet understood);
+    ``True`` / ``False`` everywhere.
     ``gemv``: one-row projections (decode at batch 1) on CUDA go through ppsplit's Triton GEMV.
     ``compile``: each stage is compiled with Inductor at its first call per shape.
 
@@ -145,14 +151,24 @@ class StageOptions:
         SplitOptions(pp=4, stage=StageOptions(fuse_projections=True))
     """
 
-    fuse_projections: bool = False
+    fuse_projections: bool | None = None
     gemv: bool = True
     compile: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            if not isinstance(getattr(self, f.name), bool):
-                raise ConfigError(f"{f.name} must be True or False, but got {getattr(self, f.name)!r}")
+            value = getattr(self, f.name)
+            if not isinstance(value, bool) and not (value is None and f.default is None):
+                raise ConfigError(f"{f.name} must be True or False{' or None' if f.default is None else ''}, but got "
+                                  f"{value!r}")
+
+    def on(self, option: str, device: torch.device) -> bool:
+        """Whether rewrite ``option`` runs on a stage on ``device`` (``fuse_projections=None``: on CUDA, unless
+        ``compile``)."""
+        value = getattr(self, option)
+        if value is None:
+            return device.type == "cuda" and not self.compile
+        return value
 
 
 STAGE_OPTIONS = tuple(f.name for f in dataclasses.fields(StageOptions))

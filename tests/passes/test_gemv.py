@@ -148,8 +148,12 @@ def test_routed_decode_on_gpu_matches_unrouted():
 @pytest.mark.gpu
 def test_compiled_folder_routes_when_loaded_on_gpu(tmp_path):
     out = _compiled_folder(tmp_path)
-    loaded, plain = ppsplit.load(out, ["cuda", "cuda"]), ppsplit.load(out, ["cuda", "cuda"], gemv=False)
+    # projections left separate (fused, the default on CUDA, gate/up would route as one): 2 per layer + lm_head
+    loaded = ppsplit.load(out, ["cuda", "cuda"], fuse_projections=False)
+    plain = ppsplit.load(out, ["cuda", "cuda"], fuse_projections=False, gemv=False)
     assert [len(_routed(s)) for s in loaded.stages] == [4, 5] and not any(_routed(s) for s in plain.stages)
+    fused = ppsplit.load(out, ["cuda", "cuda"])
+    assert [len(_routed(s)) for s in fused.stages] == [2, 3]
     ids = torch.randint(3, MIN_OUT, (1, 1), device="cuda")
     with torch.no_grad():
         a, b = loaded(ids)[0], plain(ids)[0]
