@@ -201,7 +201,8 @@ def cmd_inspect(args) -> int:
     programs = folder.check()  # exactly what load checks before it reads a tensor
     plan, manifest = folder.plan, folder.manifest
     print(plan.describe())
-    rewrites = ", ".join(f"{name}={on}" for name, on in dataclasses.asdict(manifest.stage_options).items())
+    rewrites = ", ".join(f"{name}={'default (on CUDA unless compiled)' if on is None else on}"
+                         for name, on in dataclasses.asdict(manifest.stage_options).items())
     print(f"source {manifest.source}, {manifest.dtype}, compiled with ppsplit {manifest.ppsplit}, torch "
           f"{manifest.torch}, transformers {manifest.transformers}"
           + {True: "; sibling projections fused at load", None: "; sibling projections fused at load on CUDA",
