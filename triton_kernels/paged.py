@@ -270,24 +270,23 @@ if HAVE_TRITON:
                 tl.store(POOL + slot.to(tl.int64) * F + f, v.to(POOL.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _tile_of(CU, program, S: tl.constexpr):
-        """The sequence slot whose query tiles hold tile ``program``: the last ``s`` with ``CU[s] <= program``
-        (``CU`` = the running count of tiles before each slot, ``S + 1`` entries)."""
-        lo = 0
-        hi = S
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if tl.load(CU + mid) <= program:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+    def _tile_of(COUNTS, program, S: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_Q: tl.constexpr):
+        """``(tiles, s, before)``: the step's query tiles (each slot's tokens cut into tiles of ``BLOCK_Q``), the
+        sequence slot whose tiles hold tile ``program`` and the tiles of the slots before it. Computed from
+        ``COUNTS`` by every program (a few registers), so a step needs no separate kernel for the running count."""
+        i = tl.arange(0, BLOCK_S)
+        per = (tl.load(COUNTS + i, mask=i < S, other=0) + BLOCK_Q - 1) // BLOCK_Q
+        ends = tl.cumsum(per, 0)  # the running count of tiles through each slot
+        s = tl.sum((ends <= program).to(tl.int32), 0)  # slots that end at or before the tile: the first that holds it
+        before = tl.sum(tl.where(i == s, ends - per, 0), 0)
+        return tl.sum(per, 0), s, before
 
     @triton.jit
-    def _paged_attention_kernel(Q, K, V, Q2, K2, POS, TABLE, STARTS, COUNTS, CU, SLOPES, SINKS, O, PART, STATS,
+    def _paged_attention_kernel(Q, K, V, Q2, K2, POS, TABLE, STARTS, COUNTS, SLOPES, SINKS, O, PART, STATS,
                                 sqh, sqt, skb, sks, skh, svb, svs, svh, sq2h, sq2t, sk2b, sk2s, sk2h, soh, sot,
                                 stable, sps, spt, sph, sss, sst, scale, window, softcap, chunk,
-                                S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                                S: tl.constexpr, BLOCK_S: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                                DV: tl.constexpr,
                                 D2: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                                 BLOCK_D2: tl.constexpr, SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -305,9 +304,9 @@ if HAVE_TRITON:
         program = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
-        if program < tl.load(CU + S):
-            s = _tile_of(CU, program, S)
-            first = (program - tl.load(CU + s)) * BLOCK_Q  # the tile's first token within the sequence
+        tiles, s, before = _tile_of(COUNTS, program, S, BLOCK_S, BLOCK_Q)
+        if program < tiles:
+            first = (program - before) * BLOCK_Q  # the tile's first token within the sequence
             count = tl.load(COUNTS + s)
             rows = tl.arange(0, BLOCK_Q * BLOCK_G)
             r = rows // BLOCK_G
@@ -503,8 +502,6 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
     plan.update(config or {})
     q, q2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, q2))
     out = torch.zeros(1, n, hq, dv, dtype=q.dtype, device=q.device).transpose(1, 2)  # padding tokens: zeros
-    per_slot = (seq_count + plan["block_q"] - 1) // plan["block_q"]  # query tiles of each slot, on the device
-    cu = torch.cat([per_slot.new_zeros(1), per_slot.cumsum(0)])
     split = plan["splits"] > 1
     part = stats = out
     if split:
@@ -515,12 +512,12 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
     sinks_ = sinks if sinks is not None else dummy
     d2 = q2.shape[-1] if rope is not None else 1
     _paged_attention_kernel[(_query_tiles(n, slots, plan["block_q"]), hkv, plan["splits"])](
-        q, keys, values, q2, k2, positions, block_table, seq_start, seq_count, cu, alibi_, sinks_, out, part, stats,
+        q, keys, values, q2, k2, positions, block_table, seq_start, seq_count, alibi_, sinks_, out, part, stats,
         q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), strides[0], values.stride(0), values.stride(1),
         strides[1], q2.stride(1), q2.stride(2), k2.stride(0), k2.stride(1), strides[2], out.stride(1), out.stride(2),
         block_table.stride(0), *(part.stride()[:3] if split else (0, 0, 0)), *(stats.stride()[:2] if split else (0, 0)),
-        scale, window, softcap, plan["chunk"], S=slots, G=hq // hkv, D=d, DV=dv, D2=d2, BS=bs, BLOCK_Q=plan["block_q"],
-        BLOCK_G=plan["block_g"], BLOCK_N=plan["block_n"], BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), BLOCK_D2=_pow2(d2),
+        scale, window, softcap, plan["chunk"], S=slots, BLOCK_S=_pow2(slots, least=2), G=hq // hkv, D=d, DV=dv, D2=d2,
+        BS=bs, BLOCK_Q=plan["block_q"], BLOCK_G=plan["block_g"], BLOCK_N=plan["block_n"], BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), BLOCK_D2=_pow2(d2),
         SPLIT=split, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None,
         HAS_ROPE=rope is not None, IEEE=q.dtype == torch.float32, num_warps=plan["warps"], num_stages=plan["stages"])
     if split:

@@ -29,6 +29,7 @@ ATTENTION_CASES = [
     (4, 2, 64, 16, (9, 1, 4), dict(window=7, softcap=20.0)),  # Gemma 2: sliding window + soft-cap
     (4, 4, 64, 32, (6, 1), dict(alibi=True)),                # Bloom: ALiBi
     (4, 2, 64, 16, (5, 2, 1), dict(sinks=True, window=4)),   # gpt-oss: sinks (+ window)
+    (4, 2, 64, 16, (3, 0, 0, 6, 1), {}),                     # idle slots between busy ones: no tiles of their own
 ]
 
 
@@ -43,7 +44,7 @@ def ragged(counts, block: int, slots: int, seed: int, pad: int = 3):
     blocks = list(range(layout.num_blocks))
     rng.shuffle(blocks)
     tables = {s: blocks[s * per_seq:(s + 1) * per_seq][:-(-lengths[s] // block)] for s in range(len(counts))}
-    segments = [Segment(s, starts[s], c) for s, c in enumerate(counts)]
+    segments = [Segment(s, starts[s], c) for s, c in enumerate(counts) if c]
     return RaggedStep.build(segments, tables, layout, pad_to=sum(counts) + pad), layout, lengths
 
 
