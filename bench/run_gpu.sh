@@ -31,10 +31,10 @@ for step in $what; do
     ragged_sweep) python3 bench/ragged.py --sweep 2>&1 | tee "$OUT/ragged_sweep.txt" ;;
     fp8)      python3 bench/fp8.py --layers 8 ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.txt" ;;                   # issue 31
     fp8_sweep) python3 bench/fp8.py --sweep ${HF_FP8:+--hf-kernel $HF_FP8} 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
-    # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048, separate and fused)
+    # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048)
     peer_decode) python3 bench/peer.py --modes decode --batches 1,32 --pp 1 --compile both --no-traced-baseline \
                    --profile-batches 1 --top 12 2>&1 | tee "$OUT/peer_decode.txt" ;;
-    peer_prefill) python3 bench/peer.py --modes prefill --pp 1 --compile both --fuse-projections off \
+    peer_prefill) python3 bench/peer.py --modes prefill --pp 1 --compile both \
                    --no-traced-baseline --profile-batches= 2>&1 | tee "$OUT/peer_prefill.txt" ;;
     # issue 32 item 2: the illegal access of fused + compiled stages (bench/RESULTS.md section 27), in its own process
     fused_compile) python3 bench/peer.py --modes prefill --pp 1 --compile on --fuse-projections on --no-hf-compile \
