@@ -42,3 +42,17 @@ def test_collect_train_save_load_and_decode_like_greedy(tmp_path):
     result = example.evaluate(split, drafter, example.chat_ids(folder, held_out), new=8, k=3)
     assert result["equal_to_greedy"] and result["tokens"] > 0 and result["verify_passes"] >= 1
     assert 1.0 <= result["mean_acceptance_length"] <= 4.0
+
+
+def test_more_templates_keep_the_first_prompts_and_the_held_out_ones():
+    """``--templates 16`` appends prompts from eight more templates: the first eight's prompts (what earlier runs
+    trained on) and the held-out prompts stay exactly the same, and no held-out topic enters training."""
+    base, held_out = example.make_prompts(10_000, 16)
+    more, held_out_more = example.make_prompts(10_000, 16, templates=16)
+    assert held_out_more == held_out and more[:len(base)] == base and len(more) == 2 * len(base)
+    templates = example.TEMPLATES + example.MORE_TEMPLATES
+    held_topics = {t for t in example.TOPICS if any(q == f.format(t) for q in held_out for f in example.TEMPLATES)}
+    assert len(held_topics) == 16
+    assert not {f.format(t) for t in held_topics for f in templates} & set(more)
+    with pytest.raises(SystemExit, match="--templates must be 8..16"):
+        example.make_prompts(10, 2, templates=17)
