@@ -19,6 +19,11 @@ Steps (each skipped when its output exists, so a re-run resumes):
   5. ppsplit loads it, saves it in the speculators format, loads that back, and decodes each held-out prompt
      greedily with K drafts per verify pass, against plain greedy decoding of the same folder.
 Prints the mean acceptance length, target passes per generated token and whether every output equals greedy.
+
+bench/RESULTS.md section 23's best drafter (2.06 at K=4): 10 epochs over the replies of the 8 templates
+(``--train-prompts 1000 --generate 128 --epochs 10``), then that drafter trained on for 3 epochs over twice the
+replies (``--train-prompts 2000 --templates 16 --epochs 3 --lr 5e-4 --init-drafter DIR`` in a ``--work`` holding
+the first run's ``train.jsonl``, whose replies are reused).
 """
 from __future__ import annotations
 
