@@ -286,8 +286,8 @@ if HAVE_TRITON:
                                 sqh, sqt, skb, sks, skh, svb, svs, svh, sq2h, sq2t, sk2b, sk2s, sk2h, soh, sot,
                                 stable, sps, spt, sph, sss, sst, scale, window, softcap, chunk,
                                 S: tl.constexpr, BLOCK_S: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                                DV: tl.constexpr,
-                                D2: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
+                                DV: tl.constexpr, D2: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr,
+                                BLOCK_G: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                                 BLOCK_D2: tl.constexpr, SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                                 HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ROPE: tl.constexpr,
@@ -516,8 +516,9 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
         q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), strides[0], values.stride(0), values.stride(1),
         strides[1], q2.stride(1), q2.stride(2), k2.stride(0), k2.stride(1), strides[2], out.stride(1), out.stride(2),
         block_table.stride(0), *(part.stride()[:3] if split else (0, 0, 0)), *(stats.stride()[:2] if split else (0, 0)),
-        scale, window, softcap, plan["chunk"], S=slots, BLOCK_S=_pow2(slots, least=2), G=hq // hkv, D=d, DV=dv, D2=d2,
-        BS=bs, BLOCK_Q=plan["block_q"], BLOCK_G=plan["block_g"], BLOCK_N=plan["block_n"], BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), BLOCK_D2=_pow2(d2),
+        scale, window, softcap, plan["chunk"], S=slots, BLOCK_S=_pow2(slots, least=2), G=hq // hkv, D=d, DV=dv,
+        D2=d2, BS=bs, BLOCK_Q=plan["block_q"], BLOCK_G=plan["block_g"], BLOCK_N=plan["block_n"], BLOCK_D=_pow2(d),
+        BLOCK_DV=_pow2(dv), BLOCK_D2=_pow2(d2),
         SPLIT=split, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None,
         HAS_ROPE=rope is not None, IEEE=q.dtype == torch.float32, num_warps=plan["warps"], num_stages=plan["stages"])
     if split:
