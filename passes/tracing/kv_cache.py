@@ -35,7 +35,9 @@ The layer classes plug into Hugging Face's ``Cache`` interface (``update``, ``ge
 """
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import inspect
 import sys
 import typing
@@ -196,6 +198,9 @@ class PositionedCache(Cache):
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
         return recurrent_states  # the scan has written the ring already
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0  # transformers >= 5.25: no per-token states beside the scan's (the ring keeps each position's)
+
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
         if conv_kernel_size is None:
@@ -260,10 +265,26 @@ _METHOD_SCANS = {"_rnn_scan": "lru"}
 
 
 def _source(cls) -> str:
+    """``cls.forward``'s source, then that of each function of its model file it calls by name: transformers 5.25
+    moved the mixers' scans and convolutions into such functions (``mamba2_scan_forward``, ``causal_conv1d_forward``,
+    which ``kernels`` wraps in modules, so they are read from the file's text)."""
     try:
-        return inspect.getsource(cls.forward)
+        code = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return ""
+    helpers = _file_functions(cls.__module__)
+    return "\n".join([code, *(source for name, source in helpers.items() if name + "(" in code)])
+
+
+@functools.cache
+def _file_functions(module: str) -> dict[str, str]:
+    """The source of each top-level function of ``module`` (a model file), by name."""
+    try:
+        text = inspect.getsource(sys.modules[module])
+    except (KeyError, OSError, TypeError):
+        return {}
+    return {node.name: ast.get_source_segment(text, node) or "" for node in ast.parse(text).body
+            if isinstance(node, ast.FunctionDef)}
 
 
 def _scan_called(module: torch.nn.Module) -> str | None:

@@ -4,6 +4,7 @@ a constant made from Python data (a list index, `torch.tensor(finfo.min)`), HF's
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 
 import ppsplit
 from ppsplit import CacheConfig
@@ -32,7 +33,8 @@ CONFIGS = {
                    num_key_value_heads=2, kv_channels=16, num_local_experts=4, num_experts_per_tok=2,
                    max_position_embeddings=64),
 }
-CONSTANTS = {"falcon-gqa", "falcon-mqa", "gpt_neo"}
+# Models whose export lifts tensors built from Python data (transformers 5.25's Falcon builds none)
+CONSTANTS = {"gpt_neo"} | ({"falcon-gqa", "falcon-mqa"} if Version(transformers.__version__) < Version("5.25") else set())
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
