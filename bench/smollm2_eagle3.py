@@ -327,9 +327,9 @@ def main() -> None:
             with open(w("train.jsonl")) as f:
                 answered = {row["prompt"]: row["response"] for row in map(json.loads, f)}
         missing = [q for q in train_prompts if q not in answered]
-        if missing or len(answered) != len(train_prompts):
-            answered.update(zip(missing, hf_answers(w("hf"), missing, args.generate) if missing else []))
-            write_jsonl(w("train.jsonl"), train_prompts, [answered[q] for q in train_prompts])
+        if missing:
+            answered.update(zip(missing, hf_answers(w("hf"), missing, args.generate)))
+        write_jsonl(w("train.jsonl"), train_prompts, [answered[q] for q in train_prompts])
         ppsplit_cli("collect", compiled, "--prompts", w("train.jsonl"), "-o", w("data"))
     collect_s = time.perf_counter() - start
     run(args, w, compiled, test_prompts, collect_s)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ppsplit.core.options import StageOptions
+from ppsplit.core.tensors import module_device
 
 
 @dataclass(frozen=True)
@@ -48,17 +49,10 @@ def apply_rewrites(stage: torch.fx.GraphModule, options: StageOptions, device: t
     """Apply the rewrites ``options`` switches on, in ``REWRITES`` order. With ``device`` (what ``load`` passes)
     the CUDA-only rewrites run only on a CUDA device. An option left ``None`` (on where it is the fast path)
     is decided by ``device``, or else by where the stage's tensors are."""
-    where = device or stage_device(stage)
+    where = device or module_device(stage)
     for rewrite in REWRITES:
         if not options.on(rewrite.option, where):
             continue
         if rewrite.cuda_only and device is not None and device.type != "cuda":
             continue
         stage.meta[rewrite.meta] = rewrite.run(stage)
-
-
-def stage_device(stage: torch.nn.Module) -> torch.device:
-    """The device of ``stage``'s first parameter or buffer (the CPU for a stage that holds none)."""
-    for t in (*stage.parameters(), *stage.buffers()):
-        return t.device
-    return torch.device("cpu")

@@ -205,7 +205,7 @@ def cmd_inspect(args) -> int:
                          for name, on in dataclasses.asdict(manifest.stage_options).items())
     print(f"source {manifest.source}, {manifest.dtype}, compiled with ppsplit {manifest.ppsplit}, torch "
           f"{manifest.torch}, transformers {manifest.transformers}"
-          + {True: "; sibling projections fused at load", None: "; sibling projections fused at load on CUDA",
+          + {True: "; sibling projections fused at load", None: "; sibling projections fused at load on CUDA unless compiled",
              False: ""}[manifest.stage_options.fuse_projections])
     print(f"stage rewrites load applies: {rewrites}")
     q = manifest.quantization
