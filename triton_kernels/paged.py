@@ -395,10 +395,15 @@ if HAVE_TRITON:
                               SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr):
         """The output of token ``t``, head ``h`` from its chunks' partial softmaxes (a chunk with no key for the row
-        has ``m = -1e30`` and weighs nothing; its partial is never read)."""
+        has ``m = -1e30`` and weighs nothing; its partial is never read); zeros for a padding token, so the output
+        needs no fill of its own."""
         t = tl.program_id(0)
         h = tl.program_id(1)
-        if tl.load(SEQ + t) >= 0:
+        if tl.load(SEQ + t) < 0:
+            dv = tl.arange(0, BLOCK_DV)
+            tl.store(O + h * soh + t.to(tl.int64) * sot + dv, tl.zeros([BLOCK_DV], dtype=tl.float32).to(
+                O.dtype.element_ty), mask=dv < DV)
+        else:
             k = tl.arange(0, BLOCK_SPLITS)
             ok = k < SPLITS
             m = tl.load(STATS + k * sss + t.to(tl.int64) * sst + h * 2, mask=ok, other=-1.0e30)
@@ -501,8 +506,9 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
     plan = attention_plan(n, hq, hkv, slots, block_table.shape[1] * bs, bs, q.device)
     plan.update(config or {})
     q, q2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, q2))
-    out = torch.zeros(1, n, hq, dv, dtype=q.dtype, device=q.device).transpose(1, 2)  # padding tokens: zeros
     split = plan["splits"] > 1
+    # Padding tokens get zeros: from the combine kernel when the keys are split, else from a fill.
+    out = (torch.empty if split else torch.zeros)(1, n, hq, dv, dtype=q.dtype, device=q.device).transpose(1, 2)
     part = stats = out
     if split:
         part = torch.empty(plan["splits"], n, hq, dv, dtype=torch.float32, device=q.device)

@@ -5,6 +5,7 @@ serving process imports only the rewrites it applies. Its report goes into ``sta
 ``ppsplit.gemv``, ``ppsplit.compile``).
 
     fuse_projections   sibling linears on one input -> one linear over the concatenated weight (projections.py)
+    fuse_pointwise     rotary embedding, SiLU-and-multiply -> one Triton kernel each (pointwise.py)
     gemv               projections with >= 4096 outputs -> ppsplit::linear, a Triton GEMV at batch 1 (gemv.py)
     compile            the stage compiled with Inductor at its first call per shape (inductor.py)
 
@@ -39,6 +40,7 @@ class StageRewrite:
 
 REWRITES = (
     StageRewrite("fuse_projections", "projections:fuse_projections", "ppsplit.projections"),
+    StageRewrite("fuse_pointwise", "pointwise:fuse_pointwise", "ppsplit.pointwise", cuda_only=True),
     StageRewrite("gemv", "gemv:route_gemv", "ppsplit.gemv", cuda_only=True),
     StageRewrite("compile", "inductor:compile_stage", "ppsplit.compile"),
 )

@@ -44,18 +44,19 @@ def stage_options(folder: CompiledFolder, **overrides) -> StageOptions:
 
 def load_stage(folder: str | CompiledFolder, k: int, device: torch.device | str = "cpu", *,
                compile: bool | None = None, fuse_projections: bool | None = None,
-               gemv: bool | None = None) -> fx.GraphModule:
+               fuse_pointwise: bool | None = None, gemv: bool | None = None) -> fx.GraphModule:
     """Stage ``k`` of a compiled folder, ready to run on ``device``: ``y, aux = stage(x, positions, aux)``.
-    ``compile``, ``fuse_projections``, ``gemv``: the stage rewrites (``StageOptions``); ``None`` keeps what the
-    folder records (``ppsplit compile --fuse-projections``; ``gemv`` on, ``compile`` off by default). ``gemv`` runs
-    only on a CUDA device.
+    ``compile``, ``fuse_projections``, ``fuse_pointwise``, ``gemv``: the stage rewrites (``StageOptions``); ``None``
+    keeps what the folder records (``ppsplit compile --fuse-projections``; ``gemv`` on, ``compile`` off by default).
+    ``fuse_pointwise`` and ``gemv`` run only on a CUDA device.
 
     Example::
 
         stage = ppsplit.load_stage("demo-pp4", 2, "cuda:2")
     """
     folder = folder if isinstance(folder, CompiledFolder) else CompiledFolder(folder)
-    options = stage_options(folder, compile=compile, fuse_projections=fuse_projections, gemv=gemv)
+    options = stage_options(folder, compile=compile, fuse_projections=fuse_projections,
+                            fuse_pointwise=fuse_pointwise, gemv=gemv)
     program = folder.program(k)
     folder.check_weights(program)
     return build_stage(folder, program, check_device(device), options)

@@ -67,7 +67,8 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
       equal), ``fuse`` (``True``/``"all"``: tap stores, residual adds and norms as Triton kernels; ``"norms"``;
       ``False``/``"none"``);
     - built stages (``StageOptions``, the same rewrites ``load`` applies): ``fuse_projections`` (sibling linears
-      on one input become one linear over their concatenated weight; default: on CUDA stages), ``gemv`` (one-row
+      on one input become one linear over their concatenated weight; default: on CUDA stages), ``fuse_pointwise``
+      (the rotary embedding and SiLU-and-multiply as one Triton kernel each; default: on CUDA stages), ``gemv`` (one-row
       projections on CUDA through ppsplit's Triton GEMV), ``compile`` (Inductor at the first call per shape).
 
     ``model`` may be the result of ``trace_model``. The stages share the model's parameters (no copy).

@@ -82,7 +82,8 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     # The stage rewrites are applied when a stage is loaded (the manifest records them): the stage files keep the
     # checkpoint's own tensor names and the stored programs the traced ATen calls.
     stage_options = options.stage
-    options = dataclasses.replace(options, stage=StageOptions(fuse_projections=False, gemv=False, compile=False))
+    options = dataclasses.replace(options, stage=StageOptions(fuse_projections=False, fuse_pointwise=False,
+                                                                   gemv=False, compile=False))
     _make_tmp(out, probe=True)  # an unwritable destination fails now, before the slow trace
     start = time.perf_counter()
     model_obj, buffers = skeleton(config, torch_dtype)

@@ -142,6 +142,8 @@ class StageOptions:
     default): on stages whose tensors are on a CUDA device, where it is the faster decode step, unless ``compile``
     is on (fused and Inductor-compiled stages ended in an illegal memory access on an H200, not yet understood);
     ``True`` / ``False`` everywhere.
+    ``fuse_pointwise``: the rotary embedding and SiLU-and-multiply become one Triton kernel each (bit-equal in fp16
+    / bf16). ``None`` (the default): on CUDA stages, unless ``compile`` is on (Inductor fuses them itself).
     ``gemv``: one-row projections (decode at batch 1) on CUDA go through ppsplit's Triton GEMV.
     ``compile``: each stage is compiled with Inductor at its first call per shape.
 
@@ -152,6 +154,7 @@ class StageOptions:
     """
 
     fuse_projections: bool | None = None
+    fuse_pointwise: bool | None = None
     gemv: bool = True
     compile: bool = False
 
@@ -163,7 +166,7 @@ class StageOptions:
                                   f"{value!r}")
 
     def on(self, option: str, device: torch.device) -> bool:
-        """Whether rewrite ``option`` runs on a stage on ``device`` (``fuse_projections=None``: on CUDA, unless
+        """Whether rewrite ``option`` runs on a stage on ``device`` (an option left ``None``: on CUDA, unless
         ``compile``)."""
         value = getattr(self, option)
         if value is None:
@@ -181,7 +184,8 @@ class SplitOptions:
     - the plan: ``pp``, ``aux`` and ``aux_convention`` (the taps), ``layers``, ``balance``, ``cost_model``,
       ``max_stage_bytes``, ``half_layers``, ``cache`` (the cache layout);
     - lowering, recorded in the stage programs: ``attention``, ``fuse``;
-    - built stages: ``stage`` (``StageOptions``: fuse_projections, gemv, compile), applied again by ``load``.
+    - built stages: ``stage`` (``StageOptions``: fuse_projections, fuse_pointwise, gemv, compile), applied again
+      by ``load``.
 
     The stage options are also taken as plain keywords: ``SplitOptions(pp=4, fuse_projections=True)``.
 

@@ -267,9 +267,10 @@ class SplitModel(torch.nn.Module):
 
 
 def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, compile: bool | None = None,
-         fuse_projections: bool | None = None, gemv: bool | None = None) -> SplitModel:
+         fuse_projections: bool | None = None, fuse_pointwise: bool | None = None,
+         gemv: bool | None = None) -> SplitModel:
     """The whole ``SplitModel`` of a compiled folder; stage ``k`` on ``devices[k]`` (default: all on the CPU).
-    ``compile``, ``fuse_projections`` and ``gemv`` as in ``load_stage``. A drafter compiled into the folder
+    ``compile``, ``fuse_projections``, ``fuse_pointwise`` and ``gemv`` as in ``load_stage``. A drafter compiled into the folder
     (``ppsplit compile --drafter``) is attached as ``split.drafter``.
 
     Example::
@@ -283,7 +284,8 @@ def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, co
     devices = [check_device(d) for d in (devices if devices is not None else ["cpu"] * plan.pp)]
     if len(devices) != plan.pp:
         raise ConfigError(f"{folder} has {plan.pp} stages; pass one device per stage, got {len(devices)}")
-    options = stage_options(opened, compile=compile, fuse_projections=fuse_projections, gemv=gemv)
+    options = stage_options(opened, compile=compile, fuse_projections=fuse_projections,
+                            fuse_pointwise=fuse_pointwise, gemv=gemv)
     stages = [build_stage(opened, program, device, options) for program, device in zip(programs, devices)]
     split = SplitModel(plan, stages, eos_token_id=opened.manifest.eos_token_id,
                        pad_token_id=opened.manifest.pad_token_id)

@@ -1,0 +1,172 @@
+"""Elementwise chains that Hugging Face writes as several ATen ops, each as one Triton kernel.
+
+- ``ppsplit::rope(x, cos, sin)``: the rotate-half rotary embedding, ``x * cos + cat(-x2, x1) * sin`` (Llama,
+  Mistral, Qwen, Gemma, ...: ``apply_rotary_pos_emb``), five ATen kernels per tensor (mul, neg, cat, mul, add).
+- ``ppsplit::silu_mul(a, b)``: ``silu(a) * b``, the gated MLP's activation (two kernels).
+
+On a decode step these kernels each move a few KiB, so their cost is the launch, not the bytes: in a captured
+Llama-3.1-8B step at batch 1 they were 7 of the 23 kernels of a layer. The Triton kernels round every
+intermediate to the model's dtype exactly where the ATen ops round (each product, the sum; SiLU with an
+IEEE division and libdevice's ``exp``), so in fp16 / bf16 the result is the ATen result bit for bit. fp32 inputs,
+mixed dtypes, CPU tensors and shapes the kernels do not cover take the ATen ops themselves.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
+
+HALF = (torch.float16, torch.bfloat16)
+
+if HAVE_TRITON:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _rounded(a, b, zero, dt: tl.constexpr, ADD: tl.constexpr):
+        """``a * b`` (``ADD``: ``a + b``) in fp32, rounded to ``dt``, back in fp32: one ATen op on half values.
+        ``zero`` is a runtime 0 added to the result's bits. Written plainly, LLVM narrows a product of half values
+        to an fp16 multiply, and the backend contracts it with the sum into one FMA, which rounds once where ATen
+        rounds twice (one ulp apart in about a quarter of the values, measured on an H200); it cannot see through
+        the added argument."""
+        r = a + b if ADD else a * b
+        bits = r.to(tl.int32, bitcast=True) + zero
+        return bits.to(tl.float32, bitcast=True).to(dt).to(tl.float32)
+
+    @triton.jit(do_not_specialize=["zero"])
+    def _rope_kernel(X, C, S, O, N, sxb, sxh, sxn, scb, sch, scn, ssb, ssh, ssn, sob, soh, son, H, zero,
+                     HALF_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One program per (batch row, token): every head's ``D = 2 * HALF_D`` values, both halves at once."""
+        row = tl.program_id(0)
+        b = (row // N).to(tl.int64)
+        n = (row % N).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        ok = (h < H) & (d < HALF_D)
+        x = X + b * sxb + n * sxn + h * sxh + d
+        c = C + b * scb + n * scn + h * sch + d
+        s = S + b * ssb + n * ssn + h * ssh + d
+        o = O + b * sob + n * son + h * soh + d
+        x1 = tl.load(x, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(x + HALF_D, mask=ok, other=0.0).to(tl.float32)
+        c1 = tl.load(c, mask=ok, other=0.0).to(tl.float32)
+        c2 = tl.load(c + HALF_D, mask=ok, other=0.0).to(tl.float32)
+        s1 = tl.load(s, mask=ok, other=0.0).to(tl.float32)
+        s2 = tl.load(s + HALF_D, mask=ok, other=0.0).to(tl.float32)
+        dt = O.dtype.element_ty
+        # out = round(round(x * cos) + round(rotate_half(x) * sin)), rotate_half(x) = (-x2, x1)
+        o1 = _rounded(_rounded(x1, c1, zero, dt, False), _rounded(-x2, s1, zero, dt, False), zero, dt, True)
+        o2 = _rounded(_rounded(x2, c2, zero, dt, False), _rounded(x1, s2, zero, dt, False), zero, dt, True)
+        tl.store(o, o1.to(dt), mask=ok)
+        tl.store(o + HALF_D, o2.to(dt), mask=ok)
+
+    @triton.jit(do_not_specialize=["zero"])
+    def _silu_mul_kernel(A, B, O, I, sa, sb, zero, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """One program per (row, ``BLOCK`` columns) of ``[rows, I]`` inputs with unit column stride.
+        ``LIBDEVICE``: libdevice's ``exp``, as ATen's CUDA ``silu`` (``tl.exp`` is an approximation; the interpreter
+        has no libdevice)."""
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < I
+        a = tl.load(A + row * sa + i, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(B + row * sb + i, mask=ok, other=0.0).to(tl.float32)
+        dt = O.dtype.element_ty
+        if LIBDEVICE:
+            e = libdevice.exp(-a)
+        else:
+            e = tl.exp(-a)
+        act = tl.math.div_rn(a, 1.0 + e).to(dt).to(tl.float32)  # ATen's silu, rounded
+        tl.store(O + row * I + i, _rounded(act, b, zero, dt, False).to(dt), mask=ok)
+
+
+def _compiled() -> bool:
+    """Whether the kernels are compiled for the GPU, not run by Triton's interpreter (which has no libdevice)."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``q * cos + rotate_half(q) * sin``, op for op (the CPU path and the test reference)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _layout_like(x: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``x``'s shape and dtype with its dimensions in ``x``'s memory order (what an ATen
+    elementwise op returns for ``x``), dense even where ``x`` is a slice."""
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    dense = torch.empty([x.shape[d] for d in order], dtype=x.dtype, device=x.device)
+    return dense.permute([order.index(d) for d in range(x.dim())])
+
+
+def rope_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the kernel serves ``rope(x, cos, sin)``: a 4-D CUDA ``x`` of an even last dimension with unit stride,
+    ``cos`` / ``sin`` of its dtype that broadcast to it with unit last stride."""
+    if not (on_gpu(x) and x.dim() == 4 and x.dtype in HALF and x.shape[-1] % 2 == 0 and x.stride(-1) == 1):
+        return False
+    for t in (cos, sin):
+        if t.dtype != x.dtype or t.device != x.device or t.shape[-1] != x.shape[-1] or t.stride(-1) != 1:
+            return False
+        try:
+            if torch.broadcast_shapes(t.shape, x.shape) != x.shape:
+                return False
+        except RuntimeError:
+            return False
+    return True
+
+
+def launch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, wrap=lambda kernel: kernel) -> torch.Tensor:
+    B, H, N, D = x.shape
+    c, s = cos.expand(x.shape), sin.expand(x.shape)
+    out = _layout_like(x)
+    if out.numel():
+        wrap(_rope_kernel)[(B * N,)](
+            x, c, s, out, N, x.stride(0), x.stride(1), x.stride(2), c.stride(0), c.stride(1), c.stride(2),
+            s.stride(0), s.stride(1), s.stride(2), out.stride(0), out.stride(1), out.stride(2), H, 0,
+            HALF_D=D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D // 2), num_warps=4)
+    return out
+
+
+@register("ppsplit::rope")
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + cat(-x2, x1, -1) * sin`` for ``x [B, H, N, D]`` and ``cos`` / ``sin`` that broadcast to it: one
+    Triton kernel on CUDA fp16 / bf16 (bit-equal to the ATen ops), the ATen ops otherwise."""
+    if rope_usable(x, cos, sin):
+        with torch.cuda.device(x.device):
+            return launch_rope(x, cos, sin, wrap=wrap_triton)
+    return rope_reference(x, cos, sin)
+
+
+def _rows(t: torch.Tensor) -> int | None:
+    """The stride between rows of ``t`` seen as ``[numel / last, last]`` with unit column stride; None if it is not
+    one such grid (e.g. a slice along a leading dimension)."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    row = t.stride(-2) if t.dim() >= 2 else t.shape[-1]
+    for d in range(t.dim() - 2):
+        if t.shape[d + 1] != 1 and t.stride(d) != t.stride(d + 1) * t.shape[d + 1]:
+            return None
+    return row
+
+
+def silu_mul_usable(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (on_gpu(a) and a.dtype in HALF and b.dtype == a.dtype and b.device == a.device and a.shape == b.shape
+            and a.numel() > 0 and _rows(a) is not None and _rows(b) is not None)
+
+
+def launch_silu_mul(a: torch.Tensor, b: torch.Tensor, *, wrap=lambda kernel: kernel) -> torch.Tensor:
+    cols = a.shape[-1]
+    out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    block = min(1024, triton.next_power_of_2(cols))
+    wrap(_silu_mul_kernel)[(a.numel() // cols, triton.cdiv(cols, block))](
+        a, b, out, cols, _rows(a), _rows(b), 0, BLOCK=block, LIBDEVICE=_compiled(), num_warps=4)
+    return out
+
+
+@register("ppsplit::silu_mul")
+def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b`` for two tensors of one shape: one Triton kernel on CUDA fp16 / bf16, the ATen ops otherwise."""
+    if silu_mul_usable(a, b):
+        with torch.cuda.device(a.device):
+            return launch_silu_mul(a, b, wrap=wrap_triton)
+    return torch.nn.functional.silu(a) * b
