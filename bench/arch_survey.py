@@ -20,6 +20,10 @@ Then, each check independent of the others:
            and its generate equal to Hugging Face's
 
 Each model type runs in a forked child with a timeout, so a hang or crash in one cannot stop the survey.
+
+``--cuda-rewrites``: the split and decode checks split with ``fuse_projections=True, fuse_pointwise=True``, the stage
+rewrites a CUDA split applies by default, here on the CPU: their matchers meet every architecture's graph (the
+pointwise ops take their ATen path on the CPU).
 """
 from __future__ import annotations
 
@@ -254,6 +258,9 @@ def positions_of(model, ids) -> dict:
     return {"position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1)}
 
 
+STAGE_OPTIONS: dict = {}  # --cuda-rewrites: the stage rewrites of split_model's split and decode checks
+
+
 def _run_checks(model_type: str, zoo: bool, send):
     """The four checks; ``send(check, status)`` after each, so a timeout later keeps what is known."""
     torch.manual_seed(1)
@@ -274,7 +281,7 @@ def _run_checks(model_type: str, zoo: bool, send):
         statuses = []
         for pp in (2, 3):
             try:
-                split = ppsplit.split_model(model, pp, aux=taps)
+                split = ppsplit.split_model(model, pp, aux=taps, **STAGE_OPTIONS)
                 with torch.no_grad():
                     logits, aux = split(ids)
                 shift = TAP_SHIFT.get(model_type, 0)
@@ -311,7 +318,7 @@ def _run_checks(model_type: str, zoo: bool, send):
         return f"mismatch at token {int((got != expected).any(0).nonzero()[0]) - ids.shape[1]}"
 
     try:
-        cached = ppsplit.split_model(model, 2, cache=ppsplit.CacheConfig(2, 64))
+        cached = ppsplit.split_model(model, 2, cache=ppsplit.CacheConfig(2, 64), **STAGE_OPTIONS)
         send("decode", compare(cached.generate(ids, NEW_TOKENS)))
     except Exception as e:
         send("decode", reason(e))
@@ -393,7 +400,11 @@ def main():
     parser.add_argument("--timeout", type=float, default=120, help="seconds per model type (default 120)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown to FILE")
     parser.add_argument("-v", "--verbose", action="store_true", help="keep the children's output and tracebacks")
+    parser.add_argument("--cuda-rewrites", action="store_true",
+                        help="split with fuse_projections=True, fuse_pointwise=True (CUDA's default rewrites)")
     args = parser.parse_args()
+    if args.cuda_rewrites:
+        STAGE_OPTIONS.update(fuse_projections=True, fuse_pointwise=True)
 
     skipped = {}
     if args.zoo:
