@@ -349,7 +349,8 @@ def main():
         t0 = time.perf_counter()
         traced = ppsplit.trace_model(model, cache=CacheConfig(max(batches), args.max_len))
         log(f"traced with a {max(batches)} x {args.max_len} cache in {time.perf_counter() - t0:.0f} s")
-        log("pp=1 " + " / ".join(ppsplit.split_model(traced, 1).plan.attention_lines(0)))
+        # the plan only: unfused, so that printing it leaves the model's tensors as they are
+        log("pp=1 " + " / ".join(ppsplit.split_model(traced, 1, fuse_projections=False).plan.attention_lines(0)))
         if args.fuse_projections in ("on", "both"):
             try:
                 check_fused(traced, device, model.config.vocab_size)

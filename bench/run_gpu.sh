@@ -2,8 +2,8 @@
 # Everything that needs the GPU, in one device call: install ppsplit there (no network: no build isolation,
 # no dependencies), run the GPU tests, then the benchmarks. Logs go to $OUT.
 #   bash bench/run_gpu.sh [tests] [kernel] [anchor] [pipeline] [backend] [eagle3] [balance] [pipeline_mp]
-#                         [ragged] [ragged_sweep] [fp8] [fp8_sweep] [peer_decode] [peer_prefill] [fused_compile]
-#                         [illegal_access]
+#                         [ragged] [ragged_sweep] [fp8] [fp8_sweep] [peer_decode] [peer_decode_compiled]
+#                         [peer_prefill] [fused_compile] [illegal_access]
 #   (default: the first four)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -32,10 +32,13 @@ for step in $what; do
     ragged_sweep) python3 bench/ragged.py --sweep 2>&1 | tee "$OUT/ragged_sweep.txt" ;;
     fp8)      python3 bench/fp8.py --layers 8 ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.txt" ;;                   # issue 31
     fp8_sweep) python3 bench/fp8.py --sweep ${HF_FP8:+--hf-kernel $HF_FP8} 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
-    # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048, without ppsplit's
-    # compiled variant, which ends in the illegal access after a fused split: RESULTS section 29)
-    peer_decode) python3 bench/peer.py --modes decode --batches 1,32 --pp 1 --compile both --no-traced-baseline \
+    # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048), without ppsplit's
+    # compiled variant, which ends in the illegal access after a fused split (RESULTS section 29)
+    peer_decode) python3 bench/peer.py --modes decode --batches 1,32 --pp 1 --compile off --no-traced-baseline \
                    --profile-batches 1 --top 12 2>&1 | tee "$OUT/peer_decode.txt" ;;
+    # ppsplit's compiled variant in a process of its own (with HF + compile, for the ratio)
+    peer_decode_compiled) python3 bench/peer.py --modes decode --batches 1,32 --pp 1 --compile on \
+                   --no-traced-baseline --profile-batches= 2>&1 | tee "$OUT/peer_decode_compiled.txt" ;;
     peer_prefill) python3 bench/peer.py --modes prefill --pp 1 --compile off \
                    --no-traced-baseline --profile-batches= 2>&1 | tee "$OUT/peer_prefill.txt" ;;
     # issue 32 item 2: the illegal access of fused + compiled stages (bench/RESULTS.md section 27), in its own process
