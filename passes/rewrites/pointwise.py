@@ -5,9 +5,10 @@
 
 The first is Hugging Face's rotate-half rotary embedding (``apply_rotary_pos_emb``; a partial rotary applies it
 to a slice of the head, and that slice is ``x``), the second the gated MLP. Operands are matched in either order.
-Both ops run one Triton kernel for CUDA fp16 / bf16 tensors, bit-equal to the ops they replace, and the replaced
-ATen ops everywhere else (``triton_kernels/pointwise.py``), so the rewrite never changes a result. What does not
-match exactly (an interleaved rotary, a rotary that upcasts, other activations) stays as traced.
+Both ops run one Triton kernel for CUDA fp16 / bf16 tensors, which rounds where the replaced ops round, and the
+replaced ATen ops everywhere else (``triton_kernels/pointwise.py``), so on the CPU the rewrite never changes a
+result. What does not match exactly (an interleaved rotary, a rotary that upcasts, other activations) stays as
+traced.
 
 Runs in ``split_model`` and ``load_stage`` on CUDA stages unless ``fuse_pointwise=False``, and not under
 ``compile=True``, where Inductor fuses these ops together with their neighbours.
