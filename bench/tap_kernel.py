@@ -88,7 +88,7 @@ def main():
             launch_tap_kernel(x, r, w, None, None, EPS, "rms", want_s=True, out=out)
 
         def ours_tap():
-            launch_tap_kernel(x, r, w, None, aux[1], EPS, "rms", want_s=True, out=out)
+            launch_tap_kernel(x, r, w, None, aux, EPS, "rms", want_s=True, slot=1, out=out)
 
         # Correctness beside the timing: fused result vs the HF op sequence, and the tap slot.
         ours_tap()
@@ -109,7 +109,7 @@ def main():
             xs, rs = torch.randn_like(x), torch.randn_like(x)
             a, o = torch.empty_like(aux), (torch.empty_like(x), torch.empty_like(x))
             if kind == "ours":
-                return lambda: launch_tap_kernel(xs, rs, w, None, a[1], EPS, "rms", want_s=True, out=o)
+                return lambda: launch_tap_kernel(xs, rs, w, None, a, EPS, "rms", want_s=True, slot=1, out=o)
             return lambda: c_tap(xs, rs, w, a[1])
         ig_ours, ig_ind = in_graph_time(lambda: fresh("ours")), in_graph_time(lambda: fresh("inductor"))
         row = (T, t_ours * 1e3, t_tap * 1e3, gb_tap, gb_tap / copy_bw, t_ind * 1e3, t_ind_tap * 1e3, gb_ind_tap,

@@ -54,7 +54,7 @@ if HAVE_TRITON:
     _LAYER = tl.constexpr(KINDS["layer"])
 
     @triton.jit
-    def _tap_row(X, R, W, B, S, Y, AUX, row, stride_x, stride_r, stride_s, stride_y, n_cols, eps,
+    def _tap_row(X, R, W, B, S, Y, AUX, row, stride_x, stride_r, stride_s, stride_y, n_cols, eps, aux_start,
                  HAS_ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE: tl.constexpr,
                  BLOCK: tl.constexpr):
         cols = tl.arange(0, BLOCK)
@@ -68,7 +68,7 @@ if HAVE_TRITON:
         else:
             s = x
         if STORE:
-            tl.store(AUX + row * n_cols + cols, s, mask=mask)
+            tl.store(AUX + aux_start + row * n_cols + cols, s, mask=mask)
         if NORM != _NONE:
             sf = s.to(tl.float32)
             w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
@@ -90,19 +90,19 @@ if HAVE_TRITON:
             tl.store(Y + row * stride_y + cols, y.to(dtype), mask=mask)
 
     @triton.jit
-    def _tap_kernel(X, R, W, B, S, Y, AUX, stride_x, stride_r, stride_s, stride_y, n_cols, eps,
+    def _tap_kernel(X, R, W, B, S, Y, AUX, stride_x, stride_r, stride_s, stride_y, n_cols, eps, aux_start,
                     HAS_ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE: tl.constexpr,
                     BLOCK: tl.constexpr):
         # One program per row (a grid-stride variant measured no faster at T = 2048: bench/RESULTS.md).
         _tap_row(X, R, W, B, S, Y, AUX, tl.program_id(0).to(tl.int64), stride_x, stride_r, stride_s, stride_y,
-                 n_cols, eps, HAS_ADD, NORM, HAS_BIAS, STORE, BLOCK)
+                 n_cols, eps, aux_start, HAS_ADD, NORM, HAS_BIAS, STORE, BLOCK)
 
     @triton.jit
-    def _store_kernel(V, AUX, stride_v, n_cols, BLOCK: tl.constexpr):
+    def _store_kernel(V, AUX, stride_v, n_cols, aux_start, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < n_cols
-        tl.store(AUX + row * n_cols + col, tl.load(V + row * stride_v + col, mask=mask), mask=mask)
+        tl.store(AUX + aux_start + row * n_cols + col, tl.load(V + row * stride_v + col, mask=mask), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -115,11 +115,23 @@ def _warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-def launch_tap_kernel(x, r, weight, bias, aux_slot, eps: float, kind: str, *, want_s: bool, wrap=lambda k: k,
-                      out: tuple = (None, None)):
-    """Run the fused kernel on ``x`` (and ``r``): returns ``(s or None, y or None)``. ``aux_slot`` is the
-    contiguous ``[..., H]`` slot to store ``s`` into, or ``None``; ``out`` optionally gives the ``s`` and ``y``
-    buffers. Works on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (the kernel tests)."""
+def _slot(aux: torch.Tensor, slot: int) -> int:
+    """Where ``aux[slot]`` starts in ``aux``, in elements; the slot must be contiguous.
+
+    The kernels take the whole ``aux`` and this offset, never the view ``aux[slot]``: under ``torch.compile``,
+    Inductor (torch 2.11 at least; pytorch/pytorch#192226) materialises a view with a storage offset that a Triton
+    kernel mutates into a buffer of the view's size, then addresses it with the whole storage's offset, past its
+    end: the compiled stages' illegal memory accesses of bench/RESULTS.md sections 27 and 29."""
+    if not aux[slot].is_contiguous():
+        raise ValueError("the aux slot must be contiguous")
+    return slot * aux.stride(0)
+
+
+def launch_tap_kernel(x, r, weight, bias, aux, eps: float, kind: str, *, want_s: bool, slot: int = 0,
+                      wrap=lambda k: k, out: tuple = (None, None)):
+    """Run the fused kernel on ``x`` (and ``r``): returns ``(s or None, y or None)``. ``s`` is stored into
+    ``aux[slot]`` (a contiguous ``[..., H]`` slot) unless ``aux`` is ``None``; ``out`` optionally gives the ``s``
+    and ``y`` buffers. Works on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (the kernel tests)."""
     n_cols = x.shape[-1]
     x2 = _rows(x)
     r2 = _rows(r) if r is not None else x2
@@ -127,24 +139,24 @@ def launch_tap_kernel(x, r, weight, bias, aux_slot, eps: float, kind: str, *, wa
     y = (out[1] if out[1] is not None else torch.empty_like(x)) if kind != "none" else None
     s2 = s.view(-1, n_cols) if s is not None else x2
     y2 = y.view(-1, n_cols) if y is not None else x2
-    if aux_slot is not None and not aux_slot.is_contiguous():
-        raise ValueError("the aux slot must be contiguous")
+    aux_start = _slot(aux, slot) if aux is not None else 0
     block = triton.next_power_of_2(n_cols)
     wrap(_tap_kernel)[(x2.shape[0],)](
         x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, s2, y2,
-        aux_slot if aux_slot is not None else x2, x2.stride(0), r2.stride(0), s2.stride(0), y2.stride(0),
-        n_cols, eps, HAS_ADD=r is not None, NORM=KINDS[kind], HAS_BIAS=bias is not None, STORE=aux_slot is not None,
+        aux if aux is not None else x2, x2.stride(0), r2.stride(0), s2.stride(0), y2.stride(0),
+        n_cols, eps, aux_start, HAS_ADD=r is not None, NORM=KINDS[kind], HAS_BIAS=bias is not None,
+        STORE=aux is not None,
         BLOCK=block, num_warps=_warps(block))
     return s, y
 
 
-def launch_store_kernel(value, aux_slot, *, wrap=lambda k: k):
-    """``aux_slot[...] = value`` with one strided copy kernel."""
+def launch_store_kernel(value, aux, slot: int, *, wrap=lambda k: k):
+    """``aux[slot][...] = value`` with one strided copy kernel."""
     n_cols = value.shape[-1]
     v2 = _rows(value)
     block = min(triton.next_power_of_2(n_cols), 4096)
-    wrap(_store_kernel)[(v2.shape[0], triton.cdiv(n_cols, block))](v2, aux_slot, v2.stride(0), n_cols, BLOCK=block,
-                                                                   num_warps=_warps(block))
+    wrap(_store_kernel)[(v2.shape[0], triton.cdiv(n_cols, block))](v2, aux, v2.stride(0), n_cols, _slot(aux, slot),
+                                                                   BLOCK=block, num_warps=_warps(block))
 
 
 def _copy_rows(slot: torch.Tensor, value: torch.Tensor) -> None:
@@ -157,7 +169,7 @@ def tap_store(aux: torch.Tensor, slot: int, value: torch.Tensor) -> None:
     """``aux[slot] = value``: the store of one tap that no kernel could absorb."""
     if on_gpu(value):
         with torch.cuda.device(value.device):
-            launch_store_kernel(value, aux[slot], wrap=wrap_triton)
+            launch_store_kernel(value, aux, slot, wrap=wrap_triton)
     else:
         _copy_rows(aux[slot], value)
 
@@ -167,7 +179,7 @@ def add_store(x: torch.Tensor, r: torch.Tensor, aux: torch.Tensor, slot: int) ->
     """``s = x + r; aux[slot] = s`` (a tap on a stage boundary: its norm runs on the next stage)."""
     if on_gpu(x):
         with torch.cuda.device(x.device):
-            return launch_tap_kernel(x, r, None, None, aux[slot], 0.0, "none", want_s=True, wrap=wrap_triton)[0]
+            return launch_tap_kernel(x, r, None, None, aux, 0.0, "none", want_s=True, slot=slot, wrap=wrap_triton)[0]
     s = x + r
     _copy_rows(aux[slot], s)
     return s
@@ -190,7 +202,7 @@ def add_norm_store(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, bias:
     """``s = x + r; aux[slot] = s; y = norm(s)`` in one kernel."""
     if on_gpu(x):
         with torch.cuda.device(x.device):
-            return launch_tap_kernel(x, r, weight, bias, aux[slot], eps, kind, want_s=True, wrap=wrap_triton)
+            return launch_tap_kernel(x, r, weight, bias, aux, eps, kind, want_s=True, slot=slot, wrap=wrap_triton)
     s = x + r
     _copy_rows(aux[slot], s)
     return s, norm_reference(kind, s, weight, bias, eps)
@@ -211,6 +223,7 @@ def norm_store(s: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     """``aux[slot] = s; y = norm(s)`` in one kernel (tap 0: the embedding output entering layer 0's norm)."""
     if on_gpu(s):
         with torch.cuda.device(s.device):  # Triton launches on the current device, not the tensors'
-            return launch_tap_kernel(s, None, weight, bias, aux[slot], eps, kind, want_s=False, wrap=wrap_triton)[1]
+            return launch_tap_kernel(s, None, weight, bias, aux, eps, kind, want_s=False, slot=slot,
+                                     wrap=wrap_triton)[1]
     _copy_rows(aux[slot], s)
     return norm_reference(kind, s, weight, bias, eps)

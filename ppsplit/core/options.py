@@ -140,7 +140,8 @@ class StageOptions:
 
     ``fuse_projections``: sibling linears on one input (q/k/v, gate/up) become one linear per stage. ``None`` (the
     default): on stages whose tensors are on a CUDA device, where it is the faster decode step, unless ``compile``
-    is on (fused and Inductor-compiled stages ended in an illegal memory access on an H200, not yet understood);
+    is on (fused and Inductor-compiled stages ended in an illegal memory access on an H200; the likely cause, tap
+    stores through slot views under Inductor, is fixed but not yet run on a GPU);
     ``True`` / ``False`` everywhere.
     ``fuse_pointwise``: the rotary embedding and SiLU-and-multiply become one Triton kernel each (bit-equal in fp16
     / bf16). ``None`` (the default): on CUDA stages, unless ``compile`` is on (Inductor fuses them itself).

@@ -44,7 +44,7 @@ def run_case(kind, shape, dtype, device, with_add, with_bias=False, with_store=T
     b = torch.randn(H, dtype=dtype, device=device) * 0.1 if with_bias else None
     aux = poisoned(3, B, T, H, dtype=dtype, device=device)
     out = (poisoned(B, T, H, dtype=dtype, device=device), poisoned(B, T, H, dtype=dtype, device=device))
-    s, y = launch_tap_kernel(x, r, w, b, aux[1] if with_store else None, 1e-5, kind, want_s=True, out=out)
+    s, y = launch_tap_kernel(x, r, w, b, aux if with_store else None, 1e-5, kind, want_s=True, slot=1, out=out)
     s_ref, y_ref = reference64(kind, x, r, w, b, 1e-5)
     if with_add:
         torch.testing.assert_close(s, s_ref, atol=0, rtol=0)  # one rounding of an exact fp32 sum
@@ -81,11 +81,11 @@ def test_store_kernel_interpreted(shape):
     interpreter_only()
     value = torch.randn(*shape)
     aux = torch.full((2, *shape), float("nan"))
-    launch_store_kernel(value, aux[1])
+    launch_store_kernel(value, aux, 1)
     assert torch.equal(aux[1], value) and aux[0].isnan().all()
     # A non-contiguous source (a transposed view) is read through its strides.
     src = torch.randn(shape[2], shape[0] * shape[1]).t().reshape(*shape)
-    launch_store_kernel(src, aux[0])
+    launch_store_kernel(src, aux, 0)
     assert torch.equal(aux[0], src)
 
 
@@ -137,3 +137,29 @@ def test_ops_on_gpu_match_torch_path():
             torch.testing.assert_close(y, norm_reference(kind, s_ref, w, None, 1e-5), atol=3e-2, rtol=2e-2)
         torch.ops.ppsplit.tap_store(aux, 0, x)
         assert torch.equal(aux[0], x)
+
+
+@pytest.mark.gpu
+def test_compiled_stores_write_their_slot_and_nothing_else():
+    """The store ops under ``torch.compile``, into the last slot of an aux buffer whose tail is followed by a canary:
+    Inductor once addressed a mutated slot view past the end of its own buffer (pytorch/pytorch#192226), which
+    wrote the tap elsewhere and ended compiled stages in illegal memory accesses (bench/RESULTS.md section 29)."""
+    import ppsplit.triton_kernels  # noqa: F401
+
+    torch.manual_seed(0)
+    T, H, slots = 2048, 4096, 3
+    x = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16)
+    r, w = torch.randn_like(x), torch.randn(H, device="cuda", dtype=torch.bfloat16)
+    block = torch.full((slots + 1, 1, T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+    aux, canary = block[:slots], block[slots]  # one allocation: a write past aux lands in the canary
+
+    def step(x, r, aux):
+        s, y = torch.ops.ppsplit.add_norm_store(x, r, w, None, aux, 2, 1e-5, "rms")
+        s2 = torch.ops.ppsplit.add_store(s, r, aux, 1)
+        torch.ops.ppsplit.tap_store(aux, 0, y)
+        return s, s2, y
+
+    s, s2, y = torch.compile(step, fullgraph=True)(x, r, aux)
+    torch.cuda.synchronize()
+    assert torch.equal(aux[2], x + r) and torch.equal(aux[1], s2) and torch.equal(aux[0], y)
+    assert canary.isnan().all(), "a store wrote past the aux buffer"
