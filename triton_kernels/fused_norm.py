@@ -118,10 +118,10 @@ def _warps(block: int) -> int:
 def _slot(aux: torch.Tensor, slot: int) -> int:
     """Where ``aux[slot]`` starts in ``aux``, in elements; the slot must be contiguous.
 
-    The kernels take the whole ``aux`` and this offset, never the view ``aux[slot]``: under ``torch.compile``,
-    Inductor (torch 2.11 at least; pytorch/pytorch#192226) materialises a view with a storage offset that a Triton
-    kernel mutates into a buffer of the view's size, then addresses it with the whole storage's offset, past its
-    end: the compiled stages' illegal memory accesses of bench/RESULTS.md sections 27 and 29."""
+    The kernels take the whole ``aux`` and this offset, never the view ``aux[slot]``. Under ``torch.compile``
+    (pytorch/pytorch#192226, reported on a 2.14 pre-release), a view with a storage offset that a Triton kernel
+    mutates is cloned by reading ``offset + span`` elements from a buffer Inductor sized to the view alone, past
+    its end: the likely cause of the compiled stages' illegal memory accesses (bench/RESULTS.md section 29)."""
     if not aux[slot].is_contiguous():
         raise ValueError("the aux slot must be contiguous")
     return slot * aux.stride(0)

@@ -141,9 +141,10 @@ def test_ops_on_gpu_match_torch_path():
 
 @pytest.mark.gpu
 def test_compiled_stores_write_their_slot_and_nothing_else():
-    """The store ops under ``torch.compile``, into the last slot of an aux buffer whose tail is followed by a canary:
-    Inductor once addressed a mutated slot view past the end of its own buffer (pytorch/pytorch#192226), which
-    wrote the tap elsewhere and ended compiled stages in illegal memory accesses (bench/RESULTS.md section 29)."""
+    """The store ops under ``torch.compile``, into the last slot of an aux buffer followed by a NaN canary. Passed
+    the view ``aux[slot]``, a compiled graph cloned it by reading past the buffer Inductor held it in
+    (pytorch/pytorch#192226), the likely cause of the compiled stages' illegal memory accesses (bench/RESULTS.md
+    section 29); the kernels now take the whole buffer and the slot's offset."""
     import ppsplit.triton_kernels  # noqa: F401
 
     torch.manual_seed(0)
