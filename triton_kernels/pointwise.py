@@ -140,14 +140,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def _rows(t: torch.Tensor) -> int | None:
     """The stride between rows of ``t`` seen as ``[numel / last, last]`` with unit column stride; None if it is not
-    one such grid (e.g. a slice along a leading dimension)."""
+    one such grid (e.g. a slice along a leading dimension). Dimensions of size 1 have no say: their strides are
+    arbitrary (``unsqueeze`` gives one that is not the row stride)."""
     if t.dim() == 0 or t.stride(-1) != 1:
         return None
-    row = t.stride(-2) if t.dim() >= 2 else t.shape[-1]
-    for d in range(t.dim() - 2):
-        if t.shape[d + 1] != 1 and t.stride(d) != t.stride(d + 1) * t.shape[d + 1]:
+    dims = [d for d in range(t.dim() - 1) if t.shape[d] != 1]
+    if not dims:
+        return t.shape[-1]  # one row
+    for outer, inner in zip(dims, dims[1:]):
+        if t.stride(outer) != t.stride(inner) * t.shape[inner]:
             return None
-    return row
+    return t.stride(dims[-1])
 
 
 def silu_mul_usable(a: torch.Tensor, b: torch.Tensor) -> bool:
