@@ -27,10 +27,10 @@ if HAVE_TRITON:
     @triton.jit
     def _rounded(a, b, zero, dt: tl.constexpr, ADD: tl.constexpr):
         """``a * b`` (``ADD``: ``a + b``) in fp32, rounded to ``dt``, back in fp32: one ATen op on half values.
-        ``zero`` is a runtime 0 added to the result's bits. Written plainly, LLVM narrows a product of half values
-        to an fp16 multiply, and the backend contracts it with the sum into one FMA, which rounds once where ATen
-        rounds twice (one ulp apart in about a quarter of the values, measured on an H200); it cannot see through
-        the added argument."""
+        ``zero`` is a runtime 0 added to the result's bits. Written plainly, the kernel was one ulp off ATen in about
+        a quarter of the values on an H200: most likely the compiler narrowed a product of half values to an fp16
+        multiply and contracted it with the sum into one FMA, which rounds once where ATen rounds twice. It cannot
+        see through the added argument."""
         r = a + b if ADD else a * b
         bits = r.to(tl.int32, bitcast=True) + zero
         return bits.to(tl.float32, bitcast=True).to(dt).to(tl.float32)
