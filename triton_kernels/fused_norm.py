@@ -145,8 +145,7 @@ def launch_tap_kernel(x, r, weight, bias, aux, eps: float, kind: str, *, want_s:
         x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, s2, y2,
         aux if aux is not None else x2, x2.stride(0), r2.stride(0), s2.stride(0), y2.stride(0),
         n_cols, eps, aux_start, HAS_ADD=r is not None, NORM=KINDS[kind], HAS_BIAS=bias is not None,
-        STORE=aux is not None,
-        BLOCK=block, num_warps=_warps(block))
+        STORE=aux is not None, BLOCK=block, num_warps=_warps(block))
     return s, y
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 import ppsplit.triton_kernels.gemv  # noqa: F401  (registers torch.ops.ppsplit.linear)
-from ppsplit.core.fx_utils import get_tensor
+from ppsplit.core.fx_utils import get_tensor, replace_call
 from ppsplit.passes.rewrites.projections import match_projection, plain_float
 from ppsplit.triton_kernels.gemv import MIN_OUT
 
@@ -38,12 +38,7 @@ def route_gemv(stage: fx.GraphModule) -> int:
         weight = get_tensor(stage, m.weight.target)
         if not plain_float(weight) or weight.dim() != 2 or weight.shape[0] < MIN_OUT:
             continue
-        with graph.inserting_before(node):
-            new = graph.call_function(torch.ops.ppsplit.linear.default, (m.x, m.weight, m.bias))
-        new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace",
-                                                                     "nn_module_stack")})
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
+        replace_call(node, torch.ops.ppsplit.linear.default, (m.x, m.weight, m.bias))
         if m.transpose is not None and not m.transpose.users:
             graph.erase_node(m.transpose)
         routed += 1

@@ -19,9 +19,9 @@ import torch
 from torch import fx
 
 import ppsplit.triton_kernels.pointwise  # noqa: F401  (registers torch.ops.ppsplit.rope / silu_mul)
+from ppsplit.core.fx_utils import replace_call
 
 aten = torch.ops.aten
-_KEEP_META = ("val", "tensor_meta", "stack_trace", "nn_module_stack")
 
 
 def fuse_pointwise(stage: fx.GraphModule) -> dict:
@@ -40,11 +40,8 @@ def fuse_pointwise(stage: fx.GraphModule) -> dict:
             if found is None:
                 continue
             op, args, dead = found
-            with graph.inserting_before(node):
-                new = graph.call_function(op, args)
-            new.meta.update({k: v for k, v in node.meta.items() if k in _KEEP_META})
-            node.replace_all_uses_with(new)
-            for old in [node, *dead]:  # users first
+            replace_call(node, op, args)
+            for old in dead:  # users first
                 if not old.users:
                     graph.erase_node(old)
             counts[name] += 1

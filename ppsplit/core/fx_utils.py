@@ -131,6 +131,19 @@ def from_token_rows(graph: "torch.fx.Graph", rows: "torch.fx.Node", layout, as_d
     return value
 
 
+def replace_call(node: "torch.fx.Node", target, args: tuple) -> "torch.fx.Node":
+    """``target(*args)`` in ``node``'s place: inserted before it, with its value and source metadata, used by its
+    users; ``node`` is erased. What a stage rewrite does when one call takes over from another."""
+    graph = node.graph
+    with graph.inserting_before(node):
+        new = graph.call_function(target, args)
+    new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace",
+                                                                 "nn_module_stack")})
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
+
+
 def _call(graph, target, args, meta, **kwargs):
     """A new node, with ``meta`` and, where its inputs have one, its (fake) value."""
     node = graph.call_function(target, args, kwargs)
