@@ -270,8 +270,8 @@ def run_step(bench, model, traced, step, batch, tokens, start, max_len, roof):
             bench.results.append((step, batch, name, statistics.median(ts), ""))
     print_table(bench, step, batch, roof)
 
-    if device == "cuda" and batch in args.profile_batches and step == "decode":
-        for name in [n for n in fns if n.startswith("ppsplit pp=1")]:
+    if device == "cuda" and batch in args.profile_batches:
+        for name in [n for n in fns if n.startswith("ppsplit pp=1") or (args.profile_hf and n == "HF static+compile")]:
             if not args.profile_all and name.endswith("-gemv"):
                 continue
             if name in fns:
@@ -315,6 +315,7 @@ def main():
                     help="ppsplit variants with (default) and/or without split_model's batch-1 GEMV routing; "
                          "without it the variant's name ends in -gemv")
     ap.add_argument("--profile-all", action="store_true", help="also profile the -gemv variants")
+    ap.add_argument("--profile-hf", action="store_true", help="also profile HF static+compile (where the gap is)")
     ap.add_argument("--no-hf-compile", action="store_true")
     ap.add_argument("--no-traced-baseline", dest="traced_baseline", action="store_false")
     ap.add_argument("--layers", type=int, default=32)

@@ -32,19 +32,18 @@ for step in $what; do
     ragged_sweep) python3 bench/ragged.py --sweep 2>&1 | tee "$OUT/ragged_sweep.txt" ;;
     fp8)      python3 bench/fp8.py --layers 8 ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.txt" ;;                   # issue 31
     fp8_sweep) python3 bench/fp8.py --sweep ${HF_FP8:+--hf-kernel $HF_FP8} 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
-    # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048), without ppsplit's
-    # compiled variant, which ends in the illegal access after a fused split (RESULTS section 29)
+    # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048, both profiled)
     peer_decode) python3 bench/peer.py --modes decode --batches 1,32 --pp 1 --compile off --no-traced-baseline \
                    --profile-batches 1 --top 12 2>&1 | tee "$OUT/peer_decode.txt" ;;
     # ppsplit's compiled variant in a process of its own (with HF + compile, for the ratio)
     peer_decode_compiled) python3 bench/peer.py --modes decode --batches 1,32 --pp 1 --compile on \
                    --no-traced-baseline --profile-batches= 2>&1 | tee "$OUT/peer_decode_compiled.txt" ;;
     peer_prefill) python3 bench/peer.py --modes prefill --pp 1 --compile off \
-                   --no-traced-baseline --profile-batches= 2>&1 | tee "$OUT/peer_prefill.txt" ;;
+                   --no-traced-baseline --profile-batches 1 --profile-hf --top 15 2>&1 | tee "$OUT/peer_prefill.txt" ;;
     # issue 32 item 2: the illegal access of fused + compiled stages (bench/RESULTS.md section 27), in its own process
     fused_compile) python3 bench/peer.py --modes prefill --pp 1 --compile on --fuse-projections on --no-hf-compile \
                    --no-traced-baseline --rounds 1 --profile-batches= --verbose 2>&1 | tee "$OUT/fused_compile.txt" ;;
-    # the same, narrowed (RESULTS section 29): each configuration in its own process, every step synchronised
+    # the same, narrowed (RESULTS sections 29, 30: clean since the tap stores stopped passing slot views)
     illegal_access) for args in "" "--noview" "--first none" "--second plain" "--mode decode"; do
                    echo "--- bench/illegal_access.py $args"
                    timeout 150 python3 bench/illegal_access.py $args 2>&1 | grep -v Warning | tail -4

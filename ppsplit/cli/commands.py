@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fuse", action="store_true", help="keep the traced ops (no Triton tap/norm kernels)")
     p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                    help="fuse sibling projections (q/k/v, gate/up) into one linear each when the stages are loaded "
-                   "(the files keep the checkpoint's names); default: on CUDA devices, unless the stages are compiled")
+                   "(the files keep the checkpoint's names); default: on CUDA devices")
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder or hub id: taps from its config, "
                    "stored in DIR/drafter")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
@@ -201,11 +201,12 @@ def cmd_inspect(args) -> int:
     programs = folder.check()  # exactly what load checks before it reads a tensor
     plan, manifest = folder.plan, folder.manifest
     print(plan.describe())
-    rewrites = ", ".join(f"{name}={'default (on CUDA unless compiled)' if on is None else on}"
+    defaults = {"fuse_projections": "default (on CUDA)", "fuse_pointwise": "default (on CUDA unless compiled)"}
+    rewrites = ", ".join(f"{name}={defaults[name] if on is None else on}"
                          for name, on in dataclasses.asdict(manifest.stage_options).items())
     print(f"source {manifest.source}, {manifest.dtype}, compiled with ppsplit {manifest.ppsplit}, torch "
           f"{manifest.torch}, transformers {manifest.transformers}"
-          + {True: "; sibling projections fused at load", None: "; sibling projections fused at load on CUDA unless compiled",
+          + {True: "; sibling projections fused at load", None: "; sibling projections fused at load on CUDA",
              False: ""}[manifest.stage_options.fuse_projections])
     print(f"stage rewrites load applies: {rewrites}")
     q = manifest.quantization

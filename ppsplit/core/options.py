@@ -139,9 +139,7 @@ class StageOptions:
     ``ppsplit compile`` records them in the folder's manifest and leaves the stored programs as traced.
 
     ``fuse_projections``: sibling linears on one input (q/k/v, gate/up) become one linear per stage. ``None`` (the
-    default): on stages whose tensors are on a CUDA device, where it is the faster decode step, unless ``compile``
-    is on (fused and Inductor-compiled stages ended in an illegal memory access on an H200; the likely cause, tap
-    stores through slot views under Inductor, is fixed but not yet run on a GPU);
+    default): on stages whose tensors are on a CUDA device, where it is the faster decode step, compiled or not;
     ``True`` / ``False`` everywhere.
     ``fuse_pointwise``: the rotary embedding and SiLU-and-multiply become one Triton kernel each (bit-equal in fp16
     / bf16). ``None`` (the default): on CUDA stages, unless ``compile`` is on (Inductor fuses them itself).
@@ -167,14 +165,16 @@ class StageOptions:
                                   f"{value!r}")
 
     def on(self, option: str, device: torch.device) -> bool:
-        """Whether rewrite ``option`` runs on a stage on ``device`` (an option left ``None``: on CUDA, unless
-        ``compile``)."""
+        """Whether rewrite ``option`` runs on a stage on ``device`` (an option left ``None``: on CUDA, except the
+        rewrites that Inductor does itself when ``compile`` is on)."""
         value = getattr(self, option)
         if value is None:
-            return device.type == "cuda" and not self.compile
+            return device.type == "cuda" and not (self.compile and option in _INDUCTOR_DOES)
         return value
 
 
+# rewrites whose kernels Inductor generates itself from the traced ops: left to it under ``compile``
+_INDUCTOR_DOES = frozenset({"fuse_pointwise"})
 STAGE_OPTIONS = tuple(f.name for f in dataclasses.fields(StageOptions))
 
 

@@ -192,8 +192,8 @@ def test_option_is_validated():
 
 
 def test_default_fuses_on_cuda_only():
-    """``fuse_projections`` left unset (``None``) fuses stages on CUDA devices (unless they are compiled) and leaves
-    CPU stages as traced; ``True`` fuses everywhere."""
+    """``fuse_projections`` left unset (``None``) fuses stages on CUDA devices, compiled or not, and leaves CPU
+    stages as traced; ``True`` fuses everywhere. ``fuse_pointwise`` left unset stays off in compiled stages."""
     from ppsplit.passes.rewrites import apply_rewrites
 
     options = ppsplit.SplitOptions(pp=1).stage
@@ -201,7 +201,10 @@ def test_default_fuses_on_cuda_only():
     assert options.on("fuse_projections", torch.device("cuda")) and not options.on("fuse_projections",
                                                                                     torch.device("cpu"))
     compiled = ppsplit.SplitOptions(pp=1, compile=True).stage
-    assert not compiled.on("fuse_projections", torch.device("cuda"))
+    assert compiled.on("fuse_projections", torch.device("cuda")) and not compiled.on("fuse_projections",
+                                                                                     torch.device("cpu"))
+    assert not compiled.on("fuse_pointwise", torch.device("cuda"))
+    assert ppsplit.SplitOptions(pp=1).stage.on("fuse_pointwise", torch.device("cuda"))
     assert ppsplit.SplitOptions(pp=1, compile=True, fuse_projections=True).stage.on("fuse_projections",
                                                                                     torch.device("cuda"))
     _, traced = model_and_trace("llama")
