@@ -299,13 +299,14 @@ def test_fp8_moe_experts_are_dequantised_through_the_conversions(arch, tmp_path,
 
 @pytest.mark.parametrize("n,k,bn,bk,m", [(200, 300, 128, 128, 1), (200, 300, 128, 128, 5), (7, 33, 1, 33, 1),
                                          (7, 33, 7, 33, 3), (130, 256, 64, 128, 17), (130, 256, 64, 128, 40),
-                                         (40, 600, 64, 256, 1), (40, 600, 64, 256, 9)])
+                                         (40, 600, 64, 256, 1), (40, 600, 64, 256, 9), (100, 256, 48, 128, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("config", [None, (8, 128, 4, 2), (32, 1024, 4, 3), (16, 64, 4, 2, 3)])
 def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype, config):
     """The GEMV (one row) and GEMM kernels, run on CPU tensors under TRITON_INTERPRET=1 (conftest), with the
-    default tiles, with tiles inside a k-block and across several (the GEMV sums each k-block apart), and with the
-    GEMM's k split over three ranges (their fp32 partial sums added by a second kernel)."""
+    default tiles, with tiles inside a k-block and across several (the GEMV scales the activation per k-block),
+    with GEMV programs of fewer rows than configured where a scale block's height (48) is not a multiple of them,
+    and with the GEMM's k split over three ranges (their fp32 partial sums added by a second kernel)."""
     from ppsplit.triton_kernels.fp8 import HAVE_TRITON, fp8_usable, launch_fp8_linear
 
     if not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
