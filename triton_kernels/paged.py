@@ -282,6 +282,64 @@ if HAVE_TRITON:
         return tl.sum(per, 0), s, before
 
     @triton.jit
+    def _paged_keys(m_i, l_i, acc, k_lo, k_hi, q, q2, K, V, K2, TABLE, s, stable, skb, sks, skh, svb, svs, svh, sk2b,
+                    sk2s, sk2h, kvh, d, d2, dv, p, lo_row, end, slope, qk_scale, softcap, D: tl.constexpr,
+                    DV: tl.constexpr, D2: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_ROPE: tl.constexpr, IEEE: tl.constexpr,
+                    MASKED: tl.constexpr):
+        """The online softmax of ``_paged_attention_kernel`` over the key positions ``[k_lo, k_hi)``, in
+        ``BLOCK_N``-position tiles gathered through sequence ``s``'s block table. ``MASKED``: each row sees only the
+        keys at or before its position ``p``, at or past ``lo_row``, and before ``end``; else the caller knows every
+        row sees every key of the range and the range is whole tiles, so no mask is built."""
+        j = tl.arange(0, BLOCK_N)
+        for k0 in range(k_lo, k_hi, BLOCK_N):
+            kpos = k0 + j
+            if MASKED:
+                in_range = kpos < end
+            else:
+                in_range = kpos >= 0  # every position of the range lies before end
+            block = tl.load(TABLE + s.to(tl.int64) * stable + kpos // BS, mask=in_range, other=0).to(tl.int64)
+            off = kpos % BS
+            k = tl.load(K + block[:, None] * skb + off[:, None] * sks + kvh * skh + d[None, :],
+                        mask=in_range[:, None] & (d[None, :] < D), other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+            if HAS_ROPE:
+                k2 = tl.load(K2 + block[:, None] * sk2b + off[:, None] * sk2s + kvh * sk2h + d2[None, :],
+                             mask=in_range[:, None] & (d2[None, :] < D2), other=0.0)
+                if IEEE:
+                    scores += tl.dot(q2, tl.trans(k2), input_precision="ieee")
+                else:
+                    scores += tl.dot(q2, tl.trans(k2.to(q2.dtype)))
+            scores = (scores * qk_scale).to(tl.float32)  # fp32 whatever type the scale arrives in (Inductor: fp64)
+            if HAS_SOFTCAP:
+                x = scores / (softcap * 1.4426950408889634)
+                scores = (softcap * 1.4426950408889634 * (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0)).to(tl.float32)
+            if HAS_ALIBI:
+                scores += slope[:, None] * kpos[None, :].to(tl.float32)
+            if MASKED:
+                live = (kpos[None, :] <= p[:, None]) & (kpos[None, :] >= lo_row[:, None]) & in_range[None, :]
+                scores = tl.where(live, scores, -1.0e30)
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.exp2(m_i - m_new)
+            if MASKED:
+                w = tl.where(live, tl.exp2(scores - m_new[:, None]), 0.0)
+            else:
+                w = tl.exp2(scores - m_new[:, None])
+            v = tl.load(V + block[:, None] * svb + off[:, None] * svs + kvh * svh + dv[None, :],
+                        mask=in_range[:, None] & (dv[None, :] < DV), other=0.0)
+            if IEEE:
+                pv = tl.dot(w, v, input_precision="ieee")
+            else:
+                pv = tl.dot(w.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(w, 1)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
     def _paged_attention_kernel(Q, K, V, Q2, K2, POS, TABLE, STARTS, COUNTS, SLOPES, SINKS, O, PART, STATS,
                                 sqh, sqt, skb, sks, skh, svb, svs, svh, sq2h, sq2t, sk2b, sk2s, sk2h, soh, sot,
                                 stable, sps, spt, sph, sss, sst, scale, window, softcap, chunk,
@@ -298,8 +356,9 @@ if HAVE_TRITON:
         The keys the tile sees, up to its last position, are cut into chunks of ``chunk`` positions, one per program
         (``SPLIT``: the partial softmax of each chunk goes to ``PART`` / ``STATS`` and ``_paged_combine_kernel``
         adds them up; else the one chunk holds every key and the program writes the output). Online softmax in
-        log2 units over ``BLOCK_N``-position tiles gathered through the block table; the products in the model's
-        dtype with fp32 accumulation (``IEEE``: fp32 models, fp32 products, no TF32). ``HAS_ROPE``: the key has a
+        log2 units over ``BLOCK_N``-position tiles gathered through the block table (``_paged_keys``: the whole tiles
+        of keys that every row of the query tile sees run without masks, the edges of the range with them); the
+        products in the model's dtype with fp32 accumulation (``IEEE``: fp32 models, fp32 products, no TF32). ``HAS_ROPE``: the key has a
         second part in its own pool (MLA's rotary key ``K2``, ``D2`` wide) that the query's ``Q2`` part meets."""
         program = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -326,6 +385,7 @@ if HAVE_TRITON:
             d = tl.arange(0, BLOCK_D)
             q = tl.load(Q + h[:, None] * sqh + t.to(tl.int64)[:, None] * sqt + d[None, :],
                         mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+            d2, q2 = d, q  # never read without a rotary part
             if HAS_ROPE:
                 d2 = tl.arange(0, BLOCK_D2)
                 q2 = tl.load(Q2 + h[:, None] * sq2h + t.to(tl.int64)[:, None] * sq2t + d2[None, :],
@@ -338,45 +398,27 @@ if HAVE_TRITON:
             l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
             dv = tl.arange(0, BLOCK_DV)
             acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_DV], dtype=tl.float32)
-            j = tl.arange(0, BLOCK_N)
-            for k0 in range(begin, end, BLOCK_N):
-                kpos = k0 + j
-                block = tl.load(TABLE + s.to(tl.int64) * stable + kpos // BS, mask=kpos < end, other=0).to(tl.int64)
-                off = kpos % BS
-                in_range = kpos < end
-                k = tl.load(K + block[:, None] * skb + off[:, None] * sks + kvh * skh + d[None, :],
-                            mask=in_range[:, None] & (d[None, :] < D), other=0.0)
-                if IEEE:
-                    scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    scores = tl.dot(q, tl.trans(k.to(q.dtype)))
-                if HAS_ROPE:
-                    k2 = tl.load(K2 + block[:, None] * sk2b + off[:, None] * sk2s + kvh * sk2h + d2[None, :],
-                                 mask=in_range[:, None] & (d2[None, :] < D2), other=0.0)
-                    if IEEE:
-                        scores += tl.dot(q2, tl.trans(k2), input_precision="ieee")
-                    else:
-                        scores += tl.dot(q2, tl.trans(k2.to(q2.dtype)))
-                scores = (scores * qk_scale).to(tl.float32)  # fp32 whatever type the scale arrives in (Inductor: fp64)
-                if HAS_SOFTCAP:
-                    x = scores / (softcap * 1.4426950408889634)
-                    scores = (softcap * 1.4426950408889634 * (2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0)).to(tl.float32)
-                if HAS_ALIBI:
-                    scores += slope[:, None] * kpos[None, :].to(tl.float32)
-                live = (kpos[None, :] <= p[:, None]) & (kpos[None, :] >= lo_row[:, None]) & in_range[None, :]
-                scores = tl.where(live, scores, -1.0e30)
-                m_new = tl.maximum(m_i, tl.max(scores, 1))
-                alpha = tl.exp2(m_i - m_new)
-                w = tl.where(live, tl.exp2(scores - m_new[:, None]), 0.0)
-                v = tl.load(V + block[:, None] * svb + off[:, None] * svs + kvh * svh + dv[None, :],
-                            mask=in_range[:, None] & (dv[None, :] < DV), other=0.0)
-                if IEEE:
-                    pv = tl.dot(w, v, input_precision="ieee")
-                else:
-                    pv = tl.dot(w.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                l_i = l_i * alpha + tl.sum(w, 1)
-                m_i = m_new
+            # Keys that every row of the tile sees (at or past the last row's window start, at or before the first
+            # row's position) run without masks, in whole tiles [a, b); the tiles before and after are masked.
+            see_all = begin
+            if window > 0:
+                see_all = tl.maximum(p_last - window + 1, begin)
+            p_first = tl.load(POS + tl.load(STARTS + s) + first)
+            a = tl.minimum(begin + tl.cdiv(see_all - begin, BLOCK_N) * BLOCK_N, end)
+            seen = tl.maximum(tl.minimum(end, p_first + 1), begin)  # no negative quotient: C and numpy round apart
+            b = tl.maximum(a, tl.minimum(begin + (seen - begin) // BLOCK_N * BLOCK_N, end))
+            m_i, l_i, acc = _paged_keys(m_i, l_i, acc, begin, a, q, q2, K, V, K2, TABLE, s, stable, skb, sks, skh,
+                                        svb, svs, svh, sk2b, sk2s, sk2h, kvh, d, d2, dv, p, lo_row, end, slope,
+                                        qk_scale, softcap, D, DV, D2, BS, BLOCK_N, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE,
+                                        IEEE, True)
+            m_i, l_i, acc = _paged_keys(m_i, l_i, acc, a, b, q, q2, K, V, K2, TABLE, s, stable, skb, sks, skh,
+                                        svb, svs, svh, sk2b, sk2s, sk2h, kvh, d, d2, dv, p, lo_row, end, slope,
+                                        qk_scale, softcap, D, DV, D2, BS, BLOCK_N, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE,
+                                        IEEE, False)
+            m_i, l_i, acc = _paged_keys(m_i, l_i, acc, b, end, q, q2, K, V, K2, TABLE, s, stable, skb, sks, skh,
+                                        svb, svs, svh, sk2b, sk2s, sk2h, kvh, d, d2, dv, p, lo_row, end, slope,
+                                        qk_scale, softcap, D, DV, D2, BS, BLOCK_N, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE,
+                                        IEEE, True)
             out_mask = row_ok[:, None] & (dv[None, :] < DV)
             if SPLIT:
                 tl.store(STATS + part * sss + t.to(tl.int64) * sst + h * 2, m_i, mask=row_ok)

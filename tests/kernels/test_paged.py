@@ -30,14 +30,19 @@ ATTENTION_CASES = [
     (4, 4, 64, 32, (6, 1), dict(alibi=True)),                # Bloom: ALiBi
     (4, 2, 64, 16, (5, 2, 1), dict(sinks=True, window=4)),   # gpt-oss: sinks (+ window)
     (4, 2, 64, 16, (3, 0, 0, 6, 1), {}),                     # idle slots between busy ones: no tiles of their own
+    # long prefixes: whole key tiles that every row of a query tile sees run unmasked, the edges masked
+    (8, 2, 64, 16, (1, 40, 5), dict(max_start=300)),
+    (4, 2, 64, 16, (30, 1, 4), dict(max_start=300, window=70, softcap=20.0)),
+    (4, 4, 64, 32, (6, 1), dict(max_start=200, alibi=True, sinks=True)),
 ]
 
 
-def ragged(counts, block: int, slots: int, seed: int, pad: int = 3):
-    """A step of sequences ``0..len(counts)-1``, each with ``counts[s]`` tokens at a random position, over shuffled
-    blocks: ``(step, layout, lengths)`` (``lengths[s]``: positions 0..lengths[s]-1 of slot s hold live entries)."""
+def ragged(counts, block: int, slots: int, seed: int, pad: int = 3, max_start: int = 40):
+    """A step of sequences ``0..len(counts)-1``, each with ``counts[s]`` tokens at a random position below
+    ``max_start``, over shuffled blocks: ``(step, layout, lengths)`` (``lengths[s]``: positions 0..lengths[s]-1 of
+    slot s hold live entries)."""
     rng = random.Random(seed)
-    starts = [rng.randrange(0, 40) for _ in counts]
+    starts = [rng.randrange(0, max_start) for _ in counts]
     lengths = [p + c for p, c in zip(starts, counts)]
     per_seq = max(-(-n // block) for n in lengths)
     layout = CacheLayout(slots=slots, blocks_per_seq=per_seq, block_size=block, num_blocks=slots * per_seq + 2)
@@ -63,7 +68,8 @@ def pools(layout, lengths, step, kv_heads, dim, gen, dtype, device):
 def run_attention_case(case, dtype, device, tol, config=None):
     hq, hkv, dim, block, counts, extras = ATTENTION_CASES[case]
     gen = torch.Generator().manual_seed(case)
-    step, layout, lengths = ragged(counts, block, slots=len(counts) + 1, seed=case)
+    step, layout, lengths = ragged(counts, block, slots=len(counts) + 1, seed=case,
+                                   max_start=extras.get("max_start", 40))
     keys, values = pools(layout, lengths, step, hkv, dim, gen, dtype, device)
     q = torch.randn(1, hq, step.num_tokens, dim, generator=gen).to(device, dtype)
     alibi = torch.rand(hq, generator=gen).to(device) * -0.5 if extras.get("alibi") else None
