@@ -16,7 +16,8 @@ too (the paged pool sized to the sequences' blocks, against ``batch x max_len``)
     python bench/ragged.py                                   # CUDA: 32 layers, 32 sequences of 128..4096
     python bench/ragged.py --layers 8                        # a quicker look
     python bench/ragged.py --device cpu --small --layers 2 --rounds 1 --max-len 256 --chunk 32   # a smoke run
-    python bench/ragged.py --sweep                           # one layer's attention kernels alone, launch plans swept
+    python bench/ragged.py --sweep                           # one layer's attention kernels alone, launch plans swept:
+                                                             # the ragged decode, a 2048-token prefill, the mixed chunk
 """
 import argparse
 import random
@@ -110,7 +111,7 @@ def sweep(lengths, block: int, bw: float) -> None:
     span = table.shape[1] * block
     for over in [{}] + [dict(block_q=bq, block_n=bn, chunk=c, splits=-(-span // c), warps=w, stages=st)
                         for bq in (1, 4) for bn in (32, 64) for c in (512, 1024) for w in (2, 4, 8)
-                        for st in (2, 3, 4)]:
+                        for st in (2, 3, 4)] + [dict(reverse=False)]:
         cfg = {**plan, **over}
         try:
             us = timed(lambda: launch_paged_attention(q, keys, values, positions, seq, table, starts, counts, scale,
@@ -120,9 +121,73 @@ def sweep(lengths, block: int, bw: float) -> None:
             continue
         rows.append((us, over == {}, cfg))
     rows.sort(key=lambda r: r[0])
-    for us, default, cfg in rows[:8] + [r for r in rows[8:] if r[1]]:
+    for us, default, cfg in rows[:8] + [r for r in rows[8:] if r[1] or r[2] == {**plan, "reverse": False}]:
         print(f"  {'plan ' if default else '     '}{cfg}: {us:7.1f} us  x roofline {us * 1e-6 * bw / live:5.2f}  "
               f"x lockstep {us / lock:5.2f}")
+
+
+def sweep_prefill(tokens: int, block: int, start: int = 0) -> None:
+    """One layer's attention for one ``tokens``-token prefill chunk from position ``start`` (Llama-3.1-8B heads),
+    CUDA-graph timed: the paged kernel over shuffled blocks under its own plan and under overridden query tiles, key
+    tiles, warps and stages, against SDPA (FlashAttention, ``is_causal`` with GQA) over the chunk's own keys (from
+    position 0 only) and ppsplit's lockstep flash kernel."""
+    from triton.testing import do_bench_cudagraph
+
+    import torch.nn.functional as F
+
+    from ppsplit.triton_kernels.attention import launch_cache_attention
+    from ppsplit.triton_kernels.paged import attention_plan, launch_paged_attention
+
+    hq, hkv, d = 32, 8, 128
+    live = start + tokens
+    need = -(-live // block)
+    ids = list(range(need))
+    random.Random(0).shuffle(ids)
+    table = torch.tensor([ids], dtype=torch.int32, device="cuda")
+    dev = dict(device="cuda", dtype=torch.bfloat16)
+    keys, values = (torch.randn(need, block, hkv, d, **dev) for _ in range(2))
+    q = torch.randn(1, tokens, hq, d, **dev).transpose(1, 2)
+    positions = torch.arange(start, live, dtype=torch.int32, device="cuda")
+    seq = torch.zeros(tokens, dtype=torch.int32, device="cuda")
+    starts = torch.zeros(1, dtype=torch.int32, device="cuda")
+    counts = torch.full((1,), tokens, dtype=torch.int32, device="cuda")
+    scale = d ** -0.5
+
+    def timed(fn):
+        fn()
+        return do_bench_cudagraph(fn, rep=50) * 1e3
+
+    flops = 4 * hq * d * sum(range(start + 1, live + 1))  # q.k and p.v over each token's visible keys
+    base = {}
+    kc, vc = (torch.randn(1, hkv, live, d, **dev) for _ in range(2))
+    if start == 0:
+        qs, ks, vs = q.contiguous(), kc.contiguous(), vc.contiguous()
+        base["SDPA (is_causal, GQA)"] = timed(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                                                      enable_gqa=True))
+    base["lockstep flash kernel"] = timed(lambda: launch_cache_attention(q, kc, vc, positions, scale))
+    ref = min(base.values())
+    print(f"\none layer, a {tokens}-token prefill chunk from position {start}, blocks of {block}: "
+          f"{flops / 1e9:.1f} GFLOP")
+    for name, us in base.items():
+        print(f"  {name:<32} {us:8.1f} us  {flops / us / 1e6:6.0f} TFLOP/s")
+    plan = attention_plan(tokens, hq, hkv, 1, need * block, block, q.device)
+    rows = []
+    span = need * block
+    for over in [{}, dict(reverse=False), dict(chunk=span, splits=1), dict(chunk=span, splits=1, reverse=False)] + [
+            dict(block_q=bq, block_n=bn, warps=w, stages=st, **whole) for bq in (8, 16, 32) for bn in (32, 64, 128)
+            for w in (4, 8) for st in (2, 3) for whole in ({}, dict(chunk=span, splits=1))]:
+        cfg = {**plan, **over}
+        try:
+            us = timed(lambda: launch_paged_attention(q, keys, values, positions, seq, table, starts, counts, scale,
+                                                      config=over))
+        except Exception as e:  # a tile the compiler refuses (registers, shared memory)
+            print(f"  {cfg}: {type(e).__name__}")
+            continue
+        rows.append((us, over == {}, cfg))
+    rows.sort(key=lambda r: r[0])
+    for us, default, cfg in rows[:8] + [r for r in rows[8:] if r[1] or r[2] == {**plan, "reverse": False}]:
+        print(f"  {'plan ' if default else '     '}{cfg}: {us:8.1f} us  {flops / us / 1e6:6.0f} TFLOP/s  "
+              f"x best baseline {us / ref:5.2f}")
 
 
 def main():
@@ -143,7 +208,10 @@ def main():
     if args.sweep:
         lengths = [round(args.min_len + i * (args.max_len - args.min_len) / max(1, args.batch - 1))
                    for i in range(args.batch)]
-        return sweep(lengths, 16, copy_bandwidth("cuda"))
+        sweep(lengths, 16, copy_bandwidth("cuda"))
+        sweep_prefill(2048, 16)               # peer.py's prefill step, per layer
+        sweep_prefill(args.chunk, 16, args.max_len // 2)  # the mixed step's chunk
+        return
     model = build_model("llama-3.1-8b", args.device, num_hidden_layers=args.layers, **(SMALL if args.small else {}))
     cfg = model.config
     b = args.batch

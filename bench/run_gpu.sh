@@ -30,7 +30,7 @@ for step in $what; do
     pipeline_mp) python3 bench/pipeline_mp.py 2>&1 | tee "$OUT/pipeline_mp.txt" ;;   # 2 GPUs, NCCL (issue 9)
     ragged)   python3 bench/ragged.py --layers 8 2>&1 | tee "$OUT/ragged.txt" ;;             # issue 27
     ragged_sweep) python3 bench/ragged.py --sweep 2>&1 | tee "$OUT/ragged_sweep.txt" ;;
-    fp8)      python3 bench/fp8.py --layers 8 ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.txt" ;;                   # issue 31
+    fp8)      python3 bench/fp8.py --layers ${FP8_LAYERS:-32} ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.txt" ;;      # issue 31
     fp8_sweep) python3 bench/fp8.py --sweep ${HF_FP8:+--hf-kernel $HF_FP8} 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
     # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048, both profiled)
     peer_decode) python3 bench/peer.py --modes decode --batches 1,32 --pp 1 --compile off --no-traced-baseline \

@@ -349,7 +349,7 @@ if HAVE_TRITON:
                                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                                 BLOCK_D2: tl.constexpr, SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                                 HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ROPE: tl.constexpr,
-                                IEEE: tl.constexpr):
+                                IEEE: tl.constexpr, REVERSE: tl.constexpr):
         """One program per (query tile, KV head, key chunk). A query tile is up to ``BLOCK_Q`` consecutive tokens of
         one sequence times the ``G`` query heads of the KV head (``BLOCK_Q * BLOCK_G`` rows), so each key block it
         reads serves every token of the tile (a prefill chunk reads its keys once per tile, not once per token).
@@ -361,6 +361,8 @@ if HAVE_TRITON:
         products in the model's dtype with fp32 accumulation (``IEEE``: fp32 models, fp32 products, no TF32). ``HAS_ROPE``: the key has a
         second part in its own pool (MLA's rotary key ``K2``, ``D2`` wide) that the query's ``Q2`` part meets."""
         program = tl.program_id(0)
+        if REVERSE:  # the last tiles first: a prefill's last tiles see the most keys, and the GPU starts low ids first
+            program = tl.num_programs(0) - 1 - program
         kvh = tl.program_id(1)
         part = tl.program_id(2)
         tiles, s, before = _tile_of(COUNTS, program, S, BLOCK_S, BLOCK_Q)
@@ -508,7 +510,8 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
     head; verify steps (a few tokens per sequence) tiles of 16 rows; steps holding a prefill chunk tiles of up to 64
     rows, which read each key once per tile. Each sequence's keys are cut into chunks while there are too few
     programs to keep the GPU busy through the longest sequence. Chosen by ``bench/ragged.py --sweep`` on an H200
-    (bench/RESULTS.md)."""
+    (bench/RESULTS.md). ``reverse``: the query tiles run last first (a prefill's last tiles see the most keys; not
+    yet timed against the forward order, which the sweep also runs)."""
     g = hq // hkv
     block_g = _pow2(g, least=1)
     rows = 16 if n <= 4 * slots else 64
@@ -521,7 +524,7 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
         want = -(-8 * sms // live)
         chunk = _pow2(-(-max_positions // want), least=block_n)  # a power of two: 1024, not 832, for 4112 keys
     return dict(block_q=block_q, block_g=block_g, block_n=block_n, chunk=chunk, splits=-(-max_positions // chunk),
-                warps=4, stages=3)
+                warps=4, stages=3, reverse=True)
 
 
 def _query_tiles(n: int, slots: int, block_q: int) -> int:
@@ -568,7 +571,8 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
         D2=d2, BS=bs, BLOCK_Q=plan["block_q"], BLOCK_G=plan["block_g"], BLOCK_N=plan["block_n"], BLOCK_D=_pow2(d),
         BLOCK_DV=_pow2(dv), BLOCK_D2=_pow2(d2),
         SPLIT=split, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None,
-        HAS_ROPE=rope is not None, IEEE=q.dtype == torch.float32, num_warps=plan["warps"], num_stages=plan["stages"])
+        HAS_ROPE=rope is not None, IEEE=q.dtype == torch.float32, REVERSE=plan["reverse"], num_warps=plan["warps"],
+        num_stages=plan["stages"])
     if split:
         _paged_combine_kernel[(n, hq)](
             part, stats, seq, sinks_, out, *part.stride()[:3], *stats.stride()[:2], out.stride(1), out.stride(2),
