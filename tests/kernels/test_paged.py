@@ -76,8 +76,9 @@ def run_attention_case(case, dtype, device, tol, config=None):
     sinks = torch.randn(hq, generator=gen).to(device) if extras.get("sinks") else None
     window, softcap, scale = extras.get("window", 0), extras.get("softcap", 0.0), dim ** -0.5
     meta = step.to(device)
-    if config == "chunked":  # the keys cut into 32-position chunks, combined after; tiles of 2 tokens
-        config = dict(chunk=32, splits=-(-layout.max_len // 32), block_q=max(2, 16 // hq * hkv), block_n=32)
+    if config == "chunked":  # the keys cut into 32-position chunks, combined after; tiles of 2 tokens, first first
+        config = dict(chunk=32, splits=-(-layout.max_len // 32), block_q=max(2, 16 // hq * hkv), block_n=32,
+                      reverse=False)
     got = launch_paged_attention(q, keys, values, meta.positions, meta.seq, meta.block_table, meta.seq_start,
                                  meta.seq_count, scale, window, softcap, alibi, sinks, config=config)
     n = sum(counts)
