@@ -110,8 +110,8 @@ def sweep(lengths, block: int, bw: float) -> None:
     rows = []
     span = table.shape[1] * block
     for over in [{}] + [dict(block_q=bq, block_n=bn, chunk=c, splits=-(-span // c), warps=w, stages=st)
-                        for bq in (1, 4) for bn in (32, 64) for c in (512, 1024) for w in (2, 4, 8)
-                        for st in (2, 3, 4)] + [dict(reverse=False)]:
+                        for bq in (1, 4) for bn in (32, 64) for c in (512, 1024) for w in (4, 8)
+                        for st in (2, 3)] + [dict(reverse=False)]:
         cfg = {**plan, **over}
         try:
             us = timed(lambda: launch_paged_attention(q, keys, values, positions, seq, table, starts, counts, scale,
@@ -174,8 +174,8 @@ def sweep_prefill(tokens: int, block: int, start: int = 0) -> None:
     rows = []
     span = need * block
     for over in [{}, dict(reverse=False), dict(chunk=span, splits=1), dict(chunk=span, splits=1, reverse=False)] + [
-            dict(block_q=bq, block_n=bn, warps=w, stages=st, **whole) for bq in (8, 16, 32) for bn in (32, 64, 128)
-            for w in (4, 8) for st in (2, 3) for whole in ({}, dict(chunk=span, splits=1))]:
+            dict(block_q=bq, block_n=bn, warps=w, stages=st, chunk=span, splits=1) for bq in (16, 32)
+            for bn in (32, 64) for w in (4, 8) for st in (2, 3)]:
         cfg = {**plan, **over}
         try:
             us = timed(lambda: launch_paged_attention(q, keys, values, positions, seq, table, starts, counts, scale,
