@@ -107,23 +107,31 @@ def sweep(lengths, block: int, bw: float) -> None:
     print(f"\none layer, {b} decodes of {lengths[0]}..{lengths[-1]}: live KV {live / 2**20:.1f} MiB, roofline "
           f"{live / bw * 1e6:.1f} us; lockstep split-KV at the mean length {lock:.1f} us")
     plan = attention_plan(b, hq, hkv, b, table.shape[1] * block, block, q.device)
-    rows = []
     span = table.shape[1] * block
-    for over in [{}] + [dict(block_q=bq, block_n=bn, chunk=c, splits=-(-span // c), warps=w, stages=st)
-                        for bq in (1, 4) for bn in (32, 64) for c in (512, 1024) for w in (4, 8)
-                        for st in (2, 3)] + [dict(reverse=False)]:
+    named = {"plan": {}, "forward order": dict(reverse=False), "one masked loop": dict(phases=False),
+             "one masked loop, 3 stages": dict(phases=False, stages=3), "3 stages": dict(stages=3)}
+    grid = [dict(block_q=bq, block_n=bn, chunk=c, splits=-(-span // c), warps=w, stages=st)
+            for bq in (1, 4) for bn in (32, 64) for c in (512, 1024) for w in (4, 8) for st in (2, 3)]
+    run_plans(plan, named, grid, lambda over: timed(lambda: launch_paged_attention(
+        q, keys, values, positions, seq, table, starts, counts, scale, config=over)),
+        lambda us: f"x roofline {us * 1e-6 * bw / live:5.2f}  x lockstep {us / lock:5.2f}")
+
+
+def run_plans(plan: dict, named: dict, grid: list, time, figures) -> None:
+    """Times the kernel under ``plan`` overridden by each of ``named`` and ``grid``; prints the eight fastest, then
+    every named one (``figures(us)``: the columns after the time)."""
+    rows = []
+    for label, over in list(named.items()) + [("", over) for over in grid]:
         cfg = {**plan, **over}
         try:
-            us = timed(lambda: launch_paged_attention(q, keys, values, positions, seq, table, starts, counts, scale,
-                                                      config=over))
-        except Exception as e:  # a tile the compiler refuses
+            us = time(over)
+        except Exception as e:  # a tile the compiler refuses (registers, shared memory)
             print(f"  {cfg}: {type(e).__name__}")
             continue
-        rows.append((us, over == {}, cfg))
+        rows.append((us, label, cfg))
     rows.sort(key=lambda r: r[0])
-    for us, default, cfg in rows[:8] + [r for r in rows[8:] if r[1] or r[2] == {**plan, "reverse": False}]:
-        print(f"  {'plan ' if default else '     '}{cfg}: {us:7.1f} us  x roofline {us * 1e-6 * bw / live:5.2f}  "
-              f"x lockstep {us / lock:5.2f}")
+    for us, label, cfg in rows[:8] + [r for r in rows[8:] if r[1]]:
+        print(f"  {label:<26} {cfg}: {us:8.1f} us  {figures(us)}")
 
 
 def sweep_prefill(tokens: int, block: int, start: int = 0) -> None:
@@ -171,23 +179,15 @@ def sweep_prefill(tokens: int, block: int, start: int = 0) -> None:
     for name, us in base.items():
         print(f"  {name:<32} {us:8.1f} us  {flops / us / 1e6:6.0f} TFLOP/s")
     plan = attention_plan(tokens, hq, hkv, 1, need * block, block, q.device)
-    rows = []
     span = need * block
-    for over in [{}, dict(reverse=False), dict(chunk=span, splits=1), dict(chunk=span, splits=1, reverse=False)] + [
-            dict(block_q=bq, block_n=bn, warps=w, stages=st, chunk=span, splits=1) for bq in (16, 32)
-            for bn in (32, 64) for w in (4, 8) for st in (2, 3)]:
-        cfg = {**plan, **over}
-        try:
-            us = timed(lambda: launch_paged_attention(q, keys, values, positions, seq, table, starts, counts, scale,
-                                                      config=over))
-        except Exception as e:  # a tile the compiler refuses (registers, shared memory)
-            print(f"  {cfg}: {type(e).__name__}")
-            continue
-        rows.append((us, over == {}, cfg))
-    rows.sort(key=lambda r: r[0])
-    for us, default, cfg in rows[:8] + [r for r in rows[8:] if r[1] or r[2] == {**plan, "reverse": False}]:
-        print(f"  {'plan ' if default else '     '}{cfg}: {us:8.1f} us  {flops / us / 1e6:6.0f} TFLOP/s  "
-              f"x best baseline {us / ref:5.2f}")
+    named = {"plan": {}, "forward order": dict(reverse=False), "one masked loop": dict(phases=False),
+             "section 30's plan": dict(block_q=16, block_n=32, warps=4, stages=3, chunk=min(span, 1024),
+                                       splits=-(-span // min(span, 1024)))}
+    grid = [dict(block_q=bq, block_n=bn, warps=w, stages=st) for bq in (16, 32, 64) for bn in (32, 64, 128)
+            for w in (4, 8) for st in (2, 3)]
+    run_plans(plan, named, grid, lambda over: timed(lambda: launch_paged_attention(
+        q, keys, values, positions, seq, table, starts, counts, scale, config=over)),
+        lambda us: f"{flops / us / 1e6:6.0f} TFLOP/s  x best baseline {us / ref:5.2f}")
 
 
 def main():

@@ -349,7 +349,7 @@ if HAVE_TRITON:
                                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                                 BLOCK_D2: tl.constexpr, SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                                 HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ROPE: tl.constexpr,
-                                IEEE: tl.constexpr, REVERSE: tl.constexpr):
+                                IEEE: tl.constexpr, REVERSE: tl.constexpr, PHASES: tl.constexpr):
         """One program per (query tile, KV head, key chunk). A query tile is up to ``BLOCK_Q`` consecutive tokens of
         one sequence times the ``G`` query heads of the KV head (``BLOCK_Q * BLOCK_G`` rows), so each key block it
         reads serves every token of the tile (a prefill chunk reads its keys once per tile, not once per token).
@@ -357,7 +357,8 @@ if HAVE_TRITON:
         (``SPLIT``: the partial softmax of each chunk goes to ``PART`` / ``STATS`` and ``_paged_combine_kernel``
         adds them up; else the one chunk holds every key and the program writes the output). Online softmax in
         log2 units over ``BLOCK_N``-position tiles gathered through the block table (``_paged_keys``: the whole tiles
-        of keys that every row of the query tile sees run without masks, the edges of the range with them); the
+        of keys that every row of the query tile sees run without masks, the edges of the range with them; without
+        ``PHASES``, one masked loop over the range); the
         products in the model's dtype with fp32 accumulation (``IEEE``: fp32 models, fp32 products, no TF32). ``HAS_ROPE``: the key has a
         second part in its own pool (MLA's rotary key ``K2``, ``D2`` wide) that the query's ``Q2`` part meets."""
         program = tl.program_id(0)
@@ -409,14 +410,17 @@ if HAVE_TRITON:
             a = tl.minimum(begin + tl.cdiv(see_all - begin, BLOCK_N) * BLOCK_N, end)
             seen = tl.maximum(tl.minimum(end, p_first + 1), begin)  # no negative quotient: C and numpy round apart
             b = tl.maximum(a, tl.minimum(begin + (seen - begin) // BLOCK_N * BLOCK_N, end))
-            m_i, l_i, acc = _paged_keys(m_i, l_i, acc, begin, a, q, q2, K, V, K2, TABLE, s, stable, skb, sks, skh,
-                                        svb, svs, svh, sk2b, sk2s, sk2h, kvh, d, d2, dv, p, lo_row, end, slope,
-                                        qk_scale, softcap, D, DV, D2, BS, BLOCK_N, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE,
-                                        IEEE, True)
-            m_i, l_i, acc = _paged_keys(m_i, l_i, acc, a, b, q, q2, K, V, K2, TABLE, s, stable, skb, sks, skh,
-                                        svb, svs, svh, sk2b, sk2s, sk2h, kvh, d, d2, dv, p, lo_row, end, slope,
-                                        qk_scale, softcap, D, DV, D2, BS, BLOCK_N, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE,
-                                        IEEE, False)
+            if PHASES:
+                m_i, l_i, acc = _paged_keys(m_i, l_i, acc, begin, a, q, q2, K, V, K2, TABLE, s, stable, skb, sks,
+                                            skh, svb, svs, svh, sk2b, sk2s, sk2h, kvh, d, d2, dv, p, lo_row, end,
+                                            slope, qk_scale, softcap, D, DV, D2, BS, BLOCK_N, HAS_SOFTCAP, HAS_ALIBI,
+                                            HAS_ROPE, IEEE, True)
+                m_i, l_i, acc = _paged_keys(m_i, l_i, acc, a, b, q, q2, K, V, K2, TABLE, s, stable, skb, sks, skh,
+                                            svb, svs, svh, sk2b, sk2s, sk2h, kvh, d, d2, dv, p, lo_row, end, slope,
+                                            qk_scale, softcap, D, DV, D2, BS, BLOCK_N, HAS_SOFTCAP, HAS_ALIBI,
+                                            HAS_ROPE, IEEE, False)
+            else:
+                b = begin  # one masked loop over the whole range
             m_i, l_i, acc = _paged_keys(m_i, l_i, acc, b, end, q, q2, K, V, K2, TABLE, s, stable, skb, sks, skh,
                                         svb, svs, svh, sk2b, sk2s, sk2h, kvh, d, d2, dv, p, lo_row, end, slope,
                                         qk_scale, softcap, D, DV, D2, BS, BLOCK_N, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE,
@@ -501,30 +505,46 @@ def launch_paged_write(pool, value, slots, *, wrap=lambda kernel: kernel) -> Non
         wrap(_paged_write_kernel)[(n,)](pool, value, slots, feature, value.stride(0), BLOCK=min(_pow2(feature), 1024))
 
 
-def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, block_size: int, device) -> dict:
+def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, block_size: int, device,
+                   width: int = 128) -> dict:
     """The launch shape of ``paged_attention`` for steps of ``n`` tokens (fixed per token count, so a captured
     bucket replays it): rows per query tile, key positions per program, the upper bound of query tiles, warps and
-    pipeline stages.
+    pipeline stages. ``width``: the widest of a key (with its rope part) and a value.
 
     A decode step (no more tokens than sequence slots) takes query tiles of one token, the G query heads of a KV
-    head; verify steps (a few tokens per sequence) tiles of 16 rows; steps holding a prefill chunk tiles of up to 64
-    rows, which read each key once per tile. Each sequence's keys are cut into chunks while there are too few
-    programs to keep the GPU busy through the longest sequence. Chosen by ``bench/ragged.py --sweep`` on an H200
-    (bench/RESULTS.md). ``reverse``: the query tiles run last first (a prefill's last tiles see the most keys; not
-    yet timed against the forward order, which the sweep also runs)."""
+    head, and cuts each sequence's keys into chunks while there are too few programs to keep the GPU busy through the
+    longest sequence. Verify steps (a few tokens per sequence) take tiles of 16 rows, chunked likewise. Steps holding
+    a prefill chunk take tiles of 128 rows and 64 keys over 8 warps (64 rows and 32 keys over 4 warps for heads wider
+    than 128 or GPUs with less shared memory), and never chunk: the combine of chunked keys cost more than the
+    programs it adds (bench/ragged.py --sweep on an H200, bench/RESULTS.md section 31). The query tiles run last
+    first (a prefill's last tiles see the most keys). ``phases``: the keys every row sees run in a loop without masks
+    between two masked ones (else one masked loop; the sweep times both)."""
     g = hq // hkv
     block_g = _pow2(g, least=1)
-    rows = 16 if n <= 4 * slots else 64
-    block_q = 1 if n <= slots else max(1, rows // block_g)
-    block_n = max(64 if block_g * block_q <= 32 else 32, block_size)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    if n > 4 * slots:  # a prefill chunk
+        if width <= 128 and _shared_memory(device) >= 160 * 1024:  # 128 KiB of tiles at three stages (not a 4090)
+            return dict(block_q=max(1, 128 // block_g), block_g=block_g, block_n=max(64, block_size),
+                        chunk=max_positions, splits=1, warps=8, stages=3, reverse=True, phases=True)
+        return dict(block_q=max(1, 64 // block_g), block_g=block_g, block_n=max(32, block_size), chunk=max_positions,
+                    splits=1, warps=4, stages=3, reverse=True, phases=True)
+    block_q = 1 if n <= slots else max(1, 16 // block_g)
+    block_n = max(64 if block_g * block_q <= 32 else 32, block_size)
     chunk = max_positions
     live = -(-n // block_q) * hkv  # programs that hold tokens when every sequence fills its tiles
     if live < 8 * sms:  # too few programs to keep the GPU busy through the longest sequence: chunk the keys
         want = -(-8 * sms // live)
         chunk = _pow2(-(-max_positions // want), least=block_n)  # a power of two: 1024, not 832, for 4112 keys
     return dict(block_q=block_q, block_g=block_g, block_n=block_n, chunk=chunk, splits=-(-max_positions // chunk),
-                warps=4, stages=3, reverse=True)
+                warps=4, stages=2 if block_q == 1 else 3, reverse=True, phases=True)
+
+
+def _shared_memory(device) -> int:
+    """Shared memory one program may opt into on ``device`` (an H100's or H200's 227 KiB off CUDA)."""
+    if device.type != "cuda":
+        return 227 * 1024
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
 
 
 def _query_tiles(n: int, slots: int, block_q: int) -> int:
@@ -548,7 +568,8 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
         # GQA group needs) and all read KV head 0 (head stride 0).
         hkv, strides = hq // _heads_per_program(hq), [0, 0, 0]
     slots = seq_count.shape[0]
-    plan = attention_plan(n, hq, hkv, slots, block_table.shape[1] * bs, bs, q.device)
+    plan = attention_plan(n, hq, hkv, slots, block_table.shape[1] * bs, bs, q.device,
+                          width=max(d + (q2.shape[-1] if rope is not None else 0), dv))
     plan.update(config or {})
     q, q2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, q2))
     split = plan["splits"] > 1
@@ -571,8 +592,8 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
         D2=d2, BS=bs, BLOCK_Q=plan["block_q"], BLOCK_G=plan["block_g"], BLOCK_N=plan["block_n"], BLOCK_D=_pow2(d),
         BLOCK_DV=_pow2(dv), BLOCK_D2=_pow2(d2),
         SPLIT=split, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None,
-        HAS_ROPE=rope is not None, IEEE=q.dtype == torch.float32, REVERSE=plan["reverse"], num_warps=plan["warps"],
-        num_stages=plan["stages"])
+        HAS_ROPE=rope is not None, IEEE=q.dtype == torch.float32, REVERSE=plan["reverse"], PHASES=plan["phases"],
+        num_warps=plan["warps"], num_stages=plan["stages"])
     if split:
         _paged_combine_kernel[(n, hq)](
             part, stats, seq, sinks_, out, *part.stride()[:3], *stats.stride()[:2], out.stride(1), out.stride(2),

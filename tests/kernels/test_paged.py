@@ -76,9 +76,10 @@ def run_attention_case(case, dtype, device, tol, config=None):
     sinks = torch.randn(hq, generator=gen).to(device) if extras.get("sinks") else None
     window, softcap, scale = extras.get("window", 0), extras.get("softcap", 0.0), dim ** -0.5
     meta = step.to(device)
-    if config == "chunked":  # the keys cut into 32-position chunks, combined after; tiles of 2 tokens, first first
+    if config == "chunked":  # the keys cut into 32-position chunks, combined after; tiles of 2 tokens, first first,
+        # each chunk in one masked loop
         config = dict(chunk=32, splits=-(-layout.max_len // 32), block_q=max(2, 16 // hq * hkv), block_n=32,
-                      reverse=False)
+                      reverse=False, phases=False)
     got = launch_paged_attention(q, keys, values, meta.positions, meta.seq, meta.block_table, meta.seq_start,
                                  meta.seq_count, scale, window, softcap, alibi, sinks, config=config)
     n = sum(counts)
@@ -292,7 +293,7 @@ def test_paged_latent_attention_kernel_bf16_on_gpu(case, config):
 
 def test_attention_plan_chunks_long_decodes_and_tiles_prefills():
     """Decode steps get one-token tiles and chunked keys; verify steps 16-row tiles; a step holding a prefill chunk
-    gets 64-row tiles."""
+    gets 128-row tiles (64 for wide heads) and unchunked keys."""
     from ppsplit.triton_kernels.paged import attention_plan
 
     decode = attention_plan(32, 32, 8, 32, 4096, 16, torch.device("cpu"))
@@ -301,4 +302,6 @@ def test_attention_plan_chunks_long_decodes_and_tiles_prefills():
     verify = attention_plan(32, 32, 8, 8, 4096, 16, torch.device("cpu"))  # 8 sequences verifying 4 tokens
     assert verify["block_q"] * verify["block_g"] == 16 and verify["splits"] > 1
     prefill = attention_plan(512, 32, 8, 8, 4096, 16, torch.device("cpu"))
-    assert prefill["block_q"] * prefill["block_g"] == 64
+    assert prefill["block_q"] * prefill["block_g"] == 128 and prefill["splits"] == 1
+    wide = attention_plan(512, 16, 16, 8, 4096, 16, torch.device("cpu"), width=576)  # MLA's latent and rope parts
+    assert wide["block_q"] * wide["block_g"] == 64 and wide["splits"] == 1
