@@ -13,8 +13,8 @@ The math is ``W[n, k] = float(W_q[n, k]) * scale[n // block_n, k // block_k]`` (
 On CUDA (``fp8_usable``) Triton kernels read the FP8 weight and its scales directly (weight-only: the
 activations stay in their dtype), so no dequantised weight is ever written:
 
-- one row (decode at batch 1): a GEMV, each program ``BLOCK_N`` whole weight rows of one row of scale blocks, so
-  the scales multiply the activation once per tile (not each weight) and the loop is the bf16 GEMV's;
+- one row (decode at batch 1): a GEMV, each program ``BLOCK_N`` whole weight rows; a ``BLOCK_K`` tile may span
+  several k-blocks, whose products are summed apart and scaled by their block's scale;
 - more rows: a tiled ``tl.dot`` GEMM, each ``[BLOCK_M, BLOCK_N]`` partial product scaled by its weight block's
   scale as it is accumulated (as DeepSeek-V3's ``fp8_gemm`` does; ``BLOCK_K`` lies inside one k-block), with the
   k-range split over several programs whose fp32 partial tiles a second kernel adds up in a fixed order.
@@ -24,7 +24,6 @@ not the fast one.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -53,31 +52,36 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fp8_gemv_kernel(X, W, S, B, Y, N, K, stride_w, GK, QN, QK,
-                         HAS_BIAS: tl.constexpr, ONE_K_BLOCK: tl.constexpr, SUB: tl.constexpr, C: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
-        """``BLOCK_N`` whole weight rows per program, read in ``[BLOCK_N, SUB, C]`` tiles (``C`` columns never
-        straddle a k-block). The program's rows lie in one row of scale blocks (``BLOCK_N`` divides ``QN``), so a
-        weight's scale depends on its k-block alone: it multiplies the activation (``SUB`` scales per tile, for all
-        rows at once) and the loop is one multiply-add per weight, as in the bf16 GEMV. ``ONE_K_BLOCK``: one scale
-        per row (per channel, per tensor), applied to the row's sum at the end."""
-        row0 = tl.program_id(0) * BLOCK_N
-        rows = row0 + tl.arange(0, BLOCK_N)
+                         HAS_BIAS: tl.constexpr, ONE_K_BLOCK: tl.constexpr, SUB: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``BLOCK_N`` whole weight rows per program. A ``BLOCK_K`` tile spans ``SUB`` k-blocks (``SUB = 1``: the
+        tile lies inside one): its products are summed per k-block and scaled by that block's scale, so the scales
+        cost ``SUB`` loads per row and tile, not one per weight. ``ONE_K_BLOCK``: one scale per row (per channel,
+        per tensor), applied once at the end."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
-        w_rows = W + rows[:, None, None].to(tl.int64) * stride_w
-        sub = tl.arange(0, SUB)
-        col = tl.arange(0, C)
-        acc = tl.zeros([BLOCK_N, SUB, C], dtype=tl.float32)
-        for k0 in range(0, K, SUB * C):
-            start = k0 + sub * C
-            k = start[:, None] + col[None, :]
-            x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
-            if not ONE_K_BLOCK:
-                x *= tl.load(S + (row0 // QN) * GK + start // QK, mask=start < K, other=0.0)[:, None]
-            w = tl.load(w_rows + k[None, :, :], mask=row_ok[:, None, None] & (k[None, :, :] < K), other=0.0)
-            acc += w.to(tl.float32) * x[None, :, :]
-        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        w_rows = W + rows[:, None].to(tl.int64) * stride_w
+        s_rows = S + (rows // QN) * GK
         if ONE_K_BLOCK:
-            y *= tl.load(S + (rows // QN) * GK, mask=row_ok, other=0.0)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, SUB], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
+            if ONE_K_BLOCK:
+                acc += w * x[None, :]
+            else:
+                kb = k0 // QK + tl.arange(0, SUB)
+                s = tl.load(s_rows[:, None] + kb[None, :], mask=row_ok[:, None] & (kb[None, :] < GK), other=0.0)
+                if SUB == 1:
+                    acc += tl.sum(w * x[None, :], axis=1)[:, None] * s
+                else:
+                    acc += tl.sum(tl.reshape(w * x[None, :], [BLOCK_N, SUB, BLOCK_K // SUB]), axis=2) * s
+        y = tl.sum(acc, axis=1)
+        if ONE_K_BLOCK:
+            y *= tl.load(s_rows, mask=row_ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
@@ -153,11 +157,15 @@ def fp8_usable(x: torch.Tensor, weight: torch.Tensor, block_k: int, block_kernel
             and (block_k % block_kernel == 0 or block_k >= weight.shape[1]))
 
 
-def _gemm_tile_k(block_k: int, k: int, tile: int) -> int:
-    """The GEMM's ``BLOCK_K``: the configured ``tile`` where it lies inside one k-block (or the row has one k-block),
-    else 128 (``fp8_usable``)."""
+def _tile_k(block_k: int, k: int, tile: int, spans: bool) -> tuple[int, int]:
+    """``(BLOCK_K, SUB)``: the configured ``tile`` where k-blocks allow it (one k-block over the row: any tile;
+    a tile inside one k-block; with ``spans``, a tile of ``SUB`` whole k-blocks), else 128 (``fp8_usable``)."""
     tile = min(tile, triton.next_power_of_2(k))
-    return tile if block_k >= k or block_k % tile == 0 else 128
+    if block_k >= k or block_k % tile == 0:
+        return tile, 1
+    if spans and tile % block_k == 0:
+        return tile, tile // block_k
+    return 128, 1
 
 
 def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=lambda kernel: kernel, config=None):
@@ -178,16 +186,13 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
     b = bias if bias is not None else s
     if m == 1:
         bn_, bk_, warps, stages = (config or gemv_config(n, k))[:4]
-        bk_ = min(bk_, triton.next_power_of_2(k))
-        c = min(bk_, 128)  # divides every k-block fp8_usable admits
-        if not one:
-            bn_ = math.gcd(bn_, block_n)  # a power of two: the program's rows in one row of scale blocks
+        bk_, sub = _tile_k(block_k, k, bk_, spans=True)
         wrap(_fp8_gemv_kernel)[(triton.cdiv(n, bn_),)](
             x2, weight, s, b, y, n, k, weight.stride(0), gk, block_n, qk, HAS_BIAS=bias is not None,
-            ONE_K_BLOCK=one, SUB=bk_ // c, C=c, BLOCK_N=bn_, num_warps=warps, num_stages=stages)
+            ONE_K_BLOCK=one, SUB=sub, BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
     else:
         bn_, bk_, warps, stages, *split = config or gemm_config(n)
-        bk_ = max(_gemm_tile_k(block_k, k, bk_), 16)
+        bk_ = max(_tile_k(block_k, k, bk_, spans=False)[0], 16)
         bm_ = gemm_block_m(m)
         k_per = triton.cdiv(triton.cdiv(k, split[0] if split else 1), bk_) * bk_  # whole tiles per k-range
         splits = triton.cdiv(k, k_per)

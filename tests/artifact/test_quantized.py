@@ -304,9 +304,9 @@ def test_fp8_moe_experts_are_dequantised_through_the_conversions(arch, tmp_path,
 @pytest.mark.parametrize("config", [None, (8, 128, 4, 2), (32, 1024, 4, 3), (16, 64, 4, 2, 3)])
 def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype, config):
     """The GEMV (one row) and GEMM kernels, run on CPU tensors under TRITON_INTERPRET=1 (conftest), with the
-    default tiles, with tiles inside a k-block and across several (the GEMV scales the activation per k-block),
-    with GEMV programs of fewer rows than configured where a scale block's height (48) is not a multiple of them,
-    and with the GEMM's k split over three ranges (their fp32 partial sums added by a second kernel)."""
+    default tiles, with tiles inside a k-block and across several (the GEMV sums each k-block apart), with GEMV
+    programs whose rows straddle scale blocks (48 rows high), and with the GEMM's k split over three ranges (their
+    fp32 partial sums added by a second kernel)."""
     from ppsplit.triton_kernels.fp8 import HAVE_TRITON, fp8_usable, launch_fp8_linear
 
     if not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
