@@ -15,6 +15,7 @@ too (the paged pool sized to the sequences' blocks, against ``batch x max_len``)
 
     python bench/ragged.py                                   # CUDA: 32 layers, 32 sequences of 128..4096
     python bench/ragged.py --layers 8                        # a quicker look
+    python bench/ragged.py --layers 8 --profile              # and the two decodes' kernels by GPU time
     python bench/ragged.py --device cpu --small --layers 2 --rounds 1 --max-len 256 --chunk 32   # a smoke run
     python bench/ragged.py --sweep                           # one layer's attention kernels alone, launch plans swept:
                                                              # the ragged decode, a 2048-token prefill, the mixed chunk
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import banner, build_model, stage_runs  # noqa: E402
-from fp8 import SMALL, copy_bandwidth, step_ms  # noqa: E402
+from fp8 import SMALL, copy_bandwidth, profile, step_ms  # noqa: E402
 
 import ppsplit  # noqa: E402
 from ppsplit import CacheConfig  # noqa: E402
@@ -201,6 +202,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="a small hidden size (CPU smoke runs)")
     ap.add_argument("--sweep", action="store_true", help="one layer's attention kernels alone, launch plans swept")
+    ap.add_argument("--profile", action="store_true", help="the ragged and lockstep decodes' kernels by GPU time")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/ragged.py times CUDA graphs: run it on a CUDA machine (or --device cpu --small for a smoke run)")
@@ -250,6 +252,9 @@ def main():
         "chunk alone": ragged_run(stage, [Segment(b - 1, chunk_at, args.chunk)], tables, layout, args.device),
     }
     ms = {name: step_ms(run, args.device, args.rounds) for name, run in rows.items()}
+    if args.profile and args.device == "cuda":
+        for name in ("ragged decode", "lockstep decode (mean length)"):
+            profile(rows[name], name, top=16)
     live = {"ragged decode": sum(n + 1 for n in lengths), "lockstep decode (mean length)": b * (mean + 1)}
     print(f"\n{b} sequences of {lengths[0]}..{lengths[-1]} positions (mean {mean}), {args.layers} layers; copy "
           f"bandwidth {bw / 1e9:.0f} GB/s")

@@ -28,7 +28,7 @@ for step in $what; do
     eagle3)   python3 bench/eagle3.py 2>&1 | tee "$OUT/eagle3.txt" ;;
     balance)  python3 bench/balance.py --gpu 2>&1 | tee "$OUT/balance.txt" ;;
     pipeline_mp) python3 bench/pipeline_mp.py 2>&1 | tee "$OUT/pipeline_mp.txt" ;;   # 2 GPUs, NCCL (issue 9)
-    ragged)   python3 bench/ragged.py --layers 8 2>&1 | tee "$OUT/ragged.txt" ;;             # issue 27
+    ragged)   python3 bench/ragged.py --layers 8 --profile 2>&1 | tee "$OUT/ragged.txt" ;;             # issue 27
     ragged_sweep) python3 bench/ragged.py --sweep 2>&1 | tee "$OUT/ragged_sweep.txt" ;;
     fp8)      python3 bench/fp8.py --layers ${FP8_LAYERS:-32} ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.txt" ;;      # issue 31
     fp8_sweep) python3 bench/fp8.py --sweep ${HF_FP8:+--hf-kernel $HF_FP8} 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
