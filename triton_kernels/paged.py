@@ -259,14 +259,16 @@ def _(x, weight, bias, pool, positions, seq, block_table):
 if HAVE_TRITON:
 
     @triton.jit
-    def _paged_write_kernel(POOL, VALUE, SLOTS, F, svt, BLOCK: tl.constexpr):
+    def _paged_write_kernel(POOL, VALUE, SLOTS, F, W, svt, svh, svw, BLOCK: tl.constexpr):
+        """Token ``t``'s value, ``F`` entries read as rows of ``W`` (``value[t, f // W, f % W]`` over strides, so a
+        head-major view of the keys needs no copy), into its pool slot."""
         t = tl.program_id(0)
         slot = tl.load(SLOTS + t)
         if slot >= 0:
             for f0 in range(0, F, BLOCK):
                 f = f0 + tl.arange(0, BLOCK)
                 ok = f < F
-                v = tl.load(VALUE + t.to(tl.int64) * svt + f, mask=ok)
+                v = tl.load(VALUE + t.to(tl.int64) * svt + (f // W) * svh + (f % W) * svw, mask=ok)
                 tl.store(POOL + slot.to(tl.int64) * F + f, v.to(POOL.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -497,12 +499,17 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 def launch_paged_write(pool, value, slots, *, wrap=lambda kernel: kernel) -> None:
+    """``value [N, *feature]`` read through its strides: ``[N, H, W]`` (the keys' ``k[0].transpose(0, 1)``, a
+    head-major view) or ``[N, C]``; more feature dimensions are flattened to ``[N, H, W]`` first."""
     n = value.shape[0]
     feature = value[0].numel()
-    value = value.reshape(n, feature)
-    value = value if value.stride(-1) == 1 else value.contiguous()
+    if value.dim() == 2:
+        value = value.unsqueeze(1)
+    elif value.dim() > 3:
+        value = value.reshape(n, -1, value.shape[-1])
     if n:
-        wrap(_paged_write_kernel)[(n,)](pool, value, slots, feature, value.stride(0), BLOCK=min(_pow2(feature), 1024))
+        wrap(_paged_write_kernel)[(n,)](pool, value, slots, feature, value.shape[2], *value.stride(),
+                                        BLOCK=min(_pow2(feature), 1024))
 
 
 def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, block_size: int, device,

@@ -200,17 +200,25 @@ def test_sparse_latent_attention_sees_only_the_picked_positions():
         torch.testing.assert_close(got[:, :, rows], alone, atol=1e-12, rtol=1e-12)
 
 
-def test_paged_write_kernel_writes_only_real_tokens():
+@pytest.mark.parametrize("layout", ["tokens", "heads", "channels"])
+def test_paged_write_kernel_writes_only_real_tokens(layout):
+    """Token-major values, the head-major view the keys arrive in (``k[0].transpose(0, 1)``, read through its
+    strides), and a convolution's ``[N, C]`` inputs."""
     gen = torch.Generator().manual_seed(0)
-    step, layout, _ = ragged((4, 1, 9), 16, slots=4, seed=3)
-    slots = slot_mapping_reference(step.positions, step.seq, step.block_table, layout.block_size)
-    pool = torch.full((layout.num_blocks, layout.block_size, 2, 48), float("nan"))
-    value = torch.randn(step.num_tokens, 2, 48, generator=gen)
-    expected = pool.clone().view(-1, 2, 48)
+    step, cache, _ = ragged((4, 1, 9), 16, slots=4, seed=3)
+    slots = slot_mapping_reference(step.positions, step.seq, step.block_table, cache.block_size)
+    feature = (96,) if layout == "channels" else (2, 48)
+    pool = torch.full((cache.num_blocks, cache.block_size, *feature), float("nan"))
+    if layout == "heads":
+        value = torch.randn(2, step.num_tokens, 48, generator=gen).transpose(0, 1)
+        assert not value.is_contiguous()
+    else:
+        value = torch.randn(step.num_tokens, *feature, generator=gen)
+    expected = pool.clone().view(-1, *feature)
     real = slots >= 0
     expected[slots[real]] = value[real]
     launch_paged_write(pool, value, slots)
-    torch.testing.assert_close(pool.view(-1, 2, 48), expected, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(pool.view(-1, *feature), expected, equal_nan=True, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("kernel,channels", [(4, 48), (3, 300)])
