@@ -550,8 +550,11 @@ def _shared_memory(device) -> int:
     """Shared memory one program may opt into on ``device`` (an H100's or H200's 227 KiB off CUDA)."""
     if device.type != "cuda":
         return 227 * 1024
-    props = torch.cuda.get_device_properties(device)
-    return getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+    optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+    if not optin:  # a torch without the field: ask Triton's driver, which sizes its own launches by it
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        optin = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return optin
 
 
 def _query_tiles(n: int, slots: int, block_q: int) -> int:
