@@ -5,9 +5,10 @@ prove its rewrites against. This pass swaps every use of it for the paged form (
 and adds the step's metadata inputs (``ppsplit.core.ragged.STEP_INPUTS``) after ``aux``:
 
 - a write of keys or values at ``positions`` becomes ``paged_write`` into the layer's pool
-  ``[num_blocks, block_size, kv_heads, head_dim]`` at the step's slot mapping, and the ``cache_attention`` that read
-  them a ``paged_attention`` over the pools (same scale, window, soft-cap, ALiBi, sinks); MLA's ``latent_attention``
-  (its keys hold latents, its values rotary keys, one head each) a ``paged_latent_attention``;
+  ``[num_blocks, block_size, kv_heads, head_dim]`` at the step's slot mapping (a layer's keys and values one
+  ``paged_write_pair``), and the ``cache_attention`` that read them a ``paged_attention`` over the pools (same
+  scale, window, soft-cap, ALiBi, sinks); MLA's ``latent_attention`` (its keys hold latents, its values rotary
+  keys, one head each) a ``paged_latent_attention``;
 - a short convolution's inputs go to a pool ``[num_blocks, block_size, channels]`` the same way, and the
   depthwise ``conv1d`` over the window the model built becomes ``paged_conv1d``, same output layout;
 - a recurrent scan's ring becomes one ring per sequence slot ``[slots, R, *state]`` (``ragged_*_scan``).
@@ -67,6 +68,7 @@ def paged(result: Attended, plan: SplitPlan, cache: CacheConfig, stand_in: Cache
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is aten.index_copy_.default and _cache_name(node.args[0]):
             rewrite.write(node)
+    rewrite.pair_writes()
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _SCANS:
             rewrite.scan(node)
@@ -119,6 +121,7 @@ class _Rewrite:
         self.slots.meta.update({"ppsplit.token": False, "val": val.new_empty(val.shape) if val is not None else None})
         self.pools: dict[str, fx.Node] = {}  # buffer name -> its get_attr node, now over the pool
         self.done: set = set()  # nodes this pass made or consumed
+        self.writes: dict[int, dict[str, fx.Node]] = {}  # layer -> kind -> its paged_write (keys and values)
 
     # -- buffers ---------------------------------------------------------------------------------------------
     def pool(self, buffer: fx.Node, kind: str) -> fx.Node:
@@ -164,6 +167,8 @@ class _Rewrite:
             write = g.call_function(ops.paged_write.default, (pool, tokens, self.slots))
         for n in {tokens, row, write}:
             n.meta.update({k: v for k, v in node.meta.items() if k.startswith("ppsplit.") or k == "nn_module_stack"})
+        if kind in ("keys", "values"):
+            self.writes.setdefault(layer, {})[kind] = write
         readers = list(node.users)
         if kind in ("keys", "values"):
             site = self.sites.get(layer)
@@ -186,6 +191,25 @@ class _Rewrite:
         self.graph.erase_node(node)
         if view is not buffer and not view.users:
             self.graph.erase_node(view)
+
+    def pair_writes(self) -> None:
+        """A layer's key and value writes -> one ``paged_write_pair`` where the second write stands (one launch, not
+        two), when nothing between them touches the key pool."""
+        nodes = list(self.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        for kinds in self.writes.values():
+            if set(kinds) != {"keys", "values"}:
+                continue
+            first, second = sorted(kinds.values(), key=order.__getitem__)
+            pool = first.args[0]
+            if any(pool in n.all_input_nodes for n in nodes[order[first] + 1:order[second]]):
+                continue
+            with self.graph.inserting_before(second):
+                pair = self.graph.call_function(ops.paged_write_pair.default,
+                                                (pool, second.args[0], first.args[1], second.args[1], self.slots))
+            pair.meta.update(second.meta)
+            self.graph.erase_node(first)
+            self.graph.erase_node(second)
 
     def attention(self, node: fx.Node) -> None:
         if node in self.done:

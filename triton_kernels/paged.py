@@ -12,6 +12,7 @@ Ops (each with a torch path for CPU tensors, which the tests compare, and a Trit
 
 - ``slot_mapping(positions, seq, block_table, block_size)``: the flat slot of each token (``-1`` for padding);
 - ``paged_write(pool, value [N, *feature], slots)``: ``pool.flat[slots[t]] = value[t]`` for every real token;
+  ``paged_write_pair`` two of them at the same slots (a layer's keys and values) in one launch;
 - ``paged_attention(q [1, Hq, N, D], keys, values, positions, seq, block_table, seq_start, seq_count, scale,
   window, softcap, alibi, sinks)``: token ``t`` attends to the keys of its own sequence at positions
   ``<= positions[t]`` (and ``> positions[t] - window`` with a window), the math of ``attention_reference``;
@@ -70,6 +71,26 @@ def paged_write(pool: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) ->
 
 @paged_write.register_fake
 def _(pool, value, slots):
+    return None
+
+
+@register("ppsplit::paged_write_pair", ("pool", "other_pool"), opaque=True)
+def paged_write_pair(pool: torch.Tensor, other_pool: torch.Tensor, value: torch.Tensor, other_value: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+    """``paged_write(pool, value, slots)`` and ``paged_write(other_pool, other_value, slots)`` (a layer's keys and
+    values) in one launch."""
+    if on_gpu(value):
+        with torch.cuda.device(value.device):
+            launch_paged_write(pool, value, slots, other=(other_pool, other_value))
+        return
+    for p, v in ((pool, value), (other_pool, other_value)):
+        flat = p.view(p.shape[0] * p.shape[1], *p.shape[2:])
+        real = slots >= 0
+        flat.index_copy_(0, slots[real], v[real].to(p.dtype))
+
+
+@paged_write_pair.register_fake
+def _(pool, other_pool, value, other_value, slots):
     return None
 
 
@@ -259,17 +280,26 @@ def _(x, weight, bias, pool, positions, seq, block_table):
 if HAVE_TRITON:
 
     @triton.jit
-    def _paged_write_kernel(POOL, VALUE, SLOTS, F, W, svt, svh, svw, BLOCK: tl.constexpr):
+    def _write_token(POOL, VALUE, t, slot, F, W, svt, svh, svw, BLOCK: tl.constexpr):
         """Token ``t``'s value, ``F`` entries read as rows of ``W`` (``value[t, f // W, f % W]`` over strides, so a
-        head-major view of the keys needs no copy), into its pool slot."""
+        head-major view of the keys needs no copy), into pool slot ``slot``."""
+        for f0 in range(0, F, BLOCK):
+            f = f0 + tl.arange(0, BLOCK)
+            ok = f < F
+            v = tl.load(VALUE + t.to(tl.int64) * svt + (f // W) * svh + (f % W) * svw, mask=ok)
+            tl.store(POOL + slot.to(tl.int64) * F + f, v.to(POOL.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _paged_write_kernel(POOL, VALUE, POOL2, VALUE2, SLOTS, F, W, svt, svh, svw, F2, W2, s2t, s2h, s2w,
+                            BLOCK: tl.constexpr, BLOCK2: tl.constexpr):
+        """One program per (token, value): the second value (``POOL2``, ``VALUE2``) on ``program_id(1) == 1``."""
         t = tl.program_id(0)
         slot = tl.load(SLOTS + t)
         if slot >= 0:
-            for f0 in range(0, F, BLOCK):
-                f = f0 + tl.arange(0, BLOCK)
-                ok = f < F
-                v = tl.load(VALUE + t.to(tl.int64) * svt + (f // W) * svh + (f % W) * svw, mask=ok)
-                tl.store(POOL + slot.to(tl.int64) * F + f, v.to(POOL.dtype.element_ty), mask=ok)
+            if tl.program_id(1) == 0:
+                _write_token(POOL, VALUE, t, slot, F, W, svt, svh, svw, BLOCK)
+            else:
+                _write_token(POOL2, VALUE2, t, slot, F2, W2, s2t, s2h, s2w, BLOCK2)
 
     @triton.jit
     def _tile_of(COUNTS, program, S: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_Q: tl.constexpr):
@@ -498,18 +528,26 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (int(n) - 1).bit_length())
 
 
-def launch_paged_write(pool, value, slots, *, wrap=lambda kernel: kernel) -> None:
+def launch_paged_write(pool, value, slots, *, other: tuple | None = None, wrap=lambda kernel: kernel) -> None:
     """``value [N, *feature]`` read through its strides: ``[N, H, W]`` (the keys' ``k[0].transpose(0, 1)``, a
-    head-major view) or ``[N, C]``; more feature dimensions are flattened to ``[N, H, W]`` first."""
+    head-major view) or ``[N, C]``; more feature dimensions are flattened to ``[N, H, W]`` first. ``other``: a
+    second ``(pool, value)`` at the same slots, in the same launch."""
     n = value.shape[0]
-    feature = value[0].numel()
+    if not n:
+        return
+    pool2, value2 = other or (pool, value)
+    value, value2 = _rows(value), _rows(value2)
+    wrap(_paged_write_kernel)[(n, 2 if other else 1)](
+        pool, value, pool2, value2, slots, value[0].numel(), value.shape[2], *value.stride(), value2[0].numel(),
+        value2.shape[2], *value2.stride(), BLOCK=min(_pow2(value[0].numel()), 1024),
+        BLOCK2=min(_pow2(value2[0].numel()), 1024))
+
+
+def _rows(value):
+    """``value [N, *feature]`` as ``[N, H, W]``, a view where the strides allow."""
     if value.dim() == 2:
-        value = value.unsqueeze(1)
-    elif value.dim() > 3:
-        value = value.reshape(n, -1, value.shape[-1])
-    if n:
-        wrap(_paged_write_kernel)[(n,)](pool, value, slots, feature, value.shape[2], *value.stride(),
-                                        BLOCK=min(_pow2(feature), 1024))
+        return value.unsqueeze(1)
+    return value if value.dim() == 3 else value.reshape(value.shape[0], -1, value.shape[-1])
 
 
 def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, block_size: int, device,

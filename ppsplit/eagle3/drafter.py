@@ -218,8 +218,8 @@ class Eagle3Drafter(nn.Module):
         if step is not None:
             ops = torch.ops.ppsplit
             slots = ops.slot_mapping(step.positions, step.seq, step.block_table, self.paged_keys.shape[1])
-            ops.paged_write(self.paged_keys, k[0].transpose(0, 1), slots)
-            ops.paged_write(self.paged_values, v[0].transpose(0, 1), slots)
+            ops.paged_write_pair(self.paged_keys, self.paged_values, k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                 slots)
             o = ops.paged_attention(q, self.paged_keys, self.paged_values, *step.tensors(), attn.head_dim ** -0.5,
                                     self.sliding_window, 0.0, None, None)
             return attn.o_proj(o.transpose(1, 2).reshape(batch, tokens, attn.heads * attn.head_dim))

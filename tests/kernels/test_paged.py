@@ -200,25 +200,30 @@ def test_sparse_latent_attention_sees_only_the_picked_positions():
         torch.testing.assert_close(got[:, :, rows], alone, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("layout", ["tokens", "heads", "channels"])
+@pytest.mark.parametrize("layout", ["tokens", "heads", "channels", "pair"])
 def test_paged_write_kernel_writes_only_real_tokens(layout):
     """Token-major values, the head-major view the keys arrive in (``k[0].transpose(0, 1)``, read through its
-    strides), and a convolution's ``[N, C]`` inputs."""
+    strides), a convolution's ``[N, C]`` inputs, and a pair in one launch (MLA's latents and rotary keys: two
+    widths)."""
     gen = torch.Generator().manual_seed(0)
     step, cache, _ = ragged((4, 1, 9), 16, slots=4, seed=3)
     slots = slot_mapping_reference(step.positions, step.seq, step.block_table, cache.block_size)
-    feature = (96,) if layout == "channels" else (2, 48)
-    pool = torch.full((cache.num_blocks, cache.block_size, *feature), float("nan"))
-    if layout == "heads":
-        value = torch.randn(2, step.num_tokens, 48, generator=gen).transpose(0, 1)
-        assert not value.is_contiguous()
-    else:
-        value = torch.randn(step.num_tokens, *feature, generator=gen)
-    expected = pool.clone().view(-1, *feature)
-    real = slots >= 0
-    expected[slots[real]] = value[real]
-    launch_paged_write(pool, value, slots)
-    torch.testing.assert_close(pool.view(-1, *feature), expected, equal_nan=True, atol=0, rtol=0)
+    features = {"channels": [(96,)], "pair": [(1, 80), (1, 24)]}.get(layout, [(2, 48)])
+    pools, values, expected = [], [], []
+    for feature in features:
+        pools.append(torch.full((cache.num_blocks, cache.block_size, *feature), float("nan")))
+        if layout == "heads":
+            value = torch.randn(2, step.num_tokens, 48, generator=gen).transpose(0, 1)
+            assert not value.is_contiguous()
+        else:
+            value = torch.randn(step.num_tokens, *feature, generator=gen)
+        values.append(value)
+        expected.append(pools[-1].clone().view(-1, *feature))
+        real = slots >= 0
+        expected[-1][slots[real]] = value[real]
+    launch_paged_write(pools[0], values[0], slots, other=(pools[1], values[1]) if layout == "pair" else None)
+    for pool, want, feature in zip(pools, expected, features):
+        torch.testing.assert_close(pool.view(-1, *feature), want, equal_nan=True, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("kernel,channels", [(4, 48), (3, 300)])

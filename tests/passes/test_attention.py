@@ -149,13 +149,13 @@ def test_pass_matches_hf_and_replaces_attention(arch):
     model, trace = traced(arch)
     split = ppsplit.split_model(trace, 2, aux=[1, 3])
     # Structure: every layer's attention is one paged_attention over the cache's pools; nothing else reads them
-    # (their writes are paged_write).
+    # (their writes are one paged_write_pair a layer, keys and values in one launch).
     for k, (stage, sp) in enumerate(zip(split.stages, split.plan.stages)):
         nodes = list(stage.graph.nodes)
         attn = [n for n in nodes if n.target is ops.paged_attention.default]
         assert len(attn) == sp.num_layers
-        writes = [n for n in nodes if n.target is ops.paged_write.default]
-        assert len(writes) == 2 * sp.num_layers
+        writes = [n for n in nodes if n.target is ops.paged_write_pair.default]
+        assert len(writes) == sp.num_layers and not [n for n in nodes if n.target is ops.paged_write.default]
         readers = [n for n in nodes if _reads_cache(n)]
         assert set(readers) == set(attn) | set(writes), [n.format_node() for n in readers if n not in attn]
         gone = {torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.softmax.int,
@@ -296,16 +296,16 @@ def test_plan_json_round_trip_keeps_the_report():
 @pytest.mark.parametrize("rows,batch", [(1, 1), (3, 2)])
 def test_compiled_stage_equals_eager(rows, batch):
     """compile=True (Inductor on the CPU): the same numbers and the same cache writes as the eager stage. The paged
-    cache's writes are ``ppsplit::paged_write`` into whole pools (in place under Inductor), here on a batch below the
-    cache's sequence slots; a lockstep cache's writes of more than one row go through ``ppsplit::cache_write``."""
+    cache's writes are ``ppsplit::paged_write_pair`` into whole pools (in place under Inductor), here on a batch below
+    the cache's sequence slots; a lockstep cache's writes of more than one row go through ``ppsplit::cache_write``."""
     from tests.support import tiny_model
 
     model = tiny_model("llama", num_layers=1)
     trace = ppsplit.trace_model(model, cache=CacheConfig(batch_size=rows, max_len=16))
     eager = ppsplit.split_model(trace, 1, aux=[1])
     compiled = ppsplit.split_model(trace, 1, aux=[1], compile=True)
-    writes = [n for n in compiled.stages[0].graph.nodes if n.target is torch.ops.ppsplit.paged_write.default]
-    assert len(writes) == 2 and compiled.stages[0].meta["ppsplit.compile"] == {"cache_writes_in_place": 0}
+    writes = [n for n in compiled.stages[0].graph.nodes if n.target is torch.ops.ppsplit.paged_write_pair.default]
+    assert len(writes) == 1 and compiled.stages[0].meta["ppsplit.compile"] == {"cache_writes_in_place": 0}
     lockstep = ppsplit.split_model(ppsplit.trace_model(model, cache=CacheConfig(batch_size=rows, max_len=16),
                                                        paged=False), 1, aux=[1], compile=True)
     writes = [n for n in lockstep.stages[0].graph.nodes if n.target is torch.ops.ppsplit.cache_write.default]

@@ -163,10 +163,10 @@ def test_mla_pages_its_latents_not_expanded_keys(arch):
     layout = split.layout
     widths = {"keys": (1, cfg.kv_lora_rank), "values": (1, cfg.qk_rope_head_dim)}
     ops = torch.ops.ppsplit
-    readers = {ops.paged_write.default, ops.paged_latent_attention.default}
+    readers = {ops.paged_write_pair.default, ops.paged_latent_attention.default}
     if arch == "deepseek_v32":
         widths["indexer_keys"] = (cfg.index_head_dim,)
-        readers.add(ops.paged_indexer_topk.default)
+        readers |= {ops.paged_indexer_topk.default, ops.paged_write.default}  # the indexer's keys: a write alone
     for k, stage in enumerate(split.stages):
         pools = {n: b for n, b in stage.named_buffers() if n.startswith("kv_cache.")}
         layers = range(split.plan.stages[k].start, split.plan.stages[k].end)
