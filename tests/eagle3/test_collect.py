@@ -187,4 +187,6 @@ def test_one_rank_per_stage_writes_what_one_process_writes(demo_folder, tmp_path
         assert a.keys() == b.keys() and a["input_ids"].tolist() == b["input_ids"].tolist()
         assert torch.equal(a["loss_mask"], b["loss_mask"])
         for key in ("hidden_state", "aux_hidden_state"):
-            torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
+            # fp32 to the GEMMs' rounding: the launcher gives each rank cpu_count // pp threads (one here), the single
+            # process has them all, and their matmuls may sum in another order (a few ulp; CI once saw 1.2e-6 at 1.15)
+            torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-5)
