@@ -31,7 +31,7 @@ for step in $what; do
     ragged)   python3 bench/ragged.py --layers 8 --profile 2>&1 | tee "$OUT/ragged.txt" ;;             # issue 27
     ragged_sweep) python3 bench/ragged.py --sweep 2>&1 | tee "$OUT/ragged_sweep.txt" ;;
     fp8)      python3 bench/fp8.py --layers ${FP8_LAYERS:-32} ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.txt" ;;      # issue 31
-    fp8_sweep) python3 bench/fp8.py --sweep ${HF_FP8:+--hf-kernel $HF_FP8} 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
+    fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1} ${HF_FP8:+--hf-kernel $HF_FP8} 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
     # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048, both profiled)
     peer_decode) python3 bench/peer.py --modes decode --batches 1,32 --pp 1 --compile off --no-traced-baseline \
                    --profile-batches 1 --top 12 2>&1 | tee "$OUT/peer_decode.txt" ;;
