@@ -551,16 +551,16 @@ def _rows(value):
 
 
 def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, block_size: int, device,
-                   width: int = 128) -> dict:
+                   width: int = 128, itemsize: int = 2) -> dict:
     """The launch shape of ``paged_attention`` for steps of ``n`` tokens (fixed per token count, so a captured
     bucket replays it): rows per query tile, key positions per program, the upper bound of query tiles, warps and
-    pipeline stages. ``width``: the widest of a key (with its rope part) and a value.
+    pipeline stages. ``width``: the widest of a key (with its rope part) and a value, of ``itemsize`` bytes.
 
     A decode step (no more tokens than sequence slots) takes query tiles of one token, the G query heads of a KV
     head, and cuts each sequence's keys into chunks while there are too few programs to keep the GPU busy through the
     longest sequence. Verify steps (a few tokens per sequence) take tiles of 16 rows, chunked likewise. Steps holding
-    a prefill chunk take tiles of 128 rows and 64 keys over 8 warps (64 rows and 32 keys over 4 warps for heads wider
-    than 128 or GPUs with less shared memory), and never chunk: the combine of chunked keys cost more than the
+    a prefill chunk take tiles of 128 rows and 64 keys over 8 warps (64 rows and 32 keys over 4 warps for rows over
+    256 bytes, as heads wider than 128 or fp32 ones, or GPUs with less shared memory), and never chunk: the combine of chunked keys cost more than the
     programs it adds (bench/ragged.py --sweep on an H200, bench/RESULTS.md section 31). The query tiles run last
     first (a prefill's last tiles see the most keys). ``phases``: the keys every row sees run in a loop without masks
     between two masked ones (else one masked loop; the sweep times both)."""
@@ -568,7 +568,7 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
     block_g = _pow2(g, least=1)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     if n > 4 * slots:  # a prefill chunk
-        if width <= 128 and _shared_memory(device) >= 160 * 1024:  # 128 KiB of tiles at three stages (not a 4090)
+        if width * itemsize <= 256 and _shared_memory(device) >= 160 * 1024:  # 128 KiB of tiles at three stages
             return dict(block_q=max(1, 128 // block_g), block_g=block_g, block_n=max(64, block_size),
                         chunk=max_positions, splits=1, warps=8, stages=3, reverse=True, phases=True)
         return dict(block_q=max(1, 64 // block_g), block_g=block_g, block_n=max(32, block_size), chunk=max_positions,
@@ -617,7 +617,7 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
         hkv, strides = hq // _heads_per_program(hq), [0, 0, 0]
     slots = seq_count.shape[0]
     plan = attention_plan(n, hq, hkv, slots, block_table.shape[1] * bs, bs, q.device,
-                          width=max(d + (q2.shape[-1] if rope is not None else 0), dv))
+                          width=max(d + (q2.shape[-1] if rope is not None else 0), dv), itemsize=q.element_size())
     plan.update(config or {})
     q, q2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, q2))
     split = plan["splits"] > 1

@@ -80,6 +80,8 @@ def run_attention_case(case, dtype, device, tol, config=None):
         # each chunk in one masked loop
         config = dict(chunk=32, splits=-(-layout.max_len // 32), block_q=max(2, 16 // hq * hkv), block_n=32,
                       reverse=False, phases=False)
+    elif config == "wide":  # the half-precision prefill plan's tiles (fp32 rows take 64-row tiles): 128 rows, 64 keys
+        config = dict(block_q=max(1, 128 // (hq // hkv)), block_n=64, warps=8)
     got = launch_paged_attention(q, keys, values, meta.positions, meta.seq, meta.block_table, meta.seq_start,
                                  meta.seq_count, scale, window, softcap, alibi, sinks, config=config)
     n = sum(counts)
@@ -93,7 +95,7 @@ def run_attention_case(case, dtype, device, tol, config=None):
     torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("config", [None, "chunked"], ids=["planned", "chunked"])
+@pytest.mark.parametrize("config", [None, "chunked", "wide"], ids=["planned", "chunked", "wide"])
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
 def test_paged_attention_kernel_matches_fp64(case, config):
     run_attention_case(case, torch.float32, "cpu", 2e-5, config)
@@ -318,3 +320,5 @@ def test_attention_plan_chunks_long_decodes_and_tiles_prefills():
     assert prefill["block_q"] * prefill["block_g"] == 128 and prefill["splits"] == 1
     wide = attention_plan(512, 16, 16, 8, 4096, 16, torch.device("cpu"), width=576)  # MLA's latent and rope parts
     assert wide["block_q"] * wide["block_g"] == 64 and wide["splits"] == 1
+    fp32 = attention_plan(512, 32, 8, 8, 4096, 16, torch.device("cpu"), itemsize=4)  # twice the bytes a row
+    assert fp32["block_q"] * fp32["block_g"] == 64 and fp32["block_n"] == 32
