@@ -116,6 +116,12 @@ def sweep(lengths, block: int, bw: float) -> None:
     run_plans(plan, named, grid, lambda over: timed(lambda: launch_paged_attention(
         q, keys, values, positions, seq, table, starts, counts, scale, config=over)),
         lambda us: f"x roofline {us * 1e-6 * bw / live:5.2f}  x lockstep {us / lock:5.2f}")
+    # The same plan over head-major pools (each block's keys of one head contiguous, as FlashInfer's HND layout),
+    # read through the strides: whether the pools' layout is worth changing.
+    hk, hv = (t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for t in (keys, values))
+    us = timed(lambda: launch_paged_attention(q, hk, hv, positions, seq, table, starts, counts, scale))
+    print(f"  {'plan, head-major pools':<26} {us:8.1f} us  x roofline {us * 1e-6 * bw / live:5.2f}  "
+          f"x lockstep {us / lock:5.2f}")
 
 
 def run_plans(plan: dict, named: dict, grid: list, time, figures) -> None:
@@ -189,6 +195,10 @@ def sweep_prefill(tokens: int, block: int, start: int = 0) -> None:
     run_plans(plan, named, grid, lambda over: timed(lambda: launch_paged_attention(
         q, keys, values, positions, seq, table, starts, counts, scale, config=over)),
         lambda us: f"{flops / us / 1e6:6.0f} TFLOP/s  x best baseline {us / ref:5.2f}")
+    hk, hv = (t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for t in (keys, values))  # head-major pools
+    us = timed(lambda: launch_paged_attention(q, hk, hv, positions, seq, table, starts, counts, scale))
+    print(f"  {'plan, head-major pools':<26} {us:8.1f} us  {flops / us / 1e6:6.0f} TFLOP/s  x best baseline "
+          f"{us / ref:5.2f}")
 
 
 def main():
