@@ -28,6 +28,7 @@ Ops (each with a torch path for CPU tensors, which the tests compare, and a Trit
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -64,6 +65,11 @@ def paged_write(pool: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) ->
         with torch.cuda.device(value.device):
             launch_paged_write(pool, value, slots)
         return
+    _write_rows(pool, value, slots)
+
+
+def _write_rows(pool: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """The torch path of a paged write (CPU tensors)."""
     flat = pool.view(pool.shape[0] * pool.shape[1], *pool.shape[2:])
     real = slots >= 0
     flat.index_copy_(0, slots[real], value[real].to(pool.dtype))
@@ -83,10 +89,8 @@ def paged_write_pair(pool: torch.Tensor, other_pool: torch.Tensor, value: torch.
         with torch.cuda.device(value.device):
             launch_paged_write(pool, value, slots, other=(other_pool, other_value))
         return
-    for p, v in ((pool, value), (other_pool, other_value)):
-        flat = p.view(p.shape[0] * p.shape[1], *p.shape[2:])
-        real = slots >= 0
-        flat.index_copy_(0, slots[real], v[real].to(p.dtype))
+    _write_rows(pool, value, slots)
+    _write_rows(other_pool, other_value, slots)
 
 
 @paged_write_pair.register_fake
@@ -566,7 +570,6 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
     between two masked ones (else one masked loop; the sweep times both)."""
     g = hq // hkv
     block_g = _pow2(g, least=1)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     if n > 4 * slots:  # a prefill chunk
         if width * itemsize <= 256 and _shared_memory(device) >= 160 * 1024:  # 128 KiB of tiles at three stages
             return dict(block_q=max(1, 128 // block_g), block_g=block_g, block_n=max(64, block_size),
@@ -575,6 +578,7 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
                     splits=1, warps=4, stages=3, reverse=True, phases=True)
     block_q = 1 if n <= slots else max(1, 16 // block_g)
     block_n = max(64 if block_g * block_q <= 32 else 32, block_size)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     chunk = max_positions
     live = -(-n // block_q) * hkv  # programs that hold tokens when every sequence fills its tiles
     if live < 8 * sms:  # too few programs to keep the GPU busy through the longest sequence: chunk the keys
@@ -584,6 +588,7 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
                 warps=4, stages=2 if block_q == 1 else 3, reverse=True, phases=True)
 
 
+@functools.lru_cache(maxsize=None)
 def _shared_memory(device) -> int:
     """Shared memory one program may opt into on ``device`` (an H100's or H200's 227 KiB off CUDA)."""
     if device.type != "cuda":
