@@ -113,25 +113,21 @@ def sweep(lengths, block: int, bw: float) -> None:
              "one masked loop, 3 stages": dict(phases=False, stages=3), "3 stages": dict(stages=3)}
     grid = [dict(block_q=bq, block_n=bn, chunk=c, splits=-(-span // c), warps=w, stages=st)
             for bq in (1, 4) for bn in (32, 64) for c in (512, 1024) for w in (4, 8) for st in (2, 3)]
-    run_plans(plan, named, grid, lambda over: timed(lambda: launch_paged_attention(
-        q, keys, values, positions, seq, table, starts, counts, scale, config=over)),
+    run_plans(plan, named, grid, keys, values, lambda over, k, v: timed(lambda: launch_paged_attention(
+        q, k, v, positions, seq, table, starts, counts, scale, config=over)),
         lambda us: f"x roofline {us * 1e-6 * bw / live:5.2f}  x lockstep {us / lock:5.2f}")
-    # The same plan over head-major pools (each block's keys of one head contiguous, as FlashInfer's HND layout),
-    # read through the strides: whether the pools' layout is worth changing.
-    hk, hv = (t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for t in (keys, values))
-    us = timed(lambda: launch_paged_attention(q, hk, hv, positions, seq, table, starts, counts, scale))
-    print(f"  {'plan, head-major pools':<26} {us:8.1f} us  x roofline {us * 1e-6 * bw / live:5.2f}  "
-          f"x lockstep {us / lock:5.2f}")
 
 
-def run_plans(plan: dict, named: dict, grid: list, time, figures) -> None:
-    """Times the kernel under ``plan`` overridden by each of ``named`` and ``grid``; prints the eight fastest, then
-    every named one (``figures(us)``: the columns after the time)."""
+def run_plans(plan: dict, named: dict, grid: list, keys, values, time, figures) -> None:
+    """Times the kernel (``time(overrides, keys, values)``) under ``plan`` overridden by each of ``named`` and
+    ``grid``; prints the eight fastest, then every named one (``figures(us)``: the columns after the time). Last,
+    the plan over head-major pools (each block's keys of one head contiguous, as FlashInfer's HND layout), read
+    through the strides: whether the pools' layout is worth changing."""
     rows = []
     for label, over in list(named.items()) + [("", over) for over in grid]:
         cfg = {**plan, **over}
         try:
-            us = time(over)
+            us = time(over, keys, values)
         except Exception as e:  # a tile the compiler refuses (registers, shared memory)
             print(f"  {cfg}: {type(e).__name__}")
             continue
@@ -139,6 +135,8 @@ def run_plans(plan: dict, named: dict, grid: list, time, figures) -> None:
     rows.sort(key=lambda r: r[0])
     for us, label, cfg in rows[:8] + [r for r in rows[8:] if r[1]]:
         print(f"  {label:<26} {cfg}: {us:8.1f} us  {figures(us)}")
+    us = time({}, *(t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for t in (keys, values)))
+    print(f"  {'plan, head-major pools':<26} {us:8.1f} us  {figures(us)}")
 
 
 def sweep_prefill(tokens: int, block: int, start: int = 0) -> None:
@@ -192,13 +190,9 @@ def sweep_prefill(tokens: int, block: int, start: int = 0) -> None:
                                        splits=-(-span // min(span, 1024)))}
     grid = [dict(block_q=bq, block_n=bn, warps=w, stages=st) for bq in (16, 32, 64) for bn in (32, 64, 128)
             for w in (4, 8) for st in (2, 3)]
-    run_plans(plan, named, grid, lambda over: timed(lambda: launch_paged_attention(
-        q, keys, values, positions, seq, table, starts, counts, scale, config=over)),
+    run_plans(plan, named, grid, keys, values, lambda over, k, v: timed(lambda: launch_paged_attention(
+        q, k, v, positions, seq, table, starts, counts, scale, config=over)),
         lambda us: f"{flops / us / 1e6:6.0f} TFLOP/s  x best baseline {us / ref:5.2f}")
-    hk, hv = (t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for t in (keys, values))  # head-major pools
-    us = timed(lambda: launch_paged_attention(q, hk, hv, positions, seq, table, starts, counts, scale))
-    print(f"  {'plan, head-major pools':<26} {us:8.1f} us  {flops / us / 1e6:6.0f} TFLOP/s  x best baseline "
-          f"{us / ref:5.2f}")
 
 
 def main():
