@@ -14,8 +14,12 @@ the ``kernels-community/finegrained-fp8`` hub kernel; where it cannot load (no n
     python bench/fp8.py --device cpu --small --layers 2 --rounds 1   # a smoke run of the script itself (no timing claims)
     python bench/fp8.py --sweep               # the kernels alone per projection shape: every tile configuration
                                               # against bf16 cuBLAS and the FP8 bytes' roofline
+    python bench/fp8.py --sweep --batch 1 --save-tiles out/tiles.json   # and keep the fastest GEMV tiles per shape
+    python bench/fp8.py --tiles out/tiles.json   # the batch-1 step again on those tiles, beside gemv_config's
 """
 import argparse
+import contextlib
+import json
 import statistics
 import sys
 import time
@@ -138,7 +142,7 @@ def hf_kernel(path: str | None):
     return run
 
 
-def sweep(batches, bw: float, hf_path: str | None = None) -> None:
+def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = None) -> None:
     """Each FP8 kernel configuration per projection shape and row count, CUDA-graph timed, against bf16 cuBLAS
     (and ppsplit's bf16 GEMV at one row, and transformers' Triton block-FP8 kernels with ``--hf-kernel``); the
     fastest configuration per shape is printed last."""
@@ -181,6 +185,27 @@ def sweep(batches, bw: float, hf_path: str | None = None) -> None:
     print("\nfastest per shape:")
     for (name, m), (us, cfg) in best.items():
         print(f"  {name:<8} m={m:<3} {cfg} {us:7.1f} us")
+    if save:
+        tiles = {"%dx%d" % SHAPES[name]: list(cfg) for (name, m), (_, cfg) in best.items() if m == 1}
+        with open(save, "w") as f:
+            json.dump(tiles, f, indent=1)
+        print(f"GEMV tiles of {len(tiles)} shapes -> {save}")
+
+
+@contextlib.contextmanager
+def gemv_tiles(path: str):
+    """``gemv_config`` answers from ``path`` (``--save-tiles``) for the shapes it holds while the block runs (a
+    capture bakes the tiles in)."""
+    from ppsplit.triton_kernels import fp8
+
+    with open(path) as f:
+        tiles = {tuple(map(int, key.split("x"))): tuple(cfg) for key, cfg in json.load(f).items()}
+    planned = fp8.gemv_config
+    fp8.gemv_config = lambda n, k: tiles.get((n, k)) or planned(n, k)
+    try:
+        yield
+    finally:
+        fp8.gemv_config = planned
 
 
 def main():
@@ -194,12 +219,14 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time the kernels alone, every tile configuration")
     ap.add_argument("--profile", action="store_true", help="print each variant's kernels by GPU time")
     ap.add_argument("--hf-kernel", help="with --sweep: a copy of transformers 4.x's finegrained_fp8 Triton kernels")
+    ap.add_argument("--save-tiles", help="with --sweep: write the fastest one-row tiles per shape to this JSON file")
+    ap.add_argument("--tiles", help="time the batch-1 FP8 step again on the tiles of this file (--save-tiles)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/fp8.py times CUDA graphs: run it on a CUDA machine (or --device cpu --small for a smoke run)")
     print(banner(args.device), flush=True)
     if args.sweep:
-        return sweep(args.batch, copy_bandwidth("cuda"), args.hf_kernel)
+        return sweep(args.batch, copy_bandwidth("cuda"), args.hf_kernel, args.save_tiles)
     overrides = dict(num_hidden_layers=args.layers, **(SMALL if args.small else {}))
     model = build_model("llama-3.1-8b", args.device, **overrides)
     max_len = args.prefix + 8
@@ -227,12 +254,16 @@ def main():
                 profile(run, f"{variant}, batch {batch}")
             step_bytes = weights + batch * args.prefix * kv_per_token
             results[variant, batch] = (ms, step_bytes)
+            if variant == "fp8" and batch == 1 and args.tiles:
+                with gemv_tiles(args.tiles):
+                    run = stage_runs(split, batch, 1, args.prefix, args.device)
+                results["fp8, swept tiles", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
         del split, stage
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; transformers' FP8 kernels: {hf_fp8_status()}")
-    print(f"{'variant':<6} {'batch':>5} {'bytes/step':>14} {'step ms':>9} {'x bf16':>7} {'x roofline':>10}")
+    print(f"{'variant':<17} {'batch':>5} {'bytes/step':>14} {'step ms':>9} {'x bf16':>7} {'x roofline':>10}")
     for (variant, batch), (ms, step_bytes) in results.items():
         roof = step_bytes / bw * 1e3
-        print(f"{variant:<6} {batch:>5} {step_bytes:>14,} {ms:>9.3f} {ms / results['bf16', batch][0]:>7.2f} "
+        print(f"{variant:<17} {batch:>5} {step_bytes:>14,} {ms:>9.3f} {ms / results['bf16', batch][0]:>7.2f} "
               f"{ms / roof:>10.2f}")
 
 

@@ -16,11 +16,14 @@ too (the paged pool sized to the sequences' blocks, against ``batch x max_len``)
     python bench/ragged.py                                   # CUDA: 32 layers, 32 sequences of 128..4096
     python bench/ragged.py --layers 8                        # a quicker look
     python bench/ragged.py --layers 8 --profile              # and the two decodes' kernels by GPU time
+    python bench/ragged.py --layers 8 --plans                # and the ragged decode under other attention plans,
+                                                             # and with the rotations and KV writes apart
     python bench/ragged.py --device cpu --small --layers 2 --rounds 1 --max-len 256 --chunk 32   # a smoke run
     python bench/ragged.py --sweep                           # one layer's attention kernels alone, launch plans swept:
                                                              # the ragged decode, a 2048-token prefill, the mixed chunk
 """
 import argparse
+import contextlib
 import random
 import sys
 
@@ -67,6 +70,39 @@ def ragged_run(stage, segments, tables, layout, device):
     for static, value in zip(g.meta, step.tensors()):
         static.copy_(value)
     return g.replay
+
+
+# The ragged decode step again under the attention plan overridden so (``--plans``): the sweep's variants, measured in
+# the whole step, where the other kernels share the GPU's caches with the attention.
+STEP_PLANS = {"3 stages": dict(stages=3), "one masked loop": dict(phases=False), "forward order": dict(reverse=False),
+              "block_n 32": dict(block_n=32)}
+
+
+@contextlib.contextmanager
+def plan_overridden(over: dict):
+    """``attention_plan`` returns its plan updated by ``over`` while the block runs (a capture bakes the plan in)."""
+    from ppsplit.triton_kernels import paged
+
+    planned = paged.attention_plan
+    paged.attention_plan = lambda *args, **kwargs: {**planned(*args, **kwargs), **over}
+    try:
+        yield
+    finally:
+        paged.attention_plan = planned
+
+
+@contextlib.contextmanager
+def rope_write_off():
+    """Splits made while the block runs keep each layer's rotations and key and value writes apart (three kernels,
+    the fold into ``ppsplit::rope_write`` off): the step before that fold, to time against."""
+    from ppsplit.passes.rewrites import pointwise
+
+    fold = pointwise._fuse_rope_write
+    pointwise._fuse_rope_write = lambda pair: False
+    try:
+        yield
+    finally:
+        pointwise._fuse_rope_write = fold
 
 
 def sweep(lengths, block: int, bw: float) -> None:
@@ -207,6 +243,7 @@ def main():
     ap.add_argument("--small", action="store_true", help="a small hidden size (CPU smoke runs)")
     ap.add_argument("--sweep", action="store_true", help="one layer's attention kernels alone, launch plans swept")
     ap.add_argument("--profile", action="store_true", help="the ragged and lockstep decodes' kernels by GPU time")
+    ap.add_argument("--plans", action="store_true", help="the ragged decode again under each of STEP_PLANS")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/ragged.py times CUDA graphs: run it on a CUDA machine (or --device cpu --small for a smoke run)")
@@ -228,8 +265,8 @@ def main():
     span = max(args.max_len + 1, chunk_at + args.chunk)
     need = [-(-(n + 1) // block) for n in lengths[:-1]] + [-(-span // block)]
     pool = sum(need)
-    paged = ppsplit.split_model(ppsplit.trace_model(model, cache=CacheConfig(b, span, block_size=block,
-                                                                             num_blocks=pool)), pp=1)
+    traced = ppsplit.trace_model(model, cache=CacheConfig(b, span, block_size=block, num_blocks=pool))
+    paged = ppsplit.split_model(traced, pp=1)
     lockstep = ppsplit.split_model(ppsplit.trace_model(model, cache=CacheConfig(b, mean + 8), paged=False), pp=1)
     stage = paged.stages[0]
     layout = CacheLayout.of(paged.plan)
@@ -255,17 +292,27 @@ def main():
         "decodes alone": ragged_run(stage, decodes[:-1], tables, layout, args.device),
         "chunk alone": ragged_run(stage, [Segment(b - 1, chunk_at, args.chunk)], tables, layout, args.device),
     }
+    if args.plans:
+        for name, over in STEP_PLANS.items():
+            with plan_overridden(over):
+                rows[f"ragged decode, {name}"] = ragged_run(stage, decodes, tables, layout, args.device)
+        with rope_write_off():
+            apart = ppsplit.split_model(traced, pp=1).stages[0]
+        fill_cache(apart, 1)
+        rows["ragged decode, rope and writes apart"] = ragged_run(apart, decodes, tables, layout, args.device)
     ms = {name: step_ms(run, args.device, args.rounds) for name, run in rows.items()}
     if args.profile and args.device == "cuda":
         for name in ("ragged decode", "lockstep decode (mean length)"):
             profile(rows[name], name, top=16)
-    live = {"ragged decode": sum(n + 1 for n in lengths), "lockstep decode (mean length)": b * (mean + 1)}
+    live = {"lockstep decode (mean length)": b * (mean + 1)}
+    live.update({name: sum(n + 1 for n in lengths) for name in ms if name.startswith("ragged decode")})
     print(f"\n{b} sequences of {lengths[0]}..{lengths[-1]} positions (mean {mean}), {args.layers} layers; copy "
           f"bandwidth {bw / 1e9:.0f} GB/s")
-    print(f"{'step':<32} {'ms':>9} {'x roofline':>10}")
+    print(f"{'step':<40} {'ms':>9} {'x roofline':>10} {'x lockstep':>10}")
+    lock = ms["lockstep decode (mean length)"]
     for name, t in ms.items():
         roof = (weights + live[name] * kv_per_token) / bw * 1e3 if name in live else float("nan")
-        print(f"{name:<32} {t:>9.3f} {t / roof:>10.2f}")
+        print(f"{name:<40} {t:>9.3f} {t / roof:>10.2f} {t / lock if name in live else float('nan'):>10.3f}")
     print(f"ragged / lockstep: {ms['ragged decode'] / ms['lockstep decode (mean length)']:.3f} (goal <= 1.05)")
     apart = ms["decodes alone"] + ms["chunk alone"]
     print(f"mixed / (decodes + chunk apart): {ms['mixed: decodes + chunk'] / apart:.3f} (goal < 1)")

@@ -28,10 +28,13 @@ for step in $what; do
     eagle3)   python3 bench/eagle3.py 2>&1 | tee "$OUT/eagle3.txt" ;;
     balance)  python3 bench/balance.py --gpu 2>&1 | tee "$OUT/balance.txt" ;;
     pipeline_mp) python3 bench/pipeline_mp.py 2>&1 | tee "$OUT/pipeline_mp.txt" ;;   # 2 GPUs, NCCL (issue 9)
-    ragged)   python3 bench/ragged.py --layers 8 --profile 2>&1 | tee "$OUT/ragged.txt" ;;             # issue 27
+    ragged)   python3 bench/ragged.py --layers 8 --profile --plans 2>&1 | tee "$OUT/ragged.txt" ;;     # issue 27
     ragged_sweep) python3 bench/ragged.py --sweep 2>&1 | tee "$OUT/ragged_sweep.txt" ;;
-    fp8)      python3 bench/fp8.py --layers ${FP8_LAYERS:-32} ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8.txt" ;;      # issue 31
-    fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1} ${HF_FP8:+--hf-kernel $HF_FP8} 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
+    # issue 31; run fp8_sweep first and the step also runs at batch 1 on the tiles it found fastest
+    fp8)      python3 bench/fp8.py --layers ${FP8_LAYERS:-32} --profile ${FP8_ARGS:-} \
+                $( [ -f "$OUT/fp8_tiles.json" ] && echo --tiles "$OUT/fp8_tiles.json" ) 2>&1 | tee "$OUT/fp8.txt" ;;
+    fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1} --save-tiles "$OUT/fp8_tiles.json" \
+                 ${HF_FP8:+--hf-kernel $HF_FP8} 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
     # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048, both profiled)
     peer_decode) python3 bench/peer.py --modes decode --batches 1,32 --pp 1 --compile off --no-traced-baseline \
                    --profile-batches 1 --top 12 2>&1 | tee "$OUT/peer_decode.txt" ;;

@@ -3,6 +3,8 @@
 - ``ppsplit::rope(x, cos, sin)``: the rotate-half rotary embedding, ``x * cos + cat(-x2, x1) * sin`` (Llama,
   Mistral, Qwen, Gemma, ...: ``apply_rotary_pos_emb``), five ATen kernels per tensor (mul, neg, cat, mul, add).
 - ``ppsplit::silu_mul(a, b)``: ``silu(a) * b``, the gated MLP's activation (two kernels).
+- ``ppsplit::rope_write(q, k, cos, sin, pool, other_pool, v, slots)``: a paged stage's query and key rotations and
+  its layer's key and value writes (``paged_write_pair``), three kernels, as one.
 
 On a decode step these kernels each move a few KiB, so their cost is the launch, not the bytes: in a captured
 Llama-3.1-8B step at batch 1 they were 12 of the 23 kernels of a layer (756 kernels a step; 468 with these ops). The
@@ -18,6 +20,11 @@ import os
 import torch
 
 from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
+from ppsplit.triton_kernels.paged import _rows as _feature_rows
+from ppsplit.triton_kernels.paged import paged_write_pair
+
+if HAVE_TRITON:
+    from ppsplit.triton_kernels.paged import _write_token
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -35,6 +42,23 @@ if HAVE_TRITON:
         bits = r.to(tl.int32, bitcast=True) + zero
         return bits.to(tl.float32, bitcast=True).to(dt).to(tl.float32)
 
+    @triton.jit
+    def _rotate(x, c, s, o, ok, zero, HALF_D: tl.constexpr):
+        """Rows of ``D = 2 * HALF_D`` values at ``x`` (pointers to their first halves, ``ok`` their mask), rotated by
+        ``cos`` / ``sin`` at ``c`` / ``s`` and stored at ``o`` in ``o``'s dtype, rounded as the ATen ops round."""
+        x1 = tl.load(x, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(x + HALF_D, mask=ok, other=0.0).to(tl.float32)
+        c1 = tl.load(c, mask=ok, other=0.0).to(tl.float32)
+        c2 = tl.load(c + HALF_D, mask=ok, other=0.0).to(tl.float32)
+        s1 = tl.load(s, mask=ok, other=0.0).to(tl.float32)
+        s2 = tl.load(s + HALF_D, mask=ok, other=0.0).to(tl.float32)
+        dt = x.dtype.element_ty
+        # out = round(round(x * cos) + round(rotate_half(x) * sin)), rotate_half(x) = (-x2, x1)
+        o1 = _rounded(_rounded(x1, c1, zero, dt, False), _rounded(-x2, s1, zero, dt, False), zero, dt, True)
+        o2 = _rounded(_rounded(x2, c2, zero, dt, False), _rounded(x1, s2, zero, dt, False), zero, dt, True)
+        tl.store(o, o1.to(dt).to(o.dtype.element_ty), mask=ok)
+        tl.store(o + HALF_D, o2.to(dt).to(o.dtype.element_ty), mask=ok)
+
     @triton.jit(do_not_specialize=["zero"])
     def _rope_kernel(X, C, S, O, N, sxb, sxh, sxn, scb, sch, scn, ssb, ssh, ssn, sob, soh, son, H, zero,
                      HALF_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -45,22 +69,28 @@ if HAVE_TRITON:
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         ok = (h < H) & (d < HALF_D)
-        x = X + b * sxb + n * sxn + h * sxh + d
-        c = C + b * scb + n * scn + h * sch + d
-        s = S + b * ssb + n * ssn + h * ssh + d
-        o = O + b * sob + n * son + h * soh + d
-        x1 = tl.load(x, mask=ok, other=0.0).to(tl.float32)
-        x2 = tl.load(x + HALF_D, mask=ok, other=0.0).to(tl.float32)
-        c1 = tl.load(c, mask=ok, other=0.0).to(tl.float32)
-        c2 = tl.load(c + HALF_D, mask=ok, other=0.0).to(tl.float32)
-        s1 = tl.load(s, mask=ok, other=0.0).to(tl.float32)
-        s2 = tl.load(s + HALF_D, mask=ok, other=0.0).to(tl.float32)
-        dt = O.dtype.element_ty
-        # out = round(round(x * cos) + round(rotate_half(x) * sin)), rotate_half(x) = (-x2, x1)
-        o1 = _rounded(_rounded(x1, c1, zero, dt, False), _rounded(-x2, s1, zero, dt, False), zero, dt, True)
-        o2 = _rounded(_rounded(x2, c2, zero, dt, False), _rounded(x1, s2, zero, dt, False), zero, dt, True)
-        tl.store(o, o1.to(dt), mask=ok)
-        tl.store(o + HALF_D, o2.to(dt), mask=ok)
+        _rotate(X + b * sxb + n * sxn + h * sxh + d, C + b * scb + n * scn + h * sch + d,
+                S + b * ssb + n * ssn + h * ssh + d, O + b * sob + n * son + h * soh + d, ok, zero, HALF_D)
+
+    @triton.jit(do_not_specialize=["zero"])
+    def _rope_write_kernel(Q, K, V, C, S, QO, POOL, VPOOL, SLOTS, sqh, sqn, sch, scn, ssh, ssn, skh, skn, sckh,
+                           sckn, sskh, sskn, soh, son, svt, svh, svw, HQ, HKV, FV, WV, zero, HALF_D: tl.constexpr,
+                           BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_V: tl.constexpr):
+        """One program per token ``t`` of a ragged step: its query heads rotated into ``QO``; where its slot is not
+        negative, its key heads rotated into the key pool's row ``slot`` and its value into the value pool's."""
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)[None, :]
+        h = tl.arange(0, BLOCK_HQ)[:, None]
+        _rotate(Q + t * sqn + h * sqh + d, C + t * scn + h * sch + d, S + t * ssn + h * ssh + d,
+                QO + t * son + h * soh + d, (h < HQ) & (d < HALF_D), zero, HALF_D)
+        slot = tl.load(SLOTS + t)
+        if slot >= 0:
+            g = tl.arange(0, BLOCK_HKV)[:, None]
+            _rotate(K + t * skn + g * skh + d, C + t * sckn + g * sckh + d, S + t * sskn + g * sskh + d,
+                    POOL + slot.to(tl.int64) * (HKV * 2 * HALF_D) + g * (2 * HALF_D) + d, (g < HKV) & (d < HALF_D),
+                    zero, HALF_D)
+            _write_token(VPOOL, V, t, slot, FV, WV, svt, svh, svw, BLOCK_V)
 
     @triton.jit(do_not_specialize=["zero"])
     def _silu_mul_kernel(A, B, O, I, sa, sb, zero, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
@@ -136,6 +166,55 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         with torch.cuda.device(x.device):
             return launch_rope(x, cos, sin, wrap=wrap_triton)
     return rope_reference(x, cos, sin)
+
+
+def rope_write_usable(q, k, cos, sin, pool, other_pool, other_value, slots) -> bool:
+    """Whether one kernel serves ``rope_write``: both rotations served by the rope kernel, one sequence row
+    (a ragged step), contiguous pools whose rows are the keys' heads and the value's features, ``int32`` / ``int64``
+    slots on the same device."""
+    n = k.shape[2] if k.dim() == 4 else -1
+    return (rope_usable(q, cos, sin) and rope_usable(k, cos, sin) and q.shape[0] == k.shape[0] == 1
+            and q.shape[2] == n and q.shape[-1] == k.shape[-1] and pool.is_contiguous()
+            and other_pool.is_contiguous() and pool.device == other_pool.device == k.device == slots.device
+            and pool[0, 0].numel() == k.shape[1] * k.shape[-1] and other_value.shape[0] == n
+            and other_value[0].numel() == other_pool[0, 0].numel() and slots.shape == (n,)
+            and slots.dtype in (torch.int32, torch.int64))
+
+
+def launch_rope_write(q, k, cos, sin, pool, other_pool, other_value, slots, *, wrap=lambda kernel: kernel):
+    _, hq, n, d = q.shape
+    hkv = k.shape[1]
+    cq, sq = cos.expand(q.shape), sin.expand(q.shape)
+    ck, sk = cos.expand(k.shape), sin.expand(k.shape)
+    out = _layout_like(q)
+    v = _feature_rows(other_value)
+    if n:
+        wrap(_rope_write_kernel)[(n,)](
+            q, k, v, cq, sq, out, pool, other_pool, slots, q.stride(1), q.stride(2), cq.stride(1), cq.stride(2),
+            sq.stride(1), sq.stride(2), k.stride(1), k.stride(2), ck.stride(1), ck.stride(2), sk.stride(1),
+            sk.stride(2), out.stride(1), out.stride(2), *v.stride(), hq, hkv, v[0].numel(), v.shape[2], 0,
+            HALF_D=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
+            BLOCK_D=triton.next_power_of_2(d // 2), BLOCK_V=min(triton.next_power_of_2(v[0].numel()), 1024),
+            num_warps=4)
+    return out
+
+
+@register("ppsplit::rope_write", ("pool", "other_pool"), opaque=True)
+def rope_write(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: torch.Tensor,
+               other_pool: torch.Tensor, other_value: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``rope(q, cos, sin)``, having written ``rope(k, cos, sin)[0].transpose(0, 1)`` and ``other_value`` to the pools
+    at ``slots`` (``paged_write_pair``): a ragged step's query rotation and its layer's key and value writes. One
+    Triton kernel on CUDA fp16 / bf16 (the values of the three ops it replaces, bit for bit), those ops otherwise."""
+    if rope_write_usable(q, k, cos, sin, pool, other_pool, other_value, slots):
+        with torch.cuda.device(q.device):
+            return launch_rope_write(q, k, cos, sin, pool, other_pool, other_value, slots)
+    paged_write_pair(pool, other_pool, rope(k, cos, sin)[0].transpose(0, 1), other_value, slots)
+    return rope(q, cos, sin)
+
+
+@rope_write.register_fake
+def _(q, k, cos, sin, pool, other_pool, other_value, slots):
+    return _layout_like(q)
 
 
 def _rows(t: torch.Tensor) -> int | None:

@@ -3,6 +3,13 @@
     add(mul(x, cos), mul(cat([neg(x[..., h:]), x[..., :h]], -1), sin))   ->  ppsplit::rope(x, cos, sin)
     mul(silu(a), b)                                                        ->  ppsplit::silu_mul(a, b)
 
+and then, in a paged stage, a layer's query and key rotations and its key and value writes::
+
+    q2 = rope(q, cos, sin); paged_write_pair(K, V, rope(k, cos, sin)[0].transpose(0, 1), v, slots)
+                                    ->  q2 = ppsplit::rope_write(q, k, cos, sin, K, V, v, slots)
+
+where the rotated keys go nowhere but the write, and the rotated query nowhere before it.
+
 The first is Hugging Face's rotate-half rotary embedding (``apply_rotary_pos_emb``; a partial rotary applies it
 to a slice of the head, and that slice is ``x``), the second the gated MLP. Operands are matched in either order.
 Both ops run one Triton kernel for CUDA fp16 / bf16 tensors, which rounds where the replaced ops round, and the
@@ -18,22 +25,24 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import ppsplit.triton_kernels.pointwise  # noqa: F401  (registers torch.ops.ppsplit.rope / silu_mul)
+import ppsplit.triton_kernels.pointwise  # noqa: F401  (registers rope / silu_mul / rope_write, and the paged ops)
 from ppsplit.core.fx_utils import replace_call
 
 aten = torch.ops.aten
 
 
 def fuse_pointwise(stage: fx.GraphModule) -> dict:
-    """Rewrite ``stage``'s rotary embeddings and SiLU-and-multiply in place; returns how many of each.
+    """Rewrite ``stage``'s rotary embeddings and SiLU-and-multiply in place; returns how many of each op it left
+    (``rope_write`` only where it made one: paged stages).
 
     Example::
 
         split = split_model(model, pp=2, fuse_pointwise=False)
-        fuse_pointwise(split.stages[0])   # {"rope": 32, "silu_mul": 16}
+        fuse_pointwise(split.stages[0])   # {"rope": 32, "silu_mul": 16}; a paged stage: {"rope": 0, "silu_mul": 16,
+                                          #  "rope_write": 16}
     """
     graph = stage.graph
-    counts = {"rope": 0, "silu_mul": 0}
+    counts = {"rope": 0, "silu_mul": 0, "rope_write": 0}
     for node in list(graph.nodes):
         for name, match in (("rope", _match_rope), ("silu_mul", _match_silu_mul)):
             found = match(node)
@@ -46,6 +55,12 @@ def fuse_pointwise(stage: fx.GraphModule) -> dict:
                     graph.erase_node(old)
             counts[name] += 1
             break
+    for node in list(graph.nodes):
+        if _call(node, torch.ops.ppsplit.paged_write_pair.default) and _fuse_rope_write(node):
+            counts["rope_write"] += 1
+            counts["rope"] -= 2
+    if not counts["rope_write"]:
+        del counts["rope_write"]  # no paged writes (a lockstep stage), or none of that pattern
     if any(counts.values()):
         graph.lint()
         stage.recompile()
@@ -112,6 +127,76 @@ def _match_rope(node):
             dead = [direct, rotated, cat, parts[0], x2, parts[1]]
             return torch.ops.ppsplit.rope.default, (x, cos, sin), dead
     return None
+
+
+def _fuse_rope_write(pair: fx.Node) -> bool:
+    """Fold the rotations of the keys ``pair`` writes, and of the query that reads them, into one ``rope_write``
+    in ``pair``'s place; False (nothing changed) where the graph is not that pattern. The rotations may run on
+    ``[1, H, N, D]`` (Llama) or on ``[1, N, H, D]`` before the heads move forward (Gemma-4): rotation is elementwise,
+    so the second is rotated as a ``[1, H, N, D]`` view of the same values."""
+    pool, other_pool, keys, value, slots = pair.args
+    head_major = keys if _transposed(keys, 0, 1) else None
+    row = head_major.args[0] if head_major is not None else None
+    if not (_call(row, aten.select.int) and tuple(row.args[1:]) == (0, 0)):
+        return False
+    rotated_k, k_moved = _rotated(row.args[0])
+    if rotated_k is None or any(len(n.users) != 1 for n in (rotated_k, k_moved, row, head_major) if n is not None):
+        return False  # the rotated keys are read elsewhere too (a replica, a carried value): keep them
+    order = {n: i for i, n in enumerate(pair.graph.nodes)}
+    for reader in pool.users:
+        if reader is pair or not _call(reader, torch.ops.ppsplit.paged_attention.default):
+            continue
+        rotated_q, q_moved = _rotated(reader.args[0])
+        if (rotated_q is not None and (q_moved is None) == (k_moved is None)
+                and all(_same(a, b) for a, b in zip(rotated_q.args[1:], rotated_k.args[1:]))
+                and all(order[user] > order[pair] for user in (q_moved or rotated_q).users)
+                and (q_moved is None or len(rotated_q.users) == 1)):
+            break
+    else:
+        return False
+    graph = pair.graph
+    with graph.inserting_before(pair):
+        q, k, cos, sin = (rotated_q.args[0], *rotated_k.args)
+        if k_moved is not None:  # [1, N, H, D] -> [1, H, N, D] views, as the attention reads the query
+            q, k, cos, sin = (_transpose(graph, t) for t in (q, k, cos, sin))
+        fused = graph.call_function(torch.ops.ppsplit.rope_write.default, (q, k, cos, sin, pool, other_pool, value,
+                                                                           slots))
+    query = q_moved or rotated_q
+    fused.meta.update({key: v for key, v in query.meta.items() if key in ("val", "tensor_meta", "stack_trace",
+                                                                          "nn_module_stack")})
+    query.replace_all_uses_with(fused)
+    for dead in (pair, head_major, row, k_moved, rotated_k, q_moved, rotated_q):
+        if dead is not None:
+            graph.erase_node(dead)
+    return True
+
+
+def _transposed(node, a: int, b: int) -> bool:
+    return _call(node, aten.transpose.int) and tuple(node.args[1:]) in ((a, b), (b, a)) and not node.kwargs
+
+
+def _rotated(node):
+    """``(rope node, None)`` for ``rope(...)``, ``(rope node, transpose)`` for ``rope(...).transpose(1, 2)``."""
+    rope = torch.ops.ppsplit.rope.default
+    if _call(node, rope):
+        return node, None
+    if _transposed(node, 1, 2) and _call(node.args[0], rope):
+        return node.args[0], node
+    return None, None
+
+
+def _same(a, b) -> bool:
+    """One value: one node, or two calls of one op on the same arguments (two ``unsqueeze`` of one ``cos``)."""
+    calls = all(isinstance(n, fx.Node) and n.op == "call_function" for n in (a, b))
+    return a is b or (calls and a.target == b.target and a.args == b.args and a.kwargs == b.kwargs)
+
+
+def _transpose(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    moved = graph.call_function(aten.transpose.int, (node, 1, 2))
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        moved.meta["val"] = val.transpose(1, 2)
+    return moved
 
 
 def _match_silu_mul(node):

@@ -75,6 +75,62 @@ def test_silu_mul_kernel_is_the_aten_ops_bit_for_bit(shape):
             assert ((out[differ].float() - ref[differ].float()).abs() <= one_ulp * 2).all()
 
 
+def rope_write_inputs(hq, hkv, n, d, dtype, device, block=16):
+    """A ragged step's fused q | k | v projection output for ``n`` tokens, HF's head-split views of it, cos / sin,
+    NaN-filled pools and slots: token 1 is padding (slot -1), the others in shuffled blocks."""
+    torch.manual_seed(hq * n + d)
+    fused = torch.randn(1, n, (hq + 2 * hkv) * d, dtype=dtype, device=device) * 4
+    heads = lambda lo, h: fused[..., lo * d:(lo + h) * d].reshape(1, n, h, d).transpose(1, 2)  # noqa: E731
+    q, k, v = heads(0, hq), heads(hq, hkv), heads(hq + hkv, hkv)
+    angles = torch.rand(1, n, d, device=device) * 100
+    blocks = -(-n // block) + 2
+    pools = [torch.full((blocks, block, hkv, d), float("nan"), dtype=dtype, device=device) for _ in range(2)]
+    slots = torch.randperm(blocks * block)[:n].to(device)
+    if n > 1:
+        slots[1] = -1
+    return q, k, v, angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1), pools, slots
+
+
+@pytest.mark.parametrize("hq,hkv,n,d", [(4, 2, 7, 64), (32, 8, 1, 128), (6, 1, 33, 96), (3, 3, 2, 256)])
+def test_rope_write_kernel_is_the_three_ops_bit_for_bit(hq, hkv, n, d):
+    """The fused kernel against what it replaces, ``rope(q)``, ``rope(k)`` and ``paged_write_pair``: the rotated
+    query, and every pool row, bit for bit; a padding token (slot -1) writes nothing."""
+    from ppsplit.triton_kernels.paged import _write_rows
+    from ppsplit.triton_kernels.pointwise import launch_rope_write, rope_reference, rope_write_usable
+
+    device = kernel_device()
+    for dtype in (torch.float16,) + ((torch.bfloat16,) if device == "cuda" else ()):
+        q, k, v, cos, sin, pools, slots = rope_write_inputs(hq, hkv, n, d, dtype, device)
+        value = v[0].transpose(0, 1)  # the value's head-major view, as the paged pass writes it
+        if device == "cuda":
+            assert rope_write_usable(q, k, cos, sin, *pools, value, slots)
+        want = [p.clone() for p in pools]
+        _write_rows(want[0], rope_reference(k, cos, sin)[0].transpose(0, 1), slots)
+        _write_rows(want[1], value, slots)
+        out = launch_rope_write(q, k, cos, sin, *pools, value, slots)
+        ref = rope_reference(q, cos, sin)
+        assert torch.equal(out, ref), f"{dtype}: {(out != ref).sum().item()} of {out.numel()} query values differ"
+        for got, expected in zip(pools, want):
+            assert torch.equal(got.isnan(), expected.isnan()), "a row written that the slots do not name, or missed"
+            assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+
+
+def test_rope_write_op_on_the_cpu_is_the_three_ops():
+    """The op's torch path (CPU tensors, fp32): the rotated query returned, the rotated keys and the values written."""
+    from ppsplit.triton_kernels.pointwise import rope_reference
+
+    q, k, v, cos, sin, pools, slots = rope_write_inputs(4, 2, 5, 16, torch.float32, "cpu")
+    value = v[0].transpose(0, 1)
+    out = torch.ops.ppsplit.rope_write(q, k, cos, sin, *pools, value, slots)
+    assert torch.equal(out, rope_reference(q, cos, sin))
+    real = slots >= 0
+    keys = rope_reference(k, cos, sin)[0].transpose(0, 1)
+    for pool, written in zip(pools, (keys, value)):
+        flat = pool.view(-1, *pool.shape[2:])
+        assert torch.equal(flat[slots[real]], written[real])
+        assert int((~flat.isnan().flatten(1).all(1)).sum()) == int(real.sum()), "padding wrote a row"
+
+
 def test_ops_take_the_aten_path_where_the_kernel_does_not_apply():
     """fp32, mixed dtypes, CPU tensors: the ATen ops themselves (the op never changes a result)."""
     from ppsplit.triton_kernels.pointwise import rope_reference

@@ -42,6 +42,26 @@ def test_replay_equals_eager(arch):
     ragged_replay_equals_eager(tiny_model(arch).to(device="cuda", dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_rope_write_kernel_in_a_ragged_step_equals_the_ops_it_replaces(arch):
+    """bf16, the default CUDA split (each layer's rotations and key and value writes in one ``rope_write`` kernel)
+    against the same split with ``fuse_pointwise=False`` (the ATen rotations, the write kernel): a fill step then the
+    mixed step give bit-equal logits and taps."""
+    model = tiny_model(arch).to(device="cuda", dtype=torch.bfloat16)
+    cache = CacheConfig(batch_size=4, max_len=64, num_blocks=8, block_size=16)
+    fused = ppsplit.split_model(model, 2, aux=[0, 2], cache=cache)
+    plain = ppsplit.split_model(model, 2, aux=[0, 2], cache=cache, fuse_pointwise=False)
+    assert all(stage.meta["ppsplit.pointwise"].get("rope_write") for stage in fused.stages)
+    torch.manual_seed(0)
+    for segments in (FILL, MIXED):
+        step = RaggedStep.build(segments, TABLES, fused.layout, pad_to=64).to("cuda")
+        ids = torch.randint(3, VOCAB, (64,), device="cuda")
+        with torch.no_grad():
+            (a, a_aux), (b, b_aux) = fused.step(ids, step), plain.step(ids, step)
+        n = sum(s.count for s in segments)
+        assert torch.equal(a[:n], b[:n]) and torch.equal(a_aux[:, :n], b_aux[:, :n])
+
+
 def test_generate_with_graphs_equals_eager():
     model = tiny_model("llama").to(device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(3, VOCAB, (2, 7), device="cuda")

@@ -112,6 +112,25 @@ def test_a_mixed_step_equals_each_sequence_alone(arch):
             assert_matches(segments, logits, aux, refs)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma4_text"])
+def test_rope_write_folds_each_layers_rotations_and_writes_and_changes_nothing(arch):
+    """``fuse_pointwise`` on a paged split folds each layer's query and key rotations and its key and value writes
+    into one ``ppsplit::rope_write`` (CUDA stages do by default; forced here on the CPU, its torch path): the mixed
+    step's logits and taps equal the split without it bit for bit, and Hugging Face's. Gemma-4 rotates
+    ``[1, N, H, D]`` before moving the heads forward, with a ``cos`` unsqueezed apart for the query and the keys."""
+    model, traced = build(arch)
+    seqs = sequences({0: 7, 1: 31, 2: 16, 3: 25})
+    tables = {s: list(range(3 * s, 3 * s + 3)) for s in range(4)}
+    fused = ppsplit.split_model(traced, 2, aux=list(TAPS), fuse_pointwise=True)
+    plain = ppsplit.split_model(traced, 2, aux=list(TAPS), fuse_pointwise=False)
+    assert [stage.meta["ppsplit.pointwise"]["rope_write"] for stage in fused.stages] == [2, 2]
+    assert [stage.meta["ppsplit.pointwise"]["rope"] for stage in fused.stages] == [0, 0]
+    for segments in (FILL, MIXED):
+        (a, a_aux), (b, b_aux) = run(fused, seqs, segments, tables), run(plain, seqs, segments, tables)
+        assert torch.equal(a, b) and torch.equal(a_aux, b_aux)
+    assert_matches(MIXED, a, a_aux, references(model, seqs))
+
+
 @pytest.mark.parametrize("arch", [a for a in ("llama", "qwen3_next", "deepseek_v3", "deepseek_v32") if a in ARCHS])
 def test_a_reused_slot_and_reused_blocks_read_nothing_stale(arch):
     """A slot freed and given to a new sequence, with blocks another sequence used: the new sequence's tokens equal a
