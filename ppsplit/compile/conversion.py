@@ -22,10 +22,11 @@ from typing import Callable
 import torch
 
 from ppsplit.compile.checkpoint import ST_DTYPES, Checkpoint
-from ppsplit.compile.quantized import dequantize_mxfp4, dequantized, pair_scales
+from ppsplit.compile.quantized import dequantize_mxfp4, dequantized, exponent_values, is_exponents, pair_scales
 from ppsplit.core.errors import ConfigError
 
 _TORCH_DTYPES = {v: k for k, v in ST_DTYPES.items()}
+_AS_BYTES = {"F8_E8M0": torch.uint8}  # read as their bytes (E8M0 exponents: ppsplit.compile.quantized)
 
 
 @dataclass
@@ -134,17 +135,23 @@ class Sources:
 
 
     def read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
-        """Checkpoint tensor ``key`` as ``dtype``: an FP8 weight dequantised with its scale."""
+        """Checkpoint tensor ``key`` as ``dtype``: an FP8 weight dequantised with its scale, a scale stored as E8M0
+        exponents as the values they stand for."""
+        if self.scheme is not None and self.scheme.exponents and is_exponents(self.checkpoint.raw_range(key).dtype):
+            return exponent_values(read_tensor(self.checkpoint, key)).to(dtype)
         t = read_tensor(self.checkpoint, key)
         scale = self.scales.get(key)
         if scale is None:
             return t.to(dtype)
-        return dequantized(t, read_tensor(self.checkpoint, scale), self.scheme, dtype)
+        return dequantized(t, self.read(scale, torch.float32), self.scheme, dtype)
 
     def add_plain(self, name: str, key: str) -> None:
-        """A stage tensor read as stored from checkpoint ``key`` that the model skeleton does not have (a scale)."""
+        """A stage tensor read from checkpoint ``key`` that the model skeleton does not have (a scale): as stored, or
+        fp32 for E8M0 exponents (the FP8 kernels read float scales; a power of two is exact in fp32)."""
         raw = self.checkpoint.raw_range(key)
-        self.groups[name] = Group(name, [name], _TORCH_DTYPES[raw.dtype], None, [(key, None)])
+        dtype = torch.float32 if self.scheme is not None and self.scheme.exponents and is_exponents(raw.dtype) \
+            else _TORCH_DTYPES[raw.dtype]
+        self.groups[name] = Group(name, [name], dtype, None, [(key, None)])
         self.producer[name] = name
 
 
@@ -160,7 +167,7 @@ def read_tensor(checkpoint: Checkpoint, key: str) -> torch.Tensor:
         w = read_tensor(Checkpoint(folder), "model.layers.0.mlp.experts.3.up_proj.weight")
     """
     raw = checkpoint.raw_range(key)
-    dtype = _TORCH_DTYPES.get(raw.dtype)
+    dtype = _TORCH_DTYPES.get(raw.dtype) or _AS_BYTES.get(raw.dtype)
     if dtype is None:
         return checkpoint.read_one(key)
     data = bytearray(raw.nbytes)

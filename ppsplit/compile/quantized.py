@@ -16,17 +16,20 @@ from ppsplit.core.quant import describe_supported
 from ppsplit.triton_kernels.fp8 import dequantize, scale_grid
 
 _SCALE_DTYPES = ("F32", "BF16", "F16")
+_EXPONENT_DTYPES = ("F8_E8M0", "U8")  # scale_fmt "ue8m0": one E8M0 exponent per block, the scale 2 ** (e - 127)
 
 
 @dataclass(frozen=True)
 class Scheme:
     """A checkpoint's quantisation: ``block`` (bn, bk) for block scales, ``None`` for per-channel or per-tensor
-    (read from each scale's shape); ``suffix``: the scale tensor beside ``<module>.weight``."""
+    (read from each scale's shape); ``suffix``: the scale tensor beside ``<module>.weight``; ``exponents``: the scales
+    may be stored as E8M0 exponents (``scale_fmt: "ue8m0"``, DeepSeek-V3.1's and transformers' MXFP8 layout)."""
 
     method: str
     scheme: str
     block: tuple[int, int] | None
     suffix: str
+    exponents: bool = False
 
     def block_of(self, shape) -> tuple[int, int]:
         n, k = shape
@@ -53,17 +56,19 @@ def read_scheme(config, name: str) -> Scheme | None:
     if method == "fp8":
         if _field(quant, "activation_scheme", "dynamic") != "dynamic":
             refuse(f"quant_method 'fp8' with activation_scheme {_field(quant, 'activation_scheme')!r}")
-        if _field(quant, "scale_fmt") not in (None, "float32", "fp32"):
-            refuse(f"quant_method 'fp8' with scale_fmt {_field(quant, 'scale_fmt')!r}")
+        scale_fmt = _field(quant, "scale_fmt")
+        if scale_fmt not in (None, "float", "float32", "fp32", "ue8m0"):
+            refuse(f"quant_method 'fp8' with scale_fmt {scale_fmt!r}")
         if _field(quant, "fmt", "e4m3") != "e4m3":
             refuse(f"quant_method 'fp8' with fmt {_field(quant, 'fmt')!r}")
         block = _field(quant, "weight_block_size")
+        exponents = scale_fmt == "ue8m0"
         if block is None:
-            return Scheme("fp8", "tensor", None, "weight_scale_inv")
+            return Scheme("fp8", "tensor", None, "weight_scale_inv", exponents)
         if not (isinstance(block, (list, tuple)) and len(block) == 2
                 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
             refuse(f"weight_block_size {block!r} (want two positive integers)")
-        return Scheme("fp8", "block", (block[0], block[1]), "weight_scale_inv")
+        return Scheme("fp8", "block", (block[0], block[1]), "weight_scale_inv", exponents)
     if method == "compressed-tensors":
         return _compressed_tensors(quant, refuse)
     if method == "mxfp4":
@@ -142,9 +147,10 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 def check_pair(key: str, shape, scale_key: str, scale, scheme: Scheme) -> None:
-    if scale.dtype not in _SCALE_DTYPES:
-        raise ConfigError(f"the checkpoint's {scale_key} is {scale.dtype}; scales must be one of "
-                          f"{', '.join(_SCALE_DTYPES)}")
+    allowed = _SCALE_DTYPES + (_EXPONENT_DTYPES if scheme.exponents else ())
+    if scale.dtype not in allowed:
+        raise ConfigError(f"the checkpoint's {scale_key} is {scale.dtype}; scales must be one of {', '.join(allowed)}"
+                          + ("" if scheme.exponents else " (E8M0 exponents need scale_fmt 'ue8m0')"))
     if len(shape) != 2:
         raise ConfigError(f"the checkpoint's FP8 weight {key} has shape {tuple(shape)}; ppsplit reads 2-D FP8 weights")
     grid = scale_grid(*shape, *scheme.block_of(shape))
@@ -154,6 +160,18 @@ def check_pair(key: str, shape, scale_key: str, scale, scheme: Scheme) -> None:
                           f"{scheme.scheme} scales{f' of blocks {scheme.block}' if scheme.block else ''} needs "
                           f"{want[0]}; the checkpoint does not match its quantization_config")
     assert math.prod(scale.shape) == math.prod(grid)
+
+
+def is_exponents(raw_dtype: str) -> bool:
+    """Whether a scale stored as ``raw_dtype`` (a safetensors dtype) holds E8M0 exponents, not values."""
+    return raw_dtype in _EXPONENT_DTYPES
+
+
+def exponent_values(exponents: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponents (their bytes) as the fp32 scales they stand for, ``2 ** (e - 127)``, exactly (as transformers'
+    ``Fp8Dequantize`` reads them); the byte 255 (E8M0's NaN) gives NaN."""
+    e = exponents.view(torch.uint8).to(torch.float32)
+    return torch.where(e == 255, torch.nan, (e - 127.0).exp2())
 
 
 def dequantized(weight: torch.Tensor, scale: torch.Tensor, scheme: Scheme, dtype: torch.dtype) -> torch.Tensor:

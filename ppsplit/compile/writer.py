@@ -21,7 +21,7 @@ from ppsplit.compile.api import split_model
 from ppsplit.compile.checkpoint import ST_DTYPES, Checkpoint, write_safetensors
 from ppsplit.core.options import CacheConfig, SplitOptions, StageOptions
 from ppsplit.compile.conversion import Sources
-from ppsplit.compile.quantized import Scheme, read_scheme
+from ppsplit.compile.quantized import Scheme, is_exponents, read_scheme
 from ppsplit.core.quant import Quantization
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.fx_utils import is_cache_buffer, tied_names, tied_parameters
@@ -226,7 +226,8 @@ def _stored_costs(traced, sources: Sources):
         if not key or key not in sources.scales:
             continue
         raw, scale = sources.checkpoint.raw_range(key), sources.checkpoint.raw_range(sources.scales[key])
-        delta = raw.nbytes + scale.nbytes - p.numel() * p.element_size()
+        scale_bytes = scale.nbytes * (4 if is_exponents(scale.dtype) else 1)  # exponents are stored as fp32
+        delta = raw.nbytes + scale_bytes - p.numel() * p.element_size()
         index = name[len(prefix):].split(".")[0] if name.startswith(prefix) else ""
         if index.isdigit() and int(index) < len(layers):
             layers[int(index)] += delta

@@ -20,8 +20,9 @@ FP8 = torch.float8_e4m3fn
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def quantize_blocks(w: torch.Tensor, bn: int, bk: int):
-    """An independent block quantiser: one fp32 scale per [bn, bk] block (a last block may be partial), amax/448."""
+def quantize_blocks(w: torch.Tensor, bn: int, bk: int, power_of_two: bool = False):
+    """An independent block quantiser: one fp32 scale per [bn, bk] block (a last block may be partial), amax/448,
+    or with ``power_of_two`` the least power of two at least that (``scale_fmt: "ue8m0"``)."""
     n, k = w.shape
     scale = torch.empty(-(-n // bn), -(-k // bk), dtype=torch.float32)
     q = torch.empty(n, k, dtype=FP8)
@@ -29,6 +30,7 @@ def quantize_blocks(w: torch.Tensor, bn: int, bk: int):
         for j in range(scale.shape[1]):
             block = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].double()
             s = float(block.abs().max()) / 448.0 or 1.0
+            s = 2.0 ** math.ceil(math.log2(s)) if power_of_two else s
             scale[i, j] = s
             q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (block / s).float().to(FP8)
     return q, scale
@@ -51,9 +53,10 @@ def _tiny(seed=0):
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def write_quantized(folder, scheme: str, model=None):
+def write_quantized(folder, scheme: str, model=None, power_of_two: bool = False):
     """The tiny model saved, then its linear weights quantised as ``scheme`` writes them: "fp8" (128x128 blocks,
-    weight_scale_inv), "ct-channel" / "ct-tensor" (compressed-tensors float-quantized, weight_scale)."""
+    weight_scale_inv; ``power_of_two`` scales), "ct-channel" / "ct-tensor" (compressed-tensors float-quantized,
+    weight_scale)."""
     model = model or _tiny()
     model.save_pretrained(folder, safe_serialization=True)
     tensors = load_file(os.path.join(folder, "model.safetensors"))
@@ -64,7 +67,7 @@ def write_quantized(folder, scheme: str, model=None):
             continue
         n, k = w.shape
         if scheme == "fp8":
-            out[name], out[name[:-6] + "weight_scale_inv"] = quantize_blocks(w, 128, 128)
+            out[name], out[name[:-6] + "weight_scale_inv"] = quantize_blocks(w, 128, 128, power_of_two)
         else:
             q, s = quantize_blocks(w, 1, k) if scheme == "ct-channel" else quantize_blocks(w, n, k)
             out[name], out[name[:-6] + "weight_scale"] = q, s.reshape(n, 1) if scheme == "ct-channel" else s.reshape(1)
@@ -155,6 +158,75 @@ def test_stage_files_hold_the_fp8_bytes_and_half_the_bf16_size(fp8_checkpoint, t
     assert 0.45 < ratio < 0.55, ratio
 
 
+def write_ue8m0(folder, stored: str, model=None):
+    """The model's linears quantised in 128x128 blocks with power-of-two scales (``scale_fmt: "ue8m0"``, as
+    DeepSeek-V3.1 ships them), each scale stored as ``stored``: "F32" (its value), "U8" (its E8M0 exponent byte, as
+    transformers' MXFP8 checkpoints store it) or "F8_E8M0"."""
+    write_quantized(folder, "fp8", model or _tiny(seed=2), power_of_two=True)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith("weight_scale_inv") and stored != "F32":
+            byte = (t.log2() + 127).to(torch.uint8)
+            tensors[name] = byte if stored == "U8" else byte.view(torch.float8_e8m0fnu)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    config = json.load(open(os.path.join(folder, "config.json")))
+    config["quantization_config"]["scale_fmt"] = "ue8m0"
+    json.dump(config, open(os.path.join(folder, "config.json"), "w"))
+    return folder
+
+
+@pytest.mark.parametrize("stored", ["F32", "U8", "F8_E8M0"])
+def test_ue8m0_scales_compile_and_equal_hf(stored, tmp_path, capsys):
+    """Power-of-two block scales (``scale_fmt: "ue8m0"``) stored as values or as E8M0 exponents: the FP8 weights
+    stay byte for byte, the scales are kept as fp32 values (exact), and the logits equal transformers' own loading
+    of the checkpoint."""
+    ckpt = write_ue8m0(tmp_path / stored, stored)
+    out = tmp_path / f"out-{stored}"
+    assert main(["compile", str(ckpt), "--pp", "2", "-o", str(out)]) == 0
+    source = load_file(ckpt / "model.safetensors")
+    stage = {**load_file(out / "stage_0.safetensors"), **load_file(out / "stage_1.safetensors")}
+    name = "model.layers.1.mlp.down_proj"
+    assert stage[f"{name}.weight"].dtype == FP8
+    assert torch.equal(stage[f"{name}.weight"].view(torch.uint8), source[f"{name}.weight"].view(torch.uint8))
+    scale = stage[f"{name}.weight_scale_inv"]
+    exponent = source[f"{name}.weight_scale_inv"]
+    expected = exponent if stored == "F32" else (exponent.view(torch.uint8).double() - 127).exp2().float()
+    assert scale.dtype == torch.float32 and torch.equal(scale, expected)
+    split = ppsplit.load(str(out))
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], hf(ids).logits, atol=1e-5, rtol=1e-5)
+    plan = json.load(open(out / "plan.json"))
+    for k in range(2):  # the plan counts the fp32 scales the folder holds
+        file_bytes = os.path.getsize(out / f"stage_{k}.safetensors")
+        assert 0.97 * file_bytes < plan["stages"][k]["bytes"] <= file_bytes, (k, plan["stages"][k]["bytes"], file_bytes)
+
+
+def test_scale_formats_transformers_writes_are_read():
+    """``scale_fmt`` as checkpoints carry it: absent, "float" (what transformers 5.x writes by default), "ue8m0"."""
+    from types import SimpleNamespace
+
+    from ppsplit.compile.quantized import read_scheme
+
+    for fmt, exponents in ((None, False), ("float", False), ("fp32", False), ("ue8m0", True)):
+        quant = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+        config = SimpleNamespace(quantization_config={**quant, **({"scale_fmt": fmt} if fmt else {})})
+        scheme = read_scheme(config, "m")
+        assert (scheme.block, scheme.exponents) == ((128, 128), exponents), fmt
+
+
+def test_exponent_scales_need_scale_fmt_ue8m0(tmp_path, capsys):
+    """E8M0 exponents without ``scale_fmt: "ue8m0"`` would be read as numbers: refused in one line, nothing written."""
+    ckpt = write_ue8m0(tmp_path / "ckpt", "U8")
+    config = json.load(open(ckpt / "config.json"))
+    del config["quantization_config"]["scale_fmt"]
+    json.dump(config, open(ckpt / "config.json", "w"))
+    code, err = _run(["compile", str(ckpt), "--pp", "2", "-o", str(tmp_path / "out")], capsys)
+    assert code == 2 and len(err) == 1 and "E8M0 exponents need scale_fmt 'ue8m0'" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("scheme", ["ct-channel", "ct-tensor"])
 def test_compressed_tensors_fp8_equals_hf(scheme, tmp_path):
     ckpt = write_quantized(tmp_path / scheme, scheme, _tiny(seed=1))
@@ -194,7 +266,7 @@ def _run(args, capsys):
     return code, err
 
 
-@pytest.mark.parametrize("case", ["gptq", "static", "ue8m0", "bad_scale", "ct_group", "no_config"])
+@pytest.mark.parametrize("case", ["gptq", "static", "scale_fmt", "bad_scale", "ct_group", "no_config"])
 def test_unsupported_or_inconsistent_checkpoints_are_refused(case, fp8_checkpoint, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     os.makedirs(ckpt)
@@ -202,7 +274,7 @@ def test_unsupported_or_inconsistent_checkpoints_are_refused(case, fp8_checkpoin
         os.symlink(fp8_checkpoint / f, ckpt / f) if f != "config.json" else None
     config = json.load(open(fp8_checkpoint / "config.json"))
     quant = config["quantization_config"]
-    expect = {"gptq": "quant_method 'gptq'", "static": "activation_scheme 'static'", "ue8m0": "scale_fmt 'ue8m0'",
+    expect = {"gptq": "quant_method 'gptq'", "static": "activation_scheme 'static'", "scale_fmt": "scale_fmt 'ue4m3'",
               "bad_scale": "model.layers.1.mlp.down_proj.weight_scale_inv has shape (3, 2)",
               "ct_group": "compressed-tensors group 'group_0' weight strategy 'group'",
               "no_config": "in F8_E4M3, but its config.json has no quantization_config"}[case]
@@ -212,8 +284,8 @@ def test_unsupported_or_inconsistent_checkpoints_are_refused(case, fp8_checkpoin
         del config["quantization_config"]
     elif case == "static":
         quant["activation_scheme"] = "static"
-    elif case == "ue8m0":
-        quant["scale_fmt"] = "ue8m0"
+    elif case == "scale_fmt":
+        quant["scale_fmt"] = "ue4m3"
     elif case == "ct_group":
         config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
                                          "config_groups": {"group_0": {"weights": {
@@ -279,12 +351,14 @@ def test_tampered_quantized_folder_is_one_folder_error(case, fp8_folder, tmp_pat
 def test_fp8_moe_experts_are_dequantised_through_the_conversions(arch, tmp_path, capsys):
     """qwen3_moe and deepseek_v3 (MLA projections, shared experts) with per-expert FP8 tensors: transformers'
     converters stack the experts, so the compile dequantises them (stated per stage); the other linears stay FP8.
-    Logits equal from_pretrained's."""
+    Logits equal from_pretrained's. DeepSeek-V3's scales are E8M0 exponent bytes (``scale_fmt: "ue8m0"``), which the
+    dequantised experts read as the values they stand for."""
     from tests.architectures.test_moe_compile import moe_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(moe_config(arch)).eval()
-    ckpt = write_quantized(tmp_path / "moe", "fp8", model)
+    ckpt = write_quantized(tmp_path / "moe", "fp8", model) if arch == "qwen3_moe" else \
+        write_ue8m0(tmp_path / "moe", "U8", model)
     assert any(".experts.1.up_proj.weight_scale_inv" in k for k in load_file(ckpt / "model.safetensors"))
     out = tmp_path / "moe-pp2"
     assert main(["compile", str(ckpt), "--pp", "2", "-o", str(out)]) == 0
