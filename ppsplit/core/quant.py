@@ -21,8 +21,8 @@ SCALE_DTYPES = ("float32", "bfloat16", "float16")
 
 def describe_supported() -> str:
     return ("block-scaled FP8 (quant_method 'fp8', float8_e4m3fn weights with weight_scale_inv, float or ue8m0 "
-            "scales, dynamic activations), compressed-tensors FP8 (format 'float-quantized', channel or tensor weight scales) and "
-            "MXFP4 experts (quant_method 'mxfp4', dequantised at compile)")
+            "scales, dynamic activations), compressed-tensors FP8 (format 'float-quantized', channel or tensor weight "
+            "scales) and MXFP4 experts (quant_method 'mxfp4', dequantised at compile)")
 
 
 @dataclass(frozen=True)
