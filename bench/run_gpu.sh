@@ -5,22 +5,25 @@
 #                         [ragged] [ragged_sweep] [fp8] [fp8_sweep] [peer_decode] [peer_decode_compiled]
 #                         [peer_prefill] [fused_compile] [illegal_access]
 #   (default: the first four)
+# GPU_TESTS: what `tests` runs (default: the whole suite's gpu-marked tests); STEP_TIMEOUT: seconds each step may run
+# (default 540), so one slow step leaves the call's later steps their time. The device tool returns at most 8 files
+# from $OUT: every step writes one log there, the install log and the FP8 tiles go to /tmp.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/ppsplit-out}
+export OUT=${OUT:-/tmp/ppsplit-out} TILES=/tmp/ppsplit_fp8_tiles.json
 mkdir -p "$OUT"
 what=${*:-tests kernel anchor pipeline}
-python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.txt" 2>&1 || { cat "$OUT/install.txt"; exit 1; }
+python3 -m pip install -q --no-build-isolation --no-deps -e . >/tmp/ppsplit_install.txt 2>&1 || { cat /tmp/ppsplit_install.txt; exit 1; }
 python3 - <<'PY' | tee "$OUT/env.txt"
 import torch, triton, transformers
 print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, "
       f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}")
 PY
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,memory.used --format=csv | tee -a "$OUT/env.txt"
-for step in $what; do
-  echo "=== $step"
+run_step() {
+  local step=$1
   case $step in
-    tests)    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 ;;
+    tests)    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 ;;
     kernel)   python3 bench/tap_kernel.py 2>&1 | tee "$OUT/tap_kernel.txt" ;;
     anchor)   [ -f .anchor/tap_anchor.py ] && python3 .anchor/tap_anchor.py 2>&1 | tee "$OUT/anchor.txt" ;;
     pipeline) python3 bench/pipeline.py 2>&1 | tee "$OUT/pipeline.txt" ;;
@@ -32,8 +35,8 @@ for step in $what; do
     ragged_sweep) python3 bench/ragged.py --sweep 2>&1 | tee "$OUT/ragged_sweep.txt" ;;
     # issue 31; run fp8_sweep first and the step also runs at batch 1 on the tiles it found fastest
     fp8)      python3 bench/fp8.py --layers ${FP8_LAYERS:-32} --profile ${FP8_ARGS:-} \
-                $( [ -f "$OUT/fp8_tiles.json" ] && echo --tiles "$OUT/fp8_tiles.json" ) 2>&1 | tee "$OUT/fp8.txt" ;;
-    fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1} --save-tiles "$OUT/fp8_tiles.json" \
+                $( [ -f "$TILES" ] && echo --tiles "$TILES" ) 2>&1 | tee "$OUT/fp8.txt" ;;
+    fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1} --save-tiles "$TILES" \
                  ${HF_FP8:+--hf-kernel $HF_FP8} 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
     # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048, both profiled)
     peer_decode) python3 bench/peer.py --modes decode --batches 1,32 --pp 1 --compile off --no-traced-baseline \
@@ -53,4 +56,9 @@ for step in $what; do
                  done 2>&1 | tee "$OUT/illegal_access.txt" ;;
     *)        python3 bench/pipeline.py --sections "$step" 2>&1 | tee "$OUT/pipeline_$step.txt" ;;
   esac
+}
+export -f run_step
+for step in $what; do
+  echo "=== $step"
+  timeout ${STEP_TIMEOUT:-540} bash -c "run_step $step" || echo "=== $step: exit $? (124: over STEP_TIMEOUT)"
 done
