@@ -1,0 +1,150 @@
+"""Compile the Triton kernels of the GPU's hot paths for an H100/H200 (sm_90) on a machine without a GPU, in the
+GPU's dtype (bf16, which Triton's interpreter cannot run), through the same launch functions the ops call.
+
+Triton compiles to a cubin with the ptxas its wheel ships; only the launch needs a device. So this module makes
+Triton's active driver one that targets sm_90 and turns every launch into a warm-up (compile, no launch). What it
+catches that the interpreter cannot: code the compiler rejects (types, layouts, a constexpr branch the interpreter
+never took), and tiles that need more shared memory than one program may have (227 KiB on an H100/H200).
+
+Run by ``tests/kernels/test_sm90_compile.py`` in a process of its own (the test session runs Triton's interpreter,
+chosen at import). Prints one line per launch: ``ok <name> <kernels> <shared bytes>`` or ``FAIL <name> <error>``.
+
+    python -m tests.kernels.sm90
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+
+SHARED_MEMORY = 232448  # bytes one program may opt into on an H100 / H200 (227 KiB)
+BF16 = torch.bfloat16
+
+
+@contextlib.contextmanager
+def compile_only(compiled: list):
+    """Launches compile for sm_90 and return without running; each compiled kernel is appended to ``compiled``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class Sm90:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    run = JITFunction.run
+
+    def warm_up(self, *args, grid, warmup=False, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append(kernel)
+        return kernel
+
+    saved = driver._active
+    driver.set_active(Sm90())
+    JITFunction.run = warm_up
+    try:
+        yield
+    finally:
+        JITFunction.run = run
+        driver._active = saved
+
+
+def _ragged(lengths, counts, block=16):
+    """A ragged step's attention metadata (CPU tensors): sequence ``s`` at ``lengths[s]`` with ``counts[s]`` new
+    tokens, blocks in order."""
+    need = [-(-(n + c) // block) for n, c in zip(lengths, counts)]
+    table = torch.full((len(lengths), max(need)), -1, dtype=torch.int32)
+    at = 0
+    for s, count in enumerate(need):
+        table[s, :count] = torch.arange(at, at + count)
+        at += count
+    positions = torch.cat([torch.arange(n, n + c) for n, c in zip(lengths, counts)]).int()
+    seq = torch.cat([torch.full((c,), s) for s, c in enumerate(counts)]).int()
+    starts = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)[:-1]), dtype=torch.int32)
+    return positions, seq, table, starts, torch.tensor(counts, dtype=torch.int32), at
+
+
+def _attention(lengths, counts, hq=32, hkv=8, d=128, block=16):
+    from ppsplit.triton_kernels.paged import launch_paged_attention
+
+    positions, seq, table, starts, counts_t, blocks = _ragged(lengths, counts, block)
+    n = int(counts_t.sum())
+    q = torch.randn(1, n, hq, d, dtype=BF16).transpose(1, 2)
+    keys, values = (torch.randn(blocks, block, hkv, d, dtype=BF16) for _ in range(2))
+    return lambda **over: launch_paged_attention(q, keys, values, positions, seq, table, starts, counts_t, d ** -0.5,
+                                                 config=over or None)
+
+
+def launches() -> dict:
+    """``{name: function}``: one launch each, at Llama-3.1-8B's sizes where they set the tiles."""
+    from ppsplit.triton_kernels.attention import launch_cache_attention
+    from ppsplit.triton_kernels.fp8 import launch_fp8_linear
+    from ppsplit.triton_kernels.gemv import launch_gemv, pick_config
+    from ppsplit.triton_kernels.paged import launch_paged_write
+    from ppsplit.triton_kernels.pointwise import launch_rope, launch_rope_write, launch_silu_mul
+
+    hq, hkv, d, n = 32, 8, 128, 5
+    fused = torch.randn(1, n, (hq + 2 * hkv) * d, dtype=BF16)
+    q, k, v = (fused[..., lo * d:(lo + h) * d].reshape(1, n, h, d).transpose(1, 2)
+               for lo, h in ((0, hq), (hq, hkv), (hq + hkv, hkv)))
+    cos, sin = (torch.randn(1, 1, n, d, dtype=BF16) for _ in range(2))
+    pools = [torch.zeros(4, 16, hkv, d, dtype=BF16) for _ in range(2)]
+    slots = torch.arange(n, dtype=torch.int32)
+    gate_up = torch.randn(1, 1, 2 * 14336, dtype=BF16)
+    x1, x32 = torch.randn(1, 4096, dtype=BF16), torch.randn(32, 4096, dtype=BF16)
+    w8 = torch.zeros(6144, 4096, dtype=torch.float8_e4m3fn)
+    s8 = torch.ones(48, 32)
+    w = torch.randn(6144, 4096, dtype=BF16)
+    decode = _attention([128 + 128 * i for i in range(32)], [1] * 32)
+    verify = _attention([100, 300, 700, 33], [4] * 4)
+    prefill = _attention([0], [2048])
+    kc, vc = (torch.randn(32, hkv, 2120, d, dtype=BF16) for _ in range(2))
+    ql = torch.randn(32, 1, hq, d, dtype=BF16).transpose(1, 2)
+    return {
+        "rope_write": lambda: launch_rope_write(q, k, cos, sin, *pools, v[0].transpose(0, 1), slots),
+        "rope": lambda: launch_rope(q, cos, sin),
+        "silu_mul": lambda: launch_silu_mul(gate_up[..., :14336], gate_up[..., 14336:]),
+        "paged_write_pair": lambda: launch_paged_write(pools[0], k[0].transpose(0, 1), slots,
+                                                       other=(pools[1], v[0].transpose(0, 1))),
+        "paged_attention decode (plan)": decode,
+        "paged_attention decode, one masked loop": lambda: decode(phases=False),
+        "paged_attention verify (plan)": verify,
+        "paged_attention prefill (plan)": prefill,
+        "cache_attention decode": lambda: launch_cache_attention(ql, kc, vc, torch.tensor([2112]), d ** -0.5),
+        "gemv bf16": lambda: launch_gemv(x1, w, config=pick_config(*w.shape)),
+        "fp8 gemv": lambda: launch_fp8_linear(x1, w8, s8, None, 128, 128),
+        "fp8 gemm (split k)": lambda: launch_fp8_linear(x32, w8, s8, None, 128, 128),
+    }
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("FAIL setup TRITON_INTERPRET=1: the kernels are interpreted, not compiled; run without it")
+        return 1
+    failed = 0
+    for name, launch in launches().items():
+        compiled: list = []
+        try:
+            with compile_only(compiled), torch.no_grad():
+                launch()
+        except Exception as e:  # a kernel the compiler rejects
+            print(f"FAIL {name} {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+            failed += 1
+            continue
+        shared = max(k.metadata.shared for k in compiled)
+        ok = compiled and shared <= SHARED_MEMORY
+        print(f"{'ok' if ok else 'FAIL'} {name} {len(compiled)} {shared}", flush=True)
+        failed += not ok
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
