@@ -6,10 +6,26 @@ own pass (``ppsplit.passes.quantize``) onto FP8 weights + ``weight_scale_inv``, 
 through the GEMV as ``load`` routes it, and timed again, at every batch (paged cache, as compiled folders hold). Each step
 is one replay of the stage's captured CUDA graph (``bench.common.stage_runs``), median of ``--rounds`` rounds of
 ``triton.testing.do_bench``. "roofline" = the bytes a step must read (the stage's weights and scales as stored,
-plus the live KV prefix) over the device copy bandwidth measured in the same run. transformers' own FP8 path needs
-the ``kernels-community/finegrained-fp8`` hub kernel; where it cannot load (no network), the row says why.
+plus the live KV prefix) over the device copy bandwidth measured in the same run.
+
+Third, with ``--hf-kernel``, "HF fp8 (W8A8 Triton)": Hugging Face's own model (the same random weights) with each
+decoder-layer projection on the same FP8 bytes (``quantize``), run as transformers 4.57's ``FP8Linear.forward`` runs
+it (``act_quant`` then ``w8a8_block_fp8_matmul_triton``: activations quantised per 128-wide group). The step is HF's
+StaticCache decode step (``peer.hf_step``, eager) captured as one CUDA graph (``common.graphed``), not torch.compile:
+the graph drops the launch overhead without Inductor tracing the kernels' Python wrappers. Before the timing, the
+logits of one step (one token per sequence at position 0) are compared with ppsplit FP8's (CUDA only; W8A8 rounds the
+activations too, so they differ). transformers 5.x fetches these kernels from the hub
+(``kernels-community/finegrained-fp8``), which the GPU machine cannot reach; 4.57.1 shipped them in-tree, and
+``--hf-kernel`` takes an unmodified copy of that module, made with
+
+    pip download transformers==4.57.1 --no-deps -d /tmp/tf457
+    mkdir -p .hfref && unzip -p /tmp/tf457/*.whl transformers/integrations/finegrained_fp8.py > .hfref/hf_fp8_457.py
+
+On the CPU (the Triton kernels need a GPU) the HF variant runs a torch reference of the same W8A8 arithmetic
+(``w8a8_reference``); the check of the logits runs on CUDA only.
 
     python bench/fp8.py                       # batch 1 and 32, 32 layers, KV prefix 512
+    python bench/fp8.py --hf-kernel .hfref/hf_fp8_457.py   # and HF's FP8 path beside them
     python bench/fp8.py --layers 4 --batch 1  # a quicker look
     python bench/fp8.py --device cpu --small --layers 2 --rounds 1   # a smoke run of the script itself (no timing claims)
     python bench/fp8.py --sweep               # the kernels alone per projection shape: every tile configuration
@@ -19,15 +35,17 @@ the ``kernels-community/finegrained-fp8`` hub kernel; where it cannot load (no n
 """
 import argparse
 import contextlib
+import gc
 import json
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import banner, build_model, stage_runs  # noqa: E402
+from common import banner, build_model, graphed, stage_runs  # noqa: E402
 
 import ppsplit  # noqa: E402
 from ppsplit import CacheConfig  # noqa: E402
@@ -124,22 +142,97 @@ GEMM_SWEEP = [(bn, bk, 4, st, split) for bn in (16, 32, 64) for bk in (64, 128) 
               for split in (1, 2, 4, 8)]
 
 
-def hf_kernel(path: str | None):
+def hf_kernel(path: str | None, device: str = "cuda"):
     """transformers' block-FP8 linear as its 4.x releases ran it in-tree (``act_quant`` then
-    ``w8a8_block_fp8_matmul_triton``: W8A8, activations quantised per 128-wide group), from a copy of that module's
-    kernels at ``path`` (5.x fetches the same kernels from the hub, which the GPU machine cannot reach)."""
+    ``w8a8_block_fp8_matmul_triton``: W8A8, activations quantised per 128-wide group), ``(x, W_q, weight_scale_inv)
+    -> y``, from an unmodified copy of 4.57.1's ``finegrained_fp8.py`` at ``path`` (5.x fetches the same kernels from
+    the hub, which the GPU machine cannot reach). The copy is loaded as a module of ``transformers.integrations``, so
+    that its relative import (``from ..utils import ...``) finds the installed transformers. Off CUDA the copy is
+    still loaded (a bad one fails here too), but the linear is ``w8a8_reference``."""
     if not path:
         return None
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("hf_fp8", path)
+    spec = importlib.util.spec_from_file_location("transformers.integrations.finegrained_fp8_457", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    if device != "cuda":
+        return w8a8_reference
 
     def run(x, q, scale):
         xq, xs = mod.act_quant(x, 128)
         return mod.w8a8_block_fp8_matmul_triton(xq, q, xs, scale, [128, 128], output_dtype=x.dtype)
     return run
+
+
+def w8a8_reference(x, q, scale):
+    """What ``act_quant`` + ``w8a8_block_fp8_matmul_triton`` compute, in torch (CPU smoke runs): ``x`` quantised per
+    128-wide group to FP8 with scale amax / 448, both operands dequantised, one fp32 matmul, ``x``'s dtype out."""
+    groups = x.float().unflatten(-1, (-1, 128))
+    xs = groups.abs().amax(-1, keepdim=True) / 448.0
+    xd = ((groups / xs).to(torch.float8_e4m3fn).float() * xs).flatten(-2)
+    n, k = q.shape
+    w = q.float() * scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return (xd @ w.t()).to(x.dtype)
+
+
+class HFFP8Linear(torch.nn.Module):
+    """A projection as transformers 4.57's ``FP8Linear`` runs it, on ``quantize``'s FP8 weight + ``weight_scale_inv``
+    (the bytes ppsplit's FP8 variant runs on). ``forward`` is ``FP8Linear.forward`` without its device context (one
+    GPU) and the ``synchronize()`` after the kernels (a host wait, which a CUDA graph cannot hold)."""
+
+    def __init__(self, linear: torch.nn.Linear, w8a8):
+        super().__init__()
+        q, scale = quantize(linear.weight.data)
+        self.weight = torch.nn.Parameter(q, requires_grad=False)
+        self.weight_scale_inv = torch.nn.Parameter(scale, requires_grad=False)
+        self.bias = linear.bias
+        self.w8a8 = w8a8
+
+    def forward(self, x):
+        out = self.w8a8(x, self.weight, self.weight_scale_inv)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(dtype=x.dtype)
+
+
+HF_ROW = "HF fp8 (W8A8 Triton)"
+
+
+def hf_fp8_steps(model, w8a8, args, max_len: int, kv_per_token: int, first, results: dict) -> None:
+    """The HF fp8 rows into ``results``, batch by batch: ``model``'s decoder projections (not ``lm_head``) become
+    ``HFFP8Linear``s (its bf16 projections are dropped), and each step is HF's StaticCache decode step at position
+    ``--prefix`` (``peer.hf_step``, eager) captured as one CUDA graph. ``first``: ``(ids, logits)`` of ppsplit FP8's
+    step at position 0, compared with HF's logits for the same ids (CUDA only)."""
+    from peer import hf_step
+
+    names = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name.endswith("proj")]
+    for name in names:
+        model.set_submodule(name, HFFP8Linear(model.get_submodule(name), w8a8))
+    print(f"HF: {len(names)} projections on the same FP8 weights, as transformers 4.57's FP8Linear", flush=True)
+    if first is not None:
+        ids, logits = first
+        with torch.no_grad():
+            theirs = model(input_ids=ids, use_cache=False).logits
+        diff = (theirs.float() - logits.float()).abs().max().item()
+        same = (theirs.argmax(-1) == logits.argmax(-1)).sum().item()
+        print(f"first step (batch {ids.shape[0]}, position 0), HF fp8 (W8A8) against ppsplit fp8: max |logit diff| "
+              f"{diff:.3g} (logits up to {logits.float().abs().max().item():.3g}), argmax equal in {same}/{len(ids)}")
+    weights = stored_bytes(model)
+    for batch in args.batch:
+        run = graphed(hf_step(model, batch, 1, args.prefix, max_len, False, args.device), args.device)
+        results[HF_ROW, batch] = (step_ms(run, args.device, args.rounds), weights + batch * args.prefix * kv_per_token)
+        if args.profile and args.device == "cuda":
+            profile(run, f"{HF_ROW}, batch {batch}")
+        del run
+        free_memory(args.device)
+
+
+def free_memory(device: str) -> None:
+    """Give a dropped variant's GPU memory back (its graphs and modules may sit in reference cycles)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = None) -> None:
@@ -218,7 +311,8 @@ def main():
     ap.add_argument("--small", action="store_true", help="a small hidden size (CPU smoke runs)")
     ap.add_argument("--sweep", action="store_true", help="time the kernels alone, every tile configuration")
     ap.add_argument("--profile", action="store_true", help="print each variant's kernels by GPU time")
-    ap.add_argument("--hf-kernel", help="with --sweep: a copy of transformers 4.x's finegrained_fp8 Triton kernels")
+    ap.add_argument("--hf-kernel", help="a copy of transformers 4.57.1's finegrained_fp8.py (module docstring): "
+                                        "time HF's FP8 path beside ppsplit's (with --sweep: its kernels per shape)")
     ap.add_argument("--save-tiles", help="with --sweep: write the fastest one-row tiles per shape to this JSON file")
     ap.add_argument("--tiles", help="time the batch-1 FP8 step again on the tiles of this file (--save-tiles)")
     args = ap.parse_args()
@@ -234,6 +328,8 @@ def main():
     bw = copy_bandwidth(args.device)
     cfg = model.config
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    w8a8 = hf_kernel(args.hf_kernel, args.device)
+    first = None  # ppsplit FP8's first step, for the HF variant's check
     results = {}
     for variant in ("bf16", "fp8"):
         # Both as ppsplit runs them by default. bf16: a split with its defaults (fused projections, pointwise
@@ -258,12 +354,32 @@ def main():
                 with gemv_tiles(args.tiles):
                     run = stage_runs(split, batch, 1, args.prefix, args.device)
                 results["fp8, swept tiles", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
-        del split, stage
-    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; transformers' FP8 kernels: {hf_fp8_status()}")
-    print(f"{'variant':<17} {'batch':>5} {'bytes/step':>14} {'step ms':>9} {'x bf16':>7} {'x roofline':>10}")
-    for (variant, batch), (ms, step_bytes) in results.items():
+        if variant == "fp8" and w8a8 is not None and args.device == "cuda":
+            ids = torch.randint(0, 100, (args.batch[0], 1), generator=torch.Generator().manual_seed(0)).to(args.device)
+            with torch.no_grad():
+                first = ids, split(ids, torch.zeros(1, dtype=torch.long, device=args.device))[0]
+        del split, stage, run
+        free_memory(args.device)
+    del traced
+    if w8a8 is None:
+        results.update({(HF_ROW, b): "not run: no --hf-kernel (a copy of transformers 4.57.1's finegrained_fp8.py, "
+                                     "see the docstring)" for b in args.batch})
+    else:
+        try:
+            hf_fp8_steps(model, w8a8, args, max_len, kv_per_token, first, results)
+        except Exception as e:  # HF's forward or its capture: report it beside the rows that ran
+            traceback.print_exc()
+            results.update({(HF_ROW, b): f"failed: {type(e).__name__} (traceback above)" for b in args.batch
+                            if (HF_ROW, b) not in results})
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; transformers 5.x's hub FP8 kernels: {hf_fp8_status()}")
+    print(f"{'variant':<21} {'batch':>5} {'bytes/step':>14} {'step ms':>9} {'x bf16':>7} {'x roofline':>10}")
+    for (variant, batch), row in results.items():
+        if isinstance(row, str):
+            print(f"{variant:<21} {batch:>5}  {row}")
+            continue
+        ms, step_bytes = row
         roof = step_bytes / bw * 1e3
-        print(f"{variant:<17} {batch:>5} {step_bytes:>14,} {ms:>9.3f} {ms / results['bf16', batch][0]:>7.2f} "
+        print(f"{variant:<21} {batch:>5} {step_bytes:>14,} {ms:>9.3f} {ms / results['bf16', batch][0]:>7.2f} "
               f"{ms / roof:>10.2f}")
 
 

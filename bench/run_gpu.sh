@@ -33,11 +33,13 @@ run_step() {
     pipeline_mp) python3 bench/pipeline_mp.py 2>&1 | tee "$OUT/pipeline_mp.txt" ;;   # 2 GPUs, NCCL (issue 9)
     ragged)   python3 bench/ragged.py --layers 8 --profile --plans 2>&1 | tee "$OUT/ragged.txt" ;;     # issue 27
     ragged_sweep) python3 bench/ragged.py --sweep 2>&1 | tee "$OUT/ragged_sweep.txt" ;;
-    # issue 31; run fp8_sweep first and the step also runs at batch 1 on the tiles it found fastest
+    # issue 31; run fp8_sweep first and the step also runs at batch 1 on the tiles it found fastest; with
+    # .hfref/hf_fp8_457.py (transformers 4.57.1's finegrained_fp8.py, carried: see bench/fp8.py) HF's FP8 step too
     fp8)      python3 bench/fp8.py --layers ${FP8_LAYERS:-32} --profile ${FP8_ARGS:-} \
-                $( [ -f "$TILES" ] && echo --tiles "$TILES" ) 2>&1 | tee "$OUT/fp8.txt" ;;
+                $( [ -f "$TILES" ] && echo --tiles "$TILES" ) \
+                $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 | tee "$OUT/fp8.txt" ;;
     fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1} --save-tiles "$TILES" \
-                 ${HF_FP8:+--hf-kernel $HF_FP8} 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
+                 $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
     # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048, both profiled)
     peer_decode) python3 bench/peer.py --modes decode --batches 1,32 --pp 1 --compile off --no-traced-baseline \
                    --profile-batches 1 --top 12 2>&1 | tee "$OUT/peer_decode.txt" ;;
