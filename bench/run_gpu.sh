@@ -13,7 +13,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export OUT=${OUT:-/tmp/ppsplit-out} TILES=/tmp/ppsplit_fp8_tiles.json
 mkdir -p "$OUT"
 what=${*:-tests kernel anchor pipeline}
-python3 -m pip install -q --no-build-isolation --no-deps -e . >/tmp/ppsplit_install.txt 2>&1 || { cat /tmp/ppsplit_install.txt; exit 1; }
+python3 -m pip install -q --no-build-isolation --no-deps -e . >/tmp/ppsplit_install.txt 2>&1 \
+  || { cat /tmp/ppsplit_install.txt; exit 1; }
 python3 - <<'PY' | tee "$OUT/env.txt"
 import torch, triton, transformers
 print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, "
@@ -23,7 +24,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,memory.used --format
 run_step() {
   local step=$1
   case $step in
-    tests)    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 ;;
+    tests)    python3 -m pytest -q -m gpu -p no:cacheprovider -rfE ${GPU_TESTS:-tests} 2>&1 \
+                | tee "$OUT/gpu_tests.txt" | tail -25 ;;
     kernel)   python3 bench/tap_kernel.py 2>&1 | tee "$OUT/tap_kernel.txt" ;;
     anchor)   [ -f .anchor/tap_anchor.py ] && python3 .anchor/tap_anchor.py 2>&1 | tee "$OUT/anchor.txt" ;;
     pipeline) python3 bench/pipeline.py 2>&1 | tee "$OUT/pipeline.txt" ;;
@@ -39,7 +41,8 @@ run_step() {
                 $( [ -f "$TILES" ] && echo --tiles "$TILES" ) \
                 $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 | tee "$OUT/fp8.txt" ;;
     fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1} --save-tiles "$TILES" \
-                 $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 | tee "$OUT/fp8_sweep.txt" ;;
+                 $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 \
+                 | tee "$OUT/fp8_sweep.txt" ;;
     # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048, both profiled)
     peer_decode) python3 bench/peer.py --modes decode --batches 1,32 --pp 1 --compile off --no-traced-baseline \
                    --profile-batches 1 --top 12 2>&1 | tee "$OUT/peer_decode.txt" ;;
