@@ -137,8 +137,7 @@ def hf_fp8_status() -> str:
 # Llama-3.1-8B's projections, [N, K]: q and o, k and v, gate and up, down; q/k/v and gate/up fused
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
           "qkv": (6144, 4096), "gate_up": (28672, 4096)}
-GEMV_SWEEP = [(bn, bk, w, st) for bn in (2, 4, 8, 16) for bk in (1024, 2048) for w in (4, 8) for st in (2, 4)] + \
-    [(bn, bk, w, 2, True) for bn in (2, 4, 8, 16) for bk in (1024, 2048) for w in (4, 8)]  # the next tile prefetched
+GEMV_SWEEP = [(bn, bk, w, st) for bn in (2, 4, 8, 16) for bk in (1024, 2048) for w in (4, 8) for st in (2, 4)]
 GEMM_SWEEP = [(bn, bk, 4, st, split) for bn in (16, 32, 64) for bk in (64, 128) for st in (3, 4)
               for split in (1, 2, 4, 8)]
 

@@ -53,13 +53,11 @@ if HAVE_TRITON:
     @triton.jit
     def _fp8_gemv_kernel(X, W, S, B, Y, N, K, stride_w, GK, QN, QK,
                          HAS_BIAS: tl.constexpr, ONE_K_BLOCK: tl.constexpr, SUB: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """``BLOCK_N`` whole weight rows per program. A ``BLOCK_K`` tile spans ``SUB`` k-blocks (``SUB = 1``: the
         tile lies inside one): its products are summed per k-block and scaled by that block's scale, so the scales
         cost ``SUB`` loads per row and tile, not one per weight. ``ONE_K_BLOCK``: one scale per row (per channel,
-        per tensor), applied once at the end. ``PREFETCH``: each step loads the next weight tile before it works on
-        its own, so a program keeps a tile in flight while it converts and sums (``num_stages`` pipelines loads that
-        feed a ``tl.dot`` only)."""
+        per tensor), applied once at the end."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         w_rows = W + rows[:, None].to(tl.int64) * stride_w
@@ -68,18 +66,10 @@ if HAVE_TRITON:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, SUB], dtype=tl.float32)
-        if PREFETCH:
-            k = tl.arange(0, BLOCK_K)
-            w_next = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
-            if PREFETCH:
-                w = w_next.to(tl.float32)
-                w_next = tl.load(w_rows + BLOCK_K + k[None, :], mask=row_ok[:, None] & (k[None, :] + BLOCK_K < K),
-                                 other=0.0)
-            else:
-                w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
+            w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
             if ONE_K_BLOCK:
                 acc += w * x[None, :]
             else:
@@ -142,9 +132,9 @@ if HAVE_TRITON:
 
 
 # The fastest tiles per Llama-3.1-8B projection on an H200 (``bench/fp8.py --sweep``, bench/RESULTS.md section 25).
-def gemv_config(n: int, k: int) -> tuple[int, ...]:
-    """(BLOCK_N, BLOCK_K, warps, stages[, prefetch]) of the one-row kernel: 2048-wide tiles; 2 rows per program for
-    the MLP's [14336, 4096] and [4096, 14336], 8 for the rest; no prefetch (not measured yet: the sweep has it)."""
+def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the one-row kernel: 2048-wide tiles; 2 rows per program for the
+    MLP's [14336, 4096] and [4096, 14336], 8 for the rest."""
     return (2, 2048, 4, 2) if 8192 < max(n, k) <= 16384 else (8, 2048, 8, 4)
 
 
@@ -180,8 +170,8 @@ def _tile_k(block_k: int, k: int, tile: int, spans: bool) -> tuple[int, int]:
 
 def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=lambda kernel: kernel, config=None):
     """The Triton path of ``fp8_linear`` (see the module docstring); ``x`` of any leading shape. ``config``
-    ``(BLOCK_N, BLOCK_K, warps, stages[, prefetch])`` overrides ``gemv_config``, ``(BLOCK_N, BLOCK_K, warps, stages,
-    k-ranges)`` ``gemm_config`` (``bench/fp8.py --sweep``)."""
+    ``(BLOCK_N, BLOCK_K, warps, stages)`` overrides ``gemv_config``, ``(BLOCK_N, BLOCK_K, warps, stages, k-ranges)``
+    ``gemm_config`` (``bench/fp8.py --sweep``)."""
     n, k = weight.shape
     gk = scale_grid(n, k, block_n, block_k)[1]
     one = block_k >= k
@@ -195,12 +185,11 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
     s = scale.reshape(-1)
     b = bias if bias is not None else s
     if m == 1:
-        bn_, bk_, warps, stages, *prefetch = config or gemv_config(n, k)
+        bn_, bk_, warps, stages = (config or gemv_config(n, k))[:4]
         bk_, sub = _tile_k(block_k, k, bk_, spans=True)
         wrap(_fp8_gemv_kernel)[(triton.cdiv(n, bn_),)](
             x2, weight, s, b, y, n, k, weight.stride(0), gk, block_n, qk, HAS_BIAS=bias is not None,
-            ONE_K_BLOCK=one, SUB=sub, BLOCK_N=bn_, BLOCK_K=bk_, PREFETCH=bool(prefetch and prefetch[0]),
-            num_warps=warps, num_stages=stages)
+            ONE_K_BLOCK=one, SUB=sub, BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
     else:
         bn_, bk_, warps, stages, *split = config or gemm_config(n)
         bk_ = max(_tile_k(block_k, k, bk_, spans=False)[0], 16)

@@ -375,13 +375,12 @@ def test_fp8_moe_experts_are_dequantised_through_the_conversions(arch, tmp_path,
                                          (7, 33, 7, 33, 3), (130, 256, 64, 128, 17), (130, 256, 64, 128, 40),
                                          (40, 600, 64, 256, 1), (40, 600, 64, 256, 9), (100, 256, 48, 128, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("config", [None, (8, 128, 4, 2), (32, 1024, 4, 3), (16, 64, 4, 2, 3), (4, 256, 4, 2, True)])
-# (one row: a 5th field is the GEMV's prefetch of the next tile; more rows: the GEMM's k-ranges)
+@pytest.mark.parametrize("config", [None, (8, 128, 4, 2), (32, 1024, 4, 3), (16, 64, 4, 2, 3)])
 def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype, config):
     """The GEMV (one row) and GEMM kernels, run on CPU tensors under TRITON_INTERPRET=1 (conftest), with the
     default tiles, with tiles inside a k-block and across several (the GEMV sums each k-block apart), with GEMV
-    programs whose rows straddle scale blocks (48 rows high), with the GEMV loading each next tile ahead (prefetch),
-    and with the GEMM's k split over three ranges (their fp32 partial sums added by a second kernel)."""
+    programs whose rows straddle scale blocks (48 rows high), and with the GEMM's k split over three ranges (their
+    fp32 partial sums added by a second kernel)."""
     from ppsplit.triton_kernels.fp8 import HAVE_TRITON, fp8_usable, launch_fp8_linear
 
     if not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":

@@ -121,7 +121,6 @@ def launches() -> dict:
         "cache_attention decode": lambda: launch_cache_attention(ql, kc, vc, torch.tensor([2112]), d ** -0.5),
         "gemv bf16": lambda: launch_gemv(x1, w, config=pick_config(*w.shape)),
         "fp8 gemv": lambda: launch_fp8_linear(x1, w8, s8, None, 128, 128),
-        "fp8 gemv, prefetch": lambda: launch_fp8_linear(x1, w8, s8, None, 128, 128, config=(8, 2048, 8, 2, True)),
         "fp8 gemm (split k)": lambda: launch_fp8_linear(x32, w8, s8, None, 128, 128),
     }
 
