@@ -1,0 +1,96 @@
+"""The GEMV kernels' inner loops as an H100/H200 runs them, read without a GPU: each launch compiled for sm_90
+(``tests/kernels/sm90.py``'s driver: Triton's compiler and the ptxas its wheel ships), disassembled with the
+``cuobjdump`` it ships, and its longest loop counted. Prints per kernel: registers, spills (local memory), the loop's
+warp-instructions, and those per 16 bytes of weights streamed, against what an SM can issue while HBM delivers
+about 16 bytes per SM per cycle (4 warp-instructions per cycle).
+
+A static count, not a timing: it says whether a kernel can keep up with the memory, not how fast it runs.
+
+    python bench/sass.py                 # Llama-3.1-8B's fused gate_up [28672 x 4096], the configured tiles
+"""
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("bench/sass.py compiles the kernels: run it without TRITON_INTERPRET=1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton  # noqa: E402
+
+from ppsplit.triton_kernels.fp8 import gemv_config, launch_fp8_linear  # noqa: E402
+from ppsplit.triton_kernels.gemv import launch_gemv, pick_config  # noqa: E402
+from tests.kernels.sm90 import compile_only  # noqa: E402
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+BYTES_PER_SM_CYCLE = 16   # an H200's 4.2 TB/s over 132 SMs at 1.98 GHz
+ISSUE_PER_SM_CYCLE = 4    # warp-instructions
+
+
+def compiled(launch):
+    kernels: list = []
+    with compile_only(kernels), torch.no_grad():
+        launch()
+    return kernels[0]
+
+
+def cuobjdump(kernel, *flags) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([CUOBJDUMP, *flags, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def longest_loop(sass: str) -> list[str]:
+    """The instructions between the target of a backward branch and the branch, the longest such range."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+(.*?)\s*;", sass)]
+    best: list[str] = []
+    for addr, text in code:
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in code if int(m.group(1), 16) <= a <= addr]
+            best = body if len(body) > len(best) else best
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=28672)
+    ap.add_argument("--k", type=int, default=4096)
+    args = ap.parse_args()
+    n, k = args.n, args.k
+    x = torch.randn(1, k, dtype=torch.bfloat16)
+    w = torch.zeros(n, k, dtype=torch.bfloat16)
+    w8 = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    s8 = torch.ones(-(-n // 128), -(-k // 128))
+    x2 = torch.randn(2, k, dtype=torch.bfloat16)  # two rows: the FP8 GEMM (tl.dot)
+    bf16, fp8 = pick_config(n, k), gemv_config(n, k)
+    rows = {  # name: (launch, weight bytes one warp streams per loop step)
+        f"bf16 GEMV {bf16}": (lambda: launch_gemv(x, w, config=bf16), bf16[0] * bf16[1] * 2 / bf16[2]),
+        f"FP8 GEMV {fp8}": (lambda: launch_fp8_linear(x, w8, s8, None, 128, 128), fp8[0] * fp8[1] / fp8[2]),
+        "FP8 GEMV (2, 2048, 4, 2)": (lambda: launch_fp8_linear(x, w8, s8, None, 128, 128, config=(2, 2048, 4, 2)),
+                                     2 * 2048 / 4),
+        "FP8 GEMM at 2 rows (64, 128, 4, 3, 1)": (
+            lambda: launch_fp8_linear(x2, w8, s8, None, 128, 128, config=(64, 128, 4, 3, 1)), 64 * 128 / 4),
+    }
+    print(f"[{n} x {k}] weights, compiled for sm_90 (triton {triton.__version__})")
+    print(f"{'kernel, tiles':<40} {'regs':>4} {'local':>5} {'loop':>5} {'bytes':>6} {'per 16 B':>8} {'of issue':>8}")
+    for name, (launch, step_bytes) in rows.items():
+        kernel = compiled(launch)
+        usage = cuobjdump(kernel, "--dump-resource-usage")
+        regs, local = (re.search(rf"{key}:(\d+)", usage).group(1) for key in ("REG", "LOCAL"))
+        loop = longest_loop(cuobjdump(kernel, "-sass"))
+        per16 = len(loop) / step_bytes * 16
+        share = per16 * BYTES_PER_SM_CYCLE / 16 / ISSUE_PER_SM_CYCLE
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
+        print(f"{name:<40} {regs:>4} {local:>5} {len(loop):>5} {step_bytes:>6.0f} {per16:>8.2f} {share:>8.0%}"
+              f"   {', '.join(f'{op} {c}' for op, c in ops.most_common(6))}")
+
+
+if __name__ == "__main__":
+    main()
