@@ -140,6 +140,8 @@ SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "d
 GEMV_SWEEP = [(bn, bk, w, st) for bn in (2, 4, 8, 16) for bk in (1024, 2048) for w in (4, 8) for st in (2, 4)]
 GEMM_SWEEP = [(bn, bk, 4, st, split) for bn in (16, 32, 64) for bk in (64, 128) for st in (3, 4)
               for split in (1, 2, 4, 8)]
+W8A8_SWEEP = [(bn, 128, w, st, split) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4) for split in (1, 4)]
+L2_BYTES = 120 << 20  # over twice an H200's 50 MiB L2: the sweep's timed calls read weights from HBM
 
 
 def hf_kernel(path: str | None, device: str = "cuda"):
@@ -237,44 +239,61 @@ def free_memory(device: str) -> None:
 
 def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = None) -> None:
     """Each FP8 kernel configuration per projection shape and row count, CUDA-graph timed, against bf16 cuBLAS
-    (and ppsplit's bf16 GEMV at one row, and transformers' Triton block-FP8 kernels with ``--hf-kernel``); the
-    fastest configuration per shape is printed last."""
+    (and ppsplit's bf16 GEMV at one row, and transformers' Triton block-FP8 kernels with ``--hf-kernel``), and the
+    W8A8 mode of the GEMM (``launch_fp8_linear(..., w8a8=True)``: activations quantised to FP8 in the kernel) with
+    its largest difference from the weight-only result; the fastest weight-only configuration per shape is printed
+    last. Each timed call runs over enough copies of the weights (``L2_BYTES`` and more) that none is in the L2 cache
+    when it is read, as in a decode step, where each layer's weights are read once."""
     from triton.testing import do_bench_cudagraph
 
     from ppsplit.triton_kernels.fp8 import launch_fp8_linear
     from ppsplit.triton_kernels.gemv import launch_gemv, pick_config
 
-    def timed(fn):
-        fn()
-        return do_bench_cudagraph(fn, rep=30) * 1e3
+    def timed(fn, copies):
+        """Microseconds per weight copy of ``fn(i)`` over copies ``i``, all in one captured graph."""
+        run = lambda: [fn(i) for i in range(copies)]  # noqa: E731
+        run()
+        return do_bench_cudagraph(run, rep=30) * 1e3 / copies
 
     hf = hf_kernel(hf_path)
     best = {}
     for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-        q, scale = quantize(w)
+        copies = max(1, -(-L2_BYTES // (n * k)))  # FP8 bytes; the bf16 copies are twice as large
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
+        qs = [quantize(w) for w in ws]
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            roof = (n * k + scale.numel() * 4 + m * (k + n) * 2) / bw * 1e6
-            cublas = timed(lambda: torch.nn.functional.linear(x, w))
+            roof = (n * k + qs[0][1].numel() * 4 + m * (k + n) * 2) / bw * 1e6
+            cublas = timed(lambda i: torch.nn.functional.linear(x, ws[i]), copies)
             line = f"{name:<8} [{n}x{k}] m={m:<3} roofline {roof:7.1f} us  bf16 cuBLAS {cublas:7.1f} us"
             if m == 1:
-                line += f"  bf16 GEMV {timed(lambda: launch_gemv(x, w, config=pick_config(n, k))):7.1f} us"
+                gemv = timed(lambda i: launch_gemv(x, ws[i], config=pick_config(n, k)), copies)
+                line += f"  bf16 GEMV {gemv:7.1f} us"
             if hf is not None:
-                line += f"  HF fp8 (W8A8 Triton) {timed(lambda: hf(x, q, scale)):7.1f} us"
+                line += f"  HF fp8 (W8A8 Triton) {timed(lambda i: hf(x, *qs[i]), copies):7.1f} us"
             print(line, flush=True)
-            rows = []
-            for cfg in GEMV_SWEEP if m == 1 else GEMM_SWEEP:
-                try:
-                    us = timed(lambda: launch_fp8_linear(x, q, scale, None, 128, 128, config=cfg))
-                except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
-                    print(f"    {cfg}: {type(e).__name__}", flush=True)
-                    continue
-                rows.append((us, cfg))
-            rows.sort()
-            for us, cfg in rows[:3]:
-                print(f"    fp8 {cfg}: {us:7.1f} us  x roofline {us / roof:5.2f}  x bf16 cuBLAS {us / cublas:5.2f}")
-            best[name, m] = rows[0]
+            for w8a8, configs in ((False, GEMV_SWEEP if m == 1 else GEMM_SWEEP), (True, W8A8_SWEEP)):
+                rows = []
+                for cfg in configs:
+                    try:
+                        us = timed(lambda i: launch_fp8_linear(x, *qs[i], None, 128, 128, config=cfg, w8a8=w8a8),
+                                   copies)
+                    except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
+                        print(f"    {cfg}: {type(e).__name__}", flush=True)
+                        continue
+                    rows.append((us, cfg))
+                rows.sort()
+                label = "fp8 W8A8" if w8a8 else "fp8"
+                for us, cfg in rows[:3]:
+                    print(f"    {label} {cfg}: {us:7.1f} us  x roofline {us / roof:5.2f}  x bf16 cuBLAS "
+                          f"{us / cublas:5.2f}")
+                if w8a8 and rows:
+                    exact = launch_fp8_linear(x, *qs[0], None, 128, 128).float()
+                    diff = (launch_fp8_linear(x, *qs[0], None, 128, 128, w8a8=True).float() - exact).abs().max()
+                    print(f"    W8A8 against weight-only: max |difference| {diff.item():.3g} (outputs up to "
+                          f"{exact.abs().max().item():.3g})")
+                elif rows:
+                    best[name, m] = rows[0]
     print("\nfastest per shape:")
     for (name, m), (us, cfg) in best.items():
         print(f"  {name:<8} m={m:<3} {cfg} {us:7.1f} us")

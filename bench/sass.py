@@ -77,6 +77,9 @@ def main():
                                      2 * 2048 / 4),
         "FP8 GEMM at 2 rows (64, 128, 4, 3, 1)": (
             lambda: launch_fp8_linear(x2, w8, s8, None, 128, 128, config=(64, 128, 4, 3, 1)), 64 * 128 / 4),
+        **{f"FP8 W8A8 at 1 row {cfg}": (
+            lambda cfg=cfg: launch_fp8_linear(x, w8, s8, None, 128, 128, config=cfg, w8a8=True), cfg[0] * 128 / cfg[2])
+           for cfg in ((64, 128, 4, 3, 1), (128, 128, 4, 3, 1), (256, 128, 8, 3, 1))},
     }
     print(f"[{n} x {k}] weights, compiled for sm_90 (triton {triton.__version__})")
     print(f"{'kernel, tiles':<40} {'regs':>4} {'local':>5} {'loop':>5} {'bytes':>6} {'per 16 B':>8} {'of issue':>8}")

@@ -89,7 +89,7 @@ if HAVE_TRITON:
     @triton.jit
     def _fp8_gemm_kernel(X, W, S, B, Y, M, N, K, K_PER, stride_x, stride_w, stride_y, stride_split, GK, QN, QK,
                          HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W8A8: tl.constexpr):
         """A ``[BLOCK_M, BLOCK_N]`` output tile of the k-range ``[K_PER * z, K_PER * (z + 1))`` per program; each
         ``BLOCK_K`` step lies inside one k-block, and its partial product is scaled by the weight block's scale as it
         is accumulated. ``SPLIT``: the k-range is one of several, and the tile goes to its fp32 slice of ``Y``
@@ -108,7 +108,14 @@ if HAVE_TRITON:
             w = tl.load(W + rn[None, :].to(tl.int64) * stride_w + rk[:, None],
                         mask=(rn[None, :] < N) & (rk[:, None] < k_hi), other=0.0)
             s = tl.load(s_cols + k0 // QK, mask=rn < N, other=0.0).to(tl.float32)
-            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
+            if W8A8:  # each row's BLOCK_K activations quantised to FP8 by their amax / 448, both operands FP8
+                xf = x.to(tl.float32)
+                xs = tl.max(tl.abs(xf), axis=1) / 448.0
+                xs = tl.where(xs > 0, xs, 1.0)  # a row of zeros (or a padding row): any scale
+                xq = (xf / xs[:, None]).to(W.dtype.element_ty)
+                acc += tl.dot(xq, w) * (xs[:, None] * s[None, :])
+            else:
+                acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
         out = Y + z.to(tl.int64) * stride_split + rm[:, None].to(tl.int64) * stride_y + rn[None, :]
         ok = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT:
@@ -144,6 +151,14 @@ def gemm_config(n: int) -> tuple[int, int, int, int, int]:
     return (64, 128, 4, 3, 4) if n >= 4096 else (16, 128, 4, 3, 4)
 
 
+W8A8_GROUP = 128  # activations per FP8 scale in ``launch_fp8_linear(..., w8a8=True)``: DeepSeek-V3's group
+
+
+def w8a8_usable(weight: torch.Tensor, block_k: int) -> bool:
+    """Whether ``launch_fp8_linear(..., w8a8=True)`` serves a weight: its k-blocks hold whole activation groups."""
+    return block_k % W8A8_GROUP == 0 or block_k >= weight.shape[1]
+
+
 def gemm_block_m(m: int) -> int:
     """Rows per GEMM tile: the fewest of 16, 32, 64 that cover ``m`` (each extra row tile re-reads the weight)."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
@@ -168,10 +183,16 @@ def _tile_k(block_k: int, k: int, tile: int, spans: bool) -> tuple[int, int]:
     return 128, 1
 
 
-def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=lambda kernel: kernel, config=None):
+def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=lambda kernel: kernel, config=None,
+                      w8a8: bool = False):
     """The Triton path of ``fp8_linear`` (see the module docstring); ``x`` of any leading shape. ``config``
     ``(BLOCK_N, BLOCK_K, warps, stages)`` overrides ``gemv_config``, ``(BLOCK_N, BLOCK_K, warps, stages, k-ranges)``
-    ``gemm_config`` (``bench/fp8.py --sweep``)."""
+    ``gemm_config`` (``bench/fp8.py --sweep``).
+
+    ``w8a8``: the GEMM at every row count, its activations quantised to FP8 per row and ``W8A8_GROUP`` columns (the
+    amax over 448, as DeepSeek-V3's ``act_quant``), so the tensor cores take both operands as FP8 and no weight is
+    converted. Not what ``fp8_linear`` runs (it changes the numbers): ``bench/fp8.py --sweep`` times it against the
+    weight-only kernels."""
     n, k = weight.shape
     gk = scale_grid(n, k, block_n, block_k)[1]
     one = block_k >= k
@@ -184,7 +205,7 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
         return y.reshape(*x.shape[:-1], n)
     s = scale.reshape(-1)
     b = bias if bias is not None else s
-    if m == 1:
+    if m == 1 and not w8a8:
         bn_, bk_, warps, stages = (config or gemv_config(n, k))[:4]
         bk_, sub = _tile_k(block_k, k, bk_, spans=True)
         wrap(_fp8_gemv_kernel)[(triton.cdiv(n, bn_),)](
@@ -192,7 +213,7 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
             ONE_K_BLOCK=one, SUB=sub, BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
     else:
         bn_, bk_, warps, stages, *split = config or gemm_config(n)
-        bk_ = max(_tile_k(block_k, k, bk_, spans=False)[0], 16)
+        bk_ = W8A8_GROUP if w8a8 else max(_tile_k(block_k, k, bk_, spans=False)[0], 16)
         bm_ = gemm_block_m(m)
         k_per = triton.cdiv(triton.cdiv(k, split[0] if split else 1), bk_) * bk_  # whole tiles per k-range
         splits = triton.cdiv(k, k_per)
@@ -200,7 +221,7 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
         wrap(_fp8_gemm_kernel)[(triton.cdiv(m, bm_), triton.cdiv(n, bn_), splits)](
             x2, weight, s, b, out, m, n, k, k_per, x2.stride(0), weight.stride(0), n, m * n, gk, block_n, qk,
             HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # no TF32 for fp32
-            SPLIT=splits > 1, BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
+            SPLIT=splits > 1, BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, W8A8=w8a8, num_warps=warps, num_stages=stages)
         if splits > 1:
             wrap(_fp8_split_sum_kernel)[(triton.cdiv(m * n, 1024),)](
                 out, b, y, m * n, n, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=1024)

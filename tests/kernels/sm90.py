@@ -122,6 +122,8 @@ def launches() -> dict:
         "gemv bf16": lambda: launch_gemv(x1, w, config=pick_config(*w.shape)),
         "fp8 gemv": lambda: launch_fp8_linear(x1, w8, s8, None, 128, 128),
         "fp8 gemm (split k)": lambda: launch_fp8_linear(x32, w8, s8, None, 128, 128),
+        "fp8 w8a8, one row": lambda: launch_fp8_linear(x1, w8, s8, None, 128, 128, w8a8=True),
+        "fp8 w8a8, 32 rows": lambda: launch_fp8_linear(x32, w8, s8, None, 128, 128, w8a8=True),
     }
 
 
