@@ -58,6 +58,29 @@ def longest_loop(sass: str) -> list[str]:
     return best
 
 
+def attention_rows() -> dict:
+    """The decode attention kernels' loops, per 16 bytes of keys and values read: the paged kernel under its plan for
+    32 sequences of 128..4096 positions (``bench/ragged.py``'s step), and the lockstep split-KV kernel. A loop step
+    reads ``block_n`` keys and values of one KV head (bf16, head dim 128), split over the program's warps."""
+    from ppsplit.triton_kernels.attention import launch_cache_attention
+    from ppsplit.triton_kernels.paged import attention_plan
+    from tests.kernels.sm90 import _attention
+
+    lengths = [128 + round(i * (4096 - 128) / 31) for i in range(32)]
+    paged = _attention(lengths, [1] * 32)
+    plan = attention_plan(32, 32, 8, 32, 4112, 16, torch.device("cpu"))
+    kc, vc = (torch.randn(32, 8, 2120, 128, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(32, 1, 32, 128, dtype=torch.bfloat16).transpose(1, 2)
+    per_step = lambda block_n, warps: block_n * 128 * 2 * 2 / warps  # noqa: E731  (keys and values)
+    return {
+        f"paged decode, plan (block_n {plan['block_n']}, {plan['warps']} warps, {plan['stages']} stages)":
+            (paged, per_step(plan["block_n"], plan["warps"])),
+        "paged decode, one masked loop": (lambda: paged(phases=False), per_step(plan["block_n"], plan["warps"])),
+        "lockstep split-KV decode (block_n 64, 4 warps)": (
+            lambda: launch_cache_attention(q, kc, vc, torch.tensor([2112]), 128 ** -0.5), per_step(64, 4)),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=28672)
@@ -81,7 +104,8 @@ def main():
             lambda cfg=cfg: launch_fp8_linear(x, w8, s8, None, 128, 128, config=cfg, w8a8=True), cfg[0] * 128 / cfg[2])
            for cfg in ((64, 128, 4, 3, 1), (128, 128, 4, 3, 1), (256, 128, 8, 3, 1))},
     }
-    print(f"[{n} x {k}] weights, compiled for sm_90 (triton {triton.__version__})")
+    rows.update(attention_rows())
+    print(f"[{n} x {k}] weights, compiled for sm_90 (triton {triton.__version__}); attention: Llama-3.1-8B's heads")
     print(f"{'kernel, tiles':<40} {'regs':>4} {'local':>5} {'loop':>5} {'bytes':>6} {'per 16 B':>8} {'of issue':>8}")
     for name, (launch, step_bytes) in rows.items():
         kernel = compiled(launch)

@@ -322,11 +322,13 @@ if HAVE_TRITON:
                     sk2s, sk2h, kvh, d, d2, dv, p, lo_row, end, slope, qk_scale, softcap, D: tl.constexpr,
                     DV: tl.constexpr, D2: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_ROPE: tl.constexpr, IEEE: tl.constexpr,
-                    MASKED: tl.constexpr):
+                    MASKED: tl.constexpr, INT64: tl.constexpr):
         """The online softmax of ``_paged_attention_kernel`` over the key positions ``[k_lo, k_hi)``, in
         ``BLOCK_N``-position tiles gathered through sequence ``s``'s block table. ``MASKED``: each row sees only the
         keys at or before its position ``p``, at or past ``lo_row``, and before ``end``; else the caller knows every
-        row sees every key of the range and the range is whole tiles, so no mask is built."""
+        row sees every key of the range and the range is whole tiles, so no mask is built. ``INT64``: offsets into
+        the pools in 64 bits (a pool of 2**31 elements or more); else in 32, a quarter of a decode loop's instructions
+        fewer (bench/sass.py)."""
         j = tl.arange(0, BLOCK_N)
         for k0 in range(k_lo, k_hi, BLOCK_N):
             kpos = k0 + j
@@ -334,10 +336,12 @@ if HAVE_TRITON:
                 in_range = kpos < end
             else:
                 in_range = kpos >= 0  # every position of the range lies before end
-            block = tl.load(TABLE + s.to(tl.int64) * stable + kpos // BS, mask=in_range, other=0).to(tl.int64)
+            block = tl.load(TABLE + s.to(tl.int64) * stable + kpos // BS, mask=in_range, other=0)
+            if INT64:
+                block = block.to(tl.int64)
             off = kpos % BS
-            k = tl.load(K + block[:, None] * skb + off[:, None] * sks + kvh * skh + d[None, :],
-                        mask=in_range[:, None] & (d[None, :] < D), other=0.0)
+            krow = block * skb + off * sks + kvh * skh  # each key's offset, before it is spread over the dimensions
+            k = tl.load(K + krow[:, None] + d[None, :], mask=in_range[:, None] & (d[None, :] < D), other=0.0)
             if IEEE:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -364,8 +368,8 @@ if HAVE_TRITON:
                 w = tl.where(live, tl.exp2(scores - m_new[:, None]), 0.0)
             else:
                 w = tl.exp2(scores - m_new[:, None])
-            v = tl.load(V + block[:, None] * svb + off[:, None] * svs + kvh * svh + dv[None, :],
-                        mask=in_range[:, None] & (dv[None, :] < DV), other=0.0)
+            vrow = block * svb + off * svs + kvh * svh
+            v = tl.load(V + vrow[:, None] + dv[None, :], mask=in_range[:, None] & (dv[None, :] < DV), other=0.0)
             if IEEE:
                 pv = tl.dot(w, v, input_precision="ieee")
             else:
@@ -385,7 +389,8 @@ if HAVE_TRITON:
                                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                                 BLOCK_D2: tl.constexpr, SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                                 HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ROPE: tl.constexpr,
-                                IEEE: tl.constexpr, REVERSE: tl.constexpr, PHASES: tl.constexpr):
+                                IEEE: tl.constexpr, REVERSE: tl.constexpr, PHASES: tl.constexpr,
+                                INT64: tl.constexpr):
         """One program per (query tile, KV head, key chunk). A query tile is up to ``BLOCK_Q`` consecutive tokens of
         one sequence times the ``G`` query heads of the KV head (``BLOCK_Q * BLOCK_G`` rows), so each key block it
         reads serves every token of the tile (a prefill chunk reads its keys once per tile, not once per token).
@@ -450,17 +455,17 @@ if HAVE_TRITON:
                 m_i, l_i, acc = _paged_keys(m_i, l_i, acc, begin, a, q, q2, K, V, K2, TABLE, s, stable, skb, sks,
                                             skh, svb, svs, svh, sk2b, sk2s, sk2h, kvh, d, d2, dv, p, lo_row, end,
                                             slope, qk_scale, softcap, D, DV, D2, BS, BLOCK_N, HAS_SOFTCAP, HAS_ALIBI,
-                                            HAS_ROPE, IEEE, True)
+                                            HAS_ROPE, IEEE, True, INT64)
                 m_i, l_i, acc = _paged_keys(m_i, l_i, acc, a, b, q, q2, K, V, K2, TABLE, s, stable, skb, sks, skh,
                                             svb, svs, svh, sk2b, sk2s, sk2h, kvh, d, d2, dv, p, lo_row, end, slope,
                                             qk_scale, softcap, D, DV, D2, BS, BLOCK_N, HAS_SOFTCAP, HAS_ALIBI,
-                                            HAS_ROPE, IEEE, False)
+                                            HAS_ROPE, IEEE, False, INT64)
             else:
                 b = begin  # one masked loop over the whole range
             m_i, l_i, acc = _paged_keys(m_i, l_i, acc, b, end, q, q2, K, V, K2, TABLE, s, stable, skb, sks, skh,
                                         svb, svs, svh, sk2b, sk2s, sk2h, kvh, d, d2, dv, p, lo_row, end, slope,
                                         qk_scale, softcap, D, DV, D2, BS, BLOCK_N, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE,
-                                        IEEE, True)
+                                        IEEE, True, INT64)
             out_mask = row_ok[:, None] & (dv[None, :] < DV)
             if SPLIT:
                 tl.store(STATS + part * sss + t.to(tl.int64) * sst + h * 2, m_i, mask=row_ok)
@@ -610,7 +615,8 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
                            window: int = 0, softcap: float = 0.0, alibi=None, sinks=None, *, config: dict | None = None,
                            rope: tuple | None = None):
     """The Triton path of ``paged_attention`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``); ``config``
-    overrides ``attention_plan`` (the tests force chunking on small shapes). ``rope = (q2 [1, Hq, N, D2], pool2
+    overrides ``attention_plan`` (the tests force chunking on small shapes, and ``int64``: the offsets of pools of
+    2**31 elements or more, which the kernel takes by itself for such pools). ``rope = (q2 [1, Hq, N, D2], pool2
     [num_blocks, block_size, 1, D2])``: a second key part, scored as ``q2 . k2`` beside ``q . k`` (MLA)."""
     _, hq, n, d = q.shape
     hkv, dv, bs = keys.shape[2], values.shape[-1], keys.shape[1]
@@ -646,6 +652,7 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
         BLOCK_DV=_pow2(dv), BLOCK_D2=_pow2(d2),
         SPLIT=split, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None,
         HAS_ROPE=rope is not None, IEEE=q.dtype == torch.float32, REVERSE=plan["reverse"], PHASES=plan["phases"],
+        INT64=plan.get("int64", False) or max(t.numel() for t in (keys, values, k2)) >= 2 ** 31,
         num_warps=plan["warps"], num_stages=plan["stages"])
     if split:
         _paged_combine_kernel[(n, hq)](

@@ -82,6 +82,8 @@ def run_attention_case(case, dtype, device, tol, config=None):
                       reverse=False, phases=False)
     elif config == "wide":  # the half-precision prefill plan's tiles (fp32 rows take 64-row tiles): 128 rows, 64 keys
         config = dict(block_q=max(1, 128 // (hq // hkv)), block_n=64, warps=8)
+    elif config == "int64":  # 64-bit offsets into the pools, as pools of 2**31 elements or more take
+        config = dict(int64=True)
     elif config == "head-major":  # pools laid out [blocks, heads, block_size, dim] underneath, read through strides
         keys, values = (t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for t in (keys, values))
         config = None
@@ -98,8 +100,8 @@ def run_attention_case(case, dtype, device, tol, config=None):
     torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("config", [None, "chunked", "wide", "head-major"],
-                         ids=["planned", "chunked", "wide", "head-major"])
+@pytest.mark.parametrize("config", [None, "chunked", "wide", "head-major", "int64"],
+                         ids=["planned", "chunked", "wide", "head-major", "int64"])
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
 def test_paged_attention_kernel_matches_fp64(case, config):
     run_attention_case(case, torch.float32, "cpu", 2e-5, config)
