@@ -125,6 +125,9 @@ def test_rope_write_folds_each_layers_rotations_and_writes_and_changes_nothing(a
     plain = ppsplit.split_model(traced, 2, aux=list(TAPS), fuse_pointwise=False)
     assert [stage.meta["ppsplit.pointwise"]["rope_write"] for stage in fused.stages] == [2, 2]
     assert [stage.meta["ppsplit.pointwise"]["rope"] for stage in fused.stages] == [0, 0]
+    targets = {n.target for stage in fused.stages for n in stage.graph.nodes}
+    assert torch.ops.ppsplit.rope_write.default in targets
+    assert not targets & {torch.ops.ppsplit.paged_write_pair.default, torch.ops.ppsplit.rope.default}
     for segments in (FILL, MIXED):
         (a, a_aux), (b, b_aux) = run(fused, seqs, segments, tables), run(plain, seqs, segments, tables)
         assert torch.equal(a, b) and torch.equal(a_aux, b_aux)
