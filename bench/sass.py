@@ -64,10 +64,10 @@ def attention_rows() -> dict:
     reads ``block_n`` keys and values of one KV head (bf16, head dim 128), split over the program's warps."""
     from ppsplit.triton_kernels.attention import launch_cache_attention
     from ppsplit.triton_kernels.paged import attention_plan
-    from tests.kernels.sm90 import _attention
+    from tests.kernels.sm90 import paged_attention_launch
 
     lengths = [128 + round(i * (4096 - 128) / 31) for i in range(32)]
-    paged = _attention(lengths, [1] * 32)
+    paged = paged_attention_launch(lengths, [1] * 32)
     plan = attention_plan(32, 32, 8, 32, 4112, 16, torch.device("cpu"))
     kc, vc = (torch.randn(32, 8, 2120, 128, dtype=torch.bfloat16) for _ in range(2))
     q = torch.randn(32, 1, 32, 128, dtype=torch.bfloat16).transpose(1, 2)

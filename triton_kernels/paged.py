@@ -284,7 +284,7 @@ def _(x, weight, bias, pool, positions, seq, block_table):
 if HAVE_TRITON:
 
     @triton.jit
-    def _write_token(POOL, VALUE, t, slot, F, W, svt, svh, svw, BLOCK: tl.constexpr):
+    def write_token(POOL, VALUE, t, slot, F, W, svt, svh, svw, BLOCK: tl.constexpr):
         """Token ``t``'s value, ``F`` entries read as rows of ``W`` (``value[t, f // W, f % W]`` over strides, so a
         head-major view of the keys needs no copy), into pool slot ``slot``."""
         for f0 in range(0, F, BLOCK):
@@ -301,9 +301,9 @@ if HAVE_TRITON:
         slot = tl.load(SLOTS + t)
         if slot >= 0:
             if tl.program_id(1) == 0:
-                _write_token(POOL, VALUE, t, slot, F, W, svt, svh, svw, BLOCK)
+                write_token(POOL, VALUE, t, slot, F, W, svt, svh, svw, BLOCK)
             else:
-                _write_token(POOL2, VALUE2, t, slot, F2, W2, s2t, s2h, s2w, BLOCK2)
+                write_token(POOL2, VALUE2, t, slot, F2, W2, s2t, s2h, s2w, BLOCK2)
 
     @triton.jit
     def _tile_of(COUNTS, program, S: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_Q: tl.constexpr):
@@ -545,14 +545,14 @@ def launch_paged_write(pool, value, slots, *, other: tuple | None = None, wrap=l
     if not n:
         return
     pool2, value2 = other or (pool, value)
-    value, value2 = _rows(value), _rows(value2)
+    value, value2 = feature_rows(value), feature_rows(value2)
     wrap(_paged_write_kernel)[(n, 2 if other else 1)](
         pool, value, pool2, value2, slots, value[0].numel(), value.shape[2], *value.stride(), value2[0].numel(),
         value2.shape[2], *value2.stride(), BLOCK=min(_pow2(value[0].numel()), 1024),
         BLOCK2=min(_pow2(value2[0].numel()), 1024))
 
 
-def _rows(value):
+def feature_rows(value):
     """``value [N, *feature]`` as ``[N, H, W]``, a view where the strides allow."""
     if value.dim() == 2:
         return value.unsqueeze(1)

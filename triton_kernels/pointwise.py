@@ -20,11 +20,10 @@ import os
 import torch
 
 from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
-from ppsplit.triton_kernels.paged import _rows as _feature_rows
-from ppsplit.triton_kernels.paged import paged_write_pair
+from ppsplit.triton_kernels.paged import feature_rows, paged_write_pair
 
 if HAVE_TRITON:
-    from ppsplit.triton_kernels.paged import _write_token
+    from ppsplit.triton_kernels.paged import write_token
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -90,7 +89,7 @@ if HAVE_TRITON:
             _rotate(K + t * skn + g * skh + d, C + t * sckn + g * sckh + d, S + t * sskn + g * sskh + d,
                     POOL + slot.to(tl.int64) * (HKV * 2 * HALF_D) + g * (2 * HALF_D) + d, (g < HKV) & (d < HALF_D),
                     zero, HALF_D)
-            _write_token(VPOOL, V, t, slot, FV, WV, svt, svh, svw, BLOCK_V)
+            write_token(VPOOL, V, t, slot, FV, WV, svt, svh, svw, BLOCK_V)
 
     @triton.jit(do_not_specialize=["zero"])
     def _silu_mul_kernel(A, B, O, I, sa, sb, zero, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
@@ -187,7 +186,7 @@ def launch_rope_write(q, k, cos, sin, pool, other_pool, other_value, slots, *, w
     cq, sq = cos.expand(q.shape), sin.expand(q.shape)
     ck, sk = cos.expand(k.shape), sin.expand(k.shape)
     out = _layout_like(q)
-    v = _feature_rows(other_value)
+    v = feature_rows(other_value)
     if n:
         wrap(_rope_write_kernel)[(n,)](
             q, k, v, cq, sq, out, pool, other_pool, slots, q.stride(1), q.stride(2), cq.stride(1), cq.stride(2),

@@ -72,7 +72,7 @@ def _ragged(lengths, counts, block=16):
     return positions, seq, table, starts, torch.tensor(counts, dtype=torch.int32), at
 
 
-def _attention(lengths, counts, hq=32, hkv=8, d=128, block=16):
+def paged_attention_launch(lengths, counts, hq=32, hkv=8, d=128, block=16):
     from ppsplit.triton_kernels.paged import launch_paged_attention
 
     positions, seq, table, starts, counts_t, blocks = _ragged(lengths, counts, block)
@@ -103,9 +103,9 @@ def launches() -> dict:
     w8 = torch.zeros(6144, 4096, dtype=torch.float8_e4m3fn)
     s8 = torch.ones(48, 32)
     w = torch.randn(6144, 4096, dtype=BF16)
-    decode = _attention([128 + 128 * i for i in range(32)], [1] * 32)
-    verify = _attention([100, 300, 700, 33], [4] * 4)
-    prefill = _attention([0], [2048])
+    decode = paged_attention_launch([128 + 128 * i for i in range(32)], [1] * 32)
+    verify = paged_attention_launch([100, 300, 700, 33], [4] * 4)
+    prefill = paged_attention_launch([0], [2048])
     kc, vc = (torch.randn(32, hkv, 2120, d, dtype=BF16) for _ in range(2))
     ql = torch.randn(32, 1, hq, d, dtype=BF16).transpose(1, 2)
     return {
