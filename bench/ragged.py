@@ -74,7 +74,7 @@ def ragged_run(stage, segments, tables, layout, device):
 
 # The ragged decode step again under the attention plan overridden so (``--plans``): the sweep's variants, measured in
 # the whole step, where the other kernels share the GPU's caches with the attention.
-STEP_PLANS = {"3 stages": dict(stages=3), "one masked loop": dict(phases=False), "forward order": dict(reverse=False),
+STEP_PLANS = {"3 stages": dict(stages=3), "three key loops": dict(phases=True), "forward order": dict(reverse=False),
               "block_n 32": dict(block_n=32)}
 
 
@@ -145,8 +145,8 @@ def sweep(lengths, block: int, bw: float) -> None:
           f"{live / bw * 1e6:.1f} us; lockstep split-KV at the mean length {lock:.1f} us")
     plan = attention_plan(b, hq, hkv, b, table.shape[1] * block, block, q.device)
     span = table.shape[1] * block
-    named = {"plan": {}, "forward order": dict(reverse=False), "one masked loop": dict(phases=False),
-             "one masked loop, 3 stages": dict(phases=False, stages=3), "3 stages": dict(stages=3)}
+    named = {"plan": {}, "forward order": dict(reverse=False), "three key loops": dict(phases=True),
+             "three key loops, 3 stages (section 31's plan)": dict(phases=True, stages=3), "3 stages": dict(stages=3)}
     grid = [dict(block_q=bq, block_n=bn, chunk=c, splits=-(-span // c), warps=w, stages=st)
             for bq in (1, 4) for bn in (32, 64) for c in (512, 1024) for w in (4, 8) for st in (2, 3)]
     run_plans(plan, named, grid, keys, values, lambda over, k, v: timed(lambda: launch_paged_attention(

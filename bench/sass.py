@@ -75,7 +75,7 @@ def attention_rows() -> dict:
     return {
         f"paged decode, plan (block_n {plan['block_n']}, {plan['warps']} warps, {plan['stages']} stages)":
             (paged, per_step(plan["block_n"], plan["warps"])),
-        "paged decode, one masked loop": (lambda: paged(phases=False), per_step(plan["block_n"], plan["warps"])),
+        "paged decode, three key loops": (lambda: paged(phases=True), per_step(plan["block_n"], plan["warps"])),
         "lockstep split-KV decode (block_n 64, 4 warps)": (
             lambda: launch_cache_attention(q, kc, vc, torch.tensor([2112]), 128 ** -0.5), per_step(64, 4)),
     }

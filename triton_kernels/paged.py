@@ -399,9 +399,9 @@ if HAVE_TRITON:
         adds them up; else the one chunk holds every key and the program writes the output). Online softmax in
         log2 units over ``BLOCK_N``-position tiles gathered through the block table (``_paged_keys``: the whole tiles
         of keys that every row of the query tile sees run without masks, the edges of the range with them; without
-        ``PHASES``, one masked loop over the range); the
-        products in the model's dtype with fp32 accumulation (``IEEE``: fp32 models, fp32 products, no TF32). ``HAS_ROPE``: the key has a
-        second part in its own pool (MLA's rotary key ``K2``, ``D2`` wide) that the query's ``Q2`` part meets."""
+        ``PHASES``, one masked loop over the range); the products in the model's dtype with fp32 accumulation
+        (``IEEE``: fp32 models, fp32 products, no TF32). ``HAS_ROPE``: the key has a second part in its own pool
+        (MLA's rotary key ``K2``, ``D2`` wide) that the query's ``Q2`` part meets."""
         program = tl.program_id(0)
         if REVERSE:  # the last tiles first: a prefill's last tiles see the most keys, and the GPU starts low ids first
             program = tl.num_programs(0) - 1 - program
@@ -569,10 +569,14 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
     head, and cuts each sequence's keys into chunks while there are too few programs to keep the GPU busy through the
     longest sequence. Verify steps (a few tokens per sequence) take tiles of 16 rows, chunked likewise. Steps holding
     a prefill chunk take tiles of 128 rows and 64 keys over 8 warps (64 rows and 32 keys over 4 warps for rows over
-    256 bytes, as heads wider than 128 or fp32 ones, or GPUs with less shared memory), and never chunk: the combine of chunked keys cost more than the
-    programs it adds (bench/ragged.py --sweep on an H200, bench/RESULTS.md section 31). The query tiles run last
+    256 bytes, as heads wider than 128 or fp32 ones, or GPUs with less shared memory), and never chunk: the combine
+    of chunked keys cost more than the programs it adds (bench/ragged.py --sweep on an H200, bench/RESULTS.md section
+    31). The query tiles run last
     first (a prefill's last tiles see the most keys). ``phases``: the keys every row sees run in a loop without masks
-    between two masked ones (else one masked loop; the sweep times both)."""
+    between two masked ones (else one masked loop). Decode tiles take one masked loop: the three loops need 104
+    registers a thread where one needs 74 (sm_90, ``bench/sass.py``), so an SM holds 4 decode programs instead of 6
+    to hide its loads behind, and the ragged decode step was 0.21 ms slower once they came (RESULTS sections 30-32);
+    masks cost a memory-bound decode little. Verify and prefill tiles keep the three (no more registers there)."""
     g = hq // hkv
     block_g = _pow2(g, least=1)
     if n > 4 * slots:  # a prefill chunk
@@ -590,7 +594,7 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
         want = -(-8 * sms // live)
         chunk = _pow2(-(-max_positions // want), least=block_n)  # a power of two: 1024, not 832, for 4112 keys
     return dict(block_q=block_q, block_g=block_g, block_n=block_n, chunk=chunk, splits=-(-max_positions // chunk),
-                warps=4, stages=2 if block_q == 1 else 3, reverse=True, phases=True)
+                warps=4, stages=2 if block_q == 1 else 3, reverse=True, phases=block_q > 1)
 
 
 @functools.lru_cache(maxsize=None)

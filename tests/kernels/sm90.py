@@ -115,7 +115,7 @@ def launches() -> dict:
         "paged_write_pair": lambda: launch_paged_write(pools[0], k[0].transpose(0, 1), slots,
                                                        other=(pools[1], v[0].transpose(0, 1))),
         "paged_attention decode (plan)": decode,
-        "paged_attention decode, one masked loop": lambda: decode(phases=False),
+        "paged_attention decode, three key loops": lambda: decode(phases=True),
         "paged_attention verify (plan)": verify,
         "paged_attention prefill (plan)": prefill,
         "cache_attention decode": lambda: launch_cache_attention(ql, kc, vc, torch.tensor([2112]), d ** -0.5),

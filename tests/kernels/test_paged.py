@@ -82,8 +82,9 @@ def run_attention_case(case, dtype, device, tol, config=None):
                       reverse=False, phases=False)
     elif config == "wide":  # the half-precision prefill plan's tiles (fp32 rows take 64-row tiles): 128 rows, 64 keys
         config = dict(block_q=max(1, 128 // (hq // hkv)), block_n=64, warps=8)
-    elif config == "int64":  # 64-bit offsets into the pools, as pools of 2**31 elements or more take
-        config = dict(int64=True)
+    elif config == "int64":  # 64-bit offsets into the pools, as pools of 2**31 elements or more take; and the three
+        # key loops on every tile, decode tiles too (their plan takes one masked loop)
+        config = dict(int64=True, phases=True)
     elif config == "head-major":  # pools laid out [blocks, heads, block_size, dim] underneath, read through strides
         keys, values = (t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for t in (keys, values))
         config = None
@@ -320,10 +321,11 @@ def test_attention_plan_chunks_long_decodes_and_tiles_prefills():
     decode = attention_plan(32, 32, 8, 32, 4096, 16, torch.device("cpu"))
     assert decode["block_q"] == 1 and decode["block_g"] == 4 and decode["splits"] > 1
     assert decode["chunk"] % decode["block_n"] == 0 and decode["chunk"] * decode["splits"] >= 4096
+    assert not decode["phases"]  # one masked loop: fewer registers, more decode programs per SM
     verify = attention_plan(32, 32, 8, 8, 4096, 16, torch.device("cpu"))  # 8 sequences verifying 4 tokens
-    assert verify["block_q"] * verify["block_g"] == 16 and verify["splits"] > 1
+    assert verify["block_q"] * verify["block_g"] == 16 and verify["splits"] > 1 and verify["phases"]
     prefill = attention_plan(512, 32, 8, 8, 4096, 16, torch.device("cpu"))
-    assert prefill["block_q"] * prefill["block_g"] == 128 and prefill["splits"] == 1
+    assert prefill["block_q"] * prefill["block_g"] == 128 and prefill["splits"] == 1 and prefill["phases"]
     wide = attention_plan(512, 16, 16, 8, 4096, 16, torch.device("cpu"), width=576)  # MLA's latent and rope parts
     assert wide["block_q"] * wide["block_g"] == 64 and wide["splits"] == 1
     fp32 = attention_plan(512, 32, 8, 8, 4096, 16, torch.device("cpu"), itemsize=4)  # twice the bytes a row
