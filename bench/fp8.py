@@ -34,13 +34,13 @@ On the CPU (the Triton kernels need a GPU) the HF variant runs a torch reference
     python bench/fp8.py --tiles out/tiles.json   # the batch-1 step again on those tiles, beside gemv_config's
 """
 import argparse
-import contextlib
 import gc
 import json
 import statistics
 import sys
 import time
 import traceback
+from unittest import mock
 
 import torch
 
@@ -304,7 +304,6 @@ def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = Non
         print(f"GEMV tiles of {len(tiles)} shapes -> {save}")
 
 
-@contextlib.contextmanager
 def gemv_tiles(path: str):
     """``gemv_config`` answers from ``path`` (``--save-tiles``) for the shapes it holds while the block runs (a
     capture bakes the tiles in)."""
@@ -313,11 +312,7 @@ def gemv_tiles(path: str):
     with open(path) as f:
         tiles = {tuple(map(int, key.split("x"))): tuple(cfg) for key, cfg in json.load(f).items()}
     planned = fp8.gemv_config
-    fp8.gemv_config = lambda n, k: tiles.get((n, k)) or planned(n, k)
-    try:
-        yield
-    finally:
-        fp8.gemv_config = planned
+    return mock.patch.object(fp8, "gemv_config", lambda n, k: tiles.get((n, k)) or planned(n, k))
 
 
 def main():

@@ -23,9 +23,9 @@ too (the paged pool sized to the sequences' blocks, against ``batch x max_len``)
                                                              # the ragged decode, a 2048-token prefill, the mixed chunk
 """
 import argparse
-import contextlib
 import random
 import sys
+from unittest import mock
 
 import torch
 
@@ -78,31 +78,20 @@ STEP_PLANS = {"3 stages": dict(stages=3), "three key loops": dict(phases=True), 
               "block_n 32": dict(block_n=32)}
 
 
-@contextlib.contextmanager
 def plan_overridden(over: dict):
     """``attention_plan`` returns its plan updated by ``over`` while the block runs (a capture bakes the plan in)."""
     from ppsplit.triton_kernels import paged
 
     planned = paged.attention_plan
-    paged.attention_plan = lambda *args, **kwargs: {**planned(*args, **kwargs), **over}
-    try:
-        yield
-    finally:
-        paged.attention_plan = planned
+    return mock.patch.object(paged, "attention_plan", lambda *args, **kwargs: {**planned(*args, **kwargs), **over})
 
 
-@contextlib.contextmanager
 def rope_write_off():
     """Splits made while the block runs keep each layer's rotations and key and value writes apart (three kernels,
     the fold into ``ppsplit::rope_write`` off): the step before that fold, to time against."""
     from ppsplit.passes.rewrites import pointwise
 
-    fold = pointwise._fuse_rope_write
-    pointwise._fuse_rope_write = lambda pair: False
-    try:
-        yield
-    finally:
-        pointwise._fuse_rope_write = fold
+    return mock.patch.object(pointwise, "_fuse_rope_write", lambda pair, order: False)
 
 
 def sweep(lengths, block: int, bw: float) -> None:

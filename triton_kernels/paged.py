@@ -347,8 +347,8 @@ if HAVE_TRITON:
             else:
                 scores = tl.dot(q, tl.trans(k.to(q.dtype)))
             if HAS_ROPE:
-                k2 = tl.load(K2 + block[:, None] * sk2b + off[:, None] * sk2s + kvh * sk2h + d2[None, :],
-                             mask=in_range[:, None] & (d2[None, :] < D2), other=0.0)
+                k2row = block * sk2b + off * sk2s + kvh * sk2h
+                k2 = tl.load(K2 + k2row[:, None] + d2[None, :], mask=in_range[:, None] & (d2[None, :] < D2), other=0.0)
                 if IEEE:
                     scores += tl.dot(q2, tl.trans(k2), input_precision="ieee")
                 else:
@@ -571,12 +571,12 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
     a prefill chunk take tiles of 128 rows and 64 keys over 8 warps (64 rows and 32 keys over 4 warps for rows over
     256 bytes, as heads wider than 128 or fp32 ones, or GPUs with less shared memory), and never chunk: the combine
     of chunked keys cost more than the programs it adds (bench/ragged.py --sweep on an H200, bench/RESULTS.md section
-    31). The query tiles run last
-    first (a prefill's last tiles see the most keys). ``phases``: the keys every row sees run in a loop without masks
-    between two masked ones (else one masked loop). Decode tiles take one masked loop: the three loops need 104
-    registers a thread where one needs 74 (sm_90, ``bench/sass.py``), so an SM holds 4 decode programs instead of 6
-    to hide its loads behind, and the ragged decode step was 0.21 ms slower once they came (RESULTS sections 30-32);
-    masks cost a memory-bound decode little. Verify and prefill tiles keep the three (no more registers there)."""
+    31). The query tiles run last first (a prefill's last tiles see the most keys). ``phases``: the keys every row
+    sees run in a loop without masks between two masked ones (else one masked loop). Decode tiles take one masked
+    loop: the three loops need 104 registers a thread where one needs 74 (sm_90, ``bench/sass.py``), so an SM holds
+    4 decode programs instead of 6 to hide its loads behind, and the ragged decode step was 0.21 ms slower once they
+    came (RESULTS sections 30-32); masks cost a memory-bound decode little. Verify and prefill tiles keep the three
+    (no more registers there)."""
     g = hq // hkv
     block_g = _pow2(g, least=1)
     if n > 4 * slots:  # a prefill chunk

@@ -180,7 +180,7 @@ def rope_write_usable(q, k, cos, sin, pool, other_pool, other_value, slots) -> b
             and slots.dtype in (torch.int32, torch.int64))
 
 
-def launch_rope_write(q, k, cos, sin, pool, other_pool, other_value, slots, *, wrap=lambda kernel: kernel):
+def launch_rope_write(q, k, cos, sin, pool, other_pool, other_value, slots):
     _, hq, n, d = q.shape
     hkv = k.shape[1]
     cq, sq = cos.expand(q.shape), sin.expand(q.shape)
@@ -188,7 +188,7 @@ def launch_rope_write(q, k, cos, sin, pool, other_pool, other_value, slots, *, w
     out = _layout_like(q)
     v = feature_rows(other_value)
     if n:
-        wrap(_rope_write_kernel)[(n,)](
+        _rope_write_kernel[(n,)](
             q, k, v, cq, sq, out, pool, other_pool, slots, q.stride(1), q.stride(2), cq.stride(1), cq.stride(2),
             sq.stride(1), sq.stride(2), k.stride(1), k.stride(2), ck.stride(1), ck.stride(2), sk.stride(1),
             sk.stride(2), out.stride(1), out.stride(2), *v.stride(), hq, hkv, v[0].numel(), v.shape[2], 0,

@@ -55,8 +55,9 @@ def fuse_pointwise(stage: fx.GraphModule) -> dict:
                     graph.erase_node(old)
             counts[name] += 1
             break
+    order = {n: i for i, n in enumerate(graph.nodes)}  # the folds insert and erase, but keep this order
     for node in list(graph.nodes):
-        if _call(node, torch.ops.ppsplit.paged_write_pair.default) and _fuse_rope_write(node):
+        if _call(node, torch.ops.ppsplit.paged_write_pair.default) and _fuse_rope_write(node, order):
             counts["rope_write"] += 1
             counts["rope"] -= 2
     if not counts["rope_write"]:
@@ -129,9 +130,10 @@ def _match_rope(node):
     return None
 
 
-def _fuse_rope_write(pair: fx.Node) -> bool:
+def _fuse_rope_write(pair: fx.Node, order: dict) -> bool:
     """Fold the rotations of the keys ``pair`` writes, and of the query that reads them, into one ``rope_write``
-    in ``pair``'s place; False (nothing changed) where the graph is not that pattern. The rotations may run on
+    in ``pair``'s place; False (nothing changed) where the graph is not that pattern. ``order``: each node's place
+    in the graph (the query's readers must all come after the write). The rotations may run on
     ``[1, H, N, D]`` (Llama) or on ``[1, N, H, D]`` before the heads move forward (Gemma-4): rotation is elementwise,
     so the second is rotated as a ``[1, H, N, D]`` view of the same values."""
     pool, other_pool, keys, value, slots = pair.args
@@ -142,7 +144,6 @@ def _fuse_rope_write(pair: fx.Node) -> bool:
     rotated_k, k_moved = _rotated(row.args[0])
     if rotated_k is None or any(len(n.users) != 1 for n in (rotated_k, k_moved, row, head_major) if n is not None):
         return False  # the rotated keys are read elsewhere too (a replica, a carried value): keep them
-    order = {n: i for i, n in enumerate(pair.graph.nodes)}
     for reader in pool.users:
         if reader is pair or not _call(reader, torch.ops.ppsplit.paged_attention.default):
             continue

@@ -137,7 +137,7 @@ class Sources:
     def read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
         """Checkpoint tensor ``key`` as ``dtype``: an FP8 weight dequantised with its scale, a scale stored as E8M0
         exponents as the values they stand for."""
-        if self.scheme is not None and self.scheme.exponents and is_exponents(self.checkpoint.raw_range(key).dtype):
+        if self._exponents(self.checkpoint.raw_range(key).dtype):
             return exponent_values(read_tensor(self.checkpoint, key)).to(dtype)
         t = read_tensor(self.checkpoint, key)
         scale = self.scales.get(key)
@@ -149,10 +149,13 @@ class Sources:
         """A stage tensor read from checkpoint ``key`` that the model skeleton does not have (a scale): as stored, or
         fp32 for E8M0 exponents (the FP8 kernels read float scales; a power of two is exact in fp32)."""
         raw = self.checkpoint.raw_range(key)
-        dtype = torch.float32 if self.scheme is not None and self.scheme.exponents and is_exponents(raw.dtype) \
-            else _TORCH_DTYPES[raw.dtype]
+        dtype = torch.float32 if self._exponents(raw.dtype) else _TORCH_DTYPES[raw.dtype]
         self.groups[name] = Group(name, [name], dtype, None, [(key, None)])
         self.producer[name] = name
+
+    def _exponents(self, raw_dtype: str) -> bool:
+        """Whether a tensor stored as ``raw_dtype`` is a scale of E8M0 exponents (``scale_fmt: "ue8m0"``)."""
+        return self.scheme is not None and self.scheme.exponents and is_exponents(raw_dtype)
 
 
 def _reader(sources: Sources, key: str, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
