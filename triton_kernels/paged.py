@@ -337,9 +337,11 @@ if HAVE_TRITON:
             else:
                 in_range = kpos >= 0  # every position of the range lies before end
             block = tl.load(TABLE + s.to(tl.int64) * stable + kpos // BS, mask=in_range, other=0)
-            if INT64:
-                block = block.to(tl.int64)
             off = kpos % BS
+            if INT64:
+                block, off = block.to(tl.int64), off.to(tl.int64)
+            else:  # the step's metadata are int64 (RaggedStep): narrowed here, or the offsets stay 64-bit
+                block, off = block.to(tl.int32), off.to(tl.int32)
             krow = block * skb + off * sks + kvh * skh  # each key's offset, before it is spread over the dimensions
             k = tl.load(K + krow[:, None] + d[None, :], mask=in_range[:, None] & (d[None, :] < D), other=0.0)
             if IEEE:

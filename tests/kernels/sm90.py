@@ -57,30 +57,21 @@ def compile_only(compiled: list):
         driver._active = saved
 
 
-def _ragged(lengths, counts, block=16):
-    """A ragged step's attention metadata (CPU tensors): sequence ``s`` at ``lengths[s]`` with ``counts[s]`` new
-    tokens, blocks in order."""
-    need = [-(-(n + c) // block) for n, c in zip(lengths, counts)]
-    table = torch.full((len(lengths), max(need)), -1, dtype=torch.int32)
-    at = 0
-    for s, count in enumerate(need):
-        table[s, :count] = torch.arange(at, at + count)
-        at += count
-    positions = torch.cat([torch.arange(n, n + c) for n, c in zip(lengths, counts)]).int()
-    seq = torch.cat([torch.full((c,), s) for s, c in enumerate(counts)]).int()
-    starts = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)[:-1]), dtype=torch.int32)
-    return positions, seq, table, starts, torch.tensor(counts, dtype=torch.int32), at
-
-
 def paged_attention_launch(lengths, counts, hq=32, hkv=8, d=128, block=16):
+    """The paged attention over a ragged step built as the stages build it (``RaggedStep``, int64 metadata):
+    sequence ``s`` at ``lengths[s]`` with ``counts[s]`` new tokens, blocks in order."""
+    from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment
     from ppsplit.triton_kernels.paged import launch_paged_attention
 
-    positions, seq, table, starts, counts_t, blocks = _ragged(lengths, counts, block)
-    n = int(counts_t.sum())
-    q = torch.randn(1, n, hq, d, dtype=BF16).transpose(1, 2)
-    keys, values = (torch.randn(blocks, block, hkv, d, dtype=BF16) for _ in range(2))
-    return lambda **over: launch_paged_attention(q, keys, values, positions, seq, table, starts, counts_t, d ** -0.5,
-                                                 config=over or None)
+    need = [-(-(n + c) // block) for n, c in zip(lengths, counts)]
+    layout = CacheLayout(slots=len(lengths), blocks_per_seq=max(need), block_size=block, num_blocks=sum(need))
+    firsts = [sum(need[:s]) for s in range(len(need))]
+    tables = {s: list(range(first, first + count)) for s, (first, count) in enumerate(zip(firsts, need))}
+    step = RaggedStep.build([Segment(s, n, c) for s, (n, c) in enumerate(zip(lengths, counts))], tables, layout)
+    q = torch.randn(1, step.num_tokens, hq, d, dtype=BF16).transpose(1, 2)
+    keys, values = (torch.randn(layout.num_blocks, block, hkv, d, dtype=BF16) for _ in range(2))
+    return lambda **over: launch_paged_attention(q, keys, values, step.positions, step.seq, step.block_table,
+                                                 step.seq_start, step.seq_count, d ** -0.5, config=over or None)
 
 
 def launches() -> dict:
