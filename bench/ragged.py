@@ -96,7 +96,8 @@ def rope_write_off():
 
 def sweep(lengths, block: int, bw: float) -> None:
     """One layer's attention alone (Llama-3.1-8B heads), CUDA-graph timed: the paged kernel over shuffled blocks under
-    its own plan and under overridden ones, against the lockstep split-KV kernel at the mean length."""
+    its own plan and under overridden ones, against the lockstep split-KV kernel at the mean length. The metadata
+    are int64, as the stages pass them (``RaggedStep``); section 31's sweep passed int32."""
     from triton.testing import do_bench_cudagraph
 
     from ppsplit.triton_kernels.attention import launch_cache_attention
@@ -107,7 +108,7 @@ def sweep(lengths, block: int, bw: float) -> None:
     pool = sum(need)
     ids = list(range(pool))
     random.Random(0).shuffle(ids)
-    table = torch.full((b, max(need)), -1, dtype=torch.int32)
+    table = torch.full((b, max(need)), -1, dtype=torch.long)
     at = 0
     for s, count in enumerate(need):
         table[s, :count] = torch.tensor(ids[at:at + count])
@@ -115,13 +116,13 @@ def sweep(lengths, block: int, bw: float) -> None:
     dev = dict(device="cuda", dtype=torch.bfloat16)
     keys, values = (torch.randn(pool, block, hkv, d, **dev) for _ in range(2))
     q = torch.randn(1, b, hq, d, **dev).transpose(1, 2)
-    positions = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    seq = torch.arange(b, dtype=torch.int32, device="cuda")
+    positions = torch.tensor(lengths, dtype=torch.long, device="cuda")
+    seq = torch.arange(b, dtype=torch.long, device="cuda")
     starts, counts, table = seq.clone(), torch.ones_like(seq), table.cuda()
     mean = round(sum(lengths) / b)
     kc, vc = (torch.randn(b, hkv, mean + 8, d, **dev) for _ in range(2))
     ql = torch.randn(b, 1, hq, d, **dev).transpose(1, 2)
-    pl = torch.full((1,), mean, dtype=torch.int32, device="cuda")
+    pl = torch.full((1,), mean, dtype=torch.long, device="cuda")
     scale = d ** -0.5
 
     def timed(fn):
@@ -181,14 +182,14 @@ def sweep_prefill(tokens: int, block: int, start: int = 0) -> None:
     need = -(-live // block)
     ids = list(range(need))
     random.Random(0).shuffle(ids)
-    table = torch.tensor([ids], dtype=torch.int32, device="cuda")
+    table = torch.tensor([ids], dtype=torch.long, device="cuda")
     dev = dict(device="cuda", dtype=torch.bfloat16)
     keys, values = (torch.randn(need, block, hkv, d, **dev) for _ in range(2))
     q = torch.randn(1, tokens, hq, d, **dev).transpose(1, 2)
-    positions = torch.arange(start, live, dtype=torch.int32, device="cuda")
-    seq = torch.zeros(tokens, dtype=torch.int32, device="cuda")
-    starts = torch.zeros(1, dtype=torch.int32, device="cuda")
-    counts = torch.full((1,), tokens, dtype=torch.int32, device="cuda")
+    positions = torch.arange(start, live, dtype=torch.long, device="cuda")
+    seq = torch.zeros(tokens, dtype=torch.long, device="cuda")
+    starts = torch.zeros(1, dtype=torch.long, device="cuda")
+    counts = torch.full((1,), tokens, dtype=torch.long, device="cuda")
     scale = d ** -0.5
 
     def timed(fn):
