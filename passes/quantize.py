@@ -1,11 +1,18 @@
-"""Stage pass (compile, after emit): linears on FP8 weights run ``ppsplit::fp8_linear`` on the weight and scale
-as the checkpoint stores them.
+"""Stage pass (compile, after emit): linears and MoE experts on FP8 weights run ppsplit's FP8 ops on the weight
+and scale as the checkpoint stores them.
 
 Input: a stage ``GraphModule`` (meta tensors) and ``{weight name: QuantizedWeight}``. A weight whose every reader is
-a projection (``aten.linear``, or ``mm`` / ``addmm`` over its transpose: ``match_projection``) becomes an FP8
-parameter, its scale a new parameter beside it, and each projection ``fp8_linear(x, weight, scale, bias,
-block_n, block_k)``. A weight read by anything else (a tied embedding) is left in the model dtype and reported:
-the compile dequantises it.
+one the pass rewrites becomes an FP8 parameter, its scale a new parameter beside it:
+
+- a 2-D weight read by projections (``aten.linear``, or ``mm`` / ``addmm`` over its transpose:
+  ``match_projection``): each becomes ``fp8_linear(x, weight, scale, bias, block_n, block_k)``;
+- a stack of experts ``[E, N, K]`` read through its transpose by ``_grouped_mm(x, w.T, offs)`` (transformers'
+  ``grouped_mm`` experts, what a bfloat16 trace runs): ``fp8_grouped_mm(x, weight, scale, offs, block_n,
+  block_k)``; or indexed by the routed expert ids, ``w[ids]`` (its ``batched_mm`` experts, what a float32 or
+  float16 trace runs): ``fp8_expert_weights(weight, scale, ids, block_n, block_k, dtype)``.
+
+A weight read by anything else (a tied embedding) is left in the model dtype and reported: the compile dequantises
+it.
 """
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-import ppsplit.triton_kernels.fp8  # noqa: F401  (registers torch.ops.ppsplit.fp8_linear)
+import ppsplit.triton_kernels.fp8  # noqa: F401  (registers torch.ops.ppsplit.fp8_linear and the expert ops)
 from ppsplit.core.fx_utils import get_tensor, set_tensor
 from ppsplit.passes.rewrites.projections import match_projection
 from ppsplit.triton_kernels.fp8 import FP8_DTYPE
@@ -37,7 +44,8 @@ class Quantized:
 
 
 def quantize_linears(stage: fx.GraphModule, weights: dict[str, QuantizedWeight]) -> Quantized:
-    """Rewrite ``stage``'s projections over the weights in ``weights`` in place. Returns what it did.
+    """Rewrite ``stage``'s readers of the weights in ``weights`` in place (see the module docstring). Returns what
+    it did.
 
     Example::
 
@@ -50,27 +58,80 @@ def quantize_linears(stage: fx.GraphModule, weights: dict[str, QuantizedWeight])
         q = weights.get(node.target)
         if q is None:
             continue
-        matches = [match_projection(user) for user in node.users]
-        if not matches or any(m is None or m.weight is not node or m.out_dim != 0 for m in matches):
+        w = get_tensor(stage, node.target)
+        rewrites = _rewrites(node, w.dim())
+        if rewrites is None:
             left.append(node.target)
             continue
-        w = get_tensor(stage, node.target)
         set_tensor(stage, node.target, torch.empty(w.shape, dtype=FP8_DTYPE, device="meta"), parameter=True,
                    persistent=True)
         set_tensor(stage, q.scale, torch.empty(q.scale_shape, dtype=q.scale_dtype, device="meta"), parameter=True,
                    persistent=True)
         with graph.inserting_after(node):
             scale = graph.get_attr(q.scale)
-        for m in matches:
-            with graph.inserting_before(m.node):
-                new = graph.call_function(torch.ops.ppsplit.fp8_linear.default, (m.x, node, scale, m.bias, *q.block))
-            new.meta.update({k: v for k, v in m.node.meta.items() if k in ("val", "tensor_meta", "nn_module_stack",
-                                                                           "ppsplit.layer")})
-            m.node.replace_all_uses_with(new)
-            graph.erase_node(m.node)
-            if m.transpose is not None and not m.transpose.users:
-                graph.erase_node(m.transpose)
+        for old, op, args, dead in rewrites:
+            with graph.inserting_before(old):
+                new = graph.call_function(op, tuple(node if a is _WEIGHT else scale if a is _SCALE else a
+                                                    for a in args) + q.block + _dtype_arg(op, old))
+            new.meta.update({k: v for k, v in old.meta.items() if k in ("val", "tensor_meta", "nn_module_stack",
+                                                                        "ppsplit.layer")})
+            old.replace_all_uses_with(new)
+            graph.erase_node(old)
+        for dead in dict.fromkeys(d for *_, d in rewrites if d is not None):  # a transpose several products read
+            if not dead.users:
+                graph.erase_node(dead)
         fp8.append(node.target)
     graph.lint()
     stage.recompile()
     return Quantized(tuple(fp8), tuple(left))
+
+
+def runs_fp8(node: fx.Node, dims: int) -> bool:
+    """Whether ``quantize_linears`` runs the weight ``node`` reads (``dims`` dimensions) on FP8: every reader is
+    one it rewrites. (The compile's plan asks, to count the weight as stored or as dequantised.)"""
+    return _rewrites(node, dims) is not None
+
+
+def _rewrites(node: fx.Node, dims: int) -> list | None:
+    return _expert_readers(node) if dims == 3 else _projections(node) if dims == 2 else None
+
+
+_WEIGHT, _SCALE = object(), object()  # placeholders for the FP8 weight and its scale in a rewrite's arguments
+
+
+def _projections(node: fx.Node) -> list | None:
+    """``[(node to replace, op, args, node left dead)]`` for a 2-D weight read only by projections, else None."""
+    matches = [match_projection(user) for user in node.users]
+    if not matches or any(m is None or m.weight is not node or m.out_dim != 0 for m in matches):
+        return None
+    return [(m.node, torch.ops.ppsplit.fp8_linear.default, (m.x, _WEIGHT, _SCALE, m.bias), m.transpose)
+            for m in matches]
+
+
+def _expert_readers(node: fx.Node) -> list | None:
+    """The rewrites of an ``[E, N, K]`` expert stack read only by grouped products over its transpose or by
+    indexing with the routed ids (see the module docstring), else None."""
+    rewrites = []
+    for user in node.users:
+        if user.target == torch.ops.aten.index.Tensor and user.args[0] is node and len(user.args[1]) == 1 \
+                and isinstance(user.args[1][0], fx.Node):
+            rewrites.append((user, torch.ops.ppsplit.fp8_expert_weights.default,
+                             (_WEIGHT, _SCALE, user.args[1][0]), None))
+            continue
+        if user.target != torch.ops.aten.transpose.int or user.args[0] is not node \
+                or sorted(d % 3 for d in user.args[1:]) != [1, 2] or not user.users:
+            return None
+        for mm in user.users:
+            args = dict(zip(("x", "w", "offs", "bias", "out_dtype"), mm.args)) | mm.kwargs
+            if mm.target != torch.ops.aten._grouped_mm.default or args.get("w") is not user \
+                    or not isinstance(args.get("offs"), fx.Node) or args.get("bias") is not None \
+                    or args.get("out_dtype") is not None:
+                return None
+            rewrites.append((mm, torch.ops.ppsplit.fp8_grouped_mm.default, (args["x"], _WEIGHT, _SCALE, args["offs"]),
+                             user))
+    return rewrites or None
+
+
+def _dtype_arg(op, old: fx.Node) -> tuple:
+    """``fp8_expert_weights`` also takes the dtype the indexing gave (the model's)."""
+    return (old.meta["val"].dtype,) if op == torch.ops.ppsplit.fp8_expert_weights.default else ()

@@ -40,11 +40,12 @@ def scale_grid(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``float(W_q) * scale`` per block, as ``dtype`` (computed in fp32)."""
-    n, k = weight.shape
+    """``float(W_q) * scale`` per block, as ``dtype`` (computed in fp32). ``weight`` is ``[..., N, K]`` (a stack of
+    experts ``[E, N, K]``: each its own ``[N, K]`` weight), ``scale`` one value per block of each."""
+    *lead, n, k = weight.shape
     gn, gk = scale_grid(n, k, block_n, block_k)
-    s = scale.to(torch.float32).reshape(gn, gk)
-    s = s.repeat_interleave(block_n, dim=0)[:n].repeat_interleave(block_k, dim=1)[:, :k]
+    s = scale.to(torch.float32).reshape(*lead, gn, gk)
+    s = s.repeat_interleave(block_n, dim=-2)[..., :n, :].repeat_interleave(block_k, dim=-1)[..., :k]
     return (weight.to(torch.float32) * s).to(dtype)
 
 
@@ -237,3 +238,99 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
         with torch.cuda.device(x.device):
             return launch_fp8_linear(x, weight, scale, bias, block_n, block_k, wrap=wrap_triton)
     return torch.nn.functional.linear(x, dequantize(weight, scale, block_n, block_k, x.dtype), bias)
+
+
+# MoE experts: transformers stacks a layer's per-expert weights into one ``[E, N, K]`` parameter
+# (``experts.gate_up_proj``, ``experts.down_proj``); FP8 checkpoints ship each expert's ``[N, K]`` weight with its
+# own block scales, stacked the same way into ``[E, ceil(N / block_n), ceil(K / block_k)]``.
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _fp8_grouped_kernel(X, W, S, OFFS, Y, N, K, stride_x, stride_we, stride_wn, stride_se, stride_y, GK, QN, QK,
+                            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        """Expert ``program_id(0)``'s rows ``[OFFS[e - 1], OFFS[e])`` of ``X`` (sorted by expert) times the
+        ``BLOCK_N`` output columns ``program_id(1)`` of its weight, ``BLOCK_M`` rows at a time (an expert no token
+        chose does nothing). Each ``BLOCK_K`` step lies inside one k-block; its partial product is scaled by the
+        weight block's scale as it is accumulated, as in ``_fp8_gemm_kernel``. The row range is read on the device,
+        so a CUDA graph replays any routing."""
+        e = tl.program_id(0)
+        start = tl.load(OFFS + tl.maximum(e - 1, 0))
+        start = tl.where(e > 0, start, 0)
+        end = tl.load(OFFS + e)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_cols = W + e.to(tl.int64) * stride_we + rn[None, :].to(tl.int64) * stride_wn
+        s_cols = S + e * stride_se + (rn // QN) * GK
+        for m0 in range(start, end, BLOCK_M):
+            rm = m0 + tl.arange(0, BLOCK_M)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(X + rm[:, None].to(tl.int64) * stride_x + rk[None, :],
+                            mask=(rm[:, None] < end) & (rk[None, :] < K), other=0.0)
+                w = tl.load(w_cols + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+                s = tl.load(s_cols + k0 // QK, mask=rn < N, other=0.0).to(tl.float32)
+                acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
+            tl.store(Y + rm[:, None].to(tl.int64) * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
+                     mask=(rm[:, None] < end) & (rn[None, :] < N))
+
+
+def grouped_tile_k(block_k: int, k: int) -> int | None:
+    """``BLOCK_K`` of the grouped kernel: 128 columns, or fewer where a k-block is narrower (a power of two that
+    divides it, at least 16 for ``tl.dot``); ``None`` when no tile fits inside the k-blocks."""
+    if block_k >= k:
+        return min(128, max(16, triton.next_power_of_2(k)))
+    tile = 128
+    while tile >= 16 and block_k % tile:
+        tile //= 2
+    return tile if tile >= 16 else None
+
+
+def fp8_grouped_usable(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
+    """Whether the Triton grouped kernel serves this call: an ``[E, N, K]`` FP8 stack with unit stride along K, a
+    float ``x``, and k-blocks a tile of at least 16 columns fits inside."""
+    return (weight.dim() == 3 and weight.dtype == FP8_DTYPE and weight.stride(2) == 1
+            and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and grouped_tile_k(block_k, weight.shape[2]) is not None)
+
+
+def launch_fp8_grouped_mm(x, weight, scale, offs, block_n: int, block_k: int, wrap=lambda kernel: kernel,
+                          config=(16, 64, 4, 3)):
+    """The Triton path of ``fp8_grouped_mm``; ``config`` is ``(BLOCK_M, BLOCK_N, warps, stages)``."""
+    e, n, k = weight.shape
+    gn, gk = scale_grid(n, k, block_n, block_k)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return y
+    bm_, bn_, warps, stages = config
+    wrap(_fp8_grouped_kernel)[(e, triton.cdiv(n, bn_))](
+        x, weight, scale.reshape(-1), offs, y, n, k, x.stride(0), weight.stride(0), weight.stride(1), gn * gk, n, gk,
+        block_n, k if block_k >= k else block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=grouped_tile_k(block_k, k), num_warps=warps, num_stages=stages)
+    return y
+
+
+@register("ppsplit::fp8_grouped_mm")
+def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, block_n: int,
+                   block_k: int) -> torch.Tensor:
+    """``torch._grouped_mm(x, dequantize(weight, scale).transpose(-2, -1), offs=offs)``: the rows of ``x`` [S, K]
+    sorted by expert, ``offs`` [E] the end of each expert's rows, ``weight`` the FP8 experts [E, N, K]. On CUDA one
+    Triton kernel that reads the FP8 experts directly; elsewhere (the tests' reference) the experts are dequantised
+    and ``torch._grouped_mm`` runs them, as the unquantised stage does. Rows past ``offs[-1]`` are left unwritten,
+    as ``torch._grouped_mm`` leaves them."""
+    if on_gpu(x) and fp8_grouped_usable(x, weight, block_k):
+        with torch.cuda.device(x.device):
+            return launch_fp8_grouped_mm(x, weight, scale, offs, block_n, block_k, wrap=wrap_triton)
+    w = dequantize(weight, scale, block_n, block_k, x.dtype)
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+
+@register("ppsplit::fp8_expert_weights")
+def fp8_expert_weights(weight: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor, block_n: int, block_k: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize(weight, scale)[ids]`` as ``dtype``: the experts chosen per routed token [S, N, K], for the
+    stages that run experts as one batched product per token (transformers' ``batched_mm``, what a float32 or
+    float16 compile traces). Only the chosen experts are dequantised."""
+    return dequantize(weight[ids], scale.reshape(weight.shape[0], -1)[ids], block_n, block_k, dtype)

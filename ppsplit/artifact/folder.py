@@ -332,9 +332,16 @@ def _check_manifest(manifest: Manifest, plan: SplitPlan, where: str) -> None:
                               f"lists {files.program[:40]!r} and {files.weights[:40]!r}")
 
 
+# The ops that read FP8 tensors: {op: (weight's argument, scale's, block_n's, block_k's, the weight's dimensions)}
+_FP8_READERS = {"ppsplit::fp8_linear": (1, 2, 4, 5, 2),          # (x, weight, scale, bias, block_n, block_k)
+                "ppsplit::fp8_grouped_mm": (1, 2, 4, 5, 3),      # (x, experts, scale, offs, block_n, block_k)
+                "ppsplit::fp8_expert_weights": (0, 1, 3, 4, 3)}  # (experts, scale, ids, block_n, block_k, dtype)
+
+
 def _check_fp8(graph, specs: dict, quantization: Quantization | None, where: str) -> None:
-    """FP8 tensors are read only as ``ppsplit::fp8_linear`` weights, each with a float scale of one value per
-    block, and only in a folder whose manifest records its quantization."""
+    """FP8 tensors are read only as the weights of ppsplit's FP8 ops (``_FP8_READERS``), each with a float scale of
+    one value per block (per expert, for a stack of experts), and only in a folder whose manifest records its
+    quantization."""
     import math
 
     from ppsplit.triton_kernels.fp8 import scale_grid
@@ -346,27 +353,35 @@ def _check_fp8(graph, specs: dict, quantization: Quantization | None, where: str
     readers = {}
     for node in graph.nodes:
         if node.op == "get_attr" and node.target in fp8:
-            readers[node.target] = [u for u in node.users]
-        if node.op != "call_function" or getattr(node.target, "name", lambda: "")() != "ppsplit::fp8_linear":
+            readers[node.target] = node
+        op = _op_name(node)
+        if op not in _FP8_READERS:
             continue
-        _, w, scale, _, bn, bk = (list(node.args) + [None] * 6)[:6]
+        w_at, s_at, bn_at, bk_at, dims = _FP8_READERS[op]
+        args = list(node.args) + [None] * 6
+        w, scale, bn, bk = args[w_at], args[s_at], args[bn_at], args[bk_at]
         names = [getattr(a, "target", None) if getattr(a, "op", None) == "get_attr" else None for a in (w, scale)]
         if None in names or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in (bn, bk)):
             raise FolderError(f"{where}: {node.name} must read a stored weight and scale with positive block sizes")
         weight, scale_spec = specs[names[0]], specs[names[1]]
-        if weight.dtype not in WEIGHT_DTYPES or len(weight.shape) != 2 or scale_spec.dtype not in SCALE_DTYPES:
-            raise FolderError(f"{where}: {names[0]} ({weight.dtype}) must be a 2-D FP8 weight and {names[1]} "
+        if weight.dtype not in WEIGHT_DTYPES or len(weight.shape) != dims or scale_spec.dtype not in SCALE_DTYPES:
+            raise FolderError(f"{where}: {names[0]} ({weight.dtype}) must be a {dims}-D FP8 weight and {names[1]} "
                               f"({scale_spec.dtype}) one of {', '.join(SCALE_DTYPES)}; compile the folder again")
-        grid = scale_grid(*weight.shape, bn, bk)
-        if math.prod(scale_spec.shape) != math.prod(grid):
+        grid = scale_grid(*weight.shape[-2:], bn, bk)
+        count = math.prod(weight.shape[:-2]) * grid[0] * grid[1]
+        if math.prod(scale_spec.shape) != count:
             raise FolderError(f"{where}: scale {names[1]} has shape {tuple(scale_spec.shape)}, but {names[0]} "
-                              f"{tuple(weight.shape)} in blocks of {bn}x{bk} needs {grid[0] * grid[1]} values "
-                              f"({grid[0]} x {grid[1]}); compile the folder again")
-    for name, users in readers.items():
-        if any(getattr(u.target, "name", lambda: "")() != "ppsplit::fp8_linear" or u.args[1].target != name
-               for u in users):
-            raise FolderError(f"{where}: FP8 tensor {name} is read by something other than ppsplit::fp8_linear as "
-                              "its weight; compile the folder again")
+                              f"{tuple(weight.shape)} in blocks of {bn}x{bk} needs {count} values "
+                              f"({' x '.join(map(str, (*weight.shape[:-2], *grid)))}); compile the folder again")
+    for name, attr in readers.items():
+        if any(_op_name(u) not in _FP8_READERS or u.args[_FP8_READERS[_op_name(u)][0]] is not attr
+               for u in attr.users):
+            raise FolderError(f"{where}: FP8 tensor {name} is read by something other than ppsplit's FP8 ops as "
+                              "their weight; compile the folder again")
+
+
+def _op_name(node) -> str | None:
+    return getattr(node.target, "name", lambda: None)() if node.op == "call_function" else None
 
 
 def write_json(path: str, data) -> None:

@@ -211,7 +211,7 @@ def cmd_inspect(args) -> int:
     print(f"stage rewrites load applies: {rewrites}")
     q = manifest.quantization
     if q is not None:
-        print(f"quantized: {q.describe()}; per stage, linears on FP8 weights {list(q.linears)}, tensors dequantized "
+        print(f"quantized: {q.describe()}; per stage, weights on FP8 (linears and expert stacks) {list(q.linears)}, tensors dequantized "
               f"to {manifest.dtype} at compile {list(q.dequantized)}")
     print(f"{'stage':>5}  {'program':<14} {'weights':<20} {'bytes':>12} {'tensors':>8}")
     for program, files in zip(programs, manifest.stages):

@@ -37,6 +37,11 @@ class Group:
     dtype: torch.dtype          # what from_pretrained casts each source tensor to before converting
     converter: object = None    # the transformers WeightConverter (a template, copied per run), None for a rename
     sources: list[tuple[str, str]] = field(default_factory=list)  # (checkpoint key, converter source pattern)
+    stored: bool = False        # FP8 weights converted as stored (the stage keeps them FP8), not dequantised
+    scales_of: str | None = None  # a group of scales, converted as group ``scales_of``'s weights are
+
+
+_STACKING = ("MergeModulelist", "Concatenate")  # conversions under which block scales convert like their weights
 
 
 class Sources:
@@ -107,6 +112,37 @@ class Sources:
         """The checkpoint key that a one-to-one rename reads as it is, else None."""
         return group.sources[0][0] if group.converter is None and len(group.sources) == 1 else None
 
+    def stored_block(self, group: Group) -> tuple[int, int] | None:
+        """The block ``(bn, bk)`` of the FP8 stack ``group`` converts its FP8 weights into when they can stay FP8,
+        else None. They can when the conversion only stacks and concatenates them (transformers' MoE experts:
+        ``experts.{e}.gate_proj`` and ``up_proj`` into ``experts.gate_up_proj [E, 2I, H]``), every weight has
+        block or channel scales of one block size, and its dimensions are whole blocks (so each block of the stack
+        is one weight's block, and the scales convert like the weights)."""
+        operations = getattr(group.converter, "operations", None)
+        if self.scheme is None or self.scheme.scheme not in ("block", "channel") or not operations \
+                or len(group.targets) != 1 or any(type(op).__name__ not in _STACKING for op in operations) \
+                or any(type(op).__name__ == "MergeModulelist" and op.dim != 0 for op in operations):
+            return None
+        keys = [key for key, _ in group.sources]
+        if not all(key in self.scales for key in keys):
+            return None
+        shapes = [tuple(self.checkpoint.raw_range(key).shape) for key in keys]
+        blocks = {self.scheme.block_of(shape) for shape in shapes}
+        scale_dtypes = {self.checkpoint.raw_range(self.scales[key]).dtype for key in keys}
+        if len(blocks) != 1 or len(scale_dtypes) != 1:
+            return None
+        bn, bk = blocks.pop()
+        return (bn, bk) if all(n % bn == 0 and k % bk == 0 for n, k in shapes) else None
+
+    def add_scales(self, group: Group, name: str) -> Group:
+        """The group of the scales of FP8 stack ``group`` (``stored_block``), as stage tensor ``name``: the same
+        conversion over each weight's scale (fp32 for E8M0 exponents)."""
+        dtype = self._scale_dtype(self.scales[group.sources[0][0]])
+        self.groups[name] = Group(name, [name], dtype, group.converter,
+                                  [(self.scales[k], pattern) for k, pattern in group.sources], scales_of=group.first)
+        self.producer[name] = name
+        return self.groups[name]
+
     def run(self, group: Group) -> dict[str, torch.Tensor]:
         """Read ``group``'s source tensors and apply transformers' conversion: ``{target name: tensor}``."""
         if group.converter is None and len(group.sources) == 2:  # MXFP4 blocks + scales
@@ -114,20 +150,29 @@ class Sources:
             return {group.first: dequantize_mxfp4(blocks, scales, group.dtype)}
         if group.converter is None:
             return {group.first: self.read(group.sources[0][0], group.dtype)}
-        converter = copy.deepcopy(group.converter)
-        for key, pattern in group.sources:
+        if group.scales_of is not None:  # converted under the weights' name, returned under the scales'
+            out = self._convert(group.converter, group.scales_of, group.sources,
+                                lambda key: _reader(self, key, group.dtype))
+            return {group.first: next(iter(out.values()))}
+        return self._convert(group.converter, group.first, group.sources,
+                             lambda key: (lambda: read_tensor(self.checkpoint, key)) if group.stored
+                             else _reader(self, key, group.dtype))
+
+    def _convert(self, template, first: str, sources: list, reader) -> dict[str, torch.Tensor]:
+        converter = copy.deepcopy(template)
+        for key, pattern in sources:
             # A callable is read when the converter materialises its inputs (transformers' synchronous path).
-            converter.add_tensor(group.first, key, pattern, _reader(self, key, group.dtype))
+            converter.add_tensor(first, key, pattern, reader(key))
         threads = torch.get_num_threads()
         # The operations are memory copies (stack, cat, chunk): one thread runs them at memory speed, while more
         # threads wait on each other whenever the cores are shared (5x slower on a busy 2-core machine).
         torch.set_num_threads(1)
         try:
-            out = converter.convert(group.first, model=self.model, config=self.model.config, hf_quantizer=None,
+            out = converter.convert(first, model=self.model, config=self.model.config, hf_quantizer=None,
                                     loading_info=None)
         except Exception as e:
-            raise ConfigError(f"transformers' conversion {type(group.converter).__name__} failed on the checkpoint "
-                              f"tensors of {group.first} ({type(e).__name__}: {e}); the checkpoint does not match "
+            raise ConfigError(f"transformers' conversion {type(template).__name__} failed on the checkpoint "
+                              f"tensors of {first} ({type(e).__name__}: {e}); the checkpoint does not match "
                               "its config.json") from None
         finally:
             torch.set_num_threads(threads)
@@ -148,10 +193,13 @@ class Sources:
     def add_plain(self, name: str, key: str) -> None:
         """A stage tensor read from checkpoint ``key`` that the model skeleton does not have (a scale): as stored, or
         fp32 for E8M0 exponents (the FP8 kernels read float scales; a power of two is exact in fp32)."""
-        raw = self.checkpoint.raw_range(key)
-        dtype = torch.float32 if self._exponents(raw.dtype) else _TORCH_DTYPES[raw.dtype]
-        self.groups[name] = Group(name, [name], dtype, None, [(key, None)])
+        self.groups[name] = Group(name, [name], self._scale_dtype(key), None, [(key, None)])
         self.producer[name] = name
+
+    def _scale_dtype(self, key: str) -> torch.dtype:
+        """What a stage holds scale ``key`` in: as stored, or fp32 for E8M0 exponents."""
+        raw = self.checkpoint.raw_range(key).dtype
+        return torch.float32 if self._exponents(raw) else _TORCH_DTYPES[raw]
 
     def _exponents(self, raw_dtype: str) -> bool:
         """Whether a tensor stored as ``raw_dtype`` is a scale of E8M0 exponents (``scale_fmt: "ue8m0"``)."""

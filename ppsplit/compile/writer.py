@@ -23,6 +23,7 @@ from ppsplit.core.options import CacheConfig, SplitOptions, StageOptions
 from ppsplit.compile.conversion import Sources
 from ppsplit.compile.quantized import Scheme, is_exponents, read_scheme
 from ppsplit.core.quant import Quantization
+from ppsplit.triton_kernels.fp8 import scale_grid
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.fx_utils import is_cache_buffer, tied_names, tied_parameters
 from ppsplit.artifact.folder import (MANIFEST, PLAN, Manifest, StageFiles, fingerprint, program_name, serving_files,
@@ -215,19 +216,33 @@ def planned(model_obj, sources: Sources, options: SplitOptions):
 
 
 def _stored_costs(traced, sources: Sources):
-    """The trace's costs with each FP8 weight counted as stored (its FP8 bytes and its scale), not in the model
-    dtype; attributed to its decoder layer by name (``<layers>.<i>.``), else to the head."""
+    """The trace's costs with each weight that will run on FP8 (``runs_fp8``) counted as stored (its FP8 bytes and
+    its scale), not in the model dtype; attributed to its decoder layer by name (``<layers>.<i>.``), else to the
+    head."""
+    from ppsplit.passes.quantize import runs_fp8
+
     costs = traced.costs
     prefix = traced.layers.fqn + "."
     layers, head = list(costs.layer_bytes), costs.head_bytes
-    for name, p in traced.traced.gm.named_parameters():
+    checkpoint = sources.checkpoint
+    gm = traced.traced.gm
+    readers = {node.target: node for node in gm.graph.find_nodes(op="get_attr")}
+    for name, p in gm.named_parameters():
+        if name not in readers or not runs_fp8(readers[name], p.dim()):
+            continue
         group = sources.group_of(name)
         key = group is not None and sources.plain_source(group)
-        if not key or key not in sources.scales:
+        if key and key in sources.scales:
+            keys = [key]
+        elif group is not None and p.dim() == 3 and sources.stored_block(group) is not None:
+            keys = [k for k, _ in group.sources]  # an FP8 stack of experts
+        else:
             continue
-        raw, scale = sources.checkpoint.raw_range(key), sources.checkpoint.raw_range(sources.scales[key])
-        scale_bytes = scale.nbytes * (4 if is_exponents(scale.dtype) else 1)  # exponents are stored as fp32
-        delta = raw.nbytes + scale_bytes - p.numel() * p.element_size()
+        stored = 0
+        for k in keys:
+            scale = checkpoint.raw_range(sources.scales[k])
+            stored += checkpoint.raw_range(k).nbytes + scale.nbytes * (4 if is_exponents(scale.dtype) else 1)
+        delta = stored - p.numel() * p.element_size()  # (exponents are held as fp32)
         index = name[len(prefix):].split(".")[0] if name.startswith(prefix) else ""
         if index.isdigit() and int(index) < len(layers):
             layers[int(index)] += delta
@@ -241,7 +256,7 @@ def _quantize(stage: fx.GraphModule, sources: Sources):
     from ppsplit.passes.quantize import QuantizedWeight, quantize_linears
 
     scheme: Scheme = sources.scheme
-    weights = {}
+    weights, stacks = {}, {}
     for name, t in stage.named_parameters(remove_duplicate=False):
         group = sources.group_of(name)
         key = group is not None and sources.plain_source(group)
@@ -251,7 +266,18 @@ def _quantize(stage: fx.GraphModule, sources: Sources):
             sources.add_plain(scale_name, sources.scales[key])
             weights[name] = QuantizedWeight(scale_name, raw.shape, sources.groups[scale_name].dtype,
                                             scheme.block_of(tuple(t.shape)))
-    return quantize_linears(stage, weights)
+        elif group is not None and t.dim() == 3 and (block := sources.stored_block(group)) is not None:
+            # MoE experts stacked by transformers' conversions: their scales stacked alike, beside them as
+            # transformers' FP8 experts name them (experts.gate_up_proj_scale_inv)
+            scale = sources.add_scales(group, name + scheme.suffix.removeprefix("weight"))
+            e, n, k = t.shape
+            weights[name] = QuantizedWeight(scale.first, (e, *scale_grid(n, k, *block)), scale.dtype, block)
+            stacks[name] = group
+    done = quantize_linears(stage, weights)
+    for name in done.fp8:
+        if name in stacks:
+            stacks[name].stored = True
+    return done
 
 
 def _quantization(scheme: Scheme, fp8: list, stage_specs: list, sources: Sources) -> Quantization:

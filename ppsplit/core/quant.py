@@ -1,8 +1,9 @@
 """Core: the quantisation record of a compiled folder (``manifest.json``'s ``quantization``), plain data.
 
 A quantised checkpoint's linears keep their FP8 weights and scales as shipped; each stage program calls
-``ppsplit::fp8_linear(x, weight, scale, bias, block_n, block_k)`` on them (``ppsplit.triton_kernels.fp8``). The
-three scale layouts are one rule, a scale per ``[block_n, block_k]`` block:
+``ppsplit::fp8_linear(x, weight, scale, bias, block_n, block_k)`` on them (``ppsplit.triton_kernels.fp8``), and on a
+stack of MoE experts ``[E, N, K]`` (scales ``[E, ...]``, one grid per expert) ``ppsplit::fp8_grouped_mm`` or
+``ppsplit::fp8_expert_weights``. The three scale layouts are one rule, a scale per ``[block_n, block_k]`` block:
 
     method               scheme   checkpoint scale                 block
     fp8                  block    weight_scale_inv [ceil(N/bn), ceil(K/bk)]   weight_block_size (bn, bk)
@@ -27,9 +28,9 @@ def describe_supported() -> str:
 
 @dataclass(frozen=True)
 class Quantization:
-    """How the folder's weights are quantised. ``linears[k]``: stage ``k``'s linears that run on FP8 weights;
-    ``dequantized[k]``: its tensors the compile had to dequantise to the model dtype (experts fused by
-    transformers' conversions, weights read by something other than a linear), which cost their full size."""
+    """How the folder's weights are quantised. ``linears[k]``: stage ``k``'s FP8 weights (linears, and stacks of MoE
+    experts); ``dequantized[k]``: its tensors the compile had to dequantise to the model dtype (experts that are not
+    whole blocks, weights read by something other than ppsplit's FP8 ops), which cost their full size."""
 
     method: str
     scheme: str

@@ -53,10 +53,10 @@ def _tiny(seed=0):
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def write_quantized(folder, scheme: str, model=None, power_of_two: bool = False):
-    """The tiny model saved, then its linear weights quantised as ``scheme`` writes them: "fp8" (128x128 blocks,
-    weight_scale_inv; ``power_of_two`` scales), "ct-channel" / "ct-tensor" (compressed-tensors float-quantized,
-    weight_scale)."""
+def write_quantized(folder, scheme: str, model=None, power_of_two: bool = False, block: int = 128):
+    """The tiny model saved, then its linear weights quantised as ``scheme`` writes them: "fp8" (``block`` x
+    ``block`` blocks, weight_scale_inv; ``power_of_two`` scales), "ct-channel" / "ct-tensor" (compressed-tensors
+    float-quantized, weight_scale)."""
     model = model or _tiny()
     model.save_pretrained(folder, safe_serialization=True)
     tensors = load_file(os.path.join(folder, "model.safetensors"))
@@ -67,14 +67,14 @@ def write_quantized(folder, scheme: str, model=None, power_of_two: bool = False)
             continue
         n, k = w.shape
         if scheme == "fp8":
-            out[name], out[name[:-6] + "weight_scale_inv"] = quantize_blocks(w, 128, 128, power_of_two)
+            out[name], out[name[:-6] + "weight_scale_inv"] = quantize_blocks(w, block, block, power_of_two)
         else:
             q, s = quantize_blocks(w, 1, k) if scheme == "ct-channel" else quantize_blocks(w, n, k)
             out[name], out[name[:-6] + "weight_scale"] = q, s.reshape(n, 1) if scheme == "ct-channel" else s.reshape(1)
     save_file(out, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     config = json.load(open(os.path.join(folder, "config.json")))
     if scheme == "fp8":
-        config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
+        config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block],
                                          "activation_scheme": "dynamic", "fmt": "e4m3"}
     else:
         weights = {"num_bits": 8, "type": "float", "strategy": scheme[3:], "symmetric": True, "dynamic": False,
@@ -158,11 +158,11 @@ def test_stage_files_hold_the_fp8_bytes_and_half_the_bf16_size(fp8_checkpoint, t
     assert 0.45 < ratio < 0.55, ratio
 
 
-def write_ue8m0(folder, stored: str, model=None):
-    """The model's linears quantised in 128x128 blocks with power-of-two scales (``scale_fmt: "ue8m0"``, as
-    DeepSeek-V3.1 ships them), each scale stored as ``stored``: "F32" (its value), "U8" (its E8M0 exponent byte, as
-    transformers' MXFP8 checkpoints store it) or "F8_E8M0"."""
-    write_quantized(folder, "fp8", model or _tiny(seed=2), power_of_two=True)
+def write_ue8m0(folder, stored: str, model=None, block: int = 128):
+    """The model's linears quantised in ``block`` x ``block`` blocks with power-of-two scales (``scale_fmt:
+    "ue8m0"``, as DeepSeek-V3.1 ships them), each scale stored as ``stored``: "F32" (its value), "U8" (its E8M0
+    exponent byte, as transformers' MXFP8 checkpoints store it) or "F8_E8M0"."""
+    write_quantized(folder, "fp8", model or _tiny(seed=2), power_of_two=True, block=block)
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     for name, t in tensors.items():
         if name.endswith("weight_scale_inv") and stored != "F32":
@@ -338,7 +338,7 @@ def test_tampered_quantized_folder_is_one_folder_error(case, fp8_folder, tmp_pat
         node = next(n for n in program["program"]["nodes"] if n.get("target") == "ppsplit::fp8_linear.default")
         node["target"] = "aten::linear.default"
         node["args"] = node["args"][:2]
-        expect = "read by something other than ppsplit::fp8_linear"
+        expect = "read by something other than ppsplit's FP8 ops"
     json.dump(program, open(folder / "stage_0.json", "w"))
     json.dump(manifest, open(folder / "manifest.json", "w"))
     code, err = _run(["inspect", str(folder)], capsys)
@@ -347,23 +347,95 @@ def test_tampered_quantized_folder_is_one_folder_error(case, fp8_folder, tmp_pat
         ppsplit.load(str(folder))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_fp8_moe_experts_are_dequantised_through_the_conversions(arch, tmp_path, capsys):
-    """qwen3_moe and deepseek_v3 (MLA projections, shared experts) with per-expert FP8 tensors: transformers'
-    converters stack the experts, so the compile dequantises them (stated per stage); the other linears stay FP8.
-    Logits equal from_pretrained's. DeepSeek-V3's scales are E8M0 exponent bytes (``scale_fmt: "ue8m0"``), which the
-    dequantised experts read as the values they stand for."""
+def _stacked_experts(source: dict, layer: int, parts: tuple[str, ...], suffix: str) -> torch.Tensor:
+    """What transformers' conversion makes of the per-expert tensors ``experts.{e}.{part}.{suffix}``: each expert's
+    parts concatenated along dim 0, the experts stacked (an independent restatement, for checking the files)."""
+    prefix = f"model.layers.{layer}.mlp.experts."
+    count = len({k.split(".")[5] for k in source if k.startswith(prefix)})
+    return torch.stack([torch.cat([source[f"{prefix}{e}.{part}.{suffix}"] for part in parts]) for e in range(count)])
+
+
+@pytest.mark.parametrize("arch,dtype,block", [("qwen3_moe", "float32", 32), ("qwen3_moe", "bfloat16", 32),
+                                              ("deepseek_v3", "float32", 8)])
+def test_fp8_moe_experts_stay_fp8_through_the_conversions(arch, dtype, block, tmp_path, capsys):
+    """qwen3_moe and deepseek_v3 (MLA projections, shared experts; E8M0 exponent-byte scales) with per-expert FP8
+    tensors in whole blocks: transformers' converters stack the FP8 experts as stored and their scales alike
+    (experts.gate_up_proj_scale_inv), and the stages run them on ppsplit's FP8 expert ops: the grouped product a
+    bfloat16 compile traces, the per-token expert weights a float32 one traces. The stage files hold the
+    checkpoint's FP8 bytes, the plan counts them, and the logits equal transformers' own loading of the checkpoint
+    (in bfloat16: its float32 loading cast to bfloat16, whose weights are bit-equal to the dequantised experts)."""
     from tests.architectures.test_moe_compile import moe_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(moe_config(arch)).eval()
-    ckpt = write_quantized(tmp_path / "moe", "fp8", model) if arch == "qwen3_moe" else \
-        write_ue8m0(tmp_path / "moe", "U8", model)
-    assert any(".experts.1.up_proj.weight_scale_inv" in k for k in load_file(ckpt / "model.safetensors"))
+    ckpt = write_quantized(tmp_path / "moe", "fp8", model, block=block) if arch == "qwen3_moe" else \
+        write_ue8m0(tmp_path / "moe", "U8", model, block=block)
+    out = tmp_path / "moe-pp2"
+    assert main(["compile", str(ckpt), "--pp", "2", "-o", str(out), "--dtype", dtype]) == 0
+    quant = json.load(open(out / "manifest.json"))["quantization"]
+    # deepseek_v3's kv_b_proj is read by more than a projection (MLA): the one tensor dequantised per layer
+    assert quant["dequantized"] == ([0, 0] if arch == "qwen3_moe" else [2, 2]), quant
+    # a layer: 4 attention linears (deepseek_v3: q_a, q_b, kv_a, o) + the 2 expert stacks (+ 3 shared-expert
+    # linears); deepseek_v3's layer 0 is dense (3 MLP linears)
+    assert quant["linears"] == ([12, 12] if arch == "qwen3_moe" else [7 + 9, 9 + 9]), quant
+
+    source = load_file(ckpt / "model.safetensors")
+    stages = [load_file(out / f"stage_{k}.safetensors") for k in range(2)]
+    stage = {**stages[0], **stages[1]}
+    expert_bytes = 0
+    for name, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+        weight, scale = stage[f"model.layers.3.mlp.experts.{name}"], stage[f"model.layers.3.mlp.experts.{name}_scale_inv"]
+        assert weight.dtype == FP8 and scale.dtype == torch.float32
+        assert torch.equal(weight.view(torch.uint8), _stacked_experts(source, 3, parts, "weight").view(torch.uint8))
+        scales = _stacked_experts(source, 3, parts, "weight_scale_inv")
+        want = (scales.float() - 127).exp2() if arch == "deepseek_v3" else scales  # exponent bytes -> values
+        assert torch.equal(scale, want)
+        expert_bytes += weight.numel()
+    plan = json.load(open(out / "plan.json"))
+    held = [sum(t.numel() * t.element_size() for t in tensors.values()) for tensors in stages]
+    # deepseek_v3: the plan, made from the trace, counts kv_b_proj as FP8 (a linear there); the paged stage's
+    # latent attention reads it whole, so it is stored dequantised (7% of these tiny stages)
+    slack = 0.01 if arch == "qwen3_moe" else 0.08
+    assert all(abs(p["bytes"] - h) < slack * h for p, h in zip(plan["stages"], held)), (plan["stages"], held)
+    assert expert_bytes == 2 * 4 * moe_config(arch).moe_intermediate_size * 64 * 3 // 2  # one byte per weight
+
+    split = ppsplit.load(str(out))
+    ops = {str(n.target) for s in split.stages for n in s.graph.nodes}
+    expert_op = "ppsplit.fp8_grouped_mm.default" if dtype == "bfloat16" else "ppsplit.fp8_expert_weights.default"
+    assert expert_op in ops and "aten._grouped_mm.default" not in ops
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).to(getattr(torch, dtype)).eval()
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    tol = 1e-5 if dtype == "float32" else 1e-2  # bfloat16: the unquantised model's split differs from HF's as much
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0].float(), hf(ids).logits.float(), atol=tol, rtol=tol)
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert f"expert stacks) {quant['linears']}" in capsys.readouterr().out.replace("\n", " ")
+
+    # A folder whose expert scales do not cover the stack is refused in one line.
+    program = json.load(open(out / "stage_1.json"))
+    spec = next(t for t in program["tensors"] if t["name"].endswith("layers.3.mlp.experts.down_proj_scale_inv"))
+    spec["shape"][0] -= 1
+    json.dump(program, open(out / "stage_1.json", "w"))
+    code, err = _run(["inspect", str(out)], capsys)
+    assert code == 2 and len(err) == 1 and "down_proj_scale_inv" in err[0] and "needs" in err[0], err
+
+
+def test_fp8_experts_in_partial_blocks_are_dequantised(tmp_path, capsys):
+    """Experts whose dimensions are not whole blocks (64 x 32 weights in 128 x 128 blocks): stacked and
+    concatenated, a block of the stack would hold two experts' blocks with two scales, so the compile dequantises
+    them (counted per stage, shown by inspect) and the rest stays FP8; the logits equal from_pretrained's."""
+    from tests.architectures.test_moe_compile import moe_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(moe_config("qwen3_moe")).eval()
+    ckpt = write_quantized(tmp_path / "moe", "fp8", model)
     out = tmp_path / "moe-pp2"
     assert main(["compile", str(ckpt), "--pp", "2", "-o", str(out)]) == 0
     quant = json.load(open(out / "manifest.json"))["quantization"]
-    assert all(n > 0 for n in quant["linears"]) and all(n > 0 for n in quant["dequantized"]), quant
+    assert quant["dequantized"] == [4, 4] and quant["linears"] == [8, 8], quant  # 2 stacks and 4 linears a layer
+    with safe_open(str(out / "stage_1.safetensors"), "pt") as f:
+        assert f.get_slice("model.layers.3.mlp.experts.gate_up_proj").get_dtype() == "F32"
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     split = ppsplit.load(str(out))
     ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
@@ -394,6 +466,59 @@ def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype, config)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(got.double(), ref, atol=tol * math.sqrt(k), rtol=tol)
     assert not fp8_usable(x, q, 96) or 96 >= k  # a k-block a 128-wide tile would straddle takes the torch path
+
+
+def _experts(e, n, k, bn, bk, seed):
+    """``e`` random experts [n, k] quantised in [bn, bk] blocks by the test's own quantiser: (FP8 stack, scales)."""
+    torch.manual_seed(seed)
+    pairs = [quantize_blocks(torch.randn(n, k) * 2, bn, bk) for _ in range(e)]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+def _grouped_reference(x, q, scale, counts, bn, bk):
+    """fp64: each expert's rows (``counts`` of them, in order) times its own dequantised weight, transposed."""
+    rows = torch.split(x.double(), counts)
+    return torch.cat([r @ reference_dequant(q[i], scale[i], bn, bk).T for i, r in enumerate(rows)])
+
+
+@pytest.mark.parametrize("e,n,k,bn,bk,counts", [(4, 64, 96, 32, 32, [2, 0, 3, 2]), (3, 200, 300, 128, 128, [17, 1, 0]),
+                                                (5, 40, 64, 16, 64, [1, 1, 1, 1, 40]), (2, 48, 256, 1, 256, [3, 5]),
+                                                (3, 64, 128, 64, 128, [0, 0, 0])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_fp8_grouped_kernel_equals_fp64_reference(e, n, k, bn, bk, counts, dtype):
+    """The grouped FP8 kernel of MoE experts under TRITON_INTERPRET=1 (conftest): rows sorted by expert, an expert
+    no row chose (nothing written for it), one with more rows than a tile (several row tiles), partial last scale
+    blocks (200 x 300 in 128-blocks), per-channel scales, 16-wide k-blocks (a 16-column tile), and no rows at all."""
+    from ppsplit.triton_kernels.fp8 import fp8_grouped_usable, launch_fp8_grouped_mm
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU tensors, which needs TRITON_INTERPRET=1 (conftest)")
+    q, scale = _experts(e, n, k, bn, bk, seed=n + k)
+    x = torch.randn(sum(counts), k).to(dtype)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    assert fp8_grouped_usable(x, q, bk)
+    got = launch_fp8_grouped_mm(x, q, scale, offs, bn, bk)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.double(), _grouped_reference(x, q, scale, counts, bn, bk),
+                               atol=tol * math.sqrt(k), rtol=tol)
+
+
+def test_fp8_expert_ops_torch_path_equals_fp64_reference():
+    """The torch paths the CPU stages run: ``fp8_grouped_mm`` (dequantise, then ``torch._grouped_mm``) and
+    ``fp8_expert_weights`` (the routed experts' weights, dequantised) against the fp64 reference, on experts with
+    partial last blocks."""
+    from ppsplit.triton_kernels.fp8 import fp8_expert_weights, fp8_grouped_mm
+
+    q, scale = _experts(3, 40, 72, 16, 32, seed=3)
+    counts = [4, 0, 3]
+    x = torch.randn(sum(counts), 72)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    torch.testing.assert_close(fp8_grouped_mm(x, q, scale, offs, 16, 32).double(),
+                               _grouped_reference(x, q, scale, counts, 16, 32), atol=1e-4, rtol=1e-5)
+    ids = torch.tensor([2, 0, 2, 1])
+    want = torch.stack([reference_dequant(q[i], scale[i], 16, 32) for i in ids.tolist()])
+    got = fp8_expert_weights(q, scale, ids, 16, 32, torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, want.float())  # one rounding of an exact product
 
 
 def w8a8_inputs(m, k, dtype, device="cpu"):
@@ -455,6 +580,34 @@ def test_w8a8_kernel_on_gpu_equals_torch_quantisation(m):
     got = launch_fp8_linear(x.cuda(), q.cuda(), scale.cuda(), None, 128, 128, w8a8=True).double().cpu()
     assert not got.isnan().any()
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_grouped_kernel_on_gpu_equals_reference_and_replays_any_routing():
+    """bf16 on the GPU, 128-blocks, 8 experts: the grouped kernel against the fp64 reference, then captured in a
+    CUDA graph once and replayed with two other routings (its row ranges are read on the device)."""
+    from ppsplit.triton_kernels.fp8 import fp8_grouped_mm
+
+    q, scale = _experts(8, 384, 512, 128, 128, seed=8)
+    q, scale = q.cuda(), scale.cuda()
+    x = torch.randn(24, 512, device="cuda").to(torch.bfloat16)
+    offs = torch.zeros(8, dtype=torch.int32, device="cuda")
+    routings = [[3, 0, 5, 1, 0, 0, 15, 0], [0, 24, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 3, 0]]
+
+    def check(y, counts):
+        ref = _grouped_reference(x.cpu(), q.cpu(), scale.cpu(), counts, 128, 128)
+        torch.testing.assert_close(y.double().cpu(), ref, atol=0.05 * math.sqrt(512) / 4, rtol=1e-2)
+
+    offs.copy_(torch.tensor(routings[0]).cumsum(0))
+    check(fp8_grouped_mm(x, q, scale, offs, 128, 128), routings[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp8_grouped_mm(x, q, scale, offs, 128, 128)
+    for counts in routings[1:]:
+        offs.copy_(torch.tensor(counts).cumsum(0))
+        graph.replay()
+        check(y, counts)
 
 
 @pytest.mark.gpu
