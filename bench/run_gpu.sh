@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one device call: install ppsplit there (no network: no build isolation,
 # no dependencies), run the GPU tests, then the benchmarks. Logs go to $OUT.
 #   bash bench/run_gpu.sh [tests] [kernel] [anchor] [pipeline] [backend] [eagle3] [balance] [pipeline_mp]
-#                         [ragged] [ragged_sweep] [fp8] [fp8_sweep] [fp8_experts] [peer_decode]
+#                         [ragged] [ragged_sweep] [fp8] [fp8_sweep] [experts] [peer_decode]
 #                         [peer_decode_compiled] [peer_prefill] [fused_compile] [illegal_access]
 #   (default: the first four)
 # GPU_TESTS: what `tests` runs (default: the whole suite's gpu-marked tests); STEP_TIMEOUT: seconds each step may run
@@ -40,7 +40,7 @@ run_step() {
     fp8)      python3 bench/fp8.py --layers ${FP8_LAYERS:-32} --profile ${FP8_ARGS:-} \
                 $( [ -f "$TILES" ] && echo --tiles "$TILES" ) \
                 $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 | tee "$OUT/fp8.txt" ;;
-    fp8_experts) python3 bench/fp8_experts.py 2>&1 | tee "$OUT/fp8_experts.txt" ;;   # issue 31: FP8 MoE experts
+    experts)  python3 bench/experts.py 2>&1 | tee "$OUT/experts.txt" ;;   # issue 31: FP8 and MXFP4 MoE experts
     fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1} --save-tiles "$TILES" \
                  $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 \
                  | tee "$OUT/fp8_sweep.txt" ;;

@@ -81,6 +81,29 @@ def attention_rows() -> dict:
     }
 
 
+def expert_rows() -> dict:
+    """The MoE expert kernels' loops, per 16 bytes of stored weights: FP8 experts of DeepSeek-V3's gate_up
+    ([4096, 7168], 128-blocks) and gpt-oss-120b's MXFP4 gate_up ([5760, 2880]: half a byte a value, a scale byte
+    per 32), 8 rows an expert (a decode step's tile). A loop step streams ``BLOCK_N x BLOCK_K`` weights."""
+    from ppsplit.triton_kernels.fp8 import launch_fp8_grouped_mm
+    from ppsplit.triton_kernels.mxfp4 import launch_mxfp4_grouped_mm
+
+    ends = torch.arange(8, 65, 8, dtype=torch.int32)
+    x8, w8, s8 = (torch.randn(64, 7168, dtype=torch.bfloat16), torch.zeros(8, 4096, 7168, dtype=torch.float8_e4m3fn),
+                  torch.ones(8, 32, 56))
+    x4 = torch.randn(64, 2880, dtype=torch.bfloat16)
+    b4, s4 = torch.zeros(8, 5760, 90, 16, dtype=torch.uint8), torch.zeros(8, 5760, 90, dtype=torch.uint8)
+    return {
+        "FP8 grouped experts (16, 64, 4, 3)": (lambda: launch_fp8_grouped_mm(x8, w8, s8, ends, 128, 128),
+                                              64 * 128 / 4),
+        **{f"MXFP4 grouped experts {cfg}{'' if mx else ', own decode'}": (
+            lambda cfg=cfg, mx=mx: launch_mxfp4_grouped_mm(x4, b4, s4, ends, config=cfg, dot_scaled=mx),
+            cfg[1] * (cfg[2] // 2 + cfg[2] // 32) / cfg[3])
+           for cfg, mx in (((16, 64, 64, 4, 2), False), ((16, 64, 64, 4, 2), True), ((16, 64, 128, 4, 2), True),
+                           ((16, 128, 128, 4, 2), True), ((16, 128, 256, 8, 2), True))},
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=28672)
@@ -105,6 +128,7 @@ def main():
            for cfg in ((64, 128, 4, 3, 1), (128, 128, 4, 3, 1), (256, 128, 8, 3, 1))},
     }
     rows.update(attention_rows())
+    rows.update(expert_rows())
     print(f"[{n} x {k}] weights, compiled for sm_90 (triton {triton.__version__}); attention: Llama-3.1-8B's heads")
     print(f"{'kernel, tiles':<40} {'regs':>4} {'local':>5} {'loop':>5} {'bytes':>6} {'per 16 B':>8} {'of issue':>8}")
     for name, (launch, step_bytes) in rows.items():

@@ -13,6 +13,11 @@ one the pass rewrites becomes an FP8 parameter, its scale a new parameter beside
 
 A weight read by anything else (a tied embedding) is left in the model dtype and reported: the compile dequantises
 it.
+
+``quantize_mxfp4_experts`` does the same for MXFP4 experts (gpt-oss), whose stage parameter ``[E, K, N]`` (the
+transformers layout, each expert transposed) is replaced by the stored ``<name>_blocks`` and ``<name>_scales``:
+``_grouped_mm(x, w, offs)`` becomes ``mxfp4_grouped_mm(x, blocks, scales, offs)`` and ``w[ids]``
+``mxfp4_expert_weights(blocks, scales, ids, dtype)``.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import torch
 from torch import fx
 
 import ppsplit.triton_kernels.fp8  # noqa: F401  (registers torch.ops.ppsplit.fp8_linear and the expert ops)
+import ppsplit.triton_kernels.mxfp4  # noqa: F401  (registers torch.ops.ppsplit.mxfp4_*)
 from ppsplit.core.fx_utils import get_tensor, set_tensor
 from ppsplit.passes.rewrites.projections import match_projection
 from ppsplit.triton_kernels.fp8 import FP8_DTYPE
@@ -92,6 +98,91 @@ def runs_fp8(node: fx.Node, dims: int) -> bool:
     return _rewrites(node, dims) is not None
 
 
+@dataclass(frozen=True)
+class Mxfp4Experts:
+    blocks: str                # the stored blocks' tensor name in the stage, [E, N, K/32, 16] uint8
+    blocks_shape: tuple[int, ...]
+    scales: str                # ... and the scales', [E, N, K/32] uint8
+
+
+def quantize_mxfp4_experts(stage: fx.GraphModule, experts: dict[str, Mxfp4Experts]) -> Quantized:
+    """Replace each MXFP4 expert stack of ``experts`` (``{parameter name: Mxfp4Experts}``) whose every reader the
+    pass rewrites by its stored blocks and scales (see the module docstring), in place. Returns what it did."""
+    graph = stage.graph
+    done, left = [], []
+    for node in list(graph.find_nodes(op="get_attr")):
+        q = experts.get(node.target)
+        if q is None:
+            continue
+        rewrites = _mxfp4_readers(node)
+        if rewrites is None:
+            left.append(node.target)
+            continue
+        for name, shape in ((q.blocks, q.blocks_shape), (q.scales, q.blocks_shape[:-1])):
+            set_tensor(stage, name, torch.empty(shape, dtype=torch.uint8, device="meta"), parameter=True,
+                       persistent=True)
+        with graph.inserting_after(node):
+            blocks = graph.get_attr(q.blocks)
+        with graph.inserting_after(blocks):
+            scales = graph.get_attr(q.scales)
+        for old, op, args in rewrites:
+            with graph.inserting_before(old):
+                new = graph.call_function(op, tuple(blocks if a is _WEIGHT else scales if a is _SCALE else a
+                                                    for a in args))
+            new.meta.update({k: v for k, v in old.meta.items() if k in ("val", "tensor_meta", "nn_module_stack",
+                                                                        "ppsplit.layer")})
+            old.replace_all_uses_with(new)
+            graph.erase_node(old)
+        graph.erase_node(node)
+        path, _, leaf = node.target.rpartition(".")
+        delattr(stage.get_submodule(path), leaf)  # the dequantised stack is no tensor of the stage any more
+        done.append(node.target)
+    graph.lint()
+    stage.recompile()
+    return Quantized(tuple(done), tuple(left))
+
+
+def runs_mxfp4(node: fx.Node) -> bool:
+    """Whether ``quantize_mxfp4_experts`` keeps the MXFP4 experts ``node`` reads as stored (the plan asks)."""
+    return _mxfp4_readers(node) is not None
+
+
+def _mxfp4_readers(node: fx.Node) -> list | None:
+    """``[(node to replace, op, args)]`` for an ``[E, K, N]`` stack read only by grouped products over it or by
+    indexing with the routed ids, else None."""
+    rewrites = []
+    for user in node.users:
+        ids = _routed_ids(user, node)
+        if ids is not None:
+            rewrites.append((user, torch.ops.ppsplit.mxfp4_expert_weights.default,
+                             (_WEIGHT, _SCALE, ids, user.meta["val"].dtype)))
+            continue
+        mm = _grouped_mm(user, node)
+        if mm is None:
+            return None
+        rewrites.append((user, torch.ops.ppsplit.mxfp4_grouped_mm.default, (mm["x"], _WEIGHT, _SCALE, mm["offs"])))
+    return rewrites or None
+
+
+def _routed_ids(user: fx.Node, stack: fx.Node) -> fx.Node | None:
+    """``ids`` where ``user`` is ``stack[ids]`` (the experts of each routed pair), else None."""
+    if user.target == torch.ops.aten.index.Tensor and user.args[0] is stack and len(user.args[1]) == 1 \
+            and isinstance(user.args[1][0], fx.Node):
+        return user.args[1][0]
+    return None
+
+
+def _grouped_mm(user: fx.Node, weight: fx.Node) -> dict | None:
+    """The arguments of ``user`` where it is ``torch._grouped_mm(x, weight, offs)`` with no bias or output dtype,
+    else None."""
+    args = dict(zip(("x", "w", "offs", "bias", "out_dtype"), user.args)) | user.kwargs
+    if user.target != torch.ops.aten._grouped_mm.default or args.get("w") is not weight \
+            or not isinstance(args.get("offs"), fx.Node) or args.get("bias") is not None \
+            or args.get("out_dtype") is not None:
+        return None
+    return args
+
+
 def _rewrites(node: fx.Node, dims: int) -> list | None:
     return _expert_readers(node) if dims == 3 else _projections(node) if dims == 2 else None
 
@@ -113,21 +204,18 @@ def _expert_readers(node: fx.Node) -> list | None:
     indexing with the routed ids (see the module docstring), else None."""
     rewrites = []
     for user in node.users:
-        if user.target == torch.ops.aten.index.Tensor and user.args[0] is node and len(user.args[1]) == 1 \
-                and isinstance(user.args[1][0], fx.Node):
-            rewrites.append((user, torch.ops.ppsplit.fp8_expert_weights.default,
-                             (_WEIGHT, _SCALE, user.args[1][0]), None))
+        ids = _routed_ids(user, node)
+        if ids is not None:
+            rewrites.append((user, torch.ops.ppsplit.fp8_expert_weights.default, (_WEIGHT, _SCALE, ids), None))
             continue
         if user.target != torch.ops.aten.transpose.int or user.args[0] is not node \
                 or sorted(d % 3 for d in user.args[1:]) != [1, 2] or not user.users:
             return None
-        for mm in user.users:
-            args = dict(zip(("x", "w", "offs", "bias", "out_dtype"), mm.args)) | mm.kwargs
-            if mm.target != torch.ops.aten._grouped_mm.default or args.get("w") is not user \
-                    or not isinstance(args.get("offs"), fx.Node) or args.get("bias") is not None \
-                    or args.get("out_dtype") is not None:
+        for product in user.users:
+            mm = _grouped_mm(product, user)
+            if mm is None:
                 return None
-            rewrites.append((mm, torch.ops.ppsplit.fp8_grouped_mm.default, (args["x"], _WEIGHT, _SCALE, args["offs"]),
+            rewrites.append((product, torch.ops.ppsplit.fp8_grouped_mm.default, (mm["x"], _WEIGHT, _SCALE, mm["offs"]),
                              user))
     return rewrites or None
 

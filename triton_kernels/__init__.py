@@ -12,3 +12,4 @@ from ppsplit.triton_kernels.cache import cache_write  # noqa: F401,E402
 from ppsplit.triton_kernels.paged import paged_attention, paged_conv1d, paged_write, slot_mapping  # noqa: F401,E402
 from ppsplit.triton_kernels.fp8 import fp8_linear  # noqa: F401,E402
 from ppsplit.triton_kernels.pointwise import rope, silu_mul  # noqa: F401,E402
+from ppsplit.triton_kernels.mxfp4 import mxfp4_grouped_mm  # noqa: F401,E402

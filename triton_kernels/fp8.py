@@ -260,7 +260,7 @@ if HAVE_TRITON:
         start = tl.where(e > 0, start, 0)
         end = tl.load(OFFS + e)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_cols = W + e.to(tl.int64) * stride_we + rn[None, :].to(tl.int64) * stride_wn
+        w_cols = W + e.to(tl.int64) * stride_we + rn[None, :] * stride_wn  # 32-bit offsets in an expert
         s_cols = S + e * stride_se + (rn // QN) * GK
         for m0 in range(start, end, BLOCK_M):
             rm = m0 + tl.arange(0, BLOCK_M)
@@ -288,10 +288,12 @@ def grouped_tile_k(block_k: int, k: int) -> int | None:
 
 
 def fp8_grouped_usable(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
-    """Whether the Triton grouped kernel serves this call: an ``[E, N, K]`` FP8 stack with unit stride along K, a
-    float ``x``, and k-blocks a tile of at least 16 columns fits inside."""
+    """Whether the Triton grouped kernel serves this call: an ``[E, N, K]`` FP8 stack with unit stride along K (and
+    under 2**31 values an expert: the kernel's offsets in an expert are 32-bit), a float ``x``, and k-blocks a tile
+    of at least 16 columns fits inside."""
     return (weight.dim() == 3 and weight.dtype == FP8_DTYPE and weight.stride(2) == 1
             and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and weight.stride(1) * weight.shape[1] < 2 ** 31
             and grouped_tile_k(block_k, weight.shape[2]) is not None)
 
 

@@ -194,7 +194,7 @@ class CompiledFolder:
             graph = graph_from_json(data.get("program"), set(names))
         except ProgramError as e:
             raise FolderError(f"{where}: {e}; compile the folder again") from None
-        _check_fp8(graph, {t.name: t for t in tensors}, self.manifest.quantization, where)
+        _check_quantized(graph, {t.name: t for t in tensors}, self.manifest.quantization, where)
         return StageProgram(k, tensors, graph)
 
     def check_weights(self, program: StageProgram) -> None:
@@ -338,10 +338,10 @@ _FP8_READERS = {"ppsplit::fp8_linear": (1, 2, 4, 5, 2),          # (x, weight, s
                 "ppsplit::fp8_expert_weights": (0, 1, 3, 4, 3)}  # (experts, scale, ids, block_n, block_k, dtype)
 
 
-def _check_fp8(graph, specs: dict, quantization: Quantization | None, where: str) -> None:
+def _check_quantized(graph, specs: dict, quantization: Quantization | None, where: str) -> None:
     """FP8 tensors are read only as the weights of ppsplit's FP8 ops (``_FP8_READERS``), each with a float scale of
     one value per block (per expert, for a stack of experts), and only in a folder whose manifest records its
-    quantization."""
+    quantization; MXFP4 experts' blocks and scales agree (``_check_mxfp4``)."""
     import math
 
     from ppsplit.triton_kernels.fp8 import scale_grid
@@ -355,6 +355,8 @@ def _check_fp8(graph, specs: dict, quantization: Quantization | None, where: str
         if node.op == "get_attr" and node.target in fp8:
             readers[node.target] = node
         op = _op_name(node)
+        if op in _MXFP4_READERS:
+            _check_mxfp4(node, [node.args[i] for i in _MXFP4_READERS[op]], specs, where)
         if op not in _FP8_READERS:
             continue
         w_at, s_at, bn_at, bk_at, dims = _FP8_READERS[op]
@@ -378,6 +380,19 @@ def _check_fp8(graph, specs: dict, quantization: Quantization | None, where: str
                for u in attr.users):
             raise FolderError(f"{where}: FP8 tensor {name} is read by something other than ppsplit's FP8 ops as "
                               "their weight; compile the folder again")
+
+
+_MXFP4_READERS = {"ppsplit::mxfp4_grouped_mm": (1, 2), "ppsplit::mxfp4_expert_weights": (0, 1)}  # blocks, scales
+
+
+def _check_mxfp4(node, args: list, specs: dict, where: str) -> None:
+    """MXFP4 experts are stored uint8 blocks ``[E, N, G, 16]`` and uint8 scales ``[E, N, G]``."""
+    names = [a.target if getattr(a, "op", None) == "get_attr" else None for a in args]
+    blocks, scales = (specs.get(n) for n in names)
+    if blocks is None or scales is None or blocks.dtype != "uint8" or scales.dtype != "uint8" \
+            or len(blocks.shape) != 4 or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise FolderError(f"{where}: {node.name} must read stored MXFP4 experts, uint8 blocks [E, N, G, 16] and uint8 "
+                          f"scales [E, N, G]; compile the folder again")
 
 
 def _op_name(node) -> str | None:

@@ -104,6 +104,11 @@ class Sources:
             self.groups[renamed] = Group(renamed, [renamed], meta[renamed].dtype, None,
                                          [(key, None), (self.scales[key], None)])
 
+    def is_mxfp4(self, group: Group) -> bool:
+        """Whether ``group`` makes MXFP4 experts of their ``_blocks`` and ``_scales``."""
+        return self.scheme is not None and self.scheme.method == "mxfp4" and group.converter is None \
+            and len(group.sources) == 2 and group.sources[0][0] in self.scales
+
     def group_of(self, name: str) -> Group | None:
         first = self.producer.get(name)
         return self.groups[first] if first is not None else None
@@ -137,7 +142,7 @@ class Sources:
     def add_scales(self, group: Group, name: str) -> Group:
         """The group of the scales of FP8 stack ``group`` (``stored_block``), as stage tensor ``name``: the same
         conversion over each weight's scale (fp32 for E8M0 exponents)."""
-        dtype = self._scale_dtype(self.scales[group.sources[0][0]])
+        dtype = self._stored_dtype(self.scales[group.sources[0][0]])
         self.groups[name] = Group(name, [name], dtype, group.converter,
                                   [(self.scales[k], pattern) for k, pattern in group.sources], scales_of=group.first)
         self.producer[name] = name
@@ -145,7 +150,7 @@ class Sources:
 
     def run(self, group: Group) -> dict[str, torch.Tensor]:
         """Read ``group``'s source tensors and apply transformers' conversion: ``{target name: tensor}``."""
-        if group.converter is None and len(group.sources) == 2:  # MXFP4 blocks + scales
+        if self.is_mxfp4(group):  # dequantised: the stage did not keep them as stored
             blocks, scales = (read_tensor(self.checkpoint, k) for k, _ in group.sources)
             return {group.first: dequantize_mxfp4(blocks, scales, group.dtype)}
         if group.converter is None:
@@ -191,13 +196,14 @@ class Sources:
         return dequantized(t, self.read(scale, torch.float32), self.scheme, dtype)
 
     def add_plain(self, name: str, key: str) -> None:
-        """A stage tensor read from checkpoint ``key`` that the model skeleton does not have (a scale): as stored, or
-        fp32 for E8M0 exponents (the FP8 kernels read float scales; a power of two is exact in fp32)."""
-        self.groups[name] = Group(name, [name], self._scale_dtype(key), None, [(key, None)])
+        """A stage tensor read from checkpoint ``key`` that the model skeleton does not have (a scale, MXFP4 blocks):
+        as stored, or fp32 for E8M0 exponent scales of FP8 (the FP8 kernels read float scales; a power of two is
+        exact in fp32)."""
+        self.groups[name] = Group(name, [name], self._stored_dtype(key), None, [(key, None)])
         self.producer[name] = name
 
-    def _scale_dtype(self, key: str) -> torch.dtype:
-        """What a stage holds scale ``key`` in: as stored, or fp32 for E8M0 exponents."""
+    def _stored_dtype(self, key: str) -> torch.dtype:
+        """What a stage holds plain tensor ``key`` in: as stored, or fp32 for E8M0 exponent scales."""
         raw = self.checkpoint.raw_range(key).dtype
         return torch.float32 if self._exponents(raw) else _TORCH_DTYPES[raw]
 

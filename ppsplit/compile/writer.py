@@ -216,34 +216,21 @@ def planned(model_obj, sources: Sources, options: SplitOptions):
 
 
 def _stored_costs(traced, sources: Sources):
-    """The trace's costs with each weight that will run on FP8 (``runs_fp8``) counted as stored (its FP8 bytes and
-    its scale), not in the model dtype; attributed to its decoder layer by name (``<layers>.<i>.``), else to the
-    head."""
-    from ppsplit.passes.quantize import runs_fp8
-
+    """The trace's costs with each weight the stages will keep quantised counted as stored (``_stored_bytes``), not
+    in the model dtype; attributed to its decoder layer by name (``<layers>.<i>.``), else to the head."""
     costs = traced.costs
     prefix = traced.layers.fqn + "."
     layers, head = list(costs.layer_bytes), costs.head_bytes
-    checkpoint = sources.checkpoint
     gm = traced.traced.gm
-    readers = {node.target: node for node in gm.graph.find_nodes(op="get_attr")}
-    for name, p in gm.named_parameters():
-        if name not in readers or not runs_fp8(readers[name], p.dim()):
+    for node in gm.graph.find_nodes(op="get_attr"):
+        p = getattr(gm.get_submodule(node.target.rpartition(".")[0]), node.target.rpartition(".")[2])
+        group = sources.group_of(node.target)
+        stored = None if group is None or not isinstance(p, torch.nn.Parameter) else \
+            _stored_bytes(node, p, group, sources)
+        if stored is None:
             continue
-        group = sources.group_of(name)
-        key = group is not None and sources.plain_source(group)
-        if key and key in sources.scales:
-            keys = [key]
-        elif group is not None and p.dim() == 3 and sources.stored_block(group) is not None:
-            keys = [k for k, _ in group.sources]  # an FP8 stack of experts
-        else:
-            continue
-        stored = 0
-        for k in keys:
-            scale = checkpoint.raw_range(sources.scales[k])
-            stored += checkpoint.raw_range(k).nbytes + scale.nbytes * (4 if is_exponents(scale.dtype) else 1)
-        delta = stored - p.numel() * p.element_size()  # (exponents are held as fp32)
-        index = name[len(prefix):].split(".")[0] if name.startswith(prefix) else ""
+        delta = stored - p.numel() * p.element_size()
+        index = node.target[len(prefix):].split(".")[0] if node.target.startswith(prefix) else ""
         if index.isdigit() and int(index) < len(layers):
             layers[int(index)] += delta
         else:
@@ -251,11 +238,38 @@ def _stored_costs(traced, sources: Sources):
     return dataclasses.replace(costs, layer_bytes=tuple(layers), head_bytes=head)
 
 
+def _stored_bytes(node: fx.Node, p: torch.Tensor, group, sources: Sources) -> int | None:
+    """The bytes parameter ``p`` (read by ``node``) will be held in when the stage keeps it quantised: an FP8
+    weight or stack of experts with its scales (E8M0 exponents held as fp32), MXFP4 experts' blocks and scales;
+    ``None`` for a weight held in the model dtype (the quantize pass would leave it)."""
+    from ppsplit.passes.quantize import runs_fp8, runs_mxfp4
+
+    checkpoint = sources.checkpoint
+    if sources.is_mxfp4(group):
+        return sum(checkpoint.raw_range(k).nbytes for k, _ in group.sources) if runs_mxfp4(node) else None
+    key = sources.plain_source(group)
+    if key and key in sources.scales:
+        keys = [key]
+    elif p.dim() == 3 and sources.stored_block(group) is not None:
+        keys = [k for k, _ in group.sources]  # an FP8 stack of experts
+    else:
+        return None
+    if not runs_fp8(node, p.dim()):
+        return None
+    stored = 0
+    for k in keys:
+        scale = checkpoint.raw_range(sources.scales[k])
+        stored += checkpoint.raw_range(k).nbytes + scale.nbytes * (4 if is_exponents(scale.dtype) else 1)
+    return stored
+
+
 def _quantize(stage: fx.GraphModule, sources: Sources):
     """Stage linears over the checkpoint's FP8 weights run on them as stored (``ppsplit.passes.quantize``)."""
     from ppsplit.passes.quantize import QuantizedWeight, quantize_linears
 
     scheme: Scheme = sources.scheme
+    if scheme.method == "mxfp4":
+        return _keep_mxfp4(stage, sources)
     weights, stacks = {}, {}
     for name, t in stage.named_parameters(remove_duplicate=False):
         group = sources.group_of(name)
@@ -280,15 +294,32 @@ def _quantize(stage: fx.GraphModule, sources: Sources):
     return done
 
 
+def _keep_mxfp4(stage: fx.GraphModule, sources: Sources):
+    """MXFP4 experts run on their blocks and scales as stored (``ppsplit.passes.quantize.quantize_mxfp4_experts``)."""
+    from ppsplit.passes.quantize import Mxfp4Experts, quantize_mxfp4_experts
+
+    experts = {}
+    for name, t in stage.named_parameters(remove_duplicate=False):
+        group = sources.group_of(name)
+        if group is None or not sources.is_mxfp4(group):
+            continue
+        (blocks_key, _), (scales_key, _) = group.sources
+        sources.add_plain(f"{name}_blocks", blocks_key)
+        sources.add_plain(f"{name}_scales", scales_key)
+        experts[name] = Mxfp4Experts(f"{name}_blocks", tuple(sources.checkpoint.raw_range(blocks_key).shape),
+                                     f"{name}_scales")
+    return quantize_mxfp4_experts(stage, experts)
+
+
 def _quantization(scheme: Scheme, fp8: list, stage_specs: list, sources: Sources) -> Quantization:
-    """The manifest's record: per stage, the linears on FP8 weights and the tensors dequantised at compile."""
+    """The manifest's record: per stage, the weights kept quantised and the tensors dequantised at compile."""
     dequantized = []
     for specs in stage_specs:
         count = 0
         for s in specs:
             keys = [s["source"]] if s.get("source") else \
                 [k for k, _ in sources.groups[s["convert"]].sources] if s.get("convert") else []
-            count += s["dtype"] != "float8_e4m3fn" and any(k in sources.scales for k in keys)
+            count += s["dtype"] in MODEL_DTYPES and any(k in sources.scales for k in keys)
         dequantized.append(count)
     return Quantization(scheme.method, scheme.scheme, scheme.block, linears=tuple(len(q.fp8) for q in fp8),
                         dequantized=tuple(dequantized))

@@ -23,7 +23,7 @@ SCALE_DTYPES = ("float32", "bfloat16", "float16")
 def describe_supported() -> str:
     return ("block-scaled FP8 (quant_method 'fp8', float8_e4m3fn weights with weight_scale_inv, float or ue8m0 "
             "scales, dynamic activations), compressed-tensors FP8 (format 'float-quantized', channel or tensor weight "
-            "scales) and MXFP4 experts (quant_method 'mxfp4', dequantised at compile)")
+            "scales) and MXFP4 experts (quant_method 'mxfp4')")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,6 @@ class Quantization:
 
     def describe(self) -> str:
         if self.method == "mxfp4":
-            return "mxfp4 experts (*_blocks + *_scales) dequantised to the model dtype at compile, at its full size"
+            return "mxfp4 experts (*_blocks + *_scales) as stored, decoded in the expert kernels"
         how = f"{self.block[0]}x{self.block[1]} blocks" if self.scheme == "block" else f"per-{self.scheme} scales"
         return f"{self.method} {self.weight_dtype} weights, {how}, weight-only (activations in the model dtype)"

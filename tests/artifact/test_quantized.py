@@ -611,6 +611,44 @@ def test_fp8_grouped_kernel_on_gpu_equals_reference_and_replays_any_routing():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dot_scaled", [True, False])
+def test_mxfp4_grouped_kernel_on_gpu_equals_reference_and_replays_any_routing(dot_scaled):
+    """bf16 on the GPU, gpt-oss's 2880 inputs (90 groups of 32), 8 experts: the MXFP4 kernel (through
+    ``tl.dot_scaled``, and decoding the nibbles itself) against transformers' dequantisation in fp64, then captured
+    once and replayed with other routings."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from ppsplit.triton_kernels.mxfp4 import launch_mxfp4_grouped_mm
+
+    gen = torch.Generator().manual_seed(4)
+    blocks = torch.randint(0, 256, (8, 320, 90, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(118, 126, (8, 320, 90), generator=gen, dtype=torch.uint8)
+    weights = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).double()  # [E, K, N]
+    x = torch.randn(24, 2880, generator=gen).to(torch.bfloat16).cuda()
+    blocks, scales = blocks.cuda(), scales.cuda()
+    offs = torch.zeros(8, dtype=torch.int32, device="cuda")
+    routings = [[3, 0, 5, 1, 0, 0, 15, 0], [0, 24, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 3, 0]]
+
+    def check(y, counts):
+        want = torch.cat([r @ weights[i] for i, r in enumerate(torch.split(x.double().cpu(), counts))])
+        torch.testing.assert_close(y.double().cpu(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+    def run():
+        return launch_mxfp4_grouped_mm(x, blocks, scales, offs, dot_scaled=dot_scaled)
+
+    offs.copy_(torch.tensor(routings[0]).cumsum(0))
+    check(run(), routings[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = run()
+    for counts in routings[1:]:
+        offs.copy_(torch.tensor(counts).cumsum(0))
+        graph.replay()
+        check(y, counts)
+
+
+@pytest.mark.gpu
 def test_fp8_stage_on_cuda_equals_reference_and_captures(fp8_folder):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -664,14 +702,13 @@ def test_plan_command_counts_fp8_bytes_as_compile_does(fp8_checkpoint, fp8_folde
     assert compiled["stages"][1]["bytes"] < 0.3 * 4 * compiled["stages"][1]["params"]  # FP8, not the fp32 skeleton
 
 
-def test_mxfp4_experts_compile_dequantised_and_equal_hf(tmp_path, capsys):
-    """gpt-oss with MXFP4 experts (``*_blocks`` U8 [E, N, K/32, 16] + ``*_scales`` E8M0 [E, N, K/32]): compile
-    dequantises them to the model dtype (stated in inspect); logits equal from_pretrained's own dequantisation."""
+def write_mxfp4(folder):
+    """Tiny gpt-oss saved with MXFP4 experts (``*_blocks`` U8 [E, N, K/32, 16] + ``*_scales`` E8M0 [E, N, K/32],
+    random bytes and exponents) and quant_method "mxfp4", as gpt-oss ships."""
     from tests.architectures.test_moe_compile import moe_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(moe_config("gpt_oss")).eval()
-    folder = tmp_path / "gpt-oss-mxfp4"
     model.save_pretrained(folder)
     tensors = load_file(folder / "model.safetensors")
     gen = torch.Generator().manual_seed(1)
@@ -684,17 +721,103 @@ def test_mxfp4_experts_compile_dequantised_and_equal_hf(tmp_path, capsys):
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     json.dump(config, open(folder / "config.json", "w"))
+    return folder
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mxfp4_experts_stay_as_stored_and_equal_hf(dtype, tmp_path, capsys):
+    """gpt-oss's MXFP4 experts: the stage files hold the checkpoint's blocks and scales byte for byte (a quarter of
+    the bf16 bytes, about), the plan counts them so, and the stages run ppsplit's MXFP4 expert ops on them: the
+    grouped product where a bfloat16 compile traced ``_grouped_mm``, the routed experts' weights where a float32 one
+    traced ``batched_mm``. The logits equal transformers' own dequantisation (in bfloat16: its float32 loading cast
+    to bfloat16, whose expert weights are exactly the MXFP4 values)."""
+    from tests.architectures.test_moe_compile import moe_config
+
+    folder = write_mxfp4(tmp_path / "gpt-oss-mxfp4")
     out = tmp_path / "mxfp4-pp2"
-    assert main(["compile", str(folder), "--pp", "2", "-o", str(out)]) == 0
+    assert main(["compile", str(folder), "--pp", "2", "-o", str(out), "--dtype", dtype]) == 0
+    layers = moe_config("gpt_oss").num_hidden_layers
     quant = json.load(open(out / "manifest.json"))["quantization"]
-    assert quant["method"] == "mxfp4" and sum(quant["dequantized"]) == 2 * moe_config("gpt_oss").num_hidden_layers
+    assert quant["method"] == "mxfp4" and sum(quant["dequantized"]) == 0 and sum(quant["linears"]) == 2 * layers
+    source = load_file(folder / "model.safetensors")
+    stages = [load_file(out / f"stage_{k}.safetensors") for k in range(2)]
+    stage = {**stages[0], **stages[1]}
+    for name in [n for n in source if n.endswith(("_blocks", "_scales"))]:
+        assert stage[name].dtype == torch.uint8 and torch.equal(stage[name], source[name]), name
+    assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in stage)
+    packed = sum(t.numel() for n, t in stage.items() if n.endswith(("_blocks", "_scales")))
+    weights = sum(t.numel() * 2 for n, t in stage.items() if n.endswith("_blocks"))  # two values a byte
+    assert packed < 0.27 * 2 * weights  # 17 bytes per 32 values: 27% of them in bf16
+    plan = json.load(open(out / "plan.json"))
+    held = [sum(t.numel() * t.element_size() for t in tensors.values()) for tensors in stages]
+    assert all(abs(p["bytes"] - h) < 0.01 * h for p, h in zip(plan["stages"], held)), (plan["stages"], held)
     capsys.readouterr()
     assert main(["inspect", str(out)]) == 0
-    assert "mxfp4 experts" in capsys.readouterr().out
+    assert "mxfp4 experts (*_blocks + *_scales) as stored" in capsys.readouterr().out
+
+    split = ppsplit.load(str(out))
+    ops = {str(n.target) for s in split.stages for n in s.graph.nodes}
+    assert ("ppsplit.mxfp4_grouped_mm.default" if dtype == "bfloat16" else "ppsplit.mxfp4_expert_weights.default") \
+        in ops and "aten._grouped_mm.default" not in ops
     # transformers' own dequantisation (asked for: with `kernels` installed, 5.25 would fetch a hub kernel instead)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                              quantization_config=Mxfp4Config(dequantize=True)).eval()
-    split = ppsplit.load(str(out))
+                                              quantization_config=Mxfp4Config(dequantize=True))
+    hf = hf.to(getattr(torch, dtype)).eval()
     ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    tol = 1e-4 if dtype == "float32" else 2e-2
     with torch.no_grad():
-        torch.testing.assert_close(split(ids)[0], hf(ids).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(split(ids)[0].float(), hf(ids).logits.float(), atol=tol, rtol=tol)
+
+    # A folder whose blocks and scales disagree is refused in one line.
+    program = json.load(open(out / "stage_0.json"))
+    spec = next(t for t in program["tensors"] if t["name"].endswith("experts.down_proj_scales"))
+    spec["shape"][-1] += 1
+    json.dump(program, open(out / "stage_0.json", "w"))
+    code, err = _run(["inspect", str(out)], capsys)
+    assert code == 2 and len(err) == 1 and "MXFP4 experts" in err[0], err
+
+
+@pytest.mark.parametrize("counts,dtype,dot_scaled", [([2, 0, 3, 2], torch.float32, True),
+                                                     ([17, 1, 0, 4], torch.float16, True),
+                                                     ([17, 1, 0, 4], torch.float16, False),
+                                                     ([0, 0, 0, 0], torch.float16, True)])
+def test_triton_mxfp4_grouped_kernel_equals_reference(counts, dtype, dot_scaled):
+    """The MXFP4 grouped kernel under TRITON_INTERPRET=1 (conftest), through ``tl.dot_scaled`` (fp16 rows) and
+    through its own nibble decoding (fp32 rows, or asked for), against transformers' own
+    ``convert_moe_packed_tensors`` (which also fixes the layout: the low nibble first, the expert transposed) in
+    fp64 products: random bytes (every nibble, both signs), exponents around 127, an expert no row chose, one with
+    more rows than a tile, no rows at all, 100 columns (a partial column tile), 96 inputs (a partial k tile)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from ppsplit.triton_kernels.mxfp4 import launch_mxfp4_grouped_mm, mxfp4_expert_weights
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU tensors, which needs TRITON_INTERPRET=1 (conftest)")
+    gen = torch.Generator().manual_seed(len(counts) + sum(counts))
+    blocks = torch.randint(0, 256, (4, 100, 3, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(120, 132, (4, 100, 3), generator=gen, dtype=torch.uint8)
+    weights = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).double()  # [E, K, N]
+    x = torch.randn(sum(counts), 96, generator=gen).to(dtype)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    got = launch_mxfp4_grouped_mm(x, blocks, scales, offs, dot_scaled=dot_scaled)
+    want = torch.cat([r @ weights[i] for i, r in enumerate(torch.split(x.double(), counts))])
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.double(), want, atol=tol * 16 * math.sqrt(96), rtol=tol)
+    ids = torch.tensor([3, 0, 3])
+    assert torch.equal(mxfp4_expert_weights(blocks, scales, ids, torch.float32).double(), weights[ids])
+
+
+def test_mxfp4_ops_refuse_mismatched_tensors():
+    """The MXFP4 ops check their tensors before any kernel could read past one: scales of another shape, blocks of
+    another dtype, rows of another width."""
+    from ppsplit.triton_kernels.mxfp4 import mxfp4_expert_weights, mxfp4_grouped_mm
+
+    blocks, scales = torch.zeros(2, 8, 2, 16, dtype=torch.uint8), torch.full((2, 8, 2), 127, dtype=torch.uint8)
+    offs = torch.tensor([1, 2], dtype=torch.int32)
+    assert mxfp4_grouped_mm(torch.randn(2, 64), blocks, scales, offs).shape == (2, 8)
+    with pytest.raises(ValueError, match="cannot take rows of 32"):
+        mxfp4_grouped_mm(torch.randn(2, 32), blocks, scales, offs)
+    with pytest.raises(ValueError, match="uint8 scales"):
+        mxfp4_expert_weights(blocks, scales[:, :, :1], torch.tensor([0]), torch.float32)
+    with pytest.raises(ValueError, match="uint8 blocks"):
+        mxfp4_expert_weights(blocks.to(torch.int16), scales, torch.tensor([0]), torch.float32)

@@ -79,6 +79,7 @@ def launches() -> dict:
     from ppsplit.triton_kernels.attention import launch_cache_attention
     from ppsplit.triton_kernels.fp8 import launch_fp8_grouped_mm, launch_fp8_linear
     from ppsplit.triton_kernels.gemv import launch_gemv, pick_config
+    from ppsplit.triton_kernels.mxfp4 import launch_mxfp4_grouped_mm
     from ppsplit.triton_kernels.paged import launch_paged_write
     from ppsplit.triton_kernels.pointwise import launch_rope, launch_rope_write, launch_silu_mul
 
@@ -97,6 +98,9 @@ def launches() -> dict:
     # DeepSeek-V3's routed experts, [2 x 2048, 7168] each (8 of its 256: the count sets no tile); 32 rows routed
     experts, expert_scales = torch.zeros(8, 4096, 7168, dtype=torch.float8_e4m3fn), torch.ones(8, 32, 56)
     routed, ends = torch.randn(32, 7168, dtype=BF16), torch.arange(4, 33, 4, dtype=torch.int32)
+    # gpt-oss-120b's MXFP4 experts, gate_up [5760, 2880] (90 groups of 32), 8 of its 128
+    fp4_blocks, fp4_scales = torch.zeros(8, 5760, 90, 16, dtype=torch.uint8), torch.zeros(8, 5760, 90, dtype=torch.uint8)
+    fp4_rows = torch.randn(32, 2880, dtype=BF16)
     decode = paged_attention_launch([128 + 128 * i for i in range(32)], [1] * 32)
     verify = paged_attention_launch([100, 300, 700, 33], [4] * 4)
     prefill = paged_attention_launch([0], [2048])
@@ -119,6 +123,7 @@ def launches() -> dict:
         "fp8 w8a8, one row": lambda: launch_fp8_linear(x1, w8, s8, None, 128, 128, w8a8=True),
         "fp8 w8a8, 32 rows": lambda: launch_fp8_linear(x32, w8, s8, None, 128, 128, w8a8=True),
         "fp8 grouped experts": lambda: launch_fp8_grouped_mm(routed, experts, expert_scales, ends, 128, 128),
+        "mxfp4 grouped experts": lambda: launch_mxfp4_grouped_mm(fp4_rows, fp4_blocks, fp4_scales, ends),
     }
 
 

@@ -28,3 +28,4 @@ def test_kernels_compile_for_sm90_in_bf16():
         "\n".join(lines) + done.stderr[-3000:]
     assert any(line.startswith("ok rope_write ") for line in lines)
     assert any(line.startswith("ok fp8 grouped experts ") for line in lines)
+    assert any(line.startswith("ok mxfp4 grouped experts ") for line in lines)
