@@ -113,7 +113,8 @@ def launch_mxfp4_grouped_mm(x, blocks, scales, offs, wrap=lambda kernel: kernel,
     wrap(_mxfp4_grouped_kernel)[(e, triton.cdiv(n, bn_))](
         x, blocks, scales, offs, y, n, g * GROUP, x.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0),
         scales.stride(1), y.stride(0), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        MX_FORMAT=_MX_FORMATS.get(x.dtype, "none") if dot_scaled else "none", BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
+        MX_FORMAT=_MX_FORMATS.get(x.dtype, "none") if dot_scaled else "none", BLOCK_M=bm_, BLOCK_N=bn_,
+        BLOCK_K=bk_, num_warps=warps, num_stages=stages)
     return y
 
 

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ppsplit.compile.checkpoint import ST_DTYPES, Checkpoint
-from ppsplit.compile.quantized import dequantize_mxfp4, dequantized, exponent_values, is_exponents, pair_scales
+from ppsplit.compile.quantized import dequantized, exponent_values, is_exponents, mxfp4_as_model_weights, pair_scales
 from ppsplit.core.errors import ConfigError
 
 _TORCH_DTYPES = {v: k for k, v in ST_DTYPES.items()}
@@ -152,7 +152,7 @@ class Sources:
         """Read ``group``'s source tensors and apply transformers' conversion: ``{target name: tensor}``."""
         if self.is_mxfp4(group):  # dequantised: the stage did not keep them as stored
             blocks, scales = (read_tensor(self.checkpoint, k) for k, _ in group.sources)
-            return {group.first: dequantize_mxfp4(blocks, scales, group.dtype)}
+            return {group.first: mxfp4_as_model_weights(blocks, scales, group.dtype)}
         if group.converter is None:
             return {group.first: self.read(group.sources[0][0], group.dtype)}
         if group.scales_of is not None:  # converted under the weights' name, returned under the scales'

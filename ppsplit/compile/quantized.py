@@ -14,6 +14,7 @@ import torch
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.quant import describe_supported
 from ppsplit.triton_kernels.fp8 import dequantize, scale_grid
+from ppsplit.triton_kernels.mxfp4 import dequantize_mxfp4
 
 _SCALE_DTYPES = ("F32", "BF16", "F16")
 _EXPONENT_DTYPES = ("F8_E8M0", "U8")  # scale_fmt "ue8m0": one E8M0 exponent per block, the scale 2 ** (e - 127)
@@ -137,13 +138,11 @@ def _pair_mxfp4(checkpoint) -> dict[str, str]:
     return pairs
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """MXFP4 expert blocks as ``dtype``, exactly as ``from_pretrained`` dequantises them (transformers' own
-    ``convert_moe_packed_tensors``: e2m1 pairs per byte, low nibble first, times 2**(scale - 127), then the
-    expert layout's transpose)."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    return convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+def mxfp4_as_model_weights(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 experts ``[E, N, K/32, 16]`` as the model's ``[E, K, N]`` parameter in ``dtype``: the values transformers'
+    ``convert_moe_packed_tensors`` gives (``ppsplit.triton_kernels.mxfp4.dequantize_mxfp4``), each expert
+    transposed as it transposes them (for experts a stage does not keep as stored)."""
+    return dequantize_mxfp4(blocks, scales, dtype).transpose(-2, -1).contiguous()
 
 
 def check_pair(key: str, shape, scale_key: str, scale, scheme: Scheme) -> None:

@@ -384,7 +384,8 @@ def test_fp8_moe_experts_stay_fp8_through_the_conversions(arch, dtype, block, tm
     stage = {**stages[0], **stages[1]}
     expert_bytes = 0
     for name, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
-        weight, scale = stage[f"model.layers.3.mlp.experts.{name}"], stage[f"model.layers.3.mlp.experts.{name}_scale_inv"]
+        weight = stage[f"model.layers.3.mlp.experts.{name}"]
+        scale = stage[f"model.layers.3.mlp.experts.{name}_scale_inv"]
         assert weight.dtype == FP8 and scale.dtype == torch.float32
         assert torch.equal(weight.view(torch.uint8), _stacked_experts(source, 3, parts, "weight").view(torch.uint8))
         scales = _stacked_experts(source, 3, parts, "weight_scale_inv")

@@ -99,7 +99,8 @@ def launches() -> dict:
     experts, expert_scales = torch.zeros(8, 4096, 7168, dtype=torch.float8_e4m3fn), torch.ones(8, 32, 56)
     routed, ends = torch.randn(32, 7168, dtype=BF16), torch.arange(4, 33, 4, dtype=torch.int32)
     # gpt-oss-120b's MXFP4 experts, gate_up [5760, 2880] (90 groups of 32), 8 of its 128
-    fp4_blocks, fp4_scales = torch.zeros(8, 5760, 90, 16, dtype=torch.uint8), torch.zeros(8, 5760, 90, dtype=torch.uint8)
+    fp4_blocks = torch.zeros(8, 5760, 90, 16, dtype=torch.uint8)
+    fp4_scales = torch.zeros(8, 5760, 90, dtype=torch.uint8)
     fp4_rows = torch.randn(32, 2880, dtype=BF16)
     decode = paged_attention_launch([128 + 128 * i for i in range(32)], [1] * 32)
     verify = paged_attention_launch([100, 300, 700, 33], [4] * 4)
