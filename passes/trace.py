@@ -26,6 +26,7 @@ from ppsplit.core.errors import ConfigError, TraceError
 from ppsplit.core.fx_utils import (CACHE_PREFIX, INDEXER_KEYS, conv_buffer, copy_buffer_persistence, set_tensor,
                                    tied_names, tied_parameters)
 from ppsplit.passes.tracing.kv_cache import PositionedCache, RecurrentScans, is_cache_part, takes_foreign_cache
+from ppsplit.passes.tracing.quantized_modules import traceable_fp8_modules
 from ppsplit.core.tensors import module_device
 
 _PREFIX = "m."  # the wrapper holds the model as ``self.m``
@@ -374,7 +375,7 @@ def trace(model: torch.nn.Module, *, cache: CacheConfig | None = None, num_layer
     was_training = model.training
     model.eval()
     try:
-        with _traceable_experts(model, device):
+        with _traceable_experts(model, device), traceable_fp8_modules(model):
             wrapper = _Traceable(model, stand_in or cache, num_layers, paged=stand_in is not None, layers=layers)
             ep, length_error = _export_dynamic(model, wrapper, ids, positions, batch, tokens)
     except (ConfigError, TraceError):

@@ -319,14 +319,24 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, o
                    block_k: int) -> torch.Tensor:
     """``torch._grouped_mm(x, dequantize(weight, scale).transpose(-2, -1), offs=offs)``: the rows of ``x`` [S, K]
     sorted by expert, ``offs`` [E] the end of each expert's rows, ``weight`` the FP8 experts [E, N, K]. On CUDA one
-    Triton kernel that reads the FP8 experts directly; elsewhere (the tests' reference) the experts are dequantised
-    and ``torch._grouped_mm`` runs them, as the unquantised stage does. Rows past ``offs[-1]`` are left unwritten,
-    as ``torch._grouped_mm`` leaves them."""
+    Triton kernel that reads the FP8 experts directly (rows past ``offs[-1]`` are left unwritten, as
+    ``torch._grouped_mm`` leaves them); elsewhere (the tests' reference) the experts are dequantised and
+    ``grouped_reference`` runs them, as the unquantised stage does."""
     if on_gpu(x) and fp8_grouped_usable(x, weight, block_k):
         with torch.cuda.device(x.device):
             return launch_fp8_grouped_mm(x, weight, scale, offs, block_n, block_k, wrap=wrap_triton)
-    w = dequantize(weight, scale, block_n, block_k, x.dtype)
-    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    return grouped_reference(x, dequantize(weight, scale, block_n, block_k, x.dtype), offs)
+
+
+def grouped_reference(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)`` for float experts ``[E, N, K]``; in float32 and
+    float16, which ``torch._grouped_mm`` does not take on every device, each row times its expert's weight (rows
+    past ``offs[-1]`` read the last expert)."""
+    if x.dtype == torch.bfloat16:
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+    rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
+    expert = torch.searchsorted(offs, rows, right=True).clamp(max=weight.shape[0] - 1)
+    return torch.bmm(weight[expert], x.unsqueeze(-1)).squeeze(-1)
 
 
 @register("ppsplit::fp8_expert_weights")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
+from ppsplit.triton_kernels.fp8 import grouped_reference
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32  # values per scale
@@ -122,13 +123,12 @@ def launch_mxfp4_grouped_mm(x, blocks, scales, offs, wrap=lambda kernel: kernel,
 def mxfp4_grouped_mm(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(x, W.transpose(-2, -1), offs=offs)`` with ``W`` the MXFP4 experts ``[E, N, K]`` (see the
     module docstring): on CUDA one Triton kernel over the stored bytes; elsewhere the experts are dequantised to
-    ``x``'s dtype and ``torch._grouped_mm`` runs them. Rows past ``offs[-1]`` are left unwritten, as
-    ``torch._grouped_mm`` leaves them."""
+    ``x``'s dtype and ``grouped_reference`` runs them."""
     check_mxfp4(x, blocks, scales)
     if on_gpu(x) and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
         with torch.cuda.device(x.device):
             return launch_mxfp4_grouped_mm(x, blocks, scales, offs, wrap=wrap_triton)
-    return torch._grouped_mm(x, dequantize_mxfp4(blocks, scales, x.dtype).transpose(-2, -1), offs=offs)
+    return grouped_reference(x, dequantize_mxfp4(blocks, scales, x.dtype), offs)
 
 
 @register("ppsplit::mxfp4_expert_weights")

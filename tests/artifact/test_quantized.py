@@ -694,6 +694,73 @@ def test_split_model_of_hf_loaded_fp8_model(hf_fp8):
         torch.testing.assert_close(split(ids)[0], hf_fp8(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+def _fp8_modules_model(block: int = 32, ue8m0: bool = False):
+    """Tiny qwen3_moe as transformers holds an FP8 checkpoint on a GPU (its own ``replace_with_fp8_linear``:
+    ``FP8Linear`` projections, ``FP8Experts``), filled from a random model by the test's quantiser; and that model
+    with every quantised weight replaced by its exact dequantisation (the reference)."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    from tests.architectures.test_moe_compile import moe_config
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(moe_config("qwen3_moe")).eval()
+    fp8 = AutoModelForCausalLM.from_config(moe_config("qwen3_moe")).eval()
+    fp8.load_state_dict(ref.state_dict())
+    replace_with_fp8_linear(fp8, modules_to_not_convert=["lm_head"],
+                            quantization_config=FineGrainedFP8Config(weight_block_size=[block, block]))
+    params = dict(ref.named_parameters())
+
+    def quantised(w):
+        q, s = quantize_blocks(w.detach(), block, block, power_of_two=ue8m0)
+        w.copy_(reference_dequant(q, s, block, block).float())
+        return q, (s.log2() + 127).to(torch.uint8).view(torch.float8_e8m0fnu) if ue8m0 else s
+
+    as_param = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
+    kinds = set()
+    with torch.no_grad():
+        for name, module in fp8.named_modules():
+            kind = type(module).__name__
+            if kind == "FP8Linear":
+                q, s = quantised(params[f"{name}.weight"])
+                module.weight, module.weight_scale_inv = as_param(q), as_param(s)
+            elif "FP8Experts" in kind:
+                for p in ("gate_up_proj", "down_proj"):
+                    pairs = [quantised(w) for w in params[f"{name}.{p}"]]
+                    setattr(module, p, as_param(torch.stack([q for q, _ in pairs])))
+                    setattr(module, f"{p}_scale_inv", as_param(torch.stack([s for _, s in pairs])))
+            else:
+                continue
+            kinds.add(kind)
+    assert kinds == {"FP8Linear", "FP8Experts"}, kinds
+    return fp8, ref
+
+
+def test_split_model_of_transformers_fp8_modules():
+    """A model as transformers holds an FP8 checkpoint on a GPU (``FP8Linear``, ``FP8Experts``, whose own forwards
+    call kernels from the hub): while tracing, they run ppsplit's FP8 ops on their own tensors, so the stages keep the
+    FP8 weights as loaded, and the logits equal the dequantised model's."""
+    fp8, ref = _fp8_modules_model()
+    split = ppsplit.split_model(fp8, pp=2)
+    ops = {str(n.target) for s in split.stages for n in s.graph.nodes}
+    assert {"ppsplit.fp8_linear.default", "ppsplit.fp8_grouped_mm.default"} <= ops
+    assert all(p.dtype == FP8 for s in split.stages for n, p in s.named_parameters() if n.endswith("proj"))
+    assert not any("forward" in vars(m) for m in fp8.modules())  # the modules are as they were
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], ref(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_split_model_refuses_fp8_modules_it_cannot_run():
+    """E8M0 exponent scales (transformers' ue8m0 layout) are refused in one line that says to compile the
+    checkpoint instead."""
+    from ppsplit.core.errors import ConfigError
+
+    fp8, _ = _fp8_modules_model(ue8m0=True)
+    with pytest.raises(ConfigError, match="E8M0 exponents.*ppsplit compile"):
+        ppsplit.split_model(fp8, pp=2)
+
+
 def test_plan_command_counts_fp8_bytes_as_compile_does(fp8_checkpoint, fp8_folder, capsys):
     capsys.readouterr()
     assert main(["plan", str(fp8_checkpoint), "--pp", "2", "--json"]) == 0
