@@ -355,21 +355,23 @@ def _stacked_experts(source: dict, layer: int, parts: tuple[str, ...], suffix: s
     return torch.stack([torch.cat([source[f"{prefix}{e}.{part}.{suffix}"] for part in parts]) for e in range(count)])
 
 
-@pytest.mark.parametrize("arch,dtype,block", [("qwen3_moe", "float32", 32), ("qwen3_moe", "bfloat16", 32),
-                                              ("deepseek_v3", "float32", 8)])
-def test_fp8_moe_experts_stay_fp8_through_the_conversions(arch, dtype, block, tmp_path, capsys):
-    """qwen3_moe and deepseek_v3 (MLA projections, shared experts; E8M0 exponent-byte scales) with per-expert FP8
-    tensors in whole blocks: transformers' converters stack the FP8 experts as stored and their scales alike
-    (experts.gate_up_proj_scale_inv), and the stages run them on ppsplit's FP8 expert ops: the grouped product a
-    bfloat16 compile traces, the per-token expert weights a float32 one traces. The stage files hold the
-    checkpoint's FP8 bytes, the plan counts them, and the logits equal transformers' own loading of the checkpoint
-    (in bfloat16: its float32 loading cast to bfloat16, whose weights are bit-equal to the dequantised experts)."""
+@pytest.mark.parametrize("arch,dtype,scheme", [("qwen3_moe", "float32", "fp8"), ("qwen3_moe", "bfloat16", "fp8"),
+                                               ("qwen3_moe", "float32", "ct-channel"), ("deepseek_v3", "float32", "ue8m0")])
+def test_fp8_moe_experts_stay_fp8_through_the_conversions(arch, dtype, scheme, tmp_path, capsys):
+    """qwen3_moe and deepseek_v3 (MLA projections, shared experts; E8M0 exponent-byte scales in 8-blocks) with
+    per-expert FP8 tensors in whole blocks (32-blocks, or compressed-tensors' per-channel scales): transformers'
+    converters stack the FP8 experts as stored and their scales alike (experts.gate_up_proj_scale_inv, or _scale),
+    and the stages run them on ppsplit's FP8 expert ops: the grouped product a bfloat16 compile traces, the per-token
+    expert weights a float32 one traces. The stage files hold the checkpoint's FP8 bytes, the plan counts them, and
+    the logits equal transformers' own loading of the checkpoint (in bfloat16: its float32 loading cast to
+    bfloat16, whose weights are bit-equal to the dequantised experts)."""
     from tests.architectures.test_moe_compile import moe_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(moe_config(arch)).eval()
-    ckpt = write_quantized(tmp_path / "moe", "fp8", model, block=block) if arch == "qwen3_moe" else \
-        write_ue8m0(tmp_path / "moe", "U8", model, block=block)
+    ckpt = write_ue8m0(tmp_path / "moe", "U8", model, block=8) if scheme == "ue8m0" else \
+        write_quantized(tmp_path / "moe", scheme, model, block=32)
+    suffix = "weight_scale" if scheme.startswith("ct-") else "weight_scale_inv"
     out = tmp_path / "moe-pp2"
     assert main(["compile", str(ckpt), "--pp", "2", "-o", str(out), "--dtype", dtype]) == 0
     quant = json.load(open(out / "manifest.json"))["quantization"]
@@ -385,10 +387,10 @@ def test_fp8_moe_experts_stay_fp8_through_the_conversions(arch, dtype, block, tm
     expert_bytes = 0
     for name, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
         weight = stage[f"model.layers.3.mlp.experts.{name}"]
-        scale = stage[f"model.layers.3.mlp.experts.{name}_scale_inv"]
+        scale = stage[f"model.layers.3.mlp.experts.{name}{suffix.removeprefix('weight')}"]
         assert weight.dtype == FP8 and scale.dtype == torch.float32
         assert torch.equal(weight.view(torch.uint8), _stacked_experts(source, 3, parts, "weight").view(torch.uint8))
-        scales = _stacked_experts(source, 3, parts, "weight_scale_inv")
+        scales = _stacked_experts(source, 3, parts, suffix)
         want = (scales.float() - 127).exp2() if arch == "deepseek_v3" else scales  # exponent bytes -> values
         assert torch.equal(scale, want)
         expert_bytes += weight.numel()
@@ -415,11 +417,11 @@ def test_fp8_moe_experts_stay_fp8_through_the_conversions(arch, dtype, block, tm
 
     # A folder whose expert scales do not cover the stack is refused in one line.
     program = json.load(open(out / "stage_1.json"))
-    spec = next(t for t in program["tensors"] if t["name"].endswith("layers.3.mlp.experts.down_proj_scale_inv"))
+    spec = next(t for t in program["tensors"] if t["name"] == f"model.layers.3.mlp.experts.down_proj{suffix[6:]}")
     spec["shape"][0] -= 1
     json.dump(program, open(out / "stage_1.json", "w"))
     code, err = _run(["inspect", str(out)], capsys)
-    assert code == 2 and len(err) == 1 and "down_proj_scale_inv" in err[0] and "needs" in err[0], err
+    assert code == 2 and len(err) == 1 and spec["name"] in err[0] and "needs" in err[0], err
 
 
 def test_fp8_experts_in_partial_blocks_are_dequantised(tmp_path, capsys):
