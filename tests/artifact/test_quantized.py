@@ -672,6 +672,42 @@ def test_fp8_stage_on_cuda_equals_reference_and_captures(fp8_folder):
     torch.testing.assert_close(eager.cpu(), cpu, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", ["fp8", "mxfp4"])
+def test_quantized_moe_stage_on_cuda_equals_cpu_and_captures(scheme, tmp_path):
+    """A bf16 MoE folder with its experts as stored (qwen3_moe FP8 in 32-blocks; gpt-oss MXFP4): stage 0 on the GPU
+    (the grouped expert kernels) against the same stage on the CPU (the experts dequantised) for a 5-token prefill,
+    then captured in a CUDA graph and replayed."""
+    from tests.architectures.test_moe_compile import moe_config
+
+    from ppsplit.core.ragged import CacheLayout, RaggedStep
+
+    if scheme == "fp8":
+        torch.manual_seed(0)
+        ckpt = write_quantized(tmp_path / "moe", "fp8", AutoModelForCausalLM.from_config(moe_config("qwen3_moe")),
+                               block=32)
+    else:
+        ckpt = write_mxfp4(tmp_path / "moe")
+    out = tmp_path / "out"
+    assert main(["compile", str(ckpt), "--pp", "2", "-o", str(out), "--dtype", "bfloat16"]) == 0
+    stage = ppsplit.load_stage(str(out), 0, "cuda")
+    expert_op = "fp8_grouped_mm" if scheme == "fp8" else "mxfp4_grouped_mm"
+    assert any(expert_op in str(n.target) for n in stage.graph.nodes)
+    step = RaggedStep.lockstep(1, 5, 0, CacheLayout.of(stage.meta["ppsplit.plan"]))
+    ids = torch.randint(3, 100, (5,), generator=torch.Generator().manual_seed(1))
+    aux = torch.empty(0, 5, 64, dtype=torch.bfloat16)
+    inputs = [t.cuda() for t in (ids, step.positions, aux, *step.tensors()[1:])]
+    eager = stage(*inputs)[0].clone()
+    cpu = ppsplit.load_stage(str(out), 0, "cpu")(ids, step.positions, aux, *step.tensors()[1:])[0]
+    torch.testing.assert_close(eager.float().cpu(), cpu.float(), atol=3e-2, rtol=3e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = stage(*inputs)[0]
+    graph.replay()
+    torch.testing.assert_close(captured, eager)
+
+
 def test_fused_fp8_projections_equal_hf(fp8_folder, hf_fp8):
     """load(fuse_projections=True): q/k/v and gate/up become one fp8_linear each over the stacked FP8 weights and
     their stacked block scales."""
