@@ -59,16 +59,9 @@ def quantize_linears(stage: fx.GraphModule, weights: dict[str, QuantizedWeight])
         quantize_linears(stage, {"model.layers.0.mlp.up_proj.weight": scale})
     """
     graph = stage.graph
-    fp8, left = [], []
-    for node in list(graph.find_nodes(op="get_attr")):
-        q = weights.get(node.target)
-        if q is None:
-            continue
+    found, left = _rewritable(graph, weights, lambda node: _rewrites(node, get_tensor(stage, node.target).dim()))
+    for node, q, rewrites in found:
         w = get_tensor(stage, node.target)
-        rewrites = _rewrites(node, w.dim())
-        if rewrites is None:
-            left.append(node.target)
-            continue
         set_tensor(stage, node.target, torch.empty(w.shape, dtype=FP8_DTYPE, device="meta"), parameter=True,
                    persistent=True)
         set_tensor(stage, q.scale, torch.empty(q.scale_shape, dtype=q.scale_dtype, device="meta"), parameter=True,
@@ -76,20 +69,29 @@ def quantize_linears(stage: fx.GraphModule, weights: dict[str, QuantizedWeight])
         with graph.inserting_after(node):
             scale = graph.get_attr(q.scale)
         for old, op, args, dead in rewrites:
-            with graph.inserting_before(old):
-                new = graph.call_function(op, tuple(node if a is _WEIGHT else scale if a is _SCALE else a
-                                                    for a in args) + q.block + _dtype_arg(op, old))
-            new.meta.update({k: v for k, v in old.meta.items() if k in ("val", "tensor_meta", "nn_module_stack",
-                                                                        "ppsplit.layer")})
-            old.replace_all_uses_with(new)
-            graph.erase_node(old)
+            _replace(old, op, _filled(args, node, scale) + q.block + _dtype_arg(op, old))
         for dead in dict.fromkeys(d for *_, d in rewrites if d is not None):  # a transpose several products read
             if not dead.users:
                 graph.erase_node(dead)
-        fp8.append(node.target)
     graph.lint()
     stage.recompile()
-    return Quantized(tuple(fp8), tuple(left))
+    return Quantized(tuple(node.target for node, _, _ in found), tuple(left))
+
+
+def _rewritable(graph: fx.Graph, table: dict, find) -> tuple[list, list]:
+    """``([(get_attr node, its entry in table, its rewrites)], [names left])`` over the tensors of ``table``: left
+    where ``find`` (the rewrites of every reader) gives None."""
+    found, left = [], []
+    for node in list(graph.find_nodes(op="get_attr")):
+        entry = table.get(node.target)
+        if entry is None:
+            continue
+        rewrites = find(node)
+        if rewrites is None:
+            left.append(node.target)
+        else:
+            found.append((node, entry, rewrites))
+    return found, left
 
 
 def runs_fp8(node: fx.Node, dims: int) -> bool:
@@ -109,15 +111,8 @@ def quantize_mxfp4_experts(stage: fx.GraphModule, experts: dict[str, Mxfp4Expert
     """Replace each MXFP4 expert stack of ``experts`` (``{parameter name: Mxfp4Experts}``) whose every reader the
     pass rewrites by its stored blocks and scales (see the module docstring), in place. Returns what it did."""
     graph = stage.graph
-    done, left = [], []
-    for node in list(graph.find_nodes(op="get_attr")):
-        q = experts.get(node.target)
-        if q is None:
-            continue
-        rewrites = _mxfp4_readers(node)
-        if rewrites is None:
-            left.append(node.target)
-            continue
+    found, left = _rewritable(graph, experts, _mxfp4_readers)
+    for node, q, rewrites in found:
         for name, shape in ((q.blocks, q.blocks_shape), (q.scales, q.blocks_shape[:-1])):
             set_tensor(stage, name, torch.empty(shape, dtype=torch.uint8, device="meta"), parameter=True,
                        persistent=True)
@@ -126,20 +121,13 @@ def quantize_mxfp4_experts(stage: fx.GraphModule, experts: dict[str, Mxfp4Expert
         with graph.inserting_after(blocks):
             scales = graph.get_attr(q.scales)
         for old, op, args in rewrites:
-            with graph.inserting_before(old):
-                new = graph.call_function(op, tuple(blocks if a is _WEIGHT else scales if a is _SCALE else a
-                                                    for a in args))
-            new.meta.update({k: v for k, v in old.meta.items() if k in ("val", "tensor_meta", "nn_module_stack",
-                                                                        "ppsplit.layer")})
-            old.replace_all_uses_with(new)
-            graph.erase_node(old)
+            _replace(old, op, _filled(args, blocks, scales))
         graph.erase_node(node)
         path, _, leaf = node.target.rpartition(".")
         delattr(stage.get_submodule(path), leaf)  # the dequantised stack is no tensor of the stage any more
-        done.append(node.target)
     graph.lint()
     stage.recompile()
-    return Quantized(tuple(done), tuple(left))
+    return Quantized(tuple(node.target for node, _, _ in found), tuple(left))
 
 
 def runs_mxfp4(node: fx.Node) -> bool:
@@ -187,7 +175,21 @@ def _rewrites(node: fx.Node, dims: int) -> list | None:
     return _expert_readers(node) if dims == 3 else _projections(node) if dims == 2 else None
 
 
-_WEIGHT, _SCALE = object(), object()  # placeholders for the FP8 weight and its scale in a rewrite's arguments
+_WEIGHT, _SCALE = object(), object()  # placeholders for the stored weight and its scale in a rewrite's arguments
+
+
+def _filled(args: tuple, weight: fx.Node, scale: fx.Node) -> tuple:
+    return tuple(weight if a is _WEIGHT else scale if a is _SCALE else a for a in args)
+
+
+def _replace(old: fx.Node, op, args: tuple) -> None:
+    """``old`` replaced by a call of ``op`` that computes the same value (its metadata kept)."""
+    with old.graph.inserting_before(old):
+        new = old.graph.call_function(op, args)
+    new.meta.update({k: v for k, v in old.meta.items() if k in ("val", "tensor_meta", "nn_module_stack",
+                                                                "ppsplit.layer")})
+    old.replace_all_uses_with(new)
+    old.graph.erase_node(old)
 
 
 def _projections(node: fx.Node) -> list | None:

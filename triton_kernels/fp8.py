@@ -247,18 +247,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
 if HAVE_TRITON:
 
     @triton.jit
+    def expert_rows(OFFS, e):
+        """``[start, end)``: the rows of expert ``e`` in a grouped product, from the row ends ``OFFS`` (device
+        memory, so a CUDA graph replays any routing)."""
+        start = tl.where(e > 0, tl.load(OFFS + tl.maximum(e - 1, 0)), 0)
+        return start, tl.load(OFFS + e)
+
+    @triton.jit
     def _fp8_grouped_kernel(X, W, S, OFFS, Y, N, K, stride_x, stride_we, stride_wn, stride_se, stride_y, GK, QN, QK,
                             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
         """Expert ``program_id(0)``'s rows ``[OFFS[e - 1], OFFS[e])`` of ``X`` (sorted by expert) times the
         ``BLOCK_N`` output columns ``program_id(1)`` of its weight, ``BLOCK_M`` rows at a time (an expert no token
         chose does nothing). Each ``BLOCK_K`` step lies inside one k-block; its partial product is scaled by the
-        weight block's scale as it is accumulated, as in ``_fp8_gemm_kernel``. The row range is read on the device,
-        so a CUDA graph replays any routing."""
+        weight block's scale as it is accumulated, as in ``_fp8_gemm_kernel``."""
         e = tl.program_id(0)
-        start = tl.load(OFFS + tl.maximum(e - 1, 0))
-        start = tl.where(e > 0, start, 0)
-        end = tl.load(OFFS + e)
+        start, end = expert_rows(OFFS, e)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         w_cols = W + e.to(tl.int64) * stride_we + rn[None, :] * stride_wn  # 32-bit offsets in an expert
         s_cols = S + e * stride_se + (rn // QN) * GK

@@ -48,6 +48,7 @@ def check_mxfp4(x: torch.Tensor | None, blocks: torch.Tensor, scales: torch.Tens
 
 
 if HAVE_TRITON:
+    from ppsplit.triton_kernels.fp8 import expert_rows
 
     @triton.jit
     def _fp4_values(v):
@@ -66,9 +67,7 @@ if HAVE_TRITON:
         and ``BLOCK_K / 32`` scales, decodes the two nibbles of each byte, scales each group of 32 and multiplies
         in ``x``'s dtype (an FP4 value times a power of two is exact there), accumulating in fp32."""
         e = tl.program_id(0)
-        start = tl.load(OFFS + tl.maximum(e - 1, 0))
-        start = tl.where(e > 0, start, 0)
-        end = tl.load(OFFS + e)
+        start, end = expert_rows(OFFS, e)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         b_cols = B + e.to(tl.int64) * stride_be + rn[:, None].to(tl.int64) * stride_bn
         s_cols = S + e.to(tl.int64) * stride_se + rn[:, None].to(tl.int64) * stride_sn
