@@ -25,7 +25,7 @@ from ppsplit.compile.quantized import Scheme, is_exponents, read_scheme
 from ppsplit.core.quant import Quantization
 from ppsplit.triton_kernels.fp8 import scale_grid
 from ppsplit.core.errors import ConfigError
-from ppsplit.core.fx_utils import is_cache_buffer, tied_names, tied_parameters
+from ppsplit.core.fx_utils import get_tensor, is_cache_buffer, tied_names, tied_parameters
 from ppsplit.artifact.folder import (MANIFEST, PLAN, Manifest, StageFiles, fingerprint, program_name, serving_files,
                                      weights_name, write_json)
 from ppsplit.artifact.program import graph_to_json
@@ -222,8 +222,8 @@ def _stored_costs(traced, sources: Sources):
     prefix = traced.layers.fqn + "."
     layers, head = list(costs.layer_bytes), costs.head_bytes
     gm = traced.traced.gm
-    for node in gm.graph.find_nodes(op="get_attr"):
-        p = getattr(gm.get_submodule(node.target.rpartition(".")[0]), node.target.rpartition(".")[2])
+    for node in {n.target: n for n in gm.graph.find_nodes(op="get_attr")}.values():  # a tensor counted once
+        p = get_tensor(gm, node.target)
         group = sources.group_of(node.target)
         stored = None if group is None or not isinstance(p, torch.nn.Parameter) else \
             _stored_bytes(node, p, group, sources)
