@@ -20,6 +20,7 @@ Before timing, the quantised output is compared with the bf16 one (the same dequ
 difference is expected from the accumulation order).
 
     python bench/experts.py                       # both formats, batches 1, 8, 32, 128
+    python bench/experts.py --sweep               # and each kernel on the other tiles of TILES
     python bench/experts.py --format mxfp4 --experts 32   # fewer experts (less memory; the same per-token work)
     python bench/experts.py --device cpu --small --rounds 1   # a smoke run of the script (no timing claims)
 """
@@ -32,9 +33,14 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import banner  # noqa: E402
 from fp8 import copy_bandwidth, quantize, step_ms  # noqa: E402
 
-from ppsplit.triton_kernels.fp8 import dequantize, fp8_grouped_mm  # noqa: E402
-from ppsplit.triton_kernels.mxfp4 import dequantize_mxfp4, mxfp4_grouped_mm  # noqa: E402
+from ppsplit.triton_kernels.fp8 import dequantize, fp8_grouped_mm, launch_fp8_grouped_mm  # noqa: E402
+from ppsplit.triton_kernels.mxfp4 import dequantize_mxfp4, launch_mxfp4_grouped_mm, mxfp4_grouped_mm  # noqa: E402
 
+# --sweep: the tiles timed beside the defaults (the first of each), (BLOCK_M, BLOCK_N[, BLOCK_K], warps, stages);
+# their sm_90 instruction counts are in bench/RESULTS.md section 33
+TILES = {"fp8": [(16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 3), (16, 256, 8, 3), (16, 64, 4, 4)],
+         "mxfp4": [(16, 64, 128, 4, 2), (16, 64, 64, 4, 2), (16, 128, 128, 4, 2), (16, 128, 256, 8, 2),
+                   (16, 64, 128, 4, 3)]}
 # format: (experts, hidden, intermediate, top-k), full size and --small
 SHAPES = {"fp8": ((256, 7168, 2048, 8), (16, 256, 128, 8)), "mxfp4": ((128, 2880, 2880, 4), (16, 256, 128, 4))}
 
@@ -45,8 +51,11 @@ def fp8_experts(e: int, n: int, k: int, device: str):
     s = torch.empty(e, -(-n // 128), -(-k // 128), device=device)
     for i in range(e):  # one expert at a time: the fp32 randoms of all of them would not fit
         q[i], s[i] = quantize(torch.randn(n, k, device=device) * 0.02)
-    return (lambda h, ends: fp8_grouped_mm(h, q, s, ends, 128, 128), q[0].numel() + s[0].numel() * 4,
-            dequantize(q, s, 128, 128, torch.bfloat16))
+    def run(h, ends, config=None):
+        return fp8_grouped_mm(h, q, s, ends, 128, 128) if config is None else \
+            launch_fp8_grouped_mm(h, q, s, ends, 128, 128, config=config)
+
+    return run, q[0].numel() + s[0].numel() * 4, dequantize(q, s, 128, 128, torch.bfloat16)
 
 
 def mxfp4_experts(e: int, n: int, k: int, device: str):
@@ -55,8 +64,11 @@ def mxfp4_experts(e: int, n: int, k: int, device: str):
     gen = torch.Generator(device=device).manual_seed(n + k)
     blocks = torch.randint(0, 256, (e, n, k // 32, 16), generator=gen, dtype=torch.uint8, device=device)
     scales = torch.randint(117, 122, (e, n, k // 32), generator=gen, dtype=torch.uint8, device=device)
-    return (lambda h, ends: mxfp4_grouped_mm(h, blocks, scales, ends), blocks[0].numel() + scales[0].numel(),
-            dequantize_mxfp4(blocks, scales, torch.bfloat16))
+    def run(h, ends, config=None):
+        return mxfp4_grouped_mm(h, blocks, scales, ends) if config is None else \
+            launch_mxfp4_grouped_mm(h, blocks, scales, ends, config=config)
+
+    return run, blocks[0].numel() + scales[0].numel(), dequantize_mxfp4(blocks, scales, torch.bfloat16)
 
 
 def routing(tokens: int, e: int, top_k: int, device: str):
@@ -67,6 +79,17 @@ def routing(tokens: int, e: int, top_k: int, device: str):
     order = chosen.argsort(stable=True)
     ends = torch.bincount(chosen, minlength=e).cumsum(0).to(torch.int32)
     return (order // top_k).to(device), ends.to(device), chosen.unique().numel()
+
+
+def timed(fn, device: str, rounds: int) -> float:
+    """Microseconds a call of ``fn`` takes: captured as a CUDA graph and replayed on CUDA, else called."""
+    if device != "cuda":
+        return step_ms(fn, device, rounds) * 1e3
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return step_ms(graph.replay, device, rounds) * 1e3
 
 
 def run_format(fmt: str, args, bw: float) -> None:
@@ -95,21 +118,18 @@ def run_format(fmt: str, args, bw: float) -> None:
             return mlp(lambda h: torch._grouped_mm(h, up_bf16.transpose(-2, -1), offs=ends),
                        lambda h: torch._grouped_mm(h, down_bf16.transpose(-2, -1), offs=ends))
 
+        def tiled(config):
+            return lambda: mlp(lambda h: up(h, ends, config), lambda h: down(h, ends, config))
+
         diff = (quantised().float() - bf16().float()).abs().max().item()
-        runs = {}
-        for name, fn in (("q", quantised), ("bf16", bf16)):
-            if dev == "cuda":
-                fn()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
-                runs[name] = step_ms(graph.replay, dev, args.rounds) * 1e3
-            else:
-                runs[name] = step_ms(fn, dev, args.rounds) * 1e3
+        us = {name: timed(fn, dev, args.rounds) for name, fn in (("q", quantised), ("bf16", bf16))}
         roof = used * per_expert / bw * 1e6
-        print(f"{tokens:>5} {rows.numel():>5} {used:>7} {runs['q']:>13.1f} {runs['bf16']:>19.1f} {roof:>12.1f} "
-              f"{runs['q'] / runs['bf16']:>7.2f} {runs['q'] / roof:>11.2f} {diff:>13.4f}")
-    del up, down, up_bf16, down_bf16
+        print(f"{tokens:>5} {rows.numel():>5} {used:>7} {us['q']:>13.1f} {us['bf16']:>19.1f} {roof:>12.1f} "
+              f"{us['q'] / us['bf16']:>7.2f} {us['q'] / roof:>11.2f} {diff:>13.4f}")
+        for config in TILES[fmt] if args.sweep and dev == "cuda" else ():  # the Triton kernels need the GPU
+            t = timed(tiled(config), dev, args.rounds)
+            print(f"{'':>19} tiles {str(config):<22} {t:>9.1f} us  {t / us['bf16']:>5.2f} of bf16  "
+                  f"{t / roof:>5.2f} of roofline")
 
 
 def main():
@@ -120,6 +140,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="small experts (CPU smoke runs)")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernels on the tiles of TILES")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: pass --device cpu --small for a smoke run")

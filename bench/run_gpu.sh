@@ -40,7 +40,7 @@ run_step() {
     fp8)      python3 bench/fp8.py --layers ${FP8_LAYERS:-32} --profile ${FP8_ARGS:-} \
                 $( [ -f "$TILES" ] && echo --tiles "$TILES" ) \
                 $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 | tee "$OUT/fp8.txt" ;;
-    experts)  python3 bench/experts.py 2>&1 | tee "$OUT/experts.txt" ;;   # issue 31: FP8 and MXFP4 MoE experts
+    experts)  python3 bench/experts.py --sweep 2>&1 | tee "$OUT/experts.txt" ;;   # issue 31: FP8 and MXFP4 MoE experts
     fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1} --save-tiles "$TILES" \
                  $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 \
                  | tee "$OUT/fp8_sweep.txt" ;;
