@@ -578,7 +578,8 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
     loop: the three loops need 104 registers a thread where one needs 74 (sm_90, ``bench/sass.py``), so an SM holds
     4 decode programs instead of 6 to hide its loads behind, and the ragged decode step was 0.21 ms slower once they
     came (RESULTS sections 30-32); masks cost a memory-bound decode little. Verify and prefill tiles keep the three
-    (no more registers there)."""
+    (no more registers there). Decode tiles read 32 keys a step over three stages: 84 us a layer for 32 decodes of
+    128..4096 positions against 98 us with 64 keys over two (the H200 sweep of RESULTS section 34)."""
     g = hq // hkv
     block_g = _pow2(g, least=1)
     if n > 4 * slots:  # a prefill chunk
@@ -588,7 +589,7 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
         return dict(block_q=max(1, 64 // block_g), block_g=block_g, block_n=max(32, block_size), chunk=max_positions,
                     splits=1, warps=4, stages=3, reverse=True, phases=True)
     block_q = 1 if n <= slots else max(1, 16 // block_g)
-    block_n = max(64 if block_g * block_q <= 32 else 32, block_size)
+    block_n = max(64 if block_q > 1 and block_g * block_q <= 32 else 32, block_size)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     chunk = max_positions
     live = -(-n // block_q) * hkv  # programs that hold tokens when every sequence fills its tiles
@@ -596,7 +597,7 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
         want = -(-8 * sms // live)
         chunk = _pow2(-(-max_positions // want), least=block_n)  # a power of two: 1024, not 832, for 4112 keys
     return dict(block_q=block_q, block_g=block_g, block_n=block_n, chunk=chunk, splits=-(-max_positions // chunk),
-                warps=4, stages=2 if block_q == 1 else 3, reverse=True, phases=block_q > 1)
+                warps=4, stages=3, reverse=True, phases=block_q > 1)
 
 
 @functools.lru_cache(maxsize=None)

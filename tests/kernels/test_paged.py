@@ -322,6 +322,7 @@ def test_attention_plan_chunks_long_decodes_and_tiles_prefills():
     assert decode["block_q"] == 1 and decode["block_g"] == 4 and decode["splits"] > 1
     assert decode["chunk"] % decode["block_n"] == 0 and decode["chunk"] * decode["splits"] >= 4096
     assert not decode["phases"]  # one masked loop: fewer registers, more decode programs per SM
+    assert decode["block_n"] == 32 and decode["stages"] == 3  # the H200's fastest decode tiles (RESULTS 34)
     verify = attention_plan(32, 32, 8, 8, 4096, 16, torch.device("cpu"))  # 8 sequences verifying 4 tokens
     assert verify["block_q"] * verify["block_g"] == 16 and verify["splits"] > 1 and verify["phases"]
     prefill = attention_plan(512, 32, 8, 8, 4096, 16, torch.device("cpu"))
