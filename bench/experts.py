@@ -39,8 +39,8 @@ from ppsplit.triton_kernels.mxfp4 import dequantize_mxfp4, launch_mxfp4_grouped_
 # --sweep: the tiles timed beside the defaults (the first of each), (BLOCK_M, BLOCK_N[, BLOCK_K], warps, stages);
 # their sm_90 instruction counts are in bench/RESULTS.md section 33
 TILES = {"fp8": [(16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 3), (16, 256, 8, 3), (16, 64, 4, 4)],
-         "mxfp4": [(16, 64, 128, 4, 2), (16, 64, 64, 4, 2), (16, 128, 128, 4, 2), (16, 128, 256, 8, 2),
-                   (16, 64, 128, 4, 3)]}
+         "mxfp4": [(16, 64, 128, 4, 3), (16, 64, 64, 4, 2), (16, 128, 128, 4, 2), (16, 128, 256, 8, 2),
+                   (16, 64, 128, 4, 2), (16, 64, 64, 4, 3)]}
 # format: (experts, hidden, intermediate, top-k), full size and --small
 SHAPES = {"fp8": ((256, 7168, 2048, 8), (16, 256, 128, 8)), "mxfp4": ((128, 2880, 2880, 4), (16, 256, 128, 4))}
 

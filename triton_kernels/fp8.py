@@ -215,8 +215,7 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
     else:
         bn_, bk_, warps, stages, *split = config or gemm_config(n)
         bk_ = W8A8_GROUP if w8a8 else max(_tile_k(block_k, k, bk_, spans=False)[0], 16)
-        # W8A8 tiles of 32 rows gave wrong rows 16..31 on an H200 (triton 3.6, RESULTS section 34): 16-row tiles
-        bm_ = 16 if w8a8 else gemm_block_m(m)
+        bm_ = gemm_block_m(m)
         k_per = triton.cdiv(triton.cdiv(k, split[0] if split else 1), bk_) * bk_  # whole tiles per k-range
         splits = triton.cdiv(k, k_per)
         out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)

@@ -98,10 +98,11 @@ if HAVE_TRITON:
 _MX_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def launch_mxfp4_grouped_mm(x, blocks, scales, offs, wrap=lambda kernel: kernel, config=(16, 64, 128, 4, 2),
+def launch_mxfp4_grouped_mm(x, blocks, scales, offs, wrap=lambda kernel: kernel, config=(16, 64, 128, 4, 3),
                             dot_scaled: bool = True):
     """The Triton path of ``mxfp4_grouped_mm``; ``config`` is ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)``
-    (``BLOCK_K`` a multiple of 32). ``dot_scaled``: bf16/fp16 rows go through ``tl.dot_scaled`` (else, and for
+    (``BLOCK_K`` a multiple of 32; the default the fastest or within 3% of it at every batch of gpt-oss-120b's
+    experts on an H200, ``bench/experts.py --sweep``, RESULTS section 34). ``dot_scaled``: bf16/fp16 rows go through ``tl.dot_scaled`` (else, and for
     fp32 rows, the kernel decodes the nibbles itself)."""
     e, n, g, _ = blocks.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
