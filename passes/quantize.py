@@ -68,8 +68,8 @@ def quantize_linears(stage: fx.GraphModule, weights: dict[str, QuantizedWeight])
                    persistent=True)
         with graph.inserting_after(node):
             scale = graph.get_attr(q.scale)
-        for old, op, args, dead in rewrites:
-            _replace(old, op, _filled(args, node, scale) + q.block + _dtype_arg(op, old))
+        for old, op, args, _ in rewrites:
+            _replace(old, op, _filled(args, node, scale, q.block))
         for dead in dict.fromkeys(d for *_, d in rewrites if d is not None):  # a transpose several products read
             if not dead.users:
                 graph.erase_node(dead)
@@ -121,7 +121,7 @@ def quantize_mxfp4_experts(stage: fx.GraphModule, experts: dict[str, Mxfp4Expert
         with graph.inserting_after(blocks):
             scales = graph.get_attr(q.scales)
         for old, op, args in rewrites:
-            _replace(old, op, _filled(args, blocks, scales))
+            _replace(old, op, _filled(args, blocks, scales, ()))
         graph.erase_node(node)
         path, _, leaf = node.target.rpartition(".")
         delattr(stage.get_submodule(path), leaf)  # the dequantised stack is no tensor of the stage any more
@@ -175,11 +175,15 @@ def _rewrites(node: fx.Node, dims: int) -> list | None:
     return _expert_readers(node) if dims == 3 else _projections(node) if dims == 2 else None
 
 
-_WEIGHT, _SCALE = object(), object()  # placeholders for the stored weight and its scale in a rewrite's arguments
+# Placeholders in a rewrite's arguments: the stored weight, its scale, and its block sizes (block_n, block_k)
+_WEIGHT, _SCALE, _BLOCK = object(), object(), object()
 
 
-def _filled(args: tuple, weight: fx.Node, scale: fx.Node) -> tuple:
-    return tuple(weight if a is _WEIGHT else scale if a is _SCALE else a for a in args)
+def _filled(args: tuple, weight: fx.Node, scale: fx.Node, block: tuple) -> tuple:
+    filled = []
+    for a in args:
+        filled.extend(block if a is _BLOCK else (weight if a is _WEIGHT else scale if a is _SCALE else a,))
+    return tuple(filled)
 
 
 def _replace(old: fx.Node, op, args: tuple) -> None:
@@ -197,7 +201,7 @@ def _projections(node: fx.Node) -> list | None:
     matches = [match_projection(user) for user in node.users]
     if not matches or any(m is None or m.weight is not node or m.out_dim != 0 for m in matches):
         return None
-    return [(m.node, torch.ops.ppsplit.fp8_linear.default, (m.x, _WEIGHT, _SCALE, m.bias), m.transpose)
+    return [(m.node, torch.ops.ppsplit.fp8_linear.default, (m.x, _WEIGHT, _SCALE, m.bias, _BLOCK), m.transpose)
             for m in matches]
 
 
@@ -208,7 +212,8 @@ def _expert_readers(node: fx.Node) -> list | None:
     for user in node.users:
         ids = _routed_ids(user, node)
         if ids is not None:
-            rewrites.append((user, torch.ops.ppsplit.fp8_expert_weights.default, (_WEIGHT, _SCALE, ids), None))
+            rewrites.append((user, torch.ops.ppsplit.fp8_expert_weights.default,
+                             (_WEIGHT, _SCALE, ids, _BLOCK, user.meta["val"].dtype), None))
             continue
         if user.target != torch.ops.aten.transpose.int or user.args[0] is not node \
                 or sorted(d % 3 for d in user.args[1:]) != [1, 2] or not user.users:
@@ -217,11 +222,7 @@ def _expert_readers(node: fx.Node) -> list | None:
             mm = _grouped_mm(product, user)
             if mm is None:
                 return None
-            rewrites.append((product, torch.ops.ppsplit.fp8_grouped_mm.default, (mm["x"], _WEIGHT, _SCALE, mm["offs"]),
-                             user))
+            rewrites.append((product, torch.ops.ppsplit.fp8_grouped_mm.default,
+                             (mm["x"], _WEIGHT, _SCALE, mm["offs"], _BLOCK), user))
     return rewrites or None
 
-
-def _dtype_arg(op, old: fx.Node) -> tuple:
-    """``fp8_expert_weights`` also takes the dtype the indexing gave (the model's)."""
-    return (old.meta["val"].dtype,) if op == torch.ops.ppsplit.fp8_expert_weights.default else ()

@@ -211,8 +211,8 @@ def cmd_inspect(args) -> int:
     print(f"stage rewrites load applies: {rewrites}")
     q = manifest.quantization
     if q is not None:
-        print(f"quantized: {q.describe()}; per stage, weights on FP8 (linears and expert stacks) {list(q.linears)}, tensors dequantized "
-              f"to {manifest.dtype} at compile {list(q.dequantized)}")
+        print(f"quantized: {q.describe()}; per stage, weights on FP8 (linears and expert stacks) {list(q.linears)}, "
+              f"tensors dequantized to {manifest.dtype} at compile {list(q.dequantized)}")
     print(f"{'stage':>5}  {'program':<14} {'weights':<20} {'bytes':>12} {'tensors':>8}")
     for program, files in zip(programs, manifest.stages):
         print(f"{program.index:>5}  {files.program:<14} {files.weights:<20} {files.bytes:>12,} {len(program.stored):>8}")
