@@ -28,10 +28,11 @@ On the CPU (the Triton kernels need a GPU) the HF variant runs a torch reference
     python bench/fp8.py --hf-kernel .hfref/hf_fp8_457.py   # and HF's FP8 path beside them
     python bench/fp8.py --layers 4 --batch 1  # a quicker look
     python bench/fp8.py --device cpu --small --layers 2 --rounds 1   # a smoke run of the script itself (no timing claims)
-    python bench/fp8.py --sweep               # the kernels alone per projection shape: every tile configuration
-                                              # against bf16 cuBLAS and the FP8 bytes' roofline
-    python bench/fp8.py --sweep --batch 1 --save-tiles out/tiles.json   # and keep the fastest GEMV tiles per shape
-    python bench/fp8.py --tiles out/tiles.json   # the batch-1 step again on those tiles, beside gemv_config's
+    python bench/fp8.py --sweep               # the kernels alone per fused projection shape (--shapes all: also
+                                              # q/k/v/gate/up): every tile configuration against bf16 cuBLAS and
+                                              # the FP8 bytes' roofline
+    python bench/fp8.py --sweep --batch 1 32 --save-tiles out/tiles.json   # and keep the fastest tiles per shape
+    python bench/fp8.py --tiles out/tiles.json   # the step again on those tiles, beside linear_config's
 """
 import argparse
 import gc
@@ -137,9 +138,14 @@ def hf_fp8_status() -> str:
 # Llama-3.1-8B's projections, [N, K]: q and o, k and v, gate and up, down; q/k/v and gate/up fused
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
           "qkv": (6144, 4096), "gate_up": (28672, 4096)}
-GEMV_SWEEP = [(bn, bk, w, st) for bn in (2, 4, 8, 16) for bk in (1024, 2048) for w in (4, 8) for st in (2, 4)]
-GEMM_SWEEP = [(bn, bk, 4, st, split) for bn in (16, 32, 64) for bk in (64, 128) for st in (3, 4)
-              for split in (1, 2, 4, 8)]
+FUSED = ("qkv", "q/o", "gate_up", "down")  # what ppsplit's stages run by default (fused sibling projections)
+GEMV_SWEEP = [(8, 2048, 4, 2), (8, 2048, 4, 4), (8, 2048, 8, 4), (4, 2048, 8, 2), (2, 2048, 4, 2)]
+# the GEMM on f16 operands at one row: the weight tile on the left (swap) or right, the k split 1-4 ways
+F16_ROW_SWEEP = ([(bn, 128, 4, 4, split, swap) for bn in (64, 128) for split in (1, 2, 4) for swap in (False, True)]
+                 + [(256, 128, 8, 4, split, True) for split in (1, 2, 4)]
+                 + [(128, 128, 4, st, 1, True) for st in (3, 6)])
+GEMM_SWEEP = ([(bn, 128, 4, st, split) for bn in (64, 128) for st in (3, 4) for split in (2, 4)]
+              + [(bn, 128, 4, 4, split, True) for bn in (64, 128) for split in (2, 4)])
 W8A8_SWEEP = [(bn, 128, w, st, split) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4) for split in (1, 4)]
 L2_BYTES = 120 << 20  # over twice an H200's 50 MiB L2: the sweep's timed calls read weights from HBM
 
@@ -237,16 +243,19 @@ def free_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = None) -> None:
+def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = None, shapes=FUSED,
+          w8a8: bool = False) -> None:
     """Each FP8 kernel configuration per projection shape and row count, CUDA-graph timed, against bf16 cuBLAS
-    (and ppsplit's bf16 GEMV at one row, and transformers' Triton block-FP8 kernels with ``--hf-kernel``), and the
-    W8A8 mode of the GEMM (``launch_fp8_linear(..., w8a8=True)``: activations quantised to FP8 in the kernel) with
-    its largest difference from the weight-only result; the fastest weight-only configuration per shape is printed
-    last. Each timed call runs over enough copies of the weights (``L2_BYTES`` and more) that none is in the L2 cache
-    when it is read, as in a decode step, where each layer's weights are read once."""
+    (and ppsplit's bf16 GEMV at one row, and transformers' Triton block-FP8 kernels with ``--hf-kernel``): at one row
+    the GEMV and the GEMM on f16 operands (``F16_ROW_SWEEP``), at more rows the GEMM with f16 operands and, for
+    comparison, with the weights converted to bf16 (``f16=False``); with ``w8a8``, the W8A8 mode of the GEMM
+    (``launch_fp8_linear(..., w8a8=True)``: activations quantised to FP8 in the kernel) with its largest difference
+    from the weight-only result. The fastest weight-only configuration per shape is printed last. Each timed call
+    runs over enough copies of the weights (``L2_BYTES`` and more) that none is in the L2 cache when it is read, as
+    in a decode step, where each layer's weights are read once."""
     from triton.testing import do_bench_cudagraph
 
-    from ppsplit.triton_kernels.fp8 import launch_fp8_linear
+    from ppsplit.triton_kernels.fp8 import dequantize, launch_fp8_linear
     from ppsplit.triton_kernels.gemv import launch_gemv, pick_config
 
     def timed(fn, copies):
@@ -257,7 +266,8 @@ def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = Non
 
     hf = hf_kernel(hf_path)
     best = {}
-    for name, (n, k) in SHAPES.items():
+    for name in shapes:
+        n, k = SHAPES[name]
         copies = max(1, -(-L2_BYTES // (n * k)))  # FP8 bytes; the bf16 copies are twice as large
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
         qs = [quantize(w) for w in ws]
@@ -272,47 +282,58 @@ def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = Non
             if hf is not None:
                 line += f"  HF fp8 (W8A8 Triton) {timed(lambda i: hf(x, *qs[i]), copies):7.1f} us"
             print(line, flush=True)
-            for w8a8, configs in ((False, GEMV_SWEEP if m == 1 else GEMM_SWEEP), (True, W8A8_SWEEP)):
+            exact = (x.double() @ dequantize(*qs[0], 128, 128).double().T).float()
+            if m == 1:
+                kinds = [("fp8 GEMV", GEMV_SWEEP, {}), ("fp8 GEMM f16", F16_ROW_SWEEP, {})]
+            else:
+                kinds = [("fp8 GEMM f16", GEMM_SWEEP, {}), ("fp8 GEMM bf16", GEMM_SWEEP[:4], {"f16": False})]
+            kinds += [("fp8 W8A8", W8A8_SWEEP, {"w8a8": True})] if w8a8 else []
+            ranked = []
+            for label, configs, kw in kinds:
                 rows = []
                 for cfg in configs:
                     try:
-                        us = timed(lambda i: launch_fp8_linear(x, *qs[i], None, 128, 128, config=cfg, w8a8=w8a8),
-                                   copies)
+                        us = timed(lambda i: launch_fp8_linear(x, *qs[i], None, 128, 128, config=cfg, **kw), copies)
                     except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
-                        print(f"    {cfg}: {type(e).__name__}", flush=True)
+                        print(f"    {label} {cfg}: {type(e).__name__}", flush=True)
                         continue
                     rows.append((us, cfg))
                 rows.sort()
-                label = "fp8 W8A8" if w8a8 else "fp8"
                 for us, cfg in rows[:3]:
                     print(f"    {label} {cfg}: {us:7.1f} us  x roofline {us / roof:5.2f}  x bf16 cuBLAS "
-                          f"{us / cublas:5.2f}")
-                if w8a8 and rows:
-                    exact = launch_fp8_linear(x, *qs[0], None, 128, 128).float()
-                    diff = (launch_fp8_linear(x, *qs[0], None, 128, 128, w8a8=True).float() - exact).abs().max()
-                    print(f"    W8A8 against weight-only: max |difference| {diff.item():.3g} (outputs up to "
-                          f"{exact.abs().max().item():.3g})")
-                elif rows:
-                    best[name, m] = rows[0]
+                          f"{us / cublas:5.2f}", flush=True)
+                if rows:  # the fastest against the fp64 product (W8A8 rounds the activations: larger)
+                    got = launch_fp8_linear(x, *qs[0], None, 128, 128, config=rows[0][1], **kw).float()
+                    print(f"    {label} {rows[0][1]} against fp64: max |difference| "
+                          f"{(got - exact).abs().max().item():.3g} (outputs up to {exact.abs().max().item():.3g})")
+                if not kw.get("w8a8"):
+                    ranked += rows
+            if ranked:
+                best[name, m] = min(ranked)
+                if save:  # after each shape, so that a sweep cut short keeps what it found
+                    with open(save, "w") as f:
+                        json.dump({tile_key(*SHAPES[s], r): list(cfg) for (s, r), (_, cfg) in best.items()}, f,
+                                  indent=1)
     print("\nfastest per shape:")
     for (name, m), (us, cfg) in best.items():
         print(f"  {name:<8} m={m:<3} {cfg} {us:7.1f} us")
     if save:
-        tiles = {"%dx%d" % SHAPES[name]: list(cfg) for (name, m), (_, cfg) in best.items() if m == 1}
-        with open(save, "w") as f:
-            json.dump(tiles, f, indent=1)
-        print(f"GEMV tiles of {len(tiles)} shapes -> {save}")
+        print(f"tiles of {len(best)} shapes and row counts -> {save}")
 
 
-def gemv_tiles(path: str):
-    """``gemv_config`` answers from ``path`` (``--save-tiles``) for the shapes it holds while the block runs (a
-    capture bakes the tiles in)."""
+def tile_key(n: int, k: int, m: int) -> str:
+    return f"{n}x{k}" if m == 1 else f"{n}x{k}@{m}"
+
+
+def swept_tiles(path: str):
+    """``linear_config`` answers from ``path`` (``--save-tiles``) for the shapes and row counts it holds while the
+    block runs (a capture bakes the tiles in); a one-row entry may name a GEMM tile."""
     from ppsplit.triton_kernels import fp8
 
     with open(path) as f:
-        tiles = {tuple(map(int, key.split("x"))): tuple(cfg) for key, cfg in json.load(f).items()}
-    planned = fp8.gemv_config
-    return mock.patch.object(fp8, "gemv_config", lambda n, k: tiles.get((n, k)) or planned(n, k))
+        tiles = {key: tuple(cfg) for key, cfg in json.load(f).items()}
+    planned = fp8.linear_config
+    return mock.patch.object(fp8, "linear_config", lambda m, n, k: tiles.get(tile_key(n, k, m)) or planned(m, n, k))
 
 
 def main():
@@ -328,13 +349,17 @@ def main():
     ap.add_argument("--hf-kernel", help="a copy of transformers 4.57.1's finegrained_fp8.py (module docstring): "
                                         "time HF's FP8 path beside ppsplit's (with --sweep: its kernels per shape)")
     ap.add_argument("--save-tiles", help="with --sweep: write the fastest one-row tiles per shape to this JSON file")
-    ap.add_argument("--tiles", help="time the batch-1 FP8 step again on the tiles of this file (--save-tiles)")
+    ap.add_argument("--tiles", help="time the FP8 step again on the tiles of this file (--save-tiles)")
+    ap.add_argument("--shapes", choices=("fused", "all"), default="fused",
+                    help="with --sweep: the fused projections' shapes (what the stages run), or also q/k/v/gate/up")
+    ap.add_argument("--w8a8", action="store_true", help="with --sweep: also the GEMM's W8A8 mode")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/fp8.py times CUDA graphs: run it on a CUDA machine (or --device cpu --small for a smoke run)")
     print(banner(args.device), flush=True)
     if args.sweep:
-        return sweep(args.batch, copy_bandwidth("cuda"), args.hf_kernel, args.save_tiles)
+        return sweep(args.batch, copy_bandwidth("cuda"), args.hf_kernel, args.save_tiles,
+                     FUSED if args.shapes == "fused" else tuple(SHAPES), args.w8a8)
     overrides = dict(num_hidden_layers=args.layers, **(SMALL if args.small else {}))
     model = build_model("llama-3.1-8b", args.device, **overrides)
     max_len = args.prefix + 8
@@ -364,8 +389,8 @@ def main():
                 profile(run, f"{variant}, batch {batch}")
             step_bytes = weights + batch * args.prefix * kv_per_token
             results[variant, batch] = (ms, step_bytes)
-            if variant == "fp8" and batch == 1 and args.tiles:
-                with gemv_tiles(args.tiles):
+            if variant == "fp8" and args.tiles:
+                with swept_tiles(args.tiles):
                     run = stage_runs(split, batch, 1, args.prefix, args.device)
                 results["fp8, swept tiles", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
         if variant == "fp8" and w8a8 is not None and args.device == "cuda":

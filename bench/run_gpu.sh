@@ -10,7 +10,7 @@
 # from $OUT: every step writes one log there, the install log and the FP8 tiles go to /tmp.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export OUT=${OUT:-/tmp/ppsplit-out} TILES=/tmp/ppsplit_fp8_tiles.json
+export OUT=${OUT:-/tmp/ppsplit-out} TILES=${TILES:-/tmp/ppsplit_fp8_tiles.json}
 mkdir -p "$OUT"
 what=${*:-tests kernel anchor pipeline}
 python3 -m pip install -q --no-build-isolation --no-deps -e . >/tmp/ppsplit_install.txt 2>&1 \
@@ -41,7 +41,7 @@ run_step() {
                 $( [ -f "$TILES" ] && echo --tiles "$TILES" ) \
                 $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 | tee "$OUT/fp8.txt" ;;
     experts)  python3 bench/experts.py --sweep 2>&1 | tee "$OUT/experts.txt" ;;   # issue 31: FP8 and MXFP4 MoE experts
-    fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1} --save-tiles "$TILES" \
+    fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1 32} --save-tiles "$TILES" \
                  $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 \
                  | tee "$OUT/fp8_sweep.txt" ;;
     # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048, both profiled)

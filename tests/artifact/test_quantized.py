@@ -471,6 +471,32 @@ def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype, config)
     assert not fp8_usable(x, q, 96) or 96 >= k  # a k-block a 128-wide tile would straddle takes the torch path
 
 
+@pytest.mark.parametrize("n,k,bn,bk,m", [(200, 300, 128, 128, 1), (130, 256, 64, 128, 17), (40, 600, 64, 256, 9),
+                                         (7, 33, 7, 33, 3), (100, 256, 48, 128, 1)])
+@pytest.mark.parametrize("config", [(64, 128, 4, 3, 1), (64, 128, 4, 3, 2), (32, 128, 4, 2, 3, True),
+                                    (16, 64, 4, 2, 2, True)])
+def test_fp8_gemm_on_f16_operands_is_exact_for_bf16_values(n, k, bn, bk, m, config):
+    """The GEMM's ``F16`` operands (what bf16 activations take on the GPU): each row scaled by a power of two into
+    f16's range, so bf16 values multiply exactly. Run under the interpreter (conftest) on fp32 tensors holding bf16
+    values, since the interpreter computes bf16 wrongly; rows of 1e20, 1e-25 and ordinary magnitudes, the weight on
+    either side of the product, the k split up to three ways. Against fp64, to an fp32 sum's precision."""
+    from ppsplit.triton_kernels.fp8 import HAVE_TRITON, launch_fp8_linear
+
+    if not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU tensors, which needs triton and TRITON_INTERPRET=1 (conftest)")
+    torch.manual_seed(n * m + k)
+    q, scale = quantize_blocks(torch.randn(n, k), bn, bk)
+    x = torch.randn(m, k)
+    x[0] *= 1e20  # beyond f16's range (6.5e4) by far: only the row's power of two brings it in
+    if m > 2:
+        x[2] *= 1e-25  # below f16's smallest subnormal (6e-8)
+    x = x.bfloat16().float()
+    ref = x.double() @ reference_dequant(q, scale, bn, bk).T
+    got = launch_fp8_linear(x, q, scale, None, bn, bk, config=config, f16=True).double()
+    row_max = ref.abs().amax(1, keepdim=True)
+    assert ((got - ref).abs() / row_max).max() < 1e-6
+
+
 def _experts(e, n, k, bn, bk, seed):
     """``e`` random experts [n, k] quantised in [bn, bk] blocks by the test's own quantiser: (FP8 stack, scales)."""
     torch.manual_seed(seed)
