@@ -98,6 +98,18 @@ if HAVE_TRITON:
         return ((254 - e) << 23).to(tl.float32, bitcast=True), (e << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _scaled_dot(x, w, s, F16: tl.constexpr, PRECISION: tl.constexpr):
+        """``(x @ float(w)) * s[None, :]``, an ``[M, K] x [K, N]`` tile of FP8 weights times their block scales per
+        column. ``F16`` (bf16 ``x``): both operands as f16, ``x`` scaled by ``_f16_row_scales`` (exact), the weights
+        converted two at a time (to bf16 costs several instructions each), the rows' powers of two put back on
+        with the scales."""
+        if F16:
+            xf = x.to(tl.float32)
+            down, up = _f16_row_scales(xf)
+            return tl.dot((xf * down[:, None]).to(tl.float16), w.to(tl.float16)) * (up[:, None] * s[None, :])
+        return tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
+
+    @triton.jit
     def _fp8_gemm_kernel(X, W, S, B, Y, M, N, K, K_PER, stride_x, stride_w, stride_y, stride_split, GK, QN, QK,
                          HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W8A8: tl.constexpr, F16: tl.constexpr,
@@ -108,10 +120,9 @@ if HAVE_TRITON:
         (``_fp8_split_sum_kernel`` adds the slices up, in a fixed order); else it is the output. ``EVEN``: every
         k-range is whole ``BLOCK_K`` tiles and ``N`` whole ``BLOCK_N`` tiles (the loads need no masks but the rows').
 
-        ``F16`` (bf16 activations): each step's rows are scaled into f16 exactly (``_f16_row_scales``) and the
-        weights converted to f16, one instruction per two weights (to bf16 costs several), and the row's power of
-        two goes back on with the block scale. ``SWAP``: the tensor cores take the weight tile as the left operand
-        (``[BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]``), so a few rows need not fill a 16-row operand alone."""
+        ``F16``: f16 operands (``_scaled_dot``). ``SWAP`` (with ``F16``): the tensor cores take the weight tile as
+        the left operand (``[BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]``), so a few rows need not fill a 16-row operand
+        alone."""
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         z = tl.program_id(2)
@@ -143,16 +154,13 @@ if HAVE_TRITON:
                 xs = tl.where(xs > 0, xs, 1.0)  # a row of zeros (or a padding row): any scale
                 xq = (xf / xs[:, None]).to(W.dtype.element_ty)
                 acc += tl.dot(xq, w) * (xs[:, None] * s[None, :])
-            elif F16:
+            elif SWAP:  # the transposed product: [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]
                 xf = x.to(tl.float32)
                 down, up = _f16_row_scales(xf)
                 x16 = (xf * down[:, None]).to(tl.float16)
-                if SWAP:
-                    acc += tl.dot(tl.trans(w.to(tl.float16)), tl.trans(x16)) * (s[:, None] * up[None, :])
-                else:
-                    acc += tl.dot(x16, w.to(tl.float16)) * (up[:, None] * s[None, :])
+                acc += tl.dot(tl.trans(w.to(tl.float16)), tl.trans(x16)) * (s[:, None] * up[None, :])
             else:
-                acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
+                acc += _scaled_dot(x, w, s, F16, PRECISION)
         if SWAP:
             acc = tl.trans(acc)
         out = Y + z.to(tl.int64) * stride_split + rm[:, None].to(tl.int64) * stride_y + rn[None, :]
@@ -304,12 +312,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fp8_grouped_kernel(X, W, S, OFFS, Y, N, K, stride_x, stride_we, stride_wn, stride_se, stride_y, GK, QN, QK,
-                            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            PRECISION: tl.constexpr, F16: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Expert ``program_id(0)``'s rows ``[OFFS[e - 1], OFFS[e])`` of ``X`` (sorted by expert) times the
         ``BLOCK_N`` output columns ``program_id(1)`` of its weight, ``BLOCK_M`` rows at a time (an expert no token
         chose does nothing). Each ``BLOCK_K`` step lies inside one k-block; its partial product is scaled by the
-        weight block's scale as it is accumulated, as in ``_fp8_gemm_kernel``."""
+        weight block's scale as it is accumulated (``_scaled_dot``: f16 operands for bf16 rows), as in
+        ``_fp8_gemm_kernel``."""
         e = tl.program_id(0)
         start, end = expert_rows(OFFS, e)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -324,7 +333,7 @@ if HAVE_TRITON:
                             mask=(rm[:, None] < end) & (rk[None, :] < K), other=0.0)
                 w = tl.load(w_cols + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
                 s = tl.load(s_cols + k0 // QK, mask=rn < N, other=0.0).to(tl.float32)
-                acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
+                acc += _scaled_dot(x, w, s, F16, PRECISION)
             tl.store(Y + rm[:, None].to(tl.int64) * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
                      mask=(rm[:, None] < end) & (rn[None, :] < N))
 
@@ -351,8 +360,9 @@ def fp8_grouped_usable(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> b
 
 
 def launch_fp8_grouped_mm(x, weight, scale, offs, block_n: int, block_k: int, wrap=lambda kernel: kernel,
-                          config=(16, 64, 4, 3)):
-    """The Triton path of ``fp8_grouped_mm``; ``config`` is ``(BLOCK_M, BLOCK_N, warps, stages)``."""
+                          config=(16, 64, 4, 3), f16: bool | None = None):
+    """The Triton path of ``fp8_grouped_mm``; ``config`` is ``(BLOCK_M, BLOCK_N, warps, stages)``; ``f16``: f16
+    operands (``_scaled_dot``; by default for bf16 rows)."""
     e, n, k = weight.shape
     gn, gk = scale_grid(n, k, block_n, block_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -363,7 +373,7 @@ def launch_fp8_grouped_mm(x, weight, scale, offs, block_n: int, block_k: int, wr
     wrap(_fp8_grouped_kernel)[(e, triton.cdiv(n, bn_))](
         x, weight, scale.reshape(-1), offs, y, n, k, x.stride(0), weight.stride(0), weight.stride(1), gn * gk, n, gk,
         block_n, k if block_k >= k else block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=grouped_tile_k(block_k, k), num_warps=warps, num_stages=stages)
+        F16=(x.dtype == torch.bfloat16) if f16 is None else f16, BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=grouped_tile_k(block_k, k), num_warps=warps, num_stages=stages)
     return y
 
 

@@ -513,20 +513,31 @@ def _grouped_reference(x, q, scale, counts, bn, bk):
 @pytest.mark.parametrize("e,n,k,bn,bk,counts", [(4, 64, 96, 32, 32, [2, 0, 3, 2]), (3, 200, 300, 128, 128, [17, 1, 0]),
                                                 (5, 40, 64, 16, 64, [1, 1, 1, 1, 40]), (2, 48, 256, 1, 256, [3, 5]),
                                                 (3, 64, 128, 64, 128, [0, 0, 0])])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, "f16 operands"])
 def test_triton_fp8_grouped_kernel_equals_fp64_reference(e, n, k, bn, bk, counts, dtype):
     """The grouped FP8 kernel of MoE experts under TRITON_INTERPRET=1 (conftest): rows sorted by expert, an expert
     no row chose (nothing written for it), one with more rows than a tile (several row tiles), partial last scale
-    blocks (200 x 300 in 128-blocks), per-channel scales, 16-wide k-blocks (a 16-column tile), and no rows at all."""
+    blocks (200 x 300 in 128-blocks), per-channel scales, 16-wide k-blocks (a 16-column tile), and no rows at all.
+    "f16 operands": the path bf16 rows take on the GPU, on fp32 rows holding bf16 values, the first of them 1e20
+    times larger (the interpreter computes bf16 wrongly)."""
     from ppsplit.triton_kernels.fp8 import fp8_grouped_usable, launch_fp8_grouped_mm
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the Triton kernels on CPU tensors, which needs TRITON_INTERPRET=1 (conftest)")
     q, scale = _experts(e, n, k, bn, bk, seed=n + k)
-    x = torch.randn(sum(counts), k).to(dtype)
+    f16 = dtype == "f16 operands"
+    x = torch.randn(sum(counts), k)
+    if f16 and len(x):
+        x[0] *= 1e20
+    x = x.bfloat16().float() if f16 else x.to(dtype)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     assert fp8_grouped_usable(x, q, bk)
-    got = launch_fp8_grouped_mm(x, q, scale, offs, bn, bk)
+    got = launch_fp8_grouped_mm(x, q, scale, offs, bn, bk, f16=f16)
+    if f16:
+        want = _grouped_reference(x, q, scale, counts, bn, bk)
+        err = (got.double() - want).abs() / want.abs().amax(1, keepdim=True).clamp(min=1e-300)
+        assert got.shape == want.shape and (err.numel() == 0 or err.max() < 1e-6)
+        return
     tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(got.double(), _grouped_reference(x, q, scale, counts, bn, bk),
                                atol=tol * math.sqrt(k), rtol=tol)
