@@ -96,6 +96,8 @@ def expert_rows() -> dict:
     return {
         "FP8 grouped experts (16, 64, 4, 3)": (lambda: launch_fp8_grouped_mm(x8, w8, s8, ends, 128, 128),
                                               64 * 128 / 4),
+        "FP8 grouped experts, bf16 operands": (
+            lambda: launch_fp8_grouped_mm(x8, w8, s8, ends, 128, 128, f16=False), 64 * 128 / 4),
         **{f"MXFP4 grouped experts {cfg}{'' if mx else ', own decode'}": (
             lambda cfg=cfg, mx=mx: launch_mxfp4_grouped_mm(x4, b4, s4, ends, config=cfg, dot_scaled=mx),
             cfg[1] * (cfg[2] // 2 + cfg[2] // 32) / cfg[3])
