@@ -38,9 +38,7 @@ from ppsplit.triton_kernels.mxfp4 import dequantize_mxfp4, launch_mxfp4_grouped_
 
 # --sweep: the tiles timed beside the defaults (the first of each), (BLOCK_M, BLOCK_N[, BLOCK_K], warps, stages);
 # their sm_90 instruction counts are in bench/RESULTS.md section 33
-# (an FP8 entry of (tiles, False): the weights converted to bf16 instead of f16 operands, as before section 35)
-TILES = {"fp8": [(16, 64, 4, 3), ((16, 64, 4, 3), False), (16, 128, 4, 3), (16, 128, 8, 3), (16, 256, 8, 3),
-                 (16, 64, 4, 4)],
+TILES = {"fp8": [(16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 3), (16, 256, 8, 3), (16, 64, 4, 4)],
          "mxfp4": [(16, 64, 128, 4, 3), (16, 64, 64, 4, 2), (16, 128, 128, 4, 2), (16, 128, 256, 8, 2),
                    (16, 64, 128, 4, 2), (16, 64, 64, 4, 3)]}
 # format: (experts, hidden, intermediate, top-k), full size and --small
@@ -53,11 +51,9 @@ def fp8_experts(e: int, n: int, k: int, device: str):
     s = torch.empty(e, -(-n // 128), -(-k // 128), device=device)
     for i in range(e):  # one expert at a time: the fp32 randoms of all of them would not fit
         q[i], s[i] = quantize(torch.randn(n, k, device=device) * 0.02)
-    def run(h, ends, config=None):  # config: tiles, or (tiles, f16)
-        if config is None:
-            return fp8_grouped_mm(h, q, s, ends, 128, 128)
-        tiles, f16 = config if isinstance(config[0], tuple) else (config, None)
-        return launch_fp8_grouped_mm(h, q, s, ends, 128, 128, config=tiles, f16=f16)
+    def run(h, ends, config=None):
+        return fp8_grouped_mm(h, q, s, ends, 128, 128) if config is None else \
+            launch_fp8_grouped_mm(h, q, s, ends, 128, 128, config=config)
 
     return run, q[0].numel() + s[0].numel() * 4, dequantize(q, s, 128, 128, torch.bfloat16)
 

@@ -139,14 +139,8 @@ def hf_fp8_status() -> str:
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
           "qkv": (6144, 4096), "gate_up": (28672, 4096)}
 FUSED = ("qkv", "q/o", "gate_up", "down")  # what ppsplit's stages run by default (fused sibling projections)
-GEMV_SWEEP = [(8, 2048, 4, 2), (8, 2048, 8, 4), (2, 2048, 4, 2)]
-# the GEMM on f16 operands at one row: the weight tile on the left (swap) or right, the k split 1-4 ways
-F16_ROW_SWEEP = ([(128, 128, 4, 4, split, swap) for split in (1, 2, 4) for swap in (False, True)]
-                 + [(64, 128, 4, 4, split, True) for split in (2, 4)]
-                 + [(256, 128, 8, 4, split, True) for split in (1, 2)]
-                 + [(128, 128, 4, st, 1, True) for st in (3, 6)])
-GEMM_SWEEP = ([(bn, 128, 4, 3, split) for bn in (64, 128) for split in (2, 4)]
-              + [(bn, 128, 4, 4, split, True) for bn in (64, 128) for split in (2, 4)])
+GEMV_SWEEP = [(bn, 2048, w, st) for bn in (2, 4, 8) for w in (4, 8) for st in (2, 4)]
+GEMM_SWEEP = [(bn, 128, 4, st, split) for bn in (32, 64, 128) for st in (3, 4) for split in (1, 2, 4)]
 W8A8_SWEEP = [(bn, 128, w, st, split) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4) for split in (1, 4)]
 L2_BYTES = 120 << 20  # over twice an H200's 50 MiB L2: the sweep's timed calls read weights from HBM
 
@@ -248,8 +242,7 @@ def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = Non
           w8a8: bool = False) -> None:
     """Each FP8 kernel configuration per projection shape and row count, CUDA-graph timed, against bf16 cuBLAS
     (and ppsplit's bf16 GEMV at one row, and transformers' Triton block-FP8 kernels with ``--hf-kernel``): at one row
-    the GEMV and the GEMM on f16 operands (``F16_ROW_SWEEP``), at more rows the GEMM with f16 operands and, for
-    comparison, with the weights converted to bf16 (``f16=False``); with ``w8a8``, the W8A8 mode of the GEMM
+    the GEMV, at more rows the GEMM; with ``w8a8``, the W8A8 mode of the GEMM
     (``launch_fp8_linear(..., w8a8=True)``: activations quantised to FP8 in the kernel) with its largest difference
     from the weight-only result. The fastest weight-only configuration per shape is printed last. Each timed call
     runs over enough copies of the weights (``L2_BYTES`` and more) that none is in the L2 cache when it is read, as
@@ -284,10 +277,7 @@ def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = Non
                 line += f"  HF fp8 (W8A8 Triton) {timed(lambda i: hf(x, *qs[i]), copies):7.1f} us"
             print(line, flush=True)
             exact = (x.double() @ dequantize(*qs[0], 128, 128).double().T).float()
-            if m == 1:
-                kinds = [("fp8 GEMV", GEMV_SWEEP, {}), ("fp8 GEMM f16", F16_ROW_SWEEP, {})]
-            else:
-                kinds = [("fp8 GEMM f16", GEMM_SWEEP, {}), ("fp8 GEMM bf16", GEMM_SWEEP[:2], {"f16": False})]
+            kinds = [("fp8 GEMV", GEMV_SWEEP, {})] if m == 1 else [("fp8 GEMM", GEMM_SWEEP, {})]
             kinds += [("fp8 W8A8", W8A8_SWEEP, {"w8a8": True})] if w8a8 else []
             ranked = []
             for label, configs, kw in kinds:

@@ -96,8 +96,6 @@ def expert_rows() -> dict:
     return {
         "FP8 grouped experts (16, 64, 4, 3)": (lambda: launch_fp8_grouped_mm(x8, w8, s8, ends, 128, 128),
                                               64 * 128 / 4),
-        "FP8 grouped experts, bf16 operands": (
-            lambda: launch_fp8_grouped_mm(x8, w8, s8, ends, 128, 128, f16=False), 64 * 128 / 4),
         **{f"MXFP4 grouped experts {cfg}{'' if mx else ', own decode'}": (
             lambda cfg=cfg, mx=mx: launch_mxfp4_grouped_mm(x4, b4, s4, ends, config=cfg, dot_scaled=mx),
             cfg[1] * (cfg[2] // 2 + cfg[2] // 32) / cfg[3])
@@ -123,15 +121,8 @@ def main():
         f"FP8 GEMV {fp8}": (lambda: launch_fp8_linear(x, w8, s8, None, 128, 128), fp8[0] * fp8[1] / fp8[2]),
         "FP8 GEMV (2, 2048, 4, 2)": (lambda: launch_fp8_linear(x, w8, s8, None, 128, 128, config=(2, 2048, 4, 2)),
                                      2 * 2048 / 4),
-        "FP8 GEMM f16 at 2 rows (64, 128, 4, 3, 1)": (
+        "FP8 GEMM at 2 rows (64, 128, 4, 3, 1)": (
             lambda: launch_fp8_linear(x2, w8, s8, None, 128, 128, config=(64, 128, 4, 3, 1)), 64 * 128 / 4),
-        **{f"FP8 GEMM f16 at 1 row {cfg}": (
-            lambda cfg=cfg: launch_fp8_linear(x, w8, s8, None, 128, 128, config=cfg), cfg[0] * 128 / cfg[2])
-           for cfg in ((64, 128, 4, 4, 1), (128, 128, 4, 4, 1), (64, 128, 4, 4, 1, True), (128, 128, 4, 4, 1, True),
-                       (256, 128, 8, 4, 1, True))},
-        "FP8 GEMM bf16 at 2 rows (64, 128, 4, 3, 1)": (
-            lambda: launch_fp8_linear(x2, w8, s8, None, 128, 128, config=(64, 128, 4, 3, 1), f16=False),
-            64 * 128 / 4),
         **{f"FP8 W8A8 at 1 row {cfg}": (
             lambda cfg=cfg: launch_fp8_linear(x, w8, s8, None, 128, 128, config=cfg, w8a8=True), cfg[0] * 128 / cfg[2])
            for cfg in ((64, 128, 4, 3, 1), (128, 128, 4, 3, 1), (256, 128, 8, 3, 1))},

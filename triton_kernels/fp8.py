@@ -88,81 +88,35 @@ if HAVE_TRITON:
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
     @triton.jit
-    def _f16_row_scales(x):
-        """Per row of ``x`` (fp32), the powers of two ``(2^-e, 2^e)`` that put the row's largest magnitude in
-        ``[2^14, 2^15)``: a bf16 value times ``2^-e`` is then an f16 value, exactly (f16's 11-bit significand holds
-        bf16's 8, and its subnormals reach ``2^-24``, so only values below ``2^-38`` of the row's largest lose
-        bits: far under what an fp32 sum keeps)."""
-        amax = tl.max(tl.abs(x), axis=1)
-        e = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 14, 1)  # biased exponent of 2^e
-        return ((254 - e) << 23).to(tl.float32, bitcast=True), (e << 23).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _scaled_dot(x, w, s, F16: tl.constexpr, PRECISION: tl.constexpr):
-        """``(x @ float(w)) * s[None, :]``, an ``[M, K] x [K, N]`` tile of FP8 weights times their block scales per
-        column. ``F16`` (bf16 ``x``): both operands as f16, ``x`` scaled by ``_f16_row_scales`` (exact), the weights
-        converted two at a time (to bf16 costs several instructions each), the rows' powers of two put back on
-        with the scales."""
-        if F16:
-            xf = x.to(tl.float32)
-            down, up = _f16_row_scales(xf)
-            return tl.dot((xf * down[:, None]).to(tl.float16), w.to(tl.float16)) * (up[:, None] * s[None, :])
-        return tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
-
-    @triton.jit
     def _fp8_gemm_kernel(X, W, S, B, Y, M, N, K, K_PER, stride_x, stride_w, stride_y, stride_split, GK, QN, QK,
                          HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W8A8: tl.constexpr, F16: tl.constexpr,
-                         SWAP: tl.constexpr, EVEN: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W8A8: tl.constexpr):
         """A ``[BLOCK_M, BLOCK_N]`` output tile of the k-range ``[K_PER * z, K_PER * (z + 1))`` per program; each
         ``BLOCK_K`` step lies inside one k-block, and its partial product is scaled by the weight block's scale as it
         is accumulated. ``SPLIT``: the k-range is one of several, and the tile goes to its fp32 slice of ``Y``
-        (``_fp8_split_sum_kernel`` adds the slices up, in a fixed order); else it is the output. ``EVEN``: every
-        k-range is whole ``BLOCK_K`` tiles and ``N`` whole ``BLOCK_N`` tiles (the loads need no masks but the rows').
-
-        ``F16``: f16 operands (``_scaled_dot``). ``SWAP`` (with ``F16``): the tensor cores take the weight tile as
-        the left operand (``[BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]``), so a few rows need not fill a 16-row operand
-        alone."""
+        (``_fp8_split_sum_kernel`` adds the slices up, in a fixed order); else it is the output."""
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         z = tl.program_id(2)
         k_lo = z * K_PER
         k_hi = tl.minimum(k_lo + K_PER, K)
         s_cols = S + (rn // QN) * GK
-        if SWAP:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        rk = k_lo + tl.arange(0, BLOCK_K)
-        x_at = X + rm[:, None].to(tl.int64) * stride_x + rk[None, :]
-        w_at = W + rn[None, :].to(tl.int64) * stride_w + rk[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            if EVEN:  # whole tiles only: no masks along k or n
-                x = tl.load(x_at, mask=rm[:, None] < M, other=0.0)
-                w = tl.load(w_at)
-                s = tl.load(s_cols + k0 // QK).to(tl.float32)
-            else:
-                x = tl.load(x_at, mask=(rm[:, None] < M) & (rk[None, :] < k_hi), other=0.0)
-                w = tl.load(w_at, mask=(rn[None, :] < N) & (rk[:, None] < k_hi), other=0.0)
-                s = tl.load(s_cols + k0 // QK, mask=rn < N, other=0.0).to(tl.float32)
-            x_at += BLOCK_K
-            w_at += BLOCK_K
-            rk += BLOCK_K
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + rm[:, None].to(tl.int64) * stride_x + rk[None, :],
+                        mask=(rm[:, None] < M) & (rk[None, :] < k_hi), other=0.0)
+            w = tl.load(W + rn[None, :].to(tl.int64) * stride_w + rk[:, None],
+                        mask=(rn[None, :] < N) & (rk[:, None] < k_hi), other=0.0)
+            s = tl.load(s_cols + k0 // QK, mask=rn < N, other=0.0).to(tl.float32)
             if W8A8:  # each row's BLOCK_K activations quantised to FP8 by their amax / 448, both operands FP8
                 xf = x.to(tl.float32)
                 xs = tl.max(tl.abs(xf), axis=1) / 448.0
                 xs = tl.where(xs > 0, xs, 1.0)  # a row of zeros (or a padding row): any scale
                 xq = (xf / xs[:, None]).to(W.dtype.element_ty)
                 acc += tl.dot(xq, w) * (xs[:, None] * s[None, :])
-            elif SWAP:  # the transposed product: [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]
-                xf = x.to(tl.float32)
-                down, up = _f16_row_scales(xf)
-                x16 = (xf * down[:, None]).to(tl.float16)
-                acc += tl.dot(tl.trans(w.to(tl.float16)), tl.trans(x16)) * (s[:, None] * up[None, :])
             else:
-                acc += _scaled_dot(x, w, s, F16, PRECISION)
-        if SWAP:
-            acc = tl.trans(acc)
+                acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
         out = Y + z.to(tl.int64) * stride_split + rm[:, None].to(tl.int64) * stride_y + rn[None, :]
         ok = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT:
@@ -185,17 +139,19 @@ if HAVE_TRITON:
         tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-# The fastest tiles per Llama-3.1-8B projection on an H200 (``bench/fp8.py --sweep``, bench/RESULTS.md section 25).
+# The fastest tiles per Llama-3.1-8B projection on an H200, each timed alone with its weights out of the L2 cache
+# (``bench/fp8.py --sweep``, bench/RESULTS.md sections 25 and 35).
 def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) of the one-row kernel: 2048-wide tiles; 2 rows per program for the
-    MLP's [14336, 4096] and [4096, 14336], 8 for the rest."""
-    return (2, 2048, 4, 2) if 8192 < max(n, k) <= 16384 else (8, 2048, 8, 4)
+    """(BLOCK_N, BLOCK_K, warps, stages) of the one-row kernel: 2048-wide tiles over 4 warps, 2 stages; 8 rows per
+    program for the fused gate/up projection ([28672, 4096]), 2 for the rest."""
+    return (8, 2048, 4, 2) if n > 16384 else (2, 2048, 4, 2)
 
 
 def gemm_config(n: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages, k-ranges) of the GEMM: the k split over 4 ranges (4x the programs of an
-    unsplit GEMM at 32 rows, whose few programs could not hide the loads' latency); 64 columns per tile."""
-    return (64, 128, 4, 3, 4) if n >= 4096 else (16, 128, 4, 3, 4)
+    """(BLOCK_N, BLOCK_K, warps, stages, k-ranges) of the GEMM: 64 columns per tile, the k split over 4 ranges (4x
+    the programs of an unsplit GEMM at 32 rows, whose few programs could not hide the loads' latency); over 2 for
+    the fused gate/up projection, which has programs enough."""
+    return (64, 128, 4, 3, 2 if n > 16384 else 4) if n >= 4096 else (16, 128, 4, 3, 4)
 
 
 def linear_config(m: int, n: int, k: int) -> tuple:
@@ -236,12 +192,11 @@ def _tile_k(block_k: int, k: int, tile: int, spans: bool) -> tuple[int, int]:
 
 
 def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=lambda kernel: kernel, config=None,
-                      w8a8: bool = False, f16: bool | None = None):
+                      w8a8: bool = False):
     """The Triton path of ``fp8_linear`` (see the module docstring); ``x`` of any leading shape. ``config``
-    ``(BLOCK_N, BLOCK_K, warps, stages)`` is the GEMV's tiles at one row (the GEMM's, unsplit, at more),
-    ``(BLOCK_N, BLOCK_K, warps, stages, k-ranges[, swap])`` the GEMM's at any row count; by default ``linear_config``'s (``bench/fp8.py --sweep``
-    times them all). ``f16``: the GEMM's f16 operands (``_fp8_gemm_kernel``'s ``F16``;
-    by default for bf16 activations).
+    overrides ``linear_config``: ``(BLOCK_N, BLOCK_K, warps, stages)`` the GEMV's tiles at one row (the GEMM's,
+    unsplit, at more), ``(BLOCK_N, BLOCK_K, warps, stages, k-ranges)`` the GEMM's at any row count
+    (``bench/fp8.py --sweep``).
 
     ``w8a8``: the GEMM at every row count, its activations quantised to FP8 per row and ``W8A8_GROUP`` columns (the
     amax over 448, as DeepSeek-V3's ``act_quant``), so the tensor cores take both operands as FP8 and no weight is
@@ -260,29 +215,26 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
     s = scale.reshape(-1)
     b = bias if bias is not None else s
     config = config or (gemm_config(n) if w8a8 else linear_config(m, n, k))
-    if len(config) == 4 and m == 1:
+    if m == 1 and not w8a8 and len(config) == 4:
         bn_, bk_, warps, stages = config
         bk_, sub = _tile_k(block_k, k, bk_, spans=True)
         wrap(_fp8_gemv_kernel)[(triton.cdiv(n, bn_),)](
             x2, weight, s, b, y, n, k, weight.stride(0), gk, block_n, qk, HAS_BIAS=bias is not None,
             ONE_K_BLOCK=one, SUB=sub, BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
-        return y.reshape(*x.shape[:-1], n)
-    bn_, bk_, warps, stages, split, swap = (*config, *(1, False)[len(config) - 4:])  # unsplit, unswapped by default
-    f16 = (x.dtype == torch.bfloat16) if f16 is None else f16
-    bk_ = W8A8_GROUP if w8a8 else max(_tile_k(block_k, k, bk_, spans=False)[0], 16)
-    bm_ = gemm_block_m(m)
-    k_per = triton.cdiv(triton.cdiv(k, split), bk_) * bk_  # whole tiles per k-range
-    splits = triton.cdiv(k, k_per)
-    out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    wrap(_fp8_gemm_kernel)[(triton.cdiv(m, bm_), triton.cdiv(n, bn_), splits)](
-        x2, weight, s, b, out, m, n, k, k_per, x2.stride(0), weight.stride(0), n, m * n, gk, block_n, qk,
-        HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # no TF32 for fp32
-        SPLIT=splits > 1, BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, W8A8=w8a8, F16=f16 and not w8a8,
-        SWAP=bool(swap) and f16 and not w8a8, EVEN=k % k_per == 0 and n % bn_ == 0,
-        num_warps=warps, num_stages=stages)
-    if splits > 1:
-        wrap(_fp8_split_sum_kernel)[(triton.cdiv(m * n, 1024),)](
-            out, b, y, m * n, n, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=1024)
+    else:
+        bn_, bk_, warps, stages, *split = config
+        bk_ = W8A8_GROUP if w8a8 else max(_tile_k(block_k, k, bk_, spans=False)[0], 16)
+        bm_ = gemm_block_m(m)
+        k_per = triton.cdiv(triton.cdiv(k, split[0] if split else 1), bk_) * bk_  # whole tiles per k-range
+        splits = triton.cdiv(k, k_per)
+        out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        wrap(_fp8_gemm_kernel)[(triton.cdiv(m, bm_), triton.cdiv(n, bn_), splits)](
+            x2, weight, s, b, out, m, n, k, k_per, x2.stride(0), weight.stride(0), n, m * n, gk, block_n, qk,
+            HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # no TF32 for fp32
+            SPLIT=splits > 1, BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, W8A8=w8a8, num_warps=warps, num_stages=stages)
+        if splits > 1:
+            wrap(_fp8_split_sum_kernel)[(triton.cdiv(m * n, 1024),)](
+                out, b, y, m * n, n, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=1024)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -312,13 +264,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fp8_grouped_kernel(X, W, S, OFFS, Y, N, K, stride_x, stride_we, stride_wn, stride_se, stride_y, GK, QN, QK,
-                            PRECISION: tl.constexpr, F16: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
         """Expert ``program_id(0)``'s rows ``[OFFS[e - 1], OFFS[e])`` of ``X`` (sorted by expert) times the
         ``BLOCK_N`` output columns ``program_id(1)`` of its weight, ``BLOCK_M`` rows at a time (an expert no token
         chose does nothing). Each ``BLOCK_K`` step lies inside one k-block; its partial product is scaled by the
-        weight block's scale as it is accumulated (``_scaled_dot``: f16 operands for bf16 rows), as in
-        ``_fp8_gemm_kernel``."""
+        weight block's scale as it is accumulated, as in ``_fp8_gemm_kernel``."""
         e = tl.program_id(0)
         start, end = expert_rows(OFFS, e)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -333,7 +284,7 @@ if HAVE_TRITON:
                             mask=(rm[:, None] < end) & (rk[None, :] < K), other=0.0)
                 w = tl.load(w_cols + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
                 s = tl.load(s_cols + k0 // QK, mask=rn < N, other=0.0).to(tl.float32)
-                acc += _scaled_dot(x, w, s, F16, PRECISION)
+                acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
             tl.store(Y + rm[:, None].to(tl.int64) * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
                      mask=(rm[:, None] < end) & (rn[None, :] < N))
 
@@ -360,9 +311,8 @@ def fp8_grouped_usable(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> b
 
 
 def launch_fp8_grouped_mm(x, weight, scale, offs, block_n: int, block_k: int, wrap=lambda kernel: kernel,
-                          config=(16, 64, 4, 3), f16: bool | None = None):
-    """The Triton path of ``fp8_grouped_mm``; ``config`` is ``(BLOCK_M, BLOCK_N, warps, stages)``; ``f16``: f16
-    operands (``_scaled_dot``; by default for bf16 rows)."""
+                          config=(16, 64, 4, 3)):
+    """The Triton path of ``fp8_grouped_mm``; ``config`` is ``(BLOCK_M, BLOCK_N, warps, stages)``."""
     e, n, k = weight.shape
     gn, gk = scale_grid(n, k, block_n, block_k)
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -373,7 +323,7 @@ def launch_fp8_grouped_mm(x, weight, scale, offs, block_n: int, block_k: int, wr
     wrap(_fp8_grouped_kernel)[(e, triton.cdiv(n, bn_))](
         x, weight, scale.reshape(-1), offs, y, n, k, x.stride(0), weight.stride(0), weight.stride(1), gn * gk, n, gk,
         block_n, k if block_k >= k else block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        F16=(x.dtype == torch.bfloat16) if f16 is None else f16, BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=grouped_tile_k(block_k, k), num_warps=warps, num_stages=stages)
+        BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=grouped_tile_k(block_k, k), num_warps=warps, num_stages=stages)
     return y
 
 
