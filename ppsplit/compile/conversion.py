@@ -121,10 +121,12 @@ class Sources:
         """The block ``(bn, bk)`` of the FP8 stack ``group`` converts its FP8 weights into when they can stay FP8,
         else None. They can when the conversion only stacks and concatenates them (transformers' MoE experts:
         ``experts.{e}.gate_proj`` and ``up_proj`` into ``experts.gate_up_proj [E, 2I, H]``), every weight has
-        block or channel scales of one block size, and its dimensions are whole blocks (so each block of the stack
-        is one weight's block, and the scales convert like the weights)."""
+        scales of one block size (a per-tensor scale is one block the weight's size: gate and up, of one shape,
+        concatenate into two such blocks), and its dimensions are whole blocks (so each block of the stack is one
+        weight's block, and the scales convert like the weights: they need a dimension to stack and concatenate
+        along, which a 0-d per-tensor scale lacks)."""
         operations = getattr(group.converter, "operations", None)
-        if self.scheme is None or self.scheme.scheme not in ("block", "channel") or not operations \
+        if self.scheme is None or not operations \
                 or len(group.targets) != 1 or any(type(op).__name__ not in _STACKING for op in operations) \
                 or any(type(op).__name__ == "MergeModulelist" and op.dim != 0 for op in operations):
             return None
@@ -133,8 +135,8 @@ class Sources:
             return None
         shapes = [tuple(self.checkpoint.raw_range(key).shape) for key in keys]
         blocks = {self.scheme.block_of(shape) for shape in shapes}
-        scale_dtypes = {self.checkpoint.raw_range(self.scales[key]).dtype for key in keys}
-        if len(blocks) != 1 or len(scale_dtypes) != 1:
+        scale_ranges = [self.checkpoint.raw_range(self.scales[key]) for key in keys]
+        if len(blocks) != 1 or len({r.dtype for r in scale_ranges}) != 1 or any(not r.shape for r in scale_ranges):
             return None
         bn, bk = blocks.pop()
         return (bn, bk) if all(n % bn == 0 and k % bk == 0 for n, k in shapes) else None
@@ -156,9 +158,10 @@ class Sources:
         if group.converter is None:
             return {group.first: self.read(group.sources[0][0], group.dtype)}
         if group.scales_of is not None:  # converted under the weights' name, returned under the scales'
-            out = self._convert(group.converter, group.scales_of, group.sources,
-                                lambda key: _reader(self, key, group.dtype))
-            return {group.first: next(iter(out.values()))}
+            out = next(iter(self._convert(group.converter, group.scales_of, group.sources,
+                                          lambda key: _reader(self, key, group.dtype)).values()))
+            # per-tensor scales ([1] each) stack into [E, parts]: a part's one block spans K, its k-block count 1
+            return {group.first: out.unsqueeze(-1) if out.dim() == 2 else out}
         return self._convert(group.converter, group.first, group.sources,
                              lambda key: (lambda: read_tensor(self.checkpoint, key)) if group.stored
                              else _reader(self, key, group.dtype))

@@ -356,13 +356,17 @@ def _stacked_experts(source: dict, layer: int, parts: tuple[str, ...], suffix: s
 
 
 @pytest.mark.parametrize("arch,dtype,scheme", [("qwen3_moe", "float32", "fp8"), ("qwen3_moe", "bfloat16", "fp8"),
-                                               ("qwen3_moe", "float32", "ct-channel"), ("deepseek_v3", "float32", "ue8m0")])
+                                               ("qwen3_moe", "float32", "ct-channel"),
+                                               ("qwen3_moe", "bfloat16", "ct-tensor"),
+                                               ("qwen3_moe", "float32", "ct-tensor"),
+                                               ("deepseek_v3", "float32", "ue8m0")])
 def test_fp8_moe_experts_stay_fp8_through_the_conversions(arch, dtype, scheme, tmp_path, capsys):
     """qwen3_moe and deepseek_v3 (MLA projections, shared experts; E8M0 exponent-byte scales in 8-blocks) with
-    per-expert FP8 tensors in whole blocks (32-blocks, or compressed-tensors' per-channel scales): transformers'
-    converters stack the FP8 experts as stored and their scales alike (experts.gate_up_proj_scale_inv, or _scale),
-    and the stages run them on ppsplit's FP8 expert ops: the grouped product a bfloat16 compile traces, the per-token
-    expert weights a float32 one traces. The stage files hold the checkpoint's FP8 bytes, the plan counts them, and
+    per-expert FP8 tensors in whole blocks (32-blocks, or compressed-tensors' per-channel or per-tensor scales: a
+    stack of per-tensor gate and up weights is two blocks an expert, each of one weight): transformers' converters
+    stack the FP8 experts as stored and their scales alike (experts.gate_up_proj_scale_inv, or _scale), and the
+    stages run them on ppsplit's FP8 expert ops: the grouped product a bfloat16 compile traces, the per-token expert
+    weights a float32 one traces. The stage files hold the checkpoint's FP8 bytes, the plan counts them, and
     the logits equal transformers' own loading of the checkpoint (in bfloat16: its float32 loading cast to
     bfloat16, whose weights are bit-equal to the dequantised experts)."""
     from tests.architectures.test_moe_compile import moe_config
@@ -392,7 +396,8 @@ def test_fp8_moe_experts_stay_fp8_through_the_conversions(arch, dtype, scheme, t
         assert torch.equal(weight.view(torch.uint8), _stacked_experts(source, 3, parts, "weight").view(torch.uint8))
         scales = _stacked_experts(source, 3, parts, suffix)
         want = (scales.float() - 127).exp2() if arch == "deepseek_v3" else scales  # exponent bytes -> values
-        assert torch.equal(scale, want)
+        # [E, n-blocks, k-blocks]; per-tensor scales ([1] each) stack into [E, parts], one k-block
+        assert scale.dim() == 3 and torch.equal(scale.flatten(1), want.flatten(1))
         expert_bytes += weight.numel()
     plan = json.load(open(out / "plan.json"))
     held = [sum(t.numel() * t.element_size() for t in tensors.values()) for tensors in stages]
