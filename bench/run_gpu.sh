@@ -35,7 +35,7 @@ run_step() {
     pipeline_mp) python3 bench/pipeline_mp.py 2>&1 | tee "$OUT/pipeline_mp.txt" ;;   # 2 GPUs, NCCL (issue 9)
     ragged)   python3 bench/ragged.py --layers 8 --profile --plans 2>&1 | tee "$OUT/ragged.txt" ;;     # issue 27
     ragged_sweep) python3 bench/ragged.py --sweep 2>&1 | tee "$OUT/ragged_sweep.txt" ;;
-    # issue 31; run fp8_sweep first and the step also runs at batch 1 on the tiles it found fastest; with
+    # issue 31; run fp8_sweep first and the step also runs on the tiles it found fastest (TILES: where they go); with
     # .hfref/hf_fp8_457.py (transformers 4.57.1's finegrained_fp8.py, carried: see bench/fp8.py) HF's FP8 step too
     fp8)      python3 bench/fp8.py --layers ${FP8_LAYERS:-32} --profile ${FP8_ARGS:-} \
                 $( [ -f "$TILES" ] && echo --tiles "$TILES" ) \
