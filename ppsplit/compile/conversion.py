@@ -24,6 +24,7 @@ import torch
 from ppsplit.compile.checkpoint import ST_DTYPES, Checkpoint
 from ppsplit.compile.quantized import dequantized, exponent_values, is_exponents, mxfp4_as_model_weights, pair_scales
 from ppsplit.core.errors import ConfigError
+from ppsplit.triton_kernels.fp8 import scale_grid
 
 _TORCH_DTYPES = {v: k for k, v in ST_DTYPES.items()}
 _AS_BYTES = {"F8_E8M0": torch.uint8}  # read as their bytes (E8M0 exponents: ppsplit.compile.quantized)
@@ -123,8 +124,8 @@ class Sources:
         ``experts.{e}.gate_proj`` and ``up_proj`` into ``experts.gate_up_proj [E, 2I, H]``), every weight has
         scales of one block size (a per-tensor scale is one block the weight's size: gate and up, of one shape,
         concatenate into two such blocks), and its dimensions are whole blocks (so each block of the stack is one
-        weight's block, and the scales convert like the weights: they need a dimension to stack and concatenate
-        along, which a 0-d per-tensor scale lacks)."""
+        weight's block, and the scales, read as their grids of blocks, convert like the weights). 0-d scales are
+        left to the dequantising path (no test checkpoint has them)."""
         operations = getattr(group.converter, "operations", None)
         if self.scheme is None or not operations \
                 or len(group.targets) != 1 or any(type(op).__name__ not in _STACKING for op in operations) \
@@ -158,10 +159,14 @@ class Sources:
         if group.converter is None:
             return {group.first: self.read(group.sources[0][0], group.dtype)}
         if group.scales_of is not None:  # converted under the weights' name, returned under the scales'
-            out = next(iter(self._convert(group.converter, group.scales_of, group.sources,
-                                          lambda key: _reader(self, key, group.dtype)).values()))
-            # per-tensor scales ([1] each) stack into [E, parts]: a part's one block spans K, its k-block count 1
-            return {group.first: out.unsqueeze(-1) if out.dim() == 2 else out}
+            # each weight's scales as its grid of blocks (a per-tensor [1] is [1, 1], a per-channel [N] is [N, 1]),
+            # so that they stack and concatenate as the weights do
+            weights = self.groups[group.scales_of]
+            bn, bk = self.stored_block(weights)
+            grid = {self.scales[k]: scale_grid(*self.checkpoint.raw_range(k).shape, bn, bk) for k, _ in weights.sources}
+            out = self._convert(group.converter, group.scales_of, group.sources,
+                                lambda key: lambda: self.read(key, group.dtype).reshape(grid[key]))
+            return {group.first: next(iter(out.values()))}
         return self._convert(group.converter, group.first, group.sources,
                              lambda key: (lambda: read_tensor(self.checkpoint, key)) if group.stored
                              else _reader(self, key, group.dtype))
