@@ -139,6 +139,7 @@ def hf_fp8_status() -> str:
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
           "qkv": (6144, 4096), "gate_up": (28672, 4096)}
 FUSED = ("qkv", "q/o", "gate_up", "down")  # what ppsplit's stages run by default (fused sibling projections)
+FP8_APART = "fp8, silu_mul apart"  # the FP8 step without the fold of SiLU-and-multiply into the gate/up GEMV
 GEMV_SWEEP = [(bn, 2048, w, st) for bn in (2, 4, 8) for w in (4, 8) for st in (2, 4)]
 GEMM_SWEEP = [(bn, 128, 4, st, split) for bn in (32, 64, 128) for st in (3, 4) for split in (1, 2, 4)]
 W8A8_SWEEP = [(bn, 128, w, st, split) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4) for split in (1, 4)]
@@ -361,17 +362,21 @@ def main():
     w8a8 = hf_kernel(args.hf_kernel, args.device)
     first = None  # ppsplit FP8's first step, for the HF variant's check
     results = {}
-    for variant in ("bf16", "fp8"):
+    for variant in ("bf16", "fp8", FP8_APART):
         # Both as ppsplit runs them by default. bf16: a split with its defaults (fused projections, pointwise
         # kernels, the GEMV at one row). FP8: the projections rewritten onto FP8 weights before the GEMV routing,
-        # as a compiled FP8 folder is loaded, so the GEMV serves what stays bf16 (lm_head).
+        # as a compiled FP8 folder is loaded, so the GEMV serves what stays bf16 (lm_head); the pointwise pass runs
+        # again, as load runs it on FP8 projections, and folds each SiLU-and-multiply into its gate/up GEMV
+        # (FP8_APART: not, the kernels before the fold).
         split = ppsplit.split_model(traced, pp=1, gemv=variant == "bf16")
         stage = split.stages[0]
-        if variant == "fp8":
+        if variant != "bf16":
             n = to_fp8(stage)
-            apply_rewrites(stage, StageOptions(fuse_projections=False, fuse_pointwise=False, gemv=True),
+            apply_rewrites(stage, StageOptions(fuse_projections=False, fuse_pointwise=variant == "fp8", gemv=True),
                            torch.device(args.device))
-            print(f"{n} projections on FP8 weights (128x128 blocks)", flush=True)
+            print(f"{variant}: {n} projections on FP8 weights (128x128 blocks), "
+                  f"{stage.meta.get('ppsplit.pointwise', {}).get('fp8_linear_silu_mul', 0)} SiLU-and-multiply "
+                  "folded into them", flush=True)
         weights = stored_bytes(stage)
         for batch in args.batch:
             run = stage_runs(split, batch, 1, args.prefix, args.device)

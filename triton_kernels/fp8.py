@@ -29,6 +29,10 @@ from typing import Optional
 import torch
 
 from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
+from ppsplit.triton_kernels.pointwise import compiled, silu_mul_of
+
+if HAVE_TRITON:
+    from ppsplit.triton_kernels.pointwise import silu_mul_rounded
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -51,16 +55,26 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k:
 
 if HAVE_TRITON:
 
-    @triton.jit
-    def _fp8_gemv_kernel(X, W, S, B, Y, N, K, stride_w, GK, QN, QK,
+    @triton.jit(do_not_specialize=["zero"])
+    def _fp8_gemv_kernel(X, W, S, B, Y, N, K, stride_w, GK, QN, QK, GATE, UP, zero,
                          HAS_BIAS: tl.constexpr, ONE_K_BLOCK: tl.constexpr, SUB: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, LIBDEVICE: tl.constexpr):
         """``BLOCK_N`` whole weight rows per program. A ``BLOCK_K`` tile spans ``SUB`` k-blocks (``SUB = 1``: the
         tile lies inside one): its products are summed per k-block and scaled by that block's scale, so the scales
         cost ``SUB`` loads per row and tile, not one per weight. ``ONE_K_BLOCK``: one scale per row (per channel,
-        per tensor), applied once at the end."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
+        per tensor), applied once at the end.
+
+        ``GLU``: the ``N`` outputs are ``silu(y[GATE + i]) * y[UP + i]`` of the projection ``y`` (a fused gate/up
+        weight): a program's rows are the gate rows of its ``BLOCK_N // 2`` outputs, then their up rows, and ``y`` is
+        rounded to the output dtype, then multiplied as ``silu_mul`` does (``zero``, ``LIBDEVICE``: see there)."""
+        i = tl.arange(0, BLOCK_N)
+        if GLU:
+            outs = tl.program_id(0) * (BLOCK_N // 2) + i % (BLOCK_N // 2)
+            rows = tl.where(i < BLOCK_N // 2, GATE, UP) + outs
+        else:
+            outs = tl.program_id(0) * BLOCK_N + i
+            rows = outs
+        row_ok = outs < N
         w_rows = W + rows[:, None].to(tl.int64) * stride_w
         s_rows = S + (rows // QN) * GK
         if ONE_K_BLOCK:
@@ -85,7 +99,13 @@ if HAVE_TRITON:
             y *= tl.load(s_rows, mask=row_ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+        dt = Y.dtype.element_ty
+        if GLU:
+            gate, up = tl.split(tl.permute(tl.reshape(y.to(dt).to(tl.float32), [2, BLOCK_N // 2]), [1, 0]))
+            outs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(Y + outs, silu_mul_rounded(gate, up, zero, dt, LIBDEVICE).to(dt), mask=outs < N)
+        else:
+            tl.store(Y + rows, y.to(dt), mask=row_ok)
 
     @triton.jit
     def _fp8_gemm_kernel(X, W, S, B, Y, M, N, K, K_PER, stride_x, stride_w, stride_y, stride_split, GK, QN, QK,
@@ -204,8 +224,7 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
     weight-only kernels."""
     n, k = weight.shape
     gk = scale_grid(n, k, block_n, block_k)[1]
-    one = block_k >= k
-    qk = k if one else block_k  # one k-block over the row: every tile reads scale column 0
+    qk = k if block_k >= k else block_k  # one k-block over the row: every tile reads scale column 0
     x2 = x.reshape(-1, k)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     m = x2.shape[0]
@@ -216,11 +235,7 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
     b = bias if bias is not None else s
     config = config or (gemm_config(n) if w8a8 else linear_config(m, n, k))
     if m == 1 and not w8a8 and len(config) == 4:
-        bn_, bk_, warps, stages = config
-        bk_, sub = _tile_k(block_k, k, bk_, spans=True)
-        wrap(_fp8_gemv_kernel)[(triton.cdiv(n, bn_),)](
-            x2, weight, s, b, y, n, k, weight.stride(0), gk, block_n, qk, HAS_BIAS=bias is not None,
-            ONE_K_BLOCK=one, SUB=sub, BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
+        _launch_gemv(x2, weight, s, bias, y, block_n, block_k, config, wrap)
     else:
         bn_, bk_, warps, stages, *split = config
         bk_ = W8A8_GROUP if w8a8 else max(_tile_k(block_k, k, bk_, spans=False)[0], 16)
@@ -238,15 +253,74 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
     return y.reshape(*x.shape[:-1], n)
 
 
+def _launch_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, wrap, glu=None):
+    """The one-row kernel into ``y``, on ``config``'s ``(BLOCK_N, BLOCK_K, warps, stages)``. ``glu``: the
+    ``(gate, up)`` offsets of ``launch_fp8_linear_silu_mul`` (``y`` is then its ``width`` wide output)."""
+    n, k = weight.shape
+    gk = scale_grid(n, k, block_n, block_k)[1]
+    one = block_k >= k
+    bn_, bk_, warps, stages = config
+    bk_, sub = _tile_k(block_k, k, bk_, spans=True)
+    outputs = y.shape[-1]
+    if glu is not None and (bn_ < 2 or bn_ % 2):
+        raise ValueError(f"the gated GEMV needs an even BLOCK_N (a gate row and an up row per output), not {bn_}")
+    wrap(_fp8_gemv_kernel)[(triton.cdiv(outputs, bn_ // 2 if glu else bn_),)](
+        x2, weight, s, bias if bias is not None else s, y, outputs, k, weight.stride(0), gk, block_n,
+        k if one else block_k, *(glu or (0, 0)), 0, HAS_BIAS=bias is not None, ONE_K_BLOCK=one, SUB=sub,
+        BLOCK_N=bn_, BLOCK_K=bk_, GLU=glu is not None, LIBDEVICE=compiled(), num_warps=warps, num_stages=stages)
+
+
 @register("ppsplit::fp8_linear")
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
                block_n: int, block_k: int) -> torch.Tensor:
     """``F.linear(x, dequantize(weight, scale, block_n, block_k, x.dtype), bias)``; on CUDA one Triton kernel that
     reads the FP8 weight directly (see the module docstring)."""
+    return _fp8_linear(x, weight, scale, bias, block_n, block_k)
+
+
+def _fp8_linear(x, weight, scale, bias, block_n: int, block_k: int) -> torch.Tensor:
     if on_gpu(x) and fp8_usable(x, weight, block_k):
         with torch.cuda.device(x.device):
             return launch_fp8_linear(x, weight, scale, bias, block_n, block_k, wrap=wrap_triton)
     return torch.nn.functional.linear(x, dequantize(weight, scale, block_n, block_k, x.dtype), bias)
+
+
+# A gated MLP's activation folded into its fused gate/up projection (``passes.rewrites.pointwise``): at decode batch 1
+# the SiLU-and-multiply is a kernel of its own between two GEMVs; the GEMV's epilogue can do it instead.
+
+def fp8_silu_mul_usable(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
+    """Whether ``launch_fp8_linear_silu_mul`` serves the call: one row, fp16 / bf16 (``silu_mul``'s kernel's
+    dtypes), a weight ``fp8_usable`` serves, and ``linear_config`` gives the GEMV's tiles for it."""
+    return (x.numel() == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16) and fp8_usable(x, weight, block_k)
+            and len(linear_config(1, *weight.shape)) == 4)
+
+
+def launch_fp8_linear_silu_mul(x, weight, scale, bias, block_n: int, block_k: int, gate: int, up: int, width: int,
+                               wrap=lambda kernel: kernel, config=None):
+    """The Triton path of ``fp8_linear_silu_mul``: one row, one kernel, on ``config`` (the GEMV's ``(BLOCK_N, BLOCK_K,
+    warps, stages)`` of the whole fused weight, ``linear_config``'s if not given)."""
+    n, k = weight.shape
+    if not (0 <= gate and 0 <= up and 0 < width and max(gate, up) + width <= n):
+        raise ValueError(f"gate {gate} and up {up} rows of width {width} do not lie in a weight of {n} rows")
+    y = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
+    x2 = x.reshape(1, k)
+    _launch_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, scale.reshape(-1), bias, y, block_n,
+                 block_k, config or linear_config(1, n, k), wrap, glu=(gate, up))
+    return y
+
+
+@register("ppsplit::fp8_linear_silu_mul")
+def fp8_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+                        block_n: int, block_k: int, gate: int, up: int, width: int) -> torch.Tensor:
+    """``silu_mul(y[..., gate:gate + width], y[..., up:up + width])`` of ``y = fp8_linear(x, weight, scale, bias,
+    block_n, block_k)``. On CUDA at one row (``fp8_silu_mul_usable``) one GEMV kernel, bit-equal to ``fp8_linear``'s
+    then ``silu_mul``'s; otherwise those two ops' own paths."""
+    if on_gpu(x) and fp8_silu_mul_usable(x, weight, block_k):
+        with torch.cuda.device(x.device):
+            return launch_fp8_linear_silu_mul(x, weight, scale, bias, block_n, block_k, gate, up, width,
+                                              wrap=wrap_triton)
+    y = _fp8_linear(x, weight, scale, bias, block_n, block_k)
+    return silu_mul_of(y[..., gate:gate + width], y[..., up:up + width])
 
 
 # MoE experts: transformers stacks a layer's per-expert weights into one ``[E, N, K]`` parameter

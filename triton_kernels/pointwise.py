@@ -93,24 +93,29 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["zero"])
     def _silu_mul_kernel(A, B, O, I, sa, sb, zero, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
-        """One program per (row, ``BLOCK`` columns) of ``[rows, I]`` inputs with unit column stride.
-        ``LIBDEVICE``: libdevice's ``exp``, as ATen's CUDA ``silu`` (``tl.exp`` is an approximation; the interpreter
-        has no libdevice)."""
+        """One program per (row, ``BLOCK`` columns) of ``[rows, I]`` inputs with unit column stride."""
         row = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = i < I
         a = tl.load(A + row * sa + i, mask=ok, other=0.0).to(tl.float32)
         b = tl.load(B + row * sb + i, mask=ok, other=0.0).to(tl.float32)
         dt = O.dtype.element_ty
+        tl.store(O + row * I + i, silu_mul_rounded(a, b, zero, dt, LIBDEVICE).to(dt), mask=ok)
+
+    @triton.jit
+    def silu_mul_rounded(a, b, zero, dt: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """``silu(a) * b`` of fp32 values of ``dt``, rounded to ``dt`` where ATen's ``silu`` and ``mul`` round (back in
+        fp32). ``LIBDEVICE``: libdevice's ``exp``, as ATen's CUDA ``silu`` (``tl.exp`` is an approximation; the
+        interpreter has no libdevice). Also the epilogue of the FP8 GEMV's gated projection (``fp8.py``)."""
         if LIBDEVICE:
             e = libdevice.exp(-a)
         else:
             e = tl.exp(-a)
         act = tl.math.div_rn(a, 1.0 + e).to(dt).to(tl.float32)  # ATen's silu, rounded
-        tl.store(O + row * I + i, _rounded(act, b, zero, dt, False).to(dt), mask=ok)
+        return _rounded(act, b, zero, dt, False)
 
 
-def _compiled() -> bool:
+def compiled() -> bool:
     """Whether the kernels are compiled for the GPU, not run by Triton's interpreter (which has no libdevice)."""
     return os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -241,13 +246,18 @@ def launch_silu_mul(a: torch.Tensor, b: torch.Tensor, *, wrap=lambda kernel: ker
     out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     block = min(1024, triton.next_power_of_2(cols))
     wrap(_silu_mul_kernel)[(a.numel() // cols, triton.cdiv(cols, block))](
-        a, b, out, cols, _rows(a), _rows(b), 0, BLOCK=block, LIBDEVICE=_compiled(), num_warps=4)
+        a, b, out, cols, _rows(a), _rows(b), 0, BLOCK=block, LIBDEVICE=compiled(), num_warps=4)
     return out
 
 
 @register("ppsplit::silu_mul")
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu(a) * b`` for two tensors of one shape: one Triton kernel on CUDA fp16 / bf16, the ATen ops otherwise."""
+    return silu_mul_of(a, b)
+
+
+def silu_mul_of(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``silu_mul``'s body, for the ops that end with it."""
     if silu_mul_usable(a, b):
         with torch.cuda.device(a.device):
             return launch_silu_mul(a, b, wrap=wrap_triton)

@@ -8,7 +8,12 @@ and then, in a paged stage, a layer's query and key rotations and its key and va
     q2 = rope(q, cos, sin); paged_write_pair(K, V, rope(k, cos, sin)[0].transpose(0, 1), v, slots)
                                     ->  q2 = ppsplit::rope_write(q, k, cos, sin, K, V, v, slots)
 
-where the rotated keys go nowhere but the write, and the rotated query nowhere before it.
+where the rotated keys go nowhere but the write, and the rotated query nowhere before it; and in an FP8 stage, a
+gated MLP's activation into its fused gate/up projection (``passes.rewrites.projections``), which it alone reads::
+
+    silu_mul(y[..., g:g + w], y[..., u:u + w]), y = fp8_linear(x, W, ...)  ->  ppsplit::fp8_linear_silu_mul(x, W, ..., g, u, w)
+
+(at decode batch 1 one GEMV whose epilogue multiplies, not a GEMV and a kernel; bit-equal: ``triton_kernels/fp8.py``).
 
 The first is Hugging Face's rotate-half rotary embedding (``apply_rotary_pos_emb``; a partial rotary applies it
 to a slice of the head, and that slice is ``x``), the second the gated MLP. Operands are matched in either order.
@@ -25,15 +30,19 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import ppsplit.triton_kernels.pointwise  # noqa: F401  (registers rope / silu_mul / rope_write, and the paged ops)
-from ppsplit.core.fx_utils import replace_call
+# registers rope / silu_mul / rope_write and the paged ops, and fp8_linear_silu_mul
+from ppsplit.triton_kernels import fp8, pointwise  # noqa: F401
+from ppsplit.core.fx_utils import get_tensor, replace_call
+from ppsplit.passes.rewrites.projections import match_projection
 
 aten = torch.ops.aten
+ops = torch.ops.ppsplit
+_COUNTED = ("rope", "silu_mul", "rope_write", "fp8_linear_silu_mul")  # what fuse_pointwise reports
 
 
 def fuse_pointwise(stage: fx.GraphModule) -> dict:
-    """Rewrite ``stage``'s rotary embeddings and SiLU-and-multiply in place; returns how many of each op it left
-    (``rope_write`` only where it made one: paged stages).
+    """Rewrite ``stage``'s rotary embeddings and SiLU-and-multiply in place; returns how many of each op the stage
+    then holds (``rope_write`` and ``fp8_linear_silu_mul`` only where there are some: paged and FP8 stages).
 
     Example::
 
@@ -42,30 +51,30 @@ def fuse_pointwise(stage: fx.GraphModule) -> dict:
                                           #  "rope_write": 16}
     """
     graph = stage.graph
-    counts = {"rope": 0, "silu_mul": 0, "rope_write": 0}
-    for node in list(graph.nodes):
-        for name, match in (("rope", _match_rope), ("silu_mul", _match_silu_mul)):
-            found = match(node)
-            if found is None:
-                continue
-            op, args, dead = found
-            replace_call(node, op, args)
-            for old in dead:  # users first
-                if not old.users:
-                    graph.erase_node(old)
-            counts[name] += 1
-            break
+    changed = False
+    for matches in ((_match_rope, _match_silu_mul), (_fold_silu_mul,)):  # the second round folds the first's ops
+        for node in list(graph.nodes):
+            for match in matches:
+                found = match(node)
+                if found is None:
+                    continue
+                op, args, dead = found
+                replace_call(node, op, args)
+                for old in dead:  # users first
+                    if not old.users:
+                        graph.erase_node(old)
+                changed = True
+                break
     order = {n: i for i, n in enumerate(graph.nodes)}  # the folds insert and erase, but keep this order
     for node in list(graph.nodes):
-        if _call(node, torch.ops.ppsplit.paged_write_pair.default) and _fuse_rope_write(node, order):
-            counts["rope_write"] += 1
-            counts["rope"] -= 2
-    if not counts["rope_write"]:
-        del counts["rope_write"]  # no paged writes (a lockstep stage), or none of that pattern
-    if any(counts.values()):
+        if _call(node, ops.paged_write_pair.default) and _fuse_rope_write(node, order):
+            changed = True
+    if changed:
         graph.lint()
         stage.recompile()
-    return counts
+    held = [n.target for n in graph.nodes if n.op == "call_function"]
+    counts = {name: held.count(getattr(ops, name).default) for name in _COUNTED}
+    return {name: count for name, count in counts.items() if count or name in ("rope", "silu_mul")}
 
 
 def _call(node, *targets) -> bool:
@@ -94,6 +103,37 @@ def _last_dim_slice(node, x, start, end_at_least) -> bool:
     rank = len(_shape(x))
     return (dim in (-1, rank - 1) and (lo or 0) == start and step in (None, 1)
             and (hi is None or hi >= end_at_least))
+
+
+def _fold_silu_mul(node):
+    """``silu_mul(y[..., g:g + w], y[..., u:u + w])`` of an FP8 projection ``y`` that nothing else reads (a fused
+    gate/up, ``passes.rewrites.projections``) -> ``(fp8_linear_silu_mul, (..., g, u, w), replaced nodes)``."""
+    if not _call(node, ops.silu_mul.default) or node.kwargs:
+        return None
+    spans = [_column_span(part) for part in node.args]
+    if None in spans or spans[0][0] is not spans[1][0]:
+        return None
+    (y, gate, gate_end), (_, up, up_end) = spans
+    m = match_projection(y)
+    if m is None or m.scale is None or set(y.users) != set(node.args) or len(node.args[0].users) != 1 \
+            or len(node.args[1].users) != 1:
+        return None
+    rows = get_tensor(node.graph.owning_module, m.weight.target).shape[0]
+    if gate_end - gate != up_end - up or not (0 < gate_end - gate and max(gate_end, up_end) <= rows):
+        return None
+    return (ops.fp8_linear_silu_mul.default, (m.x, m.weight, m.scale, m.bias, *m.block, gate, up, gate_end - gate),
+            [*node.args, y])
+
+
+def _column_span(node):
+    """``(y, start, end)`` for ``y[..., start:end]`` (``slice.Tensor`` of the last dim, step 1, int bounds)."""
+    if not _call(node, aten.slice.Tensor) or node.kwargs or len(node.args) not in (4, 5):
+        return None
+    y, dim, start, end, *step = node.args
+    shape = _shape(node)
+    if dim != -1 and (shape is None or dim != len(shape) - 1) or step not in ([], [1]):
+        return None
+    return (y, start, end) if isinstance(start, int) and isinstance(end, int) and 0 <= start < end else None
 
 
 def _match_rope(node):
@@ -126,7 +166,7 @@ def _match_rope(node):
             if _shape(node) != shape:
                 continue
             dead = [direct, rotated, cat, parts[0], x2, parts[1]]
-            return torch.ops.ppsplit.rope.default, (x, cos, sin), dead
+            return ops.rope.default, (x, cos, sin), dead
     return None
 
 
@@ -145,7 +185,7 @@ def _fuse_rope_write(pair: fx.Node, order: dict) -> bool:
     if rotated_k is None or any(len(n.users) != 1 for n in (rotated_k, k_moved, row, head_major) if n is not None):
         return False  # the rotated keys are read elsewhere too (a replica, a carried value): keep them
     for reader in pool.users:
-        if reader is pair or not _call(reader, torch.ops.ppsplit.paged_attention.default):
+        if reader is pair or not _call(reader, ops.paged_attention.default):
             continue
         rotated_q, q_moved = _rotated(reader.args[0])
         if (rotated_q is not None and (q_moved is None) == (k_moved is None)
@@ -160,7 +200,7 @@ def _fuse_rope_write(pair: fx.Node, order: dict) -> bool:
         q, k, cos, sin = (rotated_q.args[0], *rotated_k.args)
         if k_moved is not None:  # [1, N, H, D] -> [1, H, N, D] views, as the attention reads the query
             q, k, cos, sin = (_transpose(graph, t) for t in (q, k, cos, sin))
-        fused = graph.call_function(torch.ops.ppsplit.rope_write.default, (q, k, cos, sin, pool, other_pool, value,
+        fused = graph.call_function(ops.rope_write.default, (q, k, cos, sin, pool, other_pool, value,
                                                                            slots))
     query = q_moved or rotated_q
     fused.meta.update({key: v for key, v in query.meta.items() if key in ("val", "tensor_meta", "stack_trace",
@@ -178,7 +218,7 @@ def _transposed(node, a: int, b: int) -> bool:
 
 def _rotated(node):
     """``(rope node, None)`` for ``rope(...)``, ``(rope node, transpose)`` for ``rope(...).transpose(1, 2)``."""
-    rope = torch.ops.ppsplit.rope.default
+    rope = ops.rope.default
     if _call(node, rope):
         return node, None
     if _transposed(node, 1, 2) and _call(node.args[0], rope):
@@ -209,6 +249,6 @@ def _match_silu_mul(node):
         return None
     for act, b in (pair, pair[::-1]):
         if _call(act, aten.silu.default) and len(act.args) == 1 and not act.kwargs and len(act.users) == 1:
-            return torch.ops.ppsplit.silu_mul.default, (act.args[0], b), [act]
+            return ops.silu_mul.default, (act.args[0], b), [act]
     return None
 

@@ -476,6 +476,99 @@ def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype, config)
     assert not fp8_usable(x, q, 96) or 96 >= k  # a k-block a 128-wide tile would straddle takes the torch path
 
 
+def _gated_inputs(width, k, bn, bk, dtype, device="cpu"):
+    """A fused gate/up FP8 weight ``[2 * width, k]`` in ``[bn, bk]`` blocks, one row ``x`` and a bias."""
+    torch.manual_seed(width + k)
+    q, scale = quantize_blocks(torch.randn(2 * width, k), bn, bk)
+    x, bias = torch.randn(1, k).to(dtype), torch.randn(2 * width).to(dtype)
+    return [t.to(device) for t in (x, q, scale, bias)]
+
+
+@pytest.mark.parametrize("width,k,bn,bk,config", [(100, 300, 128, 128, None), (37, 256, 16, 128, (8, 128, 4, 2)),
+                                                   (64, 200, 1, 200, (2, 256, 4, 2)), (384, 256, 128, 128, None),
+                                                   (40, 600, 64, 256, (4, 512, 4, 2))])
+@pytest.mark.parametrize("gate_first", [True, False])
+def test_gated_fp8_gemv_is_the_two_kernels_bit_for_bit(width, k, bn, bk, config, gate_first):
+    """``launch_fp8_linear_silu_mul`` (the GEMV whose epilogue multiplies) under TRITON_INTERPRET=1 (conftest), fp16:
+    the same bits as the GEMV then ``silu_mul``'s kernel, with the gate rows first or second, outputs that do not
+    fill the last program, scale blocks the outputs straddle, tiles over several k-blocks; and within fp16's
+    tolerance of the fp64 ``silu(a) * b`` of the dequantised product."""
+    from ppsplit.triton_kernels.fp8 import launch_fp8_linear, launch_fp8_linear_silu_mul
+    from ppsplit.triton_kernels.pointwise import launch_silu_mul
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU tensors, which needs TRITON_INTERPRET=1 (conftest)")
+    x, q, scale, bias = _gated_inputs(width, k, bn, bk, torch.float16)
+    gate, up = (0, width) if gate_first else (width, 0)
+    y = launch_fp8_linear(x, q, scale, bias, bn, bk, config=config)
+    want = launch_silu_mul(y[..., gate:gate + width], y[..., up:up + width])
+    got = launch_fp8_linear_silu_mul(x, q, scale, bias, bn, bk, gate, up, width, config=config)
+    assert got.shape == (1, width) and torch.equal(got, want)
+    ref = x.double() @ reference_dequant(q, scale, bn, bk).T + bias.double()
+    ref = torch.nn.functional.silu(ref[..., gate:gate + width]) * ref[..., up:up + width]
+    torch.testing.assert_close(got.double(), ref, atol=4e-3 * math.sqrt(k), rtol=4e-3)
+
+
+def test_gated_fp8_op_refuses_rows_outside_the_weight():
+    from ppsplit.triton_kernels.fp8 import launch_fp8_linear_silu_mul
+
+    x, q, scale, bias = _gated_inputs(64, 128, 128, 128, torch.float16)
+    with pytest.raises(ValueError, match="do not lie in a weight of 128 rows"):
+        launch_fp8_linear_silu_mul(x, q, scale, bias, 128, 128, 0, 100, 64)
+
+
+def test_fused_pointwise_folds_silu_mul_into_the_fp8_gate_up(fp8_folder):
+    """``fuse_pointwise`` on a loaded FP8 stage with fused projections: each layer's ``silu_mul`` of the two halves of
+    its gate/up ``fp8_linear`` becomes one ``fp8_linear_silu_mul``, no slice of that projection is left, and the
+    logits are the unfolded stage's bit for bit (on the CPU the op is the two ops); a stage whose gate and up stay
+    two projections keeps its ``silu_mul``."""
+    from ppsplit.passes.rewrites.pointwise import fuse_pointwise
+
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = ppsplit.load(str(fp8_folder), fuse_projections=True)(ids)[0]
+        split = ppsplit.load(str(fp8_folder), fuse_projections=True)
+        layers = [sum(1 for f in s.meta["ppsplit.projections"].fused if "gate_proj" in f.weight) for s in split.stages]
+        counts = [fuse_pointwise(stage) for stage in split.stages]
+        assert [c["fp8_linear_silu_mul"] for c in counts] == layers and sum(layers) == 3, counts
+        assert all(c["silu_mul"] == 0 for c in counts), counts
+        for stage in split.stages:
+            folded = [n for n in stage.graph.nodes if n.target is torch.ops.ppsplit.fp8_linear_silu_mul.default]
+            gate_up = {n.args[1].target for n in folded}
+            assert all(".fused_gate_proj_up_proj." in t for t in gate_up)
+            assert not [n for n in stage.graph.nodes if n.target is torch.ops.ppsplit.fp8_linear.default
+                        and n.args[1].target in gate_up]
+            assert all(n.args[6:] == (0, 384, 384) for n in folded)
+        assert torch.equal(split(ids)[0], want)
+
+        apart = ppsplit.load(str(fp8_folder), fuse_projections=False)
+        assert [fuse_pointwise(stage)["silu_mul"] for stage in apart.stages] == layers
+        assert all("fp8_linear_silu_mul" not in fuse_pointwise(stage) for stage in apart.stages)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gated_fp8_gemv_on_gpu_is_the_two_kernels_and_captures():
+    """bf16 on the GPU at Llama-3.1-8B's gate/up (2 x 14336 rows, 4096 wide, 128-blocks): the gated GEMV against the
+    GEMV then ``silu_mul``'s kernel, bit for bit (libdevice's ``exp`` and the IEEE division, both compiled), then
+    captured in a CUDA graph and replayed."""
+    from ppsplit.triton_kernels.fp8 import launch_fp8_linear, launch_fp8_linear_silu_mul
+    from ppsplit.triton_kernels.pointwise import launch_silu_mul
+
+    x, q, scale, _ = _gated_inputs(14336, 4096, 128, 128, torch.bfloat16, "cuda")
+    y = launch_fp8_linear(x, q, scale, None, 128, 128)
+    want = launch_silu_mul(y[..., :14336], y[..., 14336:])
+    got = launch_fp8_linear_silu_mul(x, q, scale, None, 128, 128, 0, 14336, 14336)
+    assert torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = launch_fp8_linear_silu_mul(x, q, scale, None, 128, 128, 0, 14336, 14336)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    y = launch_fp8_linear(x, q, scale, None, 128, 128)
+    assert torch.equal(captured, launch_silu_mul(y[..., :14336], y[..., 14336:]))
+
+
 def _experts(e, n, k, bn, bk, seed):
     """``e`` random experts [n, k] quantised in [bn, bk] blocks by the test's own quantiser: (FP8 stack, scales)."""
     torch.manual_seed(seed)

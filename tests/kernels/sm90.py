@@ -77,7 +77,7 @@ def paged_attention_launch(lengths, counts, hq=32, hkv=8, d=128, block=16):
 def launches() -> dict:
     """``{name: function}``: one launch each, at Llama-3.1-8B's sizes where they set the tiles."""
     from ppsplit.triton_kernels.attention import launch_cache_attention
-    from ppsplit.triton_kernels.fp8 import launch_fp8_grouped_mm, launch_fp8_linear
+    from ppsplit.triton_kernels.fp8 import launch_fp8_grouped_mm, launch_fp8_linear, launch_fp8_linear_silu_mul
     from ppsplit.triton_kernels.gemv import launch_gemv, pick_config
     from ppsplit.triton_kernels.mxfp4 import launch_mxfp4_grouped_mm
     from ppsplit.triton_kernels.paged import launch_paged_write
@@ -94,6 +94,7 @@ def launches() -> dict:
     x1, x32 = torch.randn(1, 4096, dtype=BF16), torch.randn(32, 4096, dtype=BF16)
     w8 = torch.zeros(6144, 4096, dtype=torch.float8_e4m3fn)
     s8 = torch.ones(48, 32)
+    w8_gate_up, s8_gate_up = torch.zeros(2 * 14336, 4096, dtype=torch.float8_e4m3fn), torch.ones(224, 32)
     w = torch.randn(6144, 4096, dtype=BF16)
     # DeepSeek-V3's routed experts, [2 x 2048, 7168] each (8 of its 256: the count sets no tile); 32 rows routed
     experts, expert_scales = torch.zeros(8, 4096, 7168, dtype=torch.float8_e4m3fn), torch.ones(8, 32, 56)
@@ -120,6 +121,8 @@ def launches() -> dict:
         "cache_attention decode": lambda: launch_cache_attention(ql, kc, vc, torch.tensor([2112]), d ** -0.5),
         "gemv bf16": lambda: launch_gemv(x1, w, config=pick_config(*w.shape)),
         "fp8 gemv": lambda: launch_fp8_linear(x1, w8, s8, None, 128, 128),
+        "fp8 gemv, gate/up with silu_mul": lambda: launch_fp8_linear_silu_mul(x1, w8_gate_up, s8_gate_up, None, 128,
+                                                                              128, 0, 14336, 14336),
         "fp8 gemm (split k)": lambda: launch_fp8_linear(x32, w8, s8, None, 128, 128),
         "fp8 w8a8, one row": lambda: launch_fp8_linear(x1, w8, s8, None, 128, 128, w8a8=True),
         "fp8 w8a8, 32 rows": lambda: launch_fp8_linear(x32, w8, s8, None, 128, 128, w8a8=True),
