@@ -53,7 +53,7 @@ def stage_runs(split, batch: int, tokens: int, position: int, device: str):
     """One step through every stage in a row: on CUDA each stage's captured graph replayed, on the CPU the stages
     called. A paged split runs the lockstep batch as a ragged step (row ``b`` is sequence slot ``b``, the split's own
     lockstep allocation), so the step attends over ``position`` live keys per sequence as a lockstep one does.
-    Returns a function that runs the step."""
+    Returns a function that runs the step and returns the last stage's output (on CUDA its graph's static buffer)."""
     step = None
     if split.plan.paged:
         step = RaggedStep.lockstep(batch, tokens, position, CacheLayout.of(split.plan)).to(device)
@@ -71,11 +71,12 @@ def stage_runs(split, batch: int, tokens: int, position: int, device: str):
                 static.copy_(value)
             runs.append(g.replay)
         else:
-            runs.append(lambda stage=stage, inputs=(x, meta[0], aux, *meta[1:]): stage(*inputs))
+            runs.append(lambda stage=stage, inputs=(x, meta[0], aux, *meta[1:]): stage(*inputs)[0])
 
     def run():
         with torch.no_grad():
             for r in runs:
-                r()
+                out = r()
+        return out
     run()
     return run

@@ -54,6 +54,7 @@ from ppsplit.core.fx_utils import set_tensor  # noqa: E402
 from ppsplit.core.options import StageOptions  # noqa: E402
 from ppsplit.passes.quantize import QuantizedWeight, quantize_linears  # noqa: E402
 from ppsplit.passes.rewrites import apply_rewrites  # noqa: E402
+from ppsplit.triton_kernels.common import programmatic_launch  # noqa: E402
 
 SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 
@@ -232,6 +233,27 @@ def hf_fp8_steps(model, w8a8, args, max_len: int, kv_per_token: int, first, resu
         free_memory(args.device)
 
 
+def programmatic_step(split, run, batch: int, args) -> float | str:
+    """The step time of the step captured again with programmatic dependent launch switched on
+    (``ppsplit.triton_kernels.common.programmatic_launch``), or why not: any of 50 replays of it that does not give
+    the bits of the step without it (``run``; the same kernels on the same tiles, so only a missing wait can change a
+    bit)."""
+    previous = programmatic_launch(True)
+    try:
+        pdl = stage_runs(split, batch, 1, args.prefix, args.device)
+    finally:
+        programmatic_launch(previous)
+    want = run().clone()
+    for i in range(50):
+        got = pdl()
+        if not torch.equal(got, want):
+            return (f"differs from the step without PDL at replay {i} (max |diff| "
+                    f"{(got.float() - want.float()).abs().max().item():.3g})")
+        if i % 10 == 9:
+            want = run().clone()  # the plain step again between them, so each graph follows the other
+    return step_ms(pdl, args.device, args.rounds)
+
+
 def free_memory(device: str) -> None:
     """Give a dropped variant's GPU memory back (its graphs and modules may sit in reference cycles)."""
     gc.collect()
@@ -345,6 +367,8 @@ def main():
     ap.add_argument("--shapes", choices=("fused", "all"), default="fused",
                     help="with --sweep: the fused projections' shapes (what the stages run), or also q/k/v/gate/up")
     ap.add_argument("--w8a8", action="store_true", help="with --sweep: also the GEMM's W8A8 mode")
+    ap.add_argument("--pdl", action="store_true",
+                    help="also time bf16 and FP8 with programmatic dependent launch (the bits checked equal first)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/fp8.py times CUDA graphs: run it on a CUDA machine (or --device cpu --small for a smoke run)")
@@ -389,6 +413,9 @@ def main():
                 with swept_tiles(args.tiles):
                     run = stage_runs(split, batch, 1, args.prefix, args.device)
                 results["fp8, swept tiles", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
+            if args.pdl and variant != FP8_APART:
+                ms = programmatic_step(split, run, batch, args)
+                results[f"{variant} + PDL", batch] = ms if isinstance(ms, str) else (ms, step_bytes)
         if variant == "fp8" and w8a8 is not None and args.device == "cuda":
             ids = torch.randint(0, 100, (args.batch[0], 1), generator=torch.Generator().manual_seed(0)).to(args.device)
             with torch.no_grad():
@@ -416,6 +443,10 @@ def main():
         roof = step_bytes / bw * 1e3
         print(f"{variant:<21} {batch:>5} {step_bytes:>14,} {ms:>9.3f} {ms / results['bf16', batch][0]:>7.2f} "
               f"{ms / roof:>10.2f}")
+    for batch in args.batch:
+        both = [results.get((f"{v} + PDL", batch)) for v in ("fp8", "bf16")]
+        if all(isinstance(row, tuple) for row in both):
+            print(f"batch {batch}: fp8 + PDL / bf16 + PDL = {both[0][0] / both[1][0]:.2f}")
 
 
 if __name__ == "__main__":

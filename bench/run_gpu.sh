@@ -36,8 +36,10 @@ run_step() {
     ragged)   python3 bench/ragged.py --layers 8 --profile --plans 2>&1 | tee "$OUT/ragged.txt" ;;     # issue 27
     ragged_sweep) python3 bench/ragged.py --sweep 2>&1 | tee "$OUT/ragged_sweep.txt" ;;
     # issue 31; run fp8_sweep first and the step also runs on the tiles it found fastest (TILES: where they go); with
-    # .hfref/hf_fp8_457.py (transformers 4.57.1's finegrained_fp8.py, carried: see bench/fp8.py) HF's FP8 step too
-    fp8)      python3 bench/fp8.py --layers ${FP8_LAYERS:-32} --profile ${FP8_ARGS:-} \
+    # .hfref/hf_fp8_457.py (transformers 4.57.1's finegrained_fp8.py, carried: see bench/fp8.py) HF's FP8 step too.
+    # Rows: bf16, FP8 (SiLU-and-multiply folded into the gate/up GEMV), FP8 without the fold, and bf16 and FP8
+    # under programmatic dependent launch (their bits checked against the plain steps first)
+    fp8)      python3 bench/fp8.py --layers ${FP8_LAYERS:-32} --profile --pdl ${FP8_ARGS:-} \
                 $( [ -f "$TILES" ] && echo --tiles "$TILES" ) \
                 $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 | tee "$OUT/fp8.txt" ;;
     experts)  python3 bench/experts.py --sweep 2>&1 | tee "$OUT/experts.txt" ;;   # issue 31: FP8 and MXFP4 MoE experts

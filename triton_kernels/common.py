@@ -6,6 +6,8 @@ its plain torch path. Ops are registered with ``torch.library.triton_op`` when T
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -31,6 +33,56 @@ def register(name: str, mutates_args: tuple[str, ...] = (), *, opaque: bool = Fa
     if HAVE_TRITON and not opaque:
         return triton_op(name, mutates_args=mutates_args)
     return torch.library.custom_op(name, mutates_args=mutates_args)
+
+
+# Programmatic dependent launch (PDL, sm_90+): a kernel launched with it may start while the kernel before it drains,
+# and waits on the device (``griddepcontrol.wait``) before it touches what that kernel writes. At decode batch 1 a
+# step is about 300 kernels of a few microseconds each, and each one's start and drain is time no weight streams;
+# under PDL a GEMV streams its first weight tile into L2 before it waits. The decode-step kernels take a ``PDL``
+# constexpr and call ``wait_for_previous`` before their first access to memory another kernel touches; their
+# launches add ``launch_options(tensor)``. Off unless switched on (``programmatic_launch``): an experiment that
+# bench/fp8.py times, not measured on a GPU yet.
+_PROGRAMMATIC = {"on": False}
+
+
+def programmatic_launch(on: bool) -> bool:
+    """Switch programmatic dependent launch for the decode-step kernels launched from now on; returns the previous
+    setting. Where it cannot run (CPU tensors, the interpreter, a GPU before sm_90, torch.compile tracing) the
+    kernels launch as usual."""
+    previous, _PROGRAMMATIC["on"] = _PROGRAMMATIC["on"], bool(on)
+    return previous
+
+
+def supports_programmatic_launch(t: torch.Tensor) -> bool:
+    return (t.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(t.device)[0] >= 9)
+
+
+def launch_options(t: torch.Tensor) -> dict:
+    """The keyword arguments of a launch of a kernel that takes ``PDL``, for the tensors on ``t``'s device (off:
+    ``PDL=False`` alone, no launch option that a traced launch would have to carry)."""
+    on = (HAVE_TRITON and _PROGRAMMATIC["on"] and not torch.compiler.is_compiling()
+          and supports_programmatic_launch(t))
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+if HAVE_TRITON:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def wait_for_previous(PDL: tl.constexpr):
+        """Under PDL: wait until the kernel before this one has finished and its writes are visible, then let the
+        kernel after this one start (it waits in turn, so the order of every pair of kernels holds)."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_l2(pointers):
+        """Ask the L2 cache for the lines at ``pointers`` (valid addresses; a line per pointer is enough), without
+        waiting for them: what a kernel may read before ``wait_for_previous`` (weights no kernel writes)."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pointers], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 def on_gpu(t: torch.Tensor) -> bool:

@@ -14,7 +14,8 @@ On CUDA (``fp8_usable``) Triton kernels read the FP8 weight and its scales direc
 activations stay in their dtype), so no dequantised weight is ever written:
 
 - one row (decode at batch 1): a GEMV, each program ``BLOCK_N`` whole weight rows; a ``BLOCK_K`` tile may span
-  several k-blocks, whose products are summed apart and scaled by their block's scale;
+  several k-blocks, whose products are summed apart and scaled by their block's scale (``fp8_linear_silu_mul``:
+  the same GEMV over a fused gate/up weight, whose epilogue applies the gated MLP's SiLU-and-multiply);
 - more rows: a tiled ``tl.dot`` GEMM, each ``[BLOCK_M, BLOCK_N]`` partial product scaled by its weight block's
   scale as it is accumulated (as DeepSeek-V3's ``fp8_gemm`` does; ``BLOCK_K`` lies inside one k-block), with the
   k-range split over several programs whose fp32 partial tiles a second kernel adds up in a fixed order.
@@ -28,10 +29,11 @@ from typing import Optional
 
 import torch
 
-from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
+from ppsplit.triton_kernels.common import HAVE_TRITON, launch_options, on_gpu, register, tl, triton, wrap_triton
 from ppsplit.triton_kernels.pointwise import compiled, silu_mul_of
 
 if HAVE_TRITON:
+    from ppsplit.triton_kernels.common import prefetch_l2, wait_for_previous
     from ppsplit.triton_kernels.pointwise import silu_mul_rounded
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -58,7 +60,8 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["zero"])
     def _fp8_gemv_kernel(X, W, S, B, Y, N, K, stride_w, GK, QN, QK, GATE, UP, zero,
                          HAS_BIAS: tl.constexpr, ONE_K_BLOCK: tl.constexpr, SUB: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, LIBDEVICE: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, LIBDEVICE: tl.constexpr,
+                         PDL: tl.constexpr, LINES: tl.constexpr):
         """``BLOCK_N`` whole weight rows per program. A ``BLOCK_K`` tile spans ``SUB`` k-blocks (``SUB = 1``: the
         tile lies inside one): its products are summed per k-block and scaled by that block's scale, so the scales
         cost ``SUB`` loads per row and tile, not one per weight. ``ONE_K_BLOCK``: one scale per row (per channel,
@@ -66,7 +69,10 @@ if HAVE_TRITON:
 
         ``GLU``: the ``N`` outputs are ``silu(y[GATE + i]) * y[UP + i]`` of the projection ``y`` (a fused gate/up
         weight): a program's rows are the gate rows of its ``BLOCK_N // 2`` outputs, then their up rows, and ``y`` is
-        rounded to the output dtype, then multiplied as ``silu_mul`` does (``zero``, ``LIBDEVICE``: see there)."""
+        rounded to the output dtype, then multiplied as ``silu_mul`` does (``zero``, ``LIBDEVICE``: see there).
+
+        ``PDL`` (``common.launch_options``): the first tile's ``LINES`` 128-byte lines of each row are prefetched into
+        L2 before the kernel waits for the one that writes ``X``."""
         i = tl.arange(0, BLOCK_N)
         if GLU:
             outs = tl.program_id(0) * (BLOCK_N // 2) + i % (BLOCK_N // 2)
@@ -77,6 +83,10 @@ if HAVE_TRITON:
         row_ok = outs < N
         w_rows = W + rows[:, None].to(tl.int64) * stride_w
         s_rows = S + (rows // QN) * GK
+        if PDL:
+            lines = tl.minimum(tl.arange(0, LINES) * 128, K - 1)
+            prefetch_l2(W + tl.where(row_ok, rows, GATE)[:, None].to(tl.int64) * stride_w + lines[None, :])
+        wait_for_previous(PDL)
         if ONE_K_BLOCK:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
@@ -267,7 +277,8 @@ def _launch_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, wra
     wrap(_fp8_gemv_kernel)[(triton.cdiv(outputs, bn_ // 2 if glu else bn_),)](
         x2, weight, s, bias if bias is not None else s, y, outputs, k, weight.stride(0), gk, block_n,
         k if one else block_k, *(glu or (0, 0)), 0, HAS_BIAS=bias is not None, ONE_K_BLOCK=one, SUB=sub,
-        BLOCK_N=bn_, BLOCK_K=bk_, GLU=glu is not None, LIBDEVICE=compiled(), num_warps=warps, num_stages=stages)
+        BLOCK_N=bn_, BLOCK_K=bk_, GLU=glu is not None, LIBDEVICE=compiled(), LINES=max(bk_ // 128, 1),
+        num_warps=warps, num_stages=stages, **launch_options(x2))
 
 
 @register("ppsplit::fp8_linear")

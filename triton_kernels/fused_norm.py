@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
+from ppsplit.triton_kernels.common import HAVE_TRITON, launch_options, on_gpu, register, tl, triton, wrap_triton
 
 KINDS = {"none": 0, "rms": 1, "rms_1p": 2, "rms_f32w": 3, "layer": 4}  # the kernel's NORM argument
 NORM_KINDS = tuple(k for k in KINDS if k != "none")
@@ -47,6 +47,8 @@ def norm_reference(kind: str, s: torch.Tensor, weight: torch.Tensor, bias: Optio
 
 
 if HAVE_TRITON:
+    from ppsplit.triton_kernels.common import wait_for_previous
+
     # The kernel branches on these at compile time (globals a kernel reads must be constexpr).
     _NONE = tl.constexpr(KINDS["none"])
     _RMS = tl.constexpr(KINDS["rms"])
@@ -92,8 +94,9 @@ if HAVE_TRITON:
     @triton.jit
     def _tap_kernel(X, R, W, B, S, Y, AUX, stride_x, stride_r, stride_s, stride_y, n_cols, eps, aux_start,
                     HAS_ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, STORE: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):
         # One program per row (a grid-stride variant measured no faster at T = 2048: bench/RESULTS.md).
+        wait_for_previous(PDL)  # PDL: common.launch_options
         _tap_row(X, R, W, B, S, Y, AUX, tl.program_id(0).to(tl.int64), stride_x, stride_r, stride_s, stride_y,
                  n_cols, eps, aux_start, HAS_ADD, NORM, HAS_BIAS, STORE, BLOCK)
 
@@ -145,7 +148,7 @@ def launch_tap_kernel(x, r, weight, bias, aux, eps: float, kind: str, *, want_s:
         x2, r2, weight if weight is not None else x2, bias if bias is not None else x2, s2, y2,
         aux if aux is not None else x2, x2.stride(0), r2.stride(0), s2.stride(0), y2.stride(0),
         n_cols, eps, aux_start, HAS_ADD=r is not None, NORM=KINDS[kind], HAS_BIAS=bias is not None,
-        STORE=aux is not None, BLOCK=block, num_warps=_warps(block))
+        STORE=aux is not None, BLOCK=block, num_warps=_warps(block), **launch_options(x2))
     return s, y
 
 

@@ -16,7 +16,10 @@ from typing import Optional
 
 import torch
 
-from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
+from ppsplit.triton_kernels.common import HAVE_TRITON, launch_options, on_gpu, register, tl, triton, wrap_triton
+
+if HAVE_TRITON:
+    from ppsplit.triton_kernels.common import prefetch_l2, wait_for_previous
 
 DEFAULT_CONFIG = (16, 512, 4, 4)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) when no config is given
 
@@ -25,10 +28,17 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gemv_kernel(X, W, B, Y, N, K, stride_w,
-                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
+        """``PDL`` (``common.launch_options``): the first tile's ``LINES`` 128-byte lines (``LINE`` weights each) of
+        each row are prefetched into L2 before the kernel waits for the one that writes ``X``."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         w_rows = W + rows[:, None].to(tl.int64) * stride_w
+        if PDL:
+            lines = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
+            prefetch_l2(W + tl.where(row_ok, rows, 0)[:, None].to(tl.int64) * stride_w + lines[None, :])
+        wait_for_previous(PDL)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -64,7 +74,8 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = No
     wrap(_gemv_kernel)[(triton.cdiv(N, block_n),)](
         xc, w, b if b is not None else xc, y, N, K, w.stride(0),
         HAS_BIAS=b is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages)
+        LINES=max(block_k * w.element_size() // 128, 1), LINE=128 // w.element_size(), num_warps=warps,
+        num_stages=stages, **launch_options(xc))
     return y
 
 

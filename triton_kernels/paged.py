@@ -35,7 +35,7 @@ import torch
 
 from ppsplit.triton_kernels.attention import (attention_reference, indexer_scores, latent_attention_reference,
                                               top_positions)
-from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton
+from ppsplit.triton_kernels.common import HAVE_TRITON, launch_options, on_gpu, register, tl, triton
 
 
 def slot_mapping_reference(positions, seq, block_table, block_size: int) -> torch.Tensor:
@@ -282,6 +282,7 @@ def _(x, weight, bias, pool, positions, seq, block_table):
 # ---- Triton kernels ------------------------------------------------------------------------------------------
 
 if HAVE_TRITON:
+    from ppsplit.triton_kernels.common import wait_for_previous
 
     @triton.jit
     def write_token(POOL, VALUE, t, slot, F, W, svt, svh, svw, BLOCK: tl.constexpr):
@@ -392,7 +393,7 @@ if HAVE_TRITON:
                                 BLOCK_D2: tl.constexpr, SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                                 HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ROPE: tl.constexpr,
                                 IEEE: tl.constexpr, REVERSE: tl.constexpr, PHASES: tl.constexpr,
-                                INT64: tl.constexpr):
+                                INT64: tl.constexpr, PDL: tl.constexpr):
         """One program per (query tile, KV head, key chunk). A query tile is up to ``BLOCK_Q`` consecutive tokens of
         one sequence times the ``G`` query heads of the KV head (``BLOCK_Q * BLOCK_G`` rows), so each key block it
         reads serves every token of the tile (a prefill chunk reads its keys once per tile, not once per token).
@@ -403,7 +404,8 @@ if HAVE_TRITON:
         of keys that every row of the query tile sees run without masks, the edges of the range with them; without
         ``PHASES``, one masked loop over the range); the products in the model's dtype with fp32 accumulation
         (``IEEE``: fp32 models, fp32 products, no TF32). ``HAS_ROPE``: the key has a second part in its own pool
-        (MLA's rotary key ``K2``, ``D2`` wide) that the query's ``Q2`` part meets."""
+        (MLA's rotary key ``K2``, ``D2`` wide) that the query's ``Q2`` part meets. ``PDL``: ``common.launch_options``."""
+        wait_for_previous(PDL)
         program = tl.program_id(0)
         if REVERSE:  # the last tiles first: a prefill's last tiles see the most keys, and the GPU starts low ids first
             program = tl.num_programs(0) - 1 - program
@@ -484,10 +486,11 @@ if HAVE_TRITON:
     @triton.jit
     def _paged_combine_kernel(PART, STATS, SEQ, SINKS, O, sps, spt, sph, sss, sst, soh, sot,
                               SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, DV: tl.constexpr,
-                              BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr):
+                              BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr):
         """The output of token ``t``, head ``h`` from its chunks' partial softmaxes (a chunk with no key for the row
         has ``m = -1e30`` and weighs nothing; its partial is never read); zeros for a padding token, so the output
         needs no fill of its own."""
+        wait_for_previous(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         if tl.load(SEQ + t) < 0:
@@ -660,12 +663,12 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
         SPLIT=split, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None,
         HAS_ROPE=rope is not None, IEEE=q.dtype == torch.float32, REVERSE=plan["reverse"], PHASES=plan["phases"],
         INT64=plan.get("int64", False) or max(t.numel() for t in (keys, values, k2)) >= 2 ** 31,
-        num_warps=plan["warps"], num_stages=plan["stages"])
+        num_warps=plan["warps"], num_stages=plan["stages"], **launch_options(q))
     if split:
         _paged_combine_kernel[(n, hq)](
             part, stats, seq, sinks_, out, *part.stride()[:3], *stats.stride()[:2], out.stride(1), out.stride(2),
             SPLITS=plan["splits"], BLOCK_SPLITS=_pow2(plan["splits"], least=2), DV=dv, BLOCK_DV=_pow2(dv),
-            HAS_SINKS=sinks is not None, num_warps=4)
+            HAS_SINKS=sinks is not None, num_warps=4, **launch_options(q))
     return out
 
 

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
+from ppsplit.triton_kernels.common import HAVE_TRITON, launch_options, on_gpu, register, tl, triton, wrap_triton
 from ppsplit.triton_kernels.paged import feature_rows, paged_write_pair
 
 if HAVE_TRITON:
@@ -29,6 +29,8 @@ HALF = (torch.float16, torch.bfloat16)
 
 if HAVE_TRITON:
     from triton.language.extra import libdevice
+
+    from ppsplit.triton_kernels.common import wait_for_previous
 
     @triton.jit
     def _rounded(a, b, zero, dt: tl.constexpr, ADD: tl.constexpr):
@@ -60,8 +62,10 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["zero"])
     def _rope_kernel(X, C, S, O, N, sxb, sxh, sxn, scb, sch, scn, ssb, ssh, ssn, sob, soh, son, H, zero,
-                     HALF_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One program per (batch row, token): every head's ``D = 2 * HALF_D`` values, both halves at once."""
+                     HALF_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        """One program per (batch row, token): every head's ``D = 2 * HALF_D`` values, both halves at once.
+        ``PDL``: ``common.launch_options``, as in every kernel of this file."""
+        wait_for_previous(PDL)
         row = tl.program_id(0)
         b = (row // N).to(tl.int64)
         n = (row % N).to(tl.int64)
@@ -75,9 +79,10 @@ if HAVE_TRITON:
     def _rope_write_kernel(Q, K, V, C, S, QO, POOL, VPOOL, SLOTS, sqh, sqn, sch, scn, ssh, ssn, skh, skn, sckh,
                            sckn, sskh, sskn, soh, son, svt, svh, svw, HQ, HKV, FV, WV, zero, HALF_D: tl.constexpr,
                            BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_V: tl.constexpr):
+                           BLOCK_V: tl.constexpr, PDL: tl.constexpr):
         """One program per token ``t`` of a ragged step: its query heads rotated into ``QO``; where its slot is not
         negative, its key heads rotated into the key pool's row ``slot`` and its value into the value pool's."""
+        wait_for_previous(PDL)
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)[None, :]
         h = tl.arange(0, BLOCK_HQ)[:, None]
@@ -92,8 +97,9 @@ if HAVE_TRITON:
             write_token(VPOOL, V, t, slot, FV, WV, svt, svh, svw, BLOCK_V)
 
     @triton.jit(do_not_specialize=["zero"])
-    def _silu_mul_kernel(A, B, O, I, sa, sb, zero, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    def _silu_mul_kernel(A, B, O, I, sa, sb, zero, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
         """One program per (row, ``BLOCK`` columns) of ``[rows, I]`` inputs with unit column stride."""
+        wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = i < I
@@ -158,7 +164,8 @@ def launch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, wrap=l
         wrap(_rope_kernel)[(B * N,)](
             x, c, s, out, N, x.stride(0), x.stride(1), x.stride(2), c.stride(0), c.stride(1), c.stride(2),
             s.stride(0), s.stride(1), s.stride(2), out.stride(0), out.stride(1), out.stride(2), H, 0,
-            HALF_D=D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D // 2), num_warps=4)
+            HALF_D=D // 2, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D // 2), num_warps=4,
+            **launch_options(x))
     return out
 
 
@@ -199,7 +206,7 @@ def launch_rope_write(q, k, cos, sin, pool, other_pool, other_value, slots):
             sk.stride(2), out.stride(1), out.stride(2), *v.stride(), hq, hkv, v[0].numel(), v.shape[2], 0,
             HALF_D=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
             BLOCK_D=triton.next_power_of_2(d // 2), BLOCK_V=min(triton.next_power_of_2(v[0].numel()), 1024),
-            num_warps=4)
+            num_warps=4, **launch_options(q))
     return out
 
 
@@ -246,7 +253,7 @@ def launch_silu_mul(a: torch.Tensor, b: torch.Tensor, *, wrap=lambda kernel: ker
     out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     block = min(1024, triton.next_power_of_2(cols))
     wrap(_silu_mul_kernel)[(a.numel() // cols, triton.cdiv(cols, block))](
-        a, b, out, cols, _rows(a), _rows(b), 0, BLOCK=block, LIBDEVICE=compiled(), num_warps=4)
+        a, b, out, cols, _rows(a), _rows(b), 0, BLOCK=block, LIBDEVICE=compiled(), num_warps=4, **launch_options(a))
     return out
 
 

@@ -774,6 +774,40 @@ def test_fp8_stage_on_cuda_equals_reference_and_captures(fp8_folder):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_programmatic_launch_gives_a_captured_fp8_step_the_same_bits(fp8_checkpoint, tmp_path):
+    """A bf16 compile of the FP8 checkpoint, stage 0 on the GPU, its decode step at batch 1 (the FP8 GEMVs, the gated
+    one, the norm, rope_write and paged attention kernels) captured twice as the runtime captures it: with
+    programmatic dependent launch and without. The same kernels on the same tiles, so a kernel that reads before it
+    waits is the only way a bit could differ: 50 replays each, interleaved, give the same bits."""
+    from ppsplit.core.ragged import CacheLayout, RaggedStep
+    from ppsplit.triton_kernels.common import programmatic_launch, supports_programmatic_launch
+
+    if not supports_programmatic_launch(torch.empty(0, device="cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    out = tmp_path / "bf16"
+    assert main(["compile", str(fp8_checkpoint), "--pp", "2", "-o", str(out), "--dtype", "bfloat16"]) == 0
+    stage = ppsplit.load_stage(str(out), 0, "cuda")
+    assert stage.meta["ppsplit.pointwise"].get("fp8_linear_silu_mul"), stage.meta["ppsplit.pointwise"]
+    step = RaggedStep.lockstep(1, 1, 5, CacheLayout.of(stage.meta["ppsplit.plan"]))
+    graphs = []
+    for on in (False, True):
+        previous = programmatic_launch(on)
+        try:
+            graph = ppsplit.cuda_graph(stage, 0, 1)
+        finally:
+            programmatic_launch(previous)
+        graph.x.copy_(torch.tensor([7]))
+        for static, value in zip(graph.meta, step.tensors()):
+            static.copy_(value)
+        graphs.append(graph)
+    plain, pdl = graphs
+    for _ in range(50):
+        want = plain.replay().clone()
+        assert torch.equal(pdl.replay(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("scheme", ["fp8", "mxfp4"])
 def test_quantized_moe_stage_on_cuda_equals_cpu_and_captures(scheme, tmp_path):
     """A bf16 MoE folder with its experts as stored (qwen3_moe FP8 in 32-blocks; gpt-oss MXFP4): stage 0 on the GPU

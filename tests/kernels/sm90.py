@@ -78,6 +78,7 @@ def launches() -> dict:
     """``{name: function}``: one launch each, at Llama-3.1-8B's sizes where they set the tiles."""
     from ppsplit.triton_kernels.attention import launch_cache_attention
     from ppsplit.triton_kernels.fp8 import launch_fp8_grouped_mm, launch_fp8_linear, launch_fp8_linear_silu_mul
+    from ppsplit.triton_kernels.fused_norm import launch_tap_kernel
     from ppsplit.triton_kernels.gemv import launch_gemv, pick_config
     from ppsplit.triton_kernels.mxfp4 import launch_mxfp4_grouped_mm
     from ppsplit.triton_kernels.paged import launch_paged_write
@@ -112,6 +113,9 @@ def launches() -> dict:
         "rope_write": lambda: launch_rope_write(q, k, cos, sin, *pools, v[0].transpose(0, 1), slots),
         "rope": lambda: launch_rope(q, cos, sin),
         "silu_mul": lambda: launch_silu_mul(gate_up[..., :14336], gate_up[..., 14336:]),
+        "tap kernel (add, norm, store)": lambda: launch_tap_kernel(x1, x1, torch.ones(4096, dtype=BF16), None,
+                                                                   torch.empty(3, 1, 4096, dtype=BF16), 1e-5, "rms",
+                                                                   want_s=True, slot=1),
         "paged_write_pair": lambda: launch_paged_write(pools[0], k[0].transpose(0, 1), slots,
                                                        other=(pools[1], v[0].transpose(0, 1))),
         "paged_attention decode (plan)": decode,
@@ -136,20 +140,54 @@ def main() -> int:
         print("FAIL setup TRITON_INTERPRET=1: the kernels are interpreted, not compiled; run without it")
         return 1
     failed = 0
-    for name, launch in launches().items():
-        compiled: list = []
-        try:
-            with compile_only(compiled), torch.no_grad():
-                launch()
-        except Exception as e:  # a kernel the compiler rejects
-            print(f"FAIL {name} {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
-            failed += 1
-            continue
-        shared = max(k.metadata.shared for k in compiled)
-        ok = compiled and shared <= SHARED_MEMORY
-        print(f"{'ok' if ok else 'FAIL'} {name} {len(compiled)} {shared}", flush=True)
-        failed += not ok
+    every = launches()
+    for name, launch in every.items():
+        failed += not compiles(name, launch)
+    with programmatic():
+        for name in PROGRAMMATIC:
+            failed += not compiles(f"pdl {name}", every[name], programmatic=True)
     return 1 if failed else 0
+
+
+# The decode step's kernels, which take a PDL constexpr (``ppsplit.triton_kernels.common.launch_options``)
+PROGRAMMATIC = ("rope_write", "rope", "silu_mul", "tap kernel (add, norm, store)", "paged_attention decode (plan)",
+                "gemv bf16", "fp8 gemv", "fp8 gemv, gate/up with silu_mul")
+
+
+@contextlib.contextmanager
+def programmatic():
+    """Launches as on an sm_90 GPU with programmatic dependent launch switched on."""
+    from ppsplit.triton_kernels import common
+
+    saved = common.supports_programmatic_launch
+    common.supports_programmatic_launch = lambda t: True
+    previous = common.programmatic_launch(True)
+    try:
+        yield
+    finally:
+        common.programmatic_launch(previous)
+        common.supports_programmatic_launch = saved
+
+
+def compiles(name: str, launch, programmatic: bool = False) -> bool:
+    """Compile ``launch``'s kernels; print ``ok``/``FAIL``. ``programmatic``: each kernel must also wait for the
+    previous one on the device, and the GEMVs prefetch their weights before they wait."""
+    compiled: list = []
+    try:
+        with compile_only(compiled), torch.no_grad():
+            launch()
+    except Exception as e:  # a kernel the compiler rejects
+        print(f"FAIL {name} {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+        return False
+    shared = max(k.metadata.shared for k in compiled)
+    ok = bool(compiled) and shared <= SHARED_MEMORY
+    if programmatic:
+        ptx = [k.asm["ptx"] for k in compiled]
+        ok = ok and all(k.metadata.launch_pdl and "griddepcontrol.wait" in p for k, p in zip(compiled, ptx))
+        if "gemv" in name:
+            ok = ok and all(-1 < p.find("prefetch.global.L2") < p.find("griddepcontrol.wait") for p in ptx)
+    print(f"{'ok' if ok else 'FAIL'} {name} {len(compiled)} {shared}", flush=True)
+    return ok
 
 
 if __name__ == "__main__":

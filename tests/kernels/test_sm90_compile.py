@@ -1,4 +1,5 @@
-"""The hot paths' Triton kernels compile for an H100/H200 (sm_90) in bf16 and fit its shared memory, checked on a
+"""The hot paths' Triton kernels compile for an H100/H200 (sm_90) in bf16 and fit its shared memory, and the decode
+step's also with programmatic dependent launch (each waits on the device before its first access), checked on a
 machine without a GPU (``tests/kernels/sm90.py``: Triton's own compiler and ptxas, no launch). The interpreter runs
 the kernels' arithmetic in fp32/fp16; this is what it cannot check."""
 import os
@@ -29,3 +30,6 @@ def test_kernels_compile_for_sm90_in_bf16():
     assert any(line.startswith("ok rope_write ") for line in lines)
     assert any(line.startswith("ok fp8 grouped experts ") for line in lines)
     assert any(line.startswith("ok mxfp4 grouped experts ") for line in lines)
+    # under programmatic dependent launch: each decode-step kernel waits on the device, the GEMVs prefetch first
+    assert any(line.startswith("ok pdl fp8 gemv, gate/up with silu_mul ") for line in lines)
+    assert sum(line.startswith("ok pdl ") for line in lines) == 8
