@@ -5,9 +5,10 @@ While tracing, each such module runs ppsplit's FP8 ops on its own tensors instea
 keep the FP8 weights as loaded. (On a CPU transformers dequantises on load: there is nothing to do.)
 
 The modules are recognised by their tensors, not their class: an FP8 ``weight`` with a ``weight_scale_inv`` beside
-it (a linear), FP8 ``gate_up_proj`` / ``up_proj`` and ``down_proj`` stacks with ``*_scale_inv`` (experts). What the
-ops cannot run is refused in one line: static activation scales, E8M0 scales (compile the checkpoint, which stores
-them as fp32), biased or expert-parallel experts.
+it (a linear), FP8 ``gate_up_proj`` / ``up_proj`` and ``down_proj`` stacks with ``*_scale_inv`` (experts). E8M0
+scales (``scale_fmt: "ue8m0"``, ``float8_e8m0fnu`` powers of two) are widened to their fp32 values for the trace, as
+the compile widens them, so the stages hold fp32 scales and the model gets its own back. What the ops cannot run is
+refused in one line: static activation scales, biased or expert-parallel experts.
 """
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ _FP8 = torch.float8_e4m3fn
 @contextlib.contextmanager
 def traceable_fp8_modules(model: torch.nn.Module):
     """Within the block, the FP8 modules of ``model`` run ppsplit's ops (see the module docstring)."""
-    patched = []
+    patched, widened = [], []
     try:
         for name, module in model.named_modules():
-            forward = _fp8_forward(name, module)
+            forward = _fp8_forward(name, module, widened)
             if forward is not None:
                 module.forward = forward  # an instance attribute: the class's forward is untouched
                 patched.append(module)
@@ -36,32 +37,39 @@ def traceable_fp8_modules(model: torch.nn.Module):
     finally:
         for module in patched:
             del module.forward
+        for module, scale_name, scale in widened:
+            setattr(module, scale_name, scale)
 
 
-def _fp8_forward(name: str, module: torch.nn.Module):
+def _fp8_forward(name: str, module: torch.nn.Module, widened: list):
     weight = module._parameters.get("weight")
     if isinstance(module, torch.nn.Linear) and weight is not None and weight.dtype == _FP8:
-        return functools.partial(_linear, module, _block(name, module, "weight_scale_inv", weight))
+        return functools.partial(_linear, module, _block(name, module, "weight_scale_inv", weight, widened))
     up = next((p for p in ("gate_up_proj", "up_proj") if module._parameters.get(p) is not None), None)
     if up is not None and module._parameters[up].dtype == _FP8:
         if getattr(module, f"{up}_bias", None) is not None or getattr(module, "_is_expert_parallel", False):
             raise ConfigError(f"{name}: FP8 experts with biases or expert parallelism are not supported by "
                               "split_model; compile the checkpoint (ppsplit compile) instead")
-        blocks = {p: _block(name, module, f"{p}_scale_inv", getattr(module, p)) for p in (up, "down_proj")}
+        blocks = {p: _block(name, module, f"{p}_scale_inv", getattr(module, p), widened) for p in (up, "down_proj")}
         return functools.partial(_experts, module, up, blocks)
     return None
 
 
-def _block(name: str, module, scale_name: str, weight: torch.Tensor) -> tuple[int, int]:
-    """The ``(block_n, block_k)`` of ``weight``'s scale ``scale_name``, checked; a one-line refusal otherwise."""
+def _block(name: str, module, scale_name: str, weight: torch.Tensor, widened: list) -> tuple[int, int]:
+    """The ``(block_n, block_k)`` of ``weight``'s scale ``scale_name``, checked; a one-line refusal otherwise. E8M0
+    scales are replaced by their fp32 values, and ``(module, scale_name, scale)`` appended to ``widened``."""
     scale = getattr(module, scale_name, None)
     if scale is None or getattr(module, "activation_scale", None) is not None \
             or getattr(module, "activation_scheme", "dynamic") != "dynamic":
         raise ConfigError(f"{name}: an FP8 weight without {scale_name}, or with static activation scales, which "
                           "ppsplit's FP8 ops do not run; load the model with dynamic activation scales")
-    if not scale.dtype.is_floating_point or scale.dtype.itemsize < 2:
-        raise ConfigError(f"{name}: {scale_name} is {scale.dtype} (E8M0 exponents); split_model runs float scales: "
-                          "compile the checkpoint (ppsplit compile), which keeps them as fp32 values")
+    if scale.dtype == torch.float8_e8m0fnu:  # 2 ** (e - 127): exact in fp32
+        widened.append((module, scale_name, scale))
+        setattr(module, scale_name, torch.nn.Parameter(scale.to(torch.float32), requires_grad=False))
+    elif not scale.dtype.is_floating_point or scale.dtype.itemsize < 2:
+        raise ConfigError(f"{name}: {scale_name} is {scale.dtype}; split_model runs fp16/bf16/fp32 scales, or E8M0 "
+                          "exponents as float8_e8m0fnu: load the model with one of those, or compile the checkpoint "
+                          "(ppsplit compile)")
     size = getattr(module, "block_size", None)
     return tuple(size) if size is not None else tuple(weight.shape[-2:])  # per tensor: one block
 

@@ -923,14 +923,38 @@ def test_split_model_of_transformers_fp8_modules():
         torch.testing.assert_close(split(ids)[0], ref(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_split_model_of_fp8_modules_with_e8m0_scales():
+    """transformers' ue8m0 layout (``weight_scale_inv`` as ``float8_e8m0fnu`` powers of two, linears and expert
+    stacks): the trace reads their fp32 values, so the stages hold fp32 scales equal to ``2 ** (e - 127)``, the
+    model gets its own E8M0 parameters back, and the logits equal the dequantised model's."""
+    fp8, ref = _fp8_modules_model(ue8m0=True)
+    scales = {n: p for n, p in fp8.named_parameters() if n.endswith("_scale_inv")}
+    assert scales and all(p.dtype == torch.float8_e8m0fnu for p in scales.values())
+    split = ppsplit.split_model(fp8, pp=2)
+    held = {n: p for s in split.stages for n, p in s.named_parameters() if n.endswith("_scale_inv")}
+    assert held.keys() == scales.keys()
+    for n, p in held.items():
+        want = (scales[n].view(torch.uint8).float() - 127).exp2()
+        assert p.dtype == torch.float32 and torch.equal(p, want), n
+    assert all(p is scales[n] for n, p in fp8.named_parameters() if n in scales)  # the model's own, unchanged
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], ref(ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_split_model_refuses_fp8_modules_it_cannot_run():
-    """E8M0 exponent scales (transformers' ue8m0 layout) are refused in one line that says to compile the
-    checkpoint instead."""
+    """Scales in a dtype the ops cannot read (integer exponent bytes) are refused in one line that names the
+    parameter and says what to do, and the model keeps its tensors."""
     from ppsplit.core.errors import ConfigError
 
     fp8, _ = _fp8_modules_model(ue8m0=True)
-    with pytest.raises(ConfigError, match="E8M0 exponents.*ppsplit compile"):
+    module = fp8.get_submodule("model.layers.1.self_attn.o_proj")
+    module.weight_scale_inv = torch.nn.Parameter(module.weight_scale_inv.view(torch.uint8), requires_grad=False)
+    before = dict(fp8.named_parameters())
+    with pytest.raises(ConfigError, match=r"o_proj: weight_scale_inv is torch.uint8.*ppsplit compile") as err:
         ppsplit.split_model(fp8, pp=2)
+    assert "\n" not in str(err.value)
+    assert all(p is before[n] for n, p in fp8.named_parameters())
 
 
 def test_plan_command_counts_fp8_bytes_as_compile_does(fp8_checkpoint, fp8_folder, capsys):
