@@ -124,8 +124,8 @@ class Sources:
         ``experts.{e}.gate_proj`` and ``up_proj`` into ``experts.gate_up_proj [E, 2I, H]``), every weight has
         scales of one block size (a per-tensor scale is one block the weight's size: gate and up, of one shape,
         concatenate into two such blocks), and its dimensions are whole blocks (so each block of the stack is one
-        weight's block, and the scales, read as their grids of blocks, convert like the weights). 0-d scales are
-        left to the dequantising path (no test checkpoint has them)."""
+        weight's block, and the scales, read as their grids of blocks, convert like the weights: a 0-d per-tensor
+        scale, as transformers saves an FP8 model without ``weight_block_size``, is a grid of one)."""
         operations = getattr(group.converter, "operations", None)
         if self.scheme is None or not operations \
                 or len(group.targets) != 1 or any(type(op).__name__ not in _STACKING for op in operations) \
@@ -137,7 +137,7 @@ class Sources:
         shapes = [tuple(self.checkpoint.raw_range(key).shape) for key in keys]
         blocks = {self.scheme.block_of(shape) for shape in shapes}
         scale_ranges = [self.checkpoint.raw_range(self.scales[key]) for key in keys]
-        if len(blocks) != 1 or len({r.dtype for r in scale_ranges}) != 1 or any(not r.shape for r in scale_ranges):
+        if len(blocks) != 1 or len({r.dtype for r in scale_ranges}) != 1:
             return None
         bn, bk = blocks.pop()
         return (bn, bk) if all(n % bn == 0 and k % bk == 0 for n, k in shapes) else None

@@ -55,8 +55,9 @@ def _tiny(seed=0):
 
 def write_quantized(folder, scheme: str, model=None, power_of_two: bool = False, block: int = 128):
     """The tiny model saved, then its linear weights quantised as ``scheme`` writes them: "fp8" (``block`` x
-    ``block`` blocks, weight_scale_inv; ``power_of_two`` scales), "ct-channel" / "ct-tensor" (compressed-tensors
-    float-quantized, weight_scale)."""
+    ``block`` blocks, weight_scale_inv; ``power_of_two`` scales), "fp8-tensor" (no ``weight_block_size``: a 0-d
+    weight_scale_inv per weight, as transformers saves a per-tensor FP8 model), "ct-channel" / "ct-tensor"
+    (compressed-tensors float-quantized, weight_scale)."""
     model = model or _tiny()
     model.save_pretrained(folder, safe_serialization=True)
     tensors = load_file(os.path.join(folder, "model.safetensors"))
@@ -68,14 +69,17 @@ def write_quantized(folder, scheme: str, model=None, power_of_two: bool = False,
         n, k = w.shape
         if scheme == "fp8":
             out[name], out[name[:-6] + "weight_scale_inv"] = quantize_blocks(w, block, block, power_of_two)
+        elif scheme == "fp8-tensor":
+            q, s = quantize_blocks(w, n, k)
+            out[name], out[name[:-6] + "weight_scale_inv"] = q, s.reshape(())
         else:
             q, s = quantize_blocks(w, 1, k) if scheme == "ct-channel" else quantize_blocks(w, n, k)
             out[name], out[name[:-6] + "weight_scale"] = q, s.reshape(n, 1) if scheme == "ct-channel" else s.reshape(1)
     save_file(out, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     config = json.load(open(os.path.join(folder, "config.json")))
-    if scheme == "fp8":
-        config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block],
-                                         "activation_scheme": "dynamic", "fmt": "e4m3"}
+    if scheme.startswith("fp8"):
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                         "weight_block_size": [block, block] if scheme == "fp8" else None}
     else:
         weights = {"num_bits": 8, "type": "float", "strategy": scheme[3:], "symmetric": True, "dynamic": False,
                    "observer": "minmax"}
@@ -352,18 +356,21 @@ def _stacked_experts(source: dict, layer: int, parts: tuple[str, ...], suffix: s
     parts concatenated along dim 0, the experts stacked (an independent restatement, for checking the files)."""
     prefix = f"model.layers.{layer}.mlp.experts."
     count = len({k.split(".")[5] for k in source if k.startswith(prefix)})
-    return torch.stack([torch.cat([source[f"{prefix}{e}.{part}.{suffix}"] for part in parts]) for e in range(count)])
+    return torch.stack([torch.cat([torch.atleast_1d(source[f"{prefix}{e}.{part}.{suffix}"]) for part in parts])
+                        for e in range(count)])
 
 
 @pytest.mark.parametrize("arch,dtype,scheme", [("qwen3_moe", "float32", "fp8"), ("qwen3_moe", "bfloat16", "fp8"),
                                                ("qwen3_moe", "float32", "ct-channel"),
                                                ("qwen3_moe", "bfloat16", "ct-tensor"),
                                                ("qwen3_moe", "float32", "ct-tensor"),
+                                               ("qwen3_moe", "float32", "fp8-tensor"),
                                                ("deepseek_v3", "float32", "ue8m0")])
 def test_fp8_moe_experts_stay_fp8_through_the_conversions(arch, dtype, scheme, tmp_path, capsys):
     """qwen3_moe and deepseek_v3 (MLA projections, shared experts; E8M0 exponent-byte scales in 8-blocks) with
-    per-expert FP8 tensors in whole blocks (32-blocks, or compressed-tensors' per-channel or per-tensor scales: a
-    stack of per-tensor gate and up weights is two blocks an expert, each of one weight): transformers' converters
+    per-expert FP8 tensors in whole blocks (32-blocks, or compressed-tensors' per-channel or per-tensor scales, or
+    transformers' own per-tensor layout with 0-d scales: a stack of per-tensor gate and up weights is two blocks an
+    expert, each of one weight): transformers' converters
     stack the FP8 experts as stored and their scales alike (experts.gate_up_proj_scale_inv, or _scale), and the
     stages run them on ppsplit's FP8 expert ops: the grouped product a bfloat16 compile traces, the per-token expert
     weights a float32 one traces. The stage files hold the checkpoint's FP8 bytes, the plan counts them, and
