@@ -23,13 +23,19 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 
-from ppsplit.triton_kernels.fp8 import gemv_config, launch_fp8_linear  # noqa: E402
+from ppsplit.triton_kernels.fp8 import gemv_config, launch_fp8_linear, launch_fp8_linear_silu_mul  # noqa: E402
 from ppsplit.triton_kernels.gemv import launch_gemv, pick_config  # noqa: E402
-from tests.kernels.sm90 import compile_only  # noqa: E402
+from tests.kernels.sm90 import compile_only, programmatic  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 BYTES_PER_SM_CYCLE = 16   # an H200's 4.2 TB/s over 132 SMs at 1.98 GHz
 ISSUE_PER_SM_CYCLE = 4    # warp-instructions
+
+
+def programmatic_launches(launch, *args):
+    """``launch(*args)`` under programmatic dependent launch (as on an sm_90 GPU with it switched on)."""
+    with programmatic():
+        return launch(*args)
 
 
 def compiled(launch):
@@ -121,6 +127,10 @@ def main():
         f"FP8 GEMV {fp8}": (lambda: launch_fp8_linear(x, w8, s8, None, 128, 128), fp8[0] * fp8[1] / fp8[2]),
         "FP8 GEMV (2, 2048, 4, 2)": (lambda: launch_fp8_linear(x, w8, s8, None, 128, 128, config=(2, 2048, 4, 2)),
                                      2 * 2048 / 4),
+        f"FP8 GEMV + silu_mul {fp8}": (
+            lambda: launch_fp8_linear_silu_mul(x, w8, s8, None, 128, 128, 0, n // 2, n // 2), fp8[0] * fp8[1] / fp8[2]),
+        f"FP8 GEMV {fp8}, PDL": (lambda: programmatic_launches(launch_fp8_linear, x, w8, s8, None, 128, 128),
+                                 fp8[0] * fp8[1] / fp8[2]),
         "FP8 GEMM at 2 rows (64, 128, 4, 3, 1)": (
             lambda: launch_fp8_linear(x2, w8, s8, None, 128, 128, config=(64, 128, 4, 3, 1)), 64 * 128 / 4),
         **{f"FP8 W8A8 at 1 row {cfg}": (

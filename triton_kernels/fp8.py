@@ -120,16 +120,20 @@ if HAVE_TRITON:
     @triton.jit
     def _fp8_gemm_kernel(X, W, S, B, Y, M, N, K, K_PER, stride_x, stride_w, stride_y, stride_split, GK, QN, QK,
                          HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W8A8: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W8A8: tl.constexpr, PDL: tl.constexpr):
         """A ``[BLOCK_M, BLOCK_N]`` output tile of the k-range ``[K_PER * z, K_PER * (z + 1))`` per program; each
         ``BLOCK_K`` step lies inside one k-block, and its partial product is scaled by the weight block's scale as it
         is accumulated. ``SPLIT``: the k-range is one of several, and the tile goes to its fp32 slice of ``Y``
-        (``_fp8_split_sum_kernel`` adds the slices up, in a fixed order); else it is the output."""
+        (``_fp8_split_sum_kernel`` adds the slices up, in a fixed order); else it is the output. ``PDL``: the first
+        ``BLOCK_K`` step's weights (a 128-byte line per row at most) are prefetched into L2 before the kernel waits."""
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         z = tl.program_id(2)
         k_lo = z * K_PER
         k_hi = tl.minimum(k_lo + K_PER, K)
+        if PDL:
+            prefetch_l2(W + tl.minimum(rn, N - 1).to(tl.int64) * stride_w + tl.minimum(k_lo, K - 1))
+        wait_for_previous(PDL)
         s_cols = S + (rn // QN) * GK
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -157,8 +161,10 @@ if HAVE_TRITON:
             tl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _fp8_split_sum_kernel(P, B, Y, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    def _fp8_split_sum_kernel(P, B, Y, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr):
         """``Y = sum_z P[z] (+ b)``: the k-ranges' fp32 slices of a split GEMM, added in order (deterministic)."""
+        wait_for_previous(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < MN
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -256,10 +262,11 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
         wrap(_fp8_gemm_kernel)[(triton.cdiv(m, bm_), triton.cdiv(n, bn_), splits)](
             x2, weight, s, b, out, m, n, k, k_per, x2.stride(0), weight.stride(0), n, m * n, gk, block_n, qk,
             HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # no TF32 for fp32
-            SPLIT=splits > 1, BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, W8A8=w8a8, num_warps=warps, num_stages=stages)
+            SPLIT=splits > 1, BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, W8A8=w8a8, num_warps=warps, num_stages=stages,
+            **launch_options(x2))
         if splits > 1:
             wrap(_fp8_split_sum_kernel)[(triton.cdiv(m * n, 1024),)](
-                out, b, y, m * n, n, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=1024)
+                out, b, y, m * n, n, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=1024, **launch_options(x2))
     return y.reshape(*x.shape[:-1], n)
 
 
