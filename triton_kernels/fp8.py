@@ -124,7 +124,7 @@ if HAVE_TRITON:
         """A ``[BLOCK_M, BLOCK_N]`` output tile of the k-range ``[K_PER * z, K_PER * (z + 1))`` per program; each
         ``BLOCK_K`` step lies inside one k-block, and its partial product is scaled by the weight block's scale as it
         is accumulated. ``SPLIT``: the k-range is one of several, and the tile goes to its fp32 slice of ``Y``
-        (``_fp8_split_sum_kernel`` adds the slices up, in a fixed order); else it is the output. ``PDL``: the first
+        (``split_sum_kernel`` adds the slices up, in a fixed order); else it is the output. ``PDL``: the first
         ``BLOCK_K`` step's weights (a 128-byte line per row at most) are prefetched into L2 before the kernel waits."""
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,9 +161,10 @@ if HAVE_TRITON:
             tl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _fp8_split_sum_kernel(P, B, Y, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                              PDL: tl.constexpr):
-        """``Y = sum_z P[z] (+ b)``: the k-ranges' fp32 slices of a split GEMM, added in order (deterministic)."""
+    def split_sum_kernel(P, B, Y, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+        """``Y = sum_z P[z] (+ b)``: the k-ranges' fp32 slices of a split product, added in order (deterministic).
+        The FP8 GEMM's and the MXFP4 experts' (``mxfp4.py``)."""
         wait_for_previous(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < MN
@@ -265,7 +266,7 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
             SPLIT=splits > 1, BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, W8A8=w8a8, num_warps=warps, num_stages=stages,
             **launch_options(x2))
         if splits > 1:
-            wrap(_fp8_split_sum_kernel)[(triton.cdiv(m * n, 1024),)](
+            wrap(split_sum_kernel)[(triton.cdiv(m * n, 1024),)](
                 out, b, y, m * n, n, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=1024, **launch_options(x2))
     return y.reshape(*x.shape[:-1], n)
 

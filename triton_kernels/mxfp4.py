@@ -48,7 +48,7 @@ def check_mxfp4(x: torch.Tensor | None, blocks: torch.Tensor, scales: torch.Tens
 
 
 if HAVE_TRITON:
-    from ppsplit.triton_kernels.fp8 import expert_rows
+    from ppsplit.triton_kernels.fp8 import expert_rows, split_sum_kernel
 
     @triton.jit
     def _fp4_values(v):
@@ -59,14 +59,21 @@ if HAVE_TRITON:
         return tl.where((v & 8) != 0, -magnitude, magnitude)
 
     @triton.jit
-    def _mxfp4_grouped_kernel(X, B, S, OFFS, Y, N, K, stride_x, stride_be, stride_bn, stride_se, stride_sn,
-                              stride_y, PRECISION: tl.constexpr, MX_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _mxfp4_grouped_kernel(X, B, S, OFFS, Y, N, K, K_PER, stride_x, stride_be, stride_bn, stride_se, stride_sn,
+                              stride_y, stride_split, PRECISION: tl.constexpr, MX_FORMAT: tl.constexpr,
+                              SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
         """Expert ``program_id(0)``'s rows ``[OFFS[e - 1], OFFS[e])`` times its ``BLOCK_N`` output columns
-        ``program_id(1)``, ``BLOCK_M`` rows at a time. Each ``BLOCK_K`` step loads ``BLOCK_K / 2`` bytes a column
-        and ``BLOCK_K / 32`` scales, decodes the two nibbles of each byte, scales each group of 32 and multiplies
-        in ``x``'s dtype (an FP4 value times a power of two is exact there), accumulating in fp32."""
+        ``program_id(1)``, ``BLOCK_M`` rows at a time, over the inputs ``[K_PER * z, K_PER * (z + 1))``,
+        ``z = program_id(2)``. Each ``BLOCK_K`` step loads ``BLOCK_K / 2`` bytes a column and ``BLOCK_K / 32``
+        scales, decodes the two nibbles of each byte, scales each group of 32 and multiplies in ``x``'s dtype (an FP4
+        value times a power of two is exact there), accumulating in fp32. ``SPLIT``: the input range is one of
+        several, and the tile goes to its fp32 slice of ``Y`` (``fp8.split_sum_kernel`` adds them up, in
+        order): at decode a few experts have rows, and more, shorter programs keep more bytes in flight."""
         e = tl.program_id(0)
+        z = tl.program_id(2)
+        k_lo = z * K_PER
+        k_hi = tl.minimum(k_lo + K_PER, K)
         start, end = expert_rows(OFFS, e)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         b_cols = B + e.to(tl.int64) * stride_be + rn[:, None].to(tl.int64) * stride_bn
@@ -74,14 +81,14 @@ if HAVE_TRITON:
         for m0 in range(start, end, BLOCK_M):
             rm = m0 + tl.arange(0, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in range(k_lo, k_hi, BLOCK_K):
                 rk = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(X + rm[:, None].to(tl.int64) * stride_x + rk[None, :],
-                            mask=(rm[:, None] < end) & (rk[None, :] < K), other=0.0)
+                            mask=(rm[:, None] < end) & (rk[None, :] < k_hi), other=0.0)
                 rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                b = tl.load(b_cols + rb[None, :], mask=(rn[:, None] < N) & (rb[None, :] < K // 2), other=0)
+                b = tl.load(b_cols + rb[None, :], mask=(rn[:, None] < N) & (rb[None, :] < k_hi // 2), other=0)
                 rg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-                s = tl.load(s_cols + rg[None, :], mask=(rn[:, None] < N) & (rg[None, :] < K // 32), other=127)
+                s = tl.load(s_cols + rg[None, :], mask=(rn[:, None] < N) & (rg[None, :] < k_hi // 32), other=127)
                 if MX_FORMAT == "none":  # decoded here (fp32 rows, which tl.dot_scaled does not take)
                     b = b.to(tl.int32)
                     w = tl.reshape(tl.join(_fp4_values(b & 15), _fp4_values(b >> 4)), [BLOCK_N, BLOCK_K])
@@ -91,8 +98,12 @@ if HAVE_TRITON:
                     acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
                 else:  # Triton's microscaled product: its own E2M1 upcast where the GPU has no FP4 tensor cores
                     acc = tl.dot_scaled(x, None, MX_FORMAT, tl.trans(b), s, "e2m1", acc=acc)
-            tl.store(Y + rm[:, None].to(tl.int64) * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
-                     mask=(rm[:, None] < end) & (rn[None, :] < N))
+            out = Y + z.to(tl.int64) * stride_split + rm[:, None].to(tl.int64) * stride_y + rn[None, :]
+            ok = (rm[:, None] < end) & (rn[None, :] < N)
+            if SPLIT:
+                tl.store(out, acc, mask=ok)
+            else:
+                tl.store(out, acc.to(Y.dtype.element_ty), mask=ok)
 
 
 _MX_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -102,20 +113,29 @@ def launch_mxfp4_grouped_mm(x, blocks, scales, offs, wrap=lambda kernel: kernel,
                             dot_scaled: bool = True):
     """The Triton path of ``mxfp4_grouped_mm``; ``config`` is ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)``
     (``BLOCK_K`` a multiple of 32; the default the fastest or within 3% of it at every batch of gpt-oss-120b's
-    experts on an H200, ``bench/experts.py --sweep``, RESULTS section 34). ``dot_scaled``: bf16/fp16 rows go through ``tl.dot_scaled`` (else, and for
-    fp32 rows, the kernel decodes the nibbles itself)."""
+    experts on an H200, ``bench/experts.py --sweep``, RESULTS section 34), or with a sixth element, how many input
+    ranges to split the product over (their fp32 partial sums added by a second kernel; timed by the sweep, not yet
+    a default). ``dot_scaled``: bf16/fp16 rows go through ``tl.dot_scaled`` (else, and for fp32 rows, the kernel
+    decodes the nibbles itself)."""
     e, n, g, _ = blocks.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
-    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0:
+    m, k = x.shape[0], g * GROUP
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
         return y
     blocks, scales = blocks.contiguous(), scales.contiguous()
-    bm_, bn_, bk_, warps, stages = config
-    wrap(_mxfp4_grouped_kernel)[(e, triton.cdiv(n, bn_))](
-        x, blocks, scales, offs, y, n, g * GROUP, x.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0),
-        scales.stride(1), y.stride(0), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        MX_FORMAT=_MX_FORMATS.get(x.dtype, "none") if dot_scaled else "none", BLOCK_M=bm_, BLOCK_N=bn_,
-        BLOCK_K=bk_, num_warps=warps, num_stages=stages)
+    bm_, bn_, bk_, warps, stages, *split = config
+    k_per = triton.cdiv(triton.cdiv(k, split[0] if split else 1), bk_) * bk_  # whole BLOCK_K steps per range
+    splits = triton.cdiv(k, k_per)
+    out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    wrap(_mxfp4_grouped_kernel)[(e, triton.cdiv(n, bn_), splits)](
+        x, blocks, scales, offs, out, n, k, k_per, x.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0),
+        scales.stride(1), n, m * n, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        MX_FORMAT=_MX_FORMATS.get(x.dtype, "none") if dot_scaled else "none", SPLIT=splits > 1, BLOCK_M=bm_,
+        BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        wrap(split_sum_kernel)[(triton.cdiv(m * n, 1024),)](
+            out, out, y, m * n, n, SPLITS=splits, HAS_BIAS=False, BLOCK=1024, PDL=False)
     return y
 
 

@@ -1052,12 +1052,14 @@ def test_mxfp4_experts_stay_as_stored_and_equal_hf(dtype, tmp_path, capsys):
                                                      ([17, 1, 0, 4], torch.float16, True),
                                                      ([17, 1, 0, 4], torch.float16, False),
                                                      ([0, 0, 0, 0], torch.float16, True)])
-def test_triton_mxfp4_grouped_kernel_equals_reference(counts, dtype, dot_scaled):
+@pytest.mark.parametrize("config", [None, (16, 64, 32, 4, 2, 3), (16, 32, 64, 4, 2, 2)])
+def test_triton_mxfp4_grouped_kernel_equals_reference(counts, dtype, dot_scaled, config):
     """The MXFP4 grouped kernel under TRITON_INTERPRET=1 (conftest), through ``tl.dot_scaled`` (fp16 rows) and
     through its own nibble decoding (fp32 rows, or asked for), against transformers' own
     ``convert_moe_packed_tensors`` (which also fixes the layout: the low nibble first, the expert transposed) in
     fp64 products: random bytes (every nibble, both signs), exponents around 127, an expert no row chose, one with
-    more rows than a tile, no rows at all, 100 columns (a partial column tile), 96 inputs (a partial k tile)."""
+    more rows than a tile, no rows at all, 100 columns (a partial column tile), 96 inputs (a partial k tile); on the
+    default tiles and split over 3 input ranges of 32, or 2 of 64 (the second partial)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from ppsplit.triton_kernels.mxfp4 import launch_mxfp4_grouped_mm, mxfp4_expert_weights
@@ -1070,7 +1072,8 @@ def test_triton_mxfp4_grouped_kernel_equals_reference(counts, dtype, dot_scaled)
     weights = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).double()  # [E, K, N]
     x = torch.randn(sum(counts), 96, generator=gen).to(dtype)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
-    got = launch_mxfp4_grouped_mm(x, blocks, scales, offs, dot_scaled=dot_scaled)
+    got = launch_mxfp4_grouped_mm(x, blocks, scales, offs, dot_scaled=dot_scaled, **({"config": config} if config
+                                                                                     else {}))
     want = torch.cat([r @ weights[i] for i, r in enumerate(torch.split(x.double(), counts))])
     tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(got.double(), want, atol=tol * 16 * math.sqrt(96), rtol=tol)

@@ -132,6 +132,8 @@ def launches() -> dict:
         "fp8 w8a8, 32 rows": lambda: launch_fp8_linear(x32, w8, s8, None, 128, 128, w8a8=True),
         "fp8 grouped experts": lambda: launch_fp8_grouped_mm(routed, experts, expert_scales, ends, 128, 128),
         "mxfp4 grouped experts": lambda: launch_mxfp4_grouped_mm(fp4_rows, fp4_blocks, fp4_scales, ends),
+        "mxfp4 grouped experts, split over 4": lambda: launch_mxfp4_grouped_mm(fp4_rows, fp4_blocks, fp4_scales, ends,
+                                                                               config=(16, 64, 128, 4, 3, 4)),
     }
 
 
@@ -184,7 +186,7 @@ def compiles(name: str, launch, programmatic: bool = False) -> bool:
     if programmatic:
         ptx = [k.asm["ptx"] for k in compiled]
         ok = ok and all(k.metadata.launch_pdl and "griddepcontrol.wait" in p for k, p in zip(compiled, ptx))
-        weights = [p for k, p in zip(compiled, ptx) if k.name != "_fp8_split_sum_kernel"]  # it streams no weights
+        weights = [p for k, p in zip(compiled, ptx) if k.name != "split_sum_kernel"]  # it streams no weights
         if "gemv" in name or "gemm" in name:
             ok = ok and all(-1 < p.find("prefetch.global.L2") < p.find("griddepcontrol.wait") for p in weights)
     print(f"{'ok' if ok else 'FAIL'} {name} {len(compiled)} {shared}", flush=True)
