@@ -32,7 +32,7 @@ from torch import fx
 
 # registers rope / silu_mul / rope_write and the paged ops, and fp8_linear_silu_mul
 from ppsplit.triton_kernels import fp8, pointwise  # noqa: F401
-from ppsplit.core.fx_utils import get_tensor, replace_call
+from ppsplit.core.fx_utils import SHAPE, VALUE_META, get_tensor, replace_call, static_shape
 from ppsplit.passes.rewrites.projections import match_projection
 
 aten = torch.ops.aten
@@ -81,11 +81,6 @@ def _call(node, *targets) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
-def _shape(node):
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
 def _binary(node, target):
     """``(a, b)`` of ``target(a, b)`` between two nodes, no other arguments (no ``alpha``)."""
     if not _call(node, target) or len(node.args) != 2 or node.kwargs:
@@ -100,7 +95,7 @@ def _last_dim_slice(node, x, start, end_at_least) -> bool:
         return False
     args = list(node.args) + [None] * (5 - len(node.args))
     _, dim, lo, hi, step = args[:5]
-    rank = len(_shape(x))
+    rank = len(static_shape(x))
     return (dim in (-1, rank - 1) and (lo or 0) == start and step in (None, 1)
             and (hi is None or hi >= end_at_least))
 
@@ -130,7 +125,7 @@ def _column_span(node):
     if not _call(node, aten.slice.Tensor) or node.kwargs or len(node.args) not in (4, 5):
         return None
     y, dim, start, end, *step = node.args
-    shape = _shape(node)
+    shape = static_shape(node)
     if dim != -1 and (shape is None or dim != len(shape) - 1) or step not in ([], [1]):
         return None
     return (y, start, end) if isinstance(start, int) and isinstance(end, int) and 0 <= start < end else None
@@ -153,17 +148,18 @@ def _match_rope(node):
                 continue
             x2 = parts[0].args[0] if parts[0].args else None
             x = x2.args[0] if _call(x2, aten.slice.Tensor) else None
-            shape = _shape(x)
-            if shape is None or len(shape) != 4 or shape[-1] % 2 or dim not in (-1, 3):
+            shape = static_shape(x)
+            if shape is None or len(shape) != 4 or not isinstance(shape[-1], int) or shape[-1] % 2 \
+                    or dim not in (-1, 3):
                 continue
             half = shape[-1] // 2
             if not (_last_dim_slice(x2, x, half, shape[-1]) and _last_dim_slice(parts[1], x, 0, half)
                     and (parts[1].args + (None,) * 5)[3] == half):
                 continue
             cos = m1[1] if m1[0] is x else m1[0] if m1[1] is x else None
-            if cos is None or cos is x or sin is x or _shape(cos) is None or _shape(sin) is None:
+            if cos is None or cos is x or sin is x or static_shape(cos) is None or static_shape(sin) is None:
                 continue
-            if _shape(node) != shape:
+            if static_shape(node) != shape:
                 continue
             dead = [direct, rotated, cat, parts[0], x2, parts[1]]
             return ops.rope.default, (x, cos, sin), dead
@@ -203,8 +199,7 @@ def _fuse_rope_write(pair: fx.Node, order: dict) -> bool:
         fused = graph.call_function(ops.rope_write.default, (q, k, cos, sin, pool, other_pool, value,
                                                                            slots))
     query = q_moved or rotated_q
-    fused.meta.update({key: v for key, v in query.meta.items() if key in ("val", "tensor_meta", "stack_trace",
-                                                                          "nn_module_stack")})
+    fused.meta.update({key: v for key, v in query.meta.items() if key in VALUE_META})
     query.replace_all_uses_with(fused)
     for dead in (pair, head_major, row, k_moved, rotated_k, q_moved, rotated_q):
         if dead is not None:
@@ -234,9 +229,11 @@ def _same(a, b) -> bool:
 
 def _transpose(graph: fx.Graph, node: fx.Node) -> fx.Node:
     moved = graph.call_function(aten.transpose.int, (node, 1, 2))
-    val = node.meta.get("val")
+    val, shape = node.meta.get("val"), node.meta.get(SHAPE)
     if isinstance(val, torch.Tensor):
         moved.meta["val"] = val.transpose(1, 2)
+    elif shape is not None:
+        moved.meta[SHAPE] = (shape[0], shape[2], shape[1], *shape[3:])
     return moved
 
 

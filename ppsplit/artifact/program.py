@@ -9,7 +9,10 @@ names and literals:
 - a ``get_attr`` reads one of the program's declared tensors, a dotted path of identifiers (``tensor_path``);
 - a call target resolves to an ATen, ppsplit or transformers operator overload, or one of a few Python operators
   on sizes; keyword names must be arguments of the operator's schema;
-- argument values are checked by type (numbers, strings, dtypes, devices, slices, node references).
+- argument values are checked by type (numbers, strings, dtypes, devices, slices, node references);
+- a node may carry a few facts (``_META``), among them its value's static shape (``ppsplit.shape``: sizes, ``null``
+  where a size varies with the step), which the stage rewrites that match shapes read where a traced graph has its
+  fake values (``ppsplit.core.fx_utils.static_shape``).
 
 The tensors come from the stage's safetensors file (``ppsplit.artifact.loader``).
 """
@@ -24,10 +27,11 @@ import torch
 from torch import fx
 
 from ppsplit.core.checked import FolderError
+from ppsplit.core.fx_utils import SHAPE, static_shape
 from ppsplit.core.tensors import DTYPES, dtype_name
 
 FORMAT = "ppsplit.stage-program"
-VERSION = 1
+VERSION = 2  # 2: nodes carry their static shapes (version 1 programs load, without them)
 # The stage contracts: y, aux = stage(x, positions, aux) (no cache, or a lockstep cache); and a paged cache's ragged
 # steps, which also take the step's metadata (ppsplit.core.ragged.STEP_INPUTS).
 INPUTS = ("x", "positions", "aux", "seq", "block_table", "seq_start", "seq_count")
@@ -172,6 +176,9 @@ def graph_to_json(graph: fx.Graph) -> dict:
         if n.kwargs:
             entry["kwargs"] = {k: _encode(v) for k, v in n.kwargs.items()}
         keep = {k: n.meta[k] for k in _META if k in n.meta}
+        shape = static_shape(n)
+        if shape is not None:
+            keep[SHAPE] = list(shape)
         if keep:
             entry["meta"] = keep
         nodes.append(entry)
@@ -272,6 +279,12 @@ def _meta(meta, where: str) -> dict:
     if not isinstance(meta, dict):
         raise ProgramError(f"{where}.meta must be an object")
     for key, value in meta.items():
+        if key == SHAPE:
+            if not isinstance(value, list) or len(value) > 16 or not all(
+                    d is None or isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2 ** 48 for d in value):
+                raise ProgramError(f"{where}.meta: {SHAPE} = {str(value)[:40]!r} is not a list of sizes or nulls")
+            meta[key] = tuple(value)
+            continue
         kinds = _META.get(key)
         if kinds is None or not isinstance(value, kinds) or isinstance(value, bool):
             raise ProgramError(f"{where}.meta: {str(key)[:40]!r} = {str(value)[:40]!r} is not a fact ppsplit writes")

@@ -131,14 +131,29 @@ def from_token_rows(graph: "torch.fx.Graph", rows: "torch.fx.Node", layout, as_d
     return value
 
 
+SHAPE = "ppsplit.shape"  # a node's static shape where its fake value is gone: a compiled folder's program stores it
+VALUE_META = ("val", "tensor_meta", SHAPE, "stack_trace", "nn_module_stack")  # what a replacement node inherits
+
+
+def static_shape(node) -> tuple | None:
+    """The shape of ``node``'s value, sizes that vary with the step as ``None``: from its fake value (a traced
+    graph), else from ``SHAPE`` (a graph rebuilt from a compiled folder); ``None`` if neither is known."""
+    meta = getattr(node, "meta", None)
+    if not isinstance(meta, dict):
+        return None
+    val = meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(d if isinstance(d, int) else None for d in val.shape)
+    return meta.get(SHAPE)
+
+
 def replace_call(node: "torch.fx.Node", target, args: tuple) -> "torch.fx.Node":
     """``target(*args)`` in ``node``'s place: inserted before it, with its value and source metadata, used by its
     users; ``node`` is erased. What a stage rewrite does when one call takes over from another."""
     graph = node.graph
     with graph.inserting_before(node):
         new = graph.call_function(target, args)
-    new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace",
-                                                                 "nn_module_stack")})
+    new.meta.update({k: v for k, v in node.meta.items() if k in VALUE_META})
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     return new

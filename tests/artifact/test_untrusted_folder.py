@@ -216,6 +216,7 @@ MALFORMED = {
     "unknown_op": ("stage_1.json", None, "operator aten::no_such_op.default is not registered"),
     "tensor_dtype": ("stage_1.json", None, "dtype 'float9' is not one of"),
     "tensor_shape_type": ("stage_1.json", None, "shape[0] must be an integer"),
+    "node_shape": ("stage_1.json", None, "ppsplit.shape = 'x' is not a list of sizes or nulls"),
     "stage_index": ("stage_1.json", set_path(["stage"], "1"), "stage_1.json: stage must be an integer"),
     "fingerprint": ("plan.json", set_path(["model_class"], "Other"), "was written with another plan.json"),
     "tensor_missing": ("stage_1.safetensors", None, "does not hold the tensors stage_1.json lists"),
@@ -238,6 +239,8 @@ def malformed_edit(case, folder):
                                      and n["target"].startswith("aten::")).update(target="aten::no_such_op.default"),
         "tensor_dtype": lambda d: d["tensors"][k].update(dtype="float9"),
         "tensor_shape_type": lambda d: d["tensors"][k].update(shape=["64"] + d["tensors"][k]["shape"][1:]),
+        "node_shape": lambda d: next(n for n in d["program"]["nodes"] if "ppsplit.shape" in n.get("meta", {}))[
+            "meta"].update({"ppsplit.shape": "x"}),
         "tensor_missing": weights_edit(lambda t: t.pop(stored)),
         "tensor_shape": weights_edit(lambda t: t.update({stored: t[stored].flatten()[:-1].clone()})),
         "tensor_dtype_file": weights_edit(lambda t: t.update({stored: t[stored].double()})),
@@ -266,16 +269,22 @@ def test_malformed_folder_is_one_error_naming_the_file(compiled, tmp_path, capsy
 
 
 def test_folders_of_the_earlier_layout_still_load(compiled, tmp_path):
-    """A manifest without stage_options (fuse_projections at the top) and programs without a plan fingerprint:
-    what ppsplit wrote before this format."""
+    """A manifest without stage_options (fuse_projections at the top), programs without a plan fingerprint and of
+    version 1 (no static shapes on the nodes): what ppsplit wrote before this format."""
     folder = copy_folder(compiled, str(tmp_path / "old"))
 
     def old_manifest(d):
         d.pop("stage_options")
         d["fuse_projections"] = True
+
+    def old_program(d):
+        d.pop("plan_sha256")
+        d["program"]["version"] = 1
+        for node in d["program"]["nodes"]:
+            node.get("meta", {}).pop("ppsplit.shape", None)
     rewrite(folder, "manifest.json", old_manifest)
     for k in range(2):
-        rewrite(folder, f"stage_{k}.json", lambda d: d.pop("plan_sha256"))
+        rewrite(folder, f"stage_{k}.json", old_program)
     split = ppsplit.load(folder)
     assert split.stages[0].meta["ppsplit.projections"] is not None  # fuse_projections came from the old field
     ref = ppsplit.load(compiled, fuse_projections=True)

@@ -168,6 +168,27 @@ def test_rewrite_routes_the_chains_and_keeps_logits_bit_equal(arch, rope_per_lay
     assert counts(ppsplit.split_model(model, 2)) == [None, None], "the CPU default leaves the traced ops"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_compiled_folders_stages_get_the_rotary_folds(arch, tmp_path):
+    """A compiled folder's program keeps each node's static shape (``ppsplit.shape``; the fake values a trace has are
+    gone), so the pointwise pass matches the rotary embedding in a loaded stage as in a split: each layer's
+    rotations and key and value writes become one ``rope_write`` (the pass runs on CUDA stages at load; here by hand
+    on the CPU, where its ops are the ATen ones), and the logits and taps equal the unfused stages' bit for bit."""
+    import ppsplit
+    from ppsplit.cli import main
+    from ppsplit.passes.rewrites.pointwise import fuse_pointwise
+
+    tiny_model(arch, num_layers=4).save_pretrained(tmp_path / "model")
+    assert main(["compile", str(tmp_path / "model"), "--pp", "2", "--aux", "1,3", "-o", str(tmp_path / "out")]) == 0
+    plain, fused = ppsplit.load(str(tmp_path / "out")), ppsplit.load(str(tmp_path / "out"))
+    reports = [fuse_pointwise(stage) for stage in fused.stages]
+    assert [r["rope_write"] for r in reports] == [2, 2] and [r["rope"] for r in reports] == [0, 0], reports
+    ids = torch.randint(3, 60, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        (a, a_aux), (b, b_aux) = fused(ids), plain(ids)
+    assert torch.equal(a, b) and torch.equal(a_aux, b_aux)
+
+
 def test_rewrite_leaves_what_it_does_not_recognise():
     """A rotate-half whose halves are swapped the other way (cat(x1, -x2)) is not HF's rotary: it stays as traced."""
     from ppsplit.passes.rewrites.pointwise import fuse_pointwise
