@@ -74,6 +74,52 @@ def test_loaded_stages_match_hf(checkpoint, compiled):
         dict(split.stages[1].named_parameters()))
 
 
+def test_loaded_stages_after_the_cuda_rewrites_hold_split_models_ops(checkpoint, compiled):
+    """What ``load`` applies on a CUDA device (fused projections, the pointwise folds), applied here on the CPU to the
+    folder's stages, leaves the same operators, call for call, as ``split_model`` with those options on the same
+    model and cache: a served folder runs what the benchmarks of split_model time. The one difference allowed is an
+    ``aten.contiguous`` the compile's trace keeps after the attention, and each such call must find its input
+    contiguous when the stage runs (so it copies nothing)."""
+    from collections import Counter
+
+    from ppsplit import CacheConfig
+    from ppsplit.core.options import StageOptions
+    from ppsplit.core.ragged import CacheLayout, RaggedStep
+    from ppsplit.passes.rewrites import apply_rewrites
+
+    plan = ppsplit.artifact.folder.CompiledFolder(str(compiled)).plan
+    options = StageOptions(fuse_projections=True, fuse_pointwise=True, gemv=True)
+    loaded = ppsplit.load(str(compiled))
+    for stage in loaded.stages:
+        apply_rewrites(stage, options)
+    cache = CacheConfig(batch_size=plan.max_batch, max_len=plan.max_len, num_blocks=plan.num_blocks,
+                        block_size=plan.block_size)
+    split = ppsplit.split_model(AutoModelForCausalLM.from_pretrained(checkpoint).eval(), 3, aux="0,2,5", cache=cache,
+                                fuse_projections=True, fuse_pointwise=True, gemv=True)
+    contiguous = torch.ops.aten.contiguous.default
+    for a, b in zip(loaded.stages, split.stages):
+        ops_a, ops_b = ([str(n.target) for n in s.graph.nodes if n.op == "call_function"] for s in (a, b))
+        assert "ppsplit.rope_write.default" in ops_a
+        extra = Counter(ops_a) - Counter(ops_b)
+        assert not Counter(ops_b) - Counter(ops_a) and set(extra) <= {str(contiguous)}, (extra, Counter(ops_b) - Counter(ops_a))
+
+    copies = []
+
+    class Watch(torch.fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if target is contiguous:
+                copies.append(args[0].is_contiguous())
+            return super().call_function(target, args, kwargs)
+
+    step = RaggedStep.lockstep(1, 3, 0, CacheLayout.of(plan))
+    x = torch.tensor([3, 4, 5])
+    aux = torch.zeros(len(plan.taps), 3, plan.hidden_size)
+    with torch.no_grad():
+        for stage in loaded.stages:
+            x, aux = Watch(stage).run(x, step.positions, aux, *step.tensors()[1:])
+    assert all(copies), copies
+
+
 def test_compile_with_cache_decodes_like_hf(checkpoint, tmp_path):
     out = tmp_path / "cached"
     assert main(["compile", str(checkpoint), "--pp", "2", "--max-batch", "2", "--max-len", "40", "-o", str(out)]) == 0
