@@ -54,7 +54,7 @@ def programmatic_launch(on: bool) -> bool:
 
 
 def supports_programmatic_launch(t: torch.Tensor) -> bool:
-    return (t.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    return (t.device.type == "cuda" and HAVE_GDC and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
@@ -66,8 +66,14 @@ def launch_options(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
+HAVE_GDC = False
 if HAVE_TRITON:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+        HAVE_GDC = True
+    except ImportError:  # a Triton without grid dependency control: PDL stays off, PDL=False never reaches them
+        gdc_launch_dependents = gdc_wait = None
 
     @triton.jit
     def wait_for_previous(PDL: tl.constexpr):
