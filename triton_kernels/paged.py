@@ -404,7 +404,8 @@ if HAVE_TRITON:
         of keys that every row of the query tile sees run without masks, the edges of the range with them; without
         ``PHASES``, one masked loop over the range); the products in the model's dtype with fp32 accumulation
         (``IEEE``: fp32 models, fp32 products, no TF32). ``HAS_ROPE``: the key has a second part in its own pool
-        (MLA's rotary key ``K2``, ``D2`` wide) that the query's ``Q2`` part meets. ``PDL``: ``common.launch_options``."""
+        (MLA's rotary key ``K2``, ``D2`` wide) that the query's ``Q2`` part meets.
+        ``PDL``: ``common.launch_options``."""
         wait_for_previous(PDL)
         program = tl.program_id(0)
         if REVERSE:  # the last tiles first: a prefill's last tiles see the most keys, and the GPU starts low ids first

@@ -11,7 +11,8 @@ and then, in a paged stage, a layer's query and key rotations and its key and va
 where the rotated keys go nowhere but the write, and the rotated query nowhere before it; and in an FP8 stage, a
 gated MLP's activation into its fused gate/up projection (``passes.rewrites.projections``), which it alone reads::
 
-    silu_mul(y[..., g:g + w], y[..., u:u + w]), y = fp8_linear(x, W, ...)  ->  ppsplit::fp8_linear_silu_mul(x, W, ..., g, u, w)
+    silu_mul(y[..., g:g + w], y[..., u:u + w]), y = fp8_linear(x, W, ...)
+                                    ->  ppsplit::fp8_linear_silu_mul(x, W, ..., g, u, w)
 
 (at decode batch 1 one GEMV whose epilogue multiplies, not a GEMV and a kernel; bit-equal: ``triton_kernels/fp8.py``).
 

@@ -100,8 +100,8 @@ def test_loaded_stages_after_the_cuda_rewrites_hold_split_models_ops(checkpoint,
     for a, b in zip(loaded.stages, split.stages):
         ops_a, ops_b = ([str(n.target) for n in s.graph.nodes if n.op == "call_function"] for s in (a, b))
         assert "ppsplit.rope_write.default" in ops_a
-        extra = Counter(ops_a) - Counter(ops_b)
-        assert not Counter(ops_b) - Counter(ops_a) and set(extra) <= {str(contiguous)}, (extra, Counter(ops_b) - Counter(ops_a))
+        extra, missing = Counter(ops_a) - Counter(ops_b), Counter(ops_b) - Counter(ops_a)
+        assert not missing and set(extra) <= {str(contiguous)}, (extra, missing)
 
     copies = []
 
