@@ -388,7 +388,7 @@ def main():
     results = {}
     for variant in ("bf16", "fp8", FP8_APART):
         # Both as ppsplit runs them by default. bf16: a split with its defaults (fused projections, pointwise
-        # kernels, the GEMV at one row). FP8: the projections rewritten onto FP8 weights before the GEMV routing,
+        # kernels, the GEMV at one row, SiLU-and-multiply folded into the gate/up GEMV). FP8: the projections rewritten onto FP8 weights before the GEMV routing,
         # as a compiled FP8 folder is loaded, so the GEMV serves what stays bf16 (lm_head); the pointwise pass runs
         # again, as load runs it on FP8 projections, and folds each SiLU-and-multiply into its gate/up GEMV
         # (FP8_APART: not, the kernels before the fold).

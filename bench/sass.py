@@ -124,6 +124,8 @@ def main():
     bf16, fp8 = pick_config(n, k), gemv_config(n, k)
     rows = {  # name: (launch, weight bytes one warp streams per loop step)
         f"bf16 GEMV {bf16}": (lambda: launch_gemv(x, w, config=bf16), bf16[0] * bf16[1] * 2 / bf16[2]),
+        f"bf16 GEMV + silu_mul {bf16}": (lambda: launch_gemv(x, w, config=bf16, glu=(0, n // 2, n // 2)),
+                                         bf16[0] * bf16[1] * 2 / bf16[2]),
         f"FP8 GEMV {fp8}": (lambda: launch_fp8_linear(x, w8, s8, None, 128, 128), fp8[0] * fp8[1] / fp8[2]),
         "FP8 GEMV (2, 2048, 4, 2)": (lambda: launch_fp8_linear(x, w8, s8, None, 128, 128, config=(2, 2048, 4, 2)),
                                      2 * 2048 / 4),

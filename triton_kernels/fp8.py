@@ -30,11 +30,12 @@ from typing import Optional
 import torch
 
 from ppsplit.triton_kernels.common import HAVE_TRITON, launch_options, on_gpu, register, tl, triton, wrap_triton
+from ppsplit.triton_kernels.gemv import check_halves
 from ppsplit.triton_kernels.pointwise import compiled, silu_mul_of
 
 if HAVE_TRITON:
     from ppsplit.triton_kernels.common import prefetch_l2, wait_for_previous
-    from ppsplit.triton_kernels.pointwise import silu_mul_rounded
+    from ppsplit.triton_kernels.gemv import gated_rows, store_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -73,14 +74,7 @@ if HAVE_TRITON:
 
         ``PDL`` (``common.launch_options``): the first tile's ``LINES`` 128-byte lines of each row are prefetched into
         L2 before the kernel waits for the one that writes ``X``."""
-        i = tl.arange(0, BLOCK_N)
-        if GLU:
-            outs = tl.program_id(0) * (BLOCK_N // 2) + i % (BLOCK_N // 2)
-            rows = tl.where(i < BLOCK_N // 2, GATE, UP) + outs
-        else:
-            outs = tl.program_id(0) * BLOCK_N + i
-            rows = outs
-        row_ok = outs < N
+        rows, row_ok = gated_rows(N, GATE, UP, BLOCK_N, GLU)
         w_rows = W + rows[:, None].to(tl.int64) * stride_w
         s_rows = S + (rows // QN) * GK
         if PDL:
@@ -109,13 +103,7 @@ if HAVE_TRITON:
             y *= tl.load(s_rows, mask=row_ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-        dt = Y.dtype.element_ty
-        if GLU:
-            gate, up = tl.split(tl.permute(tl.reshape(y.to(dt).to(tl.float32), [2, BLOCK_N // 2]), [1, 0]))
-            outs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            tl.store(Y + outs, silu_mul_rounded(gate, up, zero, dt, LIBDEVICE).to(dt), mask=outs < N)
-        else:
-            tl.store(Y + rows, y.to(dt), mask=row_ok)
+        store_rows(Y, y, rows, row_ok, N, zero, BLOCK_N, GLU, LIBDEVICE)
 
     @triton.jit
     def _fp8_gemm_kernel(X, W, S, B, Y, M, N, K, K_PER, stride_x, stride_w, stride_y, stride_split, GK, QN, QK,
@@ -280,8 +268,8 @@ def _launch_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, wra
     bn_, bk_, warps, stages = config
     bk_, sub = _tile_k(block_k, k, bk_, spans=True)
     outputs = y.shape[-1]
-    if glu is not None and (bn_ < 2 or bn_ % 2):
-        raise ValueError(f"the gated GEMV needs an even BLOCK_N (a gate row and an up row per output), not {bn_}")
+    if glu is not None:
+        check_halves(n, *glu, outputs, bn_)
     wrap(_fp8_gemv_kernel)[(triton.cdiv(outputs, bn_ // 2 if glu else bn_),)](
         x2, weight, s, bias if bias is not None else s, y, outputs, k, weight.stride(0), gk, block_n,
         k if one else block_k, *(glu or (0, 0)), 0, HAS_BIAS=bias is not None, ONE_K_BLOCK=one, SUB=sub,
@@ -319,8 +307,6 @@ def launch_fp8_linear_silu_mul(x, weight, scale, bias, block_n: int, block_k: in
     """The Triton path of ``fp8_linear_silu_mul``: one row, one kernel, on ``config`` (the GEMV's ``(BLOCK_N, BLOCK_K,
     warps, stages)`` of the whole fused weight, ``linear_config``'s if not given)."""
     n, k = weight.shape
-    if not (0 <= gate and 0 <= up and 0 < width and max(gate, up) + width <= n):
-        raise ValueError(f"gate {gate} and up {up} rows of width {width} do not lie in a weight of {n} rows")
     y = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
     x2 = x.reshape(1, k)
     _launch_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, scale.reshape(-1), bias, y, block_n,

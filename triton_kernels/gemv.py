@@ -18,8 +18,11 @@ import torch
 
 from ppsplit.triton_kernels.common import HAVE_TRITON, launch_options, on_gpu, register, tl, triton, wrap_triton
 
+from ppsplit.triton_kernels.pointwise import compiled, silu_mul_of
+
 if HAVE_TRITON:
     from ppsplit.triton_kernels.common import prefetch_l2, wait_for_previous
+    from ppsplit.triton_kernels.pointwise import silu_mul_rounded
 
 DEFAULT_CONFIG = (16, 512, 4, 4)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) when no config is given
 
@@ -27,17 +30,45 @@ DEFAULT_CONFIG = (16, 512, 4, 4)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) wh
 if HAVE_TRITON:
 
     @triton.jit
-    def _gemv_kernel(X, W, B, Y, N, K, stride_w,
+    def gated_rows(N, GATE, UP, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+        """``(rows, row_ok)``: a one-row GEMV program's ``BLOCK_N`` weight rows, and which serve one of the ``N``
+        outputs. ``GLU`` (outputs ``silu(y[GATE + i]) * y[UP + i]`` of a fused gate/up projection ``y``): the gate
+        rows of the program's ``BLOCK_N // 2`` outputs, then their up rows, on the tile a plain GEMV uses."""
+        i = tl.arange(0, BLOCK_N)
+        if GLU:
+            outs = tl.program_id(0) * (BLOCK_N // 2) + i % (BLOCK_N // 2)
+            rows = tl.where(i < BLOCK_N // 2, GATE, UP) + outs
+        else:
+            outs = tl.program_id(0) * BLOCK_N + i
+            rows = outs
+        return rows, outs < N
+
+    @triton.jit
+    def store_rows(Y, y, rows, row_ok, N, zero, BLOCK_N: tl.constexpr, GLU: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """A one-row GEMV program's fp32 results ``y`` (of ``gated_rows``' rows) into ``Y``; with ``GLU`` rounded to
+        ``Y``'s dtype as the projection's output is, then multiplied as ``silu_mul`` does (``zero``, ``LIBDEVICE``:
+        see ``pointwise.silu_mul_rounded``)."""
+        dt = Y.dtype.element_ty
+        if GLU:
+            gate, up = tl.split(tl.permute(tl.reshape(y.to(dt).to(tl.float32), [2, BLOCK_N // 2]), [1, 0]))
+            outs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(Y + outs, silu_mul_rounded(gate, up, zero, dt, LIBDEVICE).to(dt), mask=outs < N)
+        else:
+            tl.store(Y + rows, y.to(dt), mask=row_ok)
+
+    @triton.jit(do_not_specialize=["zero"])
+    def _gemv_kernel(X, W, B, Y, N, K, stride_w, GATE, UP, zero,
                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
-        """``PDL`` (``common.launch_options``): the first tile's ``LINES`` 128-byte lines (``LINE`` weights each) of
-        each row are prefetched into L2 before the kernel waits for the one that writes ``X``."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
+                     GLU: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
+                     LINE: tl.constexpr):
+        """``BLOCK_N`` whole weight rows per program (``GLU``: see ``gated_rows``). ``PDL``
+        (``common.launch_options``): the first tile's ``LINES`` 128-byte lines (``LINE`` weights each) of each row
+        are prefetched into L2 before the kernel waits for the one that writes ``X``."""
+        rows, row_ok = gated_rows(N, GATE, UP, BLOCK_N, GLU)
         w_rows = W + rows[:, None].to(tl.int64) * stride_w
         if PDL:
             lines = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
-            prefetch_l2(W + tl.where(row_ok, rows, 0)[:, None].to(tl.int64) * stride_w + lines[None, :])
+            prefetch_l2(W + tl.where(row_ok, rows, GATE)[:, None].to(tl.int64) * stride_w + lines[None, :])
         wait_for_previous(PDL)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -52,7 +83,7 @@ if HAVE_TRITON:
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+        store_rows(Y, y, rows, row_ok, N, zero, BLOCK_N, GLU, LIBDEVICE)
 
 
 def gemv_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -63,20 +94,34 @@ def gemv_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *, config=None,
-                wrap=lambda kernel: kernel) -> torch.Tensor:
-    """``x @ w.T + b`` for ``x`` with one row (any leading shape); returns ``x.shape[:-1] + (N,)``."""
+                wrap=lambda kernel: kernel, glu: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``x @ w.T + b`` for ``x`` with one row (any leading shape); returns ``x.shape[:-1] + (N,)``. ``glu``:
+    ``(gate, up, width)``, the ``width`` outputs ``silu_mul(y[..., gate:gate + width], y[..., up:up + width])``
+    instead (``linear_silu_mul``)."""
     N, K = w.shape
     block_n, block_k, warps, stages = config or DEFAULT_CONFIG
     block_k = min(block_k, triton.next_power_of_2(K))
     xc = x.reshape(-1)
     xc = xc if xc.stride(0) == 1 else xc.contiguous()
-    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    wrap(_gemv_kernel)[(triton.cdiv(N, block_n),)](
-        xc, w, b if b is not None else xc, y, N, K, w.stride(0),
-        HAS_BIAS=b is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        LINES=max(block_k * w.element_size() // 128, 1), LINE=128 // w.element_size(), num_warps=warps,
-        num_stages=stages, **launch_options(xc))
+    gate, up, outputs = glu or (0, 0, N)
+    if glu is not None:
+        check_halves(N, *glu, block_n)
+    y = torch.empty(*x.shape[:-1], outputs, dtype=x.dtype, device=x.device)
+    wrap(_gemv_kernel)[(triton.cdiv(outputs, block_n // 2 if glu else block_n),)](
+        xc, w, b if b is not None else xc, y, outputs, K, w.stride(0), gate, up, 0,
+        HAS_BIAS=b is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu is not None,
+        LIBDEVICE=compiled(), LINES=max(block_k * w.element_size() // 128, 1), LINE=128 // w.element_size(),
+        num_warps=warps, num_stages=stages, **launch_options(xc))
     return y
+
+
+def check_halves(n: int, gate: int, up: int, width: int, block_n: int) -> None:
+    """A ``ValueError`` unless a gated GEMV's ``gate`` and ``up`` rows of ``width`` lie in a weight of ``n`` rows
+    and ``block_n`` holds whole (gate, up) pairs."""
+    if not (0 <= gate and 0 <= up and 0 < width and max(gate, up) + width <= n):
+        raise ValueError(f"gate {gate} and up {up} rows of width {width} do not lie in a weight of {n} rows")
+    if block_n < 2 or block_n % 2:
+        raise ValueError(f"the gated GEMV needs an even BLOCK_N (a gate row and an up row per output), not {block_n}")
 
 
 # Outputs below this stay with cuBLAS: the kernel was measured from 4096 outputs up (bench/gemv.py), and narrower
@@ -95,7 +140,26 @@ def pick_config(n: int, k: int) -> tuple[int, int, int, int]:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``torch.nn.functional.linear(x, weight, bias)``; a one-row CUDA input with at least ``MIN_OUT`` outputs runs
     the Triton GEMV (see the module docstring)."""
+    return _linear(x, weight, bias)
+
+
+def _linear(x, weight, bias):
     if gemv_usable(x, weight) and weight.shape[0] >= MIN_OUT:
         with torch.cuda.device(x.device):
             return launch_gemv(x, weight, bias, config=pick_config(*weight.shape), wrap=wrap_triton)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+@register("ppsplit::linear_silu_mul")
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gate: int, up: int,
+                    width: int) -> torch.Tensor:
+    """``silu_mul(y[..., gate:gate + width], y[..., up:up + width])`` of ``y = ppsplit::linear(x, weight, bias)``: a
+    gated MLP's activation folded into its fused gate/up projection (``passes.rewrites.gemv``). A one-row CUDA fp16 /
+    bf16 input runs one GEMV whose epilogue multiplies, bit-equal to the GEMV then ``silu_mul``'s kernel; anything
+    else those two ops' own paths."""
+    if gemv_usable(x, weight) and weight.shape[0] >= MIN_OUT and x.dtype in (torch.float16, torch.bfloat16):
+        with torch.cuda.device(x.device):
+            return launch_gemv(x, weight, bias, config=pick_config(*weight.shape), wrap=wrap_triton,
+                               glu=(gate, up, width))
+    y = _linear(x, weight, bias)
+    return silu_mul_of(y[..., gate:gate + width], y[..., up:up + width])

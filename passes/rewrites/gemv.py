@@ -8,7 +8,10 @@ batched steps are unchanged bit for bit.
 
 Routed: ``aten.linear(x, W[, b])``, ``aten.mm(x, W.t())`` and ``aten.addmm(b, x, W.t())`` whose weight (and bias)
 the stage holds, with ``W`` stored ``[out, in]`` and at least ``MIN_OUT`` outputs (the same recognition as
-``passes.projections``). Runs in ``split_model`` and ``load_stage`` unless ``gemv=False``.
+``passes.projections``). Then a gated MLP's ``silu_mul`` of the two halves of a routed gate/up projection (the
+pointwise pass's op; ``passes.rewrites.pointwise.gated_halves``) folds into it, ``ppsplit::linear_silu_mul``: at one
+row the GEMV's epilogue multiplies (bit-equal to the GEMV and ``silu_mul``'s kernel), elsewhere the two ops. Runs in
+``split_model`` and ``load_stage`` unless ``gemv=False``.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from torch import fx
 
 import ppsplit.triton_kernels.gemv  # noqa: F401  (registers torch.ops.ppsplit.linear)
 from ppsplit.core.fx_utils import get_tensor, replace_call
+from ppsplit.passes.rewrites.pointwise import gated_halves
 from ppsplit.passes.rewrites.projections import match_projection, plain_float
 from ppsplit.triton_kernels.gemv import MIN_OUT
 
@@ -42,7 +46,21 @@ def route_gemv(stage: fx.GraphModule) -> int:
         if m.transpose is not None and not m.transpose.users:
             graph.erase_node(m.transpose)
         routed += 1
-    if routed:
+    folded = 0
+    for node in list(graph.nodes):
+        halves = gated_halves(node)
+        y = halves[0] if halves is not None else None
+        if y is None or y.op != "call_function" or y.target is not torch.ops.ppsplit.linear.default:
+            continue
+        _, gate, up, width = halves
+        if max(gate, up) + width > get_tensor(stage, y.args[1].target).shape[0]:
+            continue
+        parts = node.args
+        replace_call(node, torch.ops.ppsplit.linear_silu_mul.default, (*y.args, gate, up, width))
+        for dead in (*parts, y):  # users first
+            graph.erase_node(dead)
+        folded += 1
+    if routed or folded:
         graph.lint()
         stage.recompile()
     return routed

@@ -101,24 +101,33 @@ def _last_dim_slice(node, x, start, end_at_least) -> bool:
             and (hi is None or hi >= end_at_least))
 
 
-def _fold_silu_mul(node):
-    """``silu_mul(y[..., g:g + w], y[..., u:u + w])`` of an FP8 projection ``y`` that nothing else reads (a fused
-    gate/up, ``passes.rewrites.projections``) -> ``(fp8_linear_silu_mul, (..., g, u, w), replaced nodes)``."""
+def gated_halves(node):
+    """``(y, gate, up, width)`` for ``silu_mul(y[..., gate:gate + width], y[..., up:up + width])`` where nothing else
+    reads ``y`` or the two slices (a fused gate/up projection, ``passes.rewrites.projections``), else None. The
+    rewrites that fold the multiply into the projection's kernel (here for FP8, ``gemv`` for routed ones) match it."""
     if not _call(node, ops.silu_mul.default) or node.kwargs:
         return None
     spans = [_column_span(part) for part in node.args]
     if None in spans or spans[0][0] is not spans[1][0]:
         return None
     (y, gate, gate_end), (_, up, up_end) = spans
-    m = match_projection(y)
-    if m is None or m.scale is None or set(y.users) != set(node.args) or len(node.args[0].users) != 1 \
-            or len(node.args[1].users) != 1:
+    if set(y.users) != set(node.args) or any(len(part.users) != 1 for part in node.args) \
+            or gate_end - gate != up_end - up:
         return None
-    rows = get_tensor(node.graph.owning_module, m.weight.target).shape[0]
-    if gate_end - gate != up_end - up or not (0 < gate_end - gate and max(gate_end, up_end) <= rows):
+    return y, gate, up, gate_end - gate
+
+
+def _fold_silu_mul(node):
+    """``silu_mul`` of the halves of an FP8 projection (``gated_halves``) -> ``(fp8_linear_silu_mul, (..., gate, up,
+    width), replaced nodes)``."""
+    halves = gated_halves(node)
+    m = match_projection(halves[0]) if halves is not None else None
+    if m is None or m.scale is None:
         return None
-    return (ops.fp8_linear_silu_mul.default, (m.x, m.weight, m.scale, m.bias, *m.block, gate, up, gate_end - gate),
-            [*node.args, y])
+    y, gate, up, width = halves
+    if max(gate, up) + width > get_tensor(node.graph.owning_module, m.weight.target).shape[0]:
+        return None
+    return ops.fp8_linear_silu_mul.default, (m.x, m.weight, m.scale, m.bias, *m.block, gate, up, width), [*node.args, y]
 
 
 def _column_span(node):

@@ -97,6 +97,7 @@ def launches() -> dict:
     s8 = torch.ones(48, 32)
     w8_gate_up, s8_gate_up = torch.zeros(2 * 14336, 4096, dtype=torch.float8_e4m3fn), torch.ones(224, 32)
     w = torch.randn(6144, 4096, dtype=BF16)
+    w_gate_up = torch.zeros(2 * 14336, 4096, dtype=BF16)
     # DeepSeek-V3's routed experts, [2 x 2048, 7168] each (8 of its 256: the count sets no tile); 32 rows routed
     experts, expert_scales = torch.zeros(8, 4096, 7168, dtype=torch.float8_e4m3fn), torch.ones(8, 32, 56)
     routed, ends = torch.randn(32, 7168, dtype=BF16), torch.arange(4, 33, 4, dtype=torch.int32)
@@ -124,6 +125,8 @@ def launches() -> dict:
         "paged_attention prefill (plan)": prefill,
         "cache_attention decode": lambda: launch_cache_attention(ql, kc, vc, torch.tensor([2112]), d ** -0.5),
         "gemv bf16": lambda: launch_gemv(x1, w, config=pick_config(*w.shape)),
+        "gemv bf16, gate/up with silu_mul": lambda: launch_gemv(x1, w_gate_up, config=pick_config(*w_gate_up.shape),
+                                                                glu=(0, 14336, 14336)),
         "fp8 gemv": lambda: launch_fp8_linear(x1, w8, s8, None, 128, 128),
         "fp8 gemv, gate/up with silu_mul": lambda: launch_fp8_linear_silu_mul(x1, w8_gate_up, s8_gate_up, None, 128,
                                                                               128, 0, 14336, 14336),
@@ -153,7 +156,8 @@ def main() -> int:
 
 # The decode step's kernels, which take a PDL constexpr (``ppsplit.triton_kernels.common.launch_options``)
 PROGRAMMATIC = ("rope_write", "rope", "silu_mul", "tap kernel (add, norm, store)", "paged_attention decode (plan)",
-                "gemv bf16", "fp8 gemv", "fp8 gemv, gate/up with silu_mul", "fp8 gemm (split k)")
+                "gemv bf16", "gemv bf16, gate/up with silu_mul", "fp8 gemv", "fp8 gemv, gate/up with silu_mul",
+                "fp8 gemm (split k)")
 
 
 @contextlib.contextmanager

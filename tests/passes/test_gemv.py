@@ -37,6 +37,33 @@ def test_kernel_matches_fp64(n, k, bias, config):
     torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("width,k,bias,config,gate_first", [
+    (40, 64, False, (16, 64, 4, 2), True),     # outputs not a multiple of the 8 a program serves
+    (33, 100, True, (8, 64, 4, 2), False),     # K not a multiple of BLOCK_K, a bias, up rows first
+    (64, 512, False, None, True),              # the default configuration
+    (24, 96, True, (2, 1024, 4, 2), True),     # one output a program, BLOCK_K clamped
+])
+def test_gated_kernel_is_the_gemv_then_silu_mul_bit_for_bit(width, k, bias, config, gate_first):
+    """``launch_gemv(..., glu=(gate, up, width))`` (the GEMV whose epilogue multiplies) under TRITON_INTERPRET=1,
+    fp16: the bits of the GEMV followed by ``silu_mul``'s kernel."""
+    from ppsplit.triton_kernels.pointwise import launch_silu_mul
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on CPU tensors, which needs TRITON_INTERPRET=1 (conftest)")
+    gen = torch.Generator().manual_seed(width * k)
+    x = torch.randn(1, 1, k, generator=gen).half()
+    w = (torch.randn(2 * width, k, generator=gen) / k ** 0.5).half()
+    b = torch.randn(2 * width, generator=gen).half() if bias else None
+    gate, up = (0, width) if gate_first else (width, 0)
+    y = launch_gemv(x, w, b, config=config)
+    want = launch_silu_mul(y[..., gate:gate + width], y[..., up:up + width])
+    got = launch_gemv(x, w, b, config=config, glu=(gate, up, width))
+    assert got.shape == (1, 1, width) and torch.equal(got, want)
+    with pytest.raises(ValueError, match="do not lie in a weight"):
+        launch_gemv(x, w, b, config=config, glu=(gate, up, width + 1))
+
+
 def test_pick_config_by_shape():
     assert pick_config(4096, 4096) == (16, 1024, 8, 3)     # o_proj: narrow
     assert pick_config(4096, 14336) == (16, 1024, 8, 3)    # down: deep
@@ -53,7 +80,9 @@ def _wide_llama():
 
 
 def _routed(stage):
-    return [n for n in stage.graph.nodes if n.op == "call_function" and n.target is ops.linear.default]
+    """The projections routed to the GEMV (a gate/up whose ``silu_mul`` folded into it among them)."""
+    return [n for n in stage.graph.nodes if n.op == "call_function"
+            and n.target in (ops.linear.default, ops.linear_silu_mul.default)]
 
 
 def test_pass_routes_wide_projections_and_keeps_results():
@@ -79,6 +108,23 @@ def test_pass_routes_wide_projections_and_keeps_results():
     with torch.no_grad():
         hf = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out, hf)
+
+
+def test_pass_folds_silu_mul_into_the_routed_gate_up():
+    """With fused projections and the pointwise ops (the CUDA defaults, asked for here on the CPU), each layer's
+    ``silu_mul`` of its routed gate/up projection's halves becomes one ``linear_silu_mul``; on the CPU the op is the
+    two ops, so logits and taps equal the split without the GEMV bit for bit. Without the GEMV nothing folds."""
+    model = _wide_llama()
+    cache = CacheConfig(batch_size=2, max_len=32)
+    options = dict(aux="1,3", cache=cache, fuse_projections=True, fuse_pointwise=True)
+    folded, plain = ppsplit.split_model(model, 2, **options), ppsplit.split_model(model, 2, **options, gemv=False)
+    for stage in folded.stages:
+        targets = [n.target for n in stage.graph.nodes]
+        assert targets.count(ops.linear_silu_mul.default) == 2 and ops.silu_mul.default not in targets
+    assert all(ops.silu_mul.default in [n.target for n in s.graph.nodes] for s in plain.stages)
+    ids = torch.randint(3, MIN_OUT, (2, 6))
+    (a, aux_a), (b, aux_b) = folded(ids, torch.arange(6)), plain(ids, torch.arange(6))
+    assert torch.equal(a, b) and torch.equal(aux_a, aux_b)
 
 
 def test_narrow_and_unheld_projections_stay():
