@@ -176,6 +176,28 @@ def test_kernel_on_gpu_matches_fp64(n, k, bias):
 
 
 @pytest.mark.gpu
+def test_gated_kernel_on_gpu_is_the_gemv_then_silu_mul_and_captures():
+    """bf16 at Llama-3.1-8B's fused gate/up (2 x 14336 rows, 4096 wide): ``linear_silu_mul`` against the GEMV then
+    ``silu_mul``'s kernel, bit for bit (libdevice's ``exp`` and the IEEE division, compiled), then captured and
+    replayed on another input."""
+    from ppsplit.triton_kernels.pointwise import launch_silu_mul
+
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * 14336, 4096, device="cuda", dtype=torch.bfloat16) / 64
+
+    def two_kernels():
+        y = ops.linear(x, w, None)
+        return launch_silu_mul(y[..., :14336], y[..., 14336:])
+    assert torch.equal(ops.linear_silu_mul(x, w, None, 0, 14336, 14336), two_kernels())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.linear_silu_mul(x, w, None, 0, 14336, 14336)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, two_kernels())
+
+
+@pytest.mark.gpu
 def test_routed_decode_on_gpu_matches_unrouted():
     model = _wide_llama().to("cuda", torch.bfloat16)
     cache = CacheConfig(batch_size=1, max_len=32)
