@@ -228,8 +228,6 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
     converted. Not what ``fp8_linear`` runs (it changes the numbers): ``bench/fp8.py --sweep`` times it against the
     weight-only kernels."""
     n, k = weight.shape
-    gk = scale_grid(n, k, block_n, block_k)[1]
-    qk = k if block_k >= k else block_k  # one k-block over the row: every tile reads scale column 0
     x2 = x.reshape(-1, k)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     m = x2.shape[0]
@@ -245,8 +243,9 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
         bn_, bk_, warps, stages, *split = config
         bk_ = W8A8_GROUP if w8a8 else max(_tile_k(block_k, k, bk_, spans=False)[0], 16)
         bm_ = gemm_block_m(m)
-        k_per = triton.cdiv(triton.cdiv(k, split[0] if split else 1), bk_) * bk_  # whole tiles per k-range
-        splits = triton.cdiv(k, k_per)
+        gk = scale_grid(n, k, block_n, block_k)[1]
+        qk = k if block_k >= k else block_k  # one k-block over the row: every tile reads scale column 0
+        k_per, splits = k_ranges(k, split[0] if split else 1, bk_)
         out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
         wrap(_fp8_gemm_kernel)[(triton.cdiv(m, bm_), triton.cdiv(n, bn_), splits)](
             x2, weight, s, b, out, m, n, k, k_per, x2.stride(0), weight.stride(0), n, m * n, gk, block_n, qk,
@@ -257,6 +256,13 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
             wrap(split_sum_kernel)[(triton.cdiv(m * n, 1024),)](
                 out, b, y, m * n, n, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=1024, **launch_options(x2))
     return y.reshape(*x.shape[:-1], n)
+
+
+def k_ranges(k: int, splits: int, tile: int) -> tuple[int, int]:
+    """``(K_PER, count)``: ``k`` inputs split over about ``splits`` ranges of whole ``tile``-wide steps (the last
+    range may be shorter), for a split product and ``split_sum_kernel``."""
+    k_per = triton.cdiv(triton.cdiv(k, splits), tile) * tile
+    return k_per, triton.cdiv(k, k_per)
 
 
 def _launch_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, wrap, glu=None):

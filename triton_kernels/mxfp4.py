@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, triton, wrap_triton
-from ppsplit.triton_kernels.fp8 import grouped_reference
+from ppsplit.triton_kernels.fp8 import grouped_reference, k_ranges
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32  # values per scale
@@ -125,8 +125,7 @@ def launch_mxfp4_grouped_mm(x, blocks, scales, offs, wrap=lambda kernel: kernel,
         return y
     blocks, scales = blocks.contiguous(), scales.contiguous()
     bm_, bn_, bk_, warps, stages, *split = config
-    k_per = triton.cdiv(triton.cdiv(k, split[0] if split else 1), bk_) * bk_  # whole BLOCK_K steps per range
-    splits = triton.cdiv(k, k_per)
+    k_per, splits = k_ranges(k, split[0] if split else 1, bk_)
     out = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     wrap(_mxfp4_grouped_kernel)[(e, triton.cdiv(n, bn_), splits)](
         x, blocks, scales, offs, out, n, k, k_per, x.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0),

@@ -112,7 +112,7 @@ if HAVE_TRITON:
     def silu_mul_rounded(a, b, zero, dt: tl.constexpr, LIBDEVICE: tl.constexpr):
         """``silu(a) * b`` of fp32 values of ``dt``, rounded to ``dt`` where ATen's ``silu`` and ``mul`` round (back in
         fp32). ``LIBDEVICE``: libdevice's ``exp``, as ATen's CUDA ``silu`` (``tl.exp`` is an approximation; the
-        interpreter has no libdevice). Also the epilogue of the FP8 GEMV's gated projection (``fp8.py``)."""
+        interpreter has no libdevice). Also the epilogue of the gated GEMVs (``gemv.store_rows``)."""
         if LIBDEVICE:
             e = libdevice.exp(-a)
         else:

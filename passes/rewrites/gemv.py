@@ -48,13 +48,10 @@ def route_gemv(stage: fx.GraphModule) -> int:
         routed += 1
     folded = 0
     for node in list(graph.nodes):
-        halves = gated_halves(node)
-        y = halves[0] if halves is not None else None
-        if y is None or y.op != "call_function" or y.target is not torch.ops.ppsplit.linear.default:
+        halves = gated_halves(node, torch.ops.ppsplit.linear.default)
+        if halves is None:
             continue
-        _, gate, up, width = halves
-        if max(gate, up) + width > get_tensor(stage, y.args[1].target).shape[0]:
-            continue
+        y, gate, up, width = halves
         parts = node.args
         replace_call(node, torch.ops.ppsplit.linear_silu_mul.default, (*y.args, gate, up, width))
         for dead in (*parts, y):  # users first

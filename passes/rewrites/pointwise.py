@@ -101,18 +101,24 @@ def _last_dim_slice(node, x, start, end_at_least) -> bool:
             and (hi is None or hi >= end_at_least))
 
 
-def gated_halves(node):
-    """``(y, gate, up, width)`` for ``silu_mul(y[..., gate:gate + width], y[..., up:up + width])`` where nothing else
-    reads ``y`` or the two slices (a fused gate/up projection, ``passes.rewrites.projections``), else None. The
-    rewrites that fold the multiply into the projection's kernel (here for FP8, ``gemv`` for routed ones) match it."""
+def gated_halves(node, projection):
+    """``(y, gate, up, width)`` for ``silu_mul(y[..., gate:gate + width], y[..., up:up + width])`` where ``y`` is a
+    ``projection`` call (``ppsplit::fp8_linear``, ``ppsplit::linear``: the weight is the second argument, a tensor
+    the stage holds, and the halves lie in its rows) and nothing else reads ``y`` or the two slices (a fused gate/up
+    projection, ``passes.rewrites.projections``), else None. The rewrites that fold the multiply into the
+    projection's kernel (here for FP8, ``gemv`` for routed ones) match it."""
     if not _call(node, ops.silu_mul.default) or node.kwargs:
         return None
     spans = [_column_span(part) for part in node.args]
     if None in spans or spans[0][0] is not spans[1][0]:
         return None
     (y, gate, gate_end), (_, up, up_end) = spans
-    if set(y.users) != set(node.args) or any(len(part.users) != 1 for part in node.args) \
+    if not _call(y, projection) or set(y.users) != set(node.args) or any(len(p.users) != 1 for p in node.args) \
             or gate_end - gate != up_end - up:
+        return None
+    weight = y.args[1]
+    if not (isinstance(weight, fx.Node) and weight.op == "get_attr"
+            and max(gate_end, up_end) <= get_tensor(node.graph.owning_module, weight.target).shape[0]):
         return None
     return y, gate, up, gate_end - gate
 
@@ -120,13 +126,11 @@ def gated_halves(node):
 def _fold_silu_mul(node):
     """``silu_mul`` of the halves of an FP8 projection (``gated_halves``) -> ``(fp8_linear_silu_mul, (..., gate, up,
     width), replaced nodes)``."""
-    halves = gated_halves(node)
+    halves = gated_halves(node, ops.fp8_linear.default)
     m = match_projection(halves[0]) if halves is not None else None
-    if m is None or m.scale is None:
+    if m is None:
         return None
     y, gate, up, width = halves
-    if max(gate, up) + width > get_tensor(node.graph.owning_module, m.weight.target).shape[0]:
-        return None
     return ops.fp8_linear_silu_mul.default, (m.x, m.weight, m.scale, m.bias, *m.block, gate, up, width), [*node.args, y]
 
 

@@ -136,8 +136,8 @@ class Sources:
             return None
         shapes = [tuple(self.checkpoint.raw_range(key).shape) for key in keys]
         blocks = {self.scheme.block_of(shape) for shape in shapes}
-        scale_ranges = [self.checkpoint.raw_range(self.scales[key]) for key in keys]
-        if len(blocks) != 1 or len({r.dtype for r in scale_ranges}) != 1:
+        scale_dtypes = {self.checkpoint.raw_range(self.scales[key]).dtype for key in keys}
+        if len(blocks) != 1 or len(scale_dtypes) != 1:
             return None
         bn, bk = blocks.pop()
         return (bn, bk) if all(n % bn == 0 and k % bk == 0 for n, k in shapes) else None
