@@ -133,9 +133,11 @@ if HAVE_TRITON:
             s = tl.load(s_cols + k0 // QK, mask=rn < N, other=0.0).to(tl.float32)
             if W8A8:  # each row's BLOCK_K activations quantised to FP8 by their amax / 448, both operands FP8
                 xf = x.to(tl.float32)
-                xs = tl.max(tl.abs(xf), axis=1) / 448.0
+                # IEEE divisions, as torch's: ``/`` is an approximate one on the GPU, whose last bit, in the scale
+                # or the quotient, moves the FP8 rounding of some activations (a 448-wide range in 16 steps)
+                xs = tl.math.div_rn(tl.max(tl.abs(xf), axis=1), 448.0)
                 xs = tl.where(xs > 0, xs, 1.0)  # a row of zeros (or a padding row): any scale
-                xq = (xf / xs[:, None]).to(W.dtype.element_ty)
+                xq = tl.math.div_rn(xf, xs[:, None]).to(W.dtype.element_ty)
                 acc += tl.dot(xq, w) * (xs[:, None] * s[None, :])
             else:
                 acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
