@@ -6,7 +6,8 @@
 #                         [peer_decode_compiled] [peer_prefill] [fused_compile] [illegal_access]
 #   (default: the first four)
 # GPU_TESTS: what `tests` runs (default: the whole suite's gpu-marked tests); STEP_TIMEOUT: seconds each step may run
-# (default 540), so one slow step leaves the call's later steps their time. The device tool returns at most 8 files
+# (default 540), so one slow step leaves the call's later steps their time. FP8_SWEEP_BATCH / FP8_SWEEP_ARGS: the
+# fp8_sweep step's row counts (default "1 32") and more flags (e.g. --w8a8). The device tool returns at most 8 files
 # from $OUT: every step writes one log there, the install log and the FP8 tiles go to /tmp.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -43,7 +44,7 @@ run_step() {
                 $( [ -f "$TILES" ] && echo --tiles "$TILES" ) \
                 $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 | tee "$OUT/fp8.txt" ;;
     experts)  python3 bench/experts.py --sweep 2>&1 | tee "$OUT/experts.txt" ;;   # issue 31: FP8 and MXFP4 MoE experts
-    fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1 32} --save-tiles "$TILES" \
+    fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1 32} --save-tiles "$TILES" ${FP8_SWEEP_ARGS:-} \
                  $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 \
                  | tee "$OUT/fp8_sweep.txt" ;;
     # issue 32: the defaults against HF + compile (decode at batch 1 and 32; prefill T=2048, both profiled)
