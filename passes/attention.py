@@ -51,6 +51,7 @@ from ppsplit.passes.taps import Tapped
 from ppsplit.core.plan import AttentionSite, SplitPlan
 from ppsplit.passes.rewrites.projections import match_projection
 from ppsplit.triton_kernels.attention import attention_reference, indexer_scores, latent_attention_reference
+from ppsplit.triton_kernels.fp8 import FP8_DTYPE, dequantize
 
 aten = torch.ops.aten
 _VIEWS = VIEW_OPS | COPY_OPS
@@ -487,6 +488,12 @@ class _Latent:
     heads: int
     nope: int
     value: int
+    scale: fx.Node | None = None  # an FP8 weight's block scales (a model transformers loaded FP8) ...
+    block: tuple[int, int] = (0, 0)  # ... and its (block_n, block_k)
+
+    def weight_args(self) -> tuple:
+        """The trailing arguments of ``latent_attention`` for this weight: its scales and block, if FP8."""
+        return () if self.scale is None else (self.scale, *self.block)
 
 
 def _latent_projection(k: fx.Node, v: fx.Node) -> _Latent | None:
@@ -505,7 +512,7 @@ def _latent_projection(k: fx.Node, v: fx.Node) -> _Latent | None:
             continue
         split = _head_split(proj.node)
         if split is not None and _shape(proj.weight) == (split[0] * (split[1] + split[2]), _shape(latent)[3]):
-            return _Latent(latent, rope, proj.weight, *split)
+            return _Latent(latent, rope, proj.weight, *split, proj.scale, proj.block or (0, 0))
     return None
 
 
@@ -547,7 +554,7 @@ def _rewrite_latent(gm, mla: _Latent, indexer_keys: fx.Node | None, order: dict,
     with gm.graph.inserting_before(found.out):
         node = gm.graph.call_function(torch.ops.ppsplit.latent_attention.default, (
             found.q, mla.latent, mla.rope, mla.weight, mla.nope, positions, float(scale), int(window), float(softcap),
-            found.selected))
+            found.selected, *mla.weight_args()))
     _swap(gm, found, node, detail)
     if indexer is not None:
         _replace_indexer(gm, indexer, found.selected.args[0], index_scale)
@@ -615,8 +622,13 @@ def _verify_latent(gm: fx.GraphModule, f: _Found, mla: _Latent, info) -> tuple:
         raise _NoMatch(f"cache too large to check by evaluation ({mla.heads} heads x {max_len} slots)")
     gen = torch.Generator().manual_seed(0)
     params = {p: _param_value(gm, p, gen) for p in f.params}
-    weight = params[mla.weight] / math.sqrt(rdim)  # keys and values of the size the model's have
-    params[mla.weight] = weight
+    if mla.scale is None:
+        weight = params[mla.weight] / math.sqrt(rdim)  # keys and values of the size the model's have
+        params[mla.weight] = weight
+    else:  # FP8 values and positive block scales, which the subgraph's fp8_linear dequantises as the reference does
+        params[mla.weight] = torch.randn(_shape(mla.weight), generator=gen).to(FP8_DTYPE)
+        params[mla.scale] = (torch.rand(_shape(mla.scale), generator=gen) + 0.5) / math.sqrt(rdim)
+        weight = dequantize(params[mla.weight], params[mla.scale], *mla.block, torch.float64)
     cases = _cases(gm, f, info, mla.nope + dr, params, gen)
     for scale in _scales(f, mla.nope + dr):
         for softcap in _softcaps(f):

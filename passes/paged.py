@@ -217,9 +217,9 @@ class _Rewrite:
         m = self.meta
         step = (m["seq"], m["block_table"], m["seq_start"], m["seq_count"])
         if node.target is ops.latent_attention.default:  # MLA: pools of latents and rotary keys
-            q, latents, ropes, weight, nope, positions, scale, window, softcap, selected = node.args
+            q, latents, ropes, weight, nope, positions, scale, window, softcap, selected, *fp8 = node.args
             args = (q, self.cached(latents), self.cached(ropes), weight, nope, positions, *step, scale, window,
-                    softcap, selected)
+                    softcap, selected, *fp8)
             target = ops.paged_latent_attention.default
         else:
             q, k, v, positions, scale, window, softcap, alibi, sinks = node.args

@@ -5,7 +5,9 @@ Input: a stage ``GraphModule`` (meta tensors) and ``{weight name: QuantizedWeigh
 one the pass rewrites becomes an FP8 parameter, its scale a new parameter beside it:
 
 - a 2-D weight read by projections (``aten.linear``, or ``mm`` / ``addmm`` over its transpose:
-  ``match_projection``): each becomes ``fp8_linear(x, weight, scale, bias, block_n, block_k)``;
+  ``match_projection``): each becomes ``fp8_linear(x, weight, scale, bias, block_n, block_k)``; an MLA attention
+  reading it (``kv_b_proj``) takes the FP8 weight with its scale and block where its blocks hold whole heads' parts
+  (``latent_fp8_views``);
 - a stack of experts ``[E, N, K]`` read through its transpose by ``_grouped_mm(x, w.T, offs)`` (transformers'
   ``grouped_mm`` experts, what a bfloat16 trace runs): ``fp8_grouped_mm(x, weight, scale, offs, block_n,
   block_k)``; or indexed by the routed expert ids, ``w[ids]`` (its ``batched_mm`` experts, what a float32 or
@@ -28,7 +30,7 @@ from torch import fx
 
 import ppsplit.triton_kernels.fp8  # noqa: F401  (registers torch.ops.ppsplit.fp8_linear and the expert ops)
 import ppsplit.triton_kernels.mxfp4  # noqa: F401  (registers torch.ops.ppsplit.mxfp4_*)
-from ppsplit.core.fx_utils import get_tensor, set_tensor
+from ppsplit.core.fx_utils import get_tensor, set_tensor, static_shape
 from ppsplit.passes.rewrites.projections import match_projection
 from ppsplit.triton_kernels.fp8 import FP8_DTYPE
 
@@ -59,7 +61,8 @@ def quantize_linears(stage: fx.GraphModule, weights: dict[str, QuantizedWeight])
         quantize_linears(stage, {"model.layers.0.mlp.up_proj.weight": scale})
     """
     graph = stage.graph
-    found, left = _rewritable(graph, weights, lambda node: _rewrites(node, get_tensor(stage, node.target).dim()))
+    found, left = _rewritable(graph, weights, lambda node: _rewrites(node, get_tensor(stage, node.target).dim(),
+                                                                     weights[node.target]))
     for node, q, rewrites in found:
         w = get_tensor(stage, node.target)
         set_tensor(stage, node.target, torch.empty(w.shape, dtype=FP8_DTYPE, device="meta"), parameter=True,
@@ -96,7 +99,8 @@ def _rewritable(graph: fx.Graph, table: dict, find) -> tuple[list, list]:
 
 def runs_fp8(node: fx.Node, dims: int) -> bool:
     """Whether ``quantize_linears`` runs the weight ``node`` reads (``dims`` dimensions) on FP8: every reader is
-    one it rewrites. (The compile's plan asks, to count the weight as stored or as dequantised.)"""
+    one it rewrites. (The compile's plan asks, to count the weight as stored or as dequantised; its trace has no
+    MLA attention yet, whose weight blocks are then not checked.)"""
     return _rewrites(node, dims) is not None
 
 
@@ -171,8 +175,8 @@ def _grouped_mm(user: fx.Node, weight: fx.Node) -> dict | None:
     return args
 
 
-def _rewrites(node: fx.Node, dims: int) -> list | None:
-    return _expert_readers(node) if dims == 3 else _projections(node) if dims == 2 else None
+def _rewrites(node: fx.Node, dims: int, entry: QuantizedWeight | None = None) -> list | None:
+    return _expert_readers(node) if dims == 3 else _linear_readers(node, entry) if dims == 2 else None
 
 
 # Placeholders in a rewrite's arguments: the stored weight, its scale, and its block sizes (block_n, block_k)
@@ -196,13 +200,41 @@ def _replace(old: fx.Node, op, args: tuple) -> None:
     old.graph.erase_node(old)
 
 
-def _projections(node: fx.Node) -> list | None:
-    """``[(node to replace, op, args, node left dead)]`` for a 2-D weight read only by projections, else None."""
-    matches = [match_projection(user) for user in node.users]
-    if not matches or any(m is None or m.weight is not node or m.out_dim != 0 for m in matches):
+def _linear_readers(node: fx.Node, entry: QuantizedWeight | None) -> list | None:
+    """``[(node to replace, op, args, node left dead)]`` for a 2-D weight read only by projections and MLA
+    attentions whose FP8 path reads it (``_latent_reader``), else None."""
+    rewrites = []
+    for user in node.users:
+        m = match_projection(user)
+        if m is not None and m.weight is node and m.out_dim == 0:
+            rewrites.append((m.node, torch.ops.ppsplit.fp8_linear.default, (m.x, _WEIGHT, _SCALE, m.bias, _BLOCK),
+                             m.transpose))
+            continue
+        latent = _latent_reader(user, node, entry)
+        if latent is None:
+            return None
+        rewrites.append(latent)
+    return rewrites or None
+
+
+def _latent_reader(user: fx.Node, weight: fx.Node, entry: QuantizedWeight | None):
+    """The rewrite of an MLA attention reading ``weight`` (its ``kv_b_proj``) into the same op over the FP8 weight,
+    its scales and block (``entry``), where its blocks hold whole heads' parts (``latent_fp8_views``), else None."""
+    from ppsplit.triton_kernels.paged import latent_fp8_views
+
+    ops = torch.ops.ppsplit
+    if user.target not in (ops.latent_attention.default, ops.paged_latent_attention.default) or entry is None:
         return None
-    return [(m.node, torch.ops.ppsplit.fp8_linear.default, (m.x, _WEIGHT, _SCALE, m.bias, _BLOCK), m.transpose)
-            for m in matches]
+    args = list(user.args)
+    shape, q_shape = static_shape(weight), static_shape(args[0])
+    if args[3] is not weight or weight in args[4:] or len(args) != len(user.target._schema.arguments) - 3 \
+            or shape is None or None in shape or q_shape is None or q_shape[1] is None:
+        return None
+    meta = torch.empty(shape, dtype=FP8_DTYPE, device="meta")
+    scale = torch.empty(entry.scale_shape, device="meta")
+    if latent_fp8_views(meta, scale, *entry.block, q_shape[1], args[4]) is None:
+        return None
+    return user, user.target, (*args[:3], _WEIGHT, *args[4:], _SCALE, _BLOCK), None
 
 
 def _expert_readers(node: fx.Node) -> list | None:

@@ -400,22 +400,35 @@ def latent_attention_reference(q, latents, ropes, weight, nope_dim: int, positio
     return torch.matmul(o_lat, w[:, nope_dim:].transpose(-1, -2)).to(q.dtype)
 
 
+def latent_weight(weight: torch.Tensor, weight_scale: Optional[torch.Tensor], block_n: int, block_k: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """MLA's ``kv_b_proj`` weight in ``dtype``: an FP8 one (``weight_scale`` given) dequantised per block."""
+    if weight_scale is None:
+        return weight.to(dtype)
+    from ppsplit.triton_kernels.fp8 import dequantize
+
+    return dequantize(weight, weight_scale, block_n, block_k, dtype)
+
+
 @register("ppsplit::latent_attention", opaque=True)
 def latent_attention(q: torch.Tensor, latents: torch.Tensor, ropes: torch.Tensor, weight: torch.Tensor,
                      nope_dim: int, positions: torch.Tensor, scale: float, window: int, softcap: float,
-                     selected: Optional[torch.Tensor]) -> torch.Tensor:
+                     selected: Optional[torch.Tensor], weight_scale: Optional[torch.Tensor] = None, block_n: int = 0,
+                     block_k: int = 0) -> torch.Tensor:
     """``latent_attention_reference`` over a dense cache, ``[B, H, T, dv]`` laid out as ``[B, T, H, dv]``: what the
     attention pass proves an MLA layer equal to in a paged trace; the paged pass then makes it
-    ``paged_latent_attention`` (so it never reaches a stage, and runs in torch only)."""
+    ``paged_latent_attention`` (so it never reaches a stage, and runs in torch only). ``weight_scale``: ``weight``
+    is FP8, with these block scales of ``(block_n, block_k)`` blocks (a model transformers loaded FP8)."""
     out = torch.empty(q.shape[0], q.shape[2], q.shape[1], weight.shape[0] // q.shape[1] - nope_dim, dtype=q.dtype,
                       device=q.device).transpose(1, 2)
-    out.copy_(latent_attention_reference(q, latents, ropes, weight, nope_dim, positions, scale, window, softcap,
-                                         selected))
+    w = latent_weight(weight, weight_scale, block_n, block_k, q.dtype)
+    out.copy_(latent_attention_reference(q, latents, ropes, w, nope_dim, positions, scale, window, softcap, selected))
     return out
 
 
 @latent_attention.register_fake
-def _(q, latents, ropes, weight, nope_dim, positions, scale, window, softcap, selected):
+def _(q, latents, ropes, weight, nope_dim, positions, scale, window, softcap, selected, weight_scale=None,
+      block_n=0, block_k=0):
     dv = weight.shape[0] // q.shape[1] - nope_dim
     return q.new_empty(q.shape[0], q.shape[2], q.shape[1], dv).transpose(1, 2)
 

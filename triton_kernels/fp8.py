@@ -350,18 +350,20 @@ if HAVE_TRITON:
         return start, tl.load(OFFS + e)
 
     @triton.jit
-    def _fp8_grouped_kernel(X, W, S, OFFS, Y, N, K, stride_x, stride_we, stride_wn, stride_se, stride_y, GK, QN, QK,
-                            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+    def _fp8_grouped_kernel(X, W, S, OFFS, Y, N, K, stride_x, stride_we, stride_wn, stride_wk, stride_se,
+                            stride_sn, stride_sk, stride_y, QN, QK, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Expert ``program_id(0)``'s rows ``[OFFS[e - 1], OFFS[e])`` of ``X`` (sorted by expert) times the
         ``BLOCK_N`` output columns ``program_id(1)`` of its weight, ``BLOCK_M`` rows at a time (an expert no token
         chose does nothing). Each ``BLOCK_K`` step lies inside one k-block; its partial product is scaled by the
-        weight block's scale as it is accumulated, as in ``_fp8_gemm_kernel``."""
+        weight block's scale as it is accumulated, as in ``_fp8_gemm_kernel``. The weight and its scales are read
+        through their strides: a stack of experts (``stride_wk`` 1), or per-head views of MLA's ``kv_b_proj``, one of
+        them transposed (``stride_wn`` 1)."""
         e = tl.program_id(0)
         start, end = expert_rows(OFFS, e)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         w_cols = W + e.to(tl.int64) * stride_we + rn[None, :] * stride_wn  # 32-bit offsets in an expert
-        s_cols = S + e * stride_se + (rn // QN) * GK
+        s_cols = S + e * stride_se + (rn // QN) * stride_sn
         for m0 in range(start, end, BLOCK_M):
             rm = m0 + tl.arange(0, BLOCK_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -369,8 +371,8 @@ if HAVE_TRITON:
                 rk = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(X + rm[:, None].to(tl.int64) * stride_x + rk[None, :],
                             mask=(rm[:, None] < end) & (rk[None, :] < K), other=0.0)
-                w = tl.load(w_cols + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
-                s = tl.load(s_cols + k0 // QK, mask=rn < N, other=0.0).to(tl.float32)
+                w = tl.load(w_cols + rk[:, None] * stride_wk, mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+                s = tl.load(s_cols + (k0 // QK) * stride_sk, mask=rn < N, other=0.0).to(tl.float32)
                 acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
             tl.store(Y + rm[:, None].to(tl.int64) * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
                      mask=(rm[:, None] < end) & (rn[None, :] < N))
@@ -388,28 +390,34 @@ def grouped_tile_k(block_k: int, k: int) -> int | None:
 
 
 def fp8_grouped_usable(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bool:
-    """Whether the Triton grouped kernel serves this call: an ``[E, N, K]`` FP8 stack with unit stride along K (and
-    under 2**31 values an expert: the kernel's offsets in an expert are 32-bit), a float ``x``, and k-blocks a tile
-    of at least 16 columns fits inside."""
-    return (weight.dim() == 3 and weight.dtype == FP8_DTYPE and weight.stride(2) == 1
-            and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and weight.stride(1) * weight.shape[1] < 2 ** 31
+    """Whether the Triton grouped kernel serves this call: a float ``x`` and a stack it reads
+    (``fp8_stack_readable``)."""
+    return x.dtype in (torch.float16, torch.bfloat16, torch.float32) and fp8_stack_readable(weight, block_k)
+
+
+def fp8_stack_readable(weight: torch.Tensor, block_k: int) -> bool:
+    """Whether the grouped kernel reads ``weight``: an ``[E, N, K]`` FP8 stack with unit stride along K or N (and
+    its offsets in an expert under 2**31: the kernel's are 32-bit), whose k-blocks a tile of at least 16 columns
+    fits inside."""
+    return (weight.dim() == 3 and weight.dtype == FP8_DTYPE and 1 in (weight.stride(2), weight.stride(1))
+            and (weight.shape[1] - 1) * weight.stride(1) + (weight.shape[2] - 1) * weight.stride(2) < 2 ** 31
             and grouped_tile_k(block_k, weight.shape[2]) is not None)
 
 
 def launch_fp8_grouped_mm(x, weight, scale, offs, block_n: int, block_k: int, wrap=lambda kernel: kernel,
                           config=(16, 64, 4, 3)):
-    """The Triton path of ``fp8_grouped_mm``; ``config`` is ``(BLOCK_M, BLOCK_N, warps, stages)``."""
+    """The Triton path of ``fp8_grouped_mm``; ``config`` is ``(BLOCK_M, BLOCK_N, warps, stages)``. ``weight``
+    and ``scale`` (``[E, ceil(N / block_n), ceil(K / block_k)]``) may be strided views (``fp8_grouped_usable``)."""
     e, n, k = weight.shape
-    gn, gk = scale_grid(n, k, block_n, block_k)
+    scale = scale.reshape(e, *scale_grid(n, k, block_n, block_k))
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return y
     bm_, bn_, warps, stages = config
     wrap(_fp8_grouped_kernel)[(e, triton.cdiv(n, bn_))](
-        x, weight, scale.reshape(-1), offs, y, n, k, x.stride(0), weight.stride(0), weight.stride(1), gn * gk, n, gk,
-        block_n, k if block_k >= k else block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        x, weight, scale, offs, y, n, k, x.stride(0), *weight.stride(), *scale.stride(), n, block_n,
+        k if block_k >= k else block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=grouped_tile_k(block_k, k), num_warps=warps, num_stages=stages)
     return y
 

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from ppsplit.triton_kernels.attention import (attention_reference, indexer_scores, latent_attention_reference,
-                                              top_positions)
+                                              latent_weight, top_positions)
 from ppsplit.triton_kernels.common import HAVE_TRITON, launch_options, on_gpu, register, tl, triton
 
 
@@ -221,14 +221,23 @@ def _(q, weights, keys, positions, seq, block_table, scale, topk):
 def paged_latent_attention(q: torch.Tensor, latents: torch.Tensor, ropes: torch.Tensor, weight: torch.Tensor,
                            nope_dim: int, positions: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
                            seq_start: torch.Tensor, seq_count: torch.Tensor, scale: float, window: int,
-                           softcap: float, selected: Optional[torch.Tensor]) -> torch.Tensor:
-    """Ragged MLA over paged latents (see the module docstring). ``[1, H, N, dv]``, stored as ``[1, N, H, dv]``."""
+                           softcap: float, selected: Optional[torch.Tensor], weight_scale: Optional[torch.Tensor] = None,
+                           block_n: int = 0, block_k: int = 0) -> torch.Tensor:
+    """Ragged MLA over paged latents (see the module docstring). ``[1, H, N, dv]``, stored as ``[1, N, H, dv]``.
+    ``weight_scale``: ``weight`` is FP8 with these ``(block_n, block_k)`` block scales; on CUDA its two per-head
+    products read it as stored where its blocks hold whole heads (``latent_fp8_views``), else it is dequantised."""
     dv = weight.shape[0] // q.shape[1] - nope_dim
     out = torch.empty(q.shape[0], q.shape[2], q.shape[1], dv, dtype=q.dtype, device=q.device).transpose(1, 2)
+    fp8 = None
+    if weight_scale is not None:
+        fp8 = latent_fp8_views(weight, weight_scale, block_n, block_k, q.shape[1], nope_dim) \
+            if on_gpu(q) and selected is None else None
+        if fp8 is None:
+            weight = latent_weight(weight, weight_scale, block_n, block_k, q.dtype)
     if on_gpu(q) and selected is None:
         with torch.cuda.device(q.device):
             out.copy_(launch_paged_latent_attention(q, latents, ropes, weight, nope_dim, positions, seq, block_table,
-                                                    seq_start, seq_count, scale, window, softcap))
+                                                    seq_start, seq_count, scale, window, softcap, fp8=fp8))
         return out
     out.copy_(paged_latent_attention_reference(q, latents, ropes, weight, nope_dim, positions, seq, block_table,
                                                seq_start, seq_count, scale, window, softcap, selected))
@@ -237,7 +246,7 @@ def paged_latent_attention(q: torch.Tensor, latents: torch.Tensor, ropes: torch.
 
 @paged_latent_attention.register_fake
 def _(q, latents, ropes, weight, nope_dim, positions, seq, block_table, seq_start, seq_count, scale, window, softcap,
-      selected):
+      selected, weight_scale=None, block_n=0, block_k=0):
     dv = weight.shape[0] // q.shape[1] - nope_dim
     return q.new_empty(q.shape[0], q.shape[2], q.shape[1], dv).transpose(1, 2)
 
@@ -679,16 +688,54 @@ def _heads_per_program(heads: int, most: int = 16) -> int:
 
 def launch_paged_latent_attention(q, latents, ropes, weight, nope_dim: int, positions, seq, block_table, seq_start,
                                   seq_count, scale: float, window: int = 0, softcap: float = 0.0, *,
-                                  config: dict | None = None):
+                                  config: dict | None = None, fp8: tuple | None = None):
     """The Triton path of ``paged_latent_attention``: each head's query into the latent space (``W_uk``), the
     paged kernel over one KV head whose key is ``[latent; rope]`` and value the latent, then ``W_uv``.
-    ``[1, H, N, dv]``."""
-    heads = q.shape[1]
-    w = weight.to(q.dtype).view(heads, -1, weight.shape[-1])  # [H, dn + dv, r]
-    q_lat = torch.matmul(q[..., :nope_dim], w[:, :nope_dim])  # [1, H, N, r]
+    ``[1, H, N, dv]``. ``fp8``: ``latent_fp8_views`` of an FP8 ``weight``, whose two products are then FP8 grouped
+    products, one group a head."""
+    if fp8 is not None:
+        w_uk, w_uv = fp8
+        q_lat = _per_head(q[..., :nope_dim], *w_uk)
+    else:
+        w = weight.to(q.dtype).view(q.shape[1], -1, weight.shape[-1])  # [H, dn + dv, r]
+        q_lat = torch.matmul(q[..., :nope_dim], w[:, :nope_dim])  # [1, H, N, r]
     o_lat = launch_paged_attention(q_lat, latents, latents, positions, seq, block_table, seq_start, seq_count, scale,
                                    window, softcap, config=config, rope=(q[..., nope_dim:], ropes))
+    if fp8 is not None:
+        return _per_head(o_lat, *w_uv)
     return torch.matmul(o_lat, w[:, nope_dim:].transpose(-1, -2))
+
+
+def latent_fp8_views(weight, weight_scale, block_n: int, block_k: int, heads: int, nope_dim: int) -> tuple | None:
+    """MLA's FP8 ``kv_b_proj`` (``[H * (dn + dv), r]``, per head ``W_uk`` then ``W_uv``) as the two stacks of
+    per-head weights ``launch_fp8_grouped_mm`` reads, without a copy: ``W_uk^T [H, r, dn]`` (a transposed view) and
+    ``W_uv [H, dv, r]``, each ``(weight, scale, block_n, block_k)``. ``None`` where the scale blocks do not hold
+    whole heads' parts (a row block that straddles ``dn`` or a head) or the grouped kernel cannot read a view."""
+    from ppsplit.triton_kernels.fp8 import fp8_stack_readable
+
+    rows, r = weight.shape
+    per, gk = rows // heads, -(-r // block_k)
+    w = weight.view(heads, per, r)
+    if block_n >= rows:  # one block of rows (a per-tensor scale): every head reads it
+        s_uk = s_uv = weight_scale.reshape(1, 1, gk).expand(heads, 1, gk)
+    elif per % block_n == 0 and nope_dim % block_n == 0:
+        s = weight_scale.reshape(heads, per // block_n, gk)
+        s_uk, s_uv = s[:, :nope_dim // block_n], s[:, nope_dim // block_n:]
+    else:
+        return None
+    w_uk = (w[:, :nope_dim].transpose(1, 2), s_uk.transpose(1, 2), block_k, block_n)
+    w_uv = (w[:, nope_dim:], s_uv, block_n, block_k)
+    return (w_uk, w_uv) if all(fp8_stack_readable(v[0], v[3]) for v in (w_uk, w_uv)) else None
+
+
+def _per_head(x, weight, scale, block_n: int, block_k: int):
+    """``x [1, H, N, K]`` times each head's ``weight [H, M, K]`` (FP8, ``launch_fp8_grouped_mm``) -> ``[1, H, N, M]``."""
+    from ppsplit.triton_kernels.fp8 import launch_fp8_grouped_mm
+
+    heads, n = x.shape[1], x.shape[2]
+    ends = torch.arange(1, heads + 1, device=x.device, dtype=torch.int32) * n
+    y = launch_fp8_grouped_mm(x[0].reshape(heads * n, x.shape[-1]), weight, scale, ends, block_n, block_k)
+    return y.view(1, heads, n, weight.shape[1])
 
 
 def launch_paged_conv1d(x, weight, bias, pool, positions, seq, block_table, *, wrap=lambda kernel: kernel):

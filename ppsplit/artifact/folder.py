@@ -335,7 +335,12 @@ def _check_manifest(manifest: Manifest, plan: SplitPlan, where: str) -> None:
 # The ops that read FP8 tensors: {op: (weight's argument, scale's, block_n's, block_k's, the weight's dimensions)}
 _FP8_READERS = {"ppsplit::fp8_linear": (1, 2, 4, 5, 2),          # (x, weight, scale, bias, block_n, block_k)
                 "ppsplit::fp8_grouped_mm": (1, 2, 4, 5, 3),      # (x, experts, scale, offs, block_n, block_k)
-                "ppsplit::fp8_expert_weights": (0, 1, 3, 4, 3)}  # (experts, scale, ids, block_n, block_k, dtype)
+                "ppsplit::fp8_expert_weights": (0, 1, 3, 4, 3),  # (experts, scale, ids, block_n, block_k, dtype)
+                # MLA's kv_b_proj: (q, latents, ropes, weight, ..., weight_scale, block_n, block_k), FP8 when a scale
+                # is given (_FP8_OPTIONAL)
+                "ppsplit::paged_latent_attention": (3, 14, 15, 16, 2),
+                "ppsplit::latent_attention": (3, 10, 11, 12, 2)}
+_FP8_OPTIONAL = {"ppsplit::paged_latent_attention", "ppsplit::latent_attention"}  # a float weight without a scale
 
 
 def _check_quantized(graph, specs: dict, quantization: Quantization | None, where: str) -> None:
@@ -362,6 +367,8 @@ def _check_quantized(graph, specs: dict, quantization: Quantization | None, wher
         w_at, s_at, bn_at, bk_at, dims = _FP8_READERS[op]
         args = list(node.args) + [None] * 6
         w, scale, bn, bk = args[w_at], args[s_at], args[bn_at], args[bk_at]
+        if op in _FP8_OPTIONAL and scale is None and getattr(w, "target", None) not in fp8:
+            continue
         names = [getattr(a, "target", None) if getattr(a, "op", None) == "get_attr" else None for a in (w, scale)]
         if None in names or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in (bn, bk)):
             raise FolderError(f"{where}: {node.name} must read a stored weight and scale with positive block sizes")

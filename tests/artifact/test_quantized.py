@@ -9,14 +9,16 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, Mxfp4Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Mxfp4Config
 
 import ppsplit
 from ppsplit.cli import main
 from ppsplit.core.checked import FolderError
+from ppsplit.core.fx_utils import get_tensor
 from ppsplit.triton_kernels.fp8 import fp8_linear
 
 FP8 = torch.float8_e4m3fn
+ops = torch.ops.ppsplit
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -386,7 +388,9 @@ def test_fp8_moe_experts_stay_fp8_through_the_conversions(arch, dtype, scheme, t
     out = tmp_path / "moe-pp2"
     assert main(["compile", str(ckpt), "--pp", "2", "-o", str(out), "--dtype", dtype]) == 0
     quant = json.load(open(out / "manifest.json"))["quantization"]
-    # deepseek_v3's kv_b_proj is read by more than a projection (MLA): the one tensor dequantised per layer
+    # deepseek_v3's kv_b_proj, read by the MLA attention, in 8-blocks leaves its 16-wide latent dimension no
+    # 16-wide tile inside a block: the one tensor dequantised per layer (test_fp8_mla_weight_stays_fp8_... has
+    # blocks that the FP8 MLA path reads)
     assert quant["dequantized"] == ([0, 0] if arch == "qwen3_moe" else [2, 2]), quant
     # a layer: 4 attention linears (deepseek_v3: q_a, q_b, kv_a, o) + the 2 expert stacks (+ 3 shared-expert
     # linears); deepseek_v3's layer 0 is dense (3 MLP linears)
@@ -409,7 +413,7 @@ def test_fp8_moe_experts_stay_fp8_through_the_conversions(arch, dtype, scheme, t
     plan = json.load(open(out / "plan.json"))
     held = [sum(t.numel() * t.element_size() for t in tensors.values()) for tensors in stages]
     # deepseek_v3: the plan, made from the trace, counts kv_b_proj as FP8 (a linear there); the paged stage's
-    # latent attention reads it whole, so it is stored dequantised (7% of these tiny stages)
+    # latent attention cannot read these blocks, so it is stored dequantised (7% of these tiny stages)
     slack = 0.01 if arch == "qwen3_moe" else 0.08
     assert all(abs(p["bytes"] - h) < slack * h for p, h in zip(plan["stages"], held)), (plan["stages"], held)
     assert expert_bytes == 2 * 4 * moe_config(arch).moe_intermediate_size * 64 * 3 // 2  # one byte per weight
@@ -434,6 +438,79 @@ def test_fp8_moe_experts_stay_fp8_through_the_conversions(arch, dtype, scheme, t
     json.dump(program, open(out / "stage_1.json", "w"))
     code, err = _run(["inspect", str(out)], capsys)
     assert code == 2 and len(err) == 1 and spec["name"] in err[0] and "needs" in err[0], err
+
+
+def mla_config():
+    """Tiny deepseek_v3 whose MLA parts are whole 16-blocks: ``kv_b_proj`` [4 heads x (16 + 16), 32], blocks
+    holding one head's key or value rows, as DeepSeek-V3's 128-blocks do (dn = dv = 128)."""
+    from tests.architectures.test_moe_compile import moe_config
+
+    cfg = moe_config("deepseek_v3").to_dict()
+    for derived in ("head_dim", "qk_head_dim"):
+        cfg.pop(derived, None)
+    cfg.update(kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+    return AutoConfig.for_model(**cfg)
+
+
+def test_fp8_mla_weight_stays_fp8_in_the_paged_stages(tmp_path, capsys):
+    """DeepSeek-V3's FP8 checkpoints: ``kv_b_proj``, which the paged stages read whole in the MLA attention
+    (``paged_latent_attention``), stays FP8 with its scales, as stored, where its blocks hold whole heads' parts;
+    nothing is dequantised, the plan counts the bytes the stages hold, and the logits equal transformers' own
+    loading of the checkpoint. A folder whose MLA attention reads the FP8 weight without its scale is refused."""
+    torch.manual_seed(0)
+    ckpt = write_quantized(tmp_path / "ds", "fp8", AutoModelForCausalLM.from_config(mla_config()).eval(), block=16)
+    out = tmp_path / "ds-pp2"
+    assert main(["compile", str(ckpt), "--pp", "2", "-o", str(out)]) == 0
+    quant = json.load(open(out / "manifest.json"))["quantization"]
+    assert quant["dequantized"] == [0, 0], quant
+    source = load_file(ckpt / "model.safetensors")
+    stages = [load_file(out / f"stage_{k}.safetensors") for k in range(2)]
+    for k, layer in ((0, 1), (1, 3)):
+        name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+        assert torch.equal(stages[k][name].view(torch.uint8), source[name].view(torch.uint8))
+        assert torch.equal(stages[k][name + "_scale_inv"], source[name + "_scale_inv"])
+    plan = json.load(open(out / "plan.json"))
+    held = [sum(t.numel() * t.element_size() for t in tensors.values()) for tensors in stages]
+    assert all(abs(p["bytes"] - h) < 0.01 * h for p, h in zip(plan["stages"], held)), (plan["stages"], held)
+
+    split = ppsplit.load(str(out))
+    latents = [n for s in split.stages for n in s.graph.nodes if n.target is ops.paged_latent_attention.default]
+    assert len(latents) == 4 and all(n.args[14] is not None and n.args[15:] == (16, 16) for n in latents)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+    program = json.load(open(out / "stage_0.json"))
+    node = next(n for n in program["program"]["nodes"] if n.get("target") == "ppsplit::paged_latent_attention.default")
+    node["args"] = node["args"][:14]
+    json.dump(program, open(out / "stage_0.json", "w"))
+    code, err = _run(["inspect", str(out)], capsys)
+    assert code == 2 and len(err) == 1 and "paged_latent_attention_default must read a stored weight and scale" in \
+        err[0], err
+
+
+@pytest.mark.parametrize("block", [8, 16])
+def test_split_model_of_fp8_mla_modules_with_a_paged_cache(block):
+    """DeepSeek-V3 as transformers holds it FP8 on a GPU, split with a paged cache: the MLA attention is proved on
+    the FP8 ``kv_b_proj`` (random FP8 values and scales, against their dequantisation) and reads it with its scales
+    (8-blocks: the op dequantises it; 16-blocks: on CUDA its heads' parts are read as stored); chunks of a prompt
+    equal the dequantised model's logits. Before, the proof divided the FP8 weight, which torch refuses."""
+    from ppsplit import CacheConfig
+
+    fp8, ref = _fp8_modules_model(block=block, arch="deepseek_v3", config=mla_config())
+    split = ppsplit.split_model(fp8, 2, cache=CacheConfig(2, 32))
+    assert split.plan.paged and all(a.replaced and a.detail.startswith("MLA") for a in split.plan.attention)
+    latents = [n for s in split.stages for n in s.graph.nodes if n.target is ops.paged_latent_attention.default]
+    assert len(latents) == 4 and all(n.args[15:] == (block, block) for n in latents)
+    assert all(get_tensor(s, n.args[3].target).dtype == FP8 for s in split.stages for n in s.graph.nodes
+               if n in latents)
+    ids = torch.randint(3, 100, (2, 13), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = ref(ids).logits
+        for lo, hi in [(0, 7), (7, 8), (8, 13)]:
+            torch.testing.assert_close(split(ids[:, lo:hi], torch.arange(lo, hi))[0], full[:, lo:hi], atol=1e-5,
+                                       rtol=1e-5)
 
 
 def test_fp8_experts_in_partial_blocks_are_dequantised(tmp_path, capsys):
@@ -872,8 +949,8 @@ def test_split_model_of_hf_loaded_fp8_model(hf_fp8):
         torch.testing.assert_close(split(ids)[0], hf_fp8(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def _fp8_modules_model(block: int = 32, ue8m0: bool = False):
-    """Tiny qwen3_moe as transformers holds an FP8 checkpoint on a GPU (its own ``replace_with_fp8_linear``:
+def _fp8_modules_model(block: int = 32, ue8m0: bool = False, arch: str = "qwen3_moe", config=None):
+    """Tiny ``arch`` (a MoE) as transformers holds an FP8 checkpoint on a GPU (its own ``replace_with_fp8_linear``:
     ``FP8Linear`` projections, ``FP8Experts``), filled from a random model by the test's quantiser; and that model
     with every quantised weight replaced by its exact dequantisation (the reference)."""
     from transformers import FineGrainedFP8Config
@@ -882,8 +959,9 @@ def _fp8_modules_model(block: int = 32, ue8m0: bool = False):
     from tests.architectures.test_moe_compile import moe_config
 
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(moe_config("qwen3_moe")).eval()
-    fp8 = AutoModelForCausalLM.from_config(moe_config("qwen3_moe")).eval()
+    config = config or moe_config(arch)
+    ref = AutoModelForCausalLM.from_config(config).eval()
+    fp8 = AutoModelForCausalLM.from_config(config).eval()
     fp8.load_state_dict(ref.state_dict())
     replace_with_fp8_linear(fp8, modules_to_not_convert=["lm_head"],
                             quantization_config=FineGrainedFP8Config(weight_block_size=[block, block]))

@@ -74,6 +74,24 @@ def paged_attention_launch(lengths, counts, hq=32, hkv=8, d=128, block=16):
                                                  step.seq_start, step.seq_count, d ** -0.5, config=over or None)
 
 
+def latent_fp8_launch(heads=128, r=512, dr=64, dn=128, dv=128, block=64):
+    """DeepSeek-V3's MLA decode over paged latents with its FP8 ``kv_b_proj`` (128-blocks) read as stored: ``W_uk``
+    transposed and ``W_uv`` through the grouped FP8 kernel, 4 sequences of one token."""
+    from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment
+    from ppsplit.triton_kernels.paged import latent_fp8_views, launch_paged_latent_attention
+
+    layout = CacheLayout(slots=4, blocks_per_seq=4, block_size=block, num_blocks=16)
+    tables = {s: list(range(4 * s, 4 * s + 4)) for s in range(4)}
+    step = RaggedStep.build([Segment(s, 100 + 30 * s, 1) for s in range(4)], tables, layout)
+    q = torch.randn(1, step.num_tokens, heads, dn + dr, dtype=BF16).transpose(1, 2)
+    latents = torch.randn(layout.num_blocks, block, 1, r, dtype=BF16)
+    ropes = torch.randn(layout.num_blocks, block, 1, dr, dtype=BF16)
+    weight = torch.zeros(heads * (dn + dv), r, dtype=torch.float8_e4m3fn)
+    views = latent_fp8_views(weight, torch.ones(heads * (dn + dv) // 128, r // 128), 128, 128, heads, dn)
+    return lambda: launch_paged_latent_attention(q, latents, ropes, weight, dn, step.positions, step.seq,
+                                                 step.block_table, step.seq_start, step.seq_count, 0.1, fp8=views)
+
+
 def launches() -> dict:
     """``{name: function}``: one launch each, at Llama-3.1-8B's sizes where they set the tiles."""
     from ppsplit.triton_kernels.attention import launch_cache_attention
@@ -134,6 +152,7 @@ def launches() -> dict:
         "fp8 w8a8, one row": lambda: launch_fp8_linear(x1, w8, s8, None, 128, 128, w8a8=True),
         "fp8 w8a8, 32 rows": lambda: launch_fp8_linear(x32, w8, s8, None, 128, 128, w8a8=True),
         "fp8 grouped experts": lambda: launch_fp8_grouped_mm(routed, experts, expert_scales, ends, 128, 128),
+        "paged latent attention, fp8 kv_b_proj": latent_fp8_launch(),
         "mxfp4 grouped experts": lambda: launch_mxfp4_grouped_mm(fp4_rows, fp4_blocks, fp4_scales, ends),
         "mxfp4 grouped experts, split over 4": lambda: launch_mxfp4_grouped_mm(fp4_rows, fp4_blocks, fp4_scales, ends,
                                                                                config=(16, 64, 128, 4, 3, 4)),

@@ -16,8 +16,8 @@ from ppsplit.triton_kernels import recurrent
 from ppsplit.triton_kernels.attention import indexer_topk, latent_attention_reference
 from ppsplit.triton_kernels.paged import (launch_paged_attention, launch_paged_conv1d, launch_paged_latent_attention,
                                           launch_paged_write, paged_attention_reference, paged_conv1d_reference,
-                                          paged_indexer_topk, paged_latent_attention, paged_latent_attention_reference,
-                                          slot_mapping_reference)
+                                          latent_fp8_views, paged_indexer_topk, paged_latent_attention,
+                                          paged_latent_attention_reference, slot_mapping_reference)
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
@@ -113,29 +113,47 @@ LATENT_CASES = [
     (4, 40, 24, 8, 16, 16, (1, 7, 33), {}),                # one program holds every head
     (20, 48, 8, 16, 24, 32, (5, 1, 2), {}),                # 20 heads: two programs of 10 read the one latent head
     (6, 32, 16, 8, 8, 16, (9, 1, 4), dict(window=7, softcap=20.0)),
+    (4, 32, 16, 32, 16, 16, (3, 1, 5), {}),               # dn 32: two 16-row blocks of W_uk per head (FP8)
 ]
 
 
-def run_latent_case(case, dtype, device, tol, config=None):
+def run_latent_case(case, dtype, device, tol, config=None, fp8=None):
+    """``fp8``: ``kv_b_proj`` quantised to FP8 in ``(block_n, block_k)`` blocks (``None`` for a one-block scale),
+    its two per-head products then FP8 grouped products over views of it (``latent_fp8_views``), against the fp64
+    product with its exact dequantisation."""
     heads, r, dr, dn, dv, block, counts, extras = LATENT_CASES[case]
     gen = torch.Generator().manual_seed(case)
     step, layout, lengths = ragged(counts, block, slots=len(counts) + 1, seed=case)
     latents, _ = pools(layout, lengths, step, 1, r, gen, dtype, device)
     ropes, _ = pools(layout, lengths, step, 1, dr, gen, dtype, device)
     q = torch.randn(1, heads, step.num_tokens, dn + dr, generator=gen).to(device, dtype)
-    weight = (torch.randn(heads * (dn + dv), r, generator=gen) / r ** 0.5).to(device, dtype)
+    weight = torch.randn(heads * (dn + dv), r, generator=gen) / r ** 0.5
     window, softcap, scale = extras.get("window", 0), extras.get("softcap", 0.0), (dn + dr) ** -0.5
     meta = step.to(device)
     if config == "chunked":
         config = dict(chunk=32, splits=-(-layout.max_len // 32), block_q=2, block_n=32)
+    views = None
+    if fp8 is not None:
+        from tests.artifact.test_quantized import quantize_blocks, reference_dequant
+
+        bn, bk = fp8 if fp8 != "tensor" else weight.shape
+        weight, weight_scale = quantize_blocks(weight, bn, bk)
+        exact = reference_dequant(weight, weight_scale, bn, bk)
+        weight, weight_scale = weight.to(device), weight_scale.to(device)
+        views = latent_fp8_views(weight, weight_scale, bn, bk, heads, dn)
+        assert views is not None
+    else:
+        weight = weight.to(device, dtype)
+        exact = weight.double().cpu()
     got = launch_paged_latent_attention(q, latents, ropes, weight, dn, meta.positions, meta.seq, meta.block_table,
-                                        meta.seq_start, meta.seq_count, scale, window, softcap, config=config)
+                                        meta.seq_start, meta.seq_count, scale, window, softcap, config=config,
+                                        fp8=views)
     n = sum(counts)
     assert got.shape == (1, heads, step.num_tokens, dv)
     assert not got[:, :, :n].isnan().any(), "an output left unwritten, or a stale pool entry read"
     assert (got[:, :, n:] == 0).all(), "padding tokens must give zeros"
     ref = paged_latent_attention_reference(q.double().cpu(), latents.double().cpu().nan_to_num(),
-                                           ropes.double().cpu().nan_to_num(), weight.double().cpu(), dn, step.positions,
+                                           ropes.double().cpu().nan_to_num(), exact, dn, step.positions,
                                            step.seq, step.block_table, step.seq_start, step.seq_count, scale, window,
                                            softcap)
     torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=tol)
@@ -146,6 +164,27 @@ def run_latent_case(case, dtype, device, tol, config=None):
 def test_paged_latent_attention_kernel_matches_fp64(case, config):
     """MLA: the kernel's second key part (the rotary keys' pool) and one latent head read by every query head."""
     run_latent_case(case, torch.float32, "cpu", 2e-5, config)
+
+
+@pytest.mark.parametrize("case,fp8", [(0, (8, 16)), (0, (8, 64)), (0, "tensor"), (1, "tensor"), (2, (8, 16)),
+                                      (2, (8, 64)), (3, (16, 16))],
+                         ids=["blocks", "one-k-block", "per-tensor", "20-heads-per-tensor", "window-softcap",
+                              "window-softcap-one-k-block", "two-blocks-a-head"])
+def test_paged_latent_attention_reads_an_fp8_weight_as_stored(case, fp8):
+    """MLA over an FP8 ``kv_b_proj`` (DeepSeek-V3's FP8 checkpoints): each head's ``W_uk`` read transposed and its
+    ``W_uv`` as they lie in the stored weight, scales included, equal the fp64 MLA over the dequantised weight."""
+    run_latent_case(case, torch.float32, "cpu", 2e-5, fp8=fp8)
+
+
+def test_latent_fp8_views_need_blocks_that_hold_whole_heads():
+    """Row blocks that straddle a head's key and value parts (or two heads) give no views: the op dequantises."""
+    weight = torch.zeros(4 * 24, 40, dtype=torch.float8_e4m3fn)  # 4 heads of dn 8 + dv 16, r 40
+    assert latent_fp8_views(weight, torch.ones(12, 3), 8, 16, 4, 8) is not None
+    assert latent_fp8_views(weight, torch.ones(6, 3), 16, 16, 4, 8) is None   # a block over dn and part of dv
+    assert latent_fp8_views(weight, torch.ones(12, 40), 8, 1, 4, 8) is None   # 1-wide k-blocks: no tile fits
+    # W_uk^T's k-blocks are the row blocks: 8 of a head's 16 key rows leave no 16-wide tile inside one
+    assert latent_fp8_views(torch.zeros(20 * 40, 48, dtype=torch.float8_e4m3fn), torch.ones(100, 3), 8, 16, 20,
+                            16) is None
 
 
 def gathered(pool, step, slot, length):
@@ -311,6 +350,12 @@ def test_paged_attention_kernel_bf16_on_gpu(case, config):
 @pytest.mark.parametrize("case", range(len(LATENT_CASES)))
 def test_paged_latent_attention_kernel_bf16_on_gpu(case, config):
     run_latent_case(case, torch.bfloat16, "cuda", 3e-2, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,fp8", [(0, (8, 16)), (0, "tensor"), (3, (16, 16))])
+def test_paged_latent_attention_fp8_weight_bf16_on_gpu(case, fp8):
+    run_latent_case(case, torch.bfloat16, "cuda", 3e-2, fp8=fp8)
 
 
 def test_attention_plan_chunks_long_decodes_and_tiles_prefills():
