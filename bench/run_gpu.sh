@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one device call: install ppsplit there (no network: no build isolation,
 # no dependencies), run the GPU tests, then the benchmarks. Logs go to $OUT.
 #   bash bench/run_gpu.sh [tests] [kernel] [anchor] [pipeline] [backend] [eagle3] [balance] [pipeline_mp]
-#                         [ragged] [ragged_sweep] [fp8] [fp8_sweep] [experts] [peer_decode]
+#                         [ragged] [ragged_sweep] [fp8] [fp8_sweep] [experts] [mla] [peer_decode]
 #                         [peer_decode_compiled] [peer_prefill] [fused_compile] [illegal_access]
 #   (default: the first four)
 # GPU_TESTS: what `tests` runs (default: the whole suite's gpu-marked tests); STEP_TIMEOUT: seconds each step may run
@@ -44,6 +44,7 @@ run_step() {
                 $( [ -f "$TILES" ] && echo --tiles "$TILES" ) \
                 $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 | tee "$OUT/fp8.txt" ;;
     experts)  python3 bench/experts.py --sweep 2>&1 | tee "$OUT/experts.txt" ;;   # issue 31: FP8 and MXFP4 MoE experts
+    mla)      python3 bench/mla.py 2>&1 | tee "$OUT/mla.txt" ;;   # issue 31: DeepSeek-V3's FP8 kv_b_proj in the MLA
     fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1 32} --save-tiles "$TILES" ${FP8_SWEEP_ARGS:-} \
                  $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 \
                  | tee "$OUT/fp8_sweep.txt" ;;
