@@ -143,7 +143,6 @@ FUSED = ("qkv", "q/o", "gate_up", "down")  # what ppsplit's stages run by defaul
 FP8_APART = "fp8, silu_mul apart"  # the FP8 step without the fold of SiLU-and-multiply into the gate/up GEMV
 GEMV_SWEEP = [(bn, 2048, w, st) for bn in (2, 4, 8) for w in (4, 8) for st in (2, 4)]
 GEMM_SWEEP = [(bn, 128, 4, st, split) for bn in (32, 64, 128) for st in (3, 4) for split in (1, 2, 4)]
-W8A8_SWEEP = [(bn, 128, w, st, split) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4) for split in (1, 4)]
 L2_BYTES = 120 << 20  # over twice an H200's 50 MiB L2: the sweep's timed calls read weights from HBM
 
 
@@ -261,13 +260,10 @@ def free_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = None, shapes=FUSED,
-          w8a8: bool = False) -> None:
+def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = None, shapes=FUSED) -> None:
     """Each FP8 kernel configuration per projection shape and row count, CUDA-graph timed, against bf16 cuBLAS
     (and ppsplit's bf16 GEMV at one row, and transformers' Triton block-FP8 kernels with ``--hf-kernel``): at one row
-    the GEMV, at more rows the GEMM; with ``w8a8``, the W8A8 mode of the GEMM
-    (``launch_fp8_linear(..., w8a8=True)``: activations quantised to FP8 in the kernel) with its largest difference
-    from the weight-only result. The fastest weight-only configuration per shape is printed last. Each timed call
+    the GEMV, at more rows the GEMM. The fastest configuration per shape is printed last. Each timed call
     runs over enough copies of the weights (``L2_BYTES`` and more) that none is in the L2 cache when it is read, as
     in a decode step, where each layer's weights are read once."""
     from triton.testing import do_bench_cudagraph
@@ -300,30 +296,24 @@ def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = Non
                 line += f"  HF fp8 (W8A8 Triton) {timed(lambda i: hf(x, *qs[i]), copies):7.1f} us"
             print(line, flush=True)
             exact = (x.double() @ dequantize(*qs[0], 128, 128).double().T).float()
-            kinds = [("fp8 GEMV", GEMV_SWEEP, {})] if m == 1 else [("fp8 GEMM", GEMM_SWEEP, {})]
-            kinds += [("fp8 W8A8", W8A8_SWEEP, {"w8a8": True})] if w8a8 else []
-            ranked = []
-            for label, configs, kw in kinds:
-                rows = []
-                for cfg in configs:
-                    try:
-                        us = timed(lambda i: launch_fp8_linear(x, *qs[i], None, 128, 128, config=cfg, **kw), copies)
-                    except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
-                        print(f"    {label} {cfg}: {type(e).__name__}", flush=True)
-                        continue
-                    rows.append((us, cfg))
-                rows.sort()
-                for us, cfg in rows[:3]:
-                    print(f"    {label} {cfg}: {us:7.1f} us  x roofline {us / roof:5.2f}  x bf16 cuBLAS "
-                          f"{us / cublas:5.2f}", flush=True)
-                if rows:  # the fastest against the fp64 product (W8A8 rounds the activations: larger)
-                    got = launch_fp8_linear(x, *qs[0], None, 128, 128, config=rows[0][1], **kw).float()
-                    print(f"    {label} {rows[0][1]} against fp64: max |difference| "
-                          f"{(got - exact).abs().max().item():.3g} (outputs up to {exact.abs().max().item():.3g})")
-                if not kw.get("w8a8"):
-                    ranked += rows
-            if ranked:
-                best[name, m] = min(ranked)
+            label, configs = ("fp8 GEMV", GEMV_SWEEP) if m == 1 else ("fp8 GEMM", GEMM_SWEEP)
+            rows = []
+            for cfg in configs:
+                try:
+                    us = timed(lambda i: launch_fp8_linear(x, *qs[i], None, 128, 128, config=cfg), copies)
+                except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
+                    print(f"    {label} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                rows.append((us, cfg))
+            rows.sort()
+            for us, cfg in rows[:3]:
+                print(f"    {label} {cfg}: {us:7.1f} us  x roofline {us / roof:5.2f}  x bf16 cuBLAS "
+                      f"{us / cublas:5.2f}", flush=True)
+            if rows:  # the fastest against the fp64 product
+                got = launch_fp8_linear(x, *qs[0], None, 128, 128, config=rows[0][1]).float()
+                print(f"    {label} {rows[0][1]} against fp64: max |difference| "
+                      f"{(got - exact).abs().max().item():.3g} (outputs up to {exact.abs().max().item():.3g})")
+                best[name, m] = rows[0]
                 if save:  # after each shape, so that a sweep cut short keeps what it found
                     with open(save, "w") as f:
                         json.dump({tile_key(*SHAPES[s], r): list(cfg) for (s, r), (_, cfg) in best.items()}, f,
@@ -366,7 +356,6 @@ def main():
     ap.add_argument("--tiles", help="time the FP8 step again on the tiles of this file (--save-tiles)")
     ap.add_argument("--shapes", choices=("fused", "all"), default="fused",
                     help="with --sweep: the fused projections' shapes (what the stages run), or also q/k/v/gate/up")
-    ap.add_argument("--w8a8", action="store_true", help="with --sweep: also the GEMM's W8A8 mode")
     ap.add_argument("--pdl", action="store_true",
                     help="also time bf16 and FP8 with programmatic dependent launch (the bits checked equal first)")
     args = ap.parse_args()
@@ -375,7 +364,7 @@ def main():
     print(banner(args.device), flush=True)
     if args.sweep:
         return sweep(args.batch, copy_bandwidth("cuda"), args.hf_kernel, args.save_tiles,
-                     FUSED if args.shapes == "fused" else tuple(SHAPES), args.w8a8)
+                     FUSED if args.shapes == "fused" else tuple(SHAPES))
     overrides = dict(num_hidden_layers=args.layers, **(SMALL if args.small else {}))
     model = build_model("llama-3.1-8b", args.device, **overrides)
     max_len = args.prefix + 8

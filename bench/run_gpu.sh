@@ -7,7 +7,7 @@
 #   (default: the first four)
 # GPU_TESTS: what `tests` runs (default: the whole suite's gpu-marked tests); STEP_TIMEOUT: seconds each step may run
 # (default 540), so one slow step leaves the call's later steps their time. FP8_SWEEP_BATCH / FP8_SWEEP_ARGS: the
-# fp8_sweep step's row counts (default "1 32") and more flags (e.g. --w8a8). The device tool returns at most 8 files
+# fp8_sweep step's row counts (default "1 32") and more flags (e.g. --shapes all). The device tool returns at most 8 files
 # from $OUT: every step writes one log there, the install log and the FP8 tiles go to /tmp.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

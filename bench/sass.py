@@ -135,9 +135,6 @@ def main():
                                  fp8[0] * fp8[1] / fp8[2]),
         "FP8 GEMM at 2 rows (64, 128, 4, 3, 1)": (
             lambda: launch_fp8_linear(x2, w8, s8, None, 128, 128, config=(64, 128, 4, 3, 1)), 64 * 128 / 4),
-        **{f"FP8 W8A8 at 1 row {cfg}": (
-            lambda cfg=cfg: launch_fp8_linear(x, w8, s8, None, 128, 128, config=cfg, w8a8=True), cfg[0] * 128 / cfg[2])
-           for cfg in ((64, 128, 4, 3, 1), (128, 128, 4, 3, 1), (256, 128, 8, 3, 1))},
     }
     rows.update(attention_rows())
     rows.update(expert_rows())

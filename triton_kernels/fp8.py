@@ -108,7 +108,7 @@ if HAVE_TRITON:
     @triton.jit
     def _fp8_gemm_kernel(X, W, S, B, Y, M, N, K, K_PER, stride_x, stride_w, stride_y, stride_split, GK, QN, QK,
                          HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W8A8: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """A ``[BLOCK_M, BLOCK_N]`` output tile of the k-range ``[K_PER * z, K_PER * (z + 1))`` per program; each
         ``BLOCK_K`` step lies inside one k-block, and its partial product is scaled by the weight block's scale as it
         is accumulated. ``SPLIT``: the k-range is one of several, and the tile goes to its fp32 slice of ``Y``
@@ -131,16 +131,7 @@ if HAVE_TRITON:
             w = tl.load(W + rn[None, :].to(tl.int64) * stride_w + rk[:, None],
                         mask=(rn[None, :] < N) & (rk[:, None] < k_hi), other=0.0)
             s = tl.load(s_cols + k0 // QK, mask=rn < N, other=0.0).to(tl.float32)
-            if W8A8:  # each row's BLOCK_K activations quantised to FP8 by their amax / 448, both operands FP8
-                xf = x.to(tl.float32)
-                # IEEE divisions, as torch's: ``/`` is an approximate one on the GPU, whose last bit, in the scale
-                # or the quotient, moves the FP8 rounding of some activations (a 448-wide range in 16 steps)
-                xs = tl.math.div_rn(tl.max(tl.abs(xf), axis=1), 448.0)
-                xs = tl.where(xs > 0, xs, 1.0)  # a row of zeros (or a padding row): any scale
-                xq = tl.math.div_rn(xf, xs[:, None]).to(W.dtype.element_ty)
-                acc += tl.dot(xq, w) * (xs[:, None] * s[None, :])
-            else:
-                acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
+            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]
         out = Y + z.to(tl.int64) * stride_split + rm[:, None].to(tl.int64) * stride_y + rn[None, :]
         ok = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT:
@@ -186,14 +177,6 @@ def linear_config(m: int, n: int, k: int) -> tuple:
     return gemv_config(n, k) if m == 1 else gemm_config(n)
 
 
-W8A8_GROUP = 128  # activations per FP8 scale in ``launch_fp8_linear(..., w8a8=True)``: DeepSeek-V3's group
-
-
-def w8a8_usable(weight: torch.Tensor, block_k: int) -> bool:
-    """Whether ``launch_fp8_linear(..., w8a8=True)`` serves a weight: its k-blocks hold whole activation groups."""
-    return block_k % W8A8_GROUP == 0 or block_k >= weight.shape[1]
-
-
 def gemm_block_m(m: int) -> int:
     """Rows per GEMM tile: the fewest of 16, 32, 64 that cover ``m`` (each extra row tile re-reads the weight)."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
@@ -218,17 +201,11 @@ def _tile_k(block_k: int, k: int, tile: int, spans: bool) -> tuple[int, int]:
     return 128, 1
 
 
-def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=lambda kernel: kernel, config=None,
-                      w8a8: bool = False):
+def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=lambda kernel: kernel, config=None):
     """The Triton path of ``fp8_linear`` (see the module docstring); ``x`` of any leading shape. ``config``
     overrides ``linear_config``: ``(BLOCK_N, BLOCK_K, warps, stages)`` the GEMV's tiles at one row (the GEMM's,
     unsplit, at more), ``(BLOCK_N, BLOCK_K, warps, stages, k-ranges)`` the GEMM's at any row count
-    (``bench/fp8.py --sweep``).
-
-    ``w8a8``: the GEMM at every row count, its activations quantised to FP8 per row and ``W8A8_GROUP`` columns (the
-    amax over 448, as DeepSeek-V3's ``act_quant``), so the tensor cores take both operands as FP8 and no weight is
-    converted. Not what ``fp8_linear`` runs (it changes the numbers): ``bench/fp8.py --sweep`` times it against the
-    weight-only kernels."""
+    (``bench/fp8.py --sweep``)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -238,12 +215,12 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
         return y.reshape(*x.shape[:-1], n)
     s = scale.reshape(-1)
     b = bias if bias is not None else s
-    config = config or (gemm_config(n) if w8a8 else linear_config(m, n, k))
-    if m == 1 and not w8a8 and len(config) == 4:
+    config = config or linear_config(m, n, k)
+    if m == 1 and len(config) == 4:
         _launch_gemv(x2, weight, s, bias, y, block_n, block_k, config, wrap)
     else:
         bn_, bk_, warps, stages, *split = config
-        bk_ = W8A8_GROUP if w8a8 else max(_tile_k(block_k, k, bk_, spans=False)[0], 16)
+        bk_ = max(_tile_k(block_k, k, bk_, spans=False)[0], 16)
         bm_ = gemm_block_m(m)
         gk = scale_grid(n, k, block_n, block_k)[1]
         qk = k if block_k >= k else block_k  # one k-block over the row: every tile reads scale column 0
@@ -252,7 +229,7 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
         wrap(_fp8_gemm_kernel)[(triton.cdiv(m, bm_), triton.cdiv(n, bn_), splits)](
             x2, weight, s, b, out, m, n, k, k_per, x2.stride(0), weight.stride(0), n, m * n, gk, block_n, qk,
             HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # no TF32 for fp32
-            SPLIT=splits > 1, BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, W8A8=w8a8, num_warps=warps, num_stages=stages,
+            SPLIT=splits > 1, BLOCK_M=bm_, BLOCK_N=bn_, BLOCK_K=bk_, num_warps=warps, num_stages=stages,
             **launch_options(x2))
         if splits > 1:
             wrap(split_sum_kernel)[(triton.cdiv(m * n, 1024),)](

@@ -706,68 +706,6 @@ def test_fp8_expert_ops_torch_path_equals_fp64_reference():
     assert got.dtype == torch.float32 and torch.equal(got, want.float())  # one rounding of an exact product
 
 
-def w8a8_inputs(m, k, dtype, device="cpu"):
-    """Activations whose 128-wide groups each hold a +-448 times a power of two and FP8 values times the same power:
-    quantising them to FP8 by the group's amax / 448 is exact (no value rounds), so a kernel's result can be compared
-    with exact arithmetic even under Triton's interpreter (whose float-to-FP8 conversion rounds some carries down).
-    Row 1 is zeros."""
-    gen = torch.Generator().manual_seed(m * k)
-    groups = -(-k // 128)
-    v = (torch.randn(m, groups, 128, generator=gen) * 60).clamp(-448, 448).to(FP8).float()
-    v[:, :, 0] = 448.0 * torch.sign(torch.randn(m, groups, generator=gen))
-    power = torch.randint(-4, 3, (m, groups, 1), generator=gen).float().exp2()
-    x = (v * power).flatten(1)[:, :k]
-    if m > 1:
-        x[1] = 0
-    return x.to(dtype).to(device)
-
-
-@pytest.mark.parametrize("n,k,bn,bk,m", [(200, 300, 128, 128, 1), (130, 256, 64, 128, 5), (100, 640, 48, 128, 17),
-                                         (7, 33, 1, 33, 3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_w8a8_kernel_equals_exact_arithmetic(n, k, bn, bk, m, dtype):
-    """``launch_fp8_linear(..., w8a8=True)``: activations quantised per row and 128 columns, FP8 times FP8 on the
-    tensor cores (interpreted), each partial product scaled by both scales; a row of zeros and the padding rows of a
-    tile give no NaN."""
-    from ppsplit.triton_kernels.fp8 import launch_fp8_linear, w8a8_usable
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs the Triton kernels on CPU tensors, which needs TRITON_INTERPRET=1 (conftest)")
-    torch.manual_seed(n + k)
-    q, scale = quantize_blocks(torch.randn(n, k), bn, bk)
-    x, bias = w8a8_inputs(m, k, dtype), torch.randn(n).to(dtype)
-    assert w8a8_usable(q, bk)
-    ref = x.double() @ reference_dequant(q, scale, bn, bk).T + bias.double()  # exact: x quantises without rounding
-    got = launch_fp8_linear(x, q, scale, bias, bn, bk, w8a8=True)
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
-    assert not got.isnan().any()
-    torch.testing.assert_close(got.double(), ref, atol=tol * math.sqrt(k), rtol=tol)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 5, 32])
-def test_w8a8_kernel_on_gpu_equals_torch_quantisation(m):
-    """bf16 on the GPU, random activations (their FP8 rounding is the hardware's, which the interpreter cannot give)
-    and a row of zeros: the kernel against the same quantisation done by torch, then fp64 products. At 32 rows this
-    failed (up to 0.93) while the kernel's divisions were Triton's approximate ones (RESULTS section 37)."""
-    from ppsplit.triton_kernels.fp8 import launch_fp8_linear
-
-    n, k = 640, 1024
-    q, scale = quantize_blocks(torch.randn(n, k), 128, 128)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
-    if m > 1:
-        x[1] = 0
-    groups = x.float().unflatten(-1, (-1, 128))
-    xs = groups.abs().amax(-1, keepdim=True) / 448.0
-    xs = torch.where(xs > 0, xs, torch.ones_like(xs))
-    xd = ((groups.cuda() / xs.cuda()).to(FP8).double().cpu() * xs.double()).flatten(1)
-    ref = xd @ reference_dequant(q, scale, 128, 128).T
-    got = launch_fp8_linear(x.cuda(), q.cuda(), scale.cuda(), None, 128, 128, w8a8=True).double().cpu()
-    assert not got.isnan().any()
-    torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fp8_grouped_kernel_on_gpu_equals_reference_and_replays_any_routing():
