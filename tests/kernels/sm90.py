@@ -57,17 +57,23 @@ def compile_only(compiled: list):
         driver._active = saved
 
 
-def paged_attention_launch(lengths, counts, hq=32, hkv=8, d=128, block=16):
-    """The paged attention over a ragged step built as the stages build it (``RaggedStep``, int64 metadata):
-    sequence ``s`` at ``lengths[s]`` with ``counts[s]`` new tokens, blocks in order."""
+def ragged_step(lengths, counts, block):
+    """``(step, layout)``: a ragged step built as the stages build it (``RaggedStep``, int64 metadata), sequence
+    ``s`` at ``lengths[s]`` with ``counts[s]`` new tokens, blocks in order."""
     from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment
-    from ppsplit.triton_kernels.paged import launch_paged_attention
 
     need = [-(-(n + c) // block) for n, c in zip(lengths, counts)]
     layout = CacheLayout(slots=len(lengths), blocks_per_seq=max(need), block_size=block, num_blocks=sum(need))
     firsts = [sum(need[:s]) for s in range(len(need))]
     tables = {s: list(range(first, first + count)) for s, (first, count) in enumerate(zip(firsts, need))}
-    step = RaggedStep.build([Segment(s, n, c) for s, (n, c) in enumerate(zip(lengths, counts))], tables, layout)
+    return RaggedStep.build([Segment(s, n, c) for s, (n, c) in enumerate(zip(lengths, counts))], tables, layout), layout
+
+
+def paged_attention_launch(lengths, counts, hq=32, hkv=8, d=128, block=16):
+    """The paged attention over ``ragged_step(lengths, counts, block)``."""
+    from ppsplit.triton_kernels.paged import launch_paged_attention
+
+    step, layout = ragged_step(lengths, counts, block)
     q = torch.randn(1, step.num_tokens, hq, d, dtype=BF16).transpose(1, 2)
     keys, values = (torch.randn(layout.num_blocks, block, hkv, d, dtype=BF16) for _ in range(2))
     return lambda **over: launch_paged_attention(q, keys, values, step.positions, step.seq, step.block_table,
@@ -77,12 +83,9 @@ def paged_attention_launch(lengths, counts, hq=32, hkv=8, d=128, block=16):
 def latent_fp8_launch(heads=128, r=512, dr=64, dn=128, dv=128, block=64):
     """DeepSeek-V3's MLA decode over paged latents with its FP8 ``kv_b_proj`` (128-blocks) read as stored: ``W_uk``
     transposed and ``W_uv`` through the grouped FP8 kernel, 4 sequences of one token."""
-    from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment
     from ppsplit.triton_kernels.paged import latent_fp8_views, launch_paged_latent_attention
 
-    layout = CacheLayout(slots=4, blocks_per_seq=4, block_size=block, num_blocks=16)
-    tables = {s: list(range(4 * s, 4 * s + 4)) for s in range(4)}
-    step = RaggedStep.build([Segment(s, 100 + 30 * s, 1) for s in range(4)], tables, layout)
+    step, layout = ragged_step([100 + 30 * s for s in range(4)], [1] * 4, block)
     q = torch.randn(1, step.num_tokens, heads, dn + dr, dtype=BF16).transpose(1, 2)
     latents = torch.randn(layout.num_blocks, block, 1, r, dtype=BF16)
     ropes = torch.randn(layout.num_blocks, block, 1, dr, dtype=BF16)
