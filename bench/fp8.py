@@ -377,9 +377,10 @@ def main():
     results = {}
     for variant in ("bf16", "fp8", FP8_APART):
         # Both as ppsplit runs them by default. bf16: a split with its defaults (fused projections, pointwise
-        # kernels, the GEMV at one row, SiLU-and-multiply folded into the gate/up GEMV). FP8: the projections rewritten onto FP8 weights before the GEMV routing,
-        # as a compiled FP8 folder is loaded, so the GEMV serves what stays bf16 (lm_head); the pointwise pass runs
-        # again, as load runs it on FP8 projections, and folds each SiLU-and-multiply into its gate/up GEMV
+        # kernels, the GEMV at one row, SiLU-and-multiply folded into the gate/up GEMV). FP8: the projections
+        # rewritten onto FP8 weights before the GEMV routing, as a compiled FP8 folder is loaded, so the GEMV
+        # serves what stays bf16 (lm_head); the pointwise pass runs again, as load runs it on FP8 projections, and
+        # folds each SiLU-and-multiply into its gate/up GEMV
         # (FP8_APART: not, the kernels before the fold).
         split = ppsplit.split_model(traced, pp=1, gemv=variant == "bf16")
         stage = split.stages[0]

@@ -221,8 +221,9 @@ def _(q, weights, keys, positions, seq, block_table, scale, topk):
 def paged_latent_attention(q: torch.Tensor, latents: torch.Tensor, ropes: torch.Tensor, weight: torch.Tensor,
                            nope_dim: int, positions: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
                            seq_start: torch.Tensor, seq_count: torch.Tensor, scale: float, window: int,
-                           softcap: float, selected: Optional[torch.Tensor], weight_scale: Optional[torch.Tensor] = None,
-                           block_n: int = 0, block_k: int = 0) -> torch.Tensor:
+                           softcap: float, selected: Optional[torch.Tensor],
+                           weight_scale: Optional[torch.Tensor] = None, block_n: int = 0,
+                           block_k: int = 0) -> torch.Tensor:
     """Ragged MLA over paged latents (see the module docstring). ``[1, H, N, dv]``, stored as ``[1, N, H, dv]``.
     ``weight_scale``: ``weight`` is FP8 with these ``(block_n, block_k)`` block scales; on CUDA its two per-head
     products read it as stored where its blocks hold whole heads (``latent_fp8_views``), else it is dequantised."""
@@ -729,7 +730,8 @@ def latent_fp8_views(weight, weight_scale, block_n: int, block_k: int, heads: in
 
 
 def _per_head(x, weight, scale, block_n: int, block_k: int):
-    """``x [1, H, N, K]`` times each head's ``weight [H, M, K]`` (FP8, ``launch_fp8_grouped_mm``) -> ``[1, H, N, M]``."""
+    """``x [1, H, N, K]`` times each head's ``weight [H, M, K]`` (FP8, ``launch_fp8_grouped_mm``): ``[1, H, N,
+    M]``."""
     from ppsplit.triton_kernels.fp8 import launch_fp8_grouped_mm
 
     heads, n = x.shape[1], x.shape[2]
