@@ -8,18 +8,22 @@ test's tolerance (2e-2 + 1e-2 |ref|).
 """
 from __future__ import annotations
 
+import sys
+
 import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from fp8 import quantize  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 GROUP = 128
 
 
 def weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """A random ``[n, k]`` weight as FP8 128x128 blocks dequantise it (the test's ``quantize_blocks``), in fp64."""
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    blocks = w.view(n // GROUP, GROUP, k // GROUP, GROUP)
-    scale = blocks.abs().amax(dim=(1, 3), keepdim=True) / 448.0
-    return ((blocks / scale).to(FP8).double() * scale.double()).view(n, k)
+    """A random ``[n, k]`` weight as its FP8 128x128 blocks (``bench/fp8.py``'s ``quantize``) dequantise it, in
+    fp64."""
+    q, scale = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), GROUP)
+    return (q.double().view(n // GROUP, GROUP, k // GROUP, GROUP) * scale.double()[:, None, :, None]).view(n, k)
 
 
 def product(x: torch.Tensor, scale: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
