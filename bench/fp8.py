@@ -35,6 +35,7 @@ On the CPU (the Triton kernels need a GPU) the HF variant runs a torch reference
     python bench/fp8.py --tiles out/tiles.json   # the step again on those tiles, beside linear_config's
 """
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -141,6 +142,18 @@ SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "d
           "qkv": (6144, 4096), "gate_up": (28672, 4096)}
 FUSED = ("qkv", "q/o", "gate_up", "down")  # what ppsplit's stages run by default (fused sibling projections)
 FP8_APART = "fp8, silu_mul apart"  # the FP8 step without the fold of SiLU-and-multiply into the gate/up GEMV
+QKV_APART = {"bf16": "bf16, rope apart", "fp8": "fp8, rope apart"}  # without the rotary fold into the q/k/v GEMV
+
+
+def qkv_fold(on: bool):
+    """A context without the fold of each layer's rotary and cache writes into its q/k/v GEMV (``on=False``)."""
+    stack = contextlib.ExitStack()
+    if not on:
+        from ppsplit.passes.rewrites import gemv, pointwise
+
+        for module in (gemv, pointwise):
+            stack.enter_context(mock.patch.object(module, "fold_qkv_rotation", lambda node, projection: False))
+    return stack
 GEMV_SWEEP = [(bn, 2048, w, st) for bn in (2, 4, 8) for w in (4, 8) for st in (2, 4)]
 GEMM_SWEEP = [(bn, 128, 4, st, split) for bn in (32, 64, 128) for st in (3, 4) for split in (1, 2, 4)]
 L2_BYTES = 120 << 20  # over twice an H200's 50 MiB L2: the sweep's timed calls read weights from HBM
@@ -375,22 +388,26 @@ def main():
     w8a8 = hf_kernel(args.hf_kernel, args.device)
     first = None  # ppsplit FP8's first step, for the HF variant's check
     results = {}
-    for variant in ("bf16", "fp8", FP8_APART):
+    for variant in ("bf16", "fp8", FP8_APART, QKV_APART["bf16"], QKV_APART["fp8"]):
         # Both as ppsplit runs them by default. bf16: a split with its defaults (fused projections, pointwise
-        # kernels, the GEMV at one row, SiLU-and-multiply folded into the gate/up GEMV). FP8: the projections
-        # rewritten onto FP8 weights before the GEMV routing, as a compiled FP8 folder is loaded, so the GEMV
-        # serves what stays bf16 (lm_head); the pointwise pass runs again, as load runs it on FP8 projections, and
-        # folds each SiLU-and-multiply into its gate/up GEMV
-        # (FP8_APART: not, the kernels before the fold).
-        split = ppsplit.split_model(traced, pp=1, gemv=variant == "bf16")
-        stage = split.stages[0]
-        if variant != "bf16":
-            n = to_fp8(stage)
-            apply_rewrites(stage, StageOptions(fuse_projections=False, fuse_pointwise=variant == "fp8", gemv=True),
-                           torch.device(args.device))
-            print(f"{variant}: {n} projections on FP8 weights (128x128 blocks), "
-                  f"{stage.meta.get('ppsplit.pointwise', {}).get('fp8_linear_silu_mul', 0)} SiLU-and-multiply "
-                  "folded into them", flush=True)
+        # kernels, the GEMV at one row, SiLU-and-multiply folded into the gate/up GEMV, the rotary and the cache
+        # writes into the q/k/v GEMV). FP8: the projections rewritten onto FP8 weights before the GEMV routing, as
+        # a compiled FP8 folder is loaded, so the GEMV serves what stays bf16 (lm_head); the pointwise pass runs
+        # again, as load runs it on FP8 projections, and folds each SiLU-and-multiply into its gate/up GEMV and
+        # each rotation and cache write into its q/k/v GEMV (FP8_APART: neither, the kernels before the folds;
+        # QKV_APART: all but the q/k/v fold).
+        fp8_weights, n = variant.startswith("fp8"), 0
+        with qkv_fold(variant not in QKV_APART.values()):
+            split = ppsplit.split_model(traced, pp=1, gemv=not fp8_weights)
+            stage = split.stages[0]
+            if fp8_weights:
+                n = to_fp8(stage)
+                apply_rewrites(stage, StageOptions(fuse_projections=False, fuse_pointwise=variant != FP8_APART,
+                                                   gemv=True), torch.device(args.device))
+        folds = {op: sum(str(node.target).startswith(f"ppsplit.{op}.") for node in stage.graph.nodes)
+                 for op in ("linear_rope_write", "fp8_linear_silu_mul", "linear_silu_mul")}
+        print(f"{variant}: {n} projections on FP8 weights (128x128 blocks); "
+              f"folded: {folds}", flush=True)
         weights = stored_bytes(stage)
         for batch in args.batch:
             run = stage_runs(split, batch, 1, args.prefix, args.device)
@@ -403,7 +420,7 @@ def main():
                 with swept_tiles(args.tiles):
                     run = stage_runs(split, batch, 1, args.prefix, args.device)
                 results["fp8, swept tiles", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
-            if args.pdl and variant != FP8_APART:
+            if args.pdl and variant in ("bf16", "fp8"):
                 ms = programmatic_step(split, run, batch, args)
                 results[f"{variant} + PDL", batch] = ms if isinstance(ms, str) else (ms, step_bytes)
         if variant == "fp8" and w8a8 is not None and args.device == "cuda":

@@ -13,3 +13,4 @@ from ppsplit.triton_kernels.paged import paged_attention, paged_conv1d, paged_wr
 from ppsplit.triton_kernels.fp8 import fp8_linear  # noqa: F401,E402
 from ppsplit.triton_kernels.pointwise import rope, silu_mul  # noqa: F401,E402
 from ppsplit.triton_kernels.mxfp4 import mxfp4_grouped_mm  # noqa: F401,E402
+from ppsplit.triton_kernels.qkv import linear_rope_write  # noqa: F401,E402

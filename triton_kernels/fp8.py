@@ -30,12 +30,12 @@ from typing import Optional
 import torch
 
 from ppsplit.triton_kernels.common import HAVE_TRITON, launch_options, on_gpu, register, tl, triton, wrap_triton
-from ppsplit.triton_kernels.gemv import check_halves
+from ppsplit.triton_kernels.gemv import check_halves, rope_arguments
 from ppsplit.triton_kernels.pointwise import compiled, silu_mul_of
 
 if HAVE_TRITON:
     from ppsplit.triton_kernels.common import prefetch_l2, wait_for_previous
-    from ppsplit.triton_kernels.gemv import gated_rows, store_rows
+    from ppsplit.triton_kernels.gemv import gated_rows, rope_store, store_rows
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -59,10 +59,10 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k:
 if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["zero"])
-    def _fp8_gemv_kernel(X, W, S, B, Y, N, K, stride_w, GK, QN, QK, GATE, UP, zero,
-                         HAS_BIAS: tl.constexpr, ONE_K_BLOCK: tl.constexpr, SUB: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, LIBDEVICE: tl.constexpr,
-                         PDL: tl.constexpr, LINES: tl.constexpr):
+    def _fp8_gemv_kernel(X, W, S, B, Y, N, K, stride_w, GK, QN, QK, GATE, UP, zero, C, SN, POOL, VPOOL, SLOTS, HQ,
+                         HKV, HAS_BIAS: tl.constexpr, ONE_K_BLOCK: tl.constexpr, SUB: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, HALF_D: tl.constexpr,
+                         LIBDEVICE: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr):
         """``BLOCK_N`` whole weight rows per program. A ``BLOCK_K`` tile spans ``SUB`` k-blocks (``SUB = 1``: the
         tile lies inside one): its products are summed per k-block and scaled by that block's scale, so the scales
         cost ``SUB`` loads per row and tile, not one per weight. ``ONE_K_BLOCK``: one scale per row (per channel,
@@ -71,10 +71,12 @@ if HAVE_TRITON:
         ``GLU``: the ``N`` outputs are ``silu(y[GATE + i]) * y[UP + i]`` of the projection ``y`` (a fused gate/up
         weight): a program's rows are the gate rows of its ``BLOCK_N // 2`` outputs, then their up rows, and ``y`` is
         rounded to the output dtype, then multiplied as ``silu_mul`` does (``zero``, ``LIBDEVICE``: see there).
+        ``HALF_D > 0``: a fused q/k/v projection's rotation pairs, whose epilogue rotates and writes the keys and
+        values (``gemv.rope_store``, over ``C`` ... ``HKV``; ``SN`` its ``sin``), with ``Y`` the rotated query.
 
         ``PDL`` (``common.launch_options``): the first tile's ``LINES`` 128-byte lines of each row are prefetched into
         L2 before the kernel waits for the one that writes ``X``."""
-        rows, row_ok = gated_rows(N, GATE, UP, BLOCK_N, GLU)
+        rows, row_ok = gated_rows(N, GATE, UP, BLOCK_N, GLU, HALF_D)
         w_rows = W + rows[:, None].to(tl.int64) * stride_w
         s_rows = S + (rows // QN) * GK
         if PDL:
@@ -103,7 +105,10 @@ if HAVE_TRITON:
             y *= tl.load(s_rows, mask=row_ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-        store_rows(Y, y, rows, row_ok, N, zero, BLOCK_N, GLU, LIBDEVICE)
+        if HALF_D > 0:
+            rope_store(y, N, zero, C, SN, Y, POOL, VPOOL, SLOTS, HQ, HKV, BLOCK_N, HALF_D)
+        else:
+            store_rows(Y, y, rows, row_ok, N, zero, BLOCK_N, GLU, LIBDEVICE)
 
     @triton.jit
     def _fp8_gemm_kernel(X, W, S, B, Y, M, N, K, K_PER, stride_x, stride_w, stride_y, stride_split, GK, QN, QK,
@@ -244,21 +249,23 @@ def k_ranges(k: int, splits: int, tile: int) -> tuple[int, int]:
     return k_per, triton.cdiv(k, k_per)
 
 
-def _launch_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, wrap, glu=None):
+def _launch_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, wrap, glu=None, rope=None):
     """The one-row kernel into ``y``, on ``config``'s ``(BLOCK_N, BLOCK_K, warps, stages)``. ``glu``: the
-    ``(gate, up)`` offsets of ``launch_fp8_linear_silu_mul`` (``y`` is then its ``width`` wide output)."""
+    ``(gate, up)`` offsets of ``launch_fp8_linear_silu_mul`` (``y`` is then its ``width`` wide output). ``rope``:
+    a ``gemv.RopeEpilogue`` (``y`` is then its query)."""
     n, k = weight.shape
     gk = scale_grid(n, k, block_n, block_k)[1]
     one = block_k >= k
     bn_, bk_, warps, stages = config
     bk_, sub = _tile_k(block_k, k, bk_, spans=True)
-    outputs = y.shape[-1]
+    outputs = n if rope is not None else y.shape[-1]
     if glu is not None:
         check_halves(n, *glu, outputs, bn_)
     wrap(_fp8_gemv_kernel)[(triton.cdiv(outputs, bn_ // 2 if glu else bn_),)](
         x2, weight, s, bias if bias is not None else s, y, outputs, k, weight.stride(0), gk, block_n,
-        k if one else block_k, *(glu or (0, 0)), 0, HAS_BIAS=bias is not None, ONE_K_BLOCK=one, SUB=sub,
-        BLOCK_N=bn_, BLOCK_K=bk_, GLU=glu is not None, LIBDEVICE=compiled(), LINES=max(bk_ // 128, 1),
+        k if one else block_k, *(glu or (0, 0)), 0, *rope_arguments(rope, x2), HAS_BIAS=bias is not None,
+        ONE_K_BLOCK=one, SUB=sub, BLOCK_N=bn_, BLOCK_K=bk_, GLU=glu is not None,
+        HALF_D=rope.half_d if rope is not None else 0, LIBDEVICE=compiled(), LINES=max(bk_ // 128, 1),
         num_warps=warps, num_stages=stages, **launch_options(x2))
 
 

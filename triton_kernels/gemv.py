@@ -12,7 +12,7 @@ so on the GPU the result is not bit-equal to it (both accumulate in fp32).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -22,7 +22,7 @@ from ppsplit.triton_kernels.pointwise import compiled, silu_mul_of
 
 if HAVE_TRITON:
     from ppsplit.triton_kernels.common import prefetch_l2, wait_for_previous
-    from ppsplit.triton_kernels.pointwise import silu_mul_rounded
+    from ppsplit.triton_kernels.pointwise import rounded, silu_mul_rounded
 
 DEFAULT_CONFIG = (16, 512, 4, 4)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) when no config is given
 
@@ -30,11 +30,18 @@ DEFAULT_CONFIG = (16, 512, 4, 4)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) wh
 if HAVE_TRITON:
 
     @triton.jit
-    def gated_rows(N, GATE, UP, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+    def gated_rows(N, GATE, UP, BLOCK_N: tl.constexpr, GLU: tl.constexpr, HALF_D: tl.constexpr):
         """``(rows, row_ok)``: a one-row GEMV program's ``BLOCK_N`` weight rows, and which serve one of the ``N``
         outputs. ``GLU`` (outputs ``silu(y[GATE + i]) * y[UP + i]`` of a fused gate/up projection ``y``): the gate
-        rows of the program's ``BLOCK_N // 2`` outputs, then their up rows, on the tile a plain GEMV uses."""
+        rows of the program's ``BLOCK_N // 2`` outputs, then their up rows, on the tile a plain GEMV uses.
+        ``HALF_D > 0`` (a fused q/k/v projection whose epilogue rotates, ``rope_store``): the first rows of the
+        program's ``BLOCK_N // 2`` rotation pairs (head ``h``'s rows ``2 * HALF_D * h + j`` and ``+ HALF_D``), then
+        their second rows."""
         i = tl.arange(0, BLOCK_N)
+        if HALF_D > 0:
+            pair = tl.program_id(0) * (BLOCK_N // 2) + i % (BLOCK_N // 2)
+            rows = (pair // HALF_D) * (2 * HALF_D) + pair % HALF_D + tl.where(i < BLOCK_N // 2, 0, HALF_D)
+            return rows, rows < N
         if GLU:
             outs = tl.program_id(0) * (BLOCK_N // 2) + i % (BLOCK_N // 2)
             rows = tl.where(i < BLOCK_N // 2, GATE, UP) + outs
@@ -42,6 +49,43 @@ if HAVE_TRITON:
             outs = tl.program_id(0) * BLOCK_N + i
             rows = outs
         return rows, outs < N
+
+    @triton.jit
+    def rope_store(y, N, zero, C, S, QO, POOL, VPOOL, SLOTS, HQ, HKV, BLOCK_N: tl.constexpr,
+                   HALF_D: tl.constexpr):
+        """The epilogue of a one-row fused q/k/v projection (``gated_rows``' rotation pairs; ``y`` fp32, bias
+        added): each value rounded to ``QO``'s dtype as the projection's output is, then as ``rope_write`` goes on
+        (``pointwise._rotate``, bit for bit): the query heads (``h < HQ``) rotated by ``cos`` / ``sin`` at ``C`` /
+        ``S`` into ``QO`` (``[HQ, D]`` rows), and where the token's slot is not negative the key heads rotated into
+        the key pool's row ``slot`` (``[HKV, D]``) and the value's features (the heads after them) into the value
+        pool's."""
+        dt = QO.dtype.element_ty
+        x1, x2 = tl.split(tl.permute(tl.reshape(y.to(dt).to(tl.float32), [2, BLOCK_N // 2]), [1, 0]))
+        pair = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        h = pair // HALF_D
+        j = pair % HALF_D
+        ok = h * (2 * HALF_D) < N
+        rotated = ok & (h < HQ + HKV)
+        c1 = tl.load(C + j, mask=rotated, other=0.0).to(tl.float32)
+        c2 = tl.load(C + j + HALF_D, mask=rotated, other=0.0).to(tl.float32)
+        s1 = tl.load(S + j, mask=rotated, other=0.0).to(tl.float32)
+        s2 = tl.load(S + j + HALF_D, mask=rotated, other=0.0).to(tl.float32)
+        # out = round(round(x * cos) + round(rotate_half(x) * sin)), rotate_half(x) = (-x2, x1)
+        o1 = rounded(rounded(x1, c1, zero, dt, False), rounded(-x2, s1, zero, dt, False), zero, dt, True).to(dt)
+        o2 = rounded(rounded(x2, c2, zero, dt, False), rounded(x1, s2, zero, dt, False), zero, dt, True).to(dt)
+        q = QO + h * (2 * HALF_D) + j
+        tl.store(q, o1, mask=ok & (h < HQ))
+        tl.store(q + HALF_D, o2, mask=ok & (h < HQ))
+        slot = tl.load(SLOTS).to(tl.int64)
+        if slot >= 0:
+            k = POOL + slot * (HKV * 2 * HALF_D) + (h - HQ) * (2 * HALF_D) + j
+            is_k = ok & (h >= HQ) & (h < HQ + HKV)
+            tl.store(k, o1.to(POOL.dtype.element_ty), mask=is_k)
+            tl.store(k + HALF_D, o2.to(POOL.dtype.element_ty), mask=is_k)
+            v = VPOOL + slot * (N - (HQ + HKV) * (2 * HALF_D)) + (h - HQ - HKV) * (2 * HALF_D) + j
+            is_v = ok & (h >= HQ + HKV)
+            tl.store(v, x1.to(dt).to(VPOOL.dtype.element_ty), mask=is_v)
+            tl.store(v + HALF_D, x2.to(dt).to(VPOOL.dtype.element_ty), mask=is_v)
 
     @triton.jit
     def store_rows(Y, y, rows, row_ok, N, zero, BLOCK_N: tl.constexpr, GLU: tl.constexpr, LIBDEVICE: tl.constexpr):
@@ -57,14 +101,15 @@ if HAVE_TRITON:
             tl.store(Y + rows, y.to(dt), mask=row_ok)
 
     @triton.jit(do_not_specialize=["zero"])
-    def _gemv_kernel(X, W, B, Y, N, K, stride_w, GATE, UP, zero,
+    def _gemv_kernel(X, W, B, Y, N, K, stride_w, GATE, UP, zero, C, S, POOL, VPOOL, SLOTS, HQ, HKV,
                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GLU: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
-                     LINE: tl.constexpr):
-        """``BLOCK_N`` whole weight rows per program (``GLU``: see ``gated_rows``). ``PDL``
+                     GLU: tl.constexpr, HALF_D: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+                     LINES: tl.constexpr, LINE: tl.constexpr):
+        """``BLOCK_N`` whole weight rows per program (``GLU``, ``HALF_D``: see ``gated_rows``; ``HALF_D > 0``: the
+        epilogue is ``rope_store``'s, over ``C`` ... ``HKV``, with ``Y`` the rotated query). ``PDL``
         (``common.launch_options``): the first tile's ``LINES`` 128-byte lines (``LINE`` weights each) of each row
         are prefetched into L2 before the kernel waits for the one that writes ``X``."""
-        rows, row_ok = gated_rows(N, GATE, UP, BLOCK_N, GLU)
+        rows, row_ok = gated_rows(N, GATE, UP, BLOCK_N, GLU, HALF_D)
         w_rows = W + rows[:, None].to(tl.int64) * stride_w
         if PDL:
             lines = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
@@ -83,7 +128,10 @@ if HAVE_TRITON:
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-        store_rows(Y, y, rows, row_ok, N, zero, BLOCK_N, GLU, LIBDEVICE)
+        if HALF_D > 0:
+            rope_store(y, N, zero, C, S, Y, POOL, VPOOL, SLOTS, HQ, HKV, BLOCK_N, HALF_D)
+        else:
+            store_rows(Y, y, rows, row_ok, N, zero, BLOCK_N, GLU, LIBDEVICE)
 
 
 def gemv_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -94,10 +142,11 @@ def gemv_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def launch_gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None, *, config=None,
-                wrap=lambda kernel: kernel, glu: tuple[int, int, int] | None = None) -> torch.Tensor:
+                wrap=lambda kernel: kernel, glu: tuple[int, int, int] | None = None, rope=None) -> torch.Tensor:
     """``x @ w.T + b`` for ``x`` with one row (any leading shape); returns ``x.shape[:-1] + (N,)``. ``glu``:
     ``(gate, up, width)``, the ``width`` outputs ``silu_mul(y[..., gate:gate + width], y[..., up:up + width])``
-    instead (``linear_silu_mul``)."""
+    instead (``linear_silu_mul``). ``rope``: a ``RopeEpilogue``, whose rotated query is returned instead
+    (``linear_rope_write``)."""
     N, K = w.shape
     block_n, block_k, warps, stages = config or DEFAULT_CONFIG
     block_k = min(block_k, triton.next_power_of_2(K))
@@ -106,13 +155,36 @@ def launch_gemv(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = No
     gate, up, outputs = glu or (0, 0, N)
     if glu is not None:
         check_halves(N, *glu, block_n)
-    y = torch.empty(*x.shape[:-1], outputs, dtype=x.dtype, device=x.device)
+    y = rope.query if rope is not None else torch.empty(*x.shape[:-1], outputs, dtype=x.dtype, device=x.device)
     wrap(_gemv_kernel)[(triton.cdiv(outputs, block_n // 2 if glu else block_n),)](
-        xc, w, b if b is not None else xc, y, outputs, K, w.stride(0), gate, up, 0,
+        xc, w, b if b is not None else xc, y, outputs, K, w.stride(0), gate, up, 0, *rope_arguments(rope, xc),
         HAS_BIAS=b is not None, EVEN_K=K % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu is not None,
-        LIBDEVICE=compiled(), LINES=max(block_k * w.element_size() // 128, 1), LINE=128 // w.element_size(),
-        num_warps=warps, num_stages=stages, **launch_options(xc))
+        HALF_D=rope.half_d if rope is not None else 0, LIBDEVICE=compiled(),
+        LINES=max(block_k * w.element_size() // 128, 1), LINE=128 // w.element_size(), num_warps=warps,
+        num_stages=stages, **launch_options(xc))
     return y
+
+
+class RopeEpilogue(NamedTuple):
+    """What a one-row GEMV's ``rope_store`` epilogue writes (``linear_rope_write``): the rotated ``query`` out
+    (``[1, HQ, 1, D]``), the token's ``cos`` / ``sin`` rows, the key and value pools and the token's slot (one
+    element), the query and key head counts, and half the head dimension."""
+    query: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pool: torch.Tensor
+    other_pool: torch.Tensor
+    slots: torch.Tensor
+    q_heads: int
+    kv_heads: int
+    half_d: int
+
+
+def rope_arguments(rope: Optional[RopeEpilogue], dummy: torch.Tensor) -> tuple:
+    """The ``C, S, POOL, VPOOL, SLOTS, HQ, HKV`` arguments of a GEMV kernel (``dummy`` where there is no ``rope``)."""
+    if rope is None:
+        return (dummy,) * 5 + (0, 0)
+    return rope.cos, rope.sin, rope.pool, rope.other_pool, rope.slots, rope.q_heads, rope.kv_heads
 
 
 def check_halves(n: int, gate: int, up: int, width: int, block_n: int) -> None:

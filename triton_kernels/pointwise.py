@@ -33,7 +33,7 @@ if HAVE_TRITON:
     from ppsplit.triton_kernels.common import wait_for_previous
 
     @triton.jit
-    def _rounded(a, b, zero, dt: tl.constexpr, ADD: tl.constexpr):
+    def rounded(a, b, zero, dt: tl.constexpr, ADD: tl.constexpr):
         """``a * b`` (``ADD``: ``a + b``) in fp32, rounded to ``dt``, back in fp32: one ATen op on half values.
         ``zero`` is a runtime 0 added to the result's bits. Written plainly, the kernel was one ulp off ATen in about
         a quarter of the values on an H200: most likely the compiler narrowed a product of half values to an fp16
@@ -55,8 +55,8 @@ if HAVE_TRITON:
         s2 = tl.load(s + HALF_D, mask=ok, other=0.0).to(tl.float32)
         dt = x.dtype.element_ty
         # out = round(round(x * cos) + round(rotate_half(x) * sin)), rotate_half(x) = (-x2, x1)
-        o1 = _rounded(_rounded(x1, c1, zero, dt, False), _rounded(-x2, s1, zero, dt, False), zero, dt, True)
-        o2 = _rounded(_rounded(x2, c2, zero, dt, False), _rounded(x1, s2, zero, dt, False), zero, dt, True)
+        o1 = rounded(rounded(x1, c1, zero, dt, False), rounded(-x2, s1, zero, dt, False), zero, dt, True)
+        o2 = rounded(rounded(x2, c2, zero, dt, False), rounded(x1, s2, zero, dt, False), zero, dt, True)
         tl.store(o, o1.to(dt).to(o.dtype.element_ty), mask=ok)
         tl.store(o + HALF_D, o2.to(dt).to(o.dtype.element_ty), mask=ok)
 
@@ -118,7 +118,7 @@ if HAVE_TRITON:
         else:
             e = tl.exp(-a)
         act = tl.math.div_rn(a, 1.0 + e).to(dt).to(tl.float32)  # ATen's silu, rounded
-        return _rounded(act, b, zero, dt, False)
+        return rounded(act, b, zero, dt, False)
 
 
 def compiled() -> bool:

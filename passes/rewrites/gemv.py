@@ -10,8 +10,10 @@ Routed: ``aten.linear(x, W[, b])``, ``aten.mm(x, W.t())`` and ``aten.addmm(b, x,
 the stage holds, with ``W`` stored ``[out, in]`` and at least ``MIN_OUT`` outputs (the same recognition as
 ``passes.projections``). Then a gated MLP's ``silu_mul`` of the two halves of a routed gate/up projection (the
 pointwise pass's op; ``passes.rewrites.pointwise.gated_halves``) folds into it, ``ppsplit::linear_silu_mul``: at one
-row the GEMV's epilogue multiplies (bit-equal to the GEMV and ``silu_mul``'s kernel), elsewhere the two ops. Runs in
-``split_model`` and ``load_stage`` unless ``gemv=False``.
+row the GEMV's epilogue multiplies (bit-equal to the GEMV and ``silu_mul``'s kernel), elsewhere the two ops. And a
+paged stage's ``rope_write`` of a routed fused q/k/v projection's heads folds into it, ``ppsplit::linear_rope_write``
+(``passes.rewrites.pointwise.fold_qkv_rotation``): at one row the GEMV's epilogue rotates the query and keys and
+writes the keys and values. Runs in ``split_model`` and ``load_stage`` unless ``gemv=False``.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from torch import fx
 
 import ppsplit.triton_kernels.gemv  # noqa: F401  (registers torch.ops.ppsplit.linear)
 from ppsplit.core.fx_utils import get_tensor, replace_call
-from ppsplit.passes.rewrites.pointwise import gated_halves
+from ppsplit.passes.rewrites.pointwise import fold_qkv_rotation, gated_halves
 from ppsplit.passes.rewrites.projections import match_projection, plain_float
 from ppsplit.triton_kernels.gemv import MIN_OUT
 
@@ -57,6 +59,8 @@ def route_gemv(stage: fx.GraphModule) -> int:
         for dead in (*parts, y):  # users first
             graph.erase_node(dead)
         folded += 1
+    for node in list(graph.nodes):
+        folded += fold_qkv_rotation(node, torch.ops.ppsplit.linear.default)
     if routed or folded:
         graph.lint()
         stage.recompile()

@@ -14,7 +14,13 @@ gated MLP's activation into its fused gate/up projection (``passes.rewrites.proj
     silu_mul(y[..., g:g + w], y[..., u:u + w]), y = fp8_linear(x, W, ...)
                                     ->  ppsplit::fp8_linear_silu_mul(x, W, ..., g, u, w)
 
-(at decode batch 1 one GEMV whose epilogue multiplies, not a GEMV and a kernel; bit-equal: ``triton_kernels/fp8.py``).
+(at decode batch 1 one GEMV whose epilogue multiplies, not a GEMV and a kernel; bit-equal: ``triton_kernels/fp8.py``),
+and a ``rope_write`` whose query, keys and values are the head views of one fused q/k/v FP8 projection into it::
+
+    rope_write(q, k, cos, sin, K, V, v, slots), q | k | v = fp8_linear(x, W_qkv, ...)
+                                    ->  ppsplit::linear_rope_write(x, W_qkv, ..., cos, sin, K, V, slots, ...)
+
+(one GEMV whose epilogue rotates and writes: ``triton_kernels/qkv.py``; ``gemv`` folds routed projections alike).
 
 The first is Hugging Face's rotate-half rotary embedding (``apply_rotary_pos_emb``; a partial rotary applies it
 to a slice of the head, and that slice is ``x``), the second the gated MLP. Operands are matched in either order.
@@ -31,14 +37,14 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-# registers rope / silu_mul / rope_write and the paged ops, and fp8_linear_silu_mul
-from ppsplit.triton_kernels import fp8, pointwise  # noqa: F401
+# registers rope / silu_mul / rope_write and the paged ops, fp8_linear_silu_mul and linear_rope_write
+from ppsplit.triton_kernels import fp8, pointwise, qkv  # noqa: F401
 from ppsplit.core.fx_utils import SHAPE, VALUE_META, get_tensor, replace_call, static_shape
 from ppsplit.passes.rewrites.projections import match_projection
 
 aten = torch.ops.aten
 ops = torch.ops.ppsplit
-_COUNTED = ("rope", "silu_mul", "rope_write", "fp8_linear_silu_mul")  # what fuse_pointwise reports
+_COUNTED = ("rope", "silu_mul", "rope_write", "fp8_linear_silu_mul", "linear_rope_write")  # reported
 
 
 def fuse_pointwise(stage: fx.GraphModule) -> dict:
@@ -70,6 +76,8 @@ def fuse_pointwise(stage: fx.GraphModule) -> dict:
     for node in list(graph.nodes):
         if _call(node, ops.paged_write_pair.default) and _fuse_rope_write(node, order):
             changed = True
+    for node in list(graph.nodes):
+        changed |= fold_qkv_rotation(node, ops.fp8_linear.default)
     if changed:
         graph.lint()
         stage.recompile()
@@ -249,6 +257,70 @@ def _transpose(graph: fx.Graph, node: fx.Node) -> fx.Node:
     elif shape is not None:
         moved.meta[SHAPE] = (shape[0], shape[2], shape[1], *shape[3:])
     return moved
+
+
+def qkv_rotation(node, projection):
+    """``(y, q_width, k_width, head_dim)`` for ``rope_write(q, k, cos, sin, K, V, v, slots)`` whose ``q``, ``k`` and
+    ``v`` are the head views (``y[..., lo:hi].reshape(1, T, H, D).transpose(1, 2)``; ``v`` then ``[0].transpose(0,
+    1)``) of three adjacent column spans that cover a ``projection`` call ``y`` (a fused q/k/v projection,
+    ``passes.rewrites.projections``), with ``q`` and ``k`` of one head size, and nothing else reads ``y`` or the
+    views; else None. The rewrites that fold the rotation and the writes into the projection's GEMV
+    (``fold_qkv_rotation``) match it."""
+    if not _call(node, ops.rope_write.default) or node.kwargs:
+        return None
+    q, k, _, _, _, _, value, _ = node.args
+    if not (_transposed(value, 0, 1) and _call(value.args[0], aten.select.int)
+            and tuple(value.args[0].args[1:]) == (0, 0) and len(value.args[0].users) == 1):
+        return None
+    views = [_head_view(q), _head_view(k), _head_view(value.args[0].args[0])]
+    if None in views or len({y for y, *_ in views}) != 1:
+        return None
+    (y, q_lo, q_hi, d), (_, k_lo, k_hi, k_d), (_, v_lo, v_hi, _) = views
+    weight = y.args[1] if _call(y, projection) else None
+    if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and len(y.users) == 3
+            and q_lo == 0 and k_lo == q_hi and v_lo == k_hi and d == k_d
+            and v_hi >= get_tensor(node.graph.owning_module, weight.target).shape[0]):
+        return None
+    return y, q_hi, k_hi - k_lo, d
+
+
+def _head_view(node):
+    """``(y, lo, hi, D)`` for ``y[..., lo:hi].reshape(1, T, H, D).transpose(1, 2)``, each step read once, else None."""
+    if not _transposed(node, 1, 2) or len(node.users) != 1:
+        return None
+    heads = node.args[0]
+    if not (_call(heads, aten.reshape.default, aten.view.default) and len(heads.users) == 1):
+        return None
+    span = _column_span(heads.args[0])
+    shape = static_shape(heads)
+    if span is None or len(heads.args[0].users) != 1 or shape is None or len(shape) != 4 or shape[0] != 1:
+        return None
+    y, lo, hi = span
+    h, d = shape[2:]
+    return (y, lo, hi, d) if isinstance(h, int) and isinstance(d, int) and h * d == hi - lo else None
+
+
+def fold_qkv_rotation(node, projection) -> bool:
+    """Fold ``node``, a ``rope_write`` of a fused q/k/v ``projection``'s head views (``qkv_rotation``), into one
+    ``ppsplit::linear_rope_write`` in its place; False (nothing changed) where it is not that pattern. The FP8
+    projections are folded here, the routed ``ppsplit::linear`` ones in ``gemv``."""
+    found = qkv_rotation(node, projection)
+    if found is None:
+        return False
+    y, q_width, k_width, head_dim = found
+    q, k, cos, sin, pool, other_pool, value, slots = node.args
+    if projection is ops.fp8_linear.default:
+        x, weight, scale, bias, block_n, block_k = y.args
+    else:
+        (x, weight, bias), scale, block_n, block_k = y.args, None, 0, 0
+    dead = [value, value.args[0]]
+    for view in (q, k, value.args[0].args[0]):
+        dead += [view, view.args[0], view.args[0].args[0]]
+    replace_call(node, ops.linear_rope_write.default, (x, weight, bias, scale, block_n, block_k, cos, sin, pool,
+                                                       other_pool, slots, q_width, k_width, head_dim))
+    for old in (*dead, y):  # users first
+        y.graph.erase_node(old)
+    return True
 
 
 def _match_silu_mul(node):

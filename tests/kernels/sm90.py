@@ -104,6 +104,7 @@ def launches() -> dict:
     from ppsplit.triton_kernels.mxfp4 import launch_mxfp4_grouped_mm
     from ppsplit.triton_kernels.paged import launch_paged_write
     from ppsplit.triton_kernels.pointwise import launch_rope, launch_rope_write, launch_silu_mul
+    from ppsplit.triton_kernels.qkv import launch_linear_rope_write
 
     hq, hkv, d, n = 32, 8, 128, 5
     fused = torch.randn(1, n, (hq + 2 * hkv) * d, dtype=BF16)
@@ -112,6 +113,7 @@ def launches() -> dict:
     cos, sin = (torch.randn(1, 1, n, d, dtype=BF16) for _ in range(2))
     pools = [torch.zeros(4, 16, hkv, d, dtype=BF16) for _ in range(2)]
     slots = torch.arange(n, dtype=torch.int32)
+    token = (cos[:, :, :1], sin[:, :, :1], *pools, slots[:1], hq * d, hkv * d, d)  # a decode token's rotation
     gate_up = torch.randn(1, 1, 2 * 14336, dtype=BF16)
     x1, x32 = torch.randn(1, 4096, dtype=BF16), torch.randn(32, 4096, dtype=BF16)
     w8 = torch.zeros(6144, 4096, dtype=torch.float8_e4m3fn)
@@ -148,7 +150,9 @@ def launches() -> dict:
         "gemv bf16": lambda: launch_gemv(x1, w, config=pick_config(*w.shape)),
         "gemv bf16, gate/up with silu_mul": lambda: launch_gemv(x1, w_gate_up, config=pick_config(*w_gate_up.shape),
                                                                 glu=(0, 14336, 14336)),
+        "gemv bf16, q/k/v with rope_write": lambda: launch_linear_rope_write(x1, w, None, None, 0, 0, *token),
         "fp8 gemv": lambda: launch_fp8_linear(x1, w8, s8, None, 128, 128),
+        "fp8 gemv, q/k/v with rope_write": lambda: launch_linear_rope_write(x1, w8, None, s8, 128, 128, *token),
         "fp8 gemv, gate/up with silu_mul": lambda: launch_fp8_linear_silu_mul(x1, w8_gate_up, s8_gate_up, None, 128,
                                                                               128, 0, 14336, 14336),
         "fp8 gemm (split k)": lambda: launch_fp8_linear(x32, w8, s8, None, 128, 128),
@@ -176,8 +180,8 @@ def main() -> int:
 
 # The decode step's kernels, which take a PDL constexpr (``ppsplit.triton_kernels.common.launch_options``)
 PROGRAMMATIC = ("rope_write", "rope", "silu_mul", "tap kernel (add, norm, store)", "paged_attention decode (plan)",
-                "gemv bf16", "gemv bf16, gate/up with silu_mul", "fp8 gemv", "fp8 gemv, gate/up with silu_mul",
-                "fp8 gemm (split k)")
+                "gemv bf16", "gemv bf16, gate/up with silu_mul", "gemv bf16, q/k/v with rope_write", "fp8 gemv",
+                "fp8 gemv, gate/up with silu_mul", "fp8 gemv, q/k/v with rope_write", "fp8 gemm (split k)")
 
 
 # Kernels whose fp32 quotients are rounded to a narrower type and must round as ATen does: their divisions IEEE
