@@ -5,6 +5,7 @@ NaN) and padding tokens at the end.
 
 On the CPU the Triton kernels run under ``TRITON_INTERPRET=1`` in fp32; on a GPU the same cases run in bf16.
 """
+import os
 import random
 
 import pytest
@@ -80,6 +81,10 @@ def run_attention_case(case, dtype, device, tol, config=None):
         # each chunk in one masked loop
         config = dict(chunk=32, splits=-(-layout.max_len // 32), block_q=max(2, 16 // hq * hkv), block_n=32,
                       reverse=False, phases=False)
+    elif config in ("decode", "decode, combine kernel"):  # one-token tiles over 32-position chunks, as a decode step
+        # takes them: the last chunk of each tile to finish combines (else the combine kernel), and zeros the padding
+        config = dict(chunk=32, splits=-(-layout.max_len // 32), block_q=1, block_n=32, phases=False,
+                      last_combines=config == "decode")
     elif config == "wide":  # the half-precision prefill plan's tiles (fp32 rows take 64-row tiles): 128 rows, 64 keys
         config = dict(block_q=max(1, 128 // (hq // hkv)), block_n=64, warps=8)
     elif config == "int64":  # 64-bit offsets into the pools, as pools of 2**31 elements or more take; and the three
@@ -99,13 +104,33 @@ def run_attention_case(case, dtype, device, tol, config=None):
                                     None if alibi is None else alibi.double().cpu(),
                                     None if sinks is None else sinks.double().cpu())
     torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=tol)
+    return got
 
 
-@pytest.mark.parametrize("config", [None, "chunked", "wide", "head-major", "int64"],
-                         ids=["planned", "chunked", "wide", "head-major", "int64"])
+@pytest.mark.parametrize("config", [None, "chunked", "decode", "wide", "head-major", "int64"],
+                         ids=["planned", "chunked", "decode", "wide", "head-major", "int64"])
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
 def test_paged_attention_kernel_matches_fp64(case, config):
     run_attention_case(case, torch.float32, "cpu", 2e-5, config)
+
+
+@pytest.mark.parametrize("case", [0, 5, 6])
+def test_decode_tiles_combine_in_their_last_chunk_as_the_combine_kernel_does(case):
+    """Decode tiles whose last chunk to finish combines them (no combine kernel) against the combine kernel, bit for
+    bit (sinks in case 5, idle slots in case 6), padding zeros included; the arrival counters are zeros again after
+    each launch, so the next launch (a graph's next replay) starts from zero."""
+    from ppsplit.triton_kernels.paged import _ARRIVED
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("runs the Triton kernel on CPU tensors, which needs TRITON_INTERPRET=1 (conftest)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tol = 2e-2 if device == "cuda" else 2e-5
+    outs = []
+    for config in ("decode", "decode, combine kernel", "decode"):
+        outs.append(run_attention_case(case, dtype, device, tol, config))
+        assert _ARRIVED and not any(t.any() for t in _ARRIVED.values()), "a count left behind"
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[1])
 
 
 # MLA: (heads, latent r, rotary dr, non-rotary dn, value dv, block size, tokens per sequence, extras)
