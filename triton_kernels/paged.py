@@ -731,6 +731,7 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
 
 
 _ARRIVED: dict = {}  # device -> the decode tiles' arrival counters (int32 zeros between launches)
+_OUTGROWN: list = []  # counters a larger buffer replaced: kept, since a captured graph may still count in them
 
 
 def arrival_counters(device, count: int) -> torch.Tensor | None:
@@ -743,6 +744,8 @@ def arrival_counters(device, count: int) -> torch.Tensor | None:
     if have is None or have.numel() < count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
+        if have is not None:
+            _OUTGROWN.append(have)
         have = _ARRIVED[device] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
     return have
 
