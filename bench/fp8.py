@@ -142,17 +142,24 @@ SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "d
           "qkv": (6144, 4096), "gate_up": (28672, 4096)}
 FUSED = ("qkv", "q/o", "gate_up", "down")  # what ppsplit's stages run by default (fused sibling projections)
 FP8_APART = "fp8, silu_mul apart"  # the FP8 step without the fold of SiLU-and-multiply into the gate/up GEMV
-QKV_APART = {"bf16": "bf16, rope apart", "fp8": "fp8, rope apart"}  # without the rotary fold into the q/k/v GEMV
+# without the two folds of bench/RESULTS.md section 39: the rotary and cache writes into the q/k/v GEMV, the split-KV
+# combine into the decode attention's last chunk
+APART = {"bf16": "bf16, 39's folds off", "fp8": "fp8, 39's folds off"}
 
 
-def qkv_fold(on: bool):
-    """A context without the fold of each layer's rotary and cache writes into its q/k/v GEMV (``on=False``)."""
+def folds(on: bool):
+    """An ``ExitStack`` whose patches hold from now until it is closed: with ``on=False`` the rewrites match no q/k/v
+    rotation, and the decode attention plans take the combine kernel."""
     stack = contextlib.ExitStack()
     if not on:
         from ppsplit.passes.rewrites import gemv, pointwise
+        from ppsplit.triton_kernels import paged
 
         for module in (gemv, pointwise):
             stack.enter_context(mock.patch.object(module, "fold_qkv_rotation", lambda node, projection: False))
+        planned = paged.attention_plan
+        stack.enter_context(mock.patch.object(paged, "attention_plan",
+                                              lambda *a, **k: {**planned(*a, **k), "last_combines": False}))
     return stack
 GEMV_SWEEP = [(bn, 2048, w, st) for bn in (2, 4, 8) for w in (4, 8) for st in (2, 4)]
 GEMM_SWEEP = [(bn, 128, 4, st, split) for bn in (32, 64, 128) for st in (3, 4) for split in (1, 2, 4)]
@@ -388,26 +395,26 @@ def main():
     w8a8 = hf_kernel(args.hf_kernel, args.device)
     first = None  # ppsplit FP8's first step, for the HF variant's check
     results = {}
-    for variant in ("bf16", "fp8", FP8_APART, QKV_APART["bf16"], QKV_APART["fp8"]):
+    for variant in ("bf16", "fp8", FP8_APART, APART["bf16"], APART["fp8"]):
         # Both as ppsplit runs them by default. bf16: a split with its defaults (fused projections, pointwise
         # kernels, the GEMV at one row, SiLU-and-multiply folded into the gate/up GEMV, the rotary and the cache
         # writes into the q/k/v GEMV). FP8: the projections rewritten onto FP8 weights before the GEMV routing, as
         # a compiled FP8 folder is loaded, so the GEMV serves what stays bf16 (lm_head); the pointwise pass runs
         # again, as load runs it on FP8 projections, and folds each SiLU-and-multiply into its gate/up GEMV and
-        # each rotation and cache write into its q/k/v GEMV (FP8_APART: neither, the kernels before the folds;
-        # QKV_APART: all but the q/k/v fold).
+        # each rotation and cache write into its q/k/v GEMV, and each decode attention combines its chunks itself
+        # (FP8_APART: no SiLU-and-multiply fold; APART: none of the two folds of RESULTS section 39).
         fp8_weights, n = variant.startswith("fp8"), 0
-        with qkv_fold(variant not in QKV_APART.values()):
-            split = ppsplit.split_model(traced, pp=1, gemv=not fp8_weights)
-            stage = split.stages[0]
-            if fp8_weights:
-                n = to_fp8(stage)
-                apply_rewrites(stage, StageOptions(fuse_projections=False, fuse_pointwise=variant != FP8_APART,
-                                                   gemv=True), torch.device(args.device))
-        folds = {op: sum(str(node.target).startswith(f"ppsplit.{op}.") for node in stage.graph.nodes)
+        off = folds(variant not in APART.values())  # patched until off.close(), the captures included
+        split = ppsplit.split_model(traced, pp=1, gemv=not fp8_weights)
+        stage = split.stages[0]
+        if fp8_weights:
+            n = to_fp8(stage)
+            apply_rewrites(stage, StageOptions(fuse_projections=False, fuse_pointwise=variant != FP8_APART, gemv=True),
+                           torch.device(args.device))
+        folded = {op: sum(str(node.target).startswith(f"ppsplit.{op}.") for node in stage.graph.nodes)
                  for op in ("linear_rope_write", "fp8_linear_silu_mul", "linear_silu_mul")}
         print(f"{variant}: {n} projections on FP8 weights (128x128 blocks); "
-              f"folded: {folds}", flush=True)
+              f"folded: {folded}", flush=True)
         weights = stored_bytes(stage)
         for batch in args.batch:
             run = stage_runs(split, batch, 1, args.prefix, args.device)
@@ -427,6 +434,7 @@ def main():
             ids = torch.randint(0, 100, (args.batch[0], 1), generator=torch.Generator().manual_seed(0)).to(args.device)
             with torch.no_grad():
                 first = ids, split(ids, torch.zeros(1, dtype=torch.long, device=args.device))[0]
+        off.close()
         del split, stage, run
         free_memory(args.device)
     del traced
