@@ -222,7 +222,7 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
     b = bias if bias is not None else s
     config = config or linear_config(m, n, k)
     if m == 1 and len(config) == 4:
-        _launch_gemv(x2, weight, s, bias, y, block_n, block_k, config, wrap)
+        launch_fp8_gemv(x2, weight, s, bias, y, block_n, block_k, config, wrap)
     else:
         bn_, bk_, warps, stages, *split = config
         bk_ = max(_tile_k(block_k, k, bk_, spans=False)[0], 16)
@@ -249,7 +249,7 @@ def k_ranges(k: int, splits: int, tile: int) -> tuple[int, int]:
     return k_per, triton.cdiv(k, k_per)
 
 
-def _launch_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, wrap, glu=None, rope=None):
+def launch_fp8_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, wrap, glu=None, rope=None):
     """The one-row kernel into ``y``, on ``config``'s ``(BLOCK_N, BLOCK_K, warps, stages)``. ``glu``: the
     ``(gate, up)`` offsets of ``launch_fp8_linear_silu_mul`` (``y`` is then its ``width`` wide output). ``rope``:
     a ``gemv.RopeEpilogue`` (``y`` is then its query)."""
@@ -274,10 +274,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
                block_n: int, block_k: int) -> torch.Tensor:
     """``F.linear(x, dequantize(weight, scale, block_n, block_k, x.dtype), bias)``; on CUDA one Triton kernel that
     reads the FP8 weight directly (see the module docstring)."""
-    return _fp8_linear(x, weight, scale, bias, block_n, block_k)
+    return fp8_linear_of(x, weight, scale, bias, block_n, block_k)
 
 
-def _fp8_linear(x, weight, scale, bias, block_n: int, block_k: int) -> torch.Tensor:
+def fp8_linear_of(x, weight, scale, bias, block_n: int, block_k: int) -> torch.Tensor:
     if on_gpu(x) and fp8_usable(x, weight, block_k):
         with torch.cuda.device(x.device):
             return launch_fp8_linear(x, weight, scale, bias, block_n, block_k, wrap=wrap_triton)
@@ -301,8 +301,8 @@ def launch_fp8_linear_silu_mul(x, weight, scale, bias, block_n: int, block_k: in
     n, k = weight.shape
     y = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
     x2 = x.reshape(1, k)
-    _launch_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, scale.reshape(-1), bias, y, block_n,
-                 block_k, config or linear_config(1, n, k), wrap, glu=(gate, up))
+    launch_fp8_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, scale.reshape(-1), bias, y, block_n,
+                    block_k, config or linear_config(1, n, k), wrap, glu=(gate, up))
     return y
 
 
@@ -316,7 +316,7 @@ def fp8_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
         with torch.cuda.device(x.device):
             return launch_fp8_linear_silu_mul(x, weight, scale, bias, block_n, block_k, gate, up, width,
                                               wrap=wrap_triton)
-    y = _fp8_linear(x, weight, scale, bias, block_n, block_k)
+    y = fp8_linear_of(x, weight, scale, bias, block_n, block_k)
     return silu_mul_of(y[..., gate:gate + width], y[..., up:up + width])
 
 

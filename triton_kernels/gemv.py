@@ -212,10 +212,10 @@ def pick_config(n: int, k: int) -> tuple[int, int, int, int]:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``torch.nn.functional.linear(x, weight, bias)``; a one-row CUDA input with at least ``MIN_OUT`` outputs runs
     the Triton GEMV (see the module docstring)."""
-    return _linear(x, weight, bias)
+    return linear_of(x, weight, bias)
 
 
-def _linear(x, weight, bias):
+def linear_of(x, weight, bias):
     if gemv_usable(x, weight) and weight.shape[0] >= MIN_OUT:
         with torch.cuda.device(x.device):
             return launch_gemv(x, weight, bias, config=pick_config(*weight.shape), wrap=wrap_triton)
@@ -233,5 +233,5 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         with torch.cuda.device(x.device):
             return launch_gemv(x, weight, bias, config=pick_config(*weight.shape), wrap=wrap_triton,
                                glu=(gate, up, width))
-    y = _linear(x, weight, bias)
+    y = linear_of(x, weight, bias)
     return silu_mul_of(y[..., gate:gate + width], y[..., up:up + width])

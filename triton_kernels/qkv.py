@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 
 from ppsplit.triton_kernels.common import on_gpu, register
-from ppsplit.triton_kernels.fp8 import _fp8_linear, _launch_gemv, fp8_usable, linear_config
-from ppsplit.triton_kernels.gemv import MIN_OUT, RopeEpilogue, _linear, gemv_usable, launch_gemv, pick_config
+from ppsplit.triton_kernels.fp8 import fp8_linear_of, fp8_usable, launch_fp8_gemv, linear_config
+from ppsplit.triton_kernels.gemv import MIN_OUT, RopeEpilogue, gemv_usable, launch_gemv, linear_of, pick_config
 from ppsplit.triton_kernels.pointwise import HALF, rope_write
 
 
@@ -64,8 +64,8 @@ def launch_linear_rope_write(x, weight, bias, scale, block_n: int, block_k: int,
     if scale is None:
         launch_gemv(x2, weight, bias, config=config or pick_config(n, k), wrap=wrap, rope=rope)
     else:
-        _launch_gemv(x2, weight, scale.reshape(-1), bias, query, block_n, block_k, config or linear_config(1, n, k),
-                     wrap, rope=rope)
+        launch_fp8_gemv(x2, weight, scale.reshape(-1), bias, query, block_n, block_k,
+                        config or linear_config(1, n, k), wrap, rope=rope)
     return query
 
 
@@ -84,7 +84,7 @@ def linear_rope_write(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         with torch.cuda.device(x.device):
             return launch_linear_rope_write(x, weight, bias, scale, block_n, block_k, cos, sin, pool, other_pool,
                                             slots, q_width, k_width, head_dim)
-    y = _linear(x, weight, bias) if scale is None else _fp8_linear(x, weight, scale, bias, block_n, block_k)
+    y = linear_of(x, weight, bias) if scale is None else fp8_linear_of(x, weight, scale, bias, block_n, block_k)
     t = y.shape[-2]
     q, k = (y[..., lo:hi].reshape(1, t, -1, head_dim).transpose(1, 2)
             for lo, hi in ((0, q_width), (q_width, q_width + k_width)))
