@@ -705,8 +705,9 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
     sinks_ = sinks if sinks is not None else dummy
     d2 = q2.shape[-1] if rope is not None else 1
     tiles = _query_tiles(n, slots, plan["block_q"])
-    # decode tiles: the last chunk of each tile to finish combines (no combine kernel), where counters are at hand
-    arrived = (arrival_counters(q.device, tiles * hkv) if split and plan["block_q"] == 1
+    # decode tiles: the last chunk of each tile to finish combines (no combine kernel), where counters are at hand;
+    # not MLA's, whose tiles hold up to 16 heads of 512-wide latents (the combine kernel takes them in parallel)
+    arrived = (arrival_counters(q.device, tiles * hkv) if split and plan["block_q"] == 1 and rope is None
                and plan.get("last_combines", True) else None)
     _paged_attention_kernel[(tiles, hkv, plan["splits"])](
         q, keys, values, q2, k2, positions, block_table, seq_start, seq_count, alibi_, sinks_, out, part, stats,
