@@ -269,7 +269,7 @@ def qkv_rotation(node, projection):
     if not _call(node, ops.rope_write.default) or node.kwargs:
         return None
     q, k, _, _, _, _, value, _ = node.args
-    if not (_transposed(value, 0, 1) and _call(value.args[0], aten.select.int)
+    if not (_transposed(value, 0, 1) and len(value.users) == 1 and _call(value.args[0], aten.select.int)
             and tuple(value.args[0].args[1:]) == (0, 0) and len(value.args[0].users) == 1):
         return None
     views = [_head_view(q), _head_view(k), _head_view(value.args[0].args[0])]
