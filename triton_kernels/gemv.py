@@ -22,7 +22,7 @@ from ppsplit.triton_kernels.pointwise import compiled, silu_mul_of
 
 if HAVE_TRITON:
     from ppsplit.triton_kernels.common import prefetch_l2, wait_for_previous
-    from ppsplit.triton_kernels.pointwise import rounded, silu_mul_rounded
+    from ppsplit.triton_kernels.pointwise import rotated_halves, silu_mul_rounded
 
 DEFAULT_CONFIG = (16, 512, 4, 4)  # (BLOCK_N, BLOCK_K, num_warps, num_stages) when no config is given
 
@@ -55,10 +55,10 @@ if HAVE_TRITON:
                    HALF_D: tl.constexpr):
         """The epilogue of a one-row fused q/k/v projection (``gated_rows``' rotation pairs; ``y`` fp32, bias
         added): each value rounded to ``QO``'s dtype as the projection's output is, then as ``rope_write`` goes on
-        (``pointwise._rotate``, bit for bit): the query heads (``h < HQ``) rotated by ``cos`` / ``sin`` at ``C`` /
-        ``S`` into ``QO`` (``[HQ, D]`` rows), and where the token's slot is not negative the key heads rotated into
-        the key pool's row ``slot`` (``[HKV, D]``) and the value's features (the heads after them) into the value
-        pool's."""
+        (``pointwise.rotated_halves``, bit for bit): the query heads (``h < HQ``) rotated by ``cos`` / ``sin`` at
+        ``C`` / ``S`` into ``QO`` (``[HQ, D]`` rows), and where the token's slot is not negative the key heads rotated
+        into the key pool's row ``slot`` (``[HKV, D]``) and the value's features (the heads after them) into the
+        value pool's."""
         dt = QO.dtype.element_ty
         x1, x2 = tl.split(tl.permute(tl.reshape(y.to(dt).to(tl.float32), [2, BLOCK_N // 2]), [1, 0]))
         pair = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -70,9 +70,8 @@ if HAVE_TRITON:
         c2 = tl.load(C + j + HALF_D, mask=rotated, other=0.0).to(tl.float32)
         s1 = tl.load(S + j, mask=rotated, other=0.0).to(tl.float32)
         s2 = tl.load(S + j + HALF_D, mask=rotated, other=0.0).to(tl.float32)
-        # out = round(round(x * cos) + round(rotate_half(x) * sin)), rotate_half(x) = (-x2, x1)
-        o1 = rounded(rounded(x1, c1, zero, dt, False), rounded(-x2, s1, zero, dt, False), zero, dt, True).to(dt)
-        o2 = rounded(rounded(x2, c2, zero, dt, False), rounded(x1, s2, zero, dt, False), zero, dt, True).to(dt)
+        o1, o2 = rotated_halves(x1, x2, c1, c2, s1, s2, zero, dt)
+        o1, o2 = o1.to(dt), o2.to(dt)
         q = QO + h * (2 * HALF_D) + j
         tl.store(q, o1, mask=ok & (h < HQ))
         tl.store(q + HALF_D, o2, mask=ok & (h < HQ))

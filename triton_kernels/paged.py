@@ -503,7 +503,7 @@ if HAVE_TRITON:
                         for j in tl.static_range(BLOCK_G):
                             if j < G:
                                 _combine_row(PART, STATS, SINKS, O, token, kvh * G + j, sps, spt, sph, sss, sst, soh,
-                                             sot, SPLITS, BLOCK_SPLITS, DV, BLOCK_DV, HAS_SINKS, True)
+                                             sot, SPLITS, BLOCK_SPLITS, DV, BLOCK_DV, HAS_SINKS, ".cg")
                         tl.atomic_xchg(counter, 0)
             else:
                 if HAS_SINKS:
@@ -522,18 +522,15 @@ if HAVE_TRITON:
     @triton.jit
     def _combine_row(PART, STATS, SINKS, O, t, h, sps, spt, sph, sss, sst, soh, sot, SPLITS: tl.constexpr,
                      BLOCK_SPLITS: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr,
-                     FRESH: tl.constexpr):
+                     CACHE: tl.constexpr):
         """The output of token ``t``, head ``h`` from its chunks' partial softmaxes (a chunk with no key for the row
-        has ``m = -1e30`` and weighs nothing; its partial is never read). ``FRESH``: the partials were written by
-        other programs of this launch, so they are read from L2 (``.cg``), past this SM's L1."""
+        has ``m = -1e30`` and weighs nothing; its partial is never read), loaded with the cache modifier ``CACHE``
+        (``".cg"``: the partials were written by other programs of this launch, so they are read from L2, past this
+        SM's L1)."""
         k = tl.arange(0, BLOCK_SPLITS)
         ok = k < SPLITS
-        if FRESH:
-            m = tl.load(STATS + k * sss + t.to(tl.int64) * sst + h * 2, mask=ok, other=-1.0e30, cache_modifier=".cg")
-            l = tl.load(STATS + k * sss + t.to(tl.int64) * sst + h * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        else:
-            m = tl.load(STATS + k * sss + t.to(tl.int64) * sst + h * 2, mask=ok, other=-1.0e30)
-            l = tl.load(STATS + k * sss + t.to(tl.int64) * sst + h * 2 + 1, mask=ok, other=0.0)
+        m = tl.load(STATS + k * sss + t.to(tl.int64) * sst + h * 2, mask=ok, other=-1.0e30, cache_modifier=CACHE)
+        l = tl.load(STATS + k * sss + t.to(tl.int64) * sst + h * 2 + 1, mask=ok, other=0.0, cache_modifier=CACHE)
         top = tl.max(m, 0)
         if HAS_SINKS:
             sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
@@ -541,11 +538,8 @@ if HAVE_TRITON:
         w = tl.exp2(m - top)
         used = ok & (m > -1.0e29)
         dv = tl.arange(0, BLOCK_DV)
-        partials = PART + k[:, None] * sps + t.to(tl.int64) * spt + h * sph + dv[None, :]
-        if FRESH:
-            part = tl.load(partials, mask=used[:, None] & (dv[None, :] < DV), other=0.0, cache_modifier=".cg")
-        else:
-            part = tl.load(partials, mask=used[:, None] & (dv[None, :] < DV), other=0.0)
+        part = tl.load(PART + k[:, None] * sps + t.to(tl.int64) * spt + h * sph + dv[None, :],
+                       mask=used[:, None] & (dv[None, :] < DV), other=0.0, cache_modifier=CACHE)
         den = tl.sum(w * l, 0)
         if HAS_SINKS:
             den += tl.exp2(sink - top)
@@ -567,7 +561,7 @@ if HAVE_TRITON:
                 O.dtype.element_ty), mask=dv < DV)
         else:
             _combine_row(PART, STATS, SINKS, O, t, h, sps, spt, sph, sss, sst, soh, sot, SPLITS, BLOCK_SPLITS, DV,
-                         BLOCK_DV, HAS_SINKS, False)
+                         BLOCK_DV, HAS_SINKS, "")
 
     @triton.jit
     def _paged_conv_kernel(W, BIAS, POOL, POS, SEQ, TABLE, O, C, sob, soc, stable, spb, sps,

@@ -33,7 +33,7 @@ if HAVE_TRITON:
     from ppsplit.triton_kernels.common import wait_for_previous
 
     @triton.jit
-    def rounded(a, b, zero, dt: tl.constexpr, ADD: tl.constexpr):
+    def _rounded(a, b, zero, dt: tl.constexpr, ADD: tl.constexpr):
         """``a * b`` (``ADD``: ``a + b``) in fp32, rounded to ``dt``, back in fp32: one ATen op on half values.
         ``zero`` is a runtime 0 added to the result's bits. Written plainly, the kernel was one ulp off ATen in about
         a quarter of the values on an H200: most likely the compiler narrowed a product of half values to an fp16
@@ -54,11 +54,18 @@ if HAVE_TRITON:
         s1 = tl.load(s, mask=ok, other=0.0).to(tl.float32)
         s2 = tl.load(s + HALF_D, mask=ok, other=0.0).to(tl.float32)
         dt = x.dtype.element_ty
-        # out = round(round(x * cos) + round(rotate_half(x) * sin)), rotate_half(x) = (-x2, x1)
-        o1 = rounded(rounded(x1, c1, zero, dt, False), rounded(-x2, s1, zero, dt, False), zero, dt, True)
-        o2 = rounded(rounded(x2, c2, zero, dt, False), rounded(x1, s2, zero, dt, False), zero, dt, True)
+        o1, o2 = rotated_halves(x1, x2, c1, c2, s1, s2, zero, dt)
         tl.store(o, o1.to(dt).to(o.dtype.element_ty), mask=ok)
         tl.store(o + HALF_D, o2.to(dt).to(o.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def rotated_halves(x1, x2, c1, c2, s1, s2, zero, dt: tl.constexpr):
+        """The two halves of ``x * cos + rotate_half(x) * sin`` (``rotate_half(x) = (-x2, x1)``) from fp32 values of
+        ``dt``, each product and the sum rounded to ``dt`` as the ATen ops round (back in fp32). Also the epilogue of
+        the fused q/k/v GEMVs (``gemv.rope_store``)."""
+        o1 = _rounded(_rounded(x1, c1, zero, dt, False), _rounded(-x2, s1, zero, dt, False), zero, dt, True)
+        o2 = _rounded(_rounded(x2, c2, zero, dt, False), _rounded(x1, s2, zero, dt, False), zero, dt, True)
+        return o1, o2
 
     @triton.jit(do_not_specialize=["zero"])
     def _rope_kernel(X, C, S, O, N, sxb, sxh, sxn, scb, sch, scn, ssb, ssh, ssn, sob, soh, son, H, zero,
@@ -118,7 +125,7 @@ if HAVE_TRITON:
         else:
             e = tl.exp(-a)
         act = tl.math.div_rn(a, 1.0 + e).to(dt).to(tl.float32)  # ATen's silu, rounded
-        return rounded(act, b, zero, dt, False)
+        return _rounded(act, b, zero, dt, False)
 
 
 def compiled() -> bool:
