@@ -145,25 +145,28 @@ FP8_APART = "fp8, silu_mul apart"  # the FP8 step without the fold of SiLU-and-m
 # without the two folds of bench/RESULTS.md section 39: the rotary and cache writes into the q/k/v GEMV, the split-KV
 # combine into the decode attention's last chunk
 APART = {"bf16": "bf16, 39's folds off", "fp8": "fp8, 39's folds off"}
+GEMV_SWEEP = [(bn, 2048, w, st) for bn in (2, 4, 8) for w in (4, 8) for st in (2, 4)]
+GEMM_SWEEP = [(bn, 128, 4, st, split) for bn in (32, 64, 128) for st in (3, 4) for split in (1, 2, 4)]
+L2_BYTES = 120 << 20  # over twice an H200's 50 MiB L2: the sweep's timed calls read weights from HBM
 
 
-def folds(on: bool):
-    """An ``ExitStack`` whose patches hold from now until it is closed: with ``on=False`` the rewrites match no q/k/v
-    rotation, and the decode attention plans take the combine kernel."""
+def folds_off(variant: str):
+    """An ``ExitStack`` whose patches hold from now until it is closed: for ``FP8_APART`` the pointwise pass folds no
+    SiLU-and-multiply into the FP8 gate/up GEMV; for the ``APART`` rows the rewrites match no q/k/v rotation and
+    the decode attention plans take the combine kernel; other variants patch nothing."""
+    from ppsplit.passes.rewrites import gemv, pointwise
+    from ppsplit.triton_kernels import paged
+
     stack = contextlib.ExitStack()
-    if not on:
-        from ppsplit.passes.rewrites import gemv, pointwise
-        from ppsplit.triton_kernels import paged
-
+    if variant == FP8_APART:
+        stack.enter_context(mock.patch.object(pointwise, "_fold_silu_mul", lambda node: None))
+    if variant in APART.values():
         for module in (gemv, pointwise):
             stack.enter_context(mock.patch.object(module, "fold_qkv_rotation", lambda node, projection: False))
         planned = paged.attention_plan
         stack.enter_context(mock.patch.object(paged, "attention_plan",
                                               lambda *a, **k: {**planned(*a, **k), "last_combines": False}))
     return stack
-GEMV_SWEEP = [(bn, 2048, w, st) for bn in (2, 4, 8) for w in (4, 8) for st in (2, 4)]
-GEMM_SWEEP = [(bn, 128, 4, st, split) for bn in (32, 64, 128) for st in (3, 4) for split in (1, 2, 4)]
-L2_BYTES = 120 << 20  # over twice an H200's 50 MiB L2: the sweep's timed calls read weights from HBM
 
 
 def hf_kernel(path: str | None, device: str = "cuda"):
@@ -404,12 +407,12 @@ def main():
         # each rotation and cache write into its q/k/v GEMV, and each decode attention combines its chunks itself
         # (FP8_APART: no SiLU-and-multiply fold; APART: none of the two folds of RESULTS section 39).
         fp8_weights, n = variant.startswith("fp8"), 0
-        off = folds(variant not in APART.values())  # patched until off.close(), the captures included
+        off = folds_off(variant)  # patched until off.close(), the captures included
         split = ppsplit.split_model(traced, pp=1, gemv=not fp8_weights)
         stage = split.stages[0]
         if fp8_weights:
             n = to_fp8(stage)
-            apply_rewrites(stage, StageOptions(fuse_projections=False, fuse_pointwise=variant != FP8_APART, gemv=True),
+            apply_rewrites(stage, StageOptions(fuse_projections=False, fuse_pointwise=True, gemv=True),
                            torch.device(args.device))
         folded = {op: sum(str(node.target).startswith(f"ppsplit.{op}.") for node in stage.graph.nodes)
                  for op in ("linear_rope_write", "fp8_linear_silu_mul", "linear_silu_mul")}
