@@ -142,9 +142,8 @@ SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "d
           "qkv": (6144, 4096), "gate_up": (28672, 4096)}
 FUSED = ("qkv", "q/o", "gate_up", "down")  # what ppsplit's stages run by default (fused sibling projections)
 FP8_APART = "fp8, silu_mul apart"  # the FP8 step without the fold of SiLU-and-multiply into the gate/up GEMV
-# without the two folds of bench/RESULTS.md section 39: the rotary and cache writes into the q/k/v GEMV, the split-KV
-# combine into the decode attention's last chunk
-APART = {"bf16": "bf16, 39's folds off", "fp8": "fp8, 39's folds off"}
+# without the fold of bench/RESULTS.md section 39: the rotary and cache writes into the q/k/v GEMV
+APART = {"bf16": "bf16, rope_write apart", "fp8": "fp8, rope_write apart"}
 GEMV_SWEEP = [(bn, 2048, w, st) for bn in (2, 4, 8) for w in (4, 8) for st in (2, 4)]
 GEMM_SWEEP = [(bn, 128, 4, st, split) for bn in (32, 64, 128) for st in (3, 4) for split in (1, 2, 4)]
 L2_BYTES = 120 << 20  # over twice an H200's 50 MiB L2: the sweep's timed calls read weights from HBM
@@ -152,10 +151,9 @@ L2_BYTES = 120 << 20  # over twice an H200's 50 MiB L2: the sweep's timed calls 
 
 def folds_off(variant: str):
     """An ``ExitStack`` whose patches hold from now until it is closed: for ``FP8_APART`` the pointwise pass folds no
-    SiLU-and-multiply into the FP8 gate/up GEMV; for the ``APART`` rows the rewrites match no q/k/v rotation and
-    the decode attention plans take the combine kernel; other variants patch nothing."""
+    SiLU-and-multiply into the FP8 gate/up GEMV; for the ``APART`` rows the rewrites match no q/k/v rotation; other
+    variants patch nothing."""
     from ppsplit.passes.rewrites import gemv, pointwise
-    from ppsplit.triton_kernels import paged
 
     stack = contextlib.ExitStack()
     if variant == FP8_APART:
@@ -163,9 +161,6 @@ def folds_off(variant: str):
     if variant in APART.values():
         for module in (gemv, pointwise):
             stack.enter_context(mock.patch.object(module, "fold_qkv_rotation", lambda node, projection: False))
-        planned = paged.attention_plan
-        stack.enter_context(mock.patch.object(paged, "attention_plan",
-                                              lambda *a, **k: {**planned(*a, **k), "last_combines": False}))
     return stack
 
 
@@ -404,8 +399,8 @@ def main():
         # writes into the q/k/v GEMV). FP8: the projections rewritten onto FP8 weights before the GEMV routing, as
         # a compiled FP8 folder is loaded, so the GEMV serves what stays bf16 (lm_head); the pointwise pass runs
         # again, as load runs it on FP8 projections, and folds each SiLU-and-multiply into its gate/up GEMV and
-        # each rotation and cache write into its q/k/v GEMV, and each decode attention combines its chunks itself
-        # (FP8_APART: no SiLU-and-multiply fold; APART: none of the two folds of RESULTS section 39).
+        # each rotation and cache write into its q/k/v GEMV (FP8_APART: no SiLU-and-multiply fold; APART: no rotary
+        # fold, RESULTS section 39).
         fp8_weights, n = variant.startswith("fp8"), 0
         off = folds_off(variant)  # patched until off.close(), the captures included
         split = ppsplit.split_model(traced, pp=1, gemv=not fp8_weights)

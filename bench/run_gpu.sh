@@ -38,10 +38,10 @@ run_step() {
     ragged_sweep) python3 bench/ragged.py --sweep 2>&1 | tee "$OUT/ragged_sweep.txt" ;;
     # issue 31; run fp8_sweep first and the step also runs on the tiles it found fastest (TILES: where they go); with
     # .hfref/hf_fp8_457.py (transformers 4.57.1's finegrained_fp8.py, carried: see bench/fp8.py) HF's FP8 step too.
-    # Rows: bf16, FP8 (SiLU-and-multiply folded into the gate/up GEMV, rotary and cache writes into the q/k/v GEMV,
-    # the decode attention combining its own chunks), FP8 without the SiLU fold, bf16 and FP8 without RESULTS section
-    # 39's two folds, and bf16 and FP8 under programmatic dependent launch (their bits checked against the plain steps
-    # first). FP8_ARGS="--batch 1": the batch the goals are for, in half the time
+    # Rows: bf16, FP8 (SiLU-and-multiply folded into the gate/up GEMV, rotary and cache writes into the q/k/v GEMV),
+    # FP8 without the SiLU fold, bf16 and FP8 without the rotary fold (RESULTS section 39), and bf16 and FP8 under
+    # programmatic dependent launch (their bits checked against the plain steps first). FP8_ARGS="--batch 1": the
+    # batch the goals are for, in half the time
     fp8)      python3 bench/fp8.py --layers ${FP8_LAYERS:-32} --profile --pdl ${FP8_ARGS:-} \
                 $( [ -f "$TILES" ] && echo --tiles "$TILES" ) \
                 $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 | tee "$OUT/fp8.txt" ;;

@@ -393,9 +393,9 @@ if HAVE_TRITON:
         return m_i, l_i, acc
 
     @triton.jit
-    def _paged_attention_kernel(Q, K, V, Q2, K2, POS, TABLE, STARTS, COUNTS, SLOPES, SINKS, O, PART, STATS, ARRIVED,
+    def _paged_attention_kernel(Q, K, V, Q2, K2, POS, TABLE, STARTS, COUNTS, SLOPES, SINKS, O, PART, STATS,
                                 sqh, sqt, skb, sks, skh, svb, svs, svh, sq2h, sq2t, sk2b, sk2s, sk2h, soh, sot,
-                                stable, sps, spt, sph, sss, sst, scale, window, softcap, chunk, n_tokens,
+                                stable, sps, spt, sph, sss, sst, scale, window, softcap, chunk,
                                 S: tl.constexpr, BLOCK_S: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                                 DV: tl.constexpr, D2: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr,
                                 BLOCK_G: tl.constexpr,
@@ -403,8 +403,7 @@ if HAVE_TRITON:
                                 BLOCK_D2: tl.constexpr, SPLIT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                                 HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ROPE: tl.constexpr,
                                 IEEE: tl.constexpr, REVERSE: tl.constexpr, PHASES: tl.constexpr,
-                                INT64: tl.constexpr, LAST_COMBINES: tl.constexpr, SPLITS: tl.constexpr,
-                                BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                                INT64: tl.constexpr, PDL: tl.constexpr):
         """One program per (query tile, KV head, key chunk). A query tile is up to ``BLOCK_Q`` consecutive tokens of
         one sequence times the ``G`` query heads of the KV head (``BLOCK_Q * BLOCK_G`` rows), so each key block it
         reads serves every token of the tile (a prefill chunk reads its keys once per tile, not once per token).
@@ -416,12 +415,6 @@ if HAVE_TRITON:
         ``PHASES``, one masked loop over the range); the products in the model's dtype with fp32 accumulation
         (``IEEE``: fp32 models, fp32 products, no TF32). ``HAS_ROPE``: the key has a second part in its own pool
         (MLA's rotary key ``K2``, ``D2`` wide) that the query's ``Q2`` part meets.
-
-        ``LAST_COMBINES`` (``SPLIT`` decode tiles, ``BLOCK_Q = 1``): no combine kernel. Each program counts its
-        chunk in ``ARRIVED`` (one int32 per tile and KV head, zeros between launches) once its partial is stored;
-        the last of a tile's ``SPLITS`` programs to arrive combines the tile's rows as ``_paged_combine_kernel``
-        does, bit for bit, and sets the count back to zero; programs past the tiles zero the outputs of the
-        padding tokens (token ``program`` of ``n_tokens``: padding follows the step's tokens).
         ``PDL``: ``common.launch_options``."""
         wait_for_previous(PDL)
         program = tl.program_id(0)
@@ -494,64 +487,20 @@ if HAVE_TRITON:
                 tl.store(STATS + part * sss + t.to(tl.int64) * sst + h * 2 + 1, l_i, mask=row_ok)
                 tl.store(PART + part * sps + t.to(tl.int64)[:, None] * spt + h[:, None] * sph + dv[None, :], acc,
                          mask=out_mask)
-                if LAST_COMBINES:
-                    tl.debug_barrier()  # every thread's partial stored before the count says so (release: gpu)
-                    counter = ARRIVED + program * tl.num_programs(1) + kvh
-                    if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-                        tl.debug_barrier()
-                        token = tl.load(STARTS + s) + first
-                        for j in tl.static_range(BLOCK_G):
-                            if j < G:
-                                _combine_row(PART, STATS, SINKS, O, token, kvh * G + j, sps, spt, sph, sss, sst, soh,
-                                             sot, SPLITS, BLOCK_SPLITS, DV, BLOCK_DV, HAS_SINKS, ".cg")
-                        tl.atomic_xchg(counter, 0)
             else:
                 if HAS_SINKS:
                     sink = tl.load(SINKS + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
                     l_i += tl.exp2(sink - m_i)
                 tl.store(O + h[:, None] * soh + t.to(tl.int64)[:, None] * sot + dv[None, :],
                          (acc / l_i[:, None]).to(O.dtype.element_ty), mask=out_mask)
-        elif LAST_COMBINES:
-            if (part == 0) & (program < n_tokens):  # a padding token: zeros, as the combine kernel writes
-                g = tl.arange(0, BLOCK_G)
-                dv = tl.arange(0, BLOCK_DV)
-                tl.store(O + (kvh * G + g)[:, None] * soh + program.to(tl.int64) * sot + dv[None, :],
-                         tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32).to(O.dtype.element_ty),
-                         mask=(g[:, None] < G) & (dv[None, :] < DV))
-
-    @triton.jit
-    def _combine_row(PART, STATS, SINKS, O, t, h, sps, spt, sph, sss, sst, soh, sot, SPLITS: tl.constexpr,
-                     BLOCK_SPLITS: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr,
-                     CACHE: tl.constexpr):
-        """The output of token ``t``, head ``h`` from its chunks' partial softmaxes (a chunk with no key for the row
-        has ``m = -1e30`` and weighs nothing; its partial is never read), loaded with the cache modifier ``CACHE``
-        (``".cg"``: the partials were written by other programs of this launch, so they are read from L2, past this
-        SM's L1)."""
-        k = tl.arange(0, BLOCK_SPLITS)
-        ok = k < SPLITS
-        m = tl.load(STATS + k * sss + t.to(tl.int64) * sst + h * 2, mask=ok, other=-1.0e30, cache_modifier=CACHE)
-        l = tl.load(STATS + k * sss + t.to(tl.int64) * sst + h * 2 + 1, mask=ok, other=0.0, cache_modifier=CACHE)
-        top = tl.max(m, 0)
-        if HAS_SINKS:
-            sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
-            top = tl.maximum(top, sink)
-        w = tl.exp2(m - top)
-        used = ok & (m > -1.0e29)
-        dv = tl.arange(0, BLOCK_DV)
-        part = tl.load(PART + k[:, None] * sps + t.to(tl.int64) * spt + h * sph + dv[None, :],
-                       mask=used[:, None] & (dv[None, :] < DV), other=0.0, cache_modifier=CACHE)
-        den = tl.sum(w * l, 0)
-        if HAS_SINKS:
-            den += tl.exp2(sink - top)
-        out = tl.sum(w[:, None] * part, 0) / den
-        tl.store(O + h * soh + t.to(tl.int64) * sot + dv, out.to(O.dtype.element_ty), mask=dv < DV)
 
     @triton.jit
     def _paged_combine_kernel(PART, STATS, SEQ, SINKS, O, sps, spt, sph, sss, sst, soh, sot,
                               SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr):
-        """Token ``t``, head ``h``: ``_combine_row``; zeros for a padding token, so the output needs no fill of its
-        own."""
+        """The output of token ``t``, head ``h`` from its chunks' partial softmaxes (a chunk with no key for the row
+        has ``m = -1e30`` and weighs nothing; its partial is never read); zeros for a padding token, so the output
+        needs no fill of its own."""
         wait_for_previous(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
@@ -560,8 +509,24 @@ if HAVE_TRITON:
             tl.store(O + h * soh + t.to(tl.int64) * sot + dv, tl.zeros([BLOCK_DV], dtype=tl.float32).to(
                 O.dtype.element_ty), mask=dv < DV)
         else:
-            _combine_row(PART, STATS, SINKS, O, t, h, sps, spt, sph, sss, sst, soh, sot, SPLITS, BLOCK_SPLITS, DV,
-                         BLOCK_DV, HAS_SINKS, "")
+            k = tl.arange(0, BLOCK_SPLITS)
+            ok = k < SPLITS
+            m = tl.load(STATS + k * sss + t.to(tl.int64) * sst + h * 2, mask=ok, other=-1.0e30)
+            l = tl.load(STATS + k * sss + t.to(tl.int64) * sst + h * 2 + 1, mask=ok, other=0.0)
+            top = tl.max(m, 0)
+            if HAS_SINKS:
+                sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+                top = tl.maximum(top, sink)
+            w = tl.exp2(m - top)
+            used = ok & (m > -1.0e29)
+            dv = tl.arange(0, BLOCK_DV)
+            part = tl.load(PART + k[:, None] * sps + t.to(tl.int64) * spt + h * sph + dv[None, :],
+                           mask=used[:, None] & (dv[None, :] < DV), other=0.0)
+            den = tl.sum(w * l, 0)
+            if HAS_SINKS:
+                den += tl.exp2(sink - top)
+            out = tl.sum(w[:, None] * part, 0) / den
+            tl.store(O + h * soh + t.to(tl.int64) * sot + dv, out.to(O.dtype.element_ty), mask=dv < DV)
 
     @triton.jit
     def _paged_conv_kernel(W, BIAS, POOL, POS, SEQ, TABLE, O, C, sob, soc, stable, spb, sps,
@@ -698,51 +663,24 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
     alibi_ = alibi if alibi is not None else dummy
     sinks_ = sinks if sinks is not None else dummy
     d2 = q2.shape[-1] if rope is not None else 1
-    tiles = _query_tiles(n, slots, plan["block_q"])
-    # decode tiles: the last chunk of each tile to finish combines (no combine kernel), where counters are at hand;
-    # not MLA's, whose tiles hold up to 16 heads of 512-wide latents (the combine kernel takes them in parallel)
-    arrived = (arrival_counters(q.device, tiles * hkv) if split and plan["block_q"] == 1 and rope is None
-               and plan.get("last_combines", True) else None)
-    _paged_attention_kernel[(tiles, hkv, plan["splits"])](
+    _paged_attention_kernel[(_query_tiles(n, slots, plan["block_q"]), hkv, plan["splits"])](
         q, keys, values, q2, k2, positions, block_table, seq_start, seq_count, alibi_, sinks_, out, part, stats,
-        arrived if arrived is not None else dummy,
         q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), strides[0], values.stride(0), values.stride(1),
         strides[1], q2.stride(1), q2.stride(2), k2.stride(0), k2.stride(1), strides[2], out.stride(1), out.stride(2),
         block_table.stride(0), *(part.stride()[:3] if split else (0, 0, 0)), *(stats.stride()[:2] if split else (0, 0)),
-        scale, window, softcap, plan["chunk"], n, S=slots, BLOCK_S=_pow2(slots, least=2), G=hq // hkv, D=d, DV=dv,
+        scale, window, softcap, plan["chunk"], S=slots, BLOCK_S=_pow2(slots, least=2), G=hq // hkv, D=d, DV=dv,
         D2=d2, BS=bs, BLOCK_Q=plan["block_q"], BLOCK_G=plan["block_g"], BLOCK_N=plan["block_n"], BLOCK_D=_pow2(d),
         BLOCK_DV=_pow2(dv), BLOCK_D2=_pow2(d2),
         SPLIT=split, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None,
         HAS_ROPE=rope is not None, IEEE=q.dtype == torch.float32, REVERSE=plan["reverse"], PHASES=plan["phases"],
         INT64=plan.get("int64", False) or max(t.numel() for t in (keys, values, k2)) >= 2 ** 31,
-        LAST_COMBINES=arrived is not None, SPLITS=plan["splits"], BLOCK_SPLITS=_pow2(plan["splits"], least=2),
         num_warps=plan["warps"], num_stages=plan["stages"], **launch_options(q))
-    if split and arrived is None:
+    if split:
         _paged_combine_kernel[(n, hq)](
             part, stats, seq, sinks_, out, *part.stride()[:3], *stats.stride()[:2], out.stride(1), out.stride(2),
             SPLITS=plan["splits"], BLOCK_SPLITS=_pow2(plan["splits"], least=2), DV=dv, BLOCK_DV=_pow2(dv),
             HAS_SINKS=sinks is not None, num_warps=4, **launch_options(q))
     return out
-
-
-_ARRIVED: dict = {}  # device -> the decode tiles' arrival counters (int32 zeros between launches)
-_OUTGROWN: list = []  # counters a larger buffer replaced: kept, since a captured graph may still count in them
-
-
-def arrival_counters(device, count: int) -> torch.Tensor | None:
-    """At least ``count`` int32 zeros on ``device`` that every launch of the paged attention leaves as zeros: the
-    counts of the chunks of each decode tile that have stored their partials (``LAST_COMBINES``). One buffer per
-    device, so two such launches must not run at once on one device (ppsplit runs a device's stages on one stream).
-    ``None`` where none that large exists yet and a CUDA graph is being captured (a buffer allocated there would
-    belong to the graph): that launch takes the combine kernel."""
-    have = _ARRIVED.get(device)
-    if have is None or have.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if have is not None:
-            _OUTGROWN.append(have)
-        have = _ARRIVED[device] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
-    return have
 
 
 def _heads_per_program(heads: int, most: int = 16) -> int:

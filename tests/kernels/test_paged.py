@@ -5,7 +5,6 @@ NaN) and padding tokens at the end.
 
 On the CPU the Triton kernels run under ``TRITON_INTERPRET=1`` in fp32; on a GPU the same cases run in bf16.
 """
-import os
 import random
 
 import pytest
@@ -81,10 +80,9 @@ def run_attention_case(case, dtype, device, tol, config=None):
         # each chunk in one masked loop
         config = dict(chunk=32, splits=-(-layout.max_len // 32), block_q=max(2, 16 // hq * hkv), block_n=32,
                       reverse=False, phases=False)
-    elif config in ("decode", "decode, combine kernel"):  # one-token tiles over 32-position chunks, as a decode step
-        # takes them: the last chunk of each tile to finish combines (else the combine kernel), and zeros the padding
-        config = dict(chunk=32, splits=-(-layout.max_len // 32), block_q=1, block_n=32, phases=False,
-                      last_combines=config == "decode")
+    elif config == "decode":  # one-token tiles over 32-position chunks, as a decode step takes them, the combine
+        # kernel adding up the chunks and zeroing the padding
+        config = dict(chunk=32, splits=-(-layout.max_len // 32), block_q=1, block_n=32, phases=False)
     elif config == "wide":  # the half-precision prefill plan's tiles (fp32 rows take 64-row tiles): 128 rows, 64 keys
         config = dict(block_q=max(1, 128 // (hq // hkv)), block_n=64, warps=8)
     elif config == "int64":  # 64-bit offsets into the pools, as pools of 2**31 elements or more take; and the three
@@ -104,7 +102,6 @@ def run_attention_case(case, dtype, device, tol, config=None):
                                     None if alibi is None else alibi.double().cpu(),
                                     None if sinks is None else sinks.double().cpu())
     torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=tol)
-    return got
 
 
 @pytest.mark.parametrize("config", [None, "chunked", "decode", "wide", "head-major", "int64"],
@@ -112,25 +109,6 @@ def run_attention_case(case, dtype, device, tol, config=None):
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
 def test_paged_attention_kernel_matches_fp64(case, config):
     run_attention_case(case, torch.float32, "cpu", 2e-5, config)
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("case", [0, 5, 6])
-def test_decode_tiles_combine_in_their_last_chunk_as_the_combine_kernel_does(case, device):
-    """Decode tiles whose last chunk to finish combines them (no combine kernel) against the combine kernel, bit for
-    bit (sinks in case 5, idle slots in case 6), padding zeros included, launch after launch (on a GPU the chunks
-    finish in any order: 20 launches); the arrival counters are zeros again after each launch, so the next one (a
-    graph's next replay) starts from zero."""
-    from ppsplit.triton_kernels.paged import _ARRIVED
-
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs the Triton kernel on CPU tensors, which needs TRITON_INTERPRET=1 (conftest)")
-    dtype, tol, launches = (torch.bfloat16, 2e-2, 20) if device == "cuda" else (torch.float32, 2e-5, 2)
-    want = run_attention_case(case, dtype, device, tol, "decode, combine kernel")
-    for _ in range(launches):
-        got = run_attention_case(case, dtype, device, tol, "decode")
-        assert _ARRIVED and not any(t.any() for t in _ARRIVED.values()), "a count left behind"
-        assert torch.equal(got, want)
 
 
 # MLA: (heads, latent r, rotary dr, non-rotary dn, value dv, block size, tokens per sequence, extras)
