@@ -60,9 +60,10 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["zero"])
     def _fp8_gemv_kernel(X, W, S, B, Y, N, K, stride_w, GK, QN, QK, GATE, UP, zero, C, SN, POOL, VPOOL, SLOTS, HQ,
-                         HKV, HAS_BIAS: tl.constexpr, ONE_K_BLOCK: tl.constexpr, SUB: tl.constexpr,
+                         HKV, HAS_BIAS: tl.constexpr, ONE_K_BLOCK: tl.constexpr, GROUPS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, HALF_D: tl.constexpr,
-                         LIBDEVICE: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr):
+                         LIBDEVICE: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr, CHUNK: tl.constexpr = 16,
+                         EVEN_K: tl.constexpr = False):
         """``BLOCK_N`` whole weight rows per program. A ``BLOCK_K`` tile spans ``SUB`` k-blocks (``SUB = 1``: the
         tile lies inside one): its products are summed per k-block and scaled by that block's scale, so the scales
         cost ``SUB`` loads per row and tile, not one per weight. ``ONE_K_BLOCK``: one scale per row (per channel,
@@ -77,30 +78,41 @@ if HAVE_TRITON:
         ``PDL`` (``common.launch_options``): the first tile's ``LINES`` 128-byte lines of each row are prefetched into
         L2 before the kernel waits for the one that writes ``X``."""
         rows, row_ok = gated_rows(N, GATE, UP, BLOCK_N, GLU, HALF_D)
-        w_rows = W + rows[:, None].to(tl.int64) * stride_w
-        s_rows = S + (rows // QN) * GK
         if PDL:
             lines = tl.minimum(tl.arange(0, LINES) * 128, K - 1)
             prefetch_l2(W + tl.where(row_ok, rows, GATE)[:, None].to(tl.int64) * stride_w + lines[None, :])
         wait_for_previous(PDL)
-        if ONE_K_BLOCK:
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N, SUB], dtype=tl.float32)
+        # the tile as [GROUPS, rows of a group, CHUNKS, CHUNK]: a group's rows share their scale row (the launch
+        # checks), a chunk of CHUNK consecutive weights lies in one k-block
+        G_ROWS: tl.constexpr = BLOCK_N // GROUPS
+        CHUNKS: tl.constexpr = BLOCK_K // CHUNK
+        rows2 = tl.reshape(rows, [GROUPS, G_ROWS])
+        ok2 = tl.reshape(row_ok, [GROUPS, G_ROWS])
+        # rows past the outputs read row GATE (never stored): the loads need no mask where K is whole tiles
+        w_rows = W + tl.where(ok2, rows2, GATE)[:, :, None, None].to(tl.int64) * stride_w
+        first = tl.min(tl.where(ok2, rows2, 0x7FFFFFFF), axis=1)  # a group's first row serving an output
+        s_groups = S + (tl.where(first == 0x7FFFFFFF, GATE, first) // QN) * GK
+        c = tl.arange(0, CHUNKS)
+        acc = tl.zeros([GROUPS, G_ROWS, CHUNKS, CHUNK], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
-            if ONE_K_BLOCK:
-                acc += w * x[None, :]
+            k = k0 + c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+            if EVEN_K:
+                x = tl.load(X + k)
+                w = tl.load(w_rows + k[None, None, :, :])
             else:
-                kb = k0 // QK + tl.arange(0, SUB)
-                s = tl.load(s_rows[:, None] + kb[None, :], mask=row_ok[:, None] & (kb[None, :] < GK), other=0.0)
-                if SUB == 1:
-                    acc += tl.sum(w * x[None, :], axis=1)[:, None] * s
+                x = tl.load(X + k, mask=k < K, other=0.0)
+                w = tl.load(w_rows + k[None, None, :, :], mask=k[None, None, :, :] < K, other=0.0)
+            x = x.to(tl.float32)[None, :, :]
+            if not ONE_K_BLOCK:  # the activations times each group's scale of their k-block
+                kb = (k0 + c * CHUNK) // QK
+                if EVEN_K:
+                    scale = tl.load(s_groups[:, None] + kb[None, :])
                 else:
-                    acc += tl.sum(tl.reshape(w * x[None, :], [BLOCK_N, SUB, BLOCK_K // SUB]), axis=2) * s
-        y = tl.sum(acc, axis=1)
+                    scale = tl.load(s_groups[:, None] + kb[None, :], mask=kb[None, :] < GK, other=0.0)
+                x = x * scale[:, :, None]
+            acc += w.to(tl.float32) * x[:, None, :, :]
+        y = tl.reshape(tl.sum(tl.sum(acc, axis=3), axis=2), [BLOCK_N])
+        s_rows = S + (rows // QN) * GK
         if ONE_K_BLOCK:
             y *= tl.load(s_rows, mask=row_ok, other=0.0)
         if HAS_BIAS:
@@ -249,6 +261,16 @@ def k_ranges(k: int, splits: int, tile: int) -> tuple[int, int]:
     return k_per, triton.cdiv(k, k_per)
 
 
+def scale_groups(rows: int, block_n: int, glu: tuple | None, half_d: int) -> int:
+    """How many groups of rows sharing one scale row a one-row GEMV program's ``rows`` form (``gemv.gated_rows``:
+    gate rows then up rows, first rows of rotation pairs then second rows, or one run): the two halves or the one
+    run where each lies inside one ``block_n``-row block of the weight, else every row on its own."""
+    halves = glu is not None or half_d > 0
+    run = rows // 2 if halves else rows
+    aligned = (all(offset % run == 0 for offset in glu) if glu is not None else half_d % run == 0 if half_d else True)
+    return (2 if halves else 1) if block_n % run == 0 and aligned else rows
+
+
 def launch_fp8_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, wrap, glu=None, rope=None):
     """The one-row kernel into ``y``, on ``config``'s ``(BLOCK_N, BLOCK_K, warps, stages)``. ``glu``: the
     ``(gate, up)`` offsets of ``launch_fp8_linear_silu_mul`` (``y`` is then its ``width`` wide output). ``rope``:
@@ -257,14 +279,16 @@ def launch_fp8_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, 
     gk = scale_grid(n, k, block_n, block_k)[1]
     one = block_k >= k
     bn_, bk_, warps, stages = config
-    bk_, sub = _tile_k(block_k, k, bk_, spans=True)
+    bk_ = _tile_k(block_k, k, bk_, spans=True)[0]
     outputs = n if rope is not None else y.shape[-1]
     if glu is not None:
         check_halves(n, *glu, outputs, bn_)
+    groups = scale_groups(bn_, block_n, glu, rope.half_d if rope is not None else 0) if not one else 1
     wrap(_fp8_gemv_kernel)[(triton.cdiv(outputs, bn_ // 2 if glu else bn_),)](
         x2, weight, s, bias if bias is not None else s, y, outputs, k, weight.stride(0), gk, block_n,
         k if one else block_k, *(glu or (0, 0)), 0, *rope_arguments(rope, x2), HAS_BIAS=bias is not None,
-        ONE_K_BLOCK=one, SUB=sub, BLOCK_N=bn_, BLOCK_K=bk_, GLU=glu is not None,
+        ONE_K_BLOCK=one, GROUPS=groups, BLOCK_N=bn_, BLOCK_K=bk_, CHUNK=min(bk_, 16), EVEN_K=k % bk_ == 0,
+        GLU=glu is not None,
         HALF_D=rope.half_d if rope is not None else 0, LIBDEVICE=compiled(), LINES=max(bk_ // 128, 1),
         num_warps=warps, num_stages=stages, **launch_options(x2))
 
