@@ -14,7 +14,8 @@ On CUDA (``fp8_usable``) Triton kernels read the FP8 weight and its scales direc
 activations stay in their dtype), so no dequantised weight is ever written:
 
 - one row (decode at batch 1): a GEMV, each program ``BLOCK_N`` whole weight rows; a ``BLOCK_K`` tile may span
-  several k-blocks, whose products are summed apart and scaled by their block's scale (``fp8_linear_silu_mul``:
+  several k-blocks, and the activations are scaled by each k-block's scale before the weights meet them, so each
+  weight costs one conversion and one multiply-add (``fp8_linear_silu_mul``:
   the same GEMV over a fused gate/up weight, whose epilogue applies the gated MLP's SiLU-and-multiply);
 - more rows: a tiled ``tl.dot`` GEMM, each ``[BLOCK_M, BLOCK_N]`` partial product scaled by its weight block's
   scale as it is accumulated (as DeepSeek-V3's ``fp8_gemm`` does; ``BLOCK_K`` lies inside one k-block), with the
@@ -64,10 +65,13 @@ if HAVE_TRITON:
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, HALF_D: tl.constexpr,
                          LIBDEVICE: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr, CHUNK: tl.constexpr = 16,
                          EVEN_K: tl.constexpr = False):
-        """``BLOCK_N`` whole weight rows per program. A ``BLOCK_K`` tile spans ``SUB`` k-blocks (``SUB = 1``: the
-        tile lies inside one): its products are summed per k-block and scaled by that block's scale, so the scales
-        cost ``SUB`` loads per row and tile, not one per weight. ``ONE_K_BLOCK``: one scale per row (per channel,
-        per tensor), applied once at the end.
+        """``BLOCK_N`` whole weight rows per program, in ``GROUPS`` groups of rows that share a row of scales
+        (``scale_groups``). Each ``CHUNK`` of consecutive activations lies in one k-block (a ``BLOCK_K`` tile may
+        span several): it is multiplied by each group's scale of that block, once per group and tile, and every
+        weight then takes one fused multiply-add into its own fp32 accumulator, summed once at the end (no
+        reduction inside the loop). ``ONE_K_BLOCK``: one scale per row (per channel, per tensor), applied once at
+        the end. ``EVEN_K``: ``K`` is whole tiles, so the loads take no masks (rows past the outputs read row
+        ``GATE`` and are never stored).
 
         ``GLU``: the ``N`` outputs are ``silu(y[GATE + i]) * y[UP + i]`` of the projection ``y`` (a fused gate/up
         weight): a program's rows are the gate rows of its ``BLOCK_N // 2`` outputs, then their up rows, and ``y`` is
