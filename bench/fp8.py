@@ -278,7 +278,8 @@ def free_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = None, shapes=FUSED) -> None:
+def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = None, shapes=FUSED,
+          gemv_tiles=GEMV_SWEEP) -> None:
     """Each FP8 kernel configuration per projection shape and row count, CUDA-graph timed, against bf16 cuBLAS
     (and ppsplit's bf16 GEMV at one row, and transformers' Triton block-FP8 kernels with ``--hf-kernel``): at one row
     the GEMV, at more rows the GEMM. The fastest configuration per shape is printed last. Each timed call
@@ -314,7 +315,7 @@ def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = Non
                 line += f"  HF fp8 (W8A8 Triton) {timed(lambda i: hf(x, *qs[i]), copies):7.1f} us"
             print(line, flush=True)
             exact = (x.double() @ dequantize(*qs[0], 128, 128).double().T).float()
-            label, configs = ("fp8 GEMV", GEMV_SWEEP) if m == 1 else ("fp8 GEMM", GEMM_SWEEP)
+            label, configs = ("fp8 GEMV", gemv_tiles) if m == 1 else ("fp8 GEMM", GEMM_SWEEP)
             rows = []
             for cfg in configs:
                 try:
@@ -370,6 +371,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print each variant's kernels by GPU time")
     ap.add_argument("--hf-kernel", help="a copy of transformers 4.57.1's finegrained_fp8.py (module docstring): "
                                         "time HF's FP8 path beside ppsplit's (with --sweep: its kernels per shape)")
+    ap.add_argument("--gemv-tiles", nargs="+", metavar="BN,BK,WARPS,STAGES",
+                    help="with --sweep: these one-row tiles instead of the built-in grid (e.g. 8,1024,4,2 2,2048,4,4)")
     ap.add_argument("--save-tiles", help="with --sweep: write the fastest one-row tiles per shape to this JSON file")
     ap.add_argument("--tiles", help="time the FP8 step again on the tiles of this file (--save-tiles)")
     ap.add_argument("--shapes", choices=("fused", "all"), default="fused",
@@ -381,8 +384,9 @@ def main():
         sys.exit("bench/fp8.py times CUDA graphs: run it on a CUDA machine (or --device cpu --small for a smoke run)")
     print(banner(args.device), flush=True)
     if args.sweep:
+        tiles = [tuple(int(v) for v in t.split(",")) for t in args.gemv_tiles] if args.gemv_tiles else GEMV_SWEEP
         return sweep(args.batch, copy_bandwidth("cuda"), args.hf_kernel, args.save_tiles,
-                     FUSED if args.shapes == "fused" else tuple(SHAPES))
+                     FUSED if args.shapes == "fused" else tuple(SHAPES), tiles)
     overrides = dict(num_hidden_layers=args.layers, **(SMALL if args.small else {}))
     model = build_model("llama-3.1-8b", args.device, **overrides)
     max_len = args.prefix + 8
