@@ -14,8 +14,7 @@ On CUDA (``fp8_usable``) Triton kernels read the FP8 weight and its scales direc
 activations stay in their dtype), so no dequantised weight is ever written:
 
 - one row (decode at batch 1): a GEMV, each program ``BLOCK_N`` whole weight rows; a ``BLOCK_K`` tile may span
-  several k-blocks, and the activations are scaled by each k-block's scale before the weights meet them, so each
-  weight costs one conversion and one multiply-add (``fp8_linear_silu_mul``:
+  several k-blocks, whose products are summed apart and scaled by their block's scale (``fp8_linear_silu_mul``:
   the same GEMV over a fused gate/up weight, whose epilogue applies the gated MLP's SiLU-and-multiply);
 - more rows: a tiled ``tl.dot`` GEMM, each ``[BLOCK_M, BLOCK_N]`` partial product scaled by its weight block's
   scale as it is accumulated (as DeepSeek-V3's ``fp8_gemm`` does; ``BLOCK_K`` lies inside one k-block), with the
@@ -61,17 +60,13 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["zero"])
     def _fp8_gemv_kernel(X, W, S, B, Y, N, K, stride_w, GK, QN, QK, GATE, UP, zero, C, SN, POOL, VPOOL, SLOTS, HQ,
-                         HKV, HAS_BIAS: tl.constexpr, ONE_K_BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+                         HKV, HAS_BIAS: tl.constexpr, ONE_K_BLOCK: tl.constexpr, SUB: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, HALF_D: tl.constexpr,
-                         LIBDEVICE: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr, CHUNK: tl.constexpr = 16,
-                         EVEN_K: tl.constexpr = False):
-        """``BLOCK_N`` whole weight rows per program, in ``GROUPS`` groups of rows that share a row of scales
-        (``scale_groups``). Each ``CHUNK`` of consecutive activations lies in one k-block (a ``BLOCK_K`` tile may
-        span several): it is multiplied by each group's scale of that block, once per group and tile, and every
-        weight then takes one fused multiply-add into its own fp32 accumulator, summed once at the end (no
-        reduction inside the loop). ``ONE_K_BLOCK``: one scale per row (per channel, per tensor), applied once at
-        the end. ``EVEN_K``: ``K`` is whole tiles, so the loads take no masks (rows past the outputs read row
-        ``GATE`` and are never stored).
+                         LIBDEVICE: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr):
+        """``BLOCK_N`` whole weight rows per program. A ``BLOCK_K`` tile spans ``SUB`` k-blocks (``SUB = 1``: the
+        tile lies inside one): its products are summed per k-block and scaled by that block's scale, so the scales
+        cost ``SUB`` loads per row and tile, not one per weight. ``ONE_K_BLOCK``: one scale per row (per channel,
+        per tensor), applied once at the end.
 
         ``GLU``: the ``N`` outputs are ``silu(y[GATE + i]) * y[UP + i]`` of the projection ``y`` (a fused gate/up
         weight): a program's rows are the gate rows of its ``BLOCK_N // 2`` outputs, then their up rows, and ``y`` is
@@ -82,41 +77,30 @@ if HAVE_TRITON:
         ``PDL`` (``common.launch_options``): the first tile's ``LINES`` 128-byte lines of each row are prefetched into
         L2 before the kernel waits for the one that writes ``X``."""
         rows, row_ok = gated_rows(N, GATE, UP, BLOCK_N, GLU, HALF_D)
+        w_rows = W + rows[:, None].to(tl.int64) * stride_w
+        s_rows = S + (rows // QN) * GK
         if PDL:
             lines = tl.minimum(tl.arange(0, LINES) * 128, K - 1)
             prefetch_l2(W + tl.where(row_ok, rows, GATE)[:, None].to(tl.int64) * stride_w + lines[None, :])
         wait_for_previous(PDL)
-        # the tile as [GROUPS, rows of a group, CHUNKS, CHUNK]: a group's rows share their scale row (the launch
-        # checks), a chunk of CHUNK consecutive weights lies in one k-block
-        G_ROWS: tl.constexpr = BLOCK_N // GROUPS
-        CHUNKS: tl.constexpr = BLOCK_K // CHUNK
-        rows2 = tl.reshape(rows, [GROUPS, G_ROWS])
-        ok2 = tl.reshape(row_ok, [GROUPS, G_ROWS])
-        # rows past the outputs read row GATE (never stored): the loads need no mask where K is whole tiles
-        w_rows = W + tl.where(ok2, rows2, GATE)[:, :, None, None].to(tl.int64) * stride_w
-        first = tl.min(tl.where(ok2, rows2, 0x7FFFFFFF), axis=1)  # a group's first row serving an output
-        s_groups = S + (tl.where(first == 0x7FFFFFFF, GATE, first) // QN) * GK
-        c = tl.arange(0, CHUNKS)
-        acc = tl.zeros([GROUPS, G_ROWS, CHUNKS, CHUNK], dtype=tl.float32)
+        if ONE_K_BLOCK:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, SUB], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-            if EVEN_K:
-                x = tl.load(X + k)
-                w = tl.load(w_rows + k[None, None, :, :])
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
+            if ONE_K_BLOCK:
+                acc += w * x[None, :]
             else:
-                x = tl.load(X + k, mask=k < K, other=0.0)
-                w = tl.load(w_rows + k[None, None, :, :], mask=k[None, None, :, :] < K, other=0.0)
-            x = x.to(tl.float32)[None, :, :]
-            if not ONE_K_BLOCK:  # the activations times each group's scale of their k-block
-                kb = (k0 + c * CHUNK) // QK
-                if EVEN_K:
-                    scale = tl.load(s_groups[:, None] + kb[None, :])
+                kb = k0 // QK + tl.arange(0, SUB)
+                s = tl.load(s_rows[:, None] + kb[None, :], mask=row_ok[:, None] & (kb[None, :] < GK), other=0.0)
+                if SUB == 1:
+                    acc += tl.sum(w * x[None, :], axis=1)[:, None] * s
                 else:
-                    scale = tl.load(s_groups[:, None] + kb[None, :], mask=kb[None, :] < GK, other=0.0)
-                x = x * scale[:, :, None]
-            acc += w.to(tl.float32) * x[:, None, :, :]
-        y = tl.reshape(tl.sum(tl.sum(acc, axis=3), axis=2), [BLOCK_N])
-        s_rows = S + (rows // QN) * GK
+                    acc += tl.sum(tl.reshape(w * x[None, :], [BLOCK_N, SUB, BLOCK_K // SUB]), axis=2) * s
+        y = tl.sum(acc, axis=1)
         if ONE_K_BLOCK:
             y *= tl.load(s_rows, mask=row_ok, other=0.0)
         if HAS_BIAS:
@@ -265,16 +249,6 @@ def k_ranges(k: int, splits: int, tile: int) -> tuple[int, int]:
     return k_per, triton.cdiv(k, k_per)
 
 
-def scale_groups(rows: int, block_n: int, glu: tuple | None, half_d: int) -> int:
-    """How many groups of rows sharing one scale row a one-row GEMV program's ``rows`` form (``gemv.gated_rows``:
-    gate rows then up rows, first rows of rotation pairs then second rows, or one run): the two halves or the one
-    run where each lies inside one ``block_n``-row block of the weight, else every row on its own."""
-    halves = glu is not None or half_d > 0
-    run = rows // 2 if halves else rows
-    aligned = (all(offset % run == 0 for offset in glu) if glu is not None else half_d % run == 0 if half_d else True)
-    return (2 if halves else 1) if block_n % run == 0 and aligned else rows
-
-
 def launch_fp8_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, wrap, glu=None, rope=None):
     """The one-row kernel into ``y``, on ``config``'s ``(BLOCK_N, BLOCK_K, warps, stages)``. ``glu``: the
     ``(gate, up)`` offsets of ``launch_fp8_linear_silu_mul`` (``y`` is then its ``width`` wide output). ``rope``:
@@ -283,16 +257,14 @@ def launch_fp8_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, 
     gk = scale_grid(n, k, block_n, block_k)[1]
     one = block_k >= k
     bn_, bk_, warps, stages = config
-    bk_ = _tile_k(block_k, k, bk_, spans=True)[0]
+    bk_, sub = _tile_k(block_k, k, bk_, spans=True)
     outputs = n if rope is not None else y.shape[-1]
     if glu is not None:
         check_halves(n, *glu, outputs, bn_)
-    groups = scale_groups(bn_, block_n, glu, rope.half_d if rope is not None else 0) if not one else 1
     wrap(_fp8_gemv_kernel)[(triton.cdiv(outputs, bn_ // 2 if glu else bn_),)](
         x2, weight, s, bias if bias is not None else s, y, outputs, k, weight.stride(0), gk, block_n,
         k if one else block_k, *(glu or (0, 0)), 0, *rope_arguments(rope, x2), HAS_BIAS=bias is not None,
-        ONE_K_BLOCK=one, GROUPS=groups, BLOCK_N=bn_, BLOCK_K=bk_, CHUNK=min(bk_, 16), EVEN_K=k % bk_ == 0,
-        GLU=glu is not None,
+        ONE_K_BLOCK=one, SUB=sub, BLOCK_N=bn_, BLOCK_K=bk_, GLU=glu is not None,
         HALF_D=rope.half_d if rope is not None else 0, LIBDEVICE=compiled(), LINES=max(bk_ // 128, 1),
         num_warps=warps, num_stages=stages, **launch_options(x2))
 
