@@ -187,6 +187,24 @@ def hf_kernel(path: str | None, device: str = "cuda"):
     return run
 
 
+def against_kernel(path: str | None):
+    """The one-row FP8 linear of another commit's ``triton_kernels/fp8.py`` at ``path`` (``git show
+    main:triton_kernels/fp8.py > .hfref/fp8_main.py``, carried), ``(x, W_q, scale, config) -> y``, for the sweep to
+    time beside this tree's on the same tiles in one run. Loaded as a module of its own, its ops not registered
+    again (this tree's are)."""
+    if not path:
+        return None
+    import importlib.util
+
+    from ppsplit.triton_kernels import common
+
+    spec = importlib.util.spec_from_file_location("ppsplit.triton_kernels.fp8_against", path)
+    mod = importlib.util.module_from_spec(spec)
+    with mock.patch.object(common, "register", lambda *a, **k: (lambda fn: fn)):
+        spec.loader.exec_module(mod)
+    return lambda x, q, scale, config: mod.launch_fp8_linear(x, q, scale, None, 128, 128, config=config)
+
+
 def w8a8_reference(x, q, scale):
     """What ``act_quant`` + ``w8a8_block_fp8_matmul_triton`` compute, in torch (CPU smoke runs): ``x`` quantised per
     128-wide group to FP8 with scale amax / 448, both operands dequantised, one fp32 matmul, ``x``'s dtype out."""
@@ -279,7 +297,7 @@ def free_memory(device: str) -> None:
 
 
 def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = None, shapes=FUSED,
-          gemv_tiles=GEMV_SWEEP) -> None:
+          gemv_tiles=GEMV_SWEEP, against_path: str | None = None) -> None:
     """Each FP8 kernel configuration per projection shape and row count, CUDA-graph timed, against bf16 cuBLAS
     (and ppsplit's bf16 GEMV at one row, and transformers' Triton block-FP8 kernels with ``--hf-kernel``): at one row
     the GEMV, at more rows the GEMM. The fastest configuration per shape is printed last. Each timed call
@@ -297,6 +315,7 @@ def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = Non
         return do_bench_cudagraph(run, rep=30) * 1e3 / copies
 
     hf = hf_kernel(hf_path)
+    against = against_kernel(against_path)
     best = {}
     for name in shapes:
         n, k = SHAPES[name]
@@ -328,6 +347,12 @@ def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = Non
             for us, cfg in rows[:3]:
                 print(f"    {label} {cfg}: {us:7.1f} us  x roofline {us / roof:5.2f}  x bf16 cuBLAS "
                       f"{us / cublas:5.2f}", flush=True)
+            if against is not None and m == 1:  # the other commit's GEMV on every tile, in this run
+                theirs = sorted((timed(lambda i: against(x, *qs[i], cfg), copies), cfg) for _, cfg in rows)
+                for us, cfg in theirs[:3]:
+                    print(f"    {label} of --against {cfg}: {us:7.1f} us  x roofline {us / roof:5.2f}", flush=True)
+                if rows and theirs:
+                    print(f"    fastest here / fastest of --against: {rows[0][0] / theirs[0][0]:.3f}", flush=True)
             if rows:  # the fastest against the fp64 product
                 got = launch_fp8_linear(x, *qs[0], None, 128, 128, config=rows[0][1]).float()
                 print(f"    {label} {rows[0][1]} against fp64: max |difference| "
@@ -373,6 +398,8 @@ def main():
                                         "time HF's FP8 path beside ppsplit's (with --sweep: its kernels per shape)")
     ap.add_argument("--gemv-tiles", nargs="+", metavar="BN,BK,WARPS,STAGES",
                     help="with --sweep: these one-row tiles instead of the built-in grid (e.g. 8,1024,4,2 2,2048,4,4)")
+    ap.add_argument("--against", metavar="FP8_PY", help="with --sweep: another commit's triton_kernels/fp8.py, whose "
+                    "one-row GEMV is timed on the same tiles beside this tree's (against_kernel)")
     ap.add_argument("--save-tiles", help="with --sweep: write the fastest one-row tiles per shape to this JSON file")
     ap.add_argument("--tiles", help="time the FP8 step again on the tiles of this file (--save-tiles)")
     ap.add_argument("--shapes", choices=("fused", "all"), default="fused",
@@ -386,7 +413,7 @@ def main():
     if args.sweep:
         tiles = [tuple(int(v) for v in t.split(",")) for t in args.gemv_tiles] if args.gemv_tiles else GEMV_SWEEP
         return sweep(args.batch, copy_bandwidth("cuda"), args.hf_kernel, args.save_tiles,
-                     FUSED if args.shapes == "fused" else tuple(SHAPES), tiles)
+                     FUSED if args.shapes == "fused" else tuple(SHAPES), tiles, args.against)
     overrides = dict(num_hidden_layers=args.layers, **(SMALL if args.small else {}))
     model = build_model("llama-3.1-8b", args.device, **overrides)
     max_len = args.prefix + 8
