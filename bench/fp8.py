@@ -373,15 +373,20 @@ def tile_key(n: int, k: int, m: int) -> str:
     return f"{n}x{k}" if m == 1 else f"{n}x{k}@{m}"
 
 
-def swept_tiles(path: str):
+def swept_tiles(path: str) -> contextlib.ExitStack:
     """``linear_config`` answers from ``path`` (``--save-tiles``) for the shapes and row counts it holds while the
-    block runs (a capture bakes the tiles in); a one-row entry may name a GEMM tile."""
-    from ppsplit.triton_kernels import fp8
+    block runs (a capture bakes the tiles in), in the FP8 module and in the q/k/v GEMV's, which imports it; a
+    one-row entry may name a GEMM tile."""
+    from ppsplit.triton_kernels import fp8, qkv
 
     with open(path) as f:
         tiles = {key: tuple(cfg) for key, cfg in json.load(f).items()}
     planned = fp8.linear_config
-    return mock.patch.object(fp8, "linear_config", lambda m, n, k: tiles.get(tile_key(n, k, m)) or planned(m, n, k))
+    swept = lambda m, n, k, device=None: tiles.get(tile_key(n, k, m)) or planned(m, n, k, device)  # noqa: E731
+    stack = contextlib.ExitStack()
+    for module in (fp8, qkv):
+        stack.enter_context(mock.patch.object(module, "linear_config", swept))
+    return stack
 
 
 def main():

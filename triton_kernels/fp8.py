@@ -25,6 +25,7 @@ not the fast one.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -162,12 +163,25 @@ if HAVE_TRITON:
         tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-# The fastest tiles per Llama-3.1-8B projection on an H200, each timed alone with its weights out of the L2 cache
-# (``bench/fp8.py --sweep``, bench/RESULTS.md sections 25 and 35).
-def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) of the one-row kernel: 2048-wide tiles over 4 warps, 2 stages; 8 rows per
-    program for the fused gate/up projection ([28672, 4096]), 2 for the rest."""
-    return (8, 2048, 4, 2) if n > 16384 else (2, 2048, 4, 2)
+# The fastest tiles per Llama-3.1-8B projection, each timed alone with its weights out of the L2 cache
+# (``bench/fp8.py --sweep``, bench/RESULTS.md sections 25, 35, 40 and 41).
+def gemv_config(n: int, k: int, device: torch.device | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the one-row kernel on ``device``: 2 rows of 2048-wide tiles a program
+    over 4 warps; on an H200, 8 rows for the fused gate/up projection ([28672, 4096]: 2% faster there, where 2 rows
+    are 7% faster on an H100)."""
+    return (8, 2048, 4, 2) if n > 16384 and "H200" in card_name(device) else (2, 2048, 4, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_card(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def card_name(device: torch.device | None) -> str:
+    """The name of ``device``'s GPU ("NVIDIA H200", ...); empty for none or a CPU."""
+    if device is None or device.type != "cuda":
+        return ""
+    return _cuda_card(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def gemm_config(n: int) -> tuple[int, int, int, int, int]:
@@ -177,9 +191,10 @@ def gemm_config(n: int) -> tuple[int, int, int, int, int]:
     return (64, 128, 4, 3, 2 if n > 16384 else 4) if n >= 4096 else (16, 128, 4, 3, 4)
 
 
-def linear_config(m: int, n: int, k: int) -> tuple:
-    """The tiles of an ``[m, k] x [n, k]^T`` call: ``gemv_config``'s at one row, else ``gemm_config``'s."""
-    return gemv_config(n, k) if m == 1 else gemm_config(n)
+def linear_config(m: int, n: int, k: int, device: torch.device | None = None) -> tuple:
+    """The tiles of an ``[m, k] x [n, k]^T`` call on ``device``: ``gemv_config``'s at one row, else
+    ``gemm_config``'s."""
+    return gemv_config(n, k, device) if m == 1 else gemm_config(n)
 
 
 def gemm_block_m(m: int) -> int:
@@ -220,7 +235,7 @@ def launch_fp8_linear(x, weight, scale, bias, block_n: int, block_k: int, wrap=l
         return y.reshape(*x.shape[:-1], n)
     s = scale.reshape(-1)
     b = bias if bias is not None else s
-    config = config or linear_config(m, n, k)
+    config = config or linear_config(m, n, k, x.device)
     if m == 1 and len(config) == 4:
         launch_fp8_gemv(x2, weight, s, bias, y, block_n, block_k, config, wrap)
     else:
@@ -291,7 +306,7 @@ def fp8_silu_mul_usable(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> 
     """Whether ``launch_fp8_linear_silu_mul`` serves the call: one row, fp16 / bf16 (``silu_mul``'s kernel's
     dtypes), a weight ``fp8_usable`` serves, and ``linear_config`` gives the GEMV's tiles for it."""
     return (x.numel() == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16) and fp8_usable(x, weight, block_k)
-            and len(linear_config(1, *weight.shape)) == 4)
+            and len(linear_config(1, *weight.shape, x.device)) == 4)
 
 
 def launch_fp8_linear_silu_mul(x, weight, scale, bias, block_n: int, block_k: int, gate: int, up: int, width: int,
@@ -302,7 +317,7 @@ def launch_fp8_linear_silu_mul(x, weight, scale, bias, block_n: int, block_k: in
     y = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
     x2 = x.reshape(1, k)
     launch_fp8_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, scale.reshape(-1), bias, y, block_n,
-                    block_k, config or linear_config(1, n, k), wrap, glu=(gate, up))
+                    block_k, config or linear_config(1, n, k, x.device), wrap, glu=(gate, up))
     return y
 
 

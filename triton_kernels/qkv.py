@@ -42,7 +42,7 @@ def rope_epilogue_usable(x, weight, scale, block_k: int, cos, sin, pool, other_p
     if scale is None:
         served = gemv_usable(x, weight) and n >= MIN_OUT
     else:
-        served = fp8_usable(x, weight, block_k) and len(linear_config(1, n, k)) == 4
+        served = fp8_usable(x, weight, block_k) and len(linear_config(1, n, k, x.device)) == 4
     return (served and all(t.dtype == x.dtype and t.device == x.device and t.numel() == head_dim
                            and t.stride(-1) == 1 for t in (cos, sin))
             and pool.is_contiguous() and other_pool.is_contiguous() and pool.dim() >= 3 and other_pool.dim() >= 3
@@ -65,7 +65,7 @@ def launch_linear_rope_write(x, weight, bias, scale, block_n: int, block_k: int,
         launch_gemv(x2, weight, bias, config=config or pick_config(n, k), wrap=wrap, rope=rope)
     else:
         launch_fp8_gemv(x2, weight, scale.reshape(-1), bias, query, block_n, block_k,
-                        config or linear_config(1, n, k), wrap, rope=rope)
+                        config or linear_config(1, n, k, x.device), wrap, rope=rope)
     return query
 
 

@@ -102,7 +102,7 @@ def test_fp8_gemv_epilogue_is_the_fp8_gemv_then_rope_write_bit_for_bit(hq, hkv, 
         n = w.shape[0]
         w8 = (w.float() * 8).clamp(-448, 448).to(torch.float8_e4m3fn)
         scale = torch.rand(-(-n // block), -(-k // block), device=device) / 8 + 0.01
-        tiles = config or linear_config(1, n, k)
+        tiles = config or linear_config(1, n, k, x.device)
         want_pools = [p.clone() for p in pools]
         q, kk, v = heads(launch_fp8_linear(x, w8, scale, b, block, block, config=tiles), hq, hkv, d)
         want = launch_rope_write(q, kk, cos, sin, *want_pools, v, slots)
