@@ -15,7 +15,15 @@ Both get the same values (the bf16 weight is the FP8 one dequantised); their out
 the weight's bytes plus the latents and rotary keys read, over the copy bandwidth measured in the same run.
 
     python bench/mla.py                         # batches 1, 8, 32 at 4096 positions, 8 layers
+    python bench/mla.py --chunks 128 256 512 --profile   # also the FP8 step with the attention's keys cut into
+                                                # chunks of these many positions (the plan's own: the "plan" row),
+                                                # and the FP8 step's kernels by GPU time at the first batch
     python bench/mla.py --device cpu --small    # a smoke run of the script (no timing claims)
+
+At one decode token the plan cuts each sequence's keys into chunks until there are 8 programs an SM (``attention_plan``),
+each with the partial outputs of its 16 heads of 512-wide latents in fp32 for the combine kernel: at 4096 positions
+65 chunks of 64, whose partials (17 MB a layer) outweigh the latents they come from (4.7 MB). ``--chunks`` times
+fewer, longer chunks beside the plan's in the same run.
 """
 import argparse
 import sys
@@ -24,11 +32,12 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import banner, graphed  # noqa: E402
-from fp8 import copy_bandwidth, quantize, step_ms  # noqa: E402
+from fp8 import copy_bandwidth, profile, quantize, step_ms  # noqa: E402
 
 from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment  # noqa: E402
 from ppsplit.triton_kernels.fp8 import dequantize  # noqa: E402
-from ppsplit.triton_kernels.paged import paged_latent_attention  # noqa: E402
+from ppsplit.triton_kernels.paged import (_heads_per_program, attention_plan, latent_fp8_views,  # noqa: E402
+                                          launch_paged_latent_attention, paged_latent_attention)
 
 BLOCK = 64  # cache positions a block
 
@@ -54,8 +63,41 @@ def layer(heads, r, dr, dn, dv, batch, context, device):
     def fp8():
         return paged_latent_attention(q, latents, ropes, w8, dn, *args, s8, 128, 128)
 
+    def fp8_chunked(chunk: int):
+        """The FP8 step with each sequence's keys in chunks of ``chunk`` positions (``None``: the plan's); on CUDA."""
+        views = latent_fp8_views(w8, s8, 128, 128, heads, dn)
+        positions = step.block_table.shape[1] * BLOCK
+        config = None if chunk is None else dict(chunk=chunk, splits=-(-positions // chunk))
+        return lambda: launch_paged_latent_attention(q, latents, ropes, w8, dn, *args[:-1], config=config, fp8=views)
+
     read = w8.numel() + s8.numel() * 4 + batch * (context + 1) * (r + dr) * 2
-    return bf16, fp8, read
+    return bf16, fp8, fp8_chunked, read
+
+
+def plan_chunk(heads: int, batch: int, context: int, device: str) -> int:
+    """The plan's chunk of keys for one decode token a sequence (MLA: a group of heads a program, as
+    ``launch_paged_attention`` has it)."""
+    positions = -(-(context + 1) // BLOCK) * BLOCK
+    return attention_plan(batch, heads, heads // _heads_per_program(heads), batch, positions, BLOCK,
+                          torch.device(device), width=576)["chunk"]
+
+
+def chunked(layers, args, batch: int, heads: int, roof: float) -> None:
+    """The FP8 step with the plan's chunk and each of ``--chunks``, in one run, against the plan's: each output
+    checked against the plan's first."""
+    plan = plan_chunk(heads, batch, args.context, args.device)
+    with torch.no_grad():
+        want = [run(None)() for *_, run, _ in layers]
+        rows = {}
+        for chunk in [None] + [c for c in args.chunks if c != plan]:
+            steps = [run(chunk) for *_, run, _ in layers]
+            diff = max((step() - w).abs().max().item() for step, w in zip(steps, want))
+            rows[chunk] = (step_ms(graphed(lambda steps=steps: [s() for s in steps], args.device), args.device,
+                                   args.rounds), diff)
+    for chunk, (ms, diff) in rows.items():
+        label = f"plan ({plan})" if chunk is None else str(chunk)
+        print(f"       keys in chunks of {label:>10}: {ms * 1e3:8.1f} us  x roofline {ms / roof:6.2f}  "
+              f"x plan {ms / rows[None][0]:5.2f}  max |diff| against the plan {diff:.3g}", flush=True)
 
 
 def main() -> None:
@@ -66,6 +108,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="4 heads, r 128: a smoke run")
+    ap.add_argument("--chunks", type=int, nargs="*", default=[],
+                    help="also time the FP8 step with the keys cut into chunks of these many positions (CUDA)")
+    ap.add_argument("--profile", action="store_true", help="the FP8 step's kernels by GPU time at the first batch")
     args = ap.parse_args()
     print(banner(args.device))
     shape = (4, 128, 64, 128, 128) if args.small else (128, 512, 64, 128, 128)
@@ -77,13 +122,17 @@ def main() -> None:
     for batch in args.batches:
         layers = [layer(*shape, batch, args.context, args.device) for _ in range(args.layers)]
         with torch.no_grad():
-            diff = max((bf16() - fp8()).abs().max().item() for bf16, fp8, _ in layers)
+            diff = max((bf16() - fp8()).abs().max().item() for bf16, fp8, *_ in layers)
             runs = {kind: graphed(lambda i=i: [run[i]() for run in layers], args.device) for i, kind in
                     enumerate(("bf16", "fp8"))}
             ms = {kind: step_ms(run, args.device, args.rounds) for kind, run in runs.items()}
         roof = sum(read for *_, read in layers) / bw * 1e3
         print(f"{batch:5d}  {ms['bf16'] * 1e3:17.1f}  {ms['fp8'] * 1e3:16.1f}  {ms['fp8'] / ms['bf16']:10.2f}  "
               f"{ms['fp8'] / roof:14.2f}  {diff:.3g}", flush=True)
+        if args.chunks and args.device == "cuda":
+            chunked(layers, args, batch, shape[0], roof)
+        if args.profile and args.device == "cuda" and batch == args.batches[0]:
+            profile(runs["fp8"], f"fp8 kv_b_proj, batch {batch}, {args.layers} layers")
         del layers, runs
         if args.device == "cuda":
             torch.cuda.empty_cache()
