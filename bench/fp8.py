@@ -33,6 +33,8 @@ On the CPU (the Triton kernels need a GPU) the HF variant runs a torch reference
                                               # the FP8 bytes' roofline
     python bench/fp8.py --sweep --batch 1 32 --save-tiles out/tiles.json   # and keep the fastest tiles per shape
     python bench/fp8.py --tiles out/tiles.json   # the step again on those tiles, beside linear_config's
+    python bench/fp8.py --batch 1 --decode-chunks 64 128 256   # the FP8 step with the decode attention's keys in
+                                              # fewer, longer chunks than the plan's (its combine has less to read)
 """
 import argparse
 import contextlib
@@ -162,6 +164,24 @@ def folds_off(variant: str):
         for module in (gemv, pointwise):
             stack.enter_context(mock.patch.object(module, "fold_qkv_rotation", lambda node, projection: False))
     return stack
+
+
+def decode_chunks(chunk: int):
+    """A patch under which each decode step's attention cuts every sequence's keys into chunks of ``chunk``
+    positions (``attention_plan``'s at one token a sequence: as many as give 8 programs an SM, 32-position chunks at
+    this script's 520 positions and batch 1); other plans as planned. The combine kernel's work shrinks with the
+    chunk count, each program's loop grows."""
+    from ppsplit.triton_kernels import paged
+
+    planned = paged.attention_plan
+
+    def plan(n, hq, hkv, slots, max_positions, *rest, **kw):
+        out = planned(n, hq, hkv, slots, max_positions, *rest, **kw)
+        if n <= slots:  # a decode step
+            out.update(chunk=chunk, splits=-(-max_positions // chunk))
+        return out
+
+    return mock.patch.object(paged, "attention_plan", plan)
 
 
 def hf_kernel(path: str | None, device: str = "cuda"):
@@ -409,6 +429,9 @@ def main():
     ap.add_argument("--tiles", help="time the FP8 step again on the tiles of this file (--save-tiles)")
     ap.add_argument("--shapes", choices=("fused", "all"), default="fused",
                     help="with --sweep: the fused projections' shapes (what the stages run), or also q/k/v/gate/up")
+    ap.add_argument("--decode-chunks", type=int, nargs="*", default=[],
+                    help="also time the FP8 step with the decode attention's keys in chunks of these many positions "
+                         "(the plan's: as many chunks as give 8 programs an SM)")
     ap.add_argument("--pdl", action="store_true",
                     help="also time bf16 and FP8 with programmatic dependent launch (the bits checked equal first)")
     args = ap.parse_args()
@@ -461,6 +484,10 @@ def main():
                 with swept_tiles(args.tiles):
                     run = stage_runs(split, batch, 1, args.prefix, args.device)
                 results["fp8, swept tiles", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
+            for chunk in args.decode_chunks if variant == "fp8" else ():
+                with decode_chunks(chunk):  # captured under the patch (on the CPU, run under it)
+                    run = stage_runs(split, batch, 1, args.prefix, args.device)
+                    results[f"fp8, keys by {chunk}", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
             if args.pdl and variant in ("bf16", "fp8"):
                 ms = programmatic_step(split, run, batch, args)
                 results[f"{variant} + PDL", batch] = ms if isinstance(ms, str) else (ms, step_bytes)
