@@ -484,10 +484,13 @@ def main():
                 with swept_tiles(args.tiles):
                     run = stage_runs(split, batch, 1, args.prefix, args.device)
                 results["fp8, swept tiles", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
+            want = run().clone() if args.decode_chunks and variant == "fp8" else None
             for chunk in args.decode_chunks if variant == "fp8" else ():
                 with decode_chunks(chunk):  # captured under the patch (on the CPU, run under it)
-                    run = stage_runs(split, batch, 1, args.prefix, args.device)
-                    results[f"fp8, keys by {chunk}", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
+                    chunked = stage_runs(split, batch, 1, args.prefix, args.device)
+                    diff = (chunked().float() - want.float()).abs().max().item()
+                    print(f"fp8, keys by {chunk}, batch {batch}: max |logit diff| against the plan's {diff:.3g}")
+                    results[f"fp8, keys by {chunk}", batch] = (step_ms(chunked, args.device, args.rounds), step_bytes)
             if args.pdl and variant in ("bf16", "fp8"):
                 ms = programmatic_step(split, run, batch, args)
                 results[f"{variant} + PDL", batch] = ms if isinstance(ms, str) else (ms, step_bytes)
