@@ -535,6 +535,27 @@ def test_fp8_experts_in_partial_blocks_are_dequantised(tmp_path, capsys):
         torch.testing.assert_close(split(ids)[0], hf(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("card,index", [("NVIDIA H200", 0), ("NVIDIA H100 80GB HBM3", 1), ("NVIDIA H200", None)])
+def test_one_row_tiles_follow_the_card(card, index, monkeypatch):
+    """``linear_config`` keys the one-row tiles by the card the input is on (bench/RESULTS.md section 41): 8 rows a
+    program for Llama-3.1-8B's fused gate/up on an H200 only, 2 rows for everything else and off CUDA; the GEMM's
+    tiles at more rows do not depend on it. Every FP8 path (plain, SiLU-and-multiply, rotary epilogue) asks with its
+    input's device, so the folds and the plain GEMV sum in the same order on one card."""
+    from ppsplit.triton_kernels import fp8
+
+    seen = []
+    monkeypatch.setattr(fp8, "_cuda_card", lambda i: seen.append(i) or card)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    device = torch.device("cuda", index) if index is not None else torch.device("cuda")
+    h200 = card.endswith("H200")
+    assert fp8.linear_config(1, 28672, 4096, device) == ((8, 2048, 4, 2) if h200 else (2, 2048, 4, 4))
+    assert fp8.linear_config(1, 4096, 14336, device) == (2, 2048, 4, 4)
+    assert seen[0] == (3 if index is None else index)
+    for off in (None, torch.device("cpu")):
+        assert fp8.linear_config(1, 28672, 4096, off) == (2, 2048, 4, 4)
+    assert fp8.linear_config(32, 28672, 4096, device) == fp8.gemm_config(28672)
+
+
 @pytest.mark.parametrize("n,k,bn,bk,m", [(200, 300, 128, 128, 1), (200, 300, 128, 128, 5), (7, 33, 1, 33, 1),
                                          (7, 33, 7, 33, 3), (130, 256, 64, 128, 17), (130, 256, 64, 128, 40),
                                          (40, 600, 64, 256, 1), (40, 600, 64, 256, 9), (100, 256, 48, 128, 1)])
