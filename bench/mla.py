@@ -36,8 +36,8 @@ from fp8 import copy_bandwidth, profile, quantize, step_ms  # noqa: E402
 
 from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment  # noqa: E402
 from ppsplit.triton_kernels.fp8 import dequantize  # noqa: E402
-from ppsplit.triton_kernels.paged import (_heads_per_program, attention_plan, latent_fp8_views,  # noqa: E402
-                                          launch_paged_latent_attention, paged_latent_attention)
+from ppsplit.triton_kernels.paged import (latent_fp8_views, launch_paged_latent_attention,  # noqa: E402
+                                          paged_latent_attention)
 
 BLOCK = 64  # cache positions a block
 
@@ -74,28 +74,19 @@ def layer(heads, r, dr, dn, dv, batch, context, device):
     return bf16, fp8, fp8_chunked, read
 
 
-def plan_chunk(heads: int, batch: int, context: int, device: str) -> int:
-    """The plan's chunk of keys for one decode token a sequence (MLA: a group of heads a program, as
-    ``launch_paged_attention`` has it)."""
-    positions = -(-(context + 1) // BLOCK) * BLOCK
-    return attention_plan(batch, heads, heads // _heads_per_program(heads), batch, positions, BLOCK,
-                          torch.device(device), width=576)["chunk"]
-
-
-def chunked(layers, args, batch: int, heads: int, roof: float) -> None:
+def chunked(layers, args, roof: float) -> None:
     """The FP8 step with the plan's chunk and each of ``--chunks``, in one run, against the plan's: each output
     checked against the plan's first."""
-    plan = plan_chunk(heads, batch, args.context, args.device)
     with torch.no_grad():
         want = [run(None)() for *_, run, _ in layers]
         rows = {}
-        for chunk in [None] + [c for c in args.chunks if c != plan]:
+        for chunk in [None] + args.chunks:
             steps = [run(chunk) for *_, run, _ in layers]
             diff = max((step() - w).abs().max().item() for step, w in zip(steps, want))
             rows[chunk] = (step_ms(graphed(lambda steps=steps: [s() for s in steps], args.device), args.device,
                                    args.rounds), diff)
     for chunk, (ms, diff) in rows.items():
-        label = f"plan ({plan})" if chunk is None else str(chunk)
+        label = "the plan's" if chunk is None else str(chunk)
         print(f"       keys in chunks of {label:>10}: {ms * 1e3:8.1f} us  x roofline {ms / roof:6.2f}  "
               f"x plan {ms / rows[None][0]:5.2f}  max |diff| against the plan {diff:.3g}", flush=True)
 
@@ -130,7 +121,7 @@ def main() -> None:
         print(f"{batch:5d}  {ms['bf16'] * 1e3:17.1f}  {ms['fp8'] * 1e3:16.1f}  {ms['fp8'] / ms['bf16']:10.2f}  "
               f"{ms['fp8'] / roof:14.2f}  {diff:.3g}", flush=True)
         if args.chunks and args.device == "cuda":
-            chunked(layers, args, batch, shape[0], roof)
+            chunked(layers, args, roof)
         if args.profile and args.device == "cuda" and batch == args.batches[0]:
             profile(runs["fp8"], f"fp8 kv_b_proj, batch {batch}, {args.layers} layers")
         del layers, runs
