@@ -16,7 +16,7 @@ the weight's bytes plus the latents and rotary keys read, over the copy bandwidt
 
     python bench/mla.py                         # batches 1, 8, 32 at 4096 positions, 8 layers
     python bench/mla.py --chunks 128 256 512 --profile   # also the FP8 step with the attention's keys cut into
-                                                # chunks of these many positions (the plan's own: the "plan" row),
+                                                # chunks of these many positions (the plan's own chunks: the first row),
                                                 # and the FP8 step's kernels by GPU time at the first batch
     python bench/mla.py --device cpu --small    # a smoke run of the script (no timing claims)
 
