@@ -33,8 +33,6 @@ On the CPU (the Triton kernels need a GPU) the HF variant runs a torch reference
                                               # the FP8 bytes' roofline
     python bench/fp8.py --sweep --batch 1 32 --save-tiles out/tiles.json   # and keep the fastest tiles per shape
     python bench/fp8.py --tiles out/tiles.json   # the step again on those tiles, beside linear_config's
-    python bench/fp8.py --batch 1 --bits      # and the FP8 step with its GEMV turning weights into fp32 by bit moves
-    python bench/fp8.py --sweep --batch 1 --bits   # the same beside the converting GEMV, on every tile
     python bench/fp8.py --batch 1 --decode-chunks 64 128 256   # the FP8 step with the decode attention's keys in
                                               # fewer, longer chunks than the plan's (its combine has less to read)
 """
@@ -319,7 +317,7 @@ def free_memory(device: str) -> None:
 
 
 def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = None, shapes=FUSED,
-          gemv_tiles=GEMV_SWEEP, against_path: str | None = None, bits: bool = False) -> None:
+          gemv_tiles=GEMV_SWEEP, against_path: str | None = None) -> None:
     """Each FP8 kernel configuration per projection shape and row count, CUDA-graph timed, against bf16 cuBLAS
     (and ppsplit's bf16 GEMV at one row, and transformers' Triton block-FP8 kernels with ``--hf-kernel``): at one row
     the GEMV, at more rows the GEMM. The fastest configuration per shape is printed last. Each timed call
@@ -369,19 +367,6 @@ def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = Non
             for us, cfg in rows[:3]:
                 print(f"    {label} {cfg}: {us:7.1f} us  x roofline {us / roof:5.2f}  x bf16 cuBLAS "
                       f"{us / cublas:5.2f}", flush=True)
-            for mode in BITS_MODES if bits and m == 1 else ():  # the same GEMV by bit moves, every tile, this run
-                want = {cfg: launch_fp8_linear(x, *qs[0], None, 128, 128, config=cfg) for _, cfg in rows}
-                with e4m3_bits(mode):
-                    same = all(torch.equal(launch_fp8_linear(x, *qs[0], None, 128, 128, config=cfg), y)
-                               for cfg, y in want.items())
-                    theirs = sorted((timed(lambda i: launch_fp8_linear(x, *qs[i], None, 128, 128, config=cfg),
-                                           copies), cfg) for _, cfg in rows)
-                for us, cfg in theirs[:3]:
-                    print(f"    {label}, {BITS_MODES[mode]} {cfg}: {us:7.1f} us  x roofline {us / roof:5.2f}",
-                          flush=True)
-                if rows and theirs:
-                    print(f"    fastest converting / fastest {BITS_MODES[mode]}: {rows[0][0] / theirs[0][0]:.3f}"
-                          f"  (bits equal on every tile: {same})", flush=True)
             if against is not None and m == 1:  # the other commit's GEMV on every tile, in this run
                 theirs = sorted((timed(lambda i: against(x, *qs[i], cfg), copies), cfg) for _, cfg in rows)
                 for us, cfg in theirs[:3]:
@@ -402,17 +387,6 @@ def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = Non
         print(f"  {name:<8} m={m:<3} {cfg} {us:7.1f} us")
     if save:
         print(f"tiles of {len(best)} shapes and row counts -> {save}")
-
-
-BITS_MODES = {1: "e4m3 by bits", 2: "e4m3 half by bits"}
-
-
-def e4m3_bits(mode: int) -> contextlib.AbstractContextManager:
-    """The one-row FP8 GEMV turns its weights into fp32 by bit moves (``fp8.e4m3_by_bits``: ``mode`` 1 all of them,
-    2 half) while the block runs (a capture bakes it in)."""
-    from ppsplit.triton_kernels import fp8
-
-    return mock.patch.object(fp8, "e4m3_by_bits", lambda device: mode)
 
 
 def tile_key(n: int, k: int, m: int) -> str:
@@ -451,9 +425,6 @@ def main():
                     help="with --sweep: these one-row tiles instead of the built-in grid (e.g. 8,1024,4,2 2,2048,4,4)")
     ap.add_argument("--against", metavar="FP8_PY", help="with --sweep: another commit's triton_kernels/fp8.py, whose "
                     "one-row GEMV is timed on the same tiles beside this tree's (against_kernel)")
-    ap.add_argument("--bits", action="store_true", help="also time the one-row FP8 GEMV turning all or half its "
-                    "weights into fp32 by bit moves (fp8.e4m3_by_bits; the bits checked equal first): with --sweep on "
-                    "every tile, else the step")
     ap.add_argument("--save-tiles", help="with --sweep: write the fastest one-row tiles per shape to this JSON file")
     ap.add_argument("--tiles", help="time the FP8 step again on the tiles of this file (--save-tiles)")
     ap.add_argument("--shapes", choices=("fused", "all"), default="fused",
@@ -470,7 +441,7 @@ def main():
     if args.sweep:
         tiles = [tuple(int(v) for v in t.split(",")) for t in args.gemv_tiles] if args.gemv_tiles else GEMV_SWEEP
         return sweep(args.batch, copy_bandwidth("cuda"), args.hf_kernel, args.save_tiles,
-                     FUSED if args.shapes == "fused" else tuple(SHAPES), tiles, args.against, args.bits)
+                     FUSED if args.shapes == "fused" else tuple(SHAPES), tiles, args.against)
     overrides = dict(num_hidden_layers=args.layers, **(SMALL if args.small else {}))
     model = build_model("llama-3.1-8b", args.device, **overrides)
     max_len = args.prefix + 8
@@ -513,15 +484,7 @@ def main():
                 with swept_tiles(args.tiles):
                     run = stage_runs(split, batch, 1, args.prefix, args.device)
                 results["fp8, swept tiles", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
-            want = run().clone() if (args.decode_chunks or args.bits) and variant == "fp8" else None
-            for mode in BITS_MODES if args.bits and variant == "fp8" else ():
-                with e4m3_bits(mode):  # captured under the patch
-                    by_bits = stage_runs(split, batch, 1, args.prefix, args.device)
-                    same = torch.equal(by_bits(), want)
-                results[f"fp8, {BITS_MODES[mode]}", batch] = ((step_ms(by_bits, args.device, args.rounds), step_bytes)
-                                                             if same else "logits differ from the fp8 step's")
-                if args.profile and args.device == "cuda":
-                    profile(by_bits, f"fp8, {BITS_MODES[mode]}, batch {batch}")
+            want = run().clone() if args.decode_chunks and variant == "fp8" else None
             for chunk in args.decode_chunks if variant == "fp8" else ():
                 with decode_chunks(chunk):  # captured under the patch (on the CPU, run under it)
                     chunked = stage_runs(split, batch, 1, args.prefix, args.device)

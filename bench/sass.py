@@ -38,17 +38,6 @@ def programmatic_launches(launch, *args):
         return launch(*args)
 
 
-def by_bits(mode, launch, *args):
-    """``launch(*args)`` with the one-row FP8 GEMV turning its weights into fp32 by bit moves (``e4m3_by_bits``:
-    ``mode`` 1 all, 2 half)."""
-    from unittest import mock
-
-    from ppsplit.triton_kernels import fp8
-
-    with mock.patch.object(fp8, "e4m3_by_bits", lambda device: mode):
-        return launch(*args)
-
-
 def compiled(launch):
     kernels: list = []
     with compile_only(kernels), torch.no_grad():
@@ -142,13 +131,6 @@ def main():
                                      2 * 2048 / 4),
         f"FP8 GEMV + silu_mul {fp8}": (
             lambda: launch_fp8_linear_silu_mul(x, w8, s8, None, 128, 128, 0, n // 2, n // 2), fp8[0] * fp8[1] / fp8[2]),
-        f"FP8 GEMV {fp8}, e4m3 by bits": (lambda: by_bits(1, launch_fp8_linear, x, w8, s8, None, 128, 128),
-                                          fp8[0] * fp8[1] / fp8[2]),
-        f"FP8 GEMV {fp8}, half by bits": (lambda: by_bits(2, launch_fp8_linear, x, w8, s8, None, 128, 128),
-                                          fp8[0] * fp8[1] / fp8[2]),
-        f"FP8 GEMV + silu_mul {fp8}, by bits": (
-            lambda: by_bits(1, launch_fp8_linear_silu_mul, x, w8, s8, None, 128, 128, 0, n // 2, n // 2),
-            fp8[0] * fp8[1] / fp8[2]),
         f"FP8 GEMV {fp8}, PDL": (lambda: programmatic_launches(launch_fp8_linear, x, w8, s8, None, 128, 128),
                                  fp8[0] * fp8[1] / fp8[2]),
         "FP8 GEMM at 2 rows (64, 128, 4, 3, 1)": (

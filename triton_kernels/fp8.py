@@ -59,66 +59,11 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k:
 
 if HAVE_TRITON:
 
-    # Four e4m3 bytes (one register) to four fp32 values times 2**-8 (``e4m3_bits``). A pair of bytes by bit moves:
-    # into the high bytes of two 16-bit halves (prmt), the sign kept and the rest shifted right by one, which is an
-    # f16 of the e4m3 exponent and mantissa, 2**-8 of the e4m3 value, subnormals included; a pair by the conversion
-    # instruction: its f16 pair times 2**-8 (exact: 3 mantissa bits stay clear of f16's subnormal spacing). Each f16
-    # to fp32 last. E4M3_BITS_PTX moves all four bytes' bits; E4M3_HALF_PTX converts bytes 0-1, moves bytes 2-3.
-    _BITS_PAIR = """
-        prmt.b32 a{i}, 0, $4, {sel};
-        and.b32 b{i}, a{i}, 0x7fff7fff;
-        shr.b32 b{i}, b{i}, 1;
-        lop3.b32 b{i}, b{i}, a{i}, 0x80008000, 0xf8;"""
-    _TO_F32 = """
-        mov.b32 {h0, h1}, b0;
-        mov.b32 {h2, h3}, b1;
-        cvt.f32.f16 $0, h0;
-        cvt.f32.f16 $1, h1;
-        cvt.f32.f16 $2, h2;
-        cvt.f32.f16 $3, h3;
-    }"""
-    _HEAD = """{
-        .reg .b32 a<2>, b<2>;
-        .reg .b16 h<4>, l, u;"""
-    E4M3_BITS_PTX = tl.constexpr(_HEAD + _BITS_PAIR.format(i=0, sel="0x5140") + _BITS_PAIR.format(i=1, sel="0x7362")
-                                 + _TO_F32)
-    E4M3_HALF_PTX = tl.constexpr(_HEAD + """
-        mov.b32 {l, u}, $4;
-        cvt.rn.f16x2.e4m3x2 b0, l;
-        mov.b32 a0, 0x1c001c00;
-        mul.rn.f16x2 b0, b0, a0;""" + _BITS_PAIR.format(i=1, sel="0x7362") + _TO_F32)
-
-    @triton.jit
-    def e4m3_bits(w, HALF: tl.constexpr, ASM: tl.constexpr):
-        """``w`` (float8e4m3fn) as fp32 times 2**-8, exactly, with half (``HALF``) or none of the e4m3 conversion
-        instructions, whose throughput is low on a Hopper SM: an e4m3 byte ``s eeee mmm`` moved into an f16's bits as
-        ``s 0eeee mmm0000000`` is its value times 2**-8, subnormals included (both formats put their subnormals at
-        the lowest exponent field). ``ASM``: as PTX, four bytes a register (``E4M3_BITS_PTX``, ``E4M3_HALF_PTX``);
-        else the same bit moves in Triton (the interpreter), all of them."""
-        b = w.to(tl.uint8, bitcast=True)
-        if ASM and HALF:
-            return tl.inline_asm_elementwise(E4M3_HALF_PTX, "=r,=r,=r,=r,r", [b], dtype=tl.float32, is_pure=True,
-                                             pack=4)
-        if ASM:
-            return tl.inline_asm_elementwise(E4M3_BITS_PTX, "=r,=r,=r,=r,r", [b], dtype=tl.float32, is_pure=True,
-                                             pack=4)
-        h = b.to(tl.uint16)
-        h = ((h & 0x80) << 8) | ((h & 0x7F) << 7)
-        return h.to(tl.float16, bitcast=True).to(tl.float32)
-
-    @triton.jit
-    def fp8_weights(w, BITS: tl.constexpr, ASM: tl.constexpr):
-        """An FP8 weight tile as fp32: ``BITS = 0`` by the e4m3 conversion instructions; 1 by bit moves, 2 half by
-        each (``e4m3_bits``: then times 2**-8, and the kernel multiplies its scales by 256)."""
-        if BITS > 0:
-            return e4m3_bits(w, BITS == 2, ASM)
-        return w.to(tl.float32)
-
     @triton.jit(do_not_specialize=["zero"])
     def _fp8_gemv_kernel(X, W, S, B, Y, N, K, stride_w, GK, QN, QK, GATE, UP, zero, C, SN, POOL, VPOOL, SLOTS, HQ,
                          HKV, HAS_BIAS: tl.constexpr, ONE_K_BLOCK: tl.constexpr, SUB: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr, HALF_D: tl.constexpr,
-                         LIBDEVICE: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr, BITS: tl.constexpr):
+                         LIBDEVICE: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr):
         """``BLOCK_N`` whole weight rows per program. A ``BLOCK_K`` tile spans ``SUB`` k-blocks (``SUB = 1``: the
         tile lies inside one): its products are summed per k-block and scaled by that block's scale, so the scales
         cost ``SUB`` loads per row and tile, not one per weight. ``ONE_K_BLOCK``: one scale per row (per channel,
@@ -146,15 +91,12 @@ if HAVE_TRITON:
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
-            w = fp8_weights(tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K), other=0.0), BITS,
-                            LIBDEVICE)
+            w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
             if ONE_K_BLOCK:
                 acc += w * x[None, :]
             else:
                 kb = k0 // QK + tl.arange(0, SUB)
                 s = tl.load(s_rows[:, None] + kb[None, :], mask=row_ok[:, None] & (kb[None, :] < GK), other=0.0)
-                if BITS > 0:
-                    s *= 256.0
                 if SUB == 1:
                     acc += tl.sum(w * x[None, :], axis=1)[:, None] * s
                 else:
@@ -162,8 +104,6 @@ if HAVE_TRITON:
         y = tl.sum(acc, axis=1)
         if ONE_K_BLOCK:
             y *= tl.load(s_rows, mask=row_ok, other=0.0)
-            if BITS > 0:
-                y *= 256.0
         if HAS_BIAS:
             y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
         if HALF_D > 0:
@@ -242,12 +182,6 @@ def card_name(device: torch.device | None) -> str:
     if device is None or device.type != "cuda":
         return ""
     return _cuda_card(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def e4m3_by_bits(device: torch.device | None) -> int:
-    """How the one-row kernel turns its FP8 weights into fp32 on ``device``: 0 by the e4m3 conversion instructions,
-    1 by bit moves (``e4m3_bits``), 2 half each. The same bits every way; which is fastest is the card's."""
-    return 0
 
 
 def gemm_config(n: int) -> tuple[int, int, int, int, int]:
@@ -347,7 +281,7 @@ def launch_fp8_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, 
         k if one else block_k, *(glu or (0, 0)), 0, *rope_arguments(rope, x2), HAS_BIAS=bias is not None,
         ONE_K_BLOCK=one, SUB=sub, BLOCK_N=bn_, BLOCK_K=bk_, GLU=glu is not None,
         HALF_D=rope.half_d if rope is not None else 0, LIBDEVICE=compiled(), LINES=max(bk_ // 128, 1),
-        BITS=e4m3_by_bits(x2.device), num_warps=warps, num_stages=stages, **launch_options(x2))
+        num_warps=warps, num_stages=stages, **launch_options(x2))
 
 
 @register("ppsplit::fp8_linear")

@@ -581,50 +581,6 @@ def test_triton_fp8_kernels_equal_fp64_reference(n, k, bn, bk, m, dtype, config)
     assert not fp8_usable(x, q, 96) or 96 >= k  # a k-block a 128-wide tile would straddle takes the torch path
 
 
-def _every_e4m3_code(device="cpu") -> torch.Tensor:
-    """The 254 finite e4m3 values, each byte once (NaN, ``0x7f`` and ``0xff``, left out)."""
-    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8, device=device)
-    return codes.view(torch.float8_e4m3fn)
-
-
-@pytest.mark.parametrize("n,k,bn,bk,config", [(200, 300, 128, 128, None), (7, 33, 1, 33, (2, 64, 4, 2)),
-                                               (130, 256, 64, 128, (8, 128, 4, 2)), (40, 600, 64, 256, (4, 512, 4, 2)),
-                                               (100, 256, 48, 128, (2, 256, 4, 2))])
-def test_e4m3_by_bit_moves_is_the_conversion_bit_for_bit(n, k, bn, bk, config, monkeypatch):
-    """The one-row GEMV with its FP8 weights turned into fp32 by bit moves (``e4m3_bits``: each e4m3 byte placed in
-    an f16's bits, 2**-8 of its value, the scales times 256) under TRITON_INTERPRET=1 (conftest): every finite
-    e4m3 code, subnormals and signed zeros included, comes out exactly (a weight row holding all 254), and the GEMV
-    (per-k-block scales, one scale a row, the SiLU-and-multiply fold) gives the bits of the GEMV that converts. The
-    PTX form of the bit moves, which only a GPU runs, has its own GPU test."""
-    from ppsplit.triton_kernels import fp8
-
-    if not fp8.HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs the Triton kernels on CPU tensors, which needs triton and TRITON_INTERPRET=1 (conftest)")
-    torch.manual_seed(n + k)
-    q, scale = quantize_blocks(torch.randn(n, k), bn, bk)
-    flat = q.view(torch.uint8).flatten()
-    flat[: min(254, flat.numel())] = _every_e4m3_code().view(torch.uint8)[: flat.numel()]
-    x, bias = torch.randn(1, k).to(torch.float16), torch.randn(n).to(torch.float16)
-    want = fp8.launch_fp8_linear(x, q, scale, bias, bn, bk, config=config)
-    monkeypatch.setattr(fp8, "e4m3_by_bits", lambda device: 1)
-    got = fp8.launch_fp8_linear(x, q, scale, bias, bn, bk, config=config)
-    assert torch.equal(got, want)
-    if n % 2 == 0 and (config or (2,))[0] % 2 == 0:
-        width = n // 2
-        glu = [fp8.launch_fp8_linear_silu_mul(x, q, scale, bias, bn, bk, 0, width, width, config=config)]
-        monkeypatch.setattr(fp8, "e4m3_by_bits", lambda device: 0)
-        glu.append(fp8.launch_fp8_linear_silu_mul(x, q, scale, bias, bn, bk, 0, width, width, config=config))
-        assert torch.equal(*glu)
-    # each code alone: a weight whose first column holds the 254 codes, times the first unit vector, one scale
-    w = torch.zeros(254, 16, dtype=torch.uint8)
-    w[:, 0] = _every_e4m3_code().view(torch.uint8)
-    w = w.view(torch.float8_e4m3fn)
-    e = torch.zeros(1, 16)
-    e[0, 0] = 1.0
-    got = fp8.launch_fp8_linear(e, w, torch.ones(1), None, 254, 16, config=(2, 16, 4, 2))
-    assert torch.equal(got[0], _every_e4m3_code().float())
-
-
 def _gated_inputs(width, k, bn, bk, dtype, device="cpu"):
     """A fused gate/up FP8 weight ``[2 * width, k]`` in ``[bn, bk]`` blocks, one row ``x`` and a bias."""
     torch.manual_seed(width + k)
@@ -716,37 +672,6 @@ def test_gated_fp8_gemv_on_gpu_is_the_two_kernels_and_captures():
     graph.replay()
     y = launch_fp8_linear(x, q, scale, None, 128, 128)
     assert torch.equal(captured, launch_silu_mul(y[..., :14336], y[..., 14336:]))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n,k,config", [(28672, 4096, (8, 2048, 4, 2)), (6144, 4096, (2, 2048, 4, 4)),
-                                        (4096, 14336, (2, 2048, 4, 4)), (300, 200, (8, 128, 4, 2))])
-def test_e4m3_by_bit_moves_on_gpu_is_the_conversion_bit_for_bit(n, k, config, monkeypatch):
-    """bf16 on the GPU: the GEMV whose weights go through ``E4M3_BITS_PTX`` or ``E4M3_HALF_PTX`` (four bytes a
-    register) gives the bits of the GEMV that converts them, plain and gated (Llama-3.1-8B's shapes and a partial block), and every finite
-    e4m3 code comes out exactly."""
-    from ppsplit.triton_kernels import fp8
-
-    torch.manual_seed(n)
-    q, scale = quantize_blocks(torch.randn(n, k), 128, 128)
-    flat = q.view(torch.uint8).flatten()
-    flat[:254] = _every_e4m3_code().view(torch.uint8)
-    x, q, scale = (t.cuda() for t in (torch.randn(1, k, dtype=torch.bfloat16), q, scale))
-    w = torch.zeros(254, 16, dtype=torch.uint8)
-    w[:, 0] = _every_e4m3_code().view(torch.uint8)
-    e = torch.zeros(1, 16, device="cuda")
-    e[0, 0] = 1.0
-    outputs = {}
-    for bits in (0, 1, 2):
-        monkeypatch.setattr(fp8, "e4m3_by_bits", lambda device, bits=bits: bits)
-        outputs[bits] = (fp8.launch_fp8_linear(x, q, scale, None, 128, 128, config=config),
-                         fp8.launch_fp8_linear_silu_mul(x, q, scale, None, 128, 128, 0, n // 2, n // 2, config=config))
-        got = fp8.launch_fp8_linear(e, w.view(torch.float8_e4m3fn).cuda(), torch.ones(1, device="cuda"), None, 254,
-                                    16, config=(2, 16, 4, 2))
-        assert torch.equal(got[0].cpu(), _every_e4m3_code().float()), bits
-    for bits in (1, 2):
-        assert all(torch.equal(a, b) for a, b in zip(outputs[0], outputs[bits])), bits
 
 
 def _experts(e, n, k, bn, bk, seed):
