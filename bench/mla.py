@@ -20,10 +20,12 @@ the weight's bytes plus the latents and rotary keys read, over the copy bandwidt
                                                 # and the FP8 step's kernels by GPU time at the first batch
     python bench/mla.py --device cpu --small    # a smoke run of the script (no timing claims)
 
-At one decode token the plan cuts each sequence's keys into chunks until there are 8 programs an SM (``attention_plan``),
-each with the partial outputs of its 16 heads of 512-wide latents in fp32 for the combine kernel: at 4096 positions
-65 chunks of 64, whose partials (17 MB a layer) outweigh the latents they come from (4.7 MB). ``--chunks`` times
-fewer, longer chunks beside the plan's in the same run.
+At one decode token the plan cuts each sequence's keys into chunks until there is one program an SM for latent tiles
+(``attention_plan``: 16 heads of 576-wide keys a program fill an SM's registers; eight an SM for GQA tiles), each chunk
+with the partial outputs of its 16 heads of 512-wide latents in fp32 for the combine kernel: at 4096 positions 17
+chunks of 256 at batch 1, 3 of 2048 at batch 8, none at 32. ``--chunks`` times other chunk lengths beside the plan's in
+the same run (at eight programs an SM the plan took 65 chunks of 64 at batch 1, whose partials, 17 MB a layer,
+outweighed the 4.7 MB of latents they came from, and twice the time: bench/RESULTS.md section 42).
 """
 import argparse
 import sys

@@ -46,9 +46,9 @@ run_step() {
                 $( [ -f "$TILES" ] && echo --tiles "$TILES" ) \
                 $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 | tee "$OUT/fp8.txt" ;;
     experts)  python3 bench/experts.py --sweep 2>&1 | tee "$OUT/experts.txt" ;;   # issue 31: FP8 and MXFP4 MoE experts
-    # issue 31: DeepSeek-V3's FP8 kv_b_proj in the MLA, with the attention's keys in longer chunks than the plan's
+    # issue 31: DeepSeek-V3's FP8 kv_b_proj in the MLA, with the attention's keys in other chunks than the plan's
     # beside it, and the FP8 step's kernels by GPU time at batch 1
-    mla)      python3 bench/mla.py --chunks 128 256 512 1024 --profile 2>&1 | tee "$OUT/mla.txt" ;;
+    mla)      python3 bench/mla.py --chunks 128 256 512 1024 2048 4096 8192 --profile 2>&1 | tee "$OUT/mla.txt" ;;
     fp8_sweep) python3 bench/fp8.py --sweep --batch ${FP8_SWEEP_BATCH:-1 32} --save-tiles "$TILES" ${FP8_SWEEP_ARGS:-} \
                  $( [ -f .hfref/hf_fp8_457.py ] && echo --hf-kernel .hfref/hf_fp8_457.py ) 2>&1 \
                  | tee "$OUT/fp8_sweep.txt" ;;

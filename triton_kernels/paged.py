@@ -593,7 +593,12 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
     4 decode programs instead of 6 to hide its loads behind, and the ragged decode step was 0.21 ms slower once they
     came (RESULTS sections 30-32); masks cost a memory-bound decode little. Verify and prefill tiles keep the three
     (no more registers there). Decode tiles read 32 keys a step over three stages: 84 us a layer for 32 decodes of
-    128..4096 positions against 98 us with 64 keys over two (the H200 sweep of RESULTS section 34)."""
+    128..4096 positions against 98 us with 64 keys over two (the H200 sweep of RESULTS section 34).
+
+    Decode chunks aim at 8 programs an SM, but one for tiles whose fp32 accumulator (``block_g`` heads of ``width``)
+    is over 4096 values: MLA's 16 heads of 576-wide latent keys take 255 registers a thread, and each chunk writes
+    16 x 512 fp32 partials a program for the combine to read back. At 8 an SM one MLA decode at 4096 positions took
+    65 chunks (17 MB of partials a layer against 4.7 MB of latents) and twice the time of 17 (RESULTS section 42)."""
     g = hq // hkv
     block_g = _pow2(g, least=1)
     if n > 4 * slots:  # a prefill chunk
@@ -607,8 +612,9 @@ def attention_plan(n: int, hq: int, hkv: int, slots: int, max_positions: int, bl
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     chunk = max_positions
     live = -(-n // block_q) * hkv  # programs that hold tokens when every sequence fills its tiles
-    if live < 8 * sms:  # too few programs to keep the GPU busy through the longest sequence: chunk the keys
-        want = -(-8 * sms // live)
+    per_sm = 8 if block_g * width <= 4096 else 1  # a latent tile (MLA) fills an SM's registers alone
+    if live < per_sm * sms:  # too few programs to keep the GPU busy through the longest sequence: chunk the keys
+        want = -(-per_sm * sms // live)
         chunk = _pow2(-(-max_positions // want), least=block_n)  # a power of two: 1024, not 832, for 4112 keys
     return dict(block_q=block_q, block_g=block_g, block_n=block_n, chunk=chunk, splits=-(-max_positions // chunk),
                 warps=4, stages=3, reverse=True, phases=block_q > 1)

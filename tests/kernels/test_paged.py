@@ -379,3 +379,7 @@ def test_attention_plan_chunks_long_decodes_and_tiles_prefills():
     assert wide["block_q"] * wide["block_g"] == 64 and wide["splits"] == 1
     fp32 = attention_plan(512, 32, 8, 8, 4096, 16, torch.device("cpu"), itemsize=4)  # twice the bytes a row
     assert fp32["block_q"] * fp32["block_g"] == 64 and fp32["block_n"] == 32
+    # MLA decodes (8 programs of 16 heads a token, 576-wide keys): chunks for one program an SM, not eight
+    latent = [attention_plan(b, 128, 8, b, 4160, 64, torch.device("cpu"), width=576) for b in (1, 8, 32)]
+    assert [plan["chunk"] for plan in latent] == [256, 2048, 4160] and latent[2]["splits"] == 1
+    assert attention_plan(1, 32, 8, 1, 4160, 64, torch.device("cpu"))["chunk"] == 64  # GQA: eight an SM
