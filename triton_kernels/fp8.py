@@ -265,13 +265,14 @@ def k_ranges(k: int, splits: int, tile: int) -> tuple[int, int]:
 
 
 def launch_fp8_gemv(x2, weight, s, bias, y, block_n: int, block_k: int, config, wrap, glu=None, rope=None):
-    """The one-row kernel into ``y``, on ``config``'s ``(BLOCK_N, BLOCK_K, warps, stages)``. ``glu``: the
-    ``(gate, up)`` offsets of ``launch_fp8_linear_silu_mul`` (``y`` is then its ``width`` wide output). ``rope``:
-    a ``gemv.RopeEpilogue`` (``y`` is then its query)."""
+    """The one-row kernel into ``y``, on ``config``'s ``(BLOCK_N, BLOCK_K, warps, stages)`` (``None``:
+    ``linear_config``'s for the weight on ``x2``'s device, so the plain, gated and rotary GEMVs of one weight sum in
+    the same order). ``glu``: the ``(gate, up)`` offsets of ``launch_fp8_linear_silu_mul`` (``y`` is then its
+    ``width`` wide output). ``rope``: a ``gemv.RopeEpilogue`` (``y`` is then its query)."""
     n, k = weight.shape
     gk = scale_grid(n, k, block_n, block_k)[1]
     one = block_k >= k
-    bn_, bk_, warps, stages = config
+    bn_, bk_, warps, stages = config or linear_config(1, n, k, x2.device)
     bk_, sub = _tile_k(block_k, k, bk_, spans=True)
     outputs = n if rope is not None else y.shape[-1]
     if glu is not None:
@@ -317,7 +318,7 @@ def launch_fp8_linear_silu_mul(x, weight, scale, bias, block_n: int, block_k: in
     y = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device)
     x2 = x.reshape(1, k)
     launch_fp8_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, scale.reshape(-1), bias, y, block_n,
-                    block_k, config or linear_config(1, n, k, x.device), wrap, glu=(gate, up))
+                    block_k, config, wrap, glu=(gate, up))
     return y
 
 

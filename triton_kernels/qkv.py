@@ -64,8 +64,7 @@ def launch_linear_rope_write(x, weight, bias, scale, block_n: int, block_k: int,
     if scale is None:
         launch_gemv(x2, weight, bias, config=config or pick_config(n, k), wrap=wrap, rope=rope)
     else:
-        launch_fp8_gemv(x2, weight, scale.reshape(-1), bias, query, block_n, block_k,
-                        config or linear_config(1, n, k, x.device), wrap, rope=rope)
+        launch_fp8_gemv(x2, weight, scale.reshape(-1), bias, query, block_n, block_k, config, wrap, rope=rope)
     return query
 
 
