@@ -18,6 +18,8 @@ the weight's bytes plus the latents and rotary keys read, over the copy bandwidt
     python bench/mla.py --chunks 128 256 512 --profile   # also the FP8 step with the attention's keys cut into
                                                 # chunks of these many positions (the plan's own chunks: the first row),
                                                 # and the FP8 step's kernels by GPU time at the first batch
+    python bench/mla.py --grouped-tiles 16,128,4,3 16,32,4,2   # also the two per-head FP8 products alone on these
+                                                # grouped-kernel tiles (BLOCK_M, BLOCK_N, warps, stages), per layer
     python bench/mla.py --device cpu --small    # a smoke run of the script (no timing claims)
 
 At one decode token the plan cuts each sequence's keys into chunks until there is one program an SM for latent tiles
@@ -38,7 +40,7 @@ from fp8 import copy_bandwidth, profile, quantize, step_ms  # noqa: E402
 
 from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment  # noqa: E402
 from ppsplit.triton_kernels.fp8 import dequantize  # noqa: E402
-from ppsplit.triton_kernels.paged import (latent_fp8_views, launch_paged_latent_attention,  # noqa: E402
+from ppsplit.triton_kernels.paged import (_per_head, latent_fp8_views, launch_paged_latent_attention,  # noqa: E402
                                           paged_latent_attention)
 
 BLOCK = 64  # cache positions a block
@@ -72,18 +74,49 @@ def layer(heads, r, dr, dn, dv, batch, context, device):
         config = None if chunk is None else dict(chunk=chunk, splits=-(-positions // chunk))
         return lambda: launch_paged_latent_attention(q, latents, ropes, w8, dn, *args[:-1], config=config, fp8=views)
 
+    o_lat = torch.randn(1, heads, step.num_tokens, r, device=device, dtype=torch.bfloat16)  # an attention output
+
+    def products(config):
+        """The FP8 step's two per-head products alone (``W_uk`` absorbing the query, ``W_uv`` expanding the latent
+        output), on grouped-kernel tiles ``config`` (``None``: each view's own, ``paged.LATENT_TILES``)."""
+        (*uk, uk_tiles), (*uv, uv_tiles) = latent_fp8_views(w8, s8, 128, 128, heads, dn)
+        return {"W_uk": lambda: _per_head(q[..., :dn], *uk, config=config or uk_tiles),
+                "W_uv": lambda: _per_head(o_lat, *uv, config=config or uv_tiles)}
+
     read = w8.numel() + s8.numel() * 4 + batch * (context + 1) * (r + dr) * 2
-    return bf16, fp8, fp8_chunked, read
+    return bf16, fp8, fp8_chunked, products, read
+
+
+def grouped_tiles(layers, args) -> None:
+    """Each of the two per-head FP8 products alone over the layers' weights (captured, weights out of L2), on its
+    own grouped-kernel tiles (``paged.LATENT_TILES``) and each of ``--grouped-tiles``, the outputs checked against
+    its own tiles'."""
+    configs = [None] + [tuple(int(v) for v in t.split(",")) for t in args.grouped_tiles]
+    with torch.no_grad():
+        for view in ("W_uk", "W_uv"):
+            want = [products(None)[view]() for *_, products, _ in layers]
+            for config in configs:
+                runs = [products(config)[view] for *_, products, _ in layers]
+                try:
+                    diff = max((run() - w).abs().max().item() for run, w in zip(runs, want))
+                    ms = step_ms(graphed(lambda runs=runs: [run() for run in runs], args.device), args.device,
+                                 args.rounds)
+                except Exception as e:  # tiles the compiler refuses
+                    print(f"       {view} on {config}: {type(e).__name__}", flush=True)
+                    continue
+                label = "its own" if config is None else str(config)
+                print(f"       {view} on {label:>18}: {ms * 1e3 / len(layers):7.2f} us a layer  max |diff| against "
+                      f"its own {diff:.3g}", flush=True)
 
 
 def chunked(layers, args, roof: float) -> None:
     """The FP8 step with the plan's chunk and each of ``--chunks``, in one run, against the plan's: each output
     checked against the plan's first."""
     with torch.no_grad():
-        want = [run(None)() for *_, run, _ in layers]
+        want = [run(None)() for *_, run, _, _ in layers]
         rows = {}
         for chunk in [None] + args.chunks:
-            steps = [run(chunk) for *_, run, _ in layers]
+            steps = [run(chunk) for *_, run, _, _ in layers]
             diff = max((step() - w).abs().max().item() for step, w in zip(steps, want))
             rows[chunk] = (step_ms(graphed(lambda steps=steps: [s() for s in steps], args.device), args.device,
                                    args.rounds), diff)
@@ -104,6 +137,8 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="*", default=[],
                     help="also time the FP8 step with the keys cut into chunks of these many positions (CUDA)")
     ap.add_argument("--profile", action="store_true", help="the FP8 step's kernels by GPU time at the first batch")
+    ap.add_argument("--grouped-tiles", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES",
+                    help="also time the two per-head FP8 products alone on these grouped-kernel tiles (CUDA)")
     args = ap.parse_args()
     print(banner(args.device))
     shape = (4, 128, 64, 128, 128) if args.small else (128, 512, 64, 128, 128)
@@ -124,6 +159,8 @@ def main() -> None:
               f"{ms['fp8'] / roof:14.2f}  {diff:.3g}", flush=True)
         if args.chunks and args.device == "cuda":
             chunked(layers, args, roof)
+        if args.grouped_tiles and args.device == "cuda":
+            grouped_tiles(layers, args)
         if args.profile and args.device == "cuda" and batch == args.batches[0]:
             profile(runs["fp8"], f"fp8 kv_b_proj, batch {batch}, {args.layers} layers")
         del layers, runs

@@ -716,7 +716,7 @@ def launch_paged_latent_attention(q, latents, ropes, weight, nope_dim: int, posi
 def latent_fp8_views(weight, weight_scale, block_n: int, block_k: int, heads: int, nope_dim: int) -> tuple | None:
     """MLA's FP8 ``kv_b_proj`` (``[H * (dn + dv), r]``, per head ``W_uk`` then ``W_uv``) as the two stacks of
     per-head weights ``launch_fp8_grouped_mm`` reads, without a copy: ``W_uk^T [H, r, dn]`` (a transposed view) and
-    ``W_uv [H, dv, r]``, each ``(weight, scale, block_n, block_k)``. ``None`` where the scale blocks do not hold
+    ``W_uv [H, dv, r]``, each ``(weight, scale, block_n, block_k, tiles)`` (``LATENT_TILES``). ``None`` where the scale blocks do not hold
     whole heads' parts (a row block that straddles ``dn`` or a head) or the grouped kernel cannot read a view."""
     from ppsplit.triton_kernels.fp8 import fp8_stack_readable
 
@@ -730,19 +730,26 @@ def latent_fp8_views(weight, weight_scale, block_n: int, block_k: int, heads: in
         s_uk, s_uv = s[:, :nope_dim // block_n], s[:, nope_dim // block_n:]
     else:
         return None
-    w_uk = (w[:, :nope_dim].transpose(1, 2), s_uk.transpose(1, 2), block_k, block_n)
-    w_uv = (w[:, nope_dim:], s_uv, block_n, block_k)
+    w_uk = (w[:, :nope_dim].transpose(1, 2), s_uk.transpose(1, 2), block_k, block_n, LATENT_TILES["W_uk"])
+    w_uv = (w[:, nope_dim:], s_uv, block_n, block_k, LATENT_TILES["W_uv"])
     return (w_uk, w_uv) if all(fp8_stack_readable(v[0], v[3]) for v in (w_uk, w_uv)) else None
 
 
-def _per_head(x, weight, scale, block_n: int, block_k: int):
-    """``x [1, H, N, K]`` times each head's ``weight [H, M, K]`` (FP8, ``launch_fp8_grouped_mm``): ``[1, H, N,
-    M]``."""
+# The grouped kernel's tiles (BLOCK_M, BLOCK_N, warps, stages) for MLA's two per-head products, the fastest of ten
+# for DeepSeek-V3's shapes at decode batches 1, 8 and 32 on an H200 (``bench/mla.py --grouped-tiles``, RESULTS section
+# 42): 11-13% faster than the experts' default for W_uk^T ([r, dn] a head, read along r), 5-6% for W_uv.
+LATENT_TILES = {"W_uk": (16, 32, 2, 2), "W_uv": (16, 32, 4, 3)}
+
+
+def _per_head(x, weight, scale, block_n: int, block_k: int, config=None):
+    """``x [1, H, N, K]`` times each head's ``weight [H, M, K]`` (FP8, ``launch_fp8_grouped_mm`` on its tiles
+    ``config``, its default's if not given): ``[1, H, N, M]``."""
     from ppsplit.triton_kernels.fp8 import launch_fp8_grouped_mm
 
     heads, n = x.shape[1], x.shape[2]
     ends = torch.arange(1, heads + 1, device=x.device, dtype=torch.int32) * n
-    y = launch_fp8_grouped_mm(x[0].reshape(heads * n, x.shape[-1]), weight, scale, ends, block_n, block_k)
+    y = launch_fp8_grouped_mm(x[0].reshape(heads * n, x.shape[-1]), weight, scale, ends, block_n, block_k,
+                              **({"config": config} if config else {}))
     return y.view(1, heads, n, weight.shape[1])
 
 
