@@ -716,8 +716,9 @@ def launch_paged_latent_attention(q, latents, ropes, weight, nope_dim: int, posi
 def latent_fp8_views(weight, weight_scale, block_n: int, block_k: int, heads: int, nope_dim: int) -> tuple | None:
     """MLA's FP8 ``kv_b_proj`` (``[H * (dn + dv), r]``, per head ``W_uk`` then ``W_uv``) as the two stacks of
     per-head weights ``launch_fp8_grouped_mm`` reads, without a copy: ``W_uk^T [H, r, dn]`` (a transposed view) and
-    ``W_uv [H, dv, r]``, each ``(weight, scale, block_n, block_k, tiles)`` (``LATENT_TILES``). ``None`` where the scale blocks do not hold
-    whole heads' parts (a row block that straddles ``dn`` or a head) or the grouped kernel cannot read a view."""
+    ``W_uv [H, dv, r]``, each ``(weight, scale, block_n, block_k, tiles)`` (``LATENT_TILES``). ``None`` where the
+    scale blocks do not hold whole heads' parts (a row block that straddles ``dn`` or a head) or the grouped kernel
+    cannot read a view."""
     from ppsplit.triton_kernels.fp8 import fp8_stack_readable
 
     rows, r = weight.shape
@@ -741,15 +742,15 @@ def latent_fp8_views(weight, weight_scale, block_n: int, block_k: int, heads: in
 LATENT_TILES = {"W_uk": (16, 32, 2, 2), "W_uv": (16, 32, 4, 3)}
 
 
-def _per_head(x, weight, scale, block_n: int, block_k: int, config=None):
-    """``x [1, H, N, K]`` times each head's ``weight [H, M, K]`` (FP8, ``launch_fp8_grouped_mm`` on its tiles
-    ``config``, its default's if not given): ``[1, H, N, M]``."""
+def _per_head(x, weight, scale, block_n: int, block_k: int, config):
+    """``x [1, H, N, K]`` times each head's ``weight [H, M, K]`` (FP8, ``launch_fp8_grouped_mm`` on the tiles
+    ``config``): ``[1, H, N, M]``."""
     from ppsplit.triton_kernels.fp8 import launch_fp8_grouped_mm
 
     heads, n = x.shape[1], x.shape[2]
     ends = torch.arange(1, heads + 1, device=x.device, dtype=torch.int32) * n
     y = launch_fp8_grouped_mm(x[0].reshape(heads * n, x.shape[-1]), weight, scale, ends, block_n, block_k,
-                              **({"config": config} if config else {}))
+                              config=config)
     return y.view(1, heads, n, weight.shape[1])
 
 
