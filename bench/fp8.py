@@ -317,7 +317,7 @@ def free_memory(device: str) -> None:
 
 
 def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = None, shapes=FUSED,
-          gemv_tiles=GEMV_SWEEP, against_path: str | None = None) -> None:
+          gemv_tiles=GEMV_SWEEP, against_path: str | None = None, resident: bool = False) -> None:
     """Each FP8 kernel configuration per projection shape and row count, CUDA-graph timed, against bf16 cuBLAS
     (and ppsplit's bf16 GEMV at one row, and transformers' Triton block-FP8 kernels with ``--hf-kernel``): at one row
     the GEMV, at more rows the GEMM. The fastest configuration per shape is printed last. Each timed call
@@ -367,6 +367,11 @@ def sweep(batches, bw: float, hf_path: str | None = None, save: str | None = Non
             for us, cfg in rows[:3]:
                 print(f"    {label} {cfg}: {us:7.1f} us  x roofline {us / roof:5.2f}  x bf16 cuBLAS "
                       f"{us / cublas:5.2f}", flush=True)
+            if resident and rows and n * k <= L2_BYTES // 4:  # the fastest tile again on one copy, kept in L2
+                cfg = rows[0][1]
+                us = timed(lambda i: launch_fp8_linear(x, *qs[0], None, 128, 128, config=cfg), 1)
+                print(f"    {label} {cfg}, its weight resident in L2: {us:7.1f} us  x roofline {us / roof:5.2f}",
+                      flush=True)
             if against is not None and m == 1:  # the other commit's GEMV on every tile, in this run
                 theirs = sorted((timed(lambda i: against(x, *qs[i], cfg), copies), cfg) for _, cfg in rows)
                 for us, cfg in theirs[:3]:
@@ -425,6 +430,8 @@ def main():
                     help="with --sweep: these one-row tiles instead of the built-in grid (e.g. 8,1024,4,2 2,2048,4,4)")
     ap.add_argument("--against", metavar="FP8_PY", help="with --sweep: another commit's triton_kernels/fp8.py, whose "
                     "one-row GEMV is timed on the same tiles beside this tree's (against_kernel)")
+    ap.add_argument("--l2-resident", action="store_true", help="with --sweep: also time each shape's fastest one-row "
+                    "tile on one copy of its weight, which stays in L2 (what prefetching it there ahead would give)")
     ap.add_argument("--save-tiles", help="with --sweep: write the fastest one-row tiles per shape to this JSON file")
     ap.add_argument("--tiles", help="time the FP8 step again on the tiles of this file (--save-tiles)")
     ap.add_argument("--shapes", choices=("fused", "all"), default="fused",
@@ -441,7 +448,7 @@ def main():
     if args.sweep:
         tiles = [tuple(int(v) for v in t.split(",")) for t in args.gemv_tiles] if args.gemv_tiles else GEMV_SWEEP
         return sweep(args.batch, copy_bandwidth("cuda"), args.hf_kernel, args.save_tiles,
-                     FUSED if args.shapes == "fused" else tuple(SHAPES), tiles, args.against)
+                     FUSED if args.shapes == "fused" else tuple(SHAPES), tiles, args.against, args.l2_resident)
     overrides = dict(num_hidden_layers=args.layers, **(SMALL if args.small else {}))
     model = build_model("llama-3.1-8b", args.device, **overrides)
     max_len = args.prefix + 8
