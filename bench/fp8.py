@@ -33,6 +33,7 @@ On the CPU (the Triton kernels need a GPU) the HF variant runs a torch reference
                                               # the FP8 bytes' roofline
     python bench/fp8.py --sweep --batch 1 32 --save-tiles out/tiles.json   # and keep the fastest tiles per shape
     python bench/fp8.py --tiles out/tiles.json   # the step again on those tiles, beside linear_config's
+    python bench/fp8.py --sweep --batch 1 --l2-resident   # and each shape's fastest tile on a weight already in L2
     python bench/fp8.py --batch 1 --decode-chunks 64 128 256   # the FP8 step with the decode attention's keys in
                                               # fewer, longer chunks than the plan's (its combine has less to read)
 """
