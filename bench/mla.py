@@ -31,6 +31,7 @@ outweighed the 4.7 MB of latents they came from, and twice the time: bench/RESUL
 """
 import argparse
 import sys
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -46,9 +47,17 @@ from ppsplit.triton_kernels.paged import (_per_head, latent_fp8_views, launch_pa
 BLOCK = 64  # cache positions a block
 
 
+class Layer(NamedTuple):
+    """One layer's runs (``layer``) and the bytes its FP8 step reads."""
+    bf16: Callable
+    fp8: Callable
+    fp8_chunked: Callable  # chunk -> the FP8 step with the keys in chunks of that many positions
+    products: Callable     # grouped-kernel tiles -> {"W_uk": run, "W_uv": run}
+    read: int
+
+
 def layer(heads, r, dr, dn, dv, batch, context, device):
-    """One layer's ragged decode step, pools, query and FP8 weight: ``(run_bf16, run_fp8, bytes the FP8 run
-    reads)``."""
+    """One layer's ragged decode step, pools, query and FP8 weight, as a ``Layer``."""
     need = -(-(context + 1) // BLOCK)
     layout = CacheLayout(slots=batch, blocks_per_seq=need, block_size=BLOCK, num_blocks=batch * need)
     tables = {s: list(range(s * need, (s + 1) * need)) for s in range(batch)}
@@ -84,7 +93,7 @@ def layer(heads, r, dr, dn, dv, batch, context, device):
                 "W_uv": lambda: _per_head(o_lat, *uv, config=config or uv_tiles)}
 
     read = w8.numel() + s8.numel() * 4 + batch * (context + 1) * (r + dr) * 2
-    return bf16, fp8, fp8_chunked, products, read
+    return Layer(bf16, fp8, fp8_chunked, products, read)
 
 
 def grouped_tiles(layers, args) -> None:
@@ -94,9 +103,9 @@ def grouped_tiles(layers, args) -> None:
     configs = [None] + [tuple(int(v) for v in t.split(",")) for t in args.grouped_tiles]
     with torch.no_grad():
         for view in ("W_uk", "W_uv"):
-            want = [products(None)[view]() for *_, products, _ in layers]
+            want = [one.products(None)[view]() for one in layers]
             for config in configs:
-                runs = [products(config)[view] for *_, products, _ in layers]
+                runs = [one.products(config)[view] for one in layers]
                 try:
                     diff = max((run() - w).abs().max().item() for run, w in zip(runs, want))
                     ms = step_ms(graphed(lambda runs=runs: [run() for run in runs], args.device), args.device,
@@ -113,10 +122,10 @@ def chunked(layers, args, roof: float) -> None:
     """The FP8 step with the plan's chunk and each of ``--chunks``, in one run, against the plan's: each output
     checked against the plan's first."""
     with torch.no_grad():
-        want = [run(None)() for *_, run, _, _ in layers]
+        want = [one.fp8_chunked(None)() for one in layers]
         rows = {}
         for chunk in [None] + args.chunks:
-            steps = [run(chunk) for *_, run, _, _ in layers]
+            steps = [one.fp8_chunked(chunk) for one in layers]
             diff = max((step() - w).abs().max().item() for step, w in zip(steps, want))
             rows[chunk] = (step_ms(graphed(lambda steps=steps: [s() for s in steps], args.device), args.device,
                                    args.rounds), diff)
@@ -150,11 +159,11 @@ def main() -> None:
     for batch in args.batches:
         layers = [layer(*shape, batch, args.context, args.device) for _ in range(args.layers)]
         with torch.no_grad():
-            diff = max((bf16() - fp8()).abs().max().item() for bf16, fp8, *_ in layers)
-            runs = {kind: graphed(lambda i=i: [run[i]() for run in layers], args.device) for i, kind in
-                    enumerate(("bf16", "fp8"))}
+            diff = max((one.bf16() - one.fp8()).abs().max().item() for one in layers)
+            runs = {kind: graphed(lambda kind=kind: [getattr(one, kind)() for one in layers], args.device)
+                    for kind in ("bf16", "fp8")}
             ms = {kind: step_ms(run, args.device, args.rounds) for kind, run in runs.items()}
-        roof = sum(read for *_, read in layers) / bw * 1e3
+        roof = sum(one.read for one in layers) / bw * 1e3
         print(f"{batch:5d}  {ms['bf16'] * 1e3:17.1f}  {ms['fp8'] * 1e3:16.1f}  {ms['fp8'] / ms['bf16']:10.2f}  "
               f"{ms['fp8'] / roof:14.2f}  {diff:.3g}", flush=True)
         if args.chunks and args.device == "cuda":
