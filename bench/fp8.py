@@ -34,6 +34,7 @@ On the CPU (the Triton kernels need a GPU) the HF variant runs a torch reference
     python bench/fp8.py --sweep --batch 1 32 --save-tiles out/tiles.json   # and keep the fastest tiles per shape
     python bench/fp8.py --tiles out/tiles.json   # the step again on those tiles, beside linear_config's
     python bench/fp8.py --sweep --batch 1 --l2-resident   # and each shape's fastest tile on a weight already in L2
+    python bench/fp8.py --batch 1 --prefetch 16 32 32:lines   # and with the next weights prefetched into L2
     python bench/fp8.py --batch 1 --decode-chunks 64 128 256   # the FP8 step with the decode attention's keys in
                                               # fewer, longer chunks than the plan's (its combine has less to read)
 """
@@ -147,6 +148,7 @@ FUSED = ("qkv", "q/o", "gate_up", "down")  # what ppsplit's stages run by defaul
 FP8_APART = "fp8, silu_mul apart"  # the FP8 step without the fold of SiLU-and-multiply into the gate/up GEMV
 # without the fold of bench/RESULTS.md section 39: the rotary and cache writes into the q/k/v GEMV
 APART = {"bf16": "bf16, rope_write apart", "fp8": "fp8, rope_write apart"}
+VARIANTS = ("bf16", "fp8", FP8_APART, APART["bf16"], APART["fp8"])
 GEMV_SWEEP = [(bn, 2048, w, st) for bn in (2, 4, 8) for w in (4, 8) for st in (2, 4)]
 GEMM_SWEEP = [(bn, 128, 4, st, split) for bn in (32, 64, 128) for st in (3, 4) for split in (1, 2, 4)]
 L2_BYTES = 120 << 20  # over twice an H200's 50 MiB L2: the sweep's timed calls read weights from HBM
@@ -183,6 +185,39 @@ def decode_chunks(chunk: int):
         return out
 
     return mock.patch.object(paged, "attention_plan", plan)
+
+
+def prefetch_spec(spec: str) -> dict:
+    """``--prefetch``'s ``MB[:lines][:same]``: the bytes asked for at each point, line prefetches instead of bulk
+    ones, on the step's own stream instead of a forked one."""
+    mb, *flags = spec.split(":")
+    if set(flags) - {"lines", "same"}:
+        raise SystemExit(f"--prefetch {spec}: write MB, MB:lines, MB:same or MB:lines:same")
+    return dict(budget=int(float(mb) * (1 << 20)), bulk="lines" not in flags, fork="same" not in flags)
+
+
+def prefetched_runs(split, stage, batch: int, args, want, results: dict, variant: str, step_bytes: int) -> None:
+    """Time ``variant``'s step again with each ``--prefetch`` placement (``passes.rewrites.prefetch``), its logits
+    checked equal to ``want`` (the step without) first; the stage is left as it was."""
+    from ppsplit.passes.rewrites.prefetch import insert_prefetches
+    from ppsplit.triton_kernels.prefetch import l2_join, l2_prefetch
+
+    for spec in args.prefetch:
+        placed = insert_prefetches(stage, **prefetch_spec(spec))
+        run = stage_runs(split, batch, 1, args.prefix, args.device)
+        got = run().clone()
+        same = torch.equal(got, want)
+        print(f"{variant} + prefetch {spec}, batch {batch}: {placed} points, logits {'equal' if same else 'DIFFER'}"
+              f" (max |diff| {(got.float() - want.float()).abs().max().item():.3g})", flush=True)
+        results[f"{variant} + prefetch {spec}", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
+        if args.profile and args.device == "cuda":
+            profile(run, f"{variant} + prefetch {spec}, batch {batch}")
+        for node in [n for n in stage.graph.nodes if n.target in (l2_prefetch, l2_join)]:
+            stage.graph.erase_node(node)
+        for node in [n for n in stage.graph.nodes if n.op == "get_attr" and not n.users]:
+            stage.graph.erase_node(node)
+        stage.recompile()
+        del run
 
 
 def hf_kernel(path: str | None, device: str = "cuda"):
@@ -440,6 +475,12 @@ def main():
     ap.add_argument("--decode-chunks", type=int, nargs="*", default=[],
                     help="also time the FP8 step with the decode attention's keys in chunks of these many positions "
                          "(the plan's: as many chunks as give 8 programs an SM)")
+    ap.add_argument("--prefetch", nargs="+", default=[], metavar="MB[:lines][:same]",
+                    help="also time bf16 and FP8 with the next projections' weights prefetched into L2 between "
+                         "projections (passes.rewrites.prefetch), MB at each point; :lines one prefetch a 128-byte "
+                         "line instead of bulk ones, :same on the step's stream instead of a forked one")
+    ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS,
+                    help="the steps to time (default: all); bf16 first, the ratios' denominator")
     ap.add_argument("--pdl", action="store_true",
                     help="also time bf16 and FP8 with programmatic dependent launch (the bits checked equal first)")
     args = ap.parse_args()
@@ -460,7 +501,7 @@ def main():
     w8a8 = hf_kernel(args.hf_kernel, args.device)
     first = None  # ppsplit FP8's first step, for the HF variant's check
     results = {}
-    for variant in ("bf16", "fp8", FP8_APART, APART["bf16"], APART["fp8"]):
+    for variant in args.variants:
         # Both as ppsplit runs them by default. bf16: a split with its defaults (fused projections, pointwise
         # kernels, the GEMV at one row, SiLU-and-multiply folded into the gate/up GEMV, the rotary and the cache
         # writes into the q/k/v GEMV). FP8: the projections rewritten onto FP8 weights before the GEMV routing, as
@@ -499,6 +540,8 @@ def main():
                     diff = (chunked().float() - want.float()).abs().max().item()
                     print(f"fp8, keys by {chunk}, batch {batch}: max |logit diff| against the plan's {diff:.3g}")
                     results[f"fp8, keys by {chunk}", batch] = (step_ms(chunked, args.device, args.rounds), step_bytes)
+            if args.prefetch and variant in ("bf16", "fp8"):
+                prefetched_runs(split, stage, batch, args, run().clone(), results, variant, step_bytes)
             if args.pdl and variant in ("bf16", "fp8"):
                 ms = programmatic_step(split, run, batch, args)
                 results[f"{variant} + PDL", batch] = ms if isinstance(ms, str) else (ms, step_bytes)
