@@ -188,12 +188,18 @@ def decode_chunks(chunk: int):
 
 
 def prefetch_spec(spec: str) -> dict:
-    """``--prefetch``'s ``MB[:lines][:same]``: the bytes asked for at each point, line prefetches instead of bulk
-    ones, on the step's own stream instead of a forked one."""
+    """``--prefetch``'s ``MB[:lines][:same][:end][:KB]``: the bytes asked for at each point, line prefetches instead
+    of bulk ones, on the step's own stream instead of a forked one, joined once at the stage's end instead of before
+    each projection, KB a program."""
     mb, *flags = spec.split(":")
-    if set(flags) - {"lines", "same"}:
-        raise SystemExit(f"--prefetch {spec}: write MB, MB:lines, MB:same or MB:lines:same")
-    return dict(budget=int(float(mb) * (1 << 20)), bulk="lines" not in flags, fork="same" not in flags)
+    sizes = [f for f in flags if f.isdigit()]
+    if set(flags) - {"lines", "same", "end", *sizes} or len(sizes) > 1:
+        raise SystemExit(f"--prefetch {spec}: write MB with any of :lines :same :end :KB")
+    from ppsplit.triton_kernels import prefetch
+
+    prefetch.PROGRAM_BYTES["on"] = int(sizes[0]) * 1024 if sizes else 64 * 1024
+    return dict(budget=int(float(mb) * (1 << 20)), bulk="lines" not in flags, fork="same" not in flags,
+                join_at_end="end" in flags)
 
 
 def prefetched_runs(split, stage, batch: int, args, want, results: dict, variant: str, step_bytes: int) -> None:

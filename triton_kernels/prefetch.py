@@ -20,15 +20,13 @@ import torch
 
 from ppsplit.triton_kernels.common import HAVE_TRITON, tl, triton
 
-CHUNK = 64 * 1024  # bytes one thread asks for with one bulk prefetch
-THREADS = 32       # bulk prefetches a program (one warp)
-LINES = 1024       # 128-byte lines a program (BULK=False)
+PROGRAM_BYTES = {"on": 64 * 1024}  # bytes a program asks for: one program an SM or more (each SM's copy engine
+THREADS = 32       # bulk prefetches a program (one warp)     # fetches its own requests, at a fraction of HBM's rate)
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
 if HAVE_TRITON:
     @triton.jit
-    def _prefetch_kernel(address, nbytes, BULK: tl.constexpr, CHUNK: tl.constexpr, THREADS: tl.constexpr,
-                         LINES: tl.constexpr):
+    def _prefetch_kernel(address, nbytes, BULK: tl.constexpr, CHUNK: tl.constexpr, THREADS: tl.constexpr):
         if BULK:
             start = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64) * CHUNK
             size = tl.maximum(tl.minimum(nbytes - start, CHUNK), 0).to(tl.int32)
@@ -36,7 +34,7 @@ if HAVE_TRITON:
                 "{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\t"
                 "mov.u32 $0, 0;\n\t}", "=r,l,r", [address + start, size], dtype=tl.int32, is_pure=False, pack=1)
         else:
-            start = (tl.program_id(0) * LINES + tl.arange(0, LINES)).to(tl.int64) * 128
+            start = (tl.program_id(0) * (CHUNK * THREADS // 128) + tl.arange(0, CHUNK * THREADS // 128)).to(tl.int64) * 128
             start = tl.minimum(start, nbytes - 128)
             tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
                                       [address + start], dtype=tl.int32, is_pure=False, pack=1)
@@ -64,9 +62,9 @@ def launch_prefetch(weight: torch.Tensor, nbytes: int, bulk: bool = True) -> Non
     nbytes = min(nbytes, weight.numel() * weight.element_size()) // 16 * 16
     if nbytes < 128:
         return
-    per_program = THREADS * CHUNK if bulk else LINES * 128
+    per_program = PROGRAM_BYTES["on"]
     _prefetch_kernel[(triton.cdiv(nbytes, per_program),)](
-        weight.data_ptr(), nbytes, BULK=bulk, CHUNK=CHUNK, THREADS=THREADS, LINES=LINES,
+        weight.data_ptr(), nbytes, BULK=bulk, CHUNK=per_program // THREADS, THREADS=THREADS,
         num_warps=1 if bulk else 4)
 
 

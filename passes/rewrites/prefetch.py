@@ -47,7 +47,8 @@ def _is_work(node: fx.Node) -> bool:
         not getattr(node.target, "is_view", False)
 
 
-def insert_prefetches(stage: fx.GraphModule, budget: int = BUDGET, *, bulk: bool = True, fork: bool = True) -> int:
+def insert_prefetches(stage: fx.GraphModule, budget: int = BUDGET, *, bulk: bool = True, fork: bool = True,
+                      join_at_end: bool = False) -> int:
     """Insert the prefetches and joins into ``stage`` in place; returns how many prefetch points it placed.
 
     Example::
@@ -73,10 +74,13 @@ def insert_prefetches(stage: fx.GraphModule, budget: int = BUDGET, *, bulk: bool
         with graph.inserting_before(after.next):
             weights = [graph.get_attr(n.args[1].target) for n in ahead]
             graph.call_function(l2_prefetch, (budget, *weights), {"bulk": bulk, "fork": fork})
-        if fork:
+        if fork and not join_at_end:
             with graph.inserting_before(order[b]):
                 graph.call_function(l2_join, (order[b].args[1],))
         placed += 1
+    if placed and fork and join_at_end:
+        with graph.inserting_before(next(n for n in order if n.op == "output")):
+            graph.call_function(l2_join, (order[heavy[-1]].args[1],))
     if placed:
         graph.lint()
         stage.recompile()
