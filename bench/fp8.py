@@ -34,7 +34,7 @@ On the CPU (the Triton kernels need a GPU) the HF variant runs a torch reference
     python bench/fp8.py --sweep --batch 1 32 --save-tiles out/tiles.json   # and keep the fastest tiles per shape
     python bench/fp8.py --tiles out/tiles.json   # the step again on those tiles, beside linear_config's
     python bench/fp8.py --sweep --batch 1 --l2-resident   # and each shape's fastest tile on a weight already in L2
-    python bench/fp8.py --batch 1 --prefetch 16 32 32:lines   # and with the next weights prefetched into L2
+    python bench/fp8.py --batch 1 --prefetch 0 1 4   # and with none or more of the next weights prefetched into L2
     python bench/fp8.py --batch 1 --decode-chunks 64 128 256   # the FP8 step with the decode attention's keys in
                                               # fewer, longer chunks than the plan's (its combine has less to read)
 """
@@ -187,43 +187,21 @@ def decode_chunks(chunk: int):
     return mock.patch.object(paged, "attention_plan", plan)
 
 
-def prefetch_spec(spec: str) -> dict:
-    """``--prefetch``'s ``MB[:lines][:same][:end][:KB]``: the bytes asked for at each point, line prefetches instead
-    of bulk ones, on the step's own stream instead of a forked one, joined once at the stage's end instead of before
-    each projection, KB a program."""
-    mb, *flags = spec.split(":")
-    sizes = [f for f in flags if f.isdigit()]
-    if set(flags) - {"lines", "same", "end", *sizes} or len(sizes) > 1:
-        raise SystemExit(f"--prefetch {spec}: write MB with any of :lines :same :end :KB")
-    from ppsplit.triton_kernels import prefetch
-
-    prefetch.PROGRAM_BYTES["on"] = int(sizes[0]) * 1024 if sizes else 64 * 1024
-    return dict(budget=int(float(mb) * (1 << 20)), bulk="lines" not in flags, fork="same" not in flags,
-                join_at_end="end" in flags)
-
-
 def prefetched_runs(split, stage, batch: int, args, want, results: dict, variant: str, step_bytes: int) -> None:
-    """Time ``variant``'s step again with each ``--prefetch`` placement (``passes.rewrites.prefetch``), its logits
-    checked equal to ``want`` (the step without) first; the stage is left as it was."""
-    from ppsplit.passes.rewrites.prefetch import insert_prefetches
-    from ppsplit.triton_kernels.prefetch import l2_join, l2_prefetch
+    """Time ``variant``'s step again with the L2 prefetches of each ``--prefetch`` budget (MB a point; 0: none) in
+    place of the GEMV rewrite's (``passes.rewrites.prefetch``), the logits checked equal to ``want`` first; the stage
+    is left with the rewrite's."""
+    from ppsplit.passes.rewrites import prefetch
 
-    for spec in args.prefetch:
-        placed = insert_prefetches(stage, **prefetch_spec(spec))
+    for mb in args.prefetch:
+        placed = prefetch.insert_prefetches(stage, int(mb * (1 << 20))) if mb else prefetch.remove_prefetches(stage) * 0
         run = stage_runs(split, batch, 1, args.prefix, args.device)
         got = run().clone()
-        same = torch.equal(got, want)
-        print(f"{variant} + prefetch {spec}, batch {batch}: {placed} points, logits {'equal' if same else 'DIFFER'}"
-              f" (max |diff| {(got.float() - want.float()).abs().max().item():.3g})", flush=True)
-        results[f"{variant} + prefetch {spec}", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
-        if args.profile and args.device == "cuda":
-            profile(run, f"{variant} + prefetch {spec}, batch {batch}")
-        for node in [n for n in stage.graph.nodes if n.target in (l2_prefetch, l2_join)]:
-            stage.graph.erase_node(node)
-        for node in [n for n in stage.graph.nodes if n.op == "get_attr" and not n.users]:
-            stage.graph.erase_node(node)
-        stage.recompile()
+        print(f"{variant}, prefetch {mb:g} MB, batch {batch}: {placed} points, logits "
+              f"{'equal' if torch.equal(got, want) else 'DIFFER'}", flush=True)
+        results[f"{variant}, prefetch {mb:g} MB", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
         del run
+    prefetch.insert_prefetches(stage)
 
 
 def hf_kernel(path: str | None, device: str = "cuda"):
@@ -481,10 +459,9 @@ def main():
     ap.add_argument("--decode-chunks", type=int, nargs="*", default=[],
                     help="also time the FP8 step with the decode attention's keys in chunks of these many positions "
                          "(the plan's: as many chunks as give 8 programs an SM)")
-    ap.add_argument("--prefetch", nargs="+", default=[], metavar="MB[:lines][:same]",
-                    help="also time bf16 and FP8 with the next projections' weights prefetched into L2 between "
-                         "projections (passes.rewrites.prefetch), MB at each point; :lines one prefetch a 128-byte "
-                         "line instead of bulk ones, :same on the step's stream instead of a forked one")
+    ap.add_argument("--prefetch", nargs="+", type=float, default=[], metavar="MB",
+                    help="also time bf16 and FP8 with these many MB of the next projections' weights prefetched into "
+                         "L2 at each point (passes.rewrites.prefetch; 0: none) instead of the GEMV rewrite's 2")
     ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS,
                     help="the steps to time (default: all); bf16 first, the ratios' denominator")
     ap.add_argument("--pdl", action="store_true",

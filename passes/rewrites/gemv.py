@@ -13,7 +13,9 @@ pointwise pass's op; ``passes.rewrites.pointwise.gated_halves``) folds into it, 
 row the GEMV's epilogue multiplies (bit-equal to the GEMV and ``silu_mul``'s kernel), elsewhere the two ops. And a
 paged stage's ``rope_write`` of a routed fused q/k/v projection's heads folds into it, ``ppsplit::linear_rope_write``
 (``passes.rewrites.pointwise.fold_qkv_rotation``): at one row the GEMV's epilogue rotates the query and keys and
-writes the keys and values. Runs in ``split_model`` and ``load_stage`` unless ``gemv=False``.
+writes the keys and values. Last, the first bytes of each projection's weight are prefetched into L2 while the
+kernels before it run (``passes.rewrites.prefetch``; one-row steps on sm_90 and later). Runs in ``split_model`` and
+``load_stage`` unless ``gemv=False``.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from torch import fx
 import ppsplit.triton_kernels.gemv  # noqa: F401  (registers torch.ops.ppsplit.linear)
 from ppsplit.core.fx_utils import get_tensor, replace_call
 from ppsplit.passes.rewrites.pointwise import fold_qkv_rotation, gated_halves
+from ppsplit.passes.rewrites.prefetch import insert_prefetches
 from ppsplit.passes.rewrites.projections import match_projection, plain_float
 from ppsplit.triton_kernels.gemv import MIN_OUT
 
@@ -64,5 +67,6 @@ def route_gemv(stage: fx.GraphModule) -> int:
     if routed or folded:
         graph.lint()
         stage.recompile()
+    insert_prefetches(stage)
     return routed
 

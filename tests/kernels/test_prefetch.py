@@ -27,7 +27,7 @@ def test_prefetches_follow_a_projection_and_join_before_the_next_one_with_work_b
     kernels separate from the next (q/k/v -> o: the attention; o -> gate/up: the norm; down -> the next layer's
     q/k/v: the norm), none between projections that follow each other directly; each point asks for the next
     projections' weights in the order the step reads them, up to the budget, and the next projection joins the
-    branch just before it runs. The CPU step is unchanged (the prefetch does nothing there)."""
+    branch just before it runs. ``route_gemv`` places them itself, and placing them again replaces its."""
     from tests.support import tiny_model
 
     monkeypatch.setattr(prefetch, "MIN_BYTES", 0)
@@ -36,33 +36,35 @@ def test_prefetches_follow_a_projection_and_join_before_the_next_one_with_work_b
     split = _gemv_split(model, monkeypatch, cache)
     stage = split.stages[0]
     heavy = [n for n in stage.graph.nodes if n.target in prefetch.projection_ops()]
-    sizes = [prefetch._weight_bytes(stage, n) for n in heavy]
+    by_gemv = sum(n.target is l2_prefetch for n in stage.graph.nodes)
+    sizes = [prefetch.weight_bytes(stage, n) for n in heavy]
     budget = sizes[1] + 1  # the next weight whole and the first bytes of the one after
     placed = prefetch.insert_prefetches(stage, budget)
     nodes = list(stage.graph.nodes)
-    assert any(len(n.args) > 2 for n in nodes if n.target is l2_prefetch), "no point reached a second weight"
+    assert any(len(n.args) > 3 for n in nodes if n.target is l2_prefetch), "no point reached a second weight"
     points = [n for n in nodes if n.target is l2_prefetch]
     joins = [n for n in nodes if n.target is l2_join]
-    assert placed == len(points) == len(joins) == len(heavy) - 1 - sum(
+    assert by_gemv == placed == len(points) == len(joins) == len(heavy) - 1 - sum(
         n.target == ops.linear_silu_mul.default for n in heavy[1:])  # down follows the gated gate/up directly
     for point, join in zip(points, joins):
         before = max(i for i, n in enumerate(nodes[:nodes.index(point)]) if n in heavy)
         after = nodes.index(join) + 1
-        assert nodes[after] in heavy and nodes[after].args[1].target == point.args[1].target
+        assert nodes[after] in heavy and join.args == (nodes[after].args[0],)
+        assert point.args[0] is nodes[before].args[0]
         ahead = heavy.index(nodes[after])
         count = next(c for c in range(1, len(heavy) - ahead + 1)
                      if sum(sizes[ahead:ahead + c]) >= budget or ahead + c == len(heavy))
-        assert point.args[0] == budget and [w.target for w in point.args[1:]] == [
+        assert point.args[1] == budget and [w.target for w in point.args[2:]] == [
             n.args[1].target for n in heavy[ahead:ahead + count]]
-        assert any(prefetch._is_work(n) and n.target not in (l2_prefetch, l2_join)
+        assert any(prefetch.is_work(n) and n.target not in (l2_prefetch, l2_join)
                    for n in nodes[before + 1:nodes.index(join)]), "a point between projections with no work"
 
 
 @pytest.mark.gpu
 def test_a_step_with_prefetches_equals_the_step_without_eager_and_captured_on_gpu(monkeypatch):
-    """bf16 paged llama on a GPU, every projection through the GEMV, prefetch points after each (the size floor
-    lowered to these small weights): a prefill, then eight decode steps, eager and captured, give the bits of the
-    same split without prefetches."""
+    """bf16 paged llama on a GPU, every projection through the GEMV, with the GEMV rewrite's prefetch points (the
+    size floor lowered to these small weights): a prefill, then eight decode steps, eager and captured, give the bits
+    of the same split without prefetches."""
     from ppsplit.core.ragged import RaggedStep, Segment
     from tests.support import VOCAB, tiny_model
 
@@ -70,12 +72,11 @@ def test_a_step_with_prefetches_equals_the_step_without_eager_and_captured_on_gp
     model = tiny_model("llama").to(device="cuda", dtype=torch.bfloat16)
     cache = ppsplit.CacheConfig(batch_size=2, max_len=64, num_blocks=8, block_size=16)
     plain = _gemv_split(model, monkeypatch, cache)
+    for stage in plain.stages:
+        prefetch.remove_prefetches(stage)
     fetched = _gemv_split(model, monkeypatch, cache)
-    assert all(prefetch.insert_prefetches(stage) for stage in fetched.stages)
-    graphed = _gemv_split(model, monkeypatch, cache)
-    for stage in graphed.stages:
-        prefetch.insert_prefetches(stage)
-    graphed = graphed.capture(0, [1])
+    assert all(any(n.target is l2_prefetch for n in stage.graph.nodes) for stage in fetched.stages)
+    graphed = _gemv_split(model, monkeypatch, cache).capture(0, [1])
     tables = {0: [3, 0, 5]}
     torch.manual_seed(0)
     ids = torch.randint(3, VOCAB, (40,), device="cuda")
