@@ -194,7 +194,8 @@ def prefetched_runs(split, stage, batch: int, args, want, results: dict, variant
     from ppsplit.passes.rewrites import prefetch
 
     for mb in args.prefetch:
-        placed = prefetch.insert_prefetches(stage, int(mb * (1 << 20))) if mb else prefetch.remove_prefetches(stage) * 0
+        placed = prefetch.insert_prefetches(stage, int(mb * (1 << 20)), early=args.prefetch_early) if mb else \
+            prefetch.remove_prefetches(stage) * 0
         run = stage_runs(split, batch, 1, args.prefix, args.device)
         got = run().clone()
         print(f"{variant}, prefetch {mb:g} MB, batch {batch}: {placed} points, logits "
@@ -462,6 +463,8 @@ def main():
     ap.add_argument("--prefetch", nargs="+", type=float, default=[], metavar="MB",
                     help="also time bf16 and FP8 with these many MB of the next projections' weights prefetched into "
                          "L2 at each point (passes.rewrites.prefetch; 0: none) instead of the GEMV rewrite's 2")
+    ap.add_argument("--prefetch-early", action="store_true",
+                    help="with --prefetch: fork each prefetch before the projection before it, not after")
     ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS,
                     help="the steps to time (default: all); bf16 first, the ratios' denominator")
     ap.add_argument("--pdl", action="store_true",

@@ -6,7 +6,8 @@ serving process imports only the rewrites it applies. Its report goes into ``sta
 
     fuse_projections   sibling linears on one input -> one linear over the concatenated weight (projections.py)
     fuse_pointwise     rotary embedding, SiLU-and-multiply -> one Triton kernel each (pointwise.py)
-    gemv               projections with >= 4096 outputs -> ppsplit::linear, a Triton GEMV at batch 1 (gemv.py)
+    gemv               projections with >= 4096 outputs -> ppsplit::linear, a Triton GEMV at batch 1 (gemv.py);
+                       then each next projection's first weight bytes prefetched into L2 (prefetch.py)
     compile            the stage compiled with Inductor at its first call per shape (inductor.py)
 
 A new rewrite is one ``StageOptions`` field and one entry of ``REWRITES``.

@@ -53,7 +53,7 @@ def is_work(node: fx.Node) -> bool:
         not getattr(node.target, "is_view", False)
 
 
-def insert_prefetches(stage: fx.GraphModule, budget: int = BUDGET) -> int:
+def insert_prefetches(stage: fx.GraphModule, budget: int = BUDGET, *, early: bool = False) -> int:
     """Insert the prefetches and joins into ``stage`` in place (in place of any it holds); returns how many prefetch
     points it placed.
 
@@ -78,7 +78,7 @@ def insert_prefetches(stage: fx.GraphModule, budget: int = BUDGET) -> int:
                 break
             ahead.append(n)
             covered += weight_bytes(stage, n)
-        with graph.inserting_before(order[a].next):
+        with graph.inserting_before(order[a] if early else order[a].next):
             weights = [graph.get_attr(n.args[1].target) for n in ahead]
             graph.call_function(l2_prefetch, (order[a].args[0], budget, *weights))
         with graph.inserting_before(order[b]):
