@@ -222,3 +222,21 @@ def decode_through_rejected_drafts(split, ids, greedy):
             token = logits[:, -1:].argmax(-1)
             tokens.append(token)
     return torch.cat(tokens, dim=1)
+
+
+def assert_decode_steps_equal(changed, plain, graphed, what: str = "") -> None:
+    """A prefill of 30 tokens, then eight decode steps of one sequence (each reading the keys and values the ones
+    before wrote), through three paged splits of one model on CUDA: ``changed`` (eager) and ``graphed`` (its captured
+    twin) give ``plain``'s logits and taps bit for bit at every step."""
+    from ppsplit.core.ragged import RaggedStep, Segment
+
+    tables = {0: [3, 0, 5]}
+    torch.manual_seed(0)
+    ids = torch.randint(3, VOCAB, (40,), device="cuda")
+    for position, count in [(0, 30)] + [(30 + i, 1) for i in range(8)]:
+        step = RaggedStep.build([Segment(0, position, count)], tables, plain.layout).to("cuda")
+        tokens = ids[position:position + count]
+        with torch.no_grad():
+            (a, a_aux), (b, b_aux), (c, c_aux) = (s.step(tokens, step) for s in (changed, plain, graphed))
+        assert torch.equal(a, b) and torch.equal(a_aux, b_aux), f"{what}eager, position {position}"
+        assert torch.equal(c, b) and torch.equal(c_aux, b_aux), f"{what}captured, position {position}"

@@ -65,8 +65,7 @@ def test_a_step_with_prefetches_equals_the_step_without_eager_and_captured_on_gp
     """bf16 paged llama on a GPU, every projection through the GEMV, with the GEMV rewrite's prefetch points (the
     size floor lowered to these small weights): a prefill, then eight decode steps, eager and captured, give the bits
     of the same split without prefetches."""
-    from ppsplit.core.ragged import RaggedStep, Segment
-    from tests.support import VOCAB, tiny_model
+    from tests.support import assert_decode_steps_equal, tiny_model
 
     monkeypatch.setattr(prefetch, "MIN_BYTES", 0)
     model = tiny_model("llama").to(device="cuda", dtype=torch.bfloat16)
@@ -77,13 +76,4 @@ def test_a_step_with_prefetches_equals_the_step_without_eager_and_captured_on_gp
     fetched = _gemv_split(model, monkeypatch, cache)
     assert all(any(n.target is l2_prefetch for n in stage.graph.nodes) for stage in fetched.stages)
     graphed = _gemv_split(model, monkeypatch, cache).capture(0, [1])
-    tables = {0: [3, 0, 5]}
-    torch.manual_seed(0)
-    ids = torch.randint(3, VOCAB, (40,), device="cuda")
-    for position, count in [(0, 30)] + [(30 + i, 1) for i in range(8)]:
-        step = RaggedStep.build([Segment(0, position, count)], tables, plain.layout).to("cuda")
-        tokens = ids[position:position + count]
-        with torch.no_grad():
-            (a, a_aux), (b, b_aux), (c, c_aux) = (s.step(tokens, step) for s in (fetched, plain, graphed))
-        assert torch.equal(a, b) and torch.equal(a_aux, b_aux), f"eager, position {position}"
-        assert torch.equal(c, b) and torch.equal(c_aux, b_aux), f"captured, position {position}"
+    assert_decode_steps_equal(fetched, plain, graphed)

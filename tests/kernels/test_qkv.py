@@ -172,11 +172,10 @@ def test_decode_steps_with_the_fold_equal_the_split_without_it_on_gpu(arch, monk
     q/k/v GEMV serves them and folds the rotary and writes; Qwen2's projections have a bias) against the same split
     without the fold: a prefill, then eight decode steps of one sequence (each reading the keys and values the ones
     before wrote), eager and captured, give bit-equal logits and taps."""
-    from ppsplit.core.ragged import RaggedStep, Segment
     from ppsplit.passes.rewrites import gemv as gemv_pass
     from ppsplit.passes.rewrites import pointwise as pointwise_pass
     from ppsplit.triton_kernels import gemv, qkv
-    from tests.support import VOCAB, tiny_model
+    from tests.support import assert_decode_steps_equal, tiny_model
 
     for module in (gemv_pass, gemv, qkv):
         monkeypatch.setattr(module, "MIN_OUT", 1)
@@ -189,13 +188,4 @@ def test_decode_steps_with_the_fold_equal_the_split_without_it_on_gpu(arch, monk
         plain = ppsplit.split_model(model, 2, aux=[0, 2], cache=cache)
     assert all(_count(fused, ops.linear_rope_write.default)) and not any(_count(plain, ops.linear_rope_write.default))
     graphed = ppsplit.split_model(model, 2, aux=[0, 2], cache=cache).capture(0, [1])
-    tables = {0: [3, 0, 5]}
-    torch.manual_seed(0)
-    ids = torch.randint(3, VOCAB, (40,), device="cuda")
-    for position, count in [(0, 30)] + [(30 + i, 1) for i in range(8)]:
-        step = RaggedStep.build([Segment(0, position, count)], tables, fused.layout).to("cuda")
-        tokens = ids[position:position + count]
-        with torch.no_grad():
-            (a, a_aux), (b, b_aux), (c, c_aux) = (s.step(tokens, step) for s in (fused, plain, graphed))
-        assert torch.equal(a, b) and torch.equal(a_aux, b_aux), f"{arch}: eager, position {position}"
-        assert torch.equal(c, b) and torch.equal(c_aux, b_aux), f"{arch}: captured, position {position}"
+    assert_decode_steps_equal(fused, plain, graphed, f"{arch}: ")
