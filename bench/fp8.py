@@ -192,22 +192,19 @@ def prefetched_runs(split, stage, batch: int, args, want, results: dict, variant
     place of the GEMV rewrite's (``passes.rewrites.prefetch``), the logits checked equal to ``want`` first; the stage
     is left with the rewrite's."""
     from ppsplit.passes.rewrites import prefetch
-    from ppsplit.triton_kernels import prefetch as kernel
 
-    for spec in args.prefetch:
-        mb, *flags = spec.split(":")
-        if set(flags) - {"early", "keep"}:
-            raise SystemExit(f"--prefetch {spec}: write MB, MB:early, MB:keep or MB:early:keep")
-        kernel.KEEP["on"] = "keep" in flags
-        placed = prefetch.insert_prefetches(stage, int(float(mb) * (1 << 20)), early="early" in flags) \
-            if float(mb) else prefetch.remove_prefetches(stage) * 0
+    for mb in args.prefetch:
+        if mb:
+            placed = prefetch.insert_prefetches(stage, int(mb * (1 << 20)))
+        else:
+            placed = 0
+            prefetch.remove_prefetches(stage)
         run = stage_runs(split, batch, 1, args.prefix, args.device)
         got = run().clone()
-        print(f"{variant}, prefetch {spec}, batch {batch}: {placed} points, logits "
+        print(f"{variant}, prefetch {mb:g} MB, batch {batch}: {placed} points, logits "
               f"{'equal' if torch.equal(got, want) else 'DIFFER'}", flush=True)
-        results[f"{variant}, prefetch {spec}", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
+        results[f"{variant}, prefetch {mb:g} MB", batch] = (step_ms(run, args.device, args.rounds), step_bytes)
         del run
-    kernel.KEEP["on"] = False
     prefetch.insert_prefetches(stage)
 
 
@@ -466,10 +463,9 @@ def main():
     ap.add_argument("--decode-chunks", type=int, nargs="*", default=[],
                     help="also time the FP8 step with the decode attention's keys in chunks of these many positions "
                          "(the plan's: as many chunks as give 8 programs an SM)")
-    ap.add_argument("--prefetch", nargs="+", default=[], metavar="MB[:early][:keep]",
+    ap.add_argument("--prefetch", nargs="+", type=float, default=[], metavar="MB",
                     help="also time bf16 and FP8 with these many MB of the next projections' weights prefetched into "
-                         "L2 at each point (passes.rewrites.prefetch; 0: none) instead of the GEMV rewrite's 2; "
-                         ":early forks before the projection before, :keep marks the lines evict_last")
+                         "L2 at each point (passes.rewrites.prefetch; 0: none) instead of the GEMV rewrite's 2")
     ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS,
                     help="the steps to time (default: all); bf16 first, the ratios' denominator")
     ap.add_argument("--pdl", action="store_true",

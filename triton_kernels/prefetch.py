@@ -22,25 +22,17 @@ import torch
 from ppsplit.triton_kernels.common import HAVE_TRITON, tl, triton
 
 PROGRAM_BYTES = 64 * 1024
-KEEP = {"on": False}  # an experiment (bench/fp8.py --prefetch MB:keep): the prefetched lines marked evict_last
 THREADS = 32  # one bulk prefetch a thread, one warp a program
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
 if HAVE_TRITON:
     @triton.jit
-    def _prefetch_kernel(address, nbytes, CHUNK: tl.constexpr, THREADS: tl.constexpr, KEEP: tl.constexpr):
+    def _prefetch_kernel(address, nbytes, CHUNK: tl.constexpr, THREADS: tl.constexpr):
         start = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64) * CHUNK
         size = tl.maximum(tl.minimum(nbytes - start, CHUNK), 0).to(tl.int32)
-        if KEEP:  # the lines marked evict_last: streamed weights evict them last
-            tl.inline_asm_elementwise(
-                "{\n\t.reg .pred p;\n\t.reg .b64 policy;\n\tsetp.gt.s32 p, $2, 0;\n\t"
-                "createpolicy.fractional.L2::evict_last.b64 policy, 1.0;\n\t"
-                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, policy;\n\t"
-                "mov.u32 $0, 0;\n\t}", "=r,l,r", [address + start, size], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise(
-                "{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\t"
-                "mov.u32 $0, 0;\n\t}", "=r,l,r", [address + start, size], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\t"
+            "mov.u32 $0, 0;\n\t}", "=r,l,r", [address + start, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def prefetch_usable(t: torch.Tensor) -> bool:
@@ -62,8 +54,7 @@ def launch_prefetch(weight: torch.Tensor, nbytes: int) -> None:
     nbytes = min(nbytes, weight.numel() * weight.element_size()) // 16 * 16
     if nbytes:
         _prefetch_kernel[(triton.cdiv(nbytes, PROGRAM_BYTES),)](
-            weight.data_ptr(), nbytes, CHUNK=PROGRAM_BYTES // THREADS, THREADS=THREADS, KEEP=KEEP["on"],
-            num_warps=1)
+            weight.data_ptr(), nbytes, CHUNK=PROGRAM_BYTES // THREADS, THREADS=THREADS, num_warps=1)
 
 
 def l2_prefetch(rows: torch.Tensor, nbytes: int, *weights: torch.Tensor) -> None:

@@ -10,7 +10,8 @@ bit of the step, and does nothing but at one row on sm_90 or later.
 
 Why only the first bytes: what it hides is each GEMV's slow start, its first wave of loads waiting on HBM. Asking
 for more fills L2 sooner but the attention and the norms, which wait on memory, slow down by more than the GEMV
-gains (bench/RESULTS.md section 43: on an H100 the FP8 step gains 1.7% at 2-3 MB a point and loses from 16 MB).
+gains (bench/RESULTS.md section 43: on an H100 the FP8 step gains 1.7% at 2-3 MB a point and loses from 8 MB).
+Forking before the projection before, or marking the lines evict_last, measured no better.
 
 Projections: the ops the GEMV and FP8 rewrites leave (``ppsplit::linear`` and ``fp8_linear`` with their folds),
 whose weight (argument 1) the stage holds and which are at least ``MIN_BYTES``.
@@ -53,7 +54,7 @@ def is_work(node: fx.Node) -> bool:
         not getattr(node.target, "is_view", False)
 
 
-def insert_prefetches(stage: fx.GraphModule, budget: int = BUDGET, *, early: bool = False) -> int:
+def insert_prefetches(stage: fx.GraphModule, budget: int = BUDGET) -> int:
     """Insert the prefetches and joins into ``stage`` in place (in place of any it holds); returns how many prefetch
     points it placed.
 
@@ -78,7 +79,7 @@ def insert_prefetches(stage: fx.GraphModule, budget: int = BUDGET, *, early: boo
                 break
             ahead.append(n)
             covered += weight_bytes(stage, n)
-        with graph.inserting_before(order[a] if early else order[a].next):
+        with graph.inserting_before(order[a].next):
             weights = [graph.get_attr(n.args[1].target) for n in ahead]
             graph.call_function(l2_prefetch, (order[a].args[0], budget, *weights))
         with graph.inserting_before(order[b]):

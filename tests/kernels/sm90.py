@@ -95,17 +95,6 @@ def latent_fp8_launch(heads=128, r=512, dr=64, dn=128, dv=128, block=64):
                                                  step.block_table, step.seq_start, step.seq_count, 0.1, fp8=views)
 
 
-def keep(launch, *args):
-    """``launch(*args)`` with the prefetched lines marked evict_last (``prefetch.KEEP``)."""
-    from ppsplit.triton_kernels import prefetch
-
-    prefetch.KEEP["on"] = True
-    try:
-        return launch(*args)
-    finally:
-        prefetch.KEEP["on"] = False
-
-
 def launches() -> dict:
     """``{name: function}``: one launch each, at Llama-3.1-8B's sizes where they set the tiles."""
     from ppsplit.triton_kernels.attention import launch_cache_attention
@@ -171,7 +160,6 @@ def launches() -> dict:
         "fp8 grouped experts": lambda: launch_fp8_grouped_mm(routed, experts, expert_scales, ends, 128, 128),
         "paged latent attention, fp8 kv_b_proj": latent_fp8_launch(),
         "l2 prefetch (bulk)": lambda: prefetch.launch_prefetch(w8, 3 << 20),
-        "l2 prefetch (bulk), evict_last": lambda: keep(prefetch.launch_prefetch, w8, 3 << 20),
         "mxfp4 grouped experts": lambda: launch_mxfp4_grouped_mm(fp4_rows, fp4_blocks, fp4_scales, ends),
         "mxfp4 grouped experts, split over 4": lambda: launch_mxfp4_grouped_mm(fp4_rows, fp4_blocks, fp4_scales, ends,
                                                                                config=(16, 64, 128, 4, 3, 4)),
