@@ -95,11 +95,15 @@ def remove_prefetches(stage: fx.GraphModule) -> int:
     """Undo ``insert_prefetches``; returns how many prefetch points there were."""
     graph = stage.graph
     calls = [n for n in graph.nodes if n.target in (l2_prefetch, l2_join)]
+    if not calls:
+        return 0
+    points = sum(n.target is l2_prefetch for n in calls)
+    weights = {w for n in calls if n.target is l2_prefetch for w in n.args[2:]}
     for node in calls:
         graph.erase_node(node)
-    for node in [n for n in graph.nodes if n.op == "get_attr" and not n.users]:
-        graph.erase_node(node)
-    if calls:
-        graph.lint()
-        stage.recompile()
-    return sum(n.target is l2_prefetch for n in calls)
+    for node in weights:
+        if not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    stage.recompile()
+    return points
