@@ -54,9 +54,14 @@ def programmatic_launch(on: bool) -> bool:
     return previous
 
 
-def supports_programmatic_launch(t: torch.Tensor) -> bool:
-    return (t.device.type == "cuda" and HAVE_GDC and os.environ.get("TRITON_INTERPRET") != "1"
+def compiled_for_hopper(t: torch.Tensor) -> bool:
+    """Whether kernels for ``t`` run compiled on sm_90 or later (a CUDA tensor, Triton there, not interpreted)."""
+    return (HAVE_TRITON and t.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability(t.device)[0] >= 9)
+
+
+def supports_programmatic_launch(t: torch.Tensor) -> bool:
+    return HAVE_GDC and compiled_for_hopper(t)
 
 
 def launch_options(t: torch.Tensor) -> dict:

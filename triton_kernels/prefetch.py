@@ -15,11 +15,9 @@ for more than one row (``rows``: the GEMV serves one-row steps) both calls do no
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ppsplit.triton_kernels.common import HAVE_TRITON, tl, triton
+from ppsplit.triton_kernels.common import HAVE_TRITON, compiled_for_hopper, tl, triton
 
 PROGRAM_BYTES = 64 * 1024
 THREADS = 32  # one bulk prefetch a thread, one warp a program
@@ -35,10 +33,10 @@ if HAVE_TRITON:
             "mov.u32 $0, 0;\n\t}", "=r,l,r", [address + start, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def prefetch_usable(t: torch.Tensor) -> bool:
-    """Whether ``l2_prefetch`` runs for tensors like ``t``: CUDA, sm_90 or later, Triton compiled, not traced."""
-    return (HAVE_TRITON and t.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and not torch.compiler.is_compiling() and torch.cuda.get_device_capability(t.device)[0] >= 9)
+def forks(rows: torch.Tensor) -> bool:
+    """Whether ``l2_prefetch`` and ``l2_join`` act for a projection input ``rows``: one row, compiled for sm_90 or
+    later, not traced by ``torch.compile``. The two must agree, or a capture is left with a fork never joined."""
+    return rows.numel() == rows.shape[-1] and not torch.compiler.is_compiling() and compiled_for_hopper(rows)
 
 
 def _side(device: torch.device) -> torch.cuda.Stream:
@@ -60,7 +58,7 @@ def launch_prefetch(weight: torch.Tensor, nbytes: int) -> None:
 def l2_prefetch(rows: torch.Tensor, nbytes: int, *weights: torch.Tensor) -> None:
     """Ask L2, on a stream forked from the current one, for ``nbytes`` of ``weights`` in order (the first one's first
     bytes first), where ``rows`` (a projection's input) has one row."""
-    if not weights or not prefetch_usable(rows) or rows.numel() != rows.shape[-1]:
+    if not weights or not forks(rows):
         return
     device = rows.device
     side = _side(device)
@@ -75,5 +73,5 @@ def l2_prefetch(rows: torch.Tensor, nbytes: int, *weights: torch.Tensor) -> None
 
 def l2_join(rows: torch.Tensor) -> None:
     """The current stream waits for what ``l2_prefetch`` forked (nothing where it did not run)."""
-    if prefetch_usable(rows) and rows.numel() == rows.shape[-1]:
+    if forks(rows):
         torch.cuda.current_stream(rows.device).wait_stream(_side(rows.device))

@@ -67,18 +67,18 @@ def insert_prefetches(stage: fx.GraphModule, budget: int = BUDGET) -> int:
     graph = stage.graph
     ops = projection_ops()
     order = list(graph.nodes)
-    heavy = [i for i, n in enumerate(order)
-             if n.op == "call_function" and n.target in ops and weight_bytes(stage, n) >= MIN_BYTES]
+    sizes = {i: weight_bytes(stage, n) for i, n in enumerate(order) if n.op == "call_function" and n.target in ops}
+    heavy = [i for i, size in sizes.items() if size >= MIN_BYTES]
     placed = 0
     for a, b in zip(heavy, heavy[1:]):
         if not any(is_work(n) for n in order[a + 1: b]):
             continue  # nothing runs between them: no time to fill
         ahead, covered = [], 0
-        for n in (order[i] for i in heavy if i >= b):
+        for i in (i for i in heavy if i >= b):
             if covered >= budget:
                 break
-            ahead.append(n)
-            covered += weight_bytes(stage, n)
+            ahead.append(order[i])
+            covered += sizes[i]
         with graph.inserting_before(order[a].next):
             weights = [graph.get_attr(n.args[1].target) for n in ahead]
             graph.call_function(l2_prefetch, (order[a].args[0], budget, *weights))
