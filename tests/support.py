@@ -240,3 +240,14 @@ def assert_decode_steps_equal(changed, plain, graphed, what: str = "") -> None:
             (a, a_aux), (b, b_aux), (c, c_aux) = (s.step(tokens, step) for s in (changed, plain, graphed))
         assert torch.equal(a, b) and torch.equal(a_aux, b_aux), f"{what}eager, position {position}"
         assert torch.equal(c, b) and torch.equal(c_aux, b_aux), f"{what}captured, position {position}"
+
+
+def first_drafts(split, drafter, prompt, k: int) -> list[int]:
+    """The ``k`` drafts the engine's draft loop proposes after ``prompt``'s step: the chain drafted from its last row
+    (its taps, and the target's greedy next token), which the first verify window holds."""
+    from ppsplit.serve.engine import Engine
+    from ppsplit.serve.sampling import SamplingParams
+
+    out = Engine(split, drafter=drafter, num_draft_tokens=k).generate(
+        [prompt], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    return out.drafts[0]

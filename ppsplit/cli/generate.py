@@ -51,43 +51,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts, tokenizer = prompts_of(args, args.folder)
     params = [sampling_params(args, i) for i in range(len(prompts))]
     start = time.perf_counter()
-    if split.plan.paged:
-        engine = Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0)
-        outputs = engine.generate(prompts, params)
-    else:  # a lockstep cache (the plan says why): one request at a time
-        outputs = _lockstep(split, prompts, params, drafter, args)
-    print_outputs(outputs, tokenizer, time.perf_counter() - start,
-                  "1 process" + ("" if split.plan.paged else f", lockstep cache: {split.plan.lockstep_reason}"))
+    engine = Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0)
+    outputs = engine.generate(prompts, params)
+    print_outputs(outputs, tokenizer, time.perf_counter() - start, "1 process")
     return 0
-
-
-def _lockstep(split, prompts, params, drafter, args):
-    """Requests one after another through a split whose cache is lockstep (greedy; sampled only with a drafter)."""
-    import torch
-
-    from ppsplit.core.errors import ConfigError
-    from ppsplit.serve.engine import RequestOutput
-
-    if any(p.stop_token_ids or p.ignore_eos or p.top_k or p.top_p < 1 for p in params) or \
-            (drafter is None and args.temperature):
-        raise ConfigError(f"this folder keeps a lockstep cache ({split.plan.lockstep_reason}), which decodes greedily "
-                          "(or samples at --temperature with a drafter); drop --top-p/--top-k/--stop-token-ids/"
-                          "--ignore-eos")
-    outputs = []
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        ids = torch.tensor([prompt])
-        accepted = []
-        if drafter is not None:
-            out, stats = split.generate(ids, p.max_tokens, drafter=drafter, num_draft_tokens=args.num_draft_tokens,
-                                        temperature=p.temperature, generator=torch.Generator().manual_seed(p.seed),
-                                        return_stats=True)
-            accepted = list(stats.accepted)
-        else:
-            out = split.generate(ids, p.max_tokens)
-        new = out[0, len(prompt):].tolist()
-        reason = "stop" if new and new[-1] in split.eos_token_id and len(new) < p.max_tokens else "length"
-        outputs.append(RequestOutput(str(i), prompt, new, new, True, reason, accepted))
-    return outputs
 
 
 def _tokenizer(folder: str):
@@ -104,7 +71,7 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     from ppsplit.eagle3.formats import drafter_taps, read_drafter, resolve_drafter
     from ppsplit.core.errors import ConfigError
     from ppsplit.compile.source import resolve_model
-    from ppsplit.eagle3.speculative import draft_agreement
+    from ppsplit.eagle3.drafter import draft_agreement
 
     if args.model == DEMO_NAME:
         model = demo_model()

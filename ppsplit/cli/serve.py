@@ -72,7 +72,7 @@ def _check_servable(plan, args) -> None:
         why = plan.lockstep_reason or "it has no KV cache: compile it without --no-cache"
         raise ConfigError(f"{args.folder} cannot be served: the engine needs a paged cache, and {why}")
     if args.num_draft_tokens is not None:
-        from ppsplit.eagle3.speculative import check_num_draft_tokens
+        from ppsplit.serve.speculative import check_num_draft_tokens
 
         check_num_draft_tokens(args.num_draft_tokens)
         if not has_drafter(args.folder):

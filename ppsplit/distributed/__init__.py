@@ -1,7 +1,8 @@
 """Multi-process serving: one rank per stage over ``torch.distributed`` (``engine``: ``PipelineEngine``), its
 transport (``transport``), a stage in ``torch.distributed.pipelining`` (``pipelining``), and the launcher behind
 ``ppsplit run`` / ``python -m ppsplit.run`` (``launch``)."""
-from ppsplit.distributed.engine import PipelineEngine, Stats, buckets_up_to
+from ppsplit.distributed.engine import PipelineEngine, Stats
+from ppsplit.serve.runner import buckets_up_to
 from ppsplit.distributed.pipelining import for_pipelining
 from ppsplit.distributed.transport import DEFAULT_TIMEOUT, PipelineError, agree, init
 

@@ -42,7 +42,7 @@ def check_requests(args, folder: str) -> None:
         parse_ids(text, "--prompt-ids")
     sampling_params(args, 0)
     if args.num_draft_tokens is not None:
-        from ppsplit.eagle3.speculative import check_num_draft_tokens
+        from ppsplit.serve.speculative import check_num_draft_tokens
 
         check_num_draft_tokens(args.num_draft_tokens)
 

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 import ppsplit
 from ppsplit import CacheConfig, ConfigError
-from ppsplit.eagle3.speculative import accept
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.sampling import SamplingParams, accept_sampled
 from tests.support import drafter_config, random_drafter_tensors, write_drafter
 from tests.support import VOCAB, tiny_model
 from tests.serve.test_decode import CACHE, cached  # the same traced models as the decoding tests
@@ -76,8 +77,6 @@ def test_batch_sequences_accept_and_commit_on_their_own(tmp_path):
     """Drafts that are right for sequence 0 and wrong from index 1 on for sequence 1, in one batch: each sequence
     accepts and commits its own count (0: all four, 1: one), and the output still equals greedy decoding (the
     lockstep loop committed the batch's minimum)."""
-    from ppsplit.serve.engine import Engine
-    from ppsplit.serve.sampling import SamplingParams
 
     model, graph = traced("llama")
     split = ppsplit.split_model(graph, 2, aux=TAPS)
@@ -91,18 +90,19 @@ def test_batch_sequences_accept_and_commit_on_their_own(tmp_path):
 
     engine = Engine(split, drafter=drafter, num_draft_tokens=4)
 
-    def oracle(works, rows, results, aux, step, table, layout):  # the sampler's drafts, from the known truth
-        drafts = {}
-        for i, (w, r) in enumerate(zip(works, results)):
-            if r is not None:
-                b = next(int(q.id) for q in engine.scheduler.running if q.slot == w.slot)
-                done = w.index + len(r.tokens)
-                proposal = truth[b, done:done + 4].tolist() + [5] * 4
-                drafts[i] = tuple(proposal[:4] if b == 0 else proposal[:1] + [(d + 1) % VOCAB for d in proposal[1:4]])
-                full[b].append(done + 4 <= truth.shape[1])
-        return drafts
+    def oracle(aux, ids, positions, batch, last, token, sampler, *flags):  # the draft loop's drafts, from the truth
+        if last is None:
+            return None
+        drafts = []
+        for slot in batch.slot[batch.drawing].tolist():
+            b = next(int(q.id) for q in engine.scheduler.running if q.slot == slot)
+            done = int(sampler.index[slot])  # the request's tokens after this step's commit
+            proposal = truth[b, done:done + 4].tolist() + [5] * 4
+            drafts.append(proposal[:4] if b == 0 else proposal[:1] + [(d + 1) % VOCAB for d in proposal[1:4]])
+            full[b].append(done + 4 <= truth.shape[1])
+        return torch.tensor(drafts)
 
-    engine.sampler.draft = oracle
+    engine.runner.sampler.proposer.feed = oracle
     outs = engine.generate(list(ids), SamplingParams(max_tokens=20))
     assert [o.token_ids for o in outs] == truth.tolist()
     for b, right in ((0, 4), (1, 1)):
@@ -181,8 +181,10 @@ def test_drafter_matches_independent_reference(norm_before_residual, tmp_path):
     with torch.no_grad():
         logits, _ = drafter(aux, tokens[None], torch.arange(T))
     torch.testing.assert_close(logits[0], ref_logits, atol=1e-4, rtol=1e-4)
-    drafts, _ = drafter.draft(aux, tokens[None], torch.arange(T), T - 1, k=2)
-    assert drafts[0].tolist() == ref_ids
+    # The engine's draft loop: after the prompt's step, the first window verifies the chain drafted from its last row.
+    out = Engine(split, drafter=drafter, num_draft_tokens=2).generate([ids[0]], SamplingParams(max_tokens=2,
+                                                                                               ignore_eos=True))[0]
+    assert out.token_ids[0] == int(next_token) and out.drafts[0] == ref_ids
 
 
 def test_adapter_never_concatenates_and_matches_fc(tmp_path):
@@ -265,8 +267,6 @@ def test_a_batch_of_8_keeps_each_requests_own_acceptance(trained):
     """8 unseen prompts in one batch through the engine: each request's drafts and acceptances are those it gets
     alone, so the batch's tokens per verify pass average at least 0.95 of the requests' own mean acceptance length
     (a batch that committed the minimum acceptance of its members, the lockstep rule, would fall well below)."""
-    from ppsplit.serve.engine import Engine
-    from ppsplit.serve.sampling import SamplingParams
 
     model, split, drafter, g = trained
     prompts = [p.tolist() for p in torch.randint(3, 32, (8, 4), generator=g)]
@@ -306,8 +306,9 @@ def test_acceptance_rule_is_lossless_at_every_index():
     q[:, 0] = 0  # the drafter never proposes token 0: only the residual can produce it
     q = q / q.sum(-1, keepdim=True)
     drafts = torch.stack([torch.multinomial(q[i], N, replacement=True, generator=g) for i in range(K)], 1)
-    n, token = accept(drafts, target_logits.expand(N, K + 1, V), 1.0, q.expand(N, K, V), g)
     p = torch.softmax(target_logits, -1)
+    n, token = accept_sampled(p.expand(N, K + 1, V), q.expand(N, K, V), drafts, torch.full((N,), K),
+                              torch.rand(N, K, generator=g), lambda taken: torch.rand(N, generator=g))
     full = torch.cat([drafts, drafts[:, :1]], 1)
     for i in range(K + 1):
         reached = n >= i
@@ -445,8 +446,6 @@ def test_speculative_through_processes_equals_single_process(pp, compiled_with_d
     each request's tokens, drafts and acceptances per verify pass equal the in-process engine's, and its tokens
     equal Hugging Face greedy of its prompt alone; sampling (temperature 0.8, a seed per request) gives the
     in-process engine's tokens too."""
-    from ppsplit.serve.engine import Engine
-    from ppsplit.serve.sampling import SamplingParams
     from tests.processes import generate, launch
 
     model, folders = compiled_with_drafter
@@ -473,7 +472,6 @@ def test_slot_reused_while_drafts_are_in_flight_through_four_ranks(compiled_with
     """A request aborted while its verify window is in flight through 4 ranks, its slot given at once to a new
     request (the old micro-step still in the pipe): the new request's tokens equal its solo run, the others are
     untouched, and the pool is whole at the end."""
-    from ppsplit.serve.sampling import SamplingParams
     from tests.processes import AbortInFlight, launch, serve
 
     model, folders = compiled_with_drafter
@@ -497,8 +495,6 @@ def test_slot_reused_while_drafts_are_in_flight_through_four_ranks(compiled_with
 def test_speculative_nccl_two_gpus_equals_single_process(cuda_graphs, compiled_with_drafter):
     """NCCL, rank r on cuda:r, the drafter on rank 1 (every bucket replayed from CUDA graphs, or eager): tokens,
     drafts and acceptances equal the in-process engine on one GPU."""
-    from ppsplit.serve.engine import Engine
-    from ppsplit.serve.sampling import SamplingParams
     from tests.processes import launch, serve
 
     if torch.cuda.device_count() < 2:
