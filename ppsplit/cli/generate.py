@@ -6,12 +6,13 @@ import time
 
 
 def add_parsers(sub) -> None:
-    from ppsplit.serve.requests import add_request_arguments
+    from ppsplit.serve.requests import add_request_arguments, add_runtime_arguments
 
     p = sub.add_parser("generate", help="decode requests through a compiled folder in this process (the engine: "
                                         "continuous batching; speculatively with -k)")
     p.add_argument("folder")
     add_request_arguments(p)
+    add_runtime_arguments(p)
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder (default: the one compiled into DIR)")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
                    help="numbering of the drafter's tap ids (default: its format's own)")
@@ -33,15 +34,18 @@ def add_parsers(sub) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import ppsplit
+    from ppsplit.artifact.folder import CompiledFolder
     from ppsplit.core.errors import ConfigError
     from ppsplit.serve.engine import Engine
+    from ppsplit.serve.placement import load_placed
     from ppsplit.serve.requests import check_requests, print_outputs, prompts_of, sampling_params
 
     check_requests(args, args.folder)
-    split = ppsplit.load(args.folder)
-    if not split.plan.max_len:
-        raise ConfigError(f"{args.folder} has no KV cache (compiled with --no-cache, or a model that cannot have one); "
-                          "compile it without --no-cache to generate")
+    plan = CompiledFolder(args.folder).plan
+    if not plan.paged:
+        why = plan.lockstep_reason or "it has no KV cache (compiled with --no-cache); compile it without --no-cache"
+        raise ConfigError(f"{args.folder} cannot generate: the engine needs a paged KV cache, and {why}")
+    split = load_placed(args.folder, args.device)
     drafter = None
     if args.num_draft_tokens is not None:
         drafter = ppsplit.load_drafter(args.drafter, split=split, aux_convention=args.drafter_convention) \
@@ -50,8 +54,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ConfigError(f"{args.folder} holds no drafter: compile it with --drafter, or pass --drafter DIR")
     prompts, tokenizer = prompts_of(args, args.folder)
     params = [sampling_params(args, i) for i in range(len(prompts))]
+    engine = Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0,
+                    enforce_eager=args.enforce_eager)
     start = time.perf_counter()
-    engine = Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0)
     outputs = engine.generate(prompts, params)
     print_outputs(outputs, tokenizer, time.perf_counter() - start, "1 process")
     return 0

@@ -12,6 +12,9 @@ stage it keeps one step per device in flight over disjoint requests (a pipeline)
 """
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import torch
 
@@ -19,6 +22,8 @@ from ppsplit.core.errors import ConfigError
 from ppsplit.core.fx_utils import stage_vocab
 from ppsplit.core.tensors import module_device
 from ppsplit.serve.sampler import Sampler
+
+log = logging.getLogger("ppsplit")
 
 
 class Pending:
@@ -72,7 +77,10 @@ class LocalRunner:
         self.sampler = Sampler(self.layout.slots, self.device, proposer)
         captured = sorted(n for b, n in split.graphs if b == 0)
         if cuda and cuda_graphs and not captured:
-            split.capture(0, buckets_up_to(budget))
+            start, buckets = time.perf_counter(), buckets_up_to(budget)
+            split.capture(0, buckets)
+            log.info("captured CUDA graphs of %d stage%s for %d token buckets (1 to %d) in %.1fs", len(devices),
+                     "s" * (len(devices) != 1), len(buckets), buckets[-1], time.perf_counter() - start)
             captured = sorted(n for b, n in split.graphs if b == 0)
         self.buckets = captured
 
