@@ -53,7 +53,7 @@ from ppsplit.distributed.transport import Links, agree
 from ppsplit.serve.batch import StepBatch
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.runner import buckets_up_to
-from ppsplit.serve.sampler import Sampler, admission_tensors, result_width
+from ppsplit.serve.sampler import Sampler, admission_tensors, result_width, to_device
 from ppsplit.serve.sampling import SamplingParams
 from ppsplit.serve.scheduler import Scheduler
 
@@ -313,9 +313,9 @@ class PipelineEngine:
         flags = SAMPLED * plan.sampled | CUT_K * plan.cut_k | CUT_P * plan.cut_p
         head = torch.tensor([RUN, batch.n, batch.num_rows, batch.num_drawing, len(admissions), self.serial, flags])
         y, aux = self._run(batch.tokens, batch.step(), self._aux(batch.n))
-        relayed = [head.to(dev), batch.buffer]
+        relayed = [to_device(head, dev), batch.buffer]
         if admissions:
-            relayed += [t.to(dev) for t in admission_tensors(admissions)]
+            relayed += [to_device(t, dev) for t in admission_tensors(admissions)]
         self._send_on(relayed, y, aux)
         buffer = torch.zeros(batch.num_rows, result_width(self.k), dtype=torch.long, device=dev)
         posted = [self.links.recv(buffer, self.world - 1, "receive results from", back=True)]

@@ -63,7 +63,7 @@ class StepBatch:
         tensor = self.buffer if isinstance(self.buffer, torch.Tensor) else torch.from_numpy(self.buffer)
         if tensor.device != torch.device(device):
             if non_blocking and torch.device(device).type == "cuda" and tensor.device.type == "cpu":
-                tensor = tensor.pin_memory()
+                tensor = tensor.pin_memory()  # an async copy needs pinned memory, else it waits for the device
             tensor = tensor.to(device, non_blocking=non_blocking)
         return StepBatch(tensor, self.n, self.num_rows, self.num_drawing, self.slots, self.blocks)
 

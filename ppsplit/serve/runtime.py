@@ -166,14 +166,15 @@ class SplitModel(torch.nn.Module):
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int, *, drafter=None, num_draft_tokens: int = 4,
                  temperature: float = 0.0, generator: torch.Generator | None = None, return_stats: bool = False,
-                 seed: int | None = None):
+                 seed: int | None = None, enforce_eager: bool = False):
         """Decoding through the engine (``ppsplit.serve.engine``), greedy or sampled at ``temperature`` (sequence
         ``b`` seeded ``seed + b``; default: ``generator``'s initial seed, else 0). ``input_ids``: a ``[B, T]``
         tensor, or a list of prompts of any lengths (1-D tensors or lists of ids).
 
         With ``drafter`` (an EAGLE-3 drafter from ``ppsplit.load_drafter``): speculative decoding, ``K =
         num_draft_tokens`` drafts per verify pass, each sequence accepting its own (greedy, or the lossless
-        rejection rule); with ``return_stats`` returns ``(ids, SpeculativeStats)`` of the first sequence.
+        rejection rule); with ``return_stats`` returns ``(ids, SpeculativeStats)`` of the first sequence. On CUDA
+        the engine captures the stages' token buckets unless ``enforce_eager``.
 
         A ``[B, T]`` tensor gives ``[B, T + new]``, equal to ``model.generate(input_ids, do_sample=False, ...)``: a
         sequence that has emitted an end-of-sequence token continues with padding to the longest. A list gives one
@@ -205,7 +206,7 @@ class SplitModel(torch.nn.Module):
         rows = list(input_ids) if batch else [torch.as_tensor(p).flatten() for p in input_ids]
         params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i)
                   for i in range(len(rows))]
-        outs = Engine(self, drafter=drafter, num_draft_tokens=k).generate(rows, params)
+        outs = Engine(self, drafter=drafter, num_draft_tokens=k, enforce_eager=enforce_eager).generate(rows, params)
         device = rows[0].device
         seqs = [torch.cat([r.to(device), torch.tensor(o.token_ids, dtype=torch.long, device=device)]) for r, o in
                 zip(rows, outs)]

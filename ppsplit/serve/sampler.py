@@ -44,7 +44,7 @@ class Sampler:
     def admit(self, admissions) -> None:
         """Write each admitted request's parameters into its slot (a few tensor writes, ordered with the steps)."""
         if admissions:
-            self.admit_tensors(*(t.to(self.device) for t in admission_tensors(admissions)))
+            self.admit_tensors(*(to_device(t, self.device) for t in admission_tensors(admissions)))
 
     def admit_tensors(self, floats: torch.Tensor, ints: torch.Tensor) -> None:
         """``admit`` from ``admission_tensors``."""
@@ -119,6 +119,13 @@ def admission_tensors(admissions) -> tuple[torch.Tensor, torch.Tensor]:
     floats = torch.tensor([(a.params.temperature, a.params.top_p) for a in admissions], dtype=torch.float32)
     ints = torch.tensor([(a.slot, a.params.top_k, _int64(a.seed), a.index) for a in admissions], dtype=torch.long)
     return floats.view(-1, 2), ints.view(-1, 4)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on ``device`` without waiting for the device (pinned memory, then an async copy)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _int64(seed: int) -> int:
