@@ -195,6 +195,9 @@ class SplitModel(torch.nn.Module):
             if self.plan.lockstep_reason:
                 raise ConfigError(f"generation runs through the engine, which needs a paged cache, and this split keeps "
                                   f"a lockstep one because {self.plan.lockstep_reason}; it runs forward only")
+            if self.plan.max_batch:
+                raise ConfigError("generation runs through the engine, which needs a paged cache, and this split keeps "
+                                  "a lockstep one because it was traced with paged=False; it runs forward only")
             raise ConfigError("this split has no KV cache: pass cache=CacheConfig(batch_size, max_len) to split_model "
                               "(generation runs through the engine, over a paged cache)")
         k = num_draft_tokens if drafter is not None else 0
