@@ -47,7 +47,7 @@ class SplitModel(torch.nn.Module):
         if len(devices) != self.plan.pp:
             raise ValueError(f"place needs one device per stage ({self.plan.pp}), got {len(devices)}")
         for stage, dev in zip(self.stages, devices):
-            stage.to(dev)
+            _move(stage, torch.device(dev))
         return self
 
     def new_aux(self, batch: int, tokens: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -263,3 +263,16 @@ def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, co
 
         split.drafter = load_folder_drafter(opened.drafter, plan, module_device(stages[-1]))
     return split
+
+
+def _move(stage: torch.nn.Module, device: torch.device) -> None:
+    """``stage.to(device)`` without touching the tensors it shares: splits of one trace hold the same ``Parameter``
+    objects, which ``Module.to`` moves in place (``param.data = ...``), so placing one split would move the other's
+    weights too. Each moved tensor is a new one here."""
+    for module in stage.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.device != device:
+                module._parameters[name] = torch.nn.Parameter(param.detach().to(device), param.requires_grad)
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
