@@ -196,9 +196,10 @@ def main():
     prompts = [[rng.randrange(1000, 100000) for _ in range(rng.randint(a.min_prompt, a.max_prompt))]
                for _ in range(a.requests)]
     ckpt, folder = os.path.join(a.work, "ckpt"), os.path.join(a.work, "pp1")
-    t = time.perf_counter()
-    write_checkpoint(ckpt, a.layers, a.small)
-    say(checkpoint_s=round(time.perf_counter() - t, 1))
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        t = time.perf_counter()
+        write_checkpoint(ckpt, a.layers, a.small)
+        say(checkpoint_s=round(time.perf_counter() - t, 1))
     t = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "ppsplit.cli", "compile", ckpt, "--pp", "1", "--max-batch",
                           str(a.requests), "--max-len", str(a.max_prompt + a.new + 16), "-o", folder, "--force"],
