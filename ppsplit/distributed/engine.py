@@ -55,7 +55,7 @@ from ppsplit.serve.engine import Engine
 from ppsplit.serve.runner import buckets_up_to
 from ppsplit.serve.sampler import Sampler, admission_tensors, result_width, to_device
 from ppsplit.serve.sampling import SamplingParams
-from ppsplit.serve.scheduler import Scheduler
+from ppsplit.serve.scheduler import DEFAULT_BUDGET, Scheduler
 
 RUN, END, REFUSED = 1, 0, 2
 SAMPLED, CUT_K, CUT_P = 1, 2, 4
@@ -101,7 +101,7 @@ class PipelineEngine:
     """
 
     def __init__(self, source: str | fx.GraphModule, *, drafter=None, num_draft_tokens: int = 0,
-                 max_num_batched_tokens: int = 256, max_num_seqs: int | None = None, cuda_graphs: bool | None = None,
+                 max_num_batched_tokens: int = DEFAULT_BUDGET, max_num_seqs: int | None = None, cuda_graphs: bool | None = None,
                  device: torch.device | str | None = None, eos_token_id=()):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.backend = dist.get_backend()

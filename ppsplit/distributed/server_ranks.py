@@ -19,13 +19,15 @@ import subprocess
 import sys
 import threading
 
+from ppsplit.serve.scheduler import DEFAULT_BUDGET
+
 log = logging.getLogger("ppsplit")
 DEFAULT_RANK_TIMEOUT = 86400.0
 
 
 def engine_options(args) -> dict:
-    return {"num_draft_tokens": args.num_draft_tokens or 0, "max_num_batched_tokens": args.max_num_batched_tokens or 256,
-            "max_num_seqs": args.max_num_seqs, "cuda_graphs": not args.enforce_eager}
+    return {"num_draft_tokens": args.num_draft_tokens or 0,
+            "max_num_batched_tokens": args.max_num_batched_tokens or DEFAULT_BUDGET, "max_num_seqs": args.max_num_seqs, "cuda_graphs": not args.enforce_eager}
 
 
 def _free_port() -> int:
