@@ -39,7 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ppsplit.core.errors import ConfigError
     from ppsplit.serve.engine import Engine
     from ppsplit.serve.placement import load_placed
-    from ppsplit.serve.requests import check_requests, print_outputs, prompts_of, sampling_params
+    from ppsplit.serve.requests import PROGRESS_SECONDS, check_requests, print_outputs, prompts_of, sampling_params
 
     check_requests(args, args.folder)
     plan = CompiledFolder(args.folder).plan
@@ -58,7 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0,
                     enforce_eager=args.enforce_eager)
     start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
+    outputs = engine.generate(prompts, params, progress=PROGRESS_SECONDS)
     print_outputs(outputs, tokenizer, time.perf_counter() - start, "1 process")
     return 0
 

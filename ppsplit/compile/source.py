@@ -86,10 +86,10 @@ def materialize_gguf(path: str) -> str:
     name = os.path.basename(path)
 
     def write(tmp):
-        try:
-            import gguf  # noqa: F401  (transformers' GGUF loader reads the file with it)
-        except ImportError:
-            raise ConfigError(f"reading {name} needs the gguf package: pip install gguf (or ppsplit[gguf])") from None
+        import importlib.util
+
+        if importlib.util.find_spec("gguf") is None:  # transformers' GGUF loader reads the file with it
+            raise ConfigError(f"reading {name} needs the gguf package: pip install gguf (or ppsplit[gguf])")
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         log.info("converting %s with transformers' GGUF loader (dequantised to float32) ...", name)

@@ -273,14 +273,15 @@ class PipelineEngine:
         return self._driver().blocks_in_use
 
     @torch.no_grad()
-    def generate(self, prompts=None, params: SamplingParams | list[SamplingParams] | None = None):
+    def generate(self, prompts=None, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 progress: float | None = None):
         """Collective: rank 0 runs ``prompts`` to the end (``RequestOutput`` s in order) and closes the job; the
         other ranks follow it and return ``None``. A refused prompt raises the same ``ConfigError`` on every rank."""
         if not self.first:
             self.follow()
             return None
         try:
-            outputs = self.engine.generate(prompts, params)
+            outputs = self.engine.generate(prompts, params, progress=progress)
         except ConfigError as e:
             self._end(REFUSED, str(e))
             raise

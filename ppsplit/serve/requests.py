@@ -16,6 +16,8 @@ import os
 from ppsplit.core.errors import ConfigError
 
 
+PROGRESS_SECONDS = 10.0  # a progress line this often while a command generates
+
 # The API field behind each request flag, for errors raised by the engine's checks.
 FLAGS = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
          "seed": "--seed", "stop_token_ids": "--stop-token-ids", "num_draft_tokens": "-k/--num-draft-tokens"}
