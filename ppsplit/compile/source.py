@@ -91,7 +91,9 @@ def materialize_gguf(path: str) -> str:
         if importlib.util.find_spec("gguf") is None:  # transformers' GGUF loader reads the file with it
             raise ConfigError(f"reading {name} needs the gguf package: pip install gguf (or ppsplit[gguf])")
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # one line of ours instead of tqdm bars per tensor group
         log.info("converting %s with transformers' GGUF loader (dequantised to float32) ...", name)
         start = time.perf_counter()
         folder = os.path.dirname(os.path.abspath(path))
