@@ -1,7 +1,8 @@
 """Serving: per-request sampling parameters, and the filtered distribution a request samples from.
 
 Every request draws from its own ``torch.Generator`` (seeded by ``SamplingParams.seed``), so the same seed gives
-the same tokens whatever the batch companions are. Greedy (``temperature == 0``) is the argmax; otherwise the
+the same tokens whatever the batch companions are. Greedy (``temperature`` below ``GREEDY_BELOW``, vLLM's epsilon:
+dividing by less overflows the logits) is the argmax; otherwise the
 logits are divided by the temperature, cut to the ``top_k`` largest and then to the smallest set whose
 probability reaches ``top_p`` (the order vLLM and Hugging Face apply them), renormalised, and sampled with the
 exponential race (no host synchronisation).
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ppsplit.core.errors import ConfigError
+
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
