@@ -124,9 +124,7 @@ class _Child:
     """One child process and its pipes."""
 
     def __init__(self, setup: dict, budget: Budget):
-        import ppsplit
-
-        root = os.path.dirname(os.path.dirname(os.path.abspath(ppsplit.__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above ppsplit/
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                    TOKENIZERS_PARALLELISM="false", RAYON_NUM_THREADS="1", OMP_NUM_THREADS="1",
                    MALLOC_ARENA_MAX="2", RUST_BACKTRACE="0", PPSPLIT_SANDBOX_MEMORY=str(int(budget.max_memory)))

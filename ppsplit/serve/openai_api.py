@@ -169,7 +169,7 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
     try:
         return tokenizer.encode_chat(plain, add_generation_prompt=True)
     except ConfigError as e:  # the template refused, failed or ran past its budget (time, output, memory)
-        raise ApiError(str(e), param="messages", code="chat_template_failed") from None
+        raise ApiError(str(e), param="messages") from None
 
 
 def _content(content, i: int) -> str:

@@ -315,6 +315,6 @@ def test_tokenizer_files_are_data_and_python_files_are_never_copied(tmp_path):
     assert not any(name.endswith(".py") for name in os.listdir(out))
     t = FolderTokenizer(out)
     assert t.encode("w5 w6") == [5, 6] and t.decode([5, 6]) == "w5 w6" and t.eos_token_ids == (2,)
-    with pytest.raises(PpsplitError, match="chat template refused"):  # the sandbox blocks __class__ / __mro__
+    with pytest.raises(PpsplitError, match="sandbox forbids"):  # the sandbox blocks __class__ / __mro__
         t.apply_chat_template([{"role": "user", "content": "w5"}])
     assert not mark.exists()
