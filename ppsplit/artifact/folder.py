@@ -173,8 +173,19 @@ def stage_memory(program: StageProgram) -> StageMemory:
 
 def scheduler_bytes(plan: SplitPlan) -> int:
     """What the engine's scheduler keeps on the host for a paged cache: the block table (``max_batch`` x
-    ``blocks_per_seq`` int64) and the free-block list (a Python int per block, 36 bytes with its list entry)."""
-    return 8 * plan.max_batch * plan.blocks_per_seq + 36 * plan.num_blocks if plan.paged else 0
+    ``blocks_per_seq`` int64), the free-block list (a Python int per block, 36 bytes with its list entry) and the
+    per-slot lists (64 bytes a slot)."""
+    if not plan.paged:
+        return 0
+    return 8 * plan.max_batch * plan.blocks_per_seq + 36 * plan.num_blocks + 64 * plan.max_batch
+
+
+def host_memory() -> int:
+    """This machine's RAM in bytes (a very large number where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 class CompiledFolder:
@@ -431,6 +442,15 @@ def _check_plan(plan: SplitPlan, where: str) -> None:
         raise FolderError(f"{where}: dtype {plan.dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
     if plan.hidden_size < 1 or plan.max_batch < 0 or plan.max_len < 0 or plan.state_slots < 0:
         raise FolderError(f"{where}: hidden_size must be positive and max_batch, max_len, state_slots not negative")
+    if plan.block_size < 0 or plan.num_blocks < 0:
+        raise FolderError(f"{where}: block_size and num_blocks must not be negative")
+    host = scheduler_bytes(plan)
+    if host > host_memory():
+        from ppsplit.core.plan import fmt_bytes
+
+        raise FolderError(f"{where}: its cache ({plan.max_batch} sequences of {plan.max_len} tokens, {plan.num_blocks} "
+                          f"blocks) makes the scheduler keep {fmt_bytes(host)} on the host, more than this machine has "
+                          f"({fmt_bytes(host_memory())}); compile the folder again with a smaller cache")
     for c in plan.carries:
         if c.dtype not in DTYPES or c.width < 1 or any(s < 1 for s in c.shape) or c.token_dim < 1:
             raise FolderError(f"{where}: carried value {c.name!r} has an impossible layout")

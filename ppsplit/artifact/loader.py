@@ -8,12 +8,11 @@ it reaches Python's compiler (``ppsplit.artifact.program``).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 from torch import fx
 
-from ppsplit.artifact.folder import CompiledFolder, FolderError, StageProgram, stage_memory
+from ppsplit.artifact.folder import CompiledFolder, FolderError, StageProgram, host_memory, stage_memory
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.fx_utils import copy_buffer_persistence, set_tensor
 from ppsplit.core.options import StageOptions
@@ -42,10 +41,7 @@ def device_memory(device: torch.device) -> int:
     """The bytes ``device`` has: this machine's RAM for the CPU, the GPU's own memory for a CUDA device."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device.index or 0).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system: no bound known
-        return 1 << 62
+    return host_memory()
 
 
 def largest_memory() -> int:

@@ -208,7 +208,11 @@ def cmd_inspect(args) -> int:
     folder = CompiledFolder(args.folder)
     programs = folder.check()  # exactly what load checks before it reads a tensor
     memory = folder.memory(programs)
-    tokenizer = check_tokenizer(args.folder) if has_tokenizer(args.folder) else "tokenizer: none (token ids only)"
+    tokenizer = "tokenizer: none (token ids only)"
+    if has_tokenizer(args.folder):  # rendered and tokenised within the budget serve gives a request by default
+        from ppsplit.serve.openai_api import default_max_request_bytes, prompt_budget
+
+        tokenizer = check_tokenizer(args.folder, prompt_budget(default_max_request_bytes(folder.plan.max_len)))
     plan, manifest = folder.plan, folder.manifest
     print(plan.describe())
     defaults = {"fuse_projections": "default (on CUDA)", "fuse_pointwise": "default (on CUDA unless compiled)"}

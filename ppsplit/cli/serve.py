@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body; larger ones are answered 413 (default: 64 bytes per token of the "
                         "context length, at least 1 MiB)")
-    p.add_argument("--prompt-timeout", type=float, default=10.0,
+    p.add_argument("--prompt-timeout", type=float, default=None,
                    help="seconds a request's chat template and tokenizer may take; longer is a 400 (default: 10)")
 
 
@@ -38,10 +38,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     _require_serve_dependencies()
     from ppsplit.artifact.folder import CompiledFolder
-    from ppsplit.artifact.sandbox import Budget
     from ppsplit.artifact.tokenizer import FolderTokenizer, check_tokenizer, has_tokenizer
     from ppsplit.serve.loop import EngineLoop
-    from ppsplit.serve.server import Server, bind, default_max_request_bytes, model_name, run
+    from ppsplit.serve.openai_api import default_max_request_bytes, prompt_budget
+    from ppsplit.serve.server import Server, bind, model_name, run
 
     if args.max_queue < 1:
         raise ConfigError(f"--max-queue must be >= 1, but got {args.max_queue}")
@@ -56,7 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           "checkpoint folder that has one (the demo has one)")
     plan = CompiledFolder(args.folder).plan  # checks the folder before any process starts
     max_request = args.max_request_bytes or default_max_request_bytes(plan.max_len)
-    budget = Budget(seconds=args.prompt_timeout, max_chars=4 * max_request, workers=4)
+    budget = prompt_budget(max_request, args.prompt_timeout)
     logging.getLogger("ppsplit").info("%s", check_tokenizer(args.folder, budget))  # as inspect checks it
     if args.ranks != 1 and args.ranks != plan.pp:
         raise ConfigError(f"--ranks must be 1 or the folder's {plan.pp} stages (one process per stage), but got "

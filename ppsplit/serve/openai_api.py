@@ -11,6 +11,7 @@ import json
 import time
 from dataclasses import dataclass
 
+from ppsplit.artifact.sandbox import Budget
 from ppsplit.core.errors import ConfigError
 from ppsplit.serve.sampling import SamplingParams
 
@@ -20,6 +21,23 @@ COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 MAX_STOP = 4
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a seed travels between ranks as an int64 (vLLM's bounds too)
+MIN_REQUEST_BYTES = 1 << 20
+REQUEST_BYTES_PER_TOKEN = 64
+PROMPT_SECONDS = 10.0  # what a request's chat template and tokenizer may take (--prompt-timeout)
+PROMPT_WORKERS = 4  # processes that render and tokenise requests in parallel
+
+
+def default_max_request_bytes(max_len: int) -> int:
+    """The body size a server over a ``max_len``-token cache admits: 64 bytes a token of context (room for JSON
+    escapes and token-id lists), at least 1 MiB."""
+    return max(MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * max_len)
+
+
+def prompt_budget(max_request_bytes: int, seconds: float | None = None) -> Budget:
+    """What rendering and tokenising one request may take: ``seconds`` (default ``PROMPT_SECONDS``), and a rendered
+    prompt of at most 4 characters per byte the request may hold (more than its messages could fill: the rest would
+    be the template's own output). ``ppsplit inspect`` checks a folder's template within the same budget."""
+    return Budget(seconds=seconds or PROMPT_SECONDS, max_chars=4 * max_request_bytes, workers=PROMPT_WORKERS)
 
 
 class ApiError(Exception):

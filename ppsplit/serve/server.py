@@ -32,7 +32,8 @@ from starlette.responses import StreamingResponse
 from ppsplit.core.errors import ConfigError
 from ppsplit.serve.detokenize import TextStream
 from ppsplit.serve.loop import EngineLoop, QueueFull
-from ppsplit.serve.openai_api import (ApiError, chunk_body, completion_body, now, parse, read_json, sse, usage)
+from ppsplit.serve.openai_api import (ApiError, chunk_body, completion_body, default_max_request_bytes, now, parse,
+                                      read_json, sse, usage)
 
 log = logging.getLogger("ppsplit")
 
@@ -49,16 +50,6 @@ class _Events:
 
     async def get(self):
         return await self.queue.get()
-
-
-MIN_REQUEST_BYTES = 1 << 20
-REQUEST_BYTES_PER_TOKEN = 64
-
-
-def default_max_request_bytes(max_len: int) -> int:
-    """The body size a server over a ``max_len``-token cache admits: 64 bytes a token of context (room for JSON
-    escapes and token-id lists), at least 1 MiB."""
-    return max(MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * max_len)
 
 
 class Server:
