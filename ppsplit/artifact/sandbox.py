@@ -125,12 +125,13 @@ class _Child:
 
     def __init__(self, setup: dict, budget: Budget):
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above ppsplit/
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-                   TOKENIZERS_PARALLELISM="false", RAYON_NUM_THREADS="1", OMP_NUM_THREADS="1",
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", RAYON_NUM_THREADS="1", OMP_NUM_THREADS="1",
                    MALLOC_ARENA_MAX="2", RUST_BACKTRACE="0", PPSPLIT_SANDBOX_MEMORY=str(int(budget.max_memory)))
-        # stderr goes nowhere: a panicking tokenizer writes there, and the parent reports every failure itself.
-        self.proc = subprocess.Popen([sys.executable, "-m", "ppsplit.artifact.sandbox"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, close_fds=True)
+        # This very ppsplit, whatever the working folder holds; stderr goes nowhere (a panicking tokenizer writes
+        # there, and the parent reports every failure itself).
+        boot = f"import sys; sys.path.insert(0, {root!r}); from ppsplit.artifact.sandbox import main; main()"
+        self.proc = subprocess.Popen([sys.executable, "-c", boot], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=env, close_fds=True)
         try:
             ready = self.ask(setup, _START_S, what="starting the tokenizer process")
         except BaseException:
@@ -150,8 +151,8 @@ class _Child:
             self.proc.stdin.flush()
             size = _HEADER.unpack(self._read(_HEADER.size, deadline, what, seconds))[0]
             return json.loads(self._read(size, deadline, what, seconds))
-        except (BrokenPipeError, ConnectionError, OSError) as e:
-            raise BudgetError(f"{what} failed: the tokenizer process died ({self._death()}; {e})") from None
+        except (BrokenPipeError, ConnectionError, OSError):
+            raise BudgetError(f"{what} failed: the tokenizer process died ({self._death()})") from None
 
     def _read(self, n: int, deadline: float, what: str, seconds: float) -> bytes:
         out, fd = bytearray(), self.proc.stdout.fileno()
@@ -363,6 +364,8 @@ def main() -> None:
             reply = {"error": str(e)}
         except MemoryError:
             reply = {"error": "the chat template or tokenizer ran out of memory (its process's limit)"}
+        except Exception as e:  # jinja2 missing, a malformed message: this call fails, the process goes on
+            reply = {"error": f"the tokenizer process failed ({_line(e)})"}
         _send(stdout, reply)
 
 

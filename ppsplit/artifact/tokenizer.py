@@ -42,6 +42,7 @@ class FolderTokenizer:
     def __init__(self, folder: str, budget: Budget | None = None):
         from tokenizers import Tokenizer
 
+        self.folder = folder
         path = os.path.join(folder, TOKENIZER)
         if not os.path.lexists(path):
             raise FolderError(f"{folder} has no {TOKENIZER}; pass token ids instead, or compile from a checkpoint "
@@ -65,20 +66,13 @@ class FolderTokenizer:
         self.eos_token_ids = tuple(i for i in eos if isinstance(i, int) and not isinstance(i, bool))
         self.vocab_size = self.backend.get_vocab_size()
         self.budget = budget or Budget()
-        self._text = text
-        self._sandbox: Sandbox | None = None
-
-    @property
-    def sandbox(self) -> Sandbox:
-        """The child processes that render and encode (started at the first call)."""
-        if self._sandbox is None:
-            self._sandbox = Sandbox({"tokenizer": self._text, "template": self.chat_template, "specials": self.tokens,
-                                     "add_bos": self.add_bos}, self.budget)
-        return self._sandbox
+        # The child processes that render and encode (each started at the first call that needs it).
+        self.sandbox = Sandbox({"tokenizer": text, "template": self.chat_template, "specials": self.tokens,
+                                "add_bos": self.add_bos}, self.budget)
 
     def close(self) -> None:
-        if self._sandbox is not None:
-            self._sandbox.close()
+        """End the child processes now (they also end when this object is collected, or the process exits)."""
+        self.sandbox.close()
 
     def token_id(self, token: str | None) -> int | None:
         return self.backend.token_to_id(token) if token else None
@@ -118,26 +112,31 @@ class FolderTokenizer:
                               "prompt (it rewrites earlier turns); pass token ids instead")
         return self.encode(prompt, add_special_tokens=False), self.encode(full[len(prompt):], add_special_tokens=False)
 
+    def check(self) -> str:
+        """Tokenise a sample text and, if there is a chat template, render and tokenise ``SAMPLE_CONVERSATION``
+        within the budget, as serving would (``ppsplit inspect``, ``ppsplit serve`` at start): one line saying what
+        was checked, or one ``FolderError``."""
+        try:
+            self.encode("Hello world")
+            line = f"tokenizer: {self.vocab_size:,} tokens, end-of-sequence ids {list(self.eos_token_ids)}"
+            if self.chat_template is None:
+                return line + "; no chat template"
+            prompt = self.encode_chat(list(SAMPLE_CONVERSATION), add_generation_prompt=True)
+        except BudgetError as e:
+            raise FolderError(f"{self.folder}: {e}; fix or remove the folder's chat template / tokenizer.json") from None
+        return line + (f"; the chat template renders a one-turn sample to {len(prompt)} tokens (budget: "
+                       f"{self.budget.seconds:g} s, {self.budget.max_chars:,} characters)")
+
     def _need_template(self) -> None:
         if self.chat_template is None:
             raise FolderError("the folder's tokenizer has no chat template; send a completion prompt instead")
 
 
 def check_tokenizer(folder: str, budget: Budget | None = None) -> str:
-    """Load ``folder``'s tokenizer, tokenise a sample text and, if it has a chat template, render and tokenise
-    ``SAMPLE_CONVERSATION`` within ``budget``, as serving would; one line saying what was checked, or one
-    ``FolderError``."""
+    """``FolderTokenizer(folder, budget).check()``, its processes ended afterwards."""
     tok = FolderTokenizer(folder, budget)
     try:
-        tok.encode("Hello world")
-        line = f"tokenizer: {tok.vocab_size:,} tokens, end-of-sequence ids {list(tok.eos_token_ids)}"
-        if tok.chat_template is None:
-            return line + "; no chat template"
-        prompt = tok.encode_chat(list(SAMPLE_CONVERSATION), add_generation_prompt=True)
-        return line + (f"; the chat template renders a one-turn sample to {len(prompt)} tokens (budget: "
-                       f"{tok.budget.seconds:g} s, {tok.budget.max_chars:,} characters)")
-    except BudgetError as e:
-        raise FolderError(f"{folder}: {e}; fix or remove the folder's chat template / tokenizer.json") from None
+        return tok.check()
     finally:
         tok.close()
 

@@ -33,15 +33,12 @@ def add_parser(sub) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import ppsplit
     from ppsplit.core.errors import ConfigError
 
     _require_serve_dependencies()
     from ppsplit.artifact.folder import CompiledFolder
-    from ppsplit.artifact.tokenizer import FolderTokenizer, check_tokenizer, has_tokenizer
-    from ppsplit.serve.loop import EngineLoop
+    from ppsplit.artifact.tokenizer import FolderTokenizer, has_tokenizer
     from ppsplit.serve.openai_api import default_max_request_bytes, prompt_budget
-    from ppsplit.serve.server import Server, bind, model_name, run
 
     if args.max_queue < 1:
         raise ConfigError(f"--max-queue must be >= 1, but got {args.max_queue}")
@@ -55,13 +52,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.folder} has no tokenizer (tokenizer.json), which serving text needs; compile from a "
                           "checkpoint folder that has one (the demo has one)")
     plan = CompiledFolder(args.folder).plan  # checks the folder before any process starts
-    max_request = args.max_request_bytes or default_max_request_bytes(plan.max_len)
-    budget = prompt_budget(max_request, args.prompt_timeout)
-    logging.getLogger("ppsplit").info("%s", check_tokenizer(args.folder, budget))  # as inspect checks it
     if args.ranks != 1 and args.ranks != plan.pp:
         raise ConfigError(f"--ranks must be 1 or the folder's {plan.pp} stages (one process per stage), but got "
                           f"{args.ranks}")
     _check_servable(plan, args)
+    max_request = args.max_request_bytes or default_max_request_bytes(plan.max_len)
+    tokenizer = FolderTokenizer(args.folder, prompt_budget(max_request, args.prompt_timeout))
+    try:
+        logging.getLogger("ppsplit").info("%s", tokenizer.check())  # as inspect checks it, before anything loads
+        return _serve(args, tokenizer, max_request)
+    finally:
+        tokenizer.close()
+
+
+def _serve(args, tokenizer, max_request: int) -> int:
+    """Bind, load, serve until SIGTERM or a failure; the exit code."""
+    import ppsplit
+    from ppsplit.serve.loop import EngineLoop
+    from ppsplit.serve.server import Server, bind, model_name, run
+
     sock = bind(args.host, args.port)  # a taken port fails before the model loads
     watcher = None
     if args.ranks > 1:
@@ -74,15 +83,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         watcher.on_failure = loop.fail
     else:
         loop = EngineLoop(_engine(ppsplit.load(args.folder), args), max_queue=args.max_queue)
-    tokenizer = FolderTokenizer(args.folder, budget)
     server = Server(loop.start(), tokenizer, args.served_model_name or model_name(args.folder),
                     loop.engine.scheduler.layout.max_len, loop.engine.scheduler.k, max_request_bytes=max_request)
     if watcher is not None:
         watcher.on_failure = server.fail
-    try:
-        code = run(server, sock)
-    finally:
-        tokenizer.close()
+    code = run(server, sock)
     if watcher is not None:
         code = code or watcher.finish()
     return code

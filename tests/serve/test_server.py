@@ -355,6 +355,12 @@ def test_bad_chat_requests_and_the_client_error_then_serving_goes_on(live, oracl
     assert status == 400 and data["error"]["param"] == "messages[0]"
     status, data = live.post("/v1/chat/completions", {"model": MODEL, "prompt": "x"})
     assert status == 400 and data["error"]["param"] == "prompt"
+    status, data = live.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x",
+                                                                                       "name": 5}]})
+    assert status == 400 and data["error"]["param"] == "messages[0].name"
+    status, data = live.post("/v1/chat/completions", b'{"model": "demo-serve", "messages": [{"role": "user", '
+                                                     b'"content": "\\ud83dx"}]}')
+    assert status == 400 and data["error"]["param"] == "messages" and "lone surrogate" in data["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="top_k must be"):
         live.client.completions.create(model=MODEL, prompt="a", extra_body={"top_k": -5})
     outputs, tok = oracle
@@ -426,7 +432,7 @@ def test_ranks_2_gives_the_same_outputs_and_a_dead_rank_ends_the_server(folder, 
         conn, response = _open_stream(server, max_tokens=MAX_LEN - 10)
         os.kill(follower, signal.SIGKILL)
         events = [line[6:] for line in response.read().split(b"\n") if line.startswith(b"data: ")]
-        assert json.loads(events[-2])["error"]["code"] == "engine_failed" and events[-1] == b"[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "engine_failed" and events[-1] == b"[DONE]", events[-3:]
         assert server.proc.wait(60) == 1
         assert any("rank 1" in line for line in server.lines), "".join(server.lines)
     finally:
