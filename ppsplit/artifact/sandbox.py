@@ -132,6 +132,8 @@ class _Child:
         boot = f"import sys; sys.path.insert(0, {root!r}); from ppsplit.artifact.sandbox import main; main()"
         self.proc = subprocess.Popen([sys.executable, "-c", boot], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=env, close_fds=True)
+        self.ready = select.poll()  # not select(): a server's descriptors pass FD_SETSIZE
+        self.ready.register(self.proc.stdout.fileno(), select.POLLIN)
         try:
             ready = self.ask(setup, _START_S, what="starting the tokenizer process")
         except BaseException:
@@ -158,7 +160,7 @@ class _Child:
         out, fd = bytearray(), self.proc.stdout.fileno()
         while len(out) < n:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not self.ready.poll(max(1, int(left * 1000))):
                 raise BudgetError(f"{what} took longer than {seconds:g} s, its time limit; it was stopped")
             chunk = os.read(fd, n - len(out))
             if not chunk:
@@ -342,6 +344,12 @@ def _watch_parent() -> None:
 
 
 def main() -> None:
+    import signal
+
+    # Ctrl-C or SIGTERM to the process group is the parent's to handle (it drains): a child ends when its input
+    # closes, or its parent is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _limit_memory()
     _watch_parent()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer

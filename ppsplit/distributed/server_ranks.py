@@ -97,7 +97,8 @@ class Watcher(threading.Thread):
         while not self.released.wait(0.2):
             for rank, child in enumerate(self.children, start=1):
                 code = child.poll()
-                message = None
+                if code == 0:  # rank 0 closed the job and this rank followed
+                    continue
                 if code is not None:
                     message = f"rank {rank} exited with code {code}"
                 else:
