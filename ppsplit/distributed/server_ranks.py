@@ -24,6 +24,8 @@ import sys
 import threading
 import time
 
+from ppsplit.serve.scheduler import DEFAULT_BUDGET
+
 log = logging.getLogger("ppsplit")
 DEFAULT_RANK_TIMEOUT = 86400.0
 DEFAULT_STALL_TIMEOUT = 60.0
@@ -34,8 +36,8 @@ def beat_period(stall_timeout: float) -> float:
 
 
 def engine_options(args) -> dict:
-    return {"num_draft_tokens": args.num_draft_tokens or 0, "max_num_batched_tokens": args.max_num_batched_tokens or 256,
-            "max_num_seqs": args.max_num_seqs}
+    return {"num_draft_tokens": args.num_draft_tokens or 0,
+            "max_num_batched_tokens": args.max_num_batched_tokens or DEFAULT_BUDGET, "max_num_seqs": args.max_num_seqs, "cuda_graphs": not args.enforce_eager}
 
 
 def _free_port() -> int:
@@ -61,7 +63,8 @@ def start(args, world: int):
     port = _free_port()
     stall = getattr(args, "rank_stall_timeout", None) or DEFAULT_STALL_TIMEOUT
     argv = [args.folder, "--timeout", str(args.rank_timeout), "--max-num-batched-tokens",
-            str(engine_options(args)["max_num_batched_tokens"]), "--heartbeat", str(beat_period(stall))]
+            str(engine_options(args)["max_num_batched_tokens"]), "--device", args.device,
+            "--heartbeat", str(beat_period(stall))] + (["--enforce-eager"] if args.enforce_eager else [])
     for flag, value in (("-k", args.num_draft_tokens), ("--max-num-seqs", args.max_num_seqs)):
         if value is not None:
             argv += [flag, str(value)]
@@ -74,7 +77,7 @@ def start(args, world: int):
     watcher = Watcher(children, stall)
     watcher.start()  # a child that fails while the group forms would leave rank 0 waiting: end the server then
     try:
-        ppd.init(timeout=args.rank_timeout)
+        ppd.init(ppd.backend_for(args.device), timeout=args.rank_timeout)
         engine = ppd.PipelineEngine(args.folder, **engine_options(args))
     except BaseException:  # the same ConfigError is raised on every rank: rank 0 reports it, the children end
         watcher.released.set()
@@ -161,6 +164,8 @@ def follower_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--heartbeat", type=float, default=beat_period(DEFAULT_STALL_TIMEOUT))
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     from ppsplit import distributed as ppd
@@ -168,7 +173,7 @@ def follower_main(argv: list[str] | None = None) -> int:
     from ppsplit.distributed.transport import Heartbeat
 
     try:
-        ppd.init(timeout=args.timeout)
+        ppd.init(ppd.backend_for(args.device), timeout=args.timeout)
         Heartbeat(int(os.environ["RANK"]), args.heartbeat).start()
         ppd.PipelineEngine(args.folder, **engine_options(args)).follow()
         code = 0
