@@ -399,13 +399,16 @@ FILE_CASES = {  # (file, what it becomes) -> what the one-line error says
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
 @pytest.mark.parametrize("name,kind", sorted(FILE_CASES), ids=[f"{n}-{k}" for n, k in sorted(FILE_CASES)])
-def test_pipes_devices_and_links_leading_out_are_refused_in_one_line(compiled, tmp_path, capsys, name, kind):
-    folder = copy_folder(compiled, str(tmp_path / "f"))
+def test_pipes_devices_and_links_leading_out_are_refused_in_one_line(with_tokenizer, tmp_path, capsys, name, kind):
+    folder = copy_folder(with_tokenizer, str(tmp_path / "f"))  # with a tokenizer, so that serve gets to the files
     outside = str(tmp_path / "outside")
     os.makedirs(outside)
     replace(folder, name, kind, outside)
     says = FILE_CASES[name, kind]
     assert within(30, main, ["inspect", folder]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ppsplit: error: ") and err.count("\n") == 1 and says in err, err
+    assert within(60, main, ["serve", folder, "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ppsplit: error: ") and err.count("\n") == 1 and says in err, err
     with pytest.raises(PpsplitError, match=None) as raised:
