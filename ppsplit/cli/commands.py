@@ -1,6 +1,6 @@
-"""Driver: the command line. ppsplit splits a Hugging Face decoder into pipeline stages that carry EAGLE-3 taps.
+"""ppsplit splits a Hugging Face decoder into pipeline stages that carry EAGLE-3 taps, and runs and serves them.
 
-    ppsplit compile MODEL --pp 4 --aux 2,16,29 [-o DIR]     write per-stage artifacts
+    ppsplit compile MODEL --pp 4 --aux 2,16,29 [-o DIR]     write per-stage artifacts (MODEL: also a .gguf file)
     ppsplit inspect DIR                                     check a compiled folder and print its plan
     ppsplit plan MODEL --pp 4 --aux eagle3                  print the plan only (meta device, writes nothing)
     ppsplit generate DIR --prompt-ids 1,2,3 [-k 4]          decode (speculatively with the folder's drafter)
@@ -61,7 +61,7 @@ def _main(argv: list[str] | None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from ppsplit import __version__
 
-    parser = argparse.ArgumentParser(prog="ppsplit", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+    parser = argparse.ArgumentParser(prog="ppsplit", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n")[1])
     parser.add_argument("--version", action="version", version=f"ppsplit {__version__}")
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="check a compiled folder as loading and serving would, and print its stages, "
                                        "taps and the memory loading it allocates")
-    p.add_argument("folder")
+    p.add_argument("folder", help="a folder written by ppsplit compile")
     p.add_argument("--max-memory", default=None, metavar="SIZE",
                    help="refuse a folder whose stage (or scheduler) allocates more than this, like 80GiB (default: "
                         "this machine's largest memory, its RAM or its largest GPU's)")
@@ -116,12 +116,13 @@ def _terminate(signum, frame):
 
 
 def _add_split_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="'demo', a local checkpoint folder, or a hub id (local HF cache, else downloaded)")
+    p.add_argument("model", help="'demo', a local checkpoint folder, a .gguf file (or a folder holding one), or a hub "
+                                 "id (local HF cache, else downloaded)")
     p.add_argument("--pp", type=int, required=True, help="number of pipeline stages")
     p.add_argument("--aux", default=None,
                    help="tap ids like 2,16,29, or 'eagle3' for (2, L//2, L-3) (default: no taps)")
     p.add_argument("--aux-convention", choices=("vllm", "sglang"), default="vllm",
-                   help="vllm: tap j enters layer j; sglang: the same tensor numbered j-1")
+                   help="vllm: tap j enters layer j; sglang: the same tensor numbered j-1 (default: %(default)s)")
     p.add_argument("--balance", default="layers",
                    help="layers, params, flops, time (needs real weights), memory (weights + KV cache), or explicit "
                         "counts like 8,9,9,6; every name minimises the slowest stage")

@@ -8,8 +8,9 @@ import logging
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a compiled folder over the OpenAI HTTP API (/v1/completions, "
                                      "/v1/chat/completions; needs ppsplit[serve])")
-    p.add_argument("folder")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("folder", help="a folder written by ppsplit compile, with a tokenizer")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0: every "
+                   "interface)")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the log line says which)")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
                    help="EAGLE-3 speculative decoding with K drafts per verify pass (the folder's drafter)")
@@ -51,6 +52,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         ("--rank-stall-timeout", args.rank_stall_timeout)):
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} must be positive, but got {value}")
+    from ppsplit.serve.requests import check_folder
+
+    check_folder(args.folder)
     if not has_tokenizer(args.folder):
         raise ConfigError(f"{args.folder} has no tokenizer (tokenizer.json), which serving text needs; compile from a "
                           "checkpoint folder that has one (the demo has one)")
