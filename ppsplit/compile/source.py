@@ -152,11 +152,14 @@ def _materialize(name: str, write) -> str:
     try:
         os.makedirs(tmp)
         write(tmp)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.rename(tmp, folder)
-    except BaseException:
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # there already: another process wrote it meanwhile (kept, it may be reading it), or a wreck
+            if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+                shutil.rmtree(folder, ignore_errors=True)
+                os.rename(tmp, folder)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 
