@@ -187,7 +187,7 @@ def test_speculators_drafter_through_the_engine_is_lossless(tmp_path):
 def test_trained_drafter_accepts_more_than_one_token_per_pass(tmp_path):
     """A DFlash drafter trained with the library's own model (300 Adam steps on the target's greedy continuations,
     blocks at random anchors), saved by its ``save_pretrained``: every request of a batch of 8 averages more than
-    1.5 tokens per verify pass, and the outputs stay the target's greedy ones."""
+    one token per verify pass (the batch at least 2), each its own acceptance, and the outputs stay greedy."""
     model, graph = small()
     lib = zlab_drafter(tmp_path / "z", 32, seed=2, scale=0.02)
     g = torch.Generator().manual_seed(0)
@@ -222,7 +222,13 @@ def test_trained_drafter_accepts_more_than_one_token_per_pass(tmp_path):
         greedy = model.generate(prompts, max_new_tokens=24, do_sample=False)[:, 4:].tolist()
     assert [o.token_ids for o in outs] == greedy
     lengths = [o.mean_acceptance_length for o in outs]
-    assert min(lengths) > 1.5, lengths
+    print(f"trained DFlash drafter, block {BLOCK}, batch of 8: tokens per verify pass {[round(x, 2) for x in lengths]}"
+          f", mean {sum(lengths) / len(lengths):.2f}")
+    assert min(lengths) > 1.0 and sum(lengths) / len(lengths) >= 2.0, lengths
+    # each request's acceptance in the batch is the one it gets alone (no batch-minimum rule)
+    alone = Engine(split, drafter=drafter, num_draft_tokens=BLOCK - 1).generate([prompts[0]],
+                                                                                SamplingParams(max_tokens=24))
+    assert alone[0].accepted == outs[0].accepted
 
 
 # -- refusals: one line, before anything loads ----------------------------------------------------------------------
