@@ -294,3 +294,25 @@ def build_dflash(cfg: dict, tensors: dict, plan, embed: torch.Tensor, head: torc
         setattr(drafter, name, table.detach() if same else table.detach().to(device=device, dtype=dtype))
     drafter.inv_freq, drafter.rope_scale = inv_freq.to(device), rope_scale
     return drafter.eval()
+
+
+@torch.no_grad()
+def block_agreement(split, drafter: DFlashDrafter, ids: torch.Tensor, start: int = 1) -> tuple[int, int]:
+    """Teacher-forced first-draft agreement on ``ids [B, T]``: how often the block anchored at position ``a`` (the
+    context: the target's taps of positions ``< a``; the block: ``ids[a]``, then masks) drafts the target's own
+    greedy token ``ids[a + 1]`` first (for ``a >= start``). Returns ``(agreeing, total)``; a drafter read under the
+    wrong tap numbering scores near zero."""
+    batch, tokens = ids.shape
+    last = drafter.fc.weight.device
+    _, aux = split(ids, torch.arange(tokens, device=ids.device))
+    aux, ids = aux.to(last), ids.to(last)
+    width = drafter.block_size
+    masks = torch.full((width - 1,), drafter.mask_token_id, dtype=torch.long, device=last)
+    agree = total = 0
+    for b in range(batch):
+        for a in range(max(start, 1), tokens - 1):
+            logits = drafter(aux[:, b, :a], torch.cat([ids[b, a:a + 1], masks]), torch.arange(a, device=last),
+                             torch.arange(a, a + width, device=last))
+            agree += int(drafter.target_ids[logits[1].argmax()] == ids[b, a + 1])
+            total += 1
+    return agree, total

@@ -18,8 +18,8 @@ import os
 
 import torch
 
-from ppsplit.core.drafter_config import (DRAFTER_KEYS, FORMAT_NUMBERING, aux_ids, detect_format, drafter_config,
-                                         is_dflash)
+from ppsplit.core.drafter_config import (DRAFTER_KEYS, FORMAT_NUMBERING, aux_ids, detect_format, dflash_drafter_config,
+                                         drafter_config, is_dflash)
 from ppsplit.eagle3.drafter import Eagle3Drafter
 from ppsplit.core.errors import ConfigError
 from ppsplit.artifact.folder import DRAFTER, FolderError, check_drafter
@@ -42,6 +42,9 @@ def drafter_taps(cfg: dict, num_layers: int, aux_convention: str | None = None) 
     """
     if "ppsplit_taps" in cfg:
         return tuple(cfg["ppsplit_taps"])
+    if is_dflash(cfg):
+        _, _, ids, numbering = dflash_drafter_config(cfg)
+        return to_taps(ids, aux_convention or numbering, num_layers, what="DFlash drafter tap id")
     if aux_convention is None:
         aux_convention = FORMAT_NUMBERING[detect_format(cfg)]
     if aux_convention not in TAP_NUMBERINGS:

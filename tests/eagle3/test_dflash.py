@@ -1,6 +1,6 @@
 """DFlash (block diffusion) drafters on the last stage: folders written by the libraries' own save functions (z-lab's
 ``dflash`` package, speculators' ``dflash``), logits equal to the libraries' own forward on the same weights and
-inputs, greedy output and per-step acceptance equal to ``dflash_generate`` and Hugging Face greedy at pp 1 and 2, a
+inputs, greedy output and per-step acceptance equal to ``dflash_generate`` and Hugging Face greedy at pp 1, 2, 3, a
 drafter trained here, and every refusal in one line."""
 import json
 import time
@@ -143,7 +143,7 @@ def test_speculators_folder_drafts_like_the_library(tmp_path):
 
 
 # -- through the engine: lossless, and the library's acceptance step by step ----------------------------------------
-@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("pp", [1, 2, 3])
 def test_engine_equals_greedy_and_dflash_generate(pp, tmp_path, monkeypatch):
     """Four requests batched: each output equals Hugging Face greedy and ``dflash_generate``'s, and the tokens each
     verify pass produced (accepted + 1) equal ``dflash_generate``'s acceptance lengths, step by step."""
@@ -184,11 +184,12 @@ def test_speculators_drafter_through_the_engine_is_lossless(tmp_path):
 
 
 # -- a drafter trained here accepts ---------------------------------------------------------------------------------
-def test_trained_drafter_accepts_more_than_one_token_per_pass(tmp_path):
-    """A DFlash drafter trained with the library's own model (300 Adam steps on the target's greedy continuations,
-    blocks at random anchors), saved by its ``save_pretrained``: every request of a batch of 8 averages more than
-    one token per verify pass (the batch at least 2), each its own acceptance, and the outputs stay greedy."""
-    model, graph = small()
+@pytest.fixture(scope="module")
+def trained_dflash(tmp_path_factory):
+    """A DFlash drafter trained with the library's own model (300 Adam steps on the 32-token target's greedy
+    continuations, blocks at random anchors), saved by its ``save_pretrained``: ``(target, folder, tmp dir)``."""
+    tmp_path = tmp_path_factory.mktemp("dflash")
+    model, _ = small()
     lib = zlab_drafter(tmp_path / "z", 32, seed=2, scale=0.02)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -213,9 +214,17 @@ def test_trained_drafter_accepts_more_than_one_token_per_pass(tmp_path):
         opt.step()
     lib.eval()
     lib.save_pretrained(str(tmp_path / "trained"))
+    return model, str(tmp_path / "trained"), tmp_path
+
+
+def test_trained_drafter_accepts_more_than_one_token_per_pass(trained_dflash):
+    """Every request of a batch of 8 averages more than one token per verify pass (the batch at least 2), each gets
+    its own acceptance, and the outputs stay the target's greedy ones."""
+    model, folder, _ = trained_dflash
+    _, graph = small()
     split = ppsplit.split_model(graph, 2, aux=TAPS)
-    drafter = ppsplit.load_drafter(str(tmp_path / "trained"), split=split)
-    prompts = torch.randint(3, 32, (8, 4), generator=g)
+    drafter = ppsplit.load_drafter(folder, split=split)
+    prompts = torch.randint(3, 32, (8, 4), generator=torch.Generator().manual_seed(5))
     outs = Engine(split, drafter=drafter, num_draft_tokens=BLOCK - 1).generate(list(prompts),
                                                                                SamplingParams(max_tokens=24))
     with torch.no_grad():
@@ -229,6 +238,19 @@ def test_trained_drafter_accepts_more_than_one_token_per_pass(tmp_path):
     alone = Engine(split, drafter=drafter, num_draft_tokens=BLOCK - 1).generate([prompts[0]],
                                                                                 SamplingParams(max_tokens=24))
     assert alone[0].accepted == outs[0].accepted
+
+
+def test_check_drafter_tells_the_dflash_numbering(trained_dflash, capsys):
+    """``ppsplit check-drafter`` scores the trained drafter's blocks under both numberings: z-lab's ids are layer
+    outputs, so the +1 reading (sglang) fits and the as-written one does not."""
+    from ppsplit.cli import main
+
+    model, folder, tmp_path = trained_dflash
+    model.save_pretrained(str(tmp_path / "target"))
+    capsys.readouterr()
+    assert main(["check-drafter", str(tmp_path / "target"), folder, "--prompts", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "fits: sglang" in printed and "taps 1,3,4" in printed and "taps 0,2,3" in printed, printed
 
 
 # -- refusals: one line, before anything loads ----------------------------------------------------------------------
