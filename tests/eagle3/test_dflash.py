@@ -240,17 +240,37 @@ def test_trained_drafter_accepts_more_than_one_token_per_pass(trained_dflash):
     assert alone[0].accepted == outs[0].accepted
 
 
-def test_check_drafter_tells_the_dflash_numbering(trained_dflash, capsys):
-    """``ppsplit check-drafter`` scores the trained drafter's blocks under both numberings: z-lab's ids are layer
-    outputs, so the +1 reading (sglang) fits and the as-written one does not."""
+def test_block_agreement_and_check_drafter(trained_dflash, capsys):
+    """``block_agreement`` (what ``ppsplit check-drafter`` scores a DFlash drafter by) counts exactly the blocks whose
+    first draft the library's own forward gets right on the same sequences; the CLI scores both numberings."""
     from ppsplit.cli import main
+    from ppsplit.eagle3.dflash import block_agreement
 
     model, folder, tmp_path = trained_dflash
+    _, graph = small()
+    split = ppsplit.split_model(graph, 1, aux=TAPS)
+    drafter = ppsplit.load_drafter(folder, split=split)
+    lib = dflash.DFlashDraftModel.from_pretrained(folder).eval()
+    with torch.no_grad():
+        seqs = model.generate(torch.randint(3, 32, (2, 4), generator=torch.Generator().manual_seed(6)),
+                              max_new_tokens=12, do_sample=False)
+        feats = dflash.extract_context_feature(model(seqs, output_hidden_states=True).hidden_states, ZLAB_IDS)
+        hits = 0
+        for b in range(2):
+            for a in range(4, seqs.shape[1] - 1):
+                block = torch.cat([seqs[b, a:a + 1], torch.full((BLOCK - 1,), MASK)])
+                hidden = lib(position_ids=torch.arange(a + BLOCK)[None], target_hidden=feats[b:b + 1, :a],
+                             noise_embedding=model.get_input_embeddings()(block)[None])
+                hits += int(lib.compute_logits(hidden, model.lm_head)[0, 1].argmax() == seqs[b, a + 1])
+    assert block_agreement(split, drafter, seqs, start=4) == (hits, 2 * (seqs.shape[1] - 5))
+    assert hits > 0
+
     model.save_pretrained(str(tmp_path / "target"))
     capsys.readouterr()
     assert main(["check-drafter", str(tmp_path / "target"), folder, "--prompts", "3"]) == 0
     printed = capsys.readouterr().out
-    assert "fits: sglang" in printed and "taps 1,3,4" in printed and "taps 0,2,3" in printed, printed
+    assert "sglang: taps 1,3,4  first-draft agreement" in printed and "vllm: taps 0,2,3  first-draft agreement" \
+        in printed, printed
 
 
 # -- refusals: one line, before anything loads ----------------------------------------------------------------------
