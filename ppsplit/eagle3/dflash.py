@@ -98,6 +98,48 @@ class DFlashDrafter(nn.Module):
     def target_ids(self) -> torch.Tensor:
         return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
 
+    def save(self, folder: str, verifier: str | None = None) -> str:
+        """Write the drafter in speculators' ``dflash`` layout (what vLLM loads): ``config.json`` as speculators'
+        ``save_pretrained`` writes it, tap ids in vLLM's numbering (ppsplit's), ``model.safetensors`` without the
+        target's embedding and head. ``verifier``: the target's hub id or folder, recorded in the config."""
+        import json
+        import os
+
+        from safetensors.torch import save_file
+
+        for key, plain in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", 0.0)):
+            if self.cfg[key] != plain:
+                raise ConfigError(f"speculators' dflash layout cannot express {key} = {self.cfg[key]}; this drafter "
+                                  "can only be kept in its own folder")
+        cfg = self.cfg
+        layer = {"model_type": "qwen3", "num_hidden_layers": len(self.layers), "layer_types":
+                 ["full_attention"] * len(self.layers), **{k: cfg[k] for k in (
+                     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "hidden_act", "rms_norm_eps", "vocab_size", "attention_bias")}, **cfg["rope"]}
+        out = {"architectures": ["DFlashDraftModel"], "speculators_model_type": "dflash",
+               "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
+                                      "proposal_methods": [{"proposal_type": "greedy",
+                                                            "speculative_tokens": self.block_size - 1,
+                                                            "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                                      "verifier": {"name_or_path": verifier, "architectures": []}},
+               "transformer_layer_config": layer, "draft_vocab_size": cfg["draft_vocab_size"],
+               "block_size": self.block_size, "mask_token_id": self.mask_token_id,
+               "aux_hidden_state_layer_ids": list(self.taps), "sample_from_anchor": False,
+               "sliding_window_non_causal": False, "tie_word_embeddings": False,
+               "target_hidden_size": None if self.target_hidden_size == self.hidden_size else self.target_hidden_size}
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.lm_head is None:  # a full vocabulary: speculators keeps no mapping and reloads the verifier's head
+            del tensors["d2t"]
+        else:
+            t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+            t2d[self.target_ids.cpu()] = True
+            tensors["t2d"] = t2d
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(out, f, indent=2)
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        return folder
+
     def allocate_paged(self, layout) -> "DFlashDrafter":
         """Give every draft layer a paged key/value cache over the target's block tables (``CacheLayout``)."""
         import ppsplit.triton_kernels.paged  # noqa: F401  (registers the paged ops)
@@ -266,6 +308,7 @@ def build_dflash(cfg: dict, tensors: dict, plan, embed: torch.Tensor, head: torc
                               "or loaded")
     d2t = draft_map(flat, tensors, vocab)
     inv_freq, rope_scale = drafter_rope(flat, rope, tensors)
+    flat["rope"] = rope  # what save() writes back
     dtype = model_dtype(plan)
     device = torch.empty(0, device=device).device
     with torch.device("meta"):

@@ -142,6 +142,40 @@ def test_speculators_folder_drafts_like_the_library(tmp_path):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("source", ["zlab", "speculators"])
+def test_save_writes_speculators_dflash_layout(source, tmp_path):
+    """``drafter.save`` writes speculators' dflash layout (what vLLM loads): speculators' own ``from_pretrained``
+    reads it back with every tensor, its modules give the same logits, and ppsplit reloads the same drafter."""
+    from speculators.models.dflash import DFlashDraftModel
+
+    model, graph = cached("qwen3")
+    if source == "zlab":
+        zlab_drafter(tmp_path / "src", 128)
+    else:
+        speculators_drafter(tmp_path / "src", model, 96)
+    split = ppsplit.split_model(graph, 1, aux=TAPS)
+    drafter = ppsplit.load_drafter(str(tmp_path / "src"), split=split)
+    drafter.save(str(tmp_path / "out"))  # no verifier: speculators would fetch it to rebuild the head
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash" and cfg["aux_hidden_state_layer_ids"] == TAPS
+    lib = DFlashDraftModel.from_pretrained(str(tmp_path / "out")).eval()
+    again = ppsplit.load_drafter(str(tmp_path / "out"), split=split)
+    torch.manual_seed(5)
+    aux, _ = taps_of(model, torch.randint(3, 128, (1, 9)))
+    block = torch.tensor([7, MASK, MASK, MASK])
+    with torch.no_grad():
+        x = model.get_input_embeddings()(block)[None]
+        ctx = lib.hidden_norm(lib.fc(torch.cat(list(aux), -1)))[None]
+        rotary = lib.rotary_emb(x, torch.arange(9 + BLOCK)[None])
+        for layer in lib.layers:
+            x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_embeddings=rotary)
+        head = lib.lm_head if drafter.lm_head is not None else model.lm_head  # full vocabulary: the verifier's head
+        ref = head(lib.norm(x))[0]
+        got = drafter(aux, block, torch.arange(9), torch.arange(9, 9 + BLOCK))
+        assert torch.equal(again(aux, block, torch.arange(9), torch.arange(9, 9 + BLOCK)), got)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
 # -- through the engine: lossless, and the library's acceptance step by step ----------------------------------------
 @pytest.mark.parametrize("pp", [1, 2, 3])
 def test_engine_equals_greedy_and_dflash_generate(pp, tmp_path, monkeypatch):
