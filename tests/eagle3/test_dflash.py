@@ -177,10 +177,12 @@ def test_save_writes_speculators_dflash_layout(source, tmp_path):
 
 
 # -- through the engine: lossless, and the library's acceptance step by step ----------------------------------------
-@pytest.mark.parametrize("pp", [1, 2, 3])
-def test_engine_equals_greedy_and_dflash_generate(pp, tmp_path, monkeypatch):
+@pytest.mark.parametrize("pp, engine_options", [(1, {}), (2, {}), (3, {}),
+                                                 (2, {"max_num_batched_tokens": 8, "async_scheduling": True})])
+def test_engine_equals_greedy_and_dflash_generate(pp, engine_options, tmp_path, monkeypatch):
     """Four requests batched: each output equals Hugging Face greedy and ``dflash_generate``'s, and the tokens each
-    verify pass produced (accepted + 1) equal ``dflash_generate``'s acceptance lengths, step by step."""
+    verify pass produced (accepted + 1) equal ``dflash_generate``'s acceptance lengths, step by step; also with
+    prompts prefilled in chunks of a small token budget beside other requests' verify windows, scheduled ahead."""
     monkeypatch.setattr(dflash, "_cuda_time", time.perf_counter)  # its timer synchronises CUDA
     model, graph = small()
     lib = zlab_drafter(tmp_path / "z", 32, seed=1, scale=0.5)
@@ -188,8 +190,8 @@ def test_engine_equals_greedy_and_dflash_generate(pp, tmp_path, monkeypatch):
     drafter = ppsplit.load_drafter(str(tmp_path / "z"), split=split)
     torch.manual_seed(3)
     prompts = torch.randint(3, 32, (4, 7))
-    outs = Engine(split, drafter=drafter, num_draft_tokens=BLOCK - 1).generate(list(prompts),
-                                                                               SamplingParams(max_tokens=30))
+    outs = Engine(split, drafter=drafter, num_draft_tokens=BLOCK - 1, **engine_options).generate(
+        list(prompts), SamplingParams(max_tokens=30))
     accepted = 0
     for prompt, out in zip(prompts, outs):
         ref = dflash.dflash_generate(lib, model, prompt[None], 30, None, return_stats=True)
