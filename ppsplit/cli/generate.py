@@ -24,7 +24,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--verifier", default=None, help="the target's hub id or folder (recorded by the speculators format)")
     p.add_argument("-o", "--out", required=True)
 
-    p = sub.add_parser("check-drafter", help="first-draft agreement of an EAGLE-3 or DFlash drafter under both tap numberings")
+    p = sub.add_parser("check-drafter",
+                       help="first-draft agreement of an EAGLE-3 or DFlash drafter under both tap numberings")
     p.add_argument("model", help="the target: 'demo', a checkpoint folder or a hub id")
     p.add_argument("drafter", help="EAGLE-3 drafter folder or hub id")
     p.add_argument("--prompts", type=int, default=4, help="number of sequences the target generates to score on")

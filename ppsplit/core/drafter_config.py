@@ -1,4 +1,5 @@
-"""What an EAGLE-3 checkpoint's ``config.json`` says, per format, as one flat drafter config (pure data, no torch).
+"""What an EAGLE-3 (or DFlash, at the end) checkpoint's ``config.json`` says, per format, as one flat drafter config
+(pure data, no torch).
 
 Formats (``detect_format``):
 
@@ -215,8 +216,6 @@ def drafter_config(cfg: dict, tensors=()) -> tuple[dict, dict, str]:
 # z-lab's folders (the ``dflash`` package's ``DFlashDraftModel``): a flat Qwen3 config plus ``dflash_config``, whose
 # keys the library also reads from the top level (``_draft_value``); tap ids are layer outputs (vLLM adds 1).
 # speculators' ``dflash``: ``transformer_layer_config`` plus top-level DFlash keys; tap ids as vLLM numbers them.
-DFLASH_KEYS = {"num_hidden_layers": int, "block_size": int, "mask_token_id": int, "input_embedding_scale": float,
-               "output_multiplier": float, "final_logit_softcapping": float}
 _DFLASH_VALUES = {"target_layer_ids", "block_size", "mask_token_id", "input_embedding_scale", "output_multiplier",
                   "final_logit_softcapping"}
 # dflash_config keys vLLM reads that must keep their plain-DFlash value (anything else is a variant ppsplit refuses).
@@ -229,17 +228,14 @@ _DFLASH_SPECULATORS_TOP = {"speculators_model_type", "speculators_config", "spec
 
 
 def is_dflash(cfg: dict) -> bool:
-    """Whether a drafter config is a DFlash one (z-lab's ``dflash_config``, speculators' ``dflash``, or a compiled
-    folder's)."""
-    return ("dflash_config" in cfg or cfg.get("speculators_model_type") == "dflash"
-            or cfg.get("ppsplit_family") == "dflash" or "DFlashDraftModel" in (cfg.get("architectures") or ()))
+    """Whether a drafter config is a DFlash one (z-lab's ``dflash_config`` or architecture, speculators' ``dflash``)."""
+    return bool("dflash_config" in cfg or cfg.get("speculators_model_type") == "dflash"
+            or {"DFlashDraftModel", "DFlash2DraftModel"} & set(cfg.get("architectures") or ()))
 
 
 def dflash_drafter_config(cfg: dict) -> tuple[dict, dict, list | None, str]:
     """``(flat config, rotary keys, tap ids or None, their numbering)`` of a DFlash drafter config. Every key is read,
     listed as inert, or refused naming it."""
-    if cfg.get("ppsplit_family") == "dflash":
-        return dict(cfg), dict(cfg.get("rope") or {}), list(cfg["ppsplit_taps"]), "vllm"
     if cfg.get("speculators_model_type") == "dflash":
         return _dflash_speculators(cfg)
     if "DFlash2DraftModel" in (cfg.get("architectures") or ()):

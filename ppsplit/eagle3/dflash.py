@@ -107,7 +107,8 @@ class DFlashDrafter(nn.Module):
 
         from safetensors.torch import save_file
 
-        for key, plain in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", 0.0)):
+        plain_values = (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", 0.0))
+        for key, plain in plain_values:
             if self.cfg[key] != plain:
                 raise ConfigError(f"speculators' dflash layout cannot express {key} = {self.cfg[key]}; this drafter "
                                   "can only be kept in its own folder")

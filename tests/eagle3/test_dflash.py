@@ -131,7 +131,7 @@ def test_speculators_folder_drafts_like_the_library(tmp_path):
     ids = torch.randint(3, 128, (1, 9))
     aux, _ = taps_of(model, ids)
     block = torch.tensor([7, MASK, MASK, MASK])
-    with torch.no_grad():  # speculators' own modules, attending as its anchor mask does (context before, block both ways)
+    with torch.no_grad():  # speculators' own modules, attending as its anchor mask does (context, block both ways)
         x = lib.embed_tokens(block)[None]
         ctx = lib.hidden_norm(lib.fc(torch.cat(list(aux), -1)))[None]
         rotary = lib.rotary_emb(x, torch.arange(9 + BLOCK)[None])
