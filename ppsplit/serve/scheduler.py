@@ -150,10 +150,10 @@ class Scheduler:
             raise ConfigError(f"token id {bad[0]} is outside the vocabulary of {self.vocab} ids (0 to {self.vocab - 1})")
         need = len(prompt) + params.max_tokens + self.lookahead
         if need > self.layout.max_len:
-            raise ConfigError(f"a prompt of {len(prompt)} tokens + max_tokens {params.max_tokens}"
-                              + (f" + {self.lookahead} draft positions" if self.lookahead else "") + f" needs {need} positions, but a "
-                              f"sequence of the cache holds {self.layout.max_len}; shorten it or compile with a larger "
-                              "--max-len")
+            ahead = f" + {self.lookahead} draft positions" if self.lookahead else ""
+            raise ConfigError(f"a prompt of {len(prompt)} tokens + max_tokens {params.max_tokens}{ahead} needs {need} "
+                              f"positions, but a sequence of the cache holds {self.layout.max_len}; shorten it or "
+                              "compile with a larger --max-len")
         if -(-need // self.layout.block_size) > self.layout.num_blocks:
             raise ConfigError(f"the request needs {-(-need // self.layout.block_size)} blocks, more than the cache's "
                               f"pool of {self.layout.num_blocks}")
