@@ -25,7 +25,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--verifier", default=None, help="the target's hub id or folder (recorded by the speculators format)")
     p.add_argument("-o", "--out", required=True, help="the drafter checkpoint folder to write")
 
-    p = sub.add_parser("check-drafter", help="first-draft agreement of an EAGLE-3 drafter under both tap numberings")
+    p = sub.add_parser("check-drafter",
+                       help="first-draft agreement of an EAGLE-3 or DFlash drafter under both tap numberings")
     p.add_argument("model", help="the target: 'demo', a checkpoint folder or a hub id")
     p.add_argument("drafter", help="EAGLE-3 drafter folder or hub id")
     p.add_argument("--prompts", type=int, default=4, help="number of sequences the target generates to score on")
@@ -77,6 +78,7 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     from ppsplit.eagle3.formats import drafter_taps, read_drafter, resolve_drafter
     from ppsplit.core.errors import ConfigError
     from ppsplit.compile.source import resolve_model
+    from ppsplit.eagle3.dflash import block_agreement
     from ppsplit.eagle3.drafter import draft_agreement
 
     if args.model == DEMO_NAME:
@@ -104,7 +106,8 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     scores = {}
     for convention in taps:
         drafter = ppsplit.load_drafter(args.drafter, split=split, aux_convention=convention)
-        agree, total = draft_agreement(split, drafter, sequences, start=seed_len)
+        score = block_agreement if getattr(drafter, "family", None) == "dflash" else draft_agreement
+        agree, total = score(split, drafter, sequences, start=seed_len)
         scores[convention] = agree / max(1, total)
         print(f"{convention:>7}: taps {','.join(map(str, taps[convention]))}  first-draft agreement "
               f"{scores[convention]:.3f} ({agree}/{total})")

@@ -81,7 +81,8 @@ class Engine:
         self.runner = runner
         budget = max_num_batched_tokens or (runner.buckets[-1] if runner.buckets else DEFAULT_BUDGET)
         self.scheduler = Scheduler(runner.layout, vocab=runner.vocab, eos=runner.eos, k=runner.k, budget=budget,
-                                   max_seqs=max_num_seqs, buckets=runner.buckets, lag=runner.lag)
+                                   max_seqs=max_num_seqs, buckets=runner.buckets, lag=runner.lag,
+                                   lookahead=getattr(runner, "lookahead", runner.k))
         self.flight: deque = deque()  # (plan, pending) of the steps launched and not read yet, oldest first
         self.steps = 0
 
