@@ -88,8 +88,10 @@ def materialize_gguf(path: str) -> str:
     def write(tmp):
         import importlib.util
 
-        if importlib.util.find_spec("gguf") is None:  # transformers' GGUF loader reads the file with it
-            raise ConfigError(f"reading {name} needs the gguf package: pip install gguf (or ppsplit[gguf])")
+        missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]  # transformers' GGUF loader's
+        if missing:
+            raise ConfigError(f"reading {name} needs {' and '.join(missing)}: pip install gguf accelerate (or "
+                              "ppsplit[gguf])")
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
