@@ -61,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         loop = EngineLoop(_engine(load_placed(args.folder, args.device), args), max_queue=args.max_queue)
     server = Server(loop.start(), FolderTokenizer(args.folder), args.served_model_name or model_name(args.folder),
-                    loop.engine.scheduler.layout.max_len, loop.engine.scheduler.k)
+                    loop.engine.scheduler.layout.max_len, loop.engine.scheduler.k, root=args.folder)
     code = run(server, sock)
     if watcher is not None:
         code = code or watcher.finish()
