@@ -72,7 +72,7 @@ class Sampler:
             self.marks.append((slots, marks, values))
 
     def _write_marks(self, vocab: int) -> None:
-        """The pending admissions' vocabulary-wide state: the adjusted slots cleared, then their marks written."""
+        """The pending admissions' vocabulary-wide state: the admitted slots cleared, then their marks written."""
         if self.counts is None:
             size, dev = (len(self.seed), vocab), self.device
             # int32 and float32 so that marks add up with index_put_ (no mask indexing: it would wait for the device)

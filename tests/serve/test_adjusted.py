@@ -131,3 +131,41 @@ def test_adjusted_and_logprob_steps_still_read_the_device_once(llama, lag):
             engine.step()
         counts[n] = reads.count
     assert counts[16] == counts[1] <= 1, counts
+
+
+def test_speculative_sampling_with_adjustments_follows_the_adjusted_distribution(tmp_path):
+    """1200 sampled pairs of tokens with a bias, a repetition and a presence penalty, through a drafter (K = 2) that
+    knows nothing of them: the pair follows the target's adjusted, filtered joint distribution (chi-square
+    p > 0.001), so the rejection rule verified against the adjusted distribution."""
+    from tests.serve.test_engine import chi_square_p, small_target
+    from ppsplit.serve.sampling import filtered_probs
+
+    model, split = small_target()
+    cfg = drafter_config(model.config, aux_ids=[0, 1, 3], draft_vocab=24)
+    drafter = ppsplit.load_drafter(write_drafter(str(tmp_path / "d"), cfg, random_drafter_tensors(cfg)), split=split)
+    prompt = [5, 9, 3]
+    base = dict(max_tokens=2, temperature=0.8, top_p=0.95, logit_bias={7: 1.5, 9: 2.0}, repetition_penalty=1.5,
+                presence_penalty=1.0)
+    params = [SamplingParams(seed=s, **base) for s in range(1200)]
+    pairs = []
+    for i in range(0, 1200, 200):
+        engine = Engine(split, drafter=drafter, num_draft_tokens=2)
+        pairs += [tuple(o.token_ids) for o in engine.generate([prompt] * 200, params[i:i + 200])]
+    p = params[0]
+    with torch.no_grad():
+        first = filtered_probs(adjusted_logits(model(torch.tensor([prompt])).logits[0, -1], p, prompt, []), p)
+        joint = torch.zeros(32, 32, dtype=torch.float64)
+        for a in range(32):
+            if first[a] > 0:
+                logits = model(torch.tensor([prompt + [a]])).logits[0, -1]
+                joint[a] = first[a].double() * filtered_probs(adjusted_logits(logits, p, prompt, [a]), p).double()
+    counts = torch.zeros(32, 32)
+    for a, b in pairs:
+        counts[a, b] += 1
+    assert counts[joint == 0].sum() == 0
+    live = joint.flatten() > 0
+    assert chi_square_p(counts.flatten()[live].tolist(), (joint.flatten()[live] / joint.sum()).tolist()) > 1e-3
+    plain = SamplingParams(max_tokens=2, temperature=0.8, top_p=0.95)
+    with torch.no_grad():
+        unadjusted = filtered_probs(model(torch.tensor([prompt])).logits[0, -1], plain)
+    assert (unadjusted - first).abs().sum() > 0.2  # the adjustment moves the distribution
