@@ -20,9 +20,9 @@ named tensors in this order::
 
 Rank ``k`` relays ``head``, ``batch`` and the admissions and sends its own ``hidden`` and ``aux[:filled(k)]``. The
 last rank holds the ``Sampler`` (per-slot parameters, sampling, acceptance, the drafter) and sends rank 0 one tensor
-per micro-step, the results ``int64 [R, 3 + 3K (+ logprobs)]`` (``ppsplit.serve.sampler``), through a group of its own. ``pp``
-micro-steps over disjoint requests are in flight, so every stage is busy; a request in flight is not scheduled again
-until its result is back. Every rank runs the micro-steps in the order rank 0 sent them, so a slot or block freed
+per micro-step, the results ``int64 [R, 3 + 3K (+ logprobs)]`` (``ppsplit.serve.sampler``), through a group of its
+own. ``pp`` micro-steps over disjoint requests are in flight, so every stage is busy; a request in flight is not
+scheduled again until its result is back. Every rank runs the micro-steps in the order rank 0 sent them, so a slot or block freed
 while a micro-step is in flight (an abort) and given to a new request is written by the new request only after the
 old step is done with it; a result whose slot generation no longer matches its request is dropped.
 

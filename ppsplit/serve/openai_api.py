@@ -312,7 +312,8 @@ def logprobs_body(tokenizer, entries, token_ids, chat: bool, offset: int = 0) ->
         offsets.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": [value(lp) for lp, _ in entries],
-            "top_logprobs": [{text(a): value(v) for a, v in [(t, lp)] + top} for t, (lp, top) in zip(token_ids, entries)],
+            "top_logprobs": [{text(a): value(v) for a, v in [(t, lp)] + top}
+                             for t, (lp, top) in zip(token_ids, entries)],
             "text_offset": offsets}
 
 
@@ -358,7 +359,8 @@ def _tool_body(body: dict, model: str, allowed: set) -> dict:
     body = {k: v for k, v in body.items() if v is not None}
     unknown = sorted(set(body) - allowed - {"model"})
     if unknown:
-        raise ApiError(f"unsupported field {unknown[0]!r}: this endpoint takes {', '.join(sorted(allowed | {'model'}))}",
+        raise ApiError(f"unsupported field {unknown[0]!r}: this endpoint takes "
+                       f"{', '.join(sorted(allowed | {'model'}))}",
                        param=unknown[0], code="unsupported_field")
     if body.get("model", model) != model:
         raise ApiError(f"model {body['model']!r} is not served here; this server serves {model!r}", param="model",

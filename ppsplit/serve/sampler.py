@@ -46,7 +46,8 @@ class Sampler:
         zeros = lambda dtype=torch.long: torch.zeros(slots, dtype=dtype, device=self.device)  # noqa: E731
         self.temperature, self.top_p, self.top_k = zeros(torch.float32), zeros(torch.float32), zeros()
         self.seed, self.index = zeros(), zeros()
-        self.presence, self.frequency, self.repetition = zeros(torch.float32), zeros(torch.float32), zeros(torch.float32)
+        self.presence, self.frequency = zeros(torch.float32), zeros(torch.float32)
+        self.repetition = zeros(torch.float32)
         self.min_tokens = zeros()
         self.counts = self.seen = self.bias = self.stops = None  # [slots, V], once a request is adjusted
         self.marks: list = []  # admissions' marks not written yet (the vocabulary is known at the next run)
