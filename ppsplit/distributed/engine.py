@@ -7,7 +7,7 @@ named tensors in this order::
 
     head          int64 [8]             run (1) / end of job (0) / job refused (2), N tokens, R requests, D drawing,
                                         A admissions, serial, what the drawing requests do (SAMPLED | CUT_K | CUT_P |
-                                        ADJUSTED, and their most logprobs + 1 from bit 4), E admission marks (-1: none)
+                                        ADJUSTED; their most logprobs + 1 from bit 4, prompt logprobs + 1 from bit 10), E admission marks (-1: none)
     batch         int64                 the step's packed fields (``ppsplit.serve.batch``: ids, positions, slots,
                                         block table, per-request rows)
     admit_floats  float32 [A, 5]        temperature, top-p, penalties of each request taking a slot (sent once per
@@ -57,13 +57,13 @@ from ppsplit.distributed.transport import Links, agree
 from ppsplit.serve.batch import StepBatch
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.runner import buckets_up_to
-from ppsplit.serve.sampler import FLOATS, INTS, Sampler, admission_tensors, result_width, to_device
+from ppsplit.serve.sampler import FLOATS, INTS, Sampler, admission_tensors, result_shape, to_device
 from ppsplit.serve.sampling import SamplingParams
 from ppsplit.serve.scheduler import Scheduler
 
 RUN, END, REFUSED = 1, 0, 2
 SAMPLED, CUT_K, CUT_P, ADJUSTED = 1, 2, 4, 8
-LOGPROBS_SHIFT = 4
+LOGPROBS_SHIFT, PROMPT_LOGPROBS_SHIFT = 4, 10
 HEAD = 8
 MESSAGE_BYTES = 1024  # a refused job's error text
 
@@ -316,7 +316,7 @@ class PipelineEngine:
         admissions = plan.admissions
         self.serial += 1
         flags = (SAMPLED * plan.sampled | CUT_K * plan.cut_k | CUT_P * plan.cut_p | ADJUSTED * plan.adjusted
-                 | (plan.logprobs + 1) << LOGPROBS_SHIFT)
+                 | (plan.logprobs + 1) << LOGPROBS_SHIFT | (plan.prompt_logprobs + 1) << PROMPT_LOGPROBS_SHIFT)
         admitted = admission_tensors(admissions) if admissions else ()
         marks = len(admitted[2]) if len(admitted) > 2 else -1
         head = torch.tensor([RUN, batch.n, batch.num_rows, batch.num_drawing, len(admissions), self.serial, flags,
@@ -324,7 +324,8 @@ class PipelineEngine:
         y, aux = self._run(batch.tokens, batch.step(), self._aux(batch.n))
         relayed = [to_device(head, dev), batch.buffer] + [to_device(t, dev) for t in admitted]
         self._send_on(relayed, y, aux)
-        buffer = torch.zeros(batch.num_rows, result_width(self.k, plan.logprobs), dtype=torch.long, device=dev)
+        shape = result_shape(self.k, batch.num_rows, batch.n, plan.logprobs, plan.prompt_logprobs)
+        buffer = torch.zeros(shape, dtype=torch.long, device=dev)
         posted = [self.links.recv(buffer, self.world - 1, "receive results from", back=True)]
         return _Pending(self.links, posted, buffer)
 
@@ -363,7 +364,9 @@ class PipelineEngine:
                 self.sampler.admit_tensors(*admission)
             results = self.sampler.run(y, aux, batch.tokens, batch.positions, batch, sampled=bool(flags & SAMPLED),
                                        cut_k=bool(flags & CUT_K), cut_p=bool(flags & CUT_P),
-                                       adjusted=bool(flags & ADJUSTED), logprobs=(flags >> LOGPROBS_SHIFT) - 1)
+                                       adjusted=bool(flags & ADJUSTED),
+                                       logprobs=((flags >> LOGPROBS_SHIFT) & 63) - 1,
+                                       prompt_logprobs=(flags >> PROMPT_LOGPROBS_SHIFT) - 1)
             self.links.wait(self.sent)
             self.sent = [self.links.send(results, 0, "send results to", back=True)]
             self._message = results  # alive until its send is done

@@ -43,6 +43,7 @@ class RequestOutput:
     accepted: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # with SamplingParams.prompt_logprobs: None, then per token
 
     @property
     def new_logprobs(self) -> list:
@@ -154,7 +155,8 @@ class Engine:
 def output_of(request: Request) -> RequestOutput:
     return RequestOutput(request.id, list(request.prompt), list(request.new), list(request.output),
                          request.finish_reason is not None, request.finish_reason, list(request.accepted),
-                         [list(d) for d in request.verified], list(request.logprobs))
+                         [list(d) for d in request.verified], list(request.logprobs),
+                         list(request.prompt_logprobs))
 
 
 def add_all(engine, prompts, params) -> list[str]:

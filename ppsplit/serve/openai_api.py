@@ -108,10 +108,9 @@ def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_
     default = 16 if not chat else max(1, room)  # OpenAI's completions default; chat: what the cache leaves
     logprobs = _logprobs(body, chat)
     echo = _flag(body, "echo")
-    if echo and logprobs is not None:
-        raise ApiError("echo with logprobs (the prompt's logprobs) is not implemented; drop one of them",
-                       param="echo", code="unsupported_value")
     base = _params(body, key, default, logprobs)
+    if echo and logprobs is not None:  # the prompt's logprobs too, as lm-evaluation-harness reads them
+        base = replace(base, prompt_logprobs=logprobs)
     if longest + base.max_tokens + draft_positions > max_len:
         raise ApiError(f"the prompt has {longest} tokens and {key} is {base.max_tokens}"
                        + (f" (+ {draft_positions} draft positions)" if draft_positions else "")
@@ -295,7 +294,8 @@ def chunk_body(rid: str, model: str, created: int, chat: bool, *, index: int = 0
 def logprobs_body(tokenizer, entries, token_ids, chat: bool, offset: int = 0) -> dict | None:
     """``entries`` (``RequestOutput.logprobs``: ``(logprob, [(id, logprob)])`` per token of ``token_ids``) in the
     chat format (``{"content": [{token, logprob, bytes, top_logprobs}]}``) or the completions one (``tokens``,
-    ``token_logprobs``, ``top_logprobs``, ``text_offset`` from ``offset``)."""
+    ``token_logprobs``, ``top_logprobs``, ``text_offset`` from ``offset``). An entry ``None`` (a prompt's first
+    token) has no logprob."""
     def text(token: int) -> str:
         return tokenizer.decode([token], skip_special_tokens=False)
 
@@ -311,9 +311,9 @@ def logprobs_body(tokenizer, entries, token_ids, chat: bool, offset: int = 0) ->
     for piece in tokens:
         offsets.append(offset)
         offset += len(piece)
-    return {"tokens": tokens, "token_logprobs": [value(lp) for lp, _ in entries],
-            "top_logprobs": [{text(a): value(v) for a, v in [(t, lp)] + top}
-                             for t, (lp, top) in zip(token_ids, entries)],
+    return {"tokens": tokens, "token_logprobs": [None if e is None else value(e[0]) for e in entries],
+            "top_logprobs": [None if e is None else {text(a): value(v) for a, v in [(t, e[0])] + e[1]}
+                             for t, e in zip(token_ids, entries)],
             "text_offset": offsets}
 
 

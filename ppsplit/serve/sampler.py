@@ -12,6 +12,10 @@ step, ``[R, 3 + 3K]`` int64, a row per request in plan order::
     3K+3 ..    when a request of the step wants logprobs (``L`` alternatives at most), per committed token (K + 1):
                its logprob, the ``L`` most likely ids, their logprobs (logprobs as float32 bits)
 
+When a request of the step wants its prompt's logprobs (``P`` alternatives at most), ``N`` more rows follow, one per
+token of the step: the logprob of the token that follows it in its sequence, the ``P`` most likely ids, their
+logprobs (``result_shape``).
+
 The sampler also keeps, per sequence slot, what a request's next window needs without the host: its sampling
 parameters (written once, at admission), the output index of its next draw (the counter its randomness hashes),
 its last token and that token's position, and its drafts (and their distributions when sampling). A request whose
@@ -34,6 +38,14 @@ FLOATS, INTS = 5, 6  # admission columns (``admission_tensors``)
 
 def result_width(k: int, logprobs: int = -1) -> int:
     return 3 + 3 * k + ((k + 1) * (1 + 2 * logprobs) if logprobs >= 0 else 0)
+
+
+def result_shape(k: int, rows: int, n: int, logprobs: int = -1, prompt_logprobs: int = -1) -> tuple[int, int]:
+    """The results' shape for ``rows`` requests and ``n`` tokens (see the module docstring)."""
+    width = result_width(k, logprobs)
+    if prompt_logprobs < 0:
+        return rows, width
+    return rows + n, max(width, 1 + 2 * prompt_logprobs)
 
 
 class Sampler:
@@ -120,17 +132,24 @@ class Sampler:
 
     @torch.no_grad()
     def run(self, logits: torch.Tensor, aux: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, batch, *,
-            sampled: bool, cut_k: bool, cut_p: bool, adjusted: bool = False, logprobs: int = -1) -> torch.Tensor:
+            sampled: bool, cut_k: bool, cut_p: bool, adjusted: bool = False, logprobs: int = -1,
+            prompt_logprobs: int = -1) -> torch.Tensor:
         """The step's results ``[R, result_width(K, logprobs)]`` (see the module docstring) from ``logits [N, V]``
         and ``aux [n_slots, N, H]``; ``ids`` and ``positions``: what the stages ran. ``sampled`` / ``cut_k`` /
         ``cut_p`` / ``adjusted``: whether any drawing request samples, cuts to top-k, to top-p, adjusts its logits;
-        ``logprobs``: the most alternatives one wants (-1: none). Host knowledge, so a plain step skips that work."""
+        ``logprobs`` / ``prompt_logprobs``: the most alternatives one wants (-1: none). Host knowledge, so a plain
+        step skips that work."""
         k, dev = self.k, self.device
         rows = batch.num_rows
         if self.marks:
             self._write_marks(logits.shape[-1])
-        out = torch.full((rows, result_width(k, logprobs)), -1, dtype=torch.long, device=dev)
-        out[:, 0] = 0
+        out = torch.full(result_shape(k, rows, batch.n, logprobs, prompt_logprobs), -1, dtype=torch.long, device=dev)
+        if prompt_logprobs >= 0:
+            follow = batch.follow
+            following = torch.where(follow >= 0, ids[follow.clamp_min(0)], batch.follow_token)
+            out[rows:rows + len(logits), :1 + 2 * prompt_logprobs] = logprob_columns(
+                logits[:, None], following[:, None], prompt_logprobs)
+        out[:rows, 0] = 0
         d = batch.drawing
         if batch.num_drawing == 0:
             if self.proposer is not None:
@@ -169,7 +188,7 @@ class Sampler:
             rows_of = slot[:, None].expand_as(committed)
             self.counts.index_put_((rows_of, committed.clamp_min(0)), (committed >= 0).int(), accumulate=True)
         if logprobs >= 0:
-            out[d, 3 + 3 * k:] = logprob_columns(window, committed, logprobs)
+            out[d, 3 + 3 * k:result_width(k, logprobs)] = logprob_columns(window, committed, logprobs)
         if k:
             out[d, 3 + k:3 + 2 * k] = torch.where(j[:k] < num[:, None], drafts, -1)
             proposed = self.proposer.feed(aux, ids, positions, batch, last, token, self, sampled, cut_k, cut_p)

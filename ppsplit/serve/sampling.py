@@ -37,7 +37,7 @@ class SamplingParams:
     ``min_tokens``: no stop id is drawn before that many tokens; ``presence_penalty`` / ``frequency_penalty`` (-2 to
     2), ``repetition_penalty`` (> 0, 1: none), ``logit_bias`` (``{token id: bias}``, -100 to 100): see the module
     docstring; ``logprobs``: return each new token's log-probability and the ``logprobs`` most likely alternatives
-    (0 to ``MAX_LOGPROBS``), ``None``: none.
+    (0 to ``MAX_LOGPROBS``), ``None``: none; ``prompt_logprobs``: the same for each prompt token after the first.
 
     Example::
 
@@ -57,6 +57,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -96,9 +97,11 @@ class SamplingParams:
             raise ConfigError(f"logit_bias must map up to {MAX_LOGIT_BIAS} token ids to biases from -100 to 100, but "
                               f"got {str(self.logit_bias)[:80]}")
         object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ConfigError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the alternatives returned per "
-                              f"token) or None, but got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ConfigError(f"{name} must be an integer from 0 to {MAX_LOGPROBS} (the alternatives returned per "
+                                  f"token) or None, but got {value!r}")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
 

@@ -64,6 +64,7 @@ class Request:
     finish_reason: str | None = None
     new: list[int] = field(default_factory=list)  # produced in the step just read
     logprobs: list = field(default_factory=list)  # per output token (with params.logprobs): (logprob, top [(id, lp)])
+    prompt_logprobs: list = field(default_factory=list)  # the same per prompt token (None for the first)
 
     @property
     def tokens(self) -> list[int]:
@@ -95,6 +96,7 @@ class StepPlan:
     cut_p: bool
     adjusted: bool = False  # some drawing request's logits are adjusted (bias, min_tokens, penalties)
     logprobs: int = -1  # the most alternatives a drawing request asks for, -1: no request wants logprobs
+    prompt_logprobs: int = -1  # the same for the prompt tokens this step feeds
 
     @property
     def fed(self) -> bool:
@@ -316,14 +318,20 @@ class Scheduler:
         return StepPlan(entries, admissions, StepBatch.pack(arrays, layout.slots, layout.blocks_per_seq),
                         bool(sampled), any(p.top_k for p in sampled), any(p.top_p < 1 for p in sampled),
                         any(p.adjusted for p in draws), max((p.logprobs for p in draws if p.logprobs is not None),
-                                                            default=-1))
+                                                            default=-1),
+                        max((r.params.prompt_logprobs for r, w in entries if r.params.prompt_logprobs is not None
+                             and not w.fed and w.position + 1 < len(r.prompt)), default=-1))
 
     def apply(self, plan: StepPlan, results: np.ndarray) -> list:
         """Take a step's results (``results [R, W]``, rows in plan order: see ``ppsplit.serve.sampler``); the
         requests that produced tokens or finished in it. A result is dropped when its request has ended since (an
         abort while its step was in flight) or it is for an earlier holder of the slot."""
-        k, changed = self.k, []
+        k, changed, at = self.k, [], 0
         for r, (request, work) in enumerate(plan.entries):
+            at += work.count
+            if plan.prompt_logprobs >= 0 and request.params.prompt_logprobs is not None and not work.fed \
+                    and request.finish_reason is None and work.generation == request.generation:
+                self._prompt_logprobs(request, work, results[len(plan.entries) + at - work.count:], plan)
             if request.flight and request.flight[0] is work:
                 request.flight.pop(0)
             if request.finish_reason is not None or work.generation != request.generation:
@@ -349,6 +357,23 @@ class Scheduler:
                     break
             changed.append(request)
         return changed
+
+    @staticmethod
+    def _prompt_logprobs(request: Request, work: Work, rows: np.ndarray, plan: StepPlan) -> None:
+        """Keep the logprobs of the prompt tokens that ``work``'s rows (its part of the results' token rows) predict
+        (recomputed after a preemption: the first reading is kept)."""
+        width, wanted = plan.prompt_logprobs, request.params.prompt_logprobs
+        if not request.prompt_logprobs:
+            request.prompt_logprobs = [None] * len(request.prompt)
+        for i in range(work.count):
+            position = work.position + i + 1  # the prompt token row i predicts
+            if position >= len(request.prompt):
+                break
+            if request.prompt_logprobs[position] is None:
+                row = rows[i, :1 + 2 * width]
+                values = row[[0] + list(range(1 + width, 1 + 2 * width))].astype(np.int32).view(np.float32)
+                request.prompt_logprobs[position] = (float(values[0]), list(zip(row[1:1 + wanted].tolist(),
+                                                                               values[1:1 + wanted].tolist())))
 
     def _stops(self, request: Request, token: int) -> bool:
         params = request.params

@@ -65,6 +65,7 @@ class Delta:
     num_tokens: int
     token_ids: list
     logprobs: list
+    prompt_logprobs: list  # with echo and logprobs
 
 
 class Server:
@@ -116,14 +117,14 @@ class Server:
             if text.stopped:
                 if not out.finished:
                     self.loop.abort(choice.request_id)
-                yield Delta(piece, "stop", text.num_tokens, new, logprobs)
+                yield Delta(piece, "stop", text.num_tokens, new, logprobs, out.prompt_logprobs)
                 return
             if out.finished:
                 finish = "stop" if out.finish_reason == "stop" else "length"
-                yield Delta(piece + text.flush(), finish, text.num_tokens, new, logprobs)
+                yield Delta(piece + text.flush(), finish, text.num_tokens, new, logprobs, out.prompt_logprobs)
                 return
             if out.new_token_ids:  # held-back text still makes a (empty) chunk: clients see every step, as vLLM's
-                yield Delta(piece, None, text.num_tokens, new, logprobs)
+                yield Delta(piece, None, text.num_tokens, new, logprobs, out.prompt_logprobs)
 
 
 class Stream(StreamingResponse):
@@ -204,6 +205,8 @@ async def _collect(server: Server, parsed, choice: Choice):
     """A choice's whole answer: ``(choice body, tokens generated)``."""
     parts, ids, entries = [], [], []
     async for delta in server.deltas(parsed, choice):
+        if parsed.echo and not parts:  # the prompt (and its logprobs) first
+            ids, entries = list(parsed.prompt_of(choice.index)), list(delta.prompt_logprobs)
         parts.append(delta.text)
         ids += delta.token_ids
         entries += delta.logprobs
@@ -257,10 +260,12 @@ async def _chunks(server: Server, parsed, choices: list, rid: str, created: int,
                 if parsed.continuous_usage and parsed.include_usage else None
             kw = dict(index=choice.index, include_usage=parsed.include_usage, running=running)
             text, logprobs = delta.text, None
-            if parsed.echo and choice.index not in started:
+            ids, entries = delta.token_ids, delta.logprobs
+            if parsed.echo and choice.index not in started:  # the prompt (and its logprobs) first
                 text = parsed.texts[choice.index // parsed.n] + text
-            if parsed.logprobs is not None and delta.token_ids:
-                logprobs = logprobs_body(server.tokenizer, delta.logprobs, delta.token_ids, chat, choice.offset)
+                ids, entries = parsed.prompt_of(choice.index) + ids, delta.prompt_logprobs + entries
+            if parsed.logprobs is not None and ids:
+                logprobs = logprobs_body(server.tokenizer, entries, ids, chat, choice.offset)
                 choice.offset += 0 if chat else sum(len(t) for t in logprobs["tokens"])
             if chat and choice.index not in started:
                 yield sse(chunk_body(rid, model, created, True, role=True, **kw))

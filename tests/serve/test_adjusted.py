@@ -40,7 +40,8 @@ def cases():
     prompts = [[5, 9, 3, 9, 9, 40], [7, 7, 7, 7], [11, 60, 12, 90, 4, 4, 31, 8, 8, 8, 100], [3, 4], [50, 51, 52]]
     params = [SamplingParams(max_tokens=14, repetition_penalty=1.8, ignore_eos=True),
               SamplingParams(max_tokens=12, frequency_penalty=1.5, presence_penalty=0.7),
-              SamplingParams(max_tokens=10, repetition_penalty=0.6, frequency_penalty=-0.5, logprobs=3),
+              SamplingParams(max_tokens=10, repetition_penalty=0.6, frequency_penalty=-0.5, logprobs=3,
+                             prompt_logprobs=2),
               SamplingParams(max_tokens=9, min_tokens=6, logit_bias={EOS: 100.0, 77: 4.0}, stop_token_ids=(77,)),
               SamplingParams(max_tokens=11, logit_bias={13: -100, 14: 2.5}, logprobs=0)]
     return prompts, params
@@ -59,12 +60,23 @@ def test_adjusted_greedy_requests_each_equal_the_reference(tmp_path, llama, pp, 
                                        split=split)
     prompts, params = cases()
     prompts += [[8, 9, 10], [20, 21]]
-    params += [SamplingParams(max_tokens=8, logprobs=2), SamplingParams(max_tokens=8, ignore_eos=True)]
+    prompts += [list(range(30, 60))]  # a prompt read in two chunks, its logprobs kept from both
+    params += [SamplingParams(max_tokens=8, logprobs=2), SamplingParams(max_tokens=8, ignore_eos=True),
+               SamplingParams(max_tokens=3, prompt_logprobs=0)]
     engine = Engine(split, drafter=drafter, num_draft_tokens=k, async_scheduling=lag, max_num_batched_tokens=24)
     outs = engine.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, outs):
         ids, logprobs = reference(model, prompt, p)
         assert out.token_ids == ids, (prompt, p)
+        if p.prompt_logprobs is None:
+            assert out.prompt_logprobs == []
+        else:
+            with torch.no_grad():
+                ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+            assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+            for i, (lp, top) in enumerate(out.prompt_logprobs[1:]):
+                torch.testing.assert_close(lp, ref[i, prompt[i + 1]].item(), atol=1e-4, rtol=0)
+                assert [t for t, _ in top] == torch.topk(ref[i], p.prompt_logprobs).indices.tolist()
         if p.logprobs is None:
             assert out.logprobs == []
             continue

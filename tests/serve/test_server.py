@@ -298,7 +298,6 @@ BAD = [
     ({"model": MODEL, "prompt": "a", "top_p": 0}, "top_p", "(0, 1]"),
     ({"model": MODEL, "prompt": "a", "suffix": "b"}, "suffix", "unsupported field 'suffix'"),
     ({"model": MODEL, "prompt": "a", "logprobs": 21}, "logprobs", "from 0 to 20"),
-    ({"model": MODEL, "prompt": "a", "echo": True, "logprobs": 1}, "echo", "not implemented"),
     ({"model": MODEL, "prompt": "a", "presence_penalty": 3}, "presence_penalty", "from -2 to 2"),
     ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 200}}, "logit_bias", "from -100 to 100"),
     ({"model": MODEL, "prompt": "a", "min_tokens": 20, "max_tokens": 5}, "min_tokens", "to max_tokens"),
@@ -472,6 +471,31 @@ def test_batched_prompts_and_n_choices(live, oracle):
     assert sorted(c.index for c in chat.choices) == [0, 1, 2]
     echo = live.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
     assert echo.choices[0].text == PROMPTS[0] + text_of(tok, outputs([tok.encode(PROMPTS[0])], [4])[0].token_ids)
+
+
+def test_echo_with_logprobs_gives_the_prompt_logprobs(live, oracle):
+    """lm-evaluation-harness's log-likelihood request (echo, logprobs 1, max_tokens 1, temperature 0): every prompt
+    token but the first has its logprob (HF's log_softmax) and its top alternative, whole and streamed."""
+    from ppsplit.compile.demo import demo_model
+
+    outputs, tok = oracle
+    prompt = PROMPTS[6]
+    ids = tok.encode(prompt)
+    out = outputs([ids], [1])[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(demo_model()(torch.tensor([ids + out])).logits[0, :-1].float(), -1)
+    got = live.client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                         logprobs=1)
+    lp = got.choices[0].logprobs
+    assert got.choices[0].text == prompt + text_of(tok, out)
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i, token in enumerate((ids + out)[1:]):
+        assert abs(lp.token_logprobs[i + 1] - ref[i, token].item()) < 1e-4
+        best = tok.decode([int(ref[i].argmax())], skip_special_tokens=False)
+        assert abs(lp.top_logprobs[i + 1][best] - ref[i].max().item()) < 1e-4
+    streamed = [c.choices[0].logprobs for c in live.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1, stream=True) if c.choices]
+    assert sum((c.token_logprobs for c in streamed if c), []) == lp.token_logprobs
 
 
 def test_tokenize_detokenize_models_and_continuous_usage(live, oracle, folder):
