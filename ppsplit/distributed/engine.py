@@ -7,7 +7,8 @@ named tensors in this order::
 
     head          int64 [8]             run (1) / end of job (0) / job refused (2), N tokens, R requests, D drawing,
                                         A admissions, serial, what the drawing requests do (SAMPLED | CUT_K | CUT_P |
-                                        ADJUSTED; their most logprobs + 1 from bit 4, prompt logprobs + 1 from bit 10), E admission marks (-1: none)
+                                        ADJUSTED; their most logprobs + 1 from bit 4, prompt logprobs + 1 from bit
+                                        10), E admission marks (-1: none)
     batch         int64                 the step's packed fields (``ppsplit.serve.batch``: ids, positions, slots,
                                         block table, per-request rows)
     admit_floats  float32 [A, 5]        temperature, top-p, penalties of each request taking a slot (sent once per
@@ -20,11 +21,11 @@ named tensors in this order::
 
 Rank ``k`` relays ``head``, ``batch`` and the admissions and sends its own ``hidden`` and ``aux[:filled(k)]``. The
 last rank holds the ``Sampler`` (per-slot parameters, sampling, acceptance, the drafter) and sends rank 0 one tensor
-per micro-step, the results ``int64 [R, 3 + 3K (+ logprobs)]`` (``ppsplit.serve.sampler``), through a group of its
-own. ``pp`` micro-steps over disjoint requests are in flight, so every stage is busy; a request in flight is not
-scheduled again until its result is back. Every rank runs the micro-steps in the order rank 0 sent them, so a slot or block freed
-while a micro-step is in flight (an abort) and given to a new request is written by the new request only after the
-old step is done with it; a result whose slot generation no longer matches its request is dropped.
+per micro-step, the results (``ppsplit.serve.sampler.result_shape``), through a group of its own. ``pp`` micro-steps
+over disjoint requests are in flight, so every stage is busy; a request in flight is not scheduled again until its
+result is back. Every rank runs the micro-steps in the order rank 0 sent them, so a slot or block freed while a
+micro-step is in flight (an abort) and given to a new request is written by the new request only after the old step
+is done with it; a result whose slot generation no longer matches its request is dropped.
 
 Before any tensor moves the ranks exchange a header (plan fingerprint, world size, dtype, cache layout, ``K``,
 token budget, buckets); a mismatch raises the same ``ConfigError`` on every rank. A rank that dies or stalls makes
