@@ -60,7 +60,7 @@ from ppsplit.serve.engine import Engine
 from ppsplit.serve.runner import buckets_up_to
 from ppsplit.serve.sampler import FLOATS, INTS, Sampler, admission_tensors, result_shape, to_device
 from ppsplit.serve.sampling import SamplingParams
-from ppsplit.serve.scheduler import Scheduler
+from ppsplit.serve.scheduler import DEFAULT_BUDGET, Scheduler
 
 RUN, END, REFUSED = 1, 0, 2
 SAMPLED, CUT_K, CUT_P, ADJUSTED = 1, 2, 4, 8
@@ -107,7 +107,7 @@ class PipelineEngine:
     """
 
     def __init__(self, source: str | fx.GraphModule, *, drafter=None, num_draft_tokens: int = 0,
-                 max_num_batched_tokens: int = 256, max_num_seqs: int | None = None, cuda_graphs: bool | None = None,
+                 max_num_batched_tokens: int = DEFAULT_BUDGET, max_num_seqs: int | None = None, cuda_graphs: bool | None = None,
                  device: torch.device | str | None = None, eos_token_id=()):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.backend = dist.get_backend()
@@ -279,14 +279,15 @@ class PipelineEngine:
         return self._driver().blocks_in_use
 
     @torch.no_grad()
-    def generate(self, prompts=None, params: SamplingParams | list[SamplingParams] | None = None):
+    def generate(self, prompts=None, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 progress: float | None = None):
         """Collective: rank 0 runs ``prompts`` to the end (``RequestOutput`` s in order) and closes the job; the
         other ranks follow it and return ``None``. A refused prompt raises the same ``ConfigError`` on every rank."""
         if not self.first:
             self.follow()
             return None
         try:
-            outputs = self.engine.generate(prompts, params)
+            outputs = self.engine.generate(prompts, params, progress=progress)
         except ConfigError as e:
             self._end(REFUSED, str(e))
             raise

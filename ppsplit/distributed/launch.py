@@ -22,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_runtime_arguments(p, ranks=True)
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests in flight at most (default: the "
                                                                   "cache's sequence slots)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per micro-step at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per micro-step at most (default: 2048)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer before failing")
 
 
@@ -37,6 +38,10 @@ def check(args) -> None:
     backend_for(args.device)
     if args.num_draft_tokens is not None and not has_drafter(args.folder):
         raise ConfigError(f"{args.folder} holds no drafter; compile it with --drafter DRAFTER to use -k")
+    if args.max_num_batched_tokens is None:
+        from ppsplit.serve.scheduler import DEFAULT_BUDGET
+
+        args.max_num_batched_tokens = DEFAULT_BUDGET
     if args.max_num_batched_tokens < 1:
         raise ConfigError(f"--max-num-batched-tokens must be at least 1, but got {args.max_num_batched_tokens}")
 
@@ -53,7 +58,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from ppsplit import distributed as ppd
     from ppsplit.core.errors import ConfigError, PpsplitError
-    from ppsplit.serve.requests import print_outputs, prompts_of, sampling_params
+    from ppsplit.serve.requests import PROGRESS_SECONDS, print_outputs, prompts_of, sampling_params
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -67,7 +72,7 @@ def rank_main(argv: list[str] | None = None) -> int:
             prompts, tokenizer = prompts_of(args, args.folder)
             params = [sampling_params(args, i) for i in range(len(prompts))]
         start = time.perf_counter()
-        outputs = engine.generate(prompts, params)
+        outputs = engine.generate(prompts, params, progress=PROGRESS_SECONDS)
         if engine.rank == 0:
             print_outputs(outputs, tokenizer, time.perf_counter() - start,
                           f"{engine.world} stages, {engine.backend}, {len(outputs)} request"

@@ -17,6 +17,8 @@ Example::
 """
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,7 +26,9 @@ import torch
 
 from ppsplit.core.errors import ConfigError
 from ppsplit.serve.sampling import SamplingParams
-from ppsplit.serve.scheduler import Request, Scheduler
+from ppsplit.serve.scheduler import DEFAULT_BUDGET, Request, Scheduler
+
+log = logging.getLogger("ppsplit")
 
 
 @dataclass
@@ -57,7 +61,7 @@ class RequestOutput:
 class Engine:
     """Continuous batching over ``split`` (a ``SplitModel`` with a paged cache, in this process) or over a runner
     (``ppsplit.distributed``), optionally with an EAGLE-3 ``drafter`` proposing ``num_draft_tokens`` drafts per
-    request and step. ``max_num_batched_tokens``: the token budget of a step (default: 256, or the largest captured
+    request and step. ``max_num_batched_tokens``: the token budget of a step (default: 2048, or the largest captured
     bucket); ``max_num_seqs``: sequences in flight (default: the cache's slots). On CUDA the stages are captured as
     CUDA graphs for the token buckets unless ``enforce_eager``; ``async_scheduling`` (default: on one CUDA device)
     schedules each step while the previous one runs."""
@@ -78,11 +82,11 @@ class Engine:
                 check_speculation(split.plan, num_draft_tokens, drafter)
                 proposer = Proposer(drafter, num_draft_tokens, split.layout)
             captured = sorted(n for b, n in split.graphs if b == 0)
-            budget = max_num_batched_tokens or (captured[-1] if captured else 256)
+            budget = max_num_batched_tokens or (captured[-1] if captured else DEFAULT_BUDGET)
             runner = LocalRunner(split, proposer=proposer, budget=budget, cuda_graphs=not enforce_eager,
                                  lag=async_scheduling)
         self.runner = runner
-        budget = max_num_batched_tokens or (runner.buckets[-1] if runner.buckets else 256)
+        budget = max_num_batched_tokens or (runner.buckets[-1] if runner.buckets else DEFAULT_BUDGET)
         self.scheduler = Scheduler(runner.layout, vocab=runner.vocab, eos=runner.eos, k=runner.k, budget=budget,
                                    max_seqs=max_num_seqs, buckets=runner.buckets, lag=runner.lag)
         self.flight: deque = deque()  # (plan, pending) of the steps launched and not read yet, oldest first
@@ -141,14 +145,22 @@ class Engine:
         while self.has_unfinished():
             yield from self.step()
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Add ``prompts``, run to the end, and return their final outputs in order."""
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 progress: float | None = None) -> list[RequestOutput]:
+        """Add ``prompts``, run to the end, and return their final outputs in order. ``progress``: log a line (the
+        ``ppsplit`` logger) every that many seconds while it runs (the commands pass 10)."""
         ids = add_all(self, prompts, params)
-        final = {}
+        final, tokens, start = {}, 0, time.perf_counter()
+        shown = start
         while self.has_unfinished():
             for out in self.step():
+                tokens += len(out.new_token_ids)
                 if out.finished:
                     final[out.request_id] = out
+            if progress is not None and time.perf_counter() - shown >= progress:
+                shown = time.perf_counter()
+                log.info("generating: %d tokens, %d of %d requests done, %.0fs", tokens, len(final), len(ids),
+                         shown - start)
         return [final[i] for i in ids]
 
 

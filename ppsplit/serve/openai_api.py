@@ -2,7 +2,8 @@
 
 Every refusal is an ``ApiError`` that becomes an HTTP error with the OpenAI error body
 ``{"error": {"message", "type", "param", "code"}}``; the message says what to change. A field the server does not
-implement is refused by name, never ignored.
+implement is refused by name, never ignored. Types are OpenAI's: an integer field takes no ``true`` and no ``1.0``.
+``read_json`` and ``parse`` run on a worker thread (the body may be megabytes), never on the event loop.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import time
 from dataclasses import dataclass, replace
 
+from ppsplit.artifact.sandbox import Budget
 from ppsplit.core.errors import ConfigError
 from ppsplit.serve.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -22,6 +24,24 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 MAX_STOP = 4
 MAX_CHOICES = 64  # prompts x n of one request
 LOGPROB_FLOOR = -9999.0  # a -inf logprob (a token ruled out) as JSON can carry it, as vLLM writes it
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a seed travels between ranks as an int64 (vLLM's bounds too)
+MIN_REQUEST_BYTES = 1 << 20
+REQUEST_BYTES_PER_TOKEN = 64
+PROMPT_SECONDS = 10.0  # what a request's chat template and tokenizer may take (--prompt-timeout)
+PROMPT_WORKERS = 4  # processes that render and tokenise requests in parallel
+
+
+def default_max_request_bytes(max_len: int) -> int:
+    """The body size a server over a ``max_len``-token cache admits: 64 bytes a token of context (room for JSON
+    escapes and token-id lists), at least 1 MiB."""
+    return max(MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * max_len)
+
+
+def prompt_budget(max_request_bytes: int, seconds: float | None = None) -> Budget:
+    """What rendering and tokenising one request may take: ``seconds`` (default ``PROMPT_SECONDS``), and a rendered
+    prompt of at most 4 characters per byte the request may hold (more than its messages could fill: the rest would
+    be the template's own output). ``ppsplit inspect`` checks a folder's template within the same budget."""
+    return Budget(seconds=seconds or PROMPT_SECONDS, max_chars=4 * max_request_bytes, workers=PROMPT_WORKERS)
 
 
 class ApiError(Exception):
@@ -61,13 +81,37 @@ class Parsed:
 
 
 def read_json(raw: bytes) -> dict:
+    """The request body as a JSON object whose every string is valid Unicode, or an ``ApiError``."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(f"the request body is not valid JSON ({e}); send a JSON object") from None
+    except RecursionError:
+        raise ApiError("the request body nests JSON too deeply; send a flat JSON object") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
+        raise ApiError(f"the request body is not valid JSON ({str(e)[:120]}); send a JSON object") from None
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, but got a JSON {type(body).__name__}")
+    _check_text(body)
     return body
+
+
+def _check_text(body: dict) -> None:
+    """JSON may escape half of a UTF-16 surrogate pair (``"\\ud800"``), which is no character: refuse it by field."""
+    stack = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            where = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"
+            for text in (key, item) if isinstance(key, str) else (item,):
+                if isinstance(text, str) and not text.isascii():
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        raise ApiError(f"{where.lstrip('.')} holds a lone surrogate ({text[e.start]!r}), which is "
+                                       "not a character; send valid UTF-8 (or escape pairs)",
+                                       param=where.lstrip(".").split("[")[0].split(".")[0]) from None
+            if isinstance(item, (dict, list)):
+                stack.append((item, where))
 
 
 def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_positions: int) -> Parsed:
@@ -79,12 +123,14 @@ def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_
         raise ApiError(f"unsupported field {unknown[0]!r}: this server takes {', '.join(sorted(allowed))}; drop the "
                        "others", param=unknown[0], code="unsupported_field")
     if body.get("model") != model:
-        raise ApiError(f"model {body.get('model')!r} is not served here; this server serves {model!r} "
-                       "(see /v1/models)", param="model", code="model_not_found")
+        raise ApiError(f"model {json.dumps(body.get('model'))[:80]} is not served here; this server serves "
+                       f"{model!r} (see /v1/models)", param="model", code="model_not_found", status=404)
     n = _number(body, "n", 1, 1, MAX_CHOICES, True, f"an integer from 1 to {MAX_CHOICES}")
     if body.get("best_of", n) != n:
         raise ApiError(f"best_of must equal n ({n}) or be null: this server returns every sequence it generates",
                        param="best_of")
+    if not isinstance(body.get("user", ""), str):
+        raise ApiError(f"user must be a string, but got {json.dumps(body['user'])[:40]}", param="user")
     if chat:
         prompts, texts = [_chat_prompt(body, tokenizer)], ()
     else:
@@ -140,7 +186,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 def _flag(body: dict, key: str, name: str | None = None) -> bool:
     value = body.get(key, False)
     if not isinstance(value, bool):
-        raise ApiError(f"{name or key} must be true or false, but got {value!r}", param=name or key)
+        raise ApiError(f"{name or key} must be true or false, but got {repr(value)[:60]}", param=name or key)
     return value
 
 
@@ -159,7 +205,10 @@ def _completion_prompts(body: dict, tokenizer) -> tuple[list[list[int]], tuple[s
 
 def _completion_prompt(prompt, tokenizer) -> list[int]:
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        try:
+            ids = tokenizer.encode(prompt)
+        except ConfigError as e:  # the tokenizer failed or ran past its budget on this text
+            raise ApiError(str(e), param="prompt") from None
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
@@ -181,7 +230,7 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
                        param="messages")
     try:
         return tokenizer.encode_chat(plain, add_generation_prompt=True)
-    except ConfigError as e:
+    except ConfigError as e:  # the template refused, failed or ran past its budget (time, output, memory)
         raise ApiError(str(e), param="messages") from None
 
 
@@ -193,9 +242,15 @@ def _chat_prompt_messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer") \
                 or set(m) - {"role", "content", "name"}:
-            raise ApiError(f"messages[{i}] must be {{role: system|user|assistant|developer, content}}, but got "
-                           f"{json.dumps(m)[:80]}", param=f"messages[{i}]")
-        plain.append({"role": m["role"], "content": _content(m.get("content"), i)})
+            raise ApiError(f"messages[{i}] must be {{role: system|user|assistant|developer, content, name?}}, but "
+                           f"got {json.dumps(m)[:80]}", param=f"messages[{i}]")
+        message = {"role": m["role"], "content": _content(m.get("content"), i)}
+        if m.get("name") is not None:  # transformers hands the template each message as the client sent it
+            if not isinstance(m["name"], str):
+                raise ApiError(f"messages[{i}].name must be a string, but got {json.dumps(m['name'])[:40]}",
+                               param=f"messages[{i}].name")
+            message["name"] = m["name"]
+        plain.append(message)
     return plain
 
 
@@ -213,7 +268,7 @@ def _number(body: dict, key: str, default, low, high, integer: bool, what: str):
     value = body.get(key, default)
     ok = isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
     if not ok or not (low is None or value >= low) or not (high is None or value <= high):
-        raise ApiError(f"{key} must be {what}, but got {value!r}", param=key)
+        raise ApiError(f"{key} must be {what}, but got {repr(value)[:60]}", param=key)
     return value
 
 
@@ -224,7 +279,8 @@ def _params(body: dict, key: str, default: int, logprobs: int | None) -> Samplin
     if top_p == 0:
         raise ApiError("top_p must be a number in (0, 1], but got 0", param="top_p")
     top_k = _number(body, "top_k", 0, -1, None, True, "an integer >= 1, or 0 or -1 for no cut")
-    seed = _number(body, "seed", None, None, None, True, "an integer") if "seed" in body else None
+    seed = _number(body, "seed", None, *SEED_RANGE, True, "an integer from -2**63 to 2**63 - 1") \
+        if "seed" in body else None
     stop_ids = body.get("stop_token_ids", [])
     if not isinstance(stop_ids, list) or len(stop_ids) > 64:
         raise ApiError(f"stop_token_ids must be a list of up to 64 token ids, but got {json.dumps(stop_ids)[:80]}",
@@ -332,17 +388,20 @@ def tokenize_body(body: dict, tokenizer, model: str) -> list[int]:
     body = _tool_body(body, model, {"prompt", "messages", "add_special_tokens", "add_generation_prompt"})
     if ("prompt" in body) == ("messages" in body):
         raise ApiError("send either prompt (a string) or messages (a chat)", param="prompt")
-    if "messages" in body:
-        messages = _chat_prompt_messages(body)
-        if tokenizer.chat_template is None:
-            raise ApiError("this model's folder has no chat template; tokenize a prompt", param="messages")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=_flag(body, "add_generation_prompt")
-                                             if "add_generation_prompt" in body else True)
-        return tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens"))
-    if not isinstance(body["prompt"], str):
-        raise ApiError(f"prompt must be a string, but got {json.dumps(body['prompt'])[:80]}", param="prompt")
-    special = _flag(body, "add_special_tokens") if "add_special_tokens" in body else True
-    return tokenizer.encode(body["prompt"], add_special_tokens=special)
+    try:
+        if "messages" in body:
+            messages = _chat_prompt_messages(body)
+            if tokenizer.chat_template is None:
+                raise ApiError("this model's folder has no chat template; tokenize a prompt", param="messages")
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=_flag(body, "add_generation_prompt")
+                                                 if "add_generation_prompt" in body else True)
+            return tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens"))
+        if not isinstance(body["prompt"], str):
+            raise ApiError(f"prompt must be a string, but got {json.dumps(body['prompt'])[:80]}", param="prompt")
+        special = _flag(body, "add_special_tokens") if "add_special_tokens" in body else True
+        return tokenizer.encode(body["prompt"], add_special_tokens=special)
+    except ConfigError as e:  # the template or tokenizer failed or ran past its budget
+        raise ApiError(str(e), param="messages" if "messages" in body else "prompt") from None
 
 
 def detokenize_body(body: dict, tokenizer, model: str) -> list[int]:

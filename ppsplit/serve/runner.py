@@ -22,6 +22,7 @@ from ppsplit.core.errors import ConfigError
 from ppsplit.core.fx_utils import stage_vocab
 from ppsplit.core.tensors import module_device
 from ppsplit.serve.sampler import Sampler
+from ppsplit.serve.scheduler import DEFAULT_BUDGET
 
 log = logging.getLogger("ppsplit")
 
@@ -60,7 +61,7 @@ class LocalRunner:
     loop on the last stage's device, or ``None``. ``cuda_graphs``: capture each stage for ``buckets_up_to(budget)``
     (CUDA only); ``lag``: async scheduling (default: on a single CUDA device)."""
 
-    def __init__(self, split, *, proposer=None, budget: int = 256, cuda_graphs: bool = True, lag: bool | None = None):
+    def __init__(self, split, *, proposer=None, budget: int = DEFAULT_BUDGET, cuda_graphs: bool = True, lag: bool | None = None):
         if not split.plan.paged:
             why = split.plan.lockstep_reason or "it has no cache: split with cache=CacheConfig(...)"
             raise ConfigError(f"the engine needs a split with a paged cache, and this one keeps none because {why}")

@@ -47,7 +47,7 @@ class SplitModel(torch.nn.Module):
         if len(devices) != self.plan.pp:
             raise ValueError(f"place needs one device per stage ({self.plan.pp}), got {len(devices)}")
         for stage, dev in zip(self.stages, devices):
-            stage.to(dev)
+            _move(stage, torch.device(dev))
         return self
 
     def new_aux(self, batch: int, tokens: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -195,6 +195,9 @@ class SplitModel(torch.nn.Module):
             if self.plan.lockstep_reason:
                 raise ConfigError(f"generation runs through the engine, which needs a paged cache, and this split keeps "
                                   f"a lockstep one because {self.plan.lockstep_reason}; it runs forward only")
+            if self.plan.max_batch:
+                raise ConfigError("generation runs through the engine, which needs a paged cache, and this split keeps "
+                                  "a lockstep one because it was traced with paged=False; it runs forward only")
             raise ConfigError("this split has no KV cache: pass cache=CacheConfig(batch_size, max_len) to split_model "
                               "(generation runs through the engine, over a paged cache)")
         k = num_draft_tokens if drafter is not None else 0
@@ -260,3 +263,16 @@ def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, co
 
         split.drafter = load_folder_drafter(opened.drafter, plan, module_device(stages[-1]))
     return split
+
+
+def _move(stage: torch.nn.Module, device: torch.device) -> None:
+    """``stage.to(device)`` without touching the tensors it shares: splits of one trace hold the same ``Parameter``
+    objects, which ``Module.to`` moves in place (``param.data = ...``), so placing one split would move the other's
+    weights too. Each moved tensor is a new one here."""
+    for module in stage.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.device != device:
+                module._parameters[name] = torch.nn.Parameter(param.detach().to(device), param.requires_grad)
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)

@@ -28,6 +28,11 @@ from ppsplit.serve.batch import StepBatch
 from ppsplit.serve.sampling import SamplingParams
 
 
+# A step's token budget by default, as vLLM's for online serving: a prompt of up to 2048 tokens is one prefill step
+# (8B-shaped on an H100, 64 requests: 1.25x the lower bound at 2048, 1.54x at 256; bench/gpu_serve.py, RESULTS).
+DEFAULT_BUDGET = 2048
+
+
 @dataclass(frozen=True)
 class Work:
     """One request's part of a step: ``count`` tokens from ``position`` (``tokens``; a ``fed`` window's ids and

@@ -165,7 +165,7 @@ def test_speculative_decoding_with_an_eagle3_drafter_equals_hf_greedy(arch, tmp_
 
 
 def test_verify_longer_than_the_ring_is_refused():
-    from ppsplit.eagle3.speculative import check_speculation
+    from ppsplit.serve.speculative import check_speculation
 
     plan = ppsplit.split_model(cached(ARCHS[0]), 2).plan
     check_speculation(plan, plan.state_slots - 1)  # K + 1 = slots fits
@@ -174,7 +174,7 @@ def test_verify_longer_than_the_ring_is_refused():
 
 
 def test_the_ring_size_follows_the_cache_config():
-    from ppsplit.eagle3.speculative import check_speculation
+    from ppsplit.serve.speculative import check_speculation
 
     arch = "falcon_mamba" if "falcon_mamba" in ARCHS else ARCHS[0]
     split = ppsplit.split_model(build(arch), 2, cache=CacheConfig(2, 32, state_slots=4))
