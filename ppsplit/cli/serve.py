@@ -92,7 +92,8 @@ def _serve(args, tokenizer, max_request: int) -> int:
 
         loop = EngineLoop(_engine(load_placed(args.folder, args.device), args), max_queue=args.max_queue)
     server = Server(loop.start(), tokenizer, args.served_model_name or model_name(args.folder),
-                    loop.engine.scheduler.layout.max_len, loop.engine.scheduler.k, max_request_bytes=max_request)
+                    loop.engine.scheduler.layout.max_len, loop.engine.scheduler.k, max_request_bytes=max_request,
+                    root=args.folder)
     if watcher is not None:
         watcher.on_failure = server.fail
     code = run(server, sock)

@@ -5,22 +5,27 @@ Rank ``k`` loads only stage ``k`` of a ``ppsplit compile`` folder (with a paged 
 (scheduler, requests, block tables) and is its runner: each micro-step it runs stage 0 and sends down the pipe, as
 named tensors in this order::
 
-    head          int64 [7]             run (1) / end of job (0) / job refused (2), N tokens, R requests, D drawing,
-                                        A admissions, serial, what the drawing requests do (SAMPLED | CUT_K | CUT_P)
+    head          int64 [8]             run (1) / end of job (0) / job refused (2), N tokens, R requests, D drawing,
+                                        A admissions, serial, what the drawing requests do (SAMPLED | CUT_K | CUT_P |
+                                        ADJUSTED; their most logprobs + 1 from bit 4, prompt logprobs + 1 from bit
+                                        10), E admission marks (-1: none)
     batch         int64                 the step's packed fields (``ppsplit.serve.batch``: ids, positions, slots,
                                         block table, per-request rows)
-    admit_floats  float32 [A, 2]        temperature, top-p of each request taking a slot (sent once per admission)
-    admit_ints    int64 [A, 4]          slot, top-k, seed, output index of its next draw
+    admit_floats  float32 [A, 5]        temperature, top-p, penalties of each request taking a slot (sent once per
+                                        admission; ``ppsplit.serve.sampler.admission_tensors``)
+    admit_ints    int64 [A, 6]          slot, top-k, seed, output index of its next draw, min_tokens, adjusted
+    admit_marks   int64 [E, 3]          with E >= 0: the adjusted requests' prompt, output, stop and bias ids
+    mark_values   float32 [E]           and the biases
     hidden        [N, W]                the stage's output (and any values carried beside it)
     aux           [filled(k), N, H]     the aux prefix the next stages read
 
 Rank ``k`` relays ``head``, ``batch`` and the admissions and sends its own ``hidden`` and ``aux[:filled(k)]``. The
 last rank holds the ``Sampler`` (per-slot parameters, sampling, acceptance, the drafter) and sends rank 0 one tensor
-per micro-step, the results ``int64 [R, 3 + 3K]`` (``ppsplit.serve.sampler``), through a group of its own. ``pp``
-micro-steps over disjoint requests are in flight, so every stage is busy; a request in flight is not scheduled again
-until its result is back. Every rank runs the micro-steps in the order rank 0 sent them, so a slot or block freed
-while a micro-step is in flight (an abort) and given to a new request is written by the new request only after the
-old step is done with it; a result whose slot generation no longer matches its request is dropped.
+per micro-step, the results (``ppsplit.serve.sampler.result_shape``), through a group of its own. ``pp`` micro-steps
+over disjoint requests are in flight, so every stage is busy; a request in flight is not scheduled again until its
+result is back. Every rank runs the micro-steps in the order rank 0 sent them, so a slot or block freed while a
+micro-step is in flight (an abort) and given to a new request is written by the new request only after the old step
+is done with it; a result whose slot generation no longer matches its request is dropped.
 
 Before any tensor moves the ranks exchange a header (plan fingerprint, world size, dtype, cache layout, ``K``,
 token budget, buckets); a mismatch raises the same ``ConfigError`` on every rank. A rank that dies or stalls makes
@@ -53,13 +58,14 @@ from ppsplit.distributed.transport import Links, agree
 from ppsplit.serve.batch import StepBatch
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.runner import buckets_up_to
-from ppsplit.serve.sampler import Sampler, admission_tensors, result_width, to_device
+from ppsplit.serve.sampler import FLOATS, INTS, Sampler, admission_tensors, result_shape, to_device
 from ppsplit.serve.sampling import SamplingParams
 from ppsplit.serve.scheduler import DEFAULT_BUDGET, Scheduler
 
 RUN, END, REFUSED = 1, 0, 2
-SAMPLED, CUT_K, CUT_P = 1, 2, 4
-HEAD = 7
+SAMPLED, CUT_K, CUT_P, ADJUSTED = 1, 2, 4, 8
+LOGPROBS_SHIFT, PROMPT_LOGPROBS_SHIFT = 4, 10
+HEAD = 8
 MESSAGE_BYTES = 1024  # a refused job's error text
 
 
@@ -303,7 +309,7 @@ class PipelineEngine:
             engine.flight.popleft()[1].wait()
         if self.world > 1:
             self.links.wait(self.sent)
-            head = torch.tensor([kind, 0, 0, 0, 0, self.serial, 0], device=self.device)
+            head = torch.tensor([kind, 0, 0, 0, 0, self.serial, 0, -1], device=self.device)
             tensors = [head] + ([_text(message, self.device)] if kind == REFUSED else [])
             self.links.wait([self.links.send(t, 1) for t in tensors])
             self.sent = []
@@ -314,14 +320,17 @@ class PipelineEngine:
         batch = plan.batch.to(dev, non_blocking=True)
         admissions = plan.admissions
         self.serial += 1
-        flags = SAMPLED * plan.sampled | CUT_K * plan.cut_k | CUT_P * plan.cut_p
-        head = torch.tensor([RUN, batch.n, batch.num_rows, batch.num_drawing, len(admissions), self.serial, flags])
+        flags = (SAMPLED * plan.sampled | CUT_K * plan.cut_k | CUT_P * plan.cut_p | ADJUSTED * plan.adjusted
+                 | (plan.logprobs + 1) << LOGPROBS_SHIFT | (plan.prompt_logprobs + 1) << PROMPT_LOGPROBS_SHIFT)
+        admitted = admission_tensors(admissions) if admissions else ()
+        marks = len(admitted[2]) if len(admitted) > 2 else -1
+        head = torch.tensor([RUN, batch.n, batch.num_rows, batch.num_drawing, len(admissions), self.serial, flags,
+                             marks])
         y, aux = self._run(batch.tokens, batch.step(), self._aux(batch.n))
-        relayed = [to_device(head, dev), batch.buffer]
-        if admissions:
-            relayed += [to_device(t, dev) for t in admission_tensors(admissions)]
+        relayed = [to_device(head, dev), batch.buffer] + [to_device(t, dev) for t in admitted]
         self._send_on(relayed, y, aux)
-        buffer = torch.zeros(batch.num_rows, result_width(self.k), dtype=torch.long, device=dev)
+        shape = result_shape(self.k, batch.num_rows, batch.n, plan.logprobs, plan.prompt_logprobs)
+        buffer = torch.zeros(shape, dtype=torch.long, device=dev)
         posted = [self.links.recv(buffer, self.world - 1, "receive results from", back=True)]
         return _Pending(self.links, posted, buffer)
 
@@ -336,27 +345,33 @@ class PipelineEngine:
         while True:
             head = torch.zeros(HEAD, dtype=torch.long, device=dev)
             self.links.wait([self.links.recv(head, prev)])
-            kind, n, rows, drawing, admitted, _, flags = head.tolist()
+            kind, n, rows, drawing, admitted, _, flags, num_marks = head.tolist()
             if kind != RUN:
                 self._pass_end(head, kind)
                 return
             packed = torch.empty(StepBatch.size(n, rows, drawing, S, M), dtype=torch.long, device=dev)
-            floats = torch.empty(admitted, 2, dtype=torch.float32, device=dev)
-            ints = torch.empty(admitted, 4, dtype=torch.long, device=dev)
+            admission = [torch.empty(admitted, FLOATS, dtype=torch.float32, device=dev),
+                         torch.empty(admitted, INTS, dtype=torch.long, device=dev)] if admitted else []
+            if admitted and num_marks >= 0:
+                admission += [torch.empty(num_marks, 3, dtype=torch.long, device=dev),
+                              torch.empty(num_marks, dtype=torch.float32, device=dev)]
             x = torch.empty(n, self.x_width, dtype=self.dtype, device=dev)
             aux = self._aux(n)
-            tensors = [packed] + ([floats, ints] if admitted else []) + [x] + ([aux[:self.received]] if self.received
+            tensors = [packed] + admission + [x] + ([aux[:self.received]] if self.received
                                                                                else [])
             self.links.wait([self.links.recv(t, prev) for t in tensors])
             batch = StepBatch(packed, n, rows, drawing, S, M)
             y, aux = self._run(x, batch.step(), aux)
             if not self.last:
-                self._send_on([head, packed] + ([floats, ints] if admitted else []), y, aux)
+                self._send_on([head, packed] + admission, y, aux)
                 continue
             if admitted:
-                self.sampler.admit_tensors(floats, ints)
+                self.sampler.admit_tensors(*admission)
             results = self.sampler.run(y, aux, batch.tokens, batch.positions, batch, sampled=bool(flags & SAMPLED),
-                                       cut_k=bool(flags & CUT_K), cut_p=bool(flags & CUT_P))
+                                       cut_k=bool(flags & CUT_K), cut_p=bool(flags & CUT_P),
+                                       adjusted=bool(flags & ADJUSTED),
+                                       logprobs=((flags >> LOGPROBS_SHIFT) & 63) - 1,
+                                       prompt_logprobs=(flags >> PROMPT_LOGPROBS_SHIFT) - 1)
             self.links.wait(self.sent)
             self.sent = [self.links.send(results, 0, "send results to", back=True)]
             self._message = results  # alive until its send is done

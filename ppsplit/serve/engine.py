@@ -35,7 +35,8 @@ log = logging.getLogger("ppsplit")
 class RequestOutput:
     """What a request produced: ``new_token_ids`` in this step, ``token_ids`` so far; ``finish_reason`` is
     ``"stop"`` (an end-of-sequence or stop token, kept in the output), ``"length"`` (``max_tokens``) or
-    ``"abort"``. ``accepted`` / ``drafts``: per verify pass, the drafts accepted and proposed."""
+    ``"abort"``. ``accepted`` / ``drafts``: per verify pass, the drafts accepted and proposed. ``logprobs`` (with
+    ``SamplingParams.logprobs``): per output token so far, ``(logprob, [(id, logprob)] of the most likely)``."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -45,6 +46,12 @@ class RequestOutput:
     finish_reason: str | None = None
     accepted: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # with SamplingParams.prompt_logprobs: None, then per token
+
+    @property
+    def new_logprobs(self) -> list:
+        return self.logprobs[len(self.logprobs) - len(self.new_token_ids):] if self.logprobs else []
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -161,7 +168,8 @@ class Engine:
 def output_of(request: Request) -> RequestOutput:
     return RequestOutput(request.id, list(request.prompt), list(request.new), list(request.output),
                          request.finish_reason is not None, request.finish_reason, list(request.accepted),
-                         [list(d) for d in request.verified])
+                         [list(d) for d in request.verified], list(request.logprobs),
+                         list(request.prompt_logprobs))
 
 
 def add_all(engine, prompts, params) -> list[str]:

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ppsplit.artifact.sandbox import Budget
 from ppsplit.core.errors import ConfigError
-from ppsplit.serve.sampling import SamplingParams
+from ppsplit.serve.sampling import MAX_LOGPROBS, SamplingParams
 
+# vLLM's OpenAI server takes these too (its benchmark client sends repetition_penalty, ignore_eos, logprobs: null).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-           "user"}
-COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+           "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
+           "ignore_eos", "logit_bias", "logprobs"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 MAX_STOP = 4
+MAX_CHOICES = 64  # prompts x n of one request
+LOGPROB_FLOOR = -9999.0  # a -inf logprob (a token ruled out) as JSON can carry it, as vLLM writes it
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a seed travels between ranks as an int64 (vLLM's bounds too)
 MIN_REQUEST_BYTES = 1 << 20
 REQUEST_BYTES_PER_TOKEN = 64
@@ -52,14 +56,28 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class Parsed:
-    """A checked request: the prompt's token ids, how to sample, the stop strings, how to answer."""
+    """A checked request: its prompts (token ids, and the text ``echo`` repeats), ``n`` choices per prompt and how
+    each samples (``params[i * n + j]``: prompt ``i``'s choice ``j``, ``choices[].index`` ``i * n + j`` as vLLM),
+    the stop strings, how to answer; ``logprobs``: alternatives per token (``None``: no logprobs)."""
 
-    prompt_ids: list[int]
-    params: SamplingParams
+    prompts: list[list[int]]
+    params: list[SamplingParams]
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
     chat: bool
+    n: int = 1
+    texts: tuple[str, ...] = ()
+    echo: bool = False
+    logprobs: int | None = None
+    continuous_usage: bool = False
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompts[0]
+
+    def prompt_of(self, index: int) -> list[int]:
+        return self.prompts[index // self.n]
 
 
 def read_json(raw: bytes) -> dict:
@@ -98,40 +116,71 @@ def _check_text(body: dict) -> None:
 
 def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_positions: int) -> Parsed:
     """The request ``body`` of ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions``, checked."""
+    body = {k: v for k, v in body.items() if v is not None}  # a null field is an absent one (OpenAI's default)
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = sorted(k for k in body if k not in allowed)
     if unknown:
         raise ApiError(f"unsupported field {unknown[0]!r}: this server takes {', '.join(sorted(allowed))}; drop the "
                        "others", param=unknown[0], code="unsupported_field")
-    body = {k: v for k, v in body.items() if v is not None}  # a null field is an absent one (the client's default)
     if body.get("model") != model:
         raise ApiError(f"model {json.dumps(body.get('model'))[:80]} is not served here; this server serves "
                        f"{model!r} (see /v1/models)", param="model", code="model_not_found", status=404)
-    n = body.get("n", 1)
-    if not isinstance(n, int) or isinstance(n, bool) or n != 1:
-        raise ApiError(f"n must be the integer 1 (one choice per request), but got {json.dumps(n)[:40]}", param="n")
+    n = _number(body, "n", 1, 1, MAX_CHOICES, True, f"an integer from 1 to {MAX_CHOICES}")
+    if body.get("best_of", n) != n:
+        raise ApiError(f"best_of must equal n ({n}) or be null: this server returns every sequence it generates",
+                       param="best_of")
     if not isinstance(body.get("user", ""), str):
         raise ApiError(f"user must be a string, but got {json.dumps(body['user'])[:40]}", param="user")
-    prompt_ids = _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer)
+    if chat:
+        prompts, texts = [_chat_prompt(body, tokenizer)], ()
+    else:
+        prompts, texts = _completion_prompts(body, tokenizer)
+    if len(prompts) * n > MAX_CHOICES:
+        raise ApiError(f"{len(prompts)} prompts x n={n} is {len(prompts) * n} sequences; one request makes at most "
+                       f"{MAX_CHOICES}", param="n")
     stream = _flag(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and not stream:
+    options = body.get("stream_options", {})
+    if "stream_options" in body and not stream:
         raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise ApiError(f"stream_options takes only include_usage (true or false), but got {options!r}",
-                       param="stream_options")
-    include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
-    room = max_len - len(prompt_ids) - draft_positions
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise ApiError(f"stream_options takes include_usage and continuous_usage_stats (true or false), but got "
+                       f"{options!r}", param="stream_options")
+    options = {k: v for k, v in options.items() if v is not None}
+    include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+    continuous = _flag(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
+    longest = max(len(p) for p in prompts)
+    room = max_len - longest - draft_positions
     key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     default = 16 if not chat else max(1, room)  # OpenAI's completions default; chat: what the cache leaves
-    params = _params(body, key, default)
-    if len(prompt_ids) + params.max_tokens + draft_positions > max_len:
-        raise ApiError(f"the prompt has {len(prompt_ids)} tokens and {key} is {params.max_tokens}"
+    logprobs = _logprobs(body, chat)
+    echo = _flag(body, "echo")
+    base = _params(body, key, default, logprobs)
+    if echo and logprobs is not None:  # the prompt's logprobs too, as lm-evaluation-harness reads them
+        base = replace(base, prompt_logprobs=logprobs)
+    if longest + base.max_tokens + draft_positions > max_len:
+        raise ApiError(f"the prompt has {longest} tokens and {key} is {base.max_tokens}"
                        + (f" (+ {draft_positions} draft positions)" if draft_positions else "")
                        + f", but a sequence holds {max_len} tokens; shorten the prompt or ask for at most "
                        f"{max(0, room)} tokens", param=key if room > 0 else ("messages" if chat else "prompt"),
                        code="context_length_exceeded")
-    return Parsed(prompt_ids, params, _stop(body), stream, include_usage, chat)
+    # Choice j samples with seed + j (as vLLM's parallel sampling), so n seeded choices differ and repeat.
+    params = [base if base.seed is None or n == 1 else replace(base, seed=base.seed + j)
+              for _ in prompts for j in range(n)]
+    return Parsed(prompts, params, _stop(body), stream, include_usage, chat, n, texts, echo, logprobs, continuous)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Alternatives per token, or ``None``: completions' ``logprobs`` (an integer), chat's ``logprobs`` (true or
+    false) with ``top_logprobs``."""
+    if not chat:
+        if "logprobs" not in body:
+            return None
+        return _number(body, "logprobs", None, 0, MAX_LOGPROBS, True, f"an integer from 0 to {MAX_LOGPROBS}")
+    wanted = _flag(body, "logprobs")
+    top = _number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, True, f"an integer from 0 to {MAX_LOGPROBS}")
+    if "top_logprobs" in body and not wanted:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    return top if wanted else None
 
 
 def _flag(body: dict, key: str, name: str | None = None) -> bool:
@@ -141,10 +190,20 @@ def _flag(body: dict, key: str, name: str | None = None) -> bool:
     return value
 
 
-def _completion_prompt(body: dict, tokenizer) -> list[int]:
+def _completion_prompts(body: dict, tokenizer) -> tuple[list[list[int]], tuple[str, ...]]:
+    """Prompt (a string, a list of token ids, or a list of either) as token ids, with the text ``echo`` repeats."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    prompts = prompt if batch else [prompt]
+    if len(prompts) > MAX_CHOICES:
+        raise ApiError(f"prompt holds {len(prompts)} prompts; one request takes at most {MAX_CHOICES}",
+                       param="prompt")
+    ids = [_completion_prompt(p, tokenizer) for p in prompts]
+    return ids, tuple(p if isinstance(p, str) else tokenizer.decode(i, skip_special_tokens=True)
+                      for p, i in zip(prompts, ids))
+
+
+def _completion_prompt(prompt, tokenizer) -> list[int]:
     if isinstance(prompt, str):
         try:
             ids = tokenizer.encode(prompt)
@@ -157,7 +216,7 @@ def _completion_prompt(body: dict, tokenizer) -> list[int]:
             raise ApiError(f"token id {bad[0]} in prompt is outside the vocabulary (0 to {tokenizer.vocab_size - 1})",
                            param="prompt")
     else:
-        raise ApiError("prompt must be a string or a list of token ids (one prompt per request), but got "
+        raise ApiError("prompt must be a string, a list of token ids, or a list of those (a batch), but got "
                        f"{json.dumps(prompt)[:80]}", param="prompt")
     if not ids:
         raise ApiError("prompt is empty; send at least one token", param="prompt")
@@ -165,6 +224,17 @@ def _completion_prompt(body: dict, tokenizer) -> list[int]:
 
 
 def _chat_prompt(body: dict, tokenizer) -> list[int]:
+    plain = _chat_prompt_messages(body)
+    if tokenizer.chat_template is None:
+        raise ApiError("this model's folder has no chat template; use /v1/completions with a prompt",
+                       param="messages")
+    try:
+        return tokenizer.encode_chat(plain, add_generation_prompt=True)
+    except ConfigError as e:  # the template refused, failed or ran past its budget (time, output, memory)
+        raise ApiError(str(e), param="messages") from None
+
+
+def _chat_prompt_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list of {role, content} objects", param="messages")
@@ -181,13 +251,7 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
                                param=f"messages[{i}].name")
             message["name"] = m["name"]
         plain.append(message)
-    if tokenizer.chat_template is None:
-        raise ApiError("this model's folder has no chat template; use /v1/completions with a prompt",
-                       param="messages")
-    try:
-        return tokenizer.encode_chat(plain, add_generation_prompt=True)
-    except ConfigError as e:  # the template refused, failed or ran past its budget (time, output, memory)
-        raise ApiError(str(e), param="messages") from None
+    return plain
 
 
 def _content(content, i: int) -> str:
@@ -208,7 +272,7 @@ def _number(body: dict, key: str, default, low, high, integer: bool, what: str):
     return value
 
 
-def _params(body: dict, key: str, default: int) -> SamplingParams:
+def _params(body: dict, key: str, default: int, logprobs: int | None) -> SamplingParams:
     max_tokens = _number(body, key, default, 1, None, True, "an integer >= 1")
     temperature = _number(body, "temperature", 1.0, 0, 2, False, "a number from 0 (greedy) to 2")
     top_p = _number(body, "top_p", 1.0, 0, 1, False, "a number in (0, 1]")
@@ -217,8 +281,25 @@ def _params(body: dict, key: str, default: int) -> SamplingParams:
     top_k = _number(body, "top_k", 0, -1, None, True, "an integer >= 1, or 0 or -1 for no cut")
     seed = _number(body, "seed", None, *SEED_RANGE, True, "an integer from -2**63 to 2**63 - 1") \
         if "seed" in body else None
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(0, top_k),
-                          seed=seed)
+    stop_ids = body.get("stop_token_ids", [])
+    if not isinstance(stop_ids, list) or len(stop_ids) > 64:
+        raise ApiError(f"stop_token_ids must be a list of up to 64 token ids, but got {json.dumps(stop_ids)[:80]}",
+                       param="stop_token_ids")
+    bias = body.get("logit_bias", {})
+    if not isinstance(bias, dict):
+        raise ApiError(f"logit_bias must be an object mapping token ids to biases, but got {json.dumps(bias)[:80]}",
+                       param="logit_bias")
+    fields = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(0, top_k), seed=seed,
+                  stop_token_ids=tuple(stop_ids), ignore_eos=_flag(body, "ignore_eos"), logit_bias=bias,
+                  logprobs=logprobs)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        if name in body:
+            fields[name] = body[name]
+    try:
+        return SamplingParams(**fields)
+    except ConfigError as e:
+        message = str(e)
+        raise ApiError(message, param=next((f for f in fields if message.startswith(f)), None)) from None
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -236,29 +317,60 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_body(rid: str, model: str, created: int, text: str, finish: str, use: dict, chat: bool) -> dict:
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+def completion_body(rid: str, model: str, created: int, choices: list[dict], use: dict, chat: bool) -> dict:
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": use}
+            "choices": choices, "usage": use}
 
 
-def chunk_body(rid: str, model: str, created: int, chat: bool, *, text: str | None = None, finish: str | None = None,
-               role: bool = False, use: dict | None = None, include_usage: bool = False) -> dict:
-    """One streamed chunk; ``use`` makes it the final usage chunk (no choices)."""
+def choice_body(index: int, text: str, finish: str, logprobs: dict | None, chat: bool) -> dict:
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def chunk_body(rid: str, model: str, created: int, chat: bool, *, index: int = 0, text: str | None = None,
+               finish: str | None = None, role: bool = False, use: dict | None = None, include_usage: bool = False,
+               logprobs: dict | None = None, running: dict | None = None) -> dict:
+    """One streamed chunk; ``use`` makes it the final usage chunk (no choices); ``running``: the usage so far
+    (``continuous_usage_stats``)."""
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model}
     if use is not None:
         return body | {"choices": [], "usage": use}
     if chat:
         delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-    return body | {"choices": [choice]} | ({"usage": None} if include_usage else {})
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+    return body | {"choices": [choice]} | ({"usage": running} if running is not None else
+                                           {"usage": None} if include_usage else {})
+
+
+def logprobs_body(tokenizer, entries, token_ids, chat: bool, offset: int = 0) -> dict | None:
+    """``entries`` (``RequestOutput.logprobs``: ``(logprob, [(id, logprob)])`` per token of ``token_ids``) in the
+    chat format (``{"content": [{token, logprob, bytes, top_logprobs}]}``) or the completions one (``tokens``,
+    ``token_logprobs``, ``top_logprobs``, ``text_offset`` from ``offset``). An entry ``None`` (a prompt's first
+    token) has no logprob."""
+    def text(token: int) -> str:
+        return tokenizer.decode([token], skip_special_tokens=False)
+
+    def value(lp: float) -> float:
+        return max(lp, LOGPROB_FLOOR)
+
+    if chat:
+        return {"content": [{"token": text(t), "logprob": value(lp), "bytes": list(text(t).encode()),
+                             "top_logprobs": [{"token": text(a), "logprob": value(v), "bytes": list(text(a).encode())}
+                                              for a, v in top]} for t, (lp, top) in zip(token_ids, entries)]}
+    tokens = [text(t) for t in token_ids]
+    offsets = []
+    for piece in tokens:
+        offsets.append(offset)
+        offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": [None if e is None else value(e[0]) for e in entries],
+            "top_logprobs": [None if e is None else {text(a): value(v) for a, v in [(t, e[0])] + e[1]}
+                             for t, e in zip(token_ids, entries)],
+            "text_offset": offsets}
 
 
 def sse(body: dict | str) -> bytes:
@@ -267,3 +379,49 @@ def sse(body: dict | str) -> bytes:
 
 def now() -> int:
     return int(time.time())
+
+
+# -- /tokenize and /detokenize (vLLM's) ------------------------------------------------------------------------------
+
+def tokenize_body(body: dict, tokenizer, model: str) -> list[int]:
+    """``{prompt, add_special_tokens}`` or ``{messages, add_generation_prompt}`` as token ids."""
+    body = _tool_body(body, model, {"prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+    if ("prompt" in body) == ("messages" in body):
+        raise ApiError("send either prompt (a string) or messages (a chat)", param="prompt")
+    try:
+        if "messages" in body:
+            messages = _chat_prompt_messages(body)
+            if tokenizer.chat_template is None:
+                raise ApiError("this model's folder has no chat template; tokenize a prompt", param="messages")
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=_flag(body, "add_generation_prompt")
+                                                 if "add_generation_prompt" in body else True)
+            return tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens"))
+        if not isinstance(body["prompt"], str):
+            raise ApiError(f"prompt must be a string, but got {json.dumps(body['prompt'])[:80]}", param="prompt")
+        special = _flag(body, "add_special_tokens") if "add_special_tokens" in body else True
+        return tokenizer.encode(body["prompt"], add_special_tokens=special)
+    except ConfigError as e:  # the template or tokenizer failed or ran past its budget
+        raise ApiError(str(e), param="messages" if "messages" in body else "prompt") from None
+
+
+def detokenize_body(body: dict, tokenizer, model: str) -> list[int]:
+    body = _tool_body(body, model, {"tokens"})
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                            and 0 <= t < tokenizer.vocab_size for t in ids):
+        raise ApiError(f"tokens must be a list of token ids from 0 to {tokenizer.vocab_size - 1}, but got "
+                       f"{json.dumps(ids)[:80]}", param="tokens")
+    return ids
+
+
+def _tool_body(body: dict, model: str, allowed: set) -> dict:
+    body = {k: v for k, v in body.items() if v is not None}
+    unknown = sorted(set(body) - allowed - {"model"})
+    if unknown:
+        raise ApiError(f"unsupported field {unknown[0]!r}: this endpoint takes "
+                       f"{', '.join(sorted(allowed | {'model'}))}",
+                       param=unknown[0], code="unsupported_field")
+    if body.get("model", model) != model:
+        raise ApiError(f"model {body['model']!r} is not served here; this server serves {model!r}", param="model",
+                       code="model_not_found")
+    return body

@@ -92,7 +92,8 @@ class LocalRunner:
         ids, positions = self.sampler.window(batch) if plan.fed else (batch.tokens, batch.positions)
         logits, aux = self.split.step(ids.to(module_device(self.split.stages[0])), batch.step(positions))
         results = self.sampler.run(logits, aux, ids, positions, batch, sampled=plan.sampled, cut_k=plan.cut_k,
-                                   cut_p=plan.cut_p)
+                                   cut_p=plan.cut_p, adjusted=plan.adjusted, logprobs=plan.logprobs,
+                                   prompt_logprobs=plan.prompt_logprobs)
         return Pending(results)
 
     def close(self) -> None:

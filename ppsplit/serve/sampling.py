@@ -4,6 +4,14 @@ Greedy (``temperature`` below ``GREEDY_BELOW``) is the argmax. Otherwise the log
 cut to the ``top_k`` largest and then to the smallest set whose probability reaches ``top_p`` (the order vLLM and
 Hugging Face apply them), renormalised, and drawn by inverting the cumulative distribution at one uniform number.
 
+Before that, a request's logits are adjusted (``adjusted_logits``, the per-request reference): ``logit_bias`` added,
+its stop ids (end-of-sequence and ``stop_token_ids``) masked while fewer than ``min_tokens`` are out, then the
+penalties as vLLM defines them (``vllm/model_executor/layers/utils.py: apply_penalties``): ``repetition_penalty``
+divides a positive logit (multiplies a negative one) of every token seen in the prompt or the output, and
+``frequency_penalty * count + presence_penalty * (count > 0)`` is subtracted, ``count`` being the token's occurrences
+in the output so far (OpenAI's definition). The target distribution that greedy, sampling and the rejection rule use
+is the adjusted one; ``logprobs`` are the unadjusted model's (``log_softmax`` of the logits, as vLLM's default).
+
 Randomness is counter-based: the uniform a request draws with is a hash of its seed, the output index of the token
 being drawn and what it is drawn for (``SALT_*``), computed with tensor ops on the device for every request of a step
 at once. So the same seed gives the same tokens whatever the batch companions are, and no draw reads the host.
@@ -18,12 +26,18 @@ from ppsplit.core.errors import ConfigError
 
 GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature decodes greedily (dividing by it would overflow to inf)
 SALT_TARGET, SALT_ACCEPT, SALT_DRAFT = 0, 1, 2  # a target draw, a draft's acceptance test, a drafter's draw
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request decodes. ``max_tokens``: new tokens at most; ``stop_token_ids``: end the output (the token is
-    kept, as an end-of-sequence token is); ``ignore_eos``: keep going past the model's end-of-sequence ids.
+    kept, as an end-of-sequence token is); ``ignore_eos``: keep going past the model's end-of-sequence ids;
+    ``min_tokens``: no stop id is drawn before that many tokens; ``presence_penalty`` / ``frequency_penalty`` (-2 to
+    2), ``repetition_penalty`` (> 0, 1: none), ``logit_bias`` (``{token id: bias}``, -100 to 100): see the module
+    docstring; ``logprobs``: return each new token's log-probability and the ``logprobs`` most likely alternatives
+    (0 to ``MAX_LOGPROBS``), ``None``: none; ``prompt_logprobs``: the same for each prompt token after the first.
 
     Example::
 
@@ -37,6 +51,13 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -54,12 +75,73 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop):
             raise ConfigError(f"stop_token_ids must be token ids (integers >= 0), but got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", stop)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), but got "
+                              f"{self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ConfigError(f"{name} must be a number from -2 to 2 (0: none), but got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            raise ConfigError(f"repetition_penalty must be a number in (0, 100] (1: none), but got "
+                              f"{self.repetition_penalty!r}")
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((int(t) if isinstance(t, str) and t.strip().isdigit() else t, b) for t, b in bias))
+        except (TypeError, ValueError):
+            bias = None
+        if bias is None or len(bias) > MAX_LOGIT_BIAS or not all(
+                _is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in bias):
+            raise ConfigError(f"logit_bias must map up to {MAX_LOGIT_BIAS} token ids to biases from -100 to 100, but "
+                              f"got {str(self.logit_bias)[:80]}")
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ConfigError(f"{name} must be an integer from 0 to {MAX_LOGPROBS} (the alternatives returned per "
+                                  f"token) or None, but got {value!r}")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether the logits are changed before sampling (a bias, ``min_tokens`` or a penalty)."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def adjusted_logits(logits: torch.Tensor, params: SamplingParams, prompt, output, stops=()) -> torch.Tensor:
+    """One request's logits ``[V]`` for its next token after ``prompt`` and ``output`` (token ids), adjusted as the
+    module docstring says (``stops``: its end-of-sequence ids, unless it ignores them); float32. The per-request
+    reference of ``Sampler``'s batched adjustment."""
+    logits = logits.float().clone()
+    for token, bias in params.logit_bias:
+        if token < logits.shape[-1]:
+            logits[token] += bias
+    if len(output) < params.min_tokens:
+        for token in set(stops) | set(params.stop_token_ids):
+            if token < logits.shape[-1]:
+                logits[token] = float("-inf")
+    counts = torch.bincount(torch.tensor(list(output), dtype=torch.long), minlength=logits.shape[-1]).float()
+    seen = counts > 0
+    seen[torch.tensor(list(prompt), dtype=torch.long)] = True
+    penalty = torch.where(seen, torch.tensor(params.repetition_penalty), torch.tensor(1.0))
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -68,6 +68,8 @@ class Request:
     verified: list[list[int]] = field(default_factory=list)
     finish_reason: str | None = None
     new: list[int] = field(default_factory=list)  # produced in the step just read
+    logprobs: list = field(default_factory=list)  # per output token (with params.logprobs): (logprob, top [(id, lp)])
+    prompt_logprobs: list = field(default_factory=list)  # the same per prompt token (None for the first)
 
     @property
     def tokens(self) -> list[int]:
@@ -82,6 +84,9 @@ class Admission:
     params: SamplingParams
     seed: int
     index: int  # output index of its next draw (its tokens so far, after a preemption)
+    prompt: tuple[int, ...] = ()  # what adjusting the logits needs (only when params.adjusted)
+    output: tuple[int, ...] = ()
+    stops: tuple[int, ...] = ()  # the ids min_tokens holds back: end-of-sequence (unless ignored) and stop ids
 
 
 @dataclass
@@ -94,6 +99,9 @@ class StepPlan:
     sampled: bool  # some drawing request samples (else all are greedy)
     cut_k: bool
     cut_p: bool
+    adjusted: bool = False  # some drawing request's logits are adjusted (bias, min_tokens, penalties)
+    logprobs: int = -1  # the most alternatives a drawing request asks for, -1: no request wants logprobs
+    prompt_logprobs: int = -1  # the same for the prompt tokens this step feeds
 
     @property
     def fed(self) -> bool:
@@ -163,6 +171,11 @@ class Scheduler:
             raise ConfigError(f"the request needs {-(-need // self.layout.block_size)} blocks, more than the cache's "
                               f"pool of {self.layout.num_blocks}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        biased = [t for t, _ in params.logit_bias if t >= self.vocab] + [t for t in params.stop_token_ids
+                                                                        if t >= self.vocab]
+        if biased:
+            raise ConfigError(f"token id {biased[0]} in logit_bias / stop_token_ids is outside the vocabulary of "
+                              f"{self.vocab} ids (0 to {self.vocab - 1})")
         if request_id in self.requests and self.requests[request_id].finish_reason is None:
             raise ConfigError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
@@ -214,7 +227,7 @@ class Scheduler:
                 self.release(request)
                 break
             self.waiting.popleft()
-            admissions.append(Admission(request.slot, request.params, request.seed, len(request.output)))
+            admissions.append(self._admission(request))
             entries.append((request, self._chunk(request, request.computed, chunk)))
             budget -= len(chunk)
         if not entries:
@@ -222,6 +235,14 @@ class Scheduler:
         for request, work in entries:
             request.flight.append(work)
         return self._plan(entries, admissions)
+
+    def _admission(self, request: Request) -> Admission:
+        params = request.params
+        if not params.adjusted:
+            return Admission(request.slot, params, request.seed, len(request.output))
+        stops = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)))
+        return Admission(request.slot, params, request.seed, len(request.output), tuple(request.prompt),
+                         tuple(request.output), stops)
 
     def _next_work(self, request: Request, budget: int) -> Work | None:
         """What ``request`` feeds next, or ``None`` (waiting for a result, or done once its steps in flight end)."""
@@ -301,14 +322,22 @@ class Scheduler:
         draws = [r.params for r, w in entries if w.final]
         sampled = [p for p in draws if not p.greedy]
         return StepPlan(entries, admissions, StepBatch.pack(arrays, layout.slots, layout.blocks_per_seq),
-                        bool(sampled), any(p.top_k for p in sampled), any(p.top_p < 1 for p in sampled))
+                        bool(sampled), any(p.top_k for p in sampled), any(p.top_p < 1 for p in sampled),
+                        any(p.adjusted for p in draws), max((p.logprobs for p in draws if p.logprobs is not None),
+                                                            default=-1),
+                        max((r.params.prompt_logprobs for r, w in entries if r.params.prompt_logprobs is not None
+                             and not w.fed and w.position + 1 < len(r.prompt)), default=-1))
 
     def apply(self, plan: StepPlan, results: np.ndarray) -> list:
         """Take a step's results (``results [R, W]``, rows in plan order: see ``ppsplit.serve.sampler``); the
         requests that produced tokens or finished in it. A result is dropped when its request has ended since (an
         abort while its step was in flight) or it is for an earlier holder of the slot."""
-        k, changed = self.k, []
+        k, changed, at = self.k, [], 0
         for r, (request, work) in enumerate(plan.entries):
+            at += work.count
+            if plan.prompt_logprobs >= 0 and request.params.prompt_logprobs is not None and not work.fed \
+                    and request.finish_reason is None and work.generation == request.generation:
+                self._prompt_logprobs(request, work, results[len(plan.entries) + at - work.count:], plan)
             if request.flight and request.flight[0] is work:
                 request.flight.pop(0)
             if request.finish_reason is not None or work.generation != request.generation:
@@ -324,13 +353,33 @@ class Scheduler:
                 request.verified.append(row[2 + k + 1:2 + k + 1 + work.num_drafts].tolist())
                 request.computed -= work.num_drafts - accepted
             request.drafts = row[2 + 2 * k + 1:2 + 3 * k + 1].tolist() if k else []
-            for token in row[2:2 + count].tolist():
+            logprobs = token_logprobs(row, k, plan.logprobs, request.params.logprobs)
+            for i, token in enumerate(row[2:2 + count].tolist()):
                 request.output.append(token)
                 request.new.append(token)
+                if logprobs is not None:
+                    request.logprobs.append(logprobs[i])
                 if self._stops(request, token):
                     break
             changed.append(request)
         return changed
+
+    @staticmethod
+    def _prompt_logprobs(request: Request, work: Work, rows: np.ndarray, plan: StepPlan) -> None:
+        """Keep the logprobs of the prompt tokens that ``work``'s rows (its part of the results' token rows) predict
+        (recomputed after a preemption: the first reading is kept)."""
+        width, wanted = plan.prompt_logprobs, request.params.prompt_logprobs
+        if not request.prompt_logprobs:
+            request.prompt_logprobs = [None] * len(request.prompt)
+        for i in range(work.count):
+            position = work.position + i + 1  # the prompt token row i predicts
+            if position >= len(request.prompt):
+                break
+            if request.prompt_logprobs[position] is None:
+                row = rows[i, :1 + 2 * width]
+                values = row[[0] + list(range(1 + width, 1 + 2 * width))].astype(np.int32).view(np.float32)
+                request.prompt_logprobs[position] = (float(values[0]), list(zip(row[1:1 + wanted].tolist(),
+                                                                               values[1:1 + wanted].tolist())))
 
     def _stops(self, request: Request, token: int) -> bool:
         params = request.params
@@ -377,6 +426,19 @@ class Scheduler:
     @property
     def blocks_in_use(self) -> int:
         return self.pool.in_use
+
+
+def token_logprobs(row: np.ndarray, k: int, width: int, wanted: int | None):
+    """A result row's logprobs (``ppsplit.serve.sampler``) for each committed token: ``(logprob, [(id, logprob)] *
+    wanted)``, or ``None`` when the request wants none (``width``: the alternatives the step carries)."""
+    if wanted is None or width < 0:
+        return None
+    per = 1 + 2 * width
+    block = row[3 + 3 * k:3 + 3 * k + (k + 1) * per].reshape(k + 1, per)
+    values = block[:, [0] + list(range(1 + width, 1 + 2 * width))].astype(np.int32).view(np.float32)
+    ids = block[:, 1:1 + wanted]
+    return [(float(values[i, 0]), list(zip(ids[i].tolist(), values[i, 1:1 + wanted].tolist())))
+            for i in range(k + 1)]
 
 
 def prompt_ids_of(prompt) -> list[int]:

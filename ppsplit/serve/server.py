@@ -23,6 +23,7 @@ import socket
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -32,8 +33,9 @@ from starlette.responses import StreamingResponse
 from ppsplit.core.errors import ConfigError
 from ppsplit.serve.detokenize import TextStream
 from ppsplit.serve.loop import EngineLoop, QueueFull
-from ppsplit.serve.openai_api import (ApiError, chunk_body, completion_body, default_max_request_bytes, now, parse,
-                                      read_json, sse, usage)
+from ppsplit.serve.openai_api import (ApiError, choice_body, chunk_body, completion_body, default_max_request_bytes,
+                                      detokenize_body, logprobs_body, now, parse, read_json, sse, tokenize_body,
+                                      usage)
 
 log = logging.getLogger("ppsplit")
 
@@ -52,13 +54,37 @@ class _Events:
         return await self.queue.get()
 
 
+@dataclass
+class Choice:
+    """One sequence of a request (a prompt of a batch, one of its ``n``): its engine request and events."""
+
+    index: int
+    request_id: str
+    events: _Events
+    tokens: int = 0  # generated so far
+    offset: int = 0  # characters of text sent so far (completions' logprobs text_offset)
+
+
+@dataclass
+class Delta:
+    """What one engine step gave a choice: the text that became final (maybe none), the new tokens and their
+    logprobs entries; ``finish`` on the last one."""
+
+    text: str
+    finish: str | None
+    num_tokens: int
+    token_ids: list
+    logprobs: list
+    prompt_logprobs: list  # with echo and logprobs
+
+
 class Server:
     """What the handlers share: the engine loop, the tokenizer, the model's name, the cache's limits, the largest
     request body, and the threads that prepare requests."""
 
     def __init__(self, loop: EngineLoop, tokenizer, model: str, max_len: int, draft_positions: int,
-                 max_request_bytes: int | None = None, threads: int = 8):
-        self.loop, self.tokenizer, self.model = loop, tokenizer, model
+                 max_request_bytes: int | None = None, threads: int = 8, root: str | None = None):
+        self.loop, self.tokenizer, self.model, self.root = loop, tokenizer, model, root or model
         self.max_len, self.draft_positions = max_len, draft_positions
         self.max_request_bytes = max_request_bytes or default_max_request_bytes(max_len)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ppsplit-request")
@@ -98,45 +124,64 @@ class Server:
         return b"".join(parts)
 
     async def start(self, raw: bytes, chat: bool):
-        """Check the body ``raw``, submit it and wait until the engine took it: ``(parsed, request id, events)``."""
+        """Check the body ``raw``, submit its sequences and wait until the engine took them: ``(parsed, choices)``.
+        If one is refused, those already submitted are aborted."""
         self._aio = asyncio.get_running_loop()
         parsed = await self._aio.run_in_executor(self.pool, self.prepare, raw, chat)
-        events = _Events()
-        self.live.add(events)
+        choices = []
         try:
-            request_id = self.loop.submit(parsed.prompt_ids, parsed.params, events)
-        except QueueFull as e:
-            raise ApiError(str(e), status=503, kind="server_error", code="queue_full") from None
-        kind, payload = await events.get()
-        if kind == "error":
-            raise ApiError(payload, param="messages" if chat else "prompt")
-        return parsed, request_id, events
+            for index, params in enumerate(parsed.params):
+                events = _Events()
+                self.live.add(events)
+                try:
+                    request_id = self.loop.submit(parsed.prompt_of(index), params, events)
+                except QueueFull as e:
+                    raise ApiError(str(e), status=503, kind="server_error", code="queue_full") from None
+                choices.append(Choice(index, request_id, events))
+            for choice in choices:
+                kind, payload = await choice.events.get()
+                if kind == "error":
+                    raise ApiError(payload, param="messages" if chat else "prompt")
+        except BaseException:
+            for choice in choices:
+                self.loop.abort(choice.request_id)
+            raise
+        return parsed, choices
 
-    async def deltas(self, parsed, request_id: str, events: _Events):
-        """``(text, finish_reason, tokens)`` for each engine step that gave the request tokens, with the text that
-        became final (maybe none); the last one has a finish reason. A stop string ends the request at once."""
+    async def run(self, function, *args):
+        """``function(*args)`` on a worker thread (what tokenises or templates never runs on the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, function, *args)
+
+    async def deltas(self, parsed, choice: Choice):
+        """A ``Delta`` for each engine step that gave the choice tokens; the last one has a finish reason. A stop
+        string ends the request at once."""
         text = TextStream(self.tokenizer, parsed.stop)
         while True:
-            kind, out = await events.get()
+            kind, out = await choice.events.get()
             if kind == "error":
                 raise ApiError(f"the engine failed: {out}", status=500, kind="server_error", code="engine_failed")
+            before = text.num_tokens
             try:
                 piece = text.feed(out.new_token_ids)
                 rest = text.flush() if out.finished and not text.stopped else ""
             except ConfigError as e:  # the folder's decoder failed on these tokens
                 if not out.finished:
-                    self.loop.abort(request_id)
+                    self.loop.abort(choice.request_id)
                 raise ApiError(str(e), status=500, kind="server_error", code="detokenize_failed") from None
+            new = out.new_token_ids[:text.num_tokens - before]  # none past a stop string
+            logprobs = out.new_logprobs[:len(new)]
+            choice.tokens = text.num_tokens
             if text.stopped:
                 if not out.finished:
-                    self.loop.abort(request_id)
-                yield piece, "stop", text.num_tokens
+                    self.loop.abort(choice.request_id)
+                yield Delta(piece, "stop", text.num_tokens, new, logprobs, out.prompt_logprobs)
                 return
             if out.finished:
-                yield piece + rest, "stop" if out.finish_reason == "stop" else "length", text.num_tokens
+                finish = "stop" if out.finish_reason == "stop" else "length"
+                yield Delta(piece + rest, finish, text.num_tokens, new, logprobs, out.prompt_logprobs)
                 return
             if out.new_token_ids:  # held-back text still makes a (empty) chunk: clients see every step, as vLLM's
-                yield piece, None, text.num_tokens
+                yield Delta(piece, None, text.num_tokens, new, logprobs, out.prompt_logprobs)
 
 
 class Stream(StreamingResponse):
@@ -201,22 +246,23 @@ def build_app(server: Server) -> FastAPI:
         return JSONResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))
 
     async def generate(request: Request, chat: bool):
-        parsed, request_id, events = await server.start(await server.read(request), chat)
+        parsed, choices = await server.start(await server.read(request), chat)
         rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, now()
         if parsed.stream:
-            return Stream(_sse(server, parsed, request_id, events, rid, created),
-                           media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        whole = asyncio.ensure_future(_collect(server, parsed, request_id, events))
+            return Stream(_sse(server, parsed, choices, rid, created),
+                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        whole = asyncio.ensure_future(asyncio.gather(*(_collect(server, parsed, c) for c in choices)))
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not whole.done():  # the client left: nobody reads the answer
             whole.cancel()
-            server.loop.abort(request_id)
+            for choice in choices:
+                server.loop.abort(choice.request_id)
             return Response(status_code=499)
         gone.cancel()
-        text, finish, tokens = whole.result()
-        return JSONResponse(completion_body(rid, server.model, created, text, finish,
-                                            usage(len(parsed.prompt_ids), tokens), chat))
+        answers = whole.result()
+        use = usage(sum(len(p) for p in parsed.prompts), sum(tokens for _, tokens in answers))
+        return JSONResponse(completion_body(rid, server.model, created, [body for body, _ in answers], use, chat))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -229,7 +275,19 @@ def build_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model, "object": "model", "created": now(),
-                                            "owned_by": "ppsplit", "max_model_len": server.max_len}]}
+                                            "owned_by": "ppsplit", "root": server.root, "parent": None,
+                                            "max_model_len": server.max_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = read_json(await server.read(request))
+        ids = await server.run(tokenize_body, body, server.tokenizer, server.model)
+        return {"count": len(ids), "max_model_len": server.max_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        ids = detokenize_body(read_json(await server.read(request)), server.tokenizer, server.model)
+        return {"prompt": await server.run(lambda: server.tokenizer.decode(ids, skip_special_tokens=False))}
 
     @app.get("/health")
     async def health():
@@ -245,12 +303,19 @@ def build_app(server: Server) -> FastAPI:
     return app
 
 
-async def _collect(server: Server, parsed, request_id: str, events: _Events):
-    parts = []
-    async for piece, finish, tokens in server.deltas(parsed, request_id, events):
-        parts.append(piece)
-        if finish is not None:
-            return "".join(parts), finish, tokens
+async def _collect(server: Server, parsed, choice: Choice):
+    """A choice's whole answer: ``(choice body, tokens generated)``."""
+    parts, ids, entries = [], [], []
+    async for delta in server.deltas(parsed, choice):
+        if parsed.echo and not parts:  # the prompt (and its logprobs) first
+            ids, entries = list(parsed.prompt_of(choice.index)), list(delta.prompt_logprobs)
+        parts.append(delta.text)
+        ids += delta.token_ids
+        entries += delta.logprobs
+        if delta.finish is not None:
+            text = (parsed.texts[choice.index // parsed.n] if parsed.echo else "") + "".join(parts)
+            logprobs = None if parsed.logprobs is None else logprobs_body(server.tokenizer, entries, ids, parsed.chat)
+            return choice_body(choice.index, text, delta.finish, logprobs, parsed.chat), delta.num_tokens
 
 
 async def _disconnected(request) -> None:
@@ -258,18 +323,14 @@ async def _disconnected(request) -> None:
         pass
 
 
-async def _sse(server: Server, parsed, request_id: str, events: _Events, rid: str, created: int):
-    """The OpenAI chunk stream; leaving it early (the client went away) aborts the request."""
-    chat, model, done = parsed.chat, server.model, False
-    extra = {"include_usage": parsed.include_usage}
+async def _sse(server: Server, parsed, choices: list, rid: str, created: int):
+    """The OpenAI chunk stream; leaving it early (the client went away) aborts the choices not finished."""
+    done: set = set()
     try:
-        async for event in _chunks(server, parsed, request_id, events, rid, created, chat, model, extra):
-            if event is None:
-                done = True
-            else:
-                yield event
+        async for event in _chunks(server, parsed, choices, rid, created, done):
+            yield event
     except ApiError as e:  # the engine failed mid-stream: say so in the stream (the status is already sent)
-        done = True
+        done.update(c.index for c in choices)
         yield sse(e.body())
         yield sse("[DONE]")
     except Exception as e:  # unexpected: one log line, and the stream still ends as OpenAI's do
@@ -278,26 +339,58 @@ async def _sse(server: Server, parsed, request_id: str, events: _Events, rid: st
                            kind="server_error", code="internal_error").body())
         yield sse("[DONE]")
     finally:
-        if not done:
-            server.loop.abort(request_id)
+        for choice in choices:
+            if choice.index not in done:
+                server.loop.abort(choice.request_id)
 
 
-async def _chunks(server: Server, parsed, request_id: str, events: _Events, rid: str, created: int, chat: bool,
-                  model: str, extra: dict):
-    """The chunks of ``_sse``; ``None`` once the request has finished."""
-    if chat:
-        yield sse(chunk_body(rid, model, created, True, role=True, **extra))
-    async for piece, finish, tokens in server.deltas(parsed, request_id, events):
-        if chat and finish is not None and piece:  # the text, then the finish reason on an empty delta
-            yield sse(chunk_body(rid, model, created, True, text=piece, **extra))
-        if chat and finish is not None:
-            piece = None
-        yield sse(chunk_body(rid, model, created, chat, text=piece, finish=finish, **extra))
-        if finish is not None:
-            yield None
-            if parsed.include_usage:
-                yield sse(chunk_body(rid, model, created, chat, use=usage(len(parsed.prompt_ids), tokens)))
-    yield sse("[DONE]")
+async def _chunks(server: Server, parsed, choices: list, rid: str, created: int, done: set):
+    """The chunks of ``_sse``, the choices' deltas as they come; a choice's index joins ``done`` once it finished.
+    A chat choice's first chunk (its role) goes with its first token, as vLLM's."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice):
+        try:
+            async for delta in server.deltas(parsed, choice):
+                queue.put_nowait((choice, delta))
+        except ApiError as e:
+            queue.put_nowait((choice, e))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    chat, model, started = parsed.chat, server.model, set()
+    try:
+        while len(done) < len(choices):
+            choice, delta = await queue.get()
+            if isinstance(delta, ApiError):
+                raise delta
+            running = usage(len(parsed.prompt_of(choice.index)), delta.num_tokens) \
+                if parsed.continuous_usage and parsed.include_usage else None
+            kw = dict(index=choice.index, include_usage=parsed.include_usage, running=running)
+            text, logprobs = delta.text, None
+            ids, entries = delta.token_ids, delta.logprobs
+            if parsed.echo and choice.index not in started:  # the prompt (and its logprobs) first
+                text = parsed.texts[choice.index // parsed.n] + text
+                ids, entries = parsed.prompt_of(choice.index) + ids, delta.prompt_logprobs + entries
+            if parsed.logprobs is not None and ids:
+                logprobs = logprobs_body(server.tokenizer, entries, ids, chat, choice.offset)
+                choice.offset += 0 if chat else sum(len(t) for t in logprobs["tokens"])
+            if chat and choice.index not in started:
+                yield sse(chunk_body(rid, model, created, True, role=True, **kw))
+            started.add(choice.index)
+            if chat and delta.finish is not None:  # the text, then the finish reason on an empty delta
+                if text or logprobs:
+                    yield sse(chunk_body(rid, model, created, True, text=text, logprobs=logprobs, **kw))
+                text, logprobs = None, None
+            yield sse(chunk_body(rid, model, created, chat, text=text, finish=delta.finish, logprobs=logprobs, **kw))
+            if delta.finish is not None:
+                done.add(choice.index)
+        if parsed.include_usage:
+            yield sse(chunk_body(rid, model, created, chat, use=usage(sum(len(p) for p in parsed.prompts),
+                                                                      sum(c.tokens for c in choices))))
+        yield sse("[DONE]")
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 # -- running ---------------------------------------------------------------------------------------------------

@@ -131,10 +131,13 @@ def test_generate_twice_on_every_rank_equals_single_process(folders):
 
 def test_sampling_with_seeds_equals_single_process(folders):
     """Temperature 0.8, top-p 0.9, top-k 50 with a seed per request: the tokens across 4 ranks equal the in-process
-    engine's (a request's draws depend on its seed and output index only)."""
-    prompts = [[5, 9, 17], [4, 40, 41, 42], [6, 7]]
+    engine's (a request's draws depend on its seed and output index only); adjusted logits (penalties, a bias,
+    min_tokens), logprobs and prompt logprobs travel to the last rank and back."""
+    prompts = [[5, 9, 17], [4, 40, 41, 42], [6, 7], [8, 9, 9]]
     params = [SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=50, seed=s, ignore_eos=True)
               for s in (1, 2, 3)]
+    params += [SamplingParams(max_tokens=8, seed=4, repetition_penalty=1.5, frequency_penalty=0.5, min_tokens=4,
+                              logit_bias={9: 3.0}, logprobs=2, prompt_logprobs=1)]
     res = launch(4, generate, folders["pp4"], prompts, params, timeout=30, deadline=120)
     _ok(res, 4)
     single = Engine(ppsplit.load(folders["pp4"])).generate(prompts, params)

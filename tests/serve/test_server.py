@@ -299,9 +299,15 @@ BAD = [
     ({"model": MODEL, "prompt": "a", "max_tokens": 0}, "max_tokens", "an integer >= 1"),
     ({"model": MODEL, "prompt": "a", "temperature": 2.5}, "temperature", "from 0 (greedy) to 2"),
     ({"model": MODEL, "prompt": "a", "top_p": 0}, "top_p", "(0, 1]"),
-    ({"model": MODEL, "prompt": "a", "logprobs": 1}, "logprobs", "unsupported field 'logprobs'"),
+    ({"model": MODEL, "prompt": "a", "suffix": "b"}, "suffix", "unsupported field 'suffix'"),
+    ({"model": MODEL, "prompt": "a", "logprobs": 21}, "logprobs", "from 0 to 20"),
+    ({"model": MODEL, "prompt": "a", "presence_penalty": 3}, "presence_penalty", "from -2 to 2"),
+    ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 200}}, "logit_bias", "from -100 to 100"),
+    ({"model": MODEL, "prompt": "a", "min_tokens": 20, "max_tokens": 5}, "min_tokens", "to max_tokens"),
+    ({"model": MODEL, "prompt": "a", "best_of": 3}, "best_of", "must equal n"),
     ({"model": MODEL, "prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
-    ({"model": MODEL, "prompt": "a", "n": 2}, "n", "n must be the integer 1"),
+    ({"model": MODEL, "prompt": "a", "n": 0}, "n", "from 1 to 64"),
+    ({"model": MODEL, "prompt": ["a"] * 20, "n": 4}, "n", "at most 64"),
     ({"model": MODEL, "prompt": "a", "stop": ["x"] * 5}, "stop", "up to 4"),
     ({"model": MODEL, "prompt": [5, 100000]}, "prompt", "outside the vocabulary"),
     (b'{"model": "demo-serve", "prompt": ', None, "not valid JSON"),
@@ -313,8 +319,8 @@ BAD = [
     (b'{"model": "demo-serve", "prompt": "a", "seed": ' + b"7" * 5000 + b"}", None, "not valid JSON"),
     ({"model": MODEL, "prompt": "a", "seed": 2 ** 64}, "seed", "from -2**63 to 2**63 - 1"),
     ({"model": MODEL, "prompt": "a", "user": {}}, "user", "user must be a string"),
-    ({"model": MODEL, "prompt": "a", "n": True}, "n", "the integer 1"),
-    ({"model": MODEL, "prompt": "a", "n": 1.0}, "n", "the integer 1"),
+    ({"model": MODEL, "prompt": "a", "n": True}, "n", "an integer from 1 to 64"),
+    ({"model": MODEL, "prompt": "a", "n": 1.0}, "n", "an integer from 1 to 64"),
 ]
 
 
@@ -373,6 +379,188 @@ def test_seeded_sampling_repeats(live):
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
     a, b = (live.client.completions.create(**kw).choices[0].text for _ in range(2))
     assert a == b
+
+
+def test_vllm_benchmark_bodies_and_nulls_are_answered(live, oracle):
+    """The bodies ``vllm bench serve`` sends (completions and chat backends, random dataset: logprobs null,
+    repetition_penalty 1.0, ignore_eos), and a body of nulls (each the field's default) answer 200 with the engine's
+    greedy output."""
+    outputs, tok = oracle
+    ids = tok.encode(PROMPTS[1])
+    ref = outputs([ids], [9])[0]
+    engine_ref = text_of(tok, ref.token_ids)
+    for path, body in [
+            ("/v1/completions", {"model": MODEL, "prompt": PROMPTS[1], "repetition_penalty": 1.0, "max_tokens": 9,
+                                 "logprobs": None, "stream": False, "ignore_eos": False, "temperature": 0}),
+            ("/v1/completions", {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 9, "temperature": 0, "n": None,
+                                 "top_p": None, "stop": None, "seed": None, "suffix": None, "best_of": None,
+                                 "echo": None, "logit_bias": None, "user": None, "presence_penalty": None,
+                                 "stream_options": None, "min_tokens": None, "stop_token_ids": None, "top_k": None})]:
+        status, data = live.post(path, body)
+        assert status == 200, data
+        assert data["choices"][0]["text"] == engine_ref
+    for chat in (False, True):
+        conn = live.connection()
+        body = {"model": MODEL, "max_tokens" if not chat else "max_completion_tokens": 12, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0}
+        body |= {"messages": [{"role": "user", "content": PROMPTS[0]}]} if chat else \
+            {"prompt": PROMPTS[0], "repetition_penalty": 1.0, "logprobs": None}
+        conn.request("POST", "/v1/chat/completions" if chat else "/v1/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        events = [line[6:] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+        conn.close()
+        assert response.status == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 12  # ignore_eos: every token
+
+
+def test_penalties_bias_and_stop_ids_through_the_openai_client(live, folder):
+    """Greedy with each adjustment equals the engine in this process with the same ``SamplingParams``, and differs
+    from plain greedy."""
+    tok = FolderTokenizer(folder)
+    split = ppsplit.load(folder)
+    engine = Engine(split)
+    ids = tok.encode(PROMPTS[2])
+    plain = engine.generate([ids], SamplingParams(max_tokens=16))[0].token_ids
+    cases = [dict(frequency_penalty=1.5, presence_penalty=0.5), dict(repetition_penalty=1.7),
+             dict(logit_bias={str(plain[0]): -100}), dict(min_tokens=16, ignore_eos=True),
+             dict(stop_token_ids=[plain[3]])]
+    for extra in cases:
+        fields = dict(extra, logit_bias={int(t): b for t, b in extra.get("logit_bias", {}).items()},
+                      stop_token_ids=tuple(extra.get("stop_token_ids", ())))
+        want = engine.generate([ids], SamplingParams(max_tokens=16, **fields))[0]
+        got = live.client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0,
+                                             **{k: v for k, v in extra.items() if k in ("frequency_penalty",
+                                                                                        "presence_penalty",
+                                                                                        "logit_bias")},
+                                             extra_body={k: v for k, v in extra.items()
+                                                         if k not in ("frequency_penalty", "presence_penalty",
+                                                                      "logit_bias")})
+        assert got.choices[0].text == text_of(tok, want.token_ids), extra
+        assert got.usage.completion_tokens == len(want.token_ids)
+        assert want.token_ids != plain or "min_tokens" in extra, extra
+    stopped = engine.generate([ids], SamplingParams(max_tokens=16, stop_token_ids=(plain[3],)))[0]
+    assert stopped.token_ids == plain[:plain.index(plain[3]) + 1] and stopped.finish_reason == "stop"
+
+
+def test_logprobs_equal_hugging_face_log_softmax(live, oracle):
+    """Completions (``logprobs: 3``) and chat (``logprobs: true, top_logprobs: 2``), whole and streamed: each
+    token's logprob and its alternatives equal ``log_softmax`` of the Hugging Face model's logits."""
+    from ppsplit.compile.demo import demo_model
+
+    outputs, tok = oracle
+    model = demo_model()
+    ids = tok.encode(PROMPTS[3])
+    got = live.client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=8, temperature=0, logprobs=3)
+    out = outputs([ids], [8])[0].token_ids
+    lp = got.choices[0].logprobs
+    assert got.choices[0].text == text_of(tok, out) and len(lp.token_logprobs) == len(out)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1].float(), -1)
+    for i, token in enumerate(out):
+        assert lp.tokens[i] == tok.decode([token], skip_special_tokens=False)
+        assert abs(lp.token_logprobs[i] - ref[i, token].item()) < 1e-4
+        top = torch.topk(ref[i], 3)
+        want = {tok.decode([t], skip_special_tokens=False): v for t, v in zip(top.indices.tolist(),
+                                                                               top.values.tolist())}
+        assert set(want) <= set(lp.top_logprobs[i]) and all(abs(lp.top_logprobs[i][k] - v) < 1e-4
+                                                            for k, v in want.items())
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    streamed = [c.choices[0].logprobs for c in live.client.completions.create(
+        model=MODEL, prompt=PROMPTS[3], max_tokens=8, temperature=0, logprobs=3, stream=True) if c.choices]
+    assert sum((c.token_logprobs for c in streamed if c), []) == lp.token_logprobs
+    messages = [{"role": "user", "content": PROMPTS[3]}]
+    chat_ids = tok.encode_chat(messages)
+    chat_out = outputs([chat_ids], [6])[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([chat_ids + chat_out])).logits[0, len(chat_ids) - 1:-1], -1)
+    for stream in (False, True):
+        kw = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+        if stream:
+            content = sum((c.choices[0].logprobs.content for c in live.client.chat.completions.create(stream=True, **kw)
+                           if c.choices and c.choices[0].logprobs), [])
+        else:
+            content = live.client.chat.completions.create(**kw).choices[0].logprobs.content
+        assert len(content) == len(chat_out)
+        for i, (entry, token) in enumerate(zip(content, chat_out)):
+            assert abs(entry.logprob - ref[i, token].item()) < 1e-4 and len(entry.top_logprobs) == 2
+            assert entry.top_logprobs[0].token == tok.decode([int(ref[i].argmax())], skip_special_tokens=False)
+    assert live.client.completions.create(model=MODEL, prompt="a", max_tokens=2).choices[0].logprobs is None
+
+
+def test_batched_prompts_and_n_choices(live, oracle):
+    outputs, tok = oracle
+    refs = outputs([tok.encode(p) for p in PROMPTS[:3]], [6] * 3)
+    got = live.client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=6, temperature=0)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [text_of(tok, r.token_ids) for r in refs]
+    assert got.usage.prompt_tokens == sum(len(tok.encode(p)) for p in PROMPTS[:3])
+    assert got.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
+    kw = dict(model=MODEL, prompt=[PROMPTS[0], PROMPTS[5]], max_tokens=10, temperature=1.0, seed=11, n=4)
+    first = live.client.completions.create(**kw)
+    again = live.client.completions.create(**kw)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == list(range(8))
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert len(set(texts[:4])) == 4 and len(set(texts[4:])) == 4  # four distinct sequences per prompt
+    pieces = {}
+    for chunk in live.client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            pieces[c.index] = pieces.get(c.index, "") + c.text
+    assert [pieces[i] for i in range(8)] == texts
+    chat = live.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=3,
+                                               max_tokens=5, temperature=1.0, seed=3)
+    assert sorted(c.index for c in chat.choices) == [0, 1, 2]
+    echo = live.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
+    assert echo.choices[0].text == PROMPTS[0] + text_of(tok, outputs([tok.encode(PROMPTS[0])], [4])[0].token_ids)
+
+
+def test_echo_with_logprobs_gives_the_prompt_logprobs(live, oracle):
+    """lm-evaluation-harness's log-likelihood request (echo, logprobs 1, max_tokens 1, temperature 0): every prompt
+    token but the first has its logprob (HF's log_softmax) and its top alternative, whole and streamed."""
+    from ppsplit.compile.demo import demo_model
+
+    outputs, tok = oracle
+    prompt = PROMPTS[6]
+    ids = tok.encode(prompt)
+    out = outputs([ids], [1])[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(demo_model()(torch.tensor([ids + out])).logits[0, :-1].float(), -1)
+    got = live.client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                         logprobs=1)
+    lp = got.choices[0].logprobs
+    assert got.choices[0].text == prompt + text_of(tok, out)
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i, token in enumerate((ids + out)[1:]):
+        assert abs(lp.token_logprobs[i + 1] - ref[i, token].item()) < 1e-4
+        best = tok.decode([int(ref[i].argmax())], skip_special_tokens=False)
+        assert abs(lp.top_logprobs[i + 1][best] - ref[i].max().item()) < 1e-4
+    streamed = [c.choices[0].logprobs for c in live.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1, stream=True) if c.choices]
+    assert sum((c.token_logprobs for c in streamed if c), []) == lp.token_logprobs
+
+
+def test_tokenize_detokenize_models_and_continuous_usage(live, oracle, folder):
+    _, tok = oracle
+    status, data = live.post("/tokenize", {"model": MODEL, "prompt": PROMPTS[1]})
+    assert status == 200 and data["tokens"] == tok.encode(PROMPTS[1]) and data["count"] == len(data["tokens"])
+    assert data["max_model_len"] == MAX_LEN
+    messages = [{"role": "user", "content": "Name a colour."}]
+    status, data = live.post("/tokenize", {"messages": messages})
+    assert status == 200 and data["tokens"] == tok.encode_chat(messages)
+    plain = tok.encode(PROMPTS[1], add_special_tokens=False)
+    status, data = live.post("/detokenize", {"model": MODEL, "tokens": plain})
+    assert status == 200 and data["prompt"] == PROMPTS[1]
+    status, data = live.post("/detokenize", {"tokens": [10 ** 9]})
+    assert status == 400 and data["error"]["param"] == "tokens"
+    model = live.client.models.list().data[0]
+    assert model.max_model_len == MAX_LEN and model.root == folder
+    chunks = list(live.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens > 0
 
 
 def test_full_queue_503_then_sigterm_finishes_the_requests_in_flight_and_exits_0(folder):
