@@ -285,7 +285,9 @@ def cmd_plan(args) -> int:
 
 def cmd_run(args) -> int:
     from ppsplit.distributed.launch import launch
+    from ppsplit.serve.requests import apply_cpu_threads
 
+    apply_cpu_threads(args)
     return launch(args)
 
 

@@ -40,9 +40,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ppsplit.core.errors import ConfigError
     from ppsplit.serve.engine import Engine
     from ppsplit.serve.placement import load_placed
-    from ppsplit.serve.requests import PROGRESS_SECONDS, check_requests, print_outputs, prompts_of, sampling_params
+    from ppsplit.serve.requests import (PROGRESS_SECONDS, apply_cpu_threads, check_requests, print_outputs,
+                                        prompts_of, sampling_params)
 
     check_requests(args, args.folder)
+    apply_cpu_threads(args)
     plan = CompiledFolder(args.folder).plan
     if not plan.paged:
         why = plan.lockstep_reason or "it has no KV cache (compiled with --no-cache); compile it without --no-cache"

@@ -52,9 +52,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         ("--rank-stall-timeout", args.rank_stall_timeout)):
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} must be positive, but got {value}")
-    from ppsplit.serve.requests import check_folder
+    from ppsplit.serve.requests import apply_cpu_threads, check_folder
 
     check_folder(args.folder)
+    apply_cpu_threads(args)
     if not has_tokenizer(args.folder):
         raise ConfigError(f"{args.folder} has no tokenizer (tokenizer.json), which serving text needs; compile from a "
                           "checkpoint folder that has one (the demo has one)")

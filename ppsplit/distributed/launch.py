@@ -140,6 +140,8 @@ def add_collect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="one rank per stage: seconds a rank waits for a peer")
     p.add_argument("--device", default="auto", help="auto: CUDA when the machine has a GPU (one per rank with "
                    "--ranks), else the CPU; cpu; cuda; or (one process) a list cuda:0,cuda:1 (default: %(default)s)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch's threads for the CPU's work, in each process "
+                   "(default: OMP_NUM_THREADS when set, else 1)")
 
 
 def collect_argv(args) -> list[str]:

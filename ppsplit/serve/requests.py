@@ -83,6 +83,25 @@ def add_runtime_arguments(p: argparse.ArgumentParser, ranks: bool = False) -> No
                        "cuda:0,cuda:1 (default: %(default)s)")
     p.add_argument("--enforce-eager", action="store_true", help="run the stages eagerly on CUDA instead of replaying "
                    "CUDA graphs captured for each token bucket (as vLLM's --enforce-eager)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch's threads for the CPU's work, in each process "
+                   "(default: OMP_NUM_THREADS when set, else 1: a decode step's small matmuls run fastest on one, and "
+                   "far faster on a busy machine; more pays off for large models on many idle cores)")
+
+
+def apply_cpu_threads(args) -> None:
+    """``--cpu-threads``, else ``OMP_NUM_THREADS``, else 1, for this process and (through ``OMP_NUM_THREADS``) the
+    rank processes it starts. Measured here (SmolLM2-135M, one request, 2 cores with one busy): 8.2 tokens/s on one
+    thread, 1.5 on two."""
+    import torch
+
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise ConfigError(f"--cpu-threads must be at least 1, but got {args.cpu_threads}")
+    n = args.cpu_threads
+    if n is None:
+        given = os.environ.get("OMP_NUM_THREADS", "")
+        n = int(given) if given.isdigit() and int(given) >= 1 else 1
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
 
 
 def check_requests(args, folder: str) -> None:
