@@ -136,6 +136,31 @@ class StageFusion:
         return tuple(t.describe() for t in self.taps) + extra
 
 
+@dataclass(frozen=True)
+class StageSharding:
+    """The TP pass's report for one stage: its column- and row-parallel products, vocab-parallel lookups,
+    all-reduces and all-gathers, and what each TP rank holds (weights, of which ``whole_bytes`` are not cut, and
+    cache)."""
+
+    column: int = 0
+    row: int = 0
+    vocab: int = 0
+    all_reduces: int = 0
+    gathers: int = 0
+    rank_bytes: int = 0
+    whole_bytes: int = 0
+    rank_cache_bytes: int = 0
+
+    def lines(self) -> tuple[str, ...]:
+        cut = f"{self.column} column-parallel + {self.row} row-parallel products"
+        if self.vocab:
+            cut += f", {self.vocab} vocab-parallel lookup"
+        comm = f"{self.all_reduces} all-reduce(s)" + (f", {self.gathers} all-gather" if self.gathers else "")
+        held = (f"per TP rank: {fmt_bytes(self.rank_bytes)} weights ({fmt_bytes(self.whole_bytes)} held whole)"
+                + (f", cache {fmt_bytes(self.rank_cache_bytes)}" if self.rank_cache_bytes else ""))
+        return (f"tp: {cut}; {comm} per step", held)
+
+
 def token_major(rank: int, batch_dim: int, token_dim: int) -> list[int]:
     """The permutation that brings a value's batch and token axes to the front, its other axes after them in order:
     how ``x`` and the aux slots lay out a value the model keeps another way (its inverse puts it back)."""
