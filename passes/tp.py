@@ -173,14 +173,15 @@ def _required(stage: fx.GraphModule, tp_plan: dict | None) -> tuple[set, set]:
 
 
 def _check_required(prop: Propagation, required: tuple, tp: int, choices: Choices) -> None:
-    row_weights = {_target(w) for _, w in prop.row}
-    col_weights = {_target(w) for _, w in prop.column}
-    for name in sorted(required[0] - col_weights):
-        raise ConfigError(f"--tp {tp}: the model's tp plan makes {name.rsplit('.', 1)[0]} column-parallel, but the "
-                          "graph reads it from a value that is not replicated")
-    for name in sorted(required[1] - row_weights):
-        raise ConfigError(f"--tp {tp}: the model's tp plan makes {name.rsplit('.', 1)[0]} row-parallel, but the "
-                          "graph does not give it an input split along its contracted dim")
+    """Every weight the model's plan makes column-parallel is cut along its outputs, every row-parallel one along
+    its inputs."""
+    for names, dim, style in ((required[0], 0, "column"), (required[1], 1, "row")):
+        for name in sorted(names):
+            shard = prop.shards.get(name)
+            if shard is None or shard.kind != "split" or shard.dim != dim:
+                raise ConfigError(f"--tp {tp}: the model's tp plan makes {name.rsplit('.', 1)[0]} {style}-parallel, "
+                                  f"but the graph does not let the TP pass cut it so (it is "
+                                  f"{'held whole' if shard is None else shard.describe()})")
 
 
 def _target(w: fx.Node) -> str | None:

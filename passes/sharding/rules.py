@@ -125,7 +125,7 @@ class Propagation:
             p = self.p(n.args[0])
             self._inherit(n, n.args[0])
             return p[n.args[1]] if isinstance(p, list) else p
-        rule = _RULES.get(t)
+        rule = _RULES.get(t) or _BY_NAME.get(getattr(getattr(t, "_schema", None), "name", None))
         if rule is None and self.shapes.get(n) is None:  # sizes, devices, Python values
             self._all_whole(n)
             return REPLICATED
@@ -821,6 +821,6 @@ for _t in (aten.transpose.int, aten.permute.default, aten.t.default, aten.movedi
     _RULES[_t] = Propagation._move
 for _t in _MULTI - {aten.topk.default, aten.sort.default, aten.max.dim, aten.min.dim}:
     _RULES[_t] = Propagation._split
-if hasattr(torch.ops, "transformers") and hasattr(torch.ops.transformers, "grouped_mm_fallback"):
-    _RULES[torch.ops.transformers.grouped_mm_fallback.default] = Propagation._grouped
+# Ops registered by other libraries when they are imported, known by name.
+_BY_NAME = {"transformers::grouped_mm_fallback": Propagation._grouped}
 _RULES[aten._grouped_mm.default] = Propagation._grouped
