@@ -123,16 +123,15 @@ def _apply_fix(node: fx.Node, e, choices: Choices, stage, shapes, tp: int, requi
         raise ConfigError(f"--tp {tp}: the TP pass cannot place {where}: {e.reason}")
     changed = False
     for o in sorted(e.origins):
-        if fix.kind == "parts" and choices.parts_of(o) > fix.value and tp % fix.value == 0:
+        if fix.kind == "parts" and fix.value > 1 and choices.parts_of(o) > fix.value and tp % fix.value == 0:
             choices.parts[o] = fix.value
             changed = True
         elif fix.kind == "segments":
-            cuts, total = fix.value
-            size = sum(choices.segments_of(o, total))
-            size = size if o in choices.segments else _out_size(stage, o)
-            new = refine(choices.segments_of(o, size), [c * size // total for c in cuts])
-            if new != choices.segments_of(o, size):
-                choices.segments[o] = new
+            target, cuts = fix.value
+            size = _out_size(stage, target)
+            new = refine(choices.segments_of(target, size), cuts)
+            if new != choices.segments_of(target, size):
+                choices.segments[target] = new
                 changed = True
         elif o not in choices.banned:
             if o in required[0]:

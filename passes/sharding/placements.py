@@ -31,9 +31,13 @@ PARTIAL = _Mark("P")
 
 @dataclass(frozen=True)
 class Split:
+    """``repeat``: the dim holds ``repeat`` blocks, each made of ``segments`` (a reshape merged the dims before the
+    split one into it: ``[T, H, d] -> [T * H, d]`` split by heads has ``repeat = T``)."""
+
     dim: int
     parts: int
     segments: tuple[int, ...]
+    repeat: int = 1
 
     @property
     def size(self) -> int:
@@ -41,7 +45,7 @@ class Split:
 
     def moved(self, dim: int, scale: tuple[int, int] = (1, 1)) -> "Split":
         """The same pieces on dim ``dim``, segment sizes times ``scale[0] / scale[1]``."""
-        return Split(dim, self.parts, tuple(s * scale[0] // scale[1] for s in self.segments))
+        return Split(dim, self.parts, tuple(s * scale[0] // scale[1] for s in self.segments), self.repeat)
 
 
 @dataclass(frozen=True)
@@ -64,19 +68,37 @@ def prod(xs) -> int:
 
 
 def view_split(ins: tuple, outs: tuple, sp: Split) -> Split:
-    """Where a reshape of ``ins`` into ``outs`` takes the pieces of ``sp``: the output dim that holds exactly the
-    elements of input dims ``sp.dim:`` behind the same leading elements (so each rank's piece stays one block)."""
+    """Where a reshape of ``ins`` into ``outs`` takes the pieces of ``sp``. The input, flattened, is ``[A, S, U]``:
+    ``S`` the split elements (with ``A`` everything before, its repeats included, and ``U`` the unit after). The
+    output dim that takes them has units of ``U * m`` elements (``m`` dividing every segment: the heads of a
+    ``heads * head_dim`` dim) or ``U / k`` (a head's elements merged into the dim), after ``a`` repeats, the dims
+    before it holding ``A / a``."""
     d = sp.dim
-    outer, inner = prod(ins[:d]), prod(ins[d:])
-    unit = inner // ins[d]  # elements per index of the sharded dim
-    near = None
+    unit = prod(ins[d + 1:])
+    size = sp.size
+    before = prod(ins[:d]) * sp.repeat
+    near, found = None, []
     for e in range(len(outs)):
-        if prod(outs[:e]) != outer or prod(outs[e:]) != inner or outs[e] == 1 and inner != 1:
+        after = prod(outs[e + 1:])
+        if after >= unit:  # the dims after merge into bigger units: m split elements each
+            m = after // unit
+            if after % unit or any(s % m for s in sp.segments):
+                continue
+            segments = tuple(s // m for s in sp.segments)
+        else:  # the unit is cut into k smaller ones
+            if unit % after:
+                continue
+            segments = tuple(s * (unit // after) for s in sp.segments)
+        new = sum(segments)
+        if outs[e] % new or outs[e] == 1 and new != 1 or prod(outs[:e]) * (outs[e] // new) != before:
             continue
-        out_unit = prod(outs[e + 1:])
-        if outs[e] % sp.parts == 0 and all((s * unit) % (out_unit * sp.parts) == 0 for s in sp.segments):
-            return sp.moved(e, (unit, out_unit))
-        near = near or (e, outs[e])
+        a = outs[e] // new
+        if all(s % sp.parts == 0 for s in segments):
+            found.append((a, e, Split(e, sp.parts, segments, a)))
+        elif a == 1:
+            near = near or (e, new)
+    if found:
+        return min(found, key=lambda f: f[:2])[2]  # the split dim kept whole where it can be
     if near is not None:
         heads = near[1]
         if len(sp.segments) == 1 and sp.parts % heads == 0:

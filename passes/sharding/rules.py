@@ -81,6 +81,9 @@ class Propagation:
         self.row: list = []
         self.pools: dict = {}  # cache buffer -> placement (from the writes)
         self.shard_origins: dict = {}  # tensor name -> the origins its cut follows
+        # node -> (origin weight, offset, scale): element i of its split dim is the origin's output offset + i * scale
+        # (a list of them for an op with several outputs); what a finer cut of the origin is worked out from
+        self.window: dict = {}
         self.lazy = _lazy_nodes(gm)
 
     # -- the run -------------------------------------------------------------------------------------------------
@@ -97,7 +100,8 @@ class Propagation:
             try:
                 self.place[n] = self._rule(n)
             except Unplaceable as e:
-                origins = e.origins | frozenset().union(*(self.origins.get(a, frozenset()) for a in n.all_input_nodes))
+                origins = e.origins or frozenset().union(*(self.origins.get(a, frozenset()) for a in n.all_input_nodes
+                                                           if isinstance(self.p(a), Split)))
                 self.failures.append((n, Unplaceable(e.reason, e.fix, origins)))
                 self.place[n] = _POISON
                 self._poison_writes(n)
@@ -124,6 +128,9 @@ class Propagation:
         if t is operator.getitem:
             p = self.p(n.args[0])
             self._inherit(n, n.args[0])
+            w = self.window.get(n.args[0])
+            if isinstance(w, list):
+                self.window[n] = w[n.args[1]]
             return p[n.args[1]] if isinstance(p, list) else p
         rule = _RULES.get(t) or _BY_NAME.get(getattr(getattr(t, "_schema", None), "name", None))
         if rule is None and self.shapes.get(n) is None:  # sizes, devices, Python values
@@ -173,6 +180,10 @@ class Propagation:
     def _inherit(self, n: fx.Node, *sources) -> None:
         self.origins[n] = frozenset().union(*(self.origins.get(s, frozenset()) for s in sources
                                               if isinstance(s, fx.Node)))
+        window = next((self.window[s] for s in sources if isinstance(s, fx.Node) and s in self.window
+                       and isinstance(self.p(s), Split)), None)
+        if window is not None and not isinstance(window, list):
+            self.window[n] = window
 
     def shape(self, a) -> tuple:
         return self.shapes[a]
@@ -233,6 +244,11 @@ class Propagation:
         if t is aten.unsqueeze.default:
             k = a.args[1] % len(shape)
             return self.demand(a.args[0], sp.moved(sp.dim - (sp.dim > k)), origins)
+        if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+            ins = self.shape(a.args[0])
+            kept = [k for k in range(len(ins)) if not (ins[k] == 1 and (t is aten.squeeze.default
+                                                                        or k in _dims_arg(a, len(ins))))]
+            return self.demand(a.args[0], sp.moved(kept[sp.dim]), origins)
         if t in _VIEWS:
             back = view_split(shape, self.shape(a.args[0]), sp)
             self._view_rewrite(a, sp)
@@ -354,6 +370,9 @@ class Propagation:
             return REPLICATED
         out = view_split(self.shape(x), self.shape(n), p)
         self._view_rewrite(n, out)
+        w = self.window.pop(n, None)
+        if w is not None and out.repeat == 1:
+            self.window[n] = (w[0], w[1], w[2] * (p.size // out.size))
         return out
 
     def _view_rewrite(self, n: fx.Node, out: Split) -> None:
@@ -439,7 +458,8 @@ class Propagation:
         if len(splits) != len(places) and splits[0].dim == dim:
             raise Unplaceable("it concatenates split and replicated values along the split dim")
         if splits[0].dim == dim:
-            if len({(p.dim, p.parts) for p in splits}) != 1:
+            self.window.pop(n, None)
+            if len({(p.dim, p.parts, p.repeat) for p in splits}) != 1 or splits[0].repeat != 1:
                 raise Unplaceable("it concatenates values split differently")
             return Split(dim, splits[0].parts, tuple(s for p in splits for s in p.segments))
         if len(set(splits)) != 1:
@@ -472,10 +492,16 @@ class Propagation:
             return [p.moved(p.dim - (t is aten.unbind.int and dim < p.dim))] * len(outs)
         sizes = [o[dim] for o in outs]
         pieces = split_pieces(p, sizes)
+        w = self.window.pop(n, None)
+        cuts = [sum(sizes[:i]) for i in range(len(sizes))]
         if pieces is None:
-            cuts = [sum(sizes[:i]) for i in range(1, len(sizes))]
-            raise Unplaceable(f"it cuts the split dim at {cuts}, inside a piece", Fix("segments", (cuts, p.size)),
-                              origins=self.origins.get(x, frozenset()))
+            if w is None or p.repeat != 1:
+                raise Unplaceable(f"it cuts the split dim at {cuts[1:]}, inside a piece",
+                                  origins=self.origins.get(x, frozenset()))
+            raise Unplaceable(f"it cuts the split dim at {cuts[1:]}, inside a piece",
+                              Fix("segments", (w[0], [w[1] + c * w[2] for c in cuts[1:]])), origins=frozenset({w[0]}))
+        if w is not None:
+            self.window[n] = [(w[0], w[1] + c * w[2], w[2]) for c in cuts]
         if t is aten.split_with_sizes.default:
             for i, s in enumerate(n.args[1]):
                 self.rewrites[n].append((1, i, s // p.parts))
@@ -554,6 +580,7 @@ class Propagation:
         if scale is not None:
             self._demand_scale(scale, w, sp, block, origins)
         self.origins[n] = origins
+        self.window[n] = (leaf.target, 0, 1)
         self.column.append((n, w))
         return Split(rank - 1, sp.parts, sp.segments)
 
@@ -671,12 +698,8 @@ class Propagation:
             if pv is _LAZY:
                 self._whole(value)
                 pv = REPLICATED
-            place = pv.moved(pv.dim + offset) if isinstance(pv, Split) else REPLICATED
-            if pool.op != "get_attr":
-                raise Unplaceable("it writes a cache that is not a buffer")
-            if self.pools.setdefault(pool.target, place) != place:
-                raise Unplaceable(f"{pool.target} is written split two ways", origins=self.origins.get(value, frozenset()))
             self._inherit(n, value)
+            self._pool(n, pool, pv.moved(pv.dim + offset) if isinstance(pv, Split) else REPLICATED)
         return REPLICATED
 
     def _latent(self, n: fx.Node):
@@ -707,9 +730,79 @@ class Propagation:
             self._demand_scale(scale, weight, sp, block_n, origins)
         return pq
 
-    def _norm_like(self, n: fx.Node):
-        """ppsplit's norms, fused residual adds and tap stores: the residual stream is replicated."""
-        return self._default(n)
+    def _pool(self, n: fx.Node, pool: fx.Node, place) -> None:
+        """A cache ``n`` reads and writes takes ``place``; one written two ways is unplaceable."""
+        if pool.op != "get_attr":
+            raise Unplaceable("it writes a cache that is not a buffer")
+        if self.pools.setdefault(pool.target, place) != place:
+            raise Unplaceable(f"{pool.target} is used split two ways ({_describe(self.pools[pool.target])}, "
+                              f"{_describe(place)})", origins=self.origins.get(n, frozenset()))
+
+    def _heads(self, n: fx.Node, heads: list, ring: fx.Node, per_head: list = ()):
+        """A recurrent scan: ``heads`` (token-major ``[1, N, H, ...]`` values) split by heads alike, its state ring
+        ``[S, R, H, ...]`` and per-head weights (``A``) cut with them; groups of keys (``B``, ``C``) split too,
+        or replicated when there is one group."""
+        places = {a: self.p(a) for a in heads if isinstance(a, fx.Node)}
+        self._inherit(n, *places)
+        for a in n.all_input_nodes:
+            if a not in places and a not in per_head and a is not ring:
+                self.r(n, a)
+        splits = {a: p for a, p in places.items() if isinstance(p, Split)}
+        if not splits:
+            for a in [*places, *per_head]:
+                self.r(n, a)
+            self._pool(n, ring, REPLICATED)
+            return REPLICATED
+        for a, p in places.items():
+            if a in splits:
+                if p.dim != 2 or p.parts != self.tp or len(p.segments) != 1 or p.repeat != 1:
+                    raise Unplaceable(f"{a.name} is split {_describe(p)}, not by heads")
+            elif self.shape(a)[2] != 1:
+                raise Unplaceable(f"{a.name} is replicated over {self.shape(a)[2]} heads or groups")
+            else:
+                self.r(n, a)
+        origins = self.origins.get(n, frozenset())
+        for a in per_head:
+            if isinstance(a, fx.Node):
+                self.demand(a, Split(0, self.tp, (self.shape(a)[0],)), origins)
+        out_heads = self.shape(heads[0])[2] if n.target is ops.ragged_ssm_scan.default else self.shape(heads[2])[2]
+        self._pool(n, ring, Split(2, self.tp, (out_heads,)))
+        return Split(2, self.tp, (out_heads,))
+
+    def _delta(self, n: fx.Node):
+        """``ragged_gated_delta_scan(q, k, v, g, beta, ring, ...)`` and its linear-attention form."""
+        if n.target is ops.ragged_gated_delta_scan.default:
+            return self._heads(n, list(n.args[:5]), n.args[5])
+        return self._heads(n, list(n.args[:4]), n.args[4])
+
+    def _ssm(self, n: fx.Node):
+        """``ragged_ssm_scan(x, dt, A, B, C, ring, ...)`` (Mamba-2)."""
+        x, dt, a, b, c, ring = n.args[:6]
+        return self._heads(n, [x, dt, b, c], ring, per_head=[a])
+
+    def _conv(self, n: fx.Node):
+        """``paged_conv1d(x [1, C, N], weight [C, 1, k], bias [C], pool [blocks, bs, C], ...)``: per channel, so the
+        channels split as they come (the pool and the weights cut alike)."""
+        x, weight, bias, pool = n.args[:4]
+        p = self.p(x)
+        for a in n.all_input_nodes:
+            if a not in (x, weight, bias, pool):
+                self.r(n, a)
+        self._inherit(n, x)
+        if not isinstance(p, Split):
+            self.r(n, x)
+            for a in (weight, bias):
+                self.r(n, a)
+            self._pool(n, pool, REPLICATED)
+            return REPLICATED
+        if p.dim != 1 or p.repeat != 1:
+            raise Unplaceable(f"its input is split {_describe(p)}, not by channel")
+        origins = self.origins.get(x, frozenset())
+        self.demand(weight, p.moved(0), origins)
+        if isinstance(bias, fx.Node):
+            self.demand(bias, p.moved(0), origins)
+        self._pool(n, pool, p.moved(2))
+        return p
 
     def _output(self, n: fx.Node):
         y, aux = n.args[0][:2]
@@ -813,6 +906,9 @@ _RULES = {aten.linear.default: Propagation._linear, ops.fp8_linear.default: Prop
           ops.paged_write_pair.default: Propagation._write_pair, ops.paged_write.default: Propagation._write_pair,
           ops.cache_write.default: Propagation._write_pair,
           ops.paged_latent_attention.default: Propagation._latent,
+          ops.ragged_gated_delta_scan.default: Propagation._delta,
+          ops.ragged_linear_attention_scan.default: Propagation._delta,
+          ops.ragged_ssm_scan.default: Propagation._ssm, ops.paged_conv1d.default: Propagation._conv,
           ops.fp8_grouped_mm.default: Propagation._grouped}
 for _t in _VIEWS | {aten.flatten.using_ints, aten.unflatten.int}:
     _RULES[_t] = Propagation._view
