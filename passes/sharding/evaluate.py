@@ -61,13 +61,12 @@ def stage_shapes(stage: fx.GraphModule, tokens: int) -> dict:
     """``{node: shape}`` (a tuple of ints, a list of them for an op with several outputs, ``None`` for a size or
     a device) of every node of ``stage`` on a fake step of ``tokens`` tokens."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    real = step_inputs(stage, tokens)
-    inputs = [mode.from_tensor(t) for t in real]
+    inputs = [mode.from_tensor(t.to("meta")) for t in step_inputs(stage, tokens)]  # one device: weights may be meta
     shapes = {}
 
     class Shapes(fx.Interpreter):
         def get_attr(self, target, args, kwargs):
-            return mode.from_tensor(get_tensor(self.module, target))
+            return mode.from_tensor(get_tensor(self.module, target).to("meta"))
 
         def run_node(self, n):
             out = super().run_node(n)

@@ -680,6 +680,33 @@ class Propagation:
                                   origins=self.origins.get(q, frozenset()))
         return pq
 
+    def _sdpa(self, n: fx.Node):
+        """``scaled_dot_product_attention(q, k, v, mask, ...)`` of a stage without a cache: heads split alike (KV
+        heads as in ``_attention``), the mask broadcast over the heads."""
+        q, k, v = n.args[:3]
+        pq, pk, pv = self.p(q), self.p(k), self.p(v)
+        for a in n.all_input_nodes:
+            if a not in (q, k, v):
+                if isinstance(pq, Split) and self.shape(a)[1 - 4 + len(self.shape(a))] != 1 if len(self.shape(a)) >= 3 \
+                        else False:
+                    raise Unplaceable("its mask differs by head")
+                self.r(n, a)
+        self._inherit(n, q, k, v)
+        if not isinstance(pq, Split):
+            for a in (q, k, v):
+                self.r(n, a)
+            return REPLICATED
+        heads_kv = self.shape(k)[1]
+        if pq.dim != 1 or pq.parts != self.tp or len(pq.segments) != 1:
+            raise _too_few_heads(self.shape(q)[1], heads_kv, self.tp)
+        for p in (pk, pv):
+            if p is REPLICATED and heads_kv == 1:
+                continue
+            if not isinstance(p, Split) or p.dim != 1 or not (p.parts == self.tp or p.parts == heads_kv):
+                raise Unplaceable(f"its {heads_kv} KV heads are not split with its query heads",
+                                  origins=self.origins.get(q, frozenset()))
+        return pq
+
     def _write_pair(self, n: fx.Node):
         """``paged_write_pair(pool, other_pool, value, other_value, slots)``, ``paged_write(pool, value, slots)``,
         ``cache_write(cache, value, positions, dim)``: a pool takes its value's placement."""
@@ -906,6 +933,7 @@ _RULES = {aten.linear.default: Propagation._linear, ops.fp8_linear.default: Prop
           ops.paged_write_pair.default: Propagation._write_pair, ops.paged_write.default: Propagation._write_pair,
           ops.cache_write.default: Propagation._write_pair,
           ops.paged_latent_attention.default: Propagation._latent,
+          aten.scaled_dot_product_attention.default: Propagation._sdpa,
           ops.ragged_gated_delta_scan.default: Propagation._delta,
           ops.ragged_linear_attention_scan.default: Propagation._delta,
           ops.ragged_ssm_scan.default: Propagation._ssm, ops.paged_conv1d.default: Propagation._conv,

@@ -14,7 +14,7 @@ from ppsplit.core.checked import FolderError, check, from_json
 from ppsplit.core.options import CostModel
 
 _ELEMENT_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-PLAN_VERSION = 6  # 6: a residual stream of several vectors per token; 5: a paged cache; 4: stages may end mid-layer;
+PLAN_VERSION = 7  # 7: tensor parallelism inside stages; 6: a residual stream of several vectors per token; 5: a paged cache; 4: stages may end mid-layer;
 # 3: carried values; 2: structured fusion
 
 
@@ -302,6 +302,8 @@ class SplitPlan:
     num_blocks: int = 0
     lockstep_reason: str = ""  # why a cached split has a lockstep cache (no ragged steps), when it does
     stream: Stream | None = None  # a residual stream of several hidden vectors per token (None: [B, T, H])
+    tp: int = 1  # tensor-parallel ranks inside every stage (ppsplit.passes.tp)
+    sharded: tuple[StageSharding, ...] = ()  # per stage, what the TP pass did (when tp > 1)
 
     def __post_init__(self):
         if list(self.taps) != sorted(set(self.taps)) or any(not 0 <= t <= self.num_layers for t in self.taps):
@@ -418,6 +420,8 @@ class SplitPlan:
             del d["lockstep_reason"]
         if self.stream is None:  # written only when used, as the fields above: older plans keep their layout
             del d["stream"]
+        if self.tp == 1:
+            del d["tp"], d["sharded"]
         for c in d["carries"]:
             if not c["batch_dim"]:
                 del c["batch_dim"]
@@ -482,8 +486,9 @@ class SplitPlan:
         elif self.lockstep_reason:
             cache += f" (lockstep: no ragged steps, because {self.lockstep_reason})"
         hidden = f"stream [{self.stream.dims()}]" if self.stream else f"hidden {self.hidden_size}"
+        tp = f" x tp={self.tp} ({self.pp * self.tp} ranks)" if self.tp > 1 else ""
         lines = [f"{self.model_class or 'model'}: {self.num_layers} layers, {hidden}, {self.dtype}, "
-                 f"pp={self.pp}, balance={self.balance}, {self.n_slots} aux slots{cache}"]
+                 f"pp={self.pp}{tp}, balance={self.balance}, {self.n_slots} aux slots{cache}"]
         unit = self.region_costs.unit if self.region_costs else ("layers" if self.balance == "layers" else "params")
         balance = f"stage cost in {unit}: slowest / mean = {self.imbalance:.3f}"
         r = self.region_costs
@@ -512,6 +517,8 @@ class SplitPlan:
             lines.append(f"{s.index:>5}  {self.layer_range(s.index):>9}  {s.params:>12,}  {fmt_bytes(s.bytes):>10}  "
                          f"{s.cost:>10.4g}  {owned:<14} {sends:<12} {role}{cache}")
             for line in (self.fused[s.index].lines() if s.index < len(self.fused) else ()):
+                lines.append(f"{'':>7}{line}")
+            for line in (self.sharded[s.index].lines() if s.index < len(self.sharded) else ()):
                 lines.append(f"{'':>7}{line}")
             for line in self.attention_lines(s.index):
                 lines.append(f"{'':>7}{line}")

@@ -96,8 +96,9 @@ class PipelineEngine:
 
     def __init__(self, source: str | fx.GraphModule, *, drafter=None, num_draft_tokens: int = 0,
                  max_num_batched_tokens: int = 256, max_num_seqs: int | None = None, cuda_graphs: bool = False,
-                 device: torch.device | str | None = None, eos_token_id=()):
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+                 device: torch.device | str | None = None, eos_token_id=(), group=None):
+        # group: the pipeline's ranks when the world holds more (tensor parallelism: one TP rank per stage)
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.backend = dist.get_backend()
         if device is None:
             device = f"cuda:{torch.cuda.current_device()}" if self.backend == "nccl" else "cpu"
@@ -130,7 +131,7 @@ class PipelineEngine:
         except PpsplitError as e:
             header["error"] = str(e)
 
-        agree(header)
+        agree(header, group)
         self.dtype, self.eos = model_dtype(plan), eos
         self.received = plan.filled(self.rank - 1) if self.rank else 0
         self.sends = plan.filled(self.rank)
@@ -139,7 +140,7 @@ class PipelineEngine:
                                    budget=max_num_batched_tokens, max_seqs=max_num_seqs,
                                    buckets=self.buckets) if self.first else None
         self.sampler = Sampler(self.drafter if self.k else None, self.k, self.layout) if self.last else None
-        self.links = Links(self.rank, self.world)
+        self.links = Links(self.rank, self.world, group)
         self.stats = Stats()
         self.flight: deque = deque()  # rank 0: (plan, posted result receive, result buffer) per micro-step
         self.sent: list = []  # the sends of the last micro-step (its buffers stay alive until they are done)

@@ -1,0 +1,165 @@
+"""Tensor parallelism at run time: a stage's TP group looks like one stage to the pipeline engine.
+
+``pp x tp`` processes (torchrun-compatible: global rank ``g`` is TP rank ``g % tp`` of stage ``g // tp``). Each TP
+group registers its process group under the name the stage programs' collectives use (``use_group``), so every
+rank's stage all-reduces with its group's peers. TP rank 0 of each stage is the pipeline participant: it runs the
+engine over the group of the stages' TP rank 0s (``TensorParallel.pipe``), and its stage is a ``Leader`` that
+broadcasts every step's inputs (the stage contract's named tensors) to the other TP ranks of its group before it
+runs its own shard. Those ranks ``follow``: they receive each step, run the same sharded stage (the all-reduces
+inside keep them in step with the leader) and drop its output, until the leader says the job is over (``stop``).
+
+A TP rank that dies makes its group's collectives fail on the others: the leader raises a ``PipelineError`` out of
+the engine, which ends the pipeline as any dead rank does; followers whose leader is gone fail their next
+broadcast. Every wait is bounded by the process group's timeout.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ppsplit.core.errors import ConfigError
+from ppsplit.core.shards import TP_GROUP
+from ppsplit.core.tensors import model_dtype
+from ppsplit.distributed.transport import TIMEOUT, PipelineError, agree
+
+RUN, END = 1, 0
+_HEAD = 4  # kind, tokens, x's width (0: token ids), serial
+
+
+def use_group(group) -> None:
+    """Register ``group`` as the TP group the stage programs' collectives run on (``ppsplit_tp``)."""
+    from torch.distributed.distributed_c10d import _register_process_group
+
+    _register_process_group(TP_GROUP, group)
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in the ``pp x tp`` grid and its groups (``setup``)."""
+
+    stage: int
+    tp_rank: int
+    tp: int
+    pp: int
+    group: object  # this stage's TP group
+    pipe: object  # the stages' TP rank 0s: the group the pipeline engine runs on
+
+    @property
+    def leader(self) -> bool:
+        return self.tp_rank == 0
+
+    @property
+    def leader_rank(self) -> int:
+        """The global rank of this stage's TP rank 0."""
+        return self.stage * self.tp
+
+
+def setup(tp: int, pp: int, fingerprint: str = "") -> TensorParallel:
+    """Form the TP groups and the pipeline group over an initialised world of ``pp * tp`` ranks (collective: every
+    rank calls it), register this rank's TP group, and check that the group's ranks agree on ``fingerprint``."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != pp * tp:
+        raise ConfigError(f"the folder has {pp} stages of {tp} TP ranks, {pp * tp} ranks in all, but {world} were "
+                          f"launched: launch {pp * tp} processes (--nproc-per-node {pp * tp})")
+    timeout = datetime.timedelta(seconds=TIMEOUT[0])
+    mine = None
+    for s in range(pp):  # new_group is collective over the world: every rank makes every group, in order
+        g = dist.new_group(list(range(s * tp, (s + 1) * tp)), timeout=timeout)
+        if s == rank // tp:
+            mine = g
+    pipe = dist.new_group([s * tp for s in range(pp)], timeout=timeout)
+    use_group(mine)
+    tpar = TensorParallel(rank // tp, rank % tp, tp, pp, mine, pipe)
+    agree_group({"fingerprint": fingerprint, "tp": tp, "pp": pp, "rank": rank}, mine)
+    return tpar
+
+
+def agree_group(header: dict, group) -> None:
+    """``transport.agree`` within one group."""
+    agree(header, group)
+
+
+class Leader(torch.nn.Module):
+    """TP rank 0's stage as the engine sees it: ``y, aux = leader(x, positions, aux, *step)`` sends the step to the
+    group's other ranks, then runs this rank's shard. Attributes it does not have (``graph``, ``meta``, the tensors)
+    are the stage's."""
+
+    def __init__(self, stage: torch.nn.Module, tpar: TensorParallel):
+        super().__init__()
+        self.inner = stage
+        self.tpar = tpar
+        self.serial = 0
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
+    def forward(self, x, positions, aux, *step):
+        self.serial += 1
+        width = x.shape[1] if x.dim() == 2 else 0
+        head = torch.tensor([RUN, x.shape[0], width, self.serial], device=x.device)
+        meta = torch.cat([positions.reshape(-1), *(t.reshape(-1) for t in step)])
+        try:
+            for t in (head, meta, x.contiguous()):
+                dist.broadcast(t, src=self.tpar.leader_rank, group=self.tpar.group)
+            return self.inner(x, positions, aux, *step)
+        except RuntimeError as e:  # gloo / NCCL: a peer of the group is gone
+            raise lost(self.tpar, e) from None
+
+    def stop(self) -> None:
+        """End the followers' loop (the job is over)."""
+        head = torch.tensor([END, 0, 0, self.serial], device=_device(self.inner))
+        try:
+            dist.broadcast(head, src=self.tpar.leader_rank, group=self.tpar.group)
+        except RuntimeError as e:
+            raise lost(self.tpar, e) from None
+
+
+@torch.no_grad()
+def follow(stage: torch.nn.Module, tpar: TensorParallel) -> int:
+    """TP ranks 1.. of a stage: run every step the leader sends on this rank's shard until it stops. Returns the
+    steps run."""
+    plan = stage.meta["ppsplit.plan"]
+    dev = _device(stage)
+    dtype = model_dtype(plan)
+    slots, blocks = plan.max_batch, plan.blocks_per_seq
+    steps = 0
+    try:
+        while True:
+            head = torch.zeros(_HEAD, dtype=torch.long, device=dev)
+            dist.broadcast(head, src=tpar.leader_rank, group=tpar.group)
+            kind, n, width, _ = head.tolist()
+            if kind != RUN:
+                return steps
+            meta = torch.empty(2 * n + slots * blocks + 2 * slots, dtype=torch.long, device=dev)
+            x = torch.empty((n, width) if width else (n,), dtype=dtype if width else torch.long, device=dev)
+            for t in (meta, x):
+                dist.broadcast(t, src=tpar.leader_rank, group=tpar.group)
+            positions, seq = meta[:n], meta[n:2 * n]
+            at = 2 * n + slots * blocks
+            table = meta[2 * n:at].view(slots, blocks)
+            aux = torch.zeros(plan.n_slots, n, plan.hidden_size, dtype=dtype, device=dev)
+            stage(x, positions, aux, seq, table, meta[at:at + slots], meta[at + slots:at + 2 * slots])
+            steps += 1
+    except RuntimeError as e:
+        raise lost(tpar, e) from None
+
+
+def lost(tpar: TensorParallel, error: Exception) -> PipelineError:
+    text = (str(error).splitlines() or [type(error).__name__])[0][:160]
+    first, last = tpar.leader_rank, tpar.leader_rank + tpar.tp - 1
+    return PipelineError(f"rank {dist.get_rank()} (TP rank {tpar.tp_rank} of stage {tpar.stage}): a rank of its TP "
+                         f"group (ranks {first} to {last}) died or stalled past the timeout ({text})")
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    for t in module.buffers():
+        return t.device
+    for t in module.parameters():
+        return t.device
+    return torch.device("cpu")
