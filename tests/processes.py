@@ -215,3 +215,20 @@ class AbortInFlight:
                 self.in_pipe = any(r is victim for plan, _, _ in engine.flight for r, _ in plan)
         elif self.seen is None and requests["new"].slot is not None:
             self.seen = (self.slot, requests["new"].slot, self.in_pipe)
+
+
+def tp_generate(rank, folder, prompts, max_tokens, k=0):
+    """Every rank of a ``pp x tp`` world runs ``tensor_parallel.engine(folder)``; pipeline rank 0 generates greedily
+    ``max_tokens`` tokens for ``prompts`` and returns ``(token_ids, accepted, drafts)`` per prompt; the other leaders
+    return their engine's ``Stats``, the followers ``None``."""
+    from ppsplit.distributed import tensor_parallel
+    from ppsplit.serve.sampling import SamplingParams
+
+    engine = tensor_parallel.engine(folder, num_draft_tokens=k)
+    if engine is None:
+        return None
+    out = engine.generate(prompts if engine.rank == 0 else None, SamplingParams(max_tokens=max_tokens))
+    engine.stage.stop()
+    if engine.rank:
+        return engine.stats
+    return [(o.token_ids, o.accepted, o.drafts) for o in out]

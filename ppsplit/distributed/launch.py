@@ -55,14 +55,24 @@ def rank_main(argv: list[str] | None = None) -> int:
     try:
         check(args)
         ppd.init(timeout=args.timeout)
-        engine = ppd.PipelineEngine(args.folder, num_draft_tokens=args.num_draft_tokens or 0,
-                                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        options = dict(num_draft_tokens=args.num_draft_tokens or 0, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs)
+        if _tp(args.folder) > 1:  # pp x tp ranks: TP rank 0 of each stage runs the engine, the others follow it
+            from ppsplit.distributed import tensor_parallel
+
+            engine = tensor_parallel.engine(args.folder, **options)
+            if engine is None:
+                os._exit(0)
+        else:
+            engine = ppd.PipelineEngine(args.folder, **options)
         prompts, tokenizer, params = None, None, None
         if engine.rank == 0:
             prompts, tokenizer = prompts_of(args, args.folder)
             params = [sampling_params(args, i) for i in range(len(prompts))]
         start = time.perf_counter()
         outputs = engine.generate(prompts, params)
+        if hasattr(engine.stage, "stop"):
+            engine.stage.stop()
         if engine.rank == 0:
             print_outputs(outputs, tokenizer, time.perf_counter() - start,
                           f"{engine.world} stages, {engine.backend}, {len(outputs)} request"
@@ -99,7 +109,8 @@ def start_ranks(folder: str, module: str, argv: list[str]) -> int:
     from ppsplit.artifact.folder import CompiledFolder
     from ppsplit.core.errors import PpsplitError
 
-    pp = CompiledFolder(folder).plan.pp
+    plan = CompiledFolder(folder).plan
+    pp = plan.pp * plan.tp  # one process per stage, or per (stage, TP rank)
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= pp
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below
     if not gpu:  # the ranks share this host's cores
@@ -115,6 +126,12 @@ def start_ranks(folder: str, module: str, argv: list[str]) -> int:
         codes = ", ".join(f"rank {r}: exit {e.failures[r].exitcode}" for r in sorted(e.failures))
         raise PpsplitError(f"{len(e.failures)} of {pp} ranks failed ({codes})") from None
     return 0
+
+
+def _tp(folder: str) -> int:
+    from ppsplit.artifact.folder import CompiledFolder
+
+    return CompiledFolder(folder).plan.tp
 
 
 def add_collect_arguments(p: argparse.ArgumentParser) -> None:

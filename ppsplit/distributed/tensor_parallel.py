@@ -163,3 +163,32 @@ def _device(module: torch.nn.Module) -> torch.device:
     for t in module.parameters():
         return t.device
     return torch.device("cpu")
+
+
+def engine(folder: str, *, device=None, **options):
+    """Collective over a world of ``pp x tp`` ranks running a compiled folder cut for tensor parallelism: every
+    rank loads its shard of its stage; TP rank 0 of each stage returns its ``PipelineEngine`` (over the pipeline
+    group; its stage a ``Leader``: call ``engine.stage.stop()`` when the job is done); the other ranks follow their
+    leader until it stops and return ``None``. ``options``: ``PipelineEngine``'s."""
+    from ppsplit.artifact.folder import CompiledFolder
+    from ppsplit.artifact.loader import load_stage
+    from ppsplit.distributed.engine import PipelineEngine
+
+    opened = CompiledFolder(folder)
+    plan = opened.plan
+    tpar = setup(plan.tp, plan.pp, opened.fingerprint)
+    if device is None:
+        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    stage = load_stage(opened, tpar.stage, device, tp_rank=tpar.tp_rank)
+    if not tpar.leader:
+        follow(stage, tpar)
+        return None
+    k = options.get("num_draft_tokens", 0)
+    if k and tpar.stage == plan.pp - 1 and options.get("drafter") is None:
+        if opened.drafter is None:
+            raise ConfigError("speculative decoding needs an EAGLE-3 drafter: compile the folder with --drafter")
+        from ppsplit.eagle3.formats import load_folder_drafter
+
+        options["drafter"] = load_folder_drafter(opened.drafter, plan, torch.device(device))
+    return PipelineEngine(Leader(stage, tpar), group=tpar.pipe, device=device,
+                          eos_token_id=opened.manifest.eos_token_id, **options)
