@@ -81,6 +81,7 @@ class Propagation:
         self.row: list = []
         self.pools: dict = {}  # cache buffer -> placement (from the writes)
         self.shard_origins: dict = {}  # tensor name -> the origins its cut follows
+        self.pool_origins: dict = {}  # cache buffer -> the origins of what is written into it
         # node -> (origin weight, offset, scale): element i of its split dim is the origin's output offset + i * scale
         # (a list of them for an op with several outputs); what a finer cut of the origin is worked out from
         self.window: dict = {}
@@ -666,7 +667,9 @@ class Propagation:
         if not isinstance(pq, Split):
             self.r(n, q)
             if any(isinstance(p, Split) for p in pools):
-                raise Unplaceable("its cache is split but its queries are not")
+                raise Unplaceable("its cache is split but its queries are not",
+                                  origins=frozenset().union(*(self.pool_origins.get(k.target, frozenset())
+                                                              for k in (keys, values))))
             return REPLICATED
         kv_dim = 2 if n.target is ops.paged_attention.default else 1
         heads_kv = self.shape(keys)[kv_dim]
@@ -761,6 +764,7 @@ class Propagation:
         """A cache ``n`` reads and writes takes ``place``; one written two ways is unplaceable."""
         if pool.op != "get_attr":
             raise Unplaceable("it writes a cache that is not a buffer")
+        self.pool_origins[pool.target] = self.pool_origins.get(pool.target, frozenset()) | self.origins.get(n, frozenset())
         if self.pools.setdefault(pool.target, place) != place:
             raise Unplaceable(f"{pool.target} is used split two ways ({_describe(self.pools[pool.target])}, "
                               f"{_describe(place)})", origins=self.origins.get(n, frozenset()))

@@ -31,8 +31,12 @@ _HEAD = 4  # kind, tokens, x's width (0: token ids), serial
 
 def use_group(group) -> None:
     """Register ``group`` as the TP group the stage programs' collectives run on (``ppsplit_tp``)."""
-    from torch.distributed.distributed_c10d import _register_process_group
+    from torch.distributed.distributed_c10d import _register_process_group, _unregister_process_group
 
+    try:
+        _unregister_process_group(TP_GROUP)  # the group of an earlier job in this process
+    except Exception:  # none registered (torch raises its own error type)
+        pass
     _register_process_group(TP_GROUP, group)
 
 
