@@ -125,9 +125,10 @@ class Leader(torch.nn.Module):
 
 
 @torch.no_grad()
-def follow(stage: torch.nn.Module, tpar: TensorParallel) -> int:
-    """TP ranks 1.. of a stage: run every step the leader sends on this rank's shard until it stops. Returns the
-    steps run."""
+def follow(stage: torch.nn.Module, tpar: TensorParallel, run=None) -> int:
+    """TP ranks 1.. of a stage: run every step the leader sends on this rank's shard (through ``run``, default the
+    stage itself) until it stops. Returns the steps run."""
+    run = run or stage
     plan = stage.meta["ppsplit.plan"]
     dev = _device(stage)
     dtype = model_dtype(plan)
@@ -148,7 +149,7 @@ def follow(stage: torch.nn.Module, tpar: TensorParallel) -> int:
             at = 2 * n + slots * blocks
             table = meta[2 * n:at].view(slots, blocks)
             aux = torch.zeros(plan.n_slots, n, plan.hidden_size, dtype=dtype, device=dev)
-            stage(x, positions, aux, seq, table, meta[at:at + slots], meta[at + slots:at + 2 * slots])
+            run(x, positions, aux, seq, table, meta[at:at + slots], meta[at + slots:at + 2 * slots])
             steps += 1
     except RuntimeError as e:
         raise lost(tpar, e) from None
