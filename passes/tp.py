@@ -183,13 +183,6 @@ def _check_required(prop: Propagation, required: tuple, tp: int, choices: Choice
                                   f"{'held whole' if shard is None else shard.describe()})")
 
 
-def _target(w: fx.Node) -> str | None:
-    from ppsplit.passes.sharding.rules import _leaf
-
-    leaf = _leaf(w)
-    return leaf.target if leaf is not None else None
-
-
 def _module_of(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if stack:

@@ -566,7 +566,7 @@ class Propagation:
 
     def _column(self, n: fx.Node, w, extras: list, out_dim: int, rank: int, scale=None, block=None):
         """A product over a replicated input: column-parallel over ``w``'s ``out_dim`` when its weight may be cut."""
-        leaf = _leaf(w)
+        leaf = weight_leaf(w)
         size = self.shape(w)[out_dim]
         if leaf is None or not self.choices.may_cut(leaf.target, size):
             for a in [w, *extras, scale]:
@@ -587,7 +587,7 @@ class Propagation:
 
     def _demand_scale(self, scale, w, sp: Split, block: int, origins) -> None:
         """FP8 block scales cut with their weight: every piece must hold whole blocks."""
-        leaf = _leaf(w)
+        leaf = weight_leaf(w)
         pieces = [s // sp.parts for s in sp.segments]
         if any(p % block for p in pieces):
             ok = [t for t in range(1, 65) if all(s % t == 0 and (s // t) % block == 0 for s in sp.segments)]
@@ -868,7 +868,7 @@ def _name(target) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _leaf(w) -> fx.Node | None:
+def weight_leaf(w) -> fx.Node | None:
     """The weight (``get_attr``) a lazy value is read from through transposes, reshapes and casts."""
     while isinstance(w, fx.Node) and w.op == "call_function" and (w.target in _VIEWS or w.target in (
             aten.transpose.int, aten.t.default, aten.permute.default, aten.to.dtype, aten._to_copy.default,
@@ -950,5 +950,4 @@ for _t in (aten.transpose.int, aten.permute.default, aten.t.default, aten.movedi
 for _t in _MULTI - {aten.topk.default, aten.sort.default, aten.max.dim, aten.min.dim}:
     _RULES[_t] = Propagation._split
 # Ops registered by other libraries when they are imported, known by name.
-_BY_NAME = {"transformers::grouped_mm_fallback": Propagation._grouped}
-_RULES[aten._grouped_mm.default] = Propagation._grouped
+_BY_NAME = {"transformers::grouped_mm_fallback": Propagation._grouped, "aten::_grouped_mm": Propagation._grouped}
