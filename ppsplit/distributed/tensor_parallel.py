@@ -195,5 +195,7 @@ def engine(folder: str, *, device=None, **options):
         from ppsplit.eagle3.formats import load_folder_drafter
 
         options["drafter"] = load_folder_drafter(opened.drafter, plan, torch.device(device))
+    # A captured graph cannot hold the leader's host-side broadcasts: TP stages run eagerly.
+    options["cuda_graphs"] = False
     return PipelineEngine(Leader(stage, tpar), group=tpar.pipe, device=device,
                           eos_token_id=opened.manifest.eos_token_id, **options)

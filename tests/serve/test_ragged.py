@@ -232,8 +232,8 @@ def test_bad_metadata_is_refused_before_anything_runs():
 
 def test_models_whose_cache_cannot_be_paged_keep_a_lockstep_cache_and_say_why():
     """GLM-MoE-DSA with shared indexers (a layer attends over the positions the layer before it picked): the paged
-    pass does not serve that yet, so the split keeps a lockstep cache, the plan says why, and ragged steps are
-    refused with the reason."""
+    pass does not serve that yet, so the split keeps a lockstep cache, the plan says why, its forward equals Hugging
+    Face's, and generation (the engine) and ragged steps are refused with the reason."""
     from tests.architectures.test_indexer import build as build_indexed, prompt
 
     model, traced = build_indexed("glm_moe_dsa_shared")
@@ -242,6 +242,9 @@ def test_models_whose_cache_cannot_be_paged_keep_a_lockstep_cache_and_say_why():
     assert "also read by another layer (an indexer shared between layers)" in split.plan.lockstep_reason
     assert "lockstep: no ragged steps" in split.plan.describe()
     ids = prompt()
-    assert torch.equal(split.generate(ids, 6), model.generate(ids, max_new_tokens=6, do_sample=False))
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids)[0], model(ids).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="needs a paged cache, and this split keeps a lockstep one because layer 0"):
+        split.generate(ids, 6)
     with pytest.raises(ConfigError, match="ragged steps need a paged cache; this split keeps a lockstep cache"):
         split.step(torch.zeros(1, dtype=torch.long), None)
