@@ -228,7 +228,6 @@ def tp_generate(rank, folder, prompts, max_tokens, k=0):
     if engine is None:
         return None
     out = engine.generate(prompts if engine.rank == 0 else None, SamplingParams(max_tokens=max_tokens))
-    engine.stage.stop()
     if engine.rank:
         return engine.stats
     return [(o.token_ids, o.accepted, o.drafts) for o in out]
@@ -293,5 +292,4 @@ def tp_generate_and_fail(rank, folder, prompts, max_tokens, victim, at):
     if engine is None:
         return None
     out = engine.generate(prompts if engine.rank == 0 else None, SamplingParams(max_tokens=max_tokens))
-    engine.stage.stop()
     return None if out is None else [o.token_ids for o in out]

@@ -58,6 +58,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from ppsplit import distributed as ppd
     from ppsplit.core.errors import ConfigError, PpsplitError
+    from ppsplit.distributed.tensor_parallel import pipeline_engine
     from ppsplit.serve.requests import print_outputs, prompts_of, sampling_params
 
     rank = int(os.environ.get("RANK", "0"))
@@ -66,25 +67,15 @@ def rank_main(argv: list[str] | None = None) -> int:
         ppd.init(ppd.backend_for(args.device), timeout=args.timeout)
         options = dict(num_draft_tokens=args.num_draft_tokens or 0, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, cuda_graphs=not args.enforce_eager)
-        if _tp(args.folder) > 1:  # pp x tp ranks: TP rank 0 of each stage runs the engine, the others follow it
-            from ppsplit.distributed import tensor_parallel
-
-            engine = tensor_parallel.engine(args.folder, **options)
-            if engine is None:
-                os._exit(0)
-        else:
-            engine = ppd.PipelineEngine(args.folder, **options)
+        engine = pipeline_engine(args.folder, **options)
+        if engine is None:  # a TP follower whose job is over
+            os._exit(0)
         prompts, tokenizer, params = None, None, None
         if engine.rank == 0:
             prompts, tokenizer = prompts_of(args, args.folder)
             params = [sampling_params(args, i) for i in range(len(prompts))]
         start = time.perf_counter()
-        try:
-            outputs = engine.generate(prompts, params)
-        except ConfigError:  # a refused job: the TP followers end with it
-            _stop_followers(engine)
-            raise
-        _stop_followers(engine)
+        outputs = engine.generate(prompts, params)
         if engine.rank == 0:
             print_outputs(outputs, tokenizer, time.perf_counter() - start,
                           f"{engine.world} stages, {engine.backend}, {len(outputs)} request"
@@ -138,17 +129,6 @@ def start_ranks(folder: str, module: str, argv: list[str], device: str = "auto")
         codes = ", ".join(f"rank {r}: exit {e.failures[r].exitcode}" for r in sorted(e.failures))
         raise PpsplitError(f"{len(e.failures)} of {pp} ranks failed ({codes})") from None
     return 0
-
-
-def _stop_followers(engine) -> None:
-    if hasattr(engine.stage, "stop"):  # a TP leader (ppsplit.distributed.tensor_parallel.Leader)
-        engine.stage.stop()
-
-
-def _tp(folder: str) -> int:
-    from ppsplit.artifact.folder import CompiledFolder
-
-    return CompiledFolder(folder).plan.tp
 
 
 def add_collect_arguments(p: argparse.ArgumentParser) -> None:

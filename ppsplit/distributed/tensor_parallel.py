@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.shards import TP_GROUP
 from ppsplit.core.tensors import model_dtype
+from ppsplit.distributed.engine import PipelineEngine
 from ppsplit.distributed.transport import TIMEOUT, PipelineError, agree
 
 RUN, END = 1, 0
@@ -170,14 +171,40 @@ def _device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def engine(folder: str, *, device=None, **options):
+class TensorParallelEngine(PipelineEngine):
+    """A stage's TP rank 0 in the pipeline: a ``PipelineEngine`` over the pipeline group whose stage is a ``Leader``.
+    Whatever ends the job on this rank (``close``, a refused job, the end of ``follow``) also ends its followers."""
+
+    def close(self) -> None:
+        super().close()
+        self.stage.stop()
+
+    @torch.no_grad()
+    def generate(self, prompts=None, params=None):
+        try:
+            return super().generate(prompts, params)
+        except ConfigError:
+            if self.first:  # the other leaders stopped theirs in follow()
+                self.stage.stop()
+            raise
+
+    @torch.no_grad()
+    def follow(self) -> None:
+        try:
+            super().follow()
+        except ConfigError:  # a refused job ends here too
+            self.stage.stop()
+            raise
+        self.stage.stop()
+
+
+def engine(folder: str, *, device=None, **options) -> TensorParallelEngine | None:
     """Collective over a world of ``pp x tp`` ranks running a compiled folder cut for tensor parallelism: every
-    rank loads its shard of its stage; TP rank 0 of each stage returns its ``PipelineEngine`` (over the pipeline
-    group; its stage a ``Leader``: call ``engine.stage.stop()`` when the job is done); the other ranks follow their
-    leader until it stops and return ``None``. ``options``: ``PipelineEngine``'s."""
+    rank loads its shard of its stage; TP rank 0 of each stage returns its ``TensorParallelEngine`` (used as a
+    ``PipelineEngine``); the other ranks follow their leader until the job ends and return ``None``. ``options``:
+    ``PipelineEngine``'s."""
     from ppsplit.artifact.folder import CompiledFolder
     from ppsplit.artifact.loader import load_stage
-    from ppsplit.distributed.engine import PipelineEngine
 
     opened = CompiledFolder(folder)
     plan = opened.plan
@@ -197,5 +224,15 @@ def engine(folder: str, *, device=None, **options):
         options["drafter"] = load_folder_drafter(opened.drafter, plan, torch.device(device))
     # A captured graph cannot hold the leader's host-side broadcasts: TP stages run eagerly.
     options["cuda_graphs"] = False
-    return PipelineEngine(Leader(stage, tpar), group=tpar.pipe, device=device,
-                          eos_token_id=opened.manifest.eos_token_id, **options)
+    return TensorParallelEngine(Leader(stage, tpar), group=tpar.pipe, device=device,
+                                eos_token_id=opened.manifest.eos_token_id, **options)
+
+
+def pipeline_engine(folder: str, **options):
+    """This rank's engine for a compiled folder: a ``PipelineEngine`` (one rank per stage), or with tensor
+    parallelism ``engine``'s (``None`` on a follower, once its job is over)."""
+    from ppsplit.artifact.folder import CompiledFolder
+
+    if CompiledFolder(folder).plan.tp > 1:
+        return engine(folder, **options)
+    return PipelineEngine(folder, **options)

@@ -116,3 +116,37 @@ def test_ppsplit_run_starts_pp_x_tp_ranks(folders, models, capfd):
                  str(NEW), "--timeout", "60"]) == 0
     text = capfd.readouterr().out
     assert ",".join(map(str, hf_greedy(models["llama"][1], prompt))) in text.splitlines(), text
+
+
+def test_serve_ranks_runs_pp_x_tp_and_other_commands_refuse_a_tp_folder(tmp_path, capsys):
+    """``ppsplit serve --ranks 2`` on the demo model at pp=1 x tp=2: greedy completions equal Hugging Face's text, and
+    SIGTERM ends the server and both ranks (rank 0's close ends its TP follower's loop). One process, a wrong
+    ``--ranks`` and ``collect`` are refused in one line."""
+    pytest.importorskip("fastapi")
+    from ppsplit.artifact.tokenizer import FolderTokenizer
+    from ppsplit.compile.demo import demo_model
+    from tests.serve.test_server import MODEL, Live
+
+    folder = ppsplit.compile_model("demo", str(tmp_path / MODEL), pp=1, tp=2, cache=ppsplit.CacheConfig(4, 64))
+    assert main(["serve", folder, "--port", "0"]) == 2
+    assert "serve it with --ranks 2" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "Hello world"}\n')
+    assert main(["collect", folder, "--prompts", str(prompts), "-o", str(tmp_path / "rows")]) == 2
+    assert "cut for tensor parallelism (tp=2)" in capsys.readouterr().err
+    assert not (tmp_path / "rows").exists()
+
+    tok, model = FolderTokenizer(folder), demo_model()
+    server = Live(folder, "--ranks", "2")
+    try:
+        for text, n in (("Hello world", 6), ("The pipeline splits the model into stages.", 9)):
+            ids = tok.encode(text)
+            status, body = server.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": n,
+                                                           "temperature": 0})
+            assert status == 200, body
+            with torch.no_grad():
+                ref = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+            assert body["choices"][0]["text"] == tok.decode(ref, skip_special_tokens=True), (text, body)
+    finally:
+        code = server.stop()
+    assert code == 0, "".join(server.lines)
