@@ -16,7 +16,7 @@ before any communication; the all-reduces are the multi-GPU issue's to measure.
 
 Layouts (``--layouts``): the full-size model on the meta device (no weights) planned for each ``PPxTP`` of
 ``--grid``: weights per GPU (the largest stage's rank), cache per GPU, and per token the pipeline hops (pp - 1
-sends of the hidden state) and the all-reduces (over a TP group, summed over the stages).
+sends of the hidden state); per step (any number of tokens) the all-reduces, summed over the stages.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def held_bytes(stage) -> tuple[int, int]:
     seen, weights, cache = set(), 0, 0
     named = list(stage.named_parameters(remove_duplicate=False)) + list(stage.named_buffers(remove_duplicate=False))
     for name, t in named:
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+        key = id(t) if t.device.type == "meta" else (t.data_ptr(), tuple(t.shape), t.dtype)  # meta: no addresses
         if key in seen:
             continue
         seen.add(key)
@@ -165,7 +165,7 @@ def layouts(args) -> None:
     print(f"planned on the meta device, cache {args.cache_seqs} x {args.max_len}, bf16; weights and cache per GPU are "
           f"the largest stage's TP rank")
     print(f"{'model':<16} {'pp x tp':>8} {'GPUs':>5} {'weights/GPU':>12} {'cache/GPU':>10} {'hops/token':>11} "
-          f"{'all-reduces/token':>18}")
+          f"{'all-reduces/step':>17}")
     for shape in args.shapes.split(","):
         kw = dict(LAYOUTS.get(shape) or SHAPES[shape])
         config = AutoConfig.for_model(kw.pop("model_type"), **kw)
@@ -181,7 +181,7 @@ def layouts(args) -> None:
                 per = [(*held_bytes(stage), 0) for stage in split.stages]
             weights, cache_b = max(p[0] for p in per), max(p[1] for p in per)
             print(f"{shape:<16} {pp:>4}x{tp:<3} {pp * tp:>5} {weights / 2**30:>10.1f}Gi {cache_b / 2**30:>8.1f}Gi "
-                  f"{pp - 1:>11} {sum(p[2] for p in per):>18}   ({time.perf_counter() - start:.0f}s to plan)")
+                  f"{pp - 1:>11} {sum(p[2] for p in per):>17}   ({time.perf_counter() - start:.0f}s to plan)")
             del split, model
 
 

@@ -97,7 +97,9 @@ def _solve(stage: fx.GraphModule, shapes: dict, tp: int, required: tuple) -> Pro
     """Place the graph, keeping whole (or cutting finer) the weights whose splits a node cannot take, until
     every node is placed."""
     choices = Choices(tp)
-    for _ in range(64):
+    # Every round changes a choice or raises, and fixes can cascade one layer per round (KV heads held by several
+    # ranks, layer after layer): the bound grows with the graph.
+    for _ in range(64 + len(stage.graph.nodes)):
         prop = Propagation(stage, shapes, tp, choices).run()
         if not prop.failures:
             _check_required(prop, required, tp, choices)
