@@ -93,6 +93,8 @@ class PipelineEngine:
     (then pass ``eos_token_id``). ``drafter``: an ``Eagle3Drafter`` for the last rank (default: the folder's, when
     ``num_draft_tokens`` > 0). ``cuda_graphs``: capture every bucket on every rank at start (``buckets_up_to`` the
     token budget; default: on CUDA). ``device`` defaults to ``cuda:<LOCAL_RANK>`` under NCCL, else the CPU.
+    ``group``: the pipeline's ranks when the world holds more (``ppsplit.distributed.tensor_parallel``: the stages'
+    TP rank 0s); default the world.
 
     Rank 0 drives the ``Engine`` (``engine``) and is its runner: ``add_request``, ``abort``, ``step``, ``stream``,
     ``generate``, ``close`` (ends the job on every rank). The other ranks call ``follow()``, which runs micro-steps
@@ -103,7 +105,6 @@ class PipelineEngine:
     def __init__(self, source: str | fx.GraphModule, *, drafter=None, num_draft_tokens: int = 0,
                  max_num_batched_tokens: int = DEFAULT_BUDGET, max_num_seqs: int | None = None, cuda_graphs: bool | None = None,
                  device: torch.device | str | None = None, eos_token_id=(), group=None):
-        # group: the pipeline's ranks when the world holds more (tensor parallelism: one TP rank per stage)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.backend = dist.get_backend()
         if device is None:

@@ -6,7 +6,8 @@ rank's stage all-reduces with its group's peers. TP rank 0 of each stage is the 
 engine over the group of the stages' TP rank 0s (``TensorParallel.pipe``), and its stage is a ``Leader`` that
 broadcasts every step's inputs (the stage contract's named tensors) to the other TP ranks of its group before it
 runs its own shard. Those ranks ``follow``: they receive each step, run the same sharded stage (the all-reduces
-inside keep them in step with the leader) and drop its output, until the leader says the job is over (``stop``).
+inside keep them in step with the leader) and drop its output, until the leader says the job is over (``stop``,
+which ``TensorParallelEngine`` calls whenever the job ends on its rank).
 
 A TP rank that dies makes its group's collectives fail on the others: the leader raises a ``PipelineError`` out of
 the engine, which ends the pipeline as any dead rank does; followers whose leader is gone fail their next
