@@ -215,3 +215,81 @@ class AbortInFlight:
                 self.in_pipe = any(r is victim for plan, _ in engine.flight for r, _ in plan.entries)
         elif self.seen is None and requests["new"].slot is not None:
             self.seen = (self.slot, requests["new"].slot, self.in_pipe)
+
+
+def tp_generate(rank, folder, prompts, max_tokens, k=0):
+    """Every rank of a ``pp x tp`` world runs ``tensor_parallel.engine(folder)``; pipeline rank 0 generates greedily
+    ``max_tokens`` tokens for ``prompts`` and returns ``(token_ids, accepted, drafts)`` per prompt; the other leaders
+    return their engine's ``Stats``, the followers ``None``."""
+    from ppsplit.distributed import tensor_parallel
+    from ppsplit.serve.sampling import SamplingParams
+
+    engine = tensor_parallel.engine(folder, num_draft_tokens=k)
+    if engine is None:
+        return None
+    out = engine.generate(prompts if engine.rank == 0 else None, SamplingParams(max_tokens=max_tokens))
+    if engine.rank:
+        return engine.stats
+    return [(o.token_ids, o.accepted, o.drafts) for o in out]
+
+
+def tp_prefill(rank, folder, ids):
+    """A prefill of ``ids`` through a ``pp x tp`` folder without the engine: each stage's TP ranks run their shards
+    (their all-reduces over the TP group), its TP rank 0 sends the hidden state and the aux prefix to every rank of
+    the next stage. The last stage's TP rank 0 returns ``(logits, aux)``; the others ``None``."""
+    import torch.distributed as dist
+
+    from ppsplit.artifact.folder import CompiledFolder
+    from ppsplit.artifact.loader import load_stage
+    from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment
+    from ppsplit.distributed import tensor_parallel
+
+    opened = CompiledFolder(folder)
+    plan = opened.plan
+    tp = tensor_parallel.setup(plan.tp, plan.pp, opened.fingerprint)
+    stage = load_stage(opened, tp.stage, tp_rank=tp.tp_rank)
+    layout = CacheLayout.of(plan)
+    step = RaggedStep.build([Segment(0, 0, len(ids))], {0: list(range(layout.blocks_per_seq))}, layout)
+    aux = torch.zeros(plan.n_slots, len(ids), plan.hidden_size)
+    if tp.stage == 0:
+        x = torch.tensor(ids)
+    else:
+        x = torch.empty(len(ids), plan.width(tp.stage))
+        dist.recv(x, (tp.stage - 1) * plan.tp)
+        if plan.filled(tp.stage - 1):
+            dist.recv(aux[:plan.filled(tp.stage - 1)], (tp.stage - 1) * plan.tp)
+    with torch.no_grad():
+        y, aux = stage(x, step.positions, aux, *step.tensors()[1:])
+    if tp.stage < plan.pp - 1:
+        if tp.leader:
+            for dst in range((tp.stage + 1) * plan.tp, (tp.stage + 2) * plan.tp):
+                dist.send(y.contiguous(), dst)
+                if plan.filled(tp.stage):
+                    dist.send(aux[:plan.filled(tp.stage)].contiguous(), dst)
+        return None
+    return (y, aux) if tp.leader else None
+
+
+def tp_suite(rank, jobs):
+    """For each job ``(folder, prompts, max_tokens, k, prefill ids or None)``: ``tp_generate``, then (given ids)
+    ``tp_prefill``, one after the other in the same processes. Returns ``[(generated, prefill)]`` per job."""
+    return [(tp_generate(rank, folder, prompts, new, k), tp_prefill(rank, folder, ids) if ids else None)
+            for folder, prompts, new, k, ids in jobs]
+
+
+def tp_generate_and_fail(rank, folder, prompts, max_tokens, victim, at):
+    """``tp_generate`` where global rank ``victim`` (a follower) SIGKILLs its process at its ``at``-th step."""
+    from ppsplit.distributed import tensor_parallel
+    from ppsplit.serve.sampling import SamplingParams
+
+    if rank == victim:
+        original = tensor_parallel.follow
+
+        def fragile(stage, tpar):
+            return original(stage, tpar, run=Fragile(stage, at, "kill"))
+        tensor_parallel.follow = fragile
+    engine = tensor_parallel.engine(folder)
+    if engine is None:
+        return None
+    out = engine.generate(prompts if engine.rank == 0 else None, SamplingParams(max_tokens=max_tokens))
+    return None if out is None else [o.token_ids for o in out]

@@ -5,6 +5,8 @@ readers that check everything a folder holds before anything is built from it.
     DIR/manifest.json           source, dtype, versions, files, generation ids, the stage options load applies
     DIR/stage_<k>.json          stage k's program (its FX graph; ``ppsplit.artifact.program``) and tensor list
     DIR/stage_<k>.safetensors   stage k's tensors only, under their original names
+    DIR/stage_<k>.tp<r>.safetensors   instead, with tensor parallelism (plan.tp > 1): TP rank r's pieces of them
+                                (the program, shared by the ranks, says how each tensor is cut: its ``shard``)
     DIR/drafter/                the EAGLE-3 drafter (``ppsplit compile --drafter``), if any
     DIR/tokenizer.json, ...     tokenizer and generation files, copied from the source (read as data only)
 
@@ -26,6 +28,7 @@ from ppsplit.core.checked import FolderError, check, from_json
 from ppsplit.core.options import StageOptions
 from ppsplit.core.plan import SplitPlan
 from ppsplit.core.quant import SCALE_DTYPES, WEIGHT_DTYPES, Quantization
+from ppsplit.core.shards import Shard
 from ppsplit.core.tensors import DTYPES, MODEL_DTYPES
 from ppsplit.core.drafter_config import DRAFTER_KEYS  # pure data: the drafter config a compiled folder stores
 
@@ -53,8 +56,8 @@ def program_name(k: int) -> str:
     return f"stage_{k}.json"
 
 
-def weights_name(k: int) -> str:
-    return f"stage_{k}.safetensors"
+def weights_name(k: int, tp_rank: int | None = None) -> str:
+    return f"stage_{k}.safetensors" if tp_rank is None else f"stage_{k}.tp{tp_rank}.safetensors"
 
 
 def fingerprint(plan_json: bytes | str) -> str:
@@ -65,10 +68,19 @@ def fingerprint(plan_json: bytes | str) -> str:
 
 
 @dataclass(frozen=True)
+class RankFiles:
+    weights: str
+    bytes: int
+
+
+@dataclass(frozen=True)
 class StageFiles:
+    """A stage's files; with tensor parallelism ``weights`` is empty and ``ranks`` lists each TP rank's."""
+
     program: str
     weights: str
     bytes: int
+    ranks: tuple[RankFiles, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,7 @@ class TensorSpec:
     source: str | None = None
     convert: str | None = None
     target: str | None = None
+    shard: Shard | None = None  # how TP ranks cut it (the shape above is one rank's)
 
     def __post_init__(self):
         if self.kind not in _TENSOR_KINDS or self.init not in _INITS:
@@ -214,8 +227,15 @@ class CompiledFolder:
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
-    def weights(self, k: int) -> str:
-        """Stage ``k``'s weights file, checked to be a regular file inside the folder."""
+    def weights(self, k: int, tp_rank: int | None = None) -> str:
+        """Stage ``k``'s weights file (TP rank ``tp_rank``'s, in a folder cut for tensor parallelism), checked to be
+        a regular file inside the folder."""
+        if self.plan.tp > 1:
+            if tp_rank is None or not isinstance(tp_rank, int) or not 0 <= tp_rank < self.plan.tp:
+                raise FolderError(f"{self.path} is cut for tensor parallelism (tp={self.plan.tp}): each stage runs on "
+                                  f"{self.plan.tp} ranks; run it with ppsplit run / serve --ranks (pp x tp processes) "
+                                  f"or load_stage(folder, k, tp_rank=r) with r in [0, {self.plan.tp})")
+            return regular_file(self.file(weights_name(k, tp_rank)), self.path)
         return regular_file(self.file(weights_name(k)), self.path)
 
     @property
@@ -260,12 +280,13 @@ class CompiledFolder:
         _check_quantized(graph, {t.name: t for t in tensors}, self.manifest.quantization, where)
         return StageProgram(k, tensors, graph)
 
-    def check_weights(self, program: StageProgram) -> None:
-        """The weights file of ``program``'s stage holds exactly its stored tensors, with their shapes and dtypes
-        (read from the safetensors header; no tensor data is read)."""
+    def check_weights(self, program: StageProgram, tp_rank: int | None = None) -> None:
+        """The weights file of ``program``'s stage (of TP rank ``tp_rank``: with tensor parallelism) holds exactly
+        its stored tensors, with their shapes and dtypes (read from the safetensors header; no tensor data is
+        read)."""
         from safetensors import safe_open
 
-        path = self.weights(program.index)
+        path = self.weights(program.index, tp_rank)
         expected = program.stored
         try:
             with safe_open(path, framework="pt") as f:
@@ -310,7 +331,8 @@ class CompiledFolder:
         stage programs."""
         programs = [self.program(k) for k in range(self.plan.pp)]
         for program in programs:
-            self.check_weights(program)
+            for r in (range(self.plan.tp) if self.plan.tp > 1 else [None]):
+                self.check_weights(program, r)
         if self.drafter is not None:
             check_drafter(self.drafter, self.plan)
         return programs
@@ -440,6 +462,8 @@ def _check_plan(plan: SplitPlan, where: str) -> None:
     """What a plan read from a folder must hold beyond its types: a model dtype, sizes that make sense."""
     if plan.dtype not in MODEL_DTYPES:
         raise FolderError(f"{where}: dtype {plan.dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
+    if plan.tp < 1 or plan.tp > 1 and len(plan.sharded) != plan.pp:
+        raise FolderError(f"{where}: tp must be positive, with one TP report per stage")
     if plan.hidden_size < 1 or plan.max_batch < 0 or plan.max_len < 0 or plan.state_slots < 0:
         raise FolderError(f"{where}: hidden_size must be positive and max_batch, max_len, state_slots not negative")
     if plan.block_size < 0 or plan.num_blocks < 0:
@@ -469,7 +493,13 @@ def _check_manifest(manifest: Manifest, plan: SplitPlan, where: str) -> None:
     if q is not None and not (len(q.linears) == len(q.dequantized) == plan.pp):
         raise FolderError(f"{where}: quantization.linears and .dequantized must list one count per stage ({plan.pp})")
     for k, files in enumerate(manifest.stages):
-        if (files.program, files.weights) != (program_name(k), weights_name(k)) or files.bytes < 0:
+        if plan.tp > 1:
+            names = [weights_name(k, r) for r in range(plan.tp)]
+            if files.program != program_name(k) or files.weights or [f.weights for f in files.ranks] != names \
+                    or any(f.bytes < 0 for f in files.ranks):
+                raise FolderError(f"{where}: stage {k}'s files must be {program_name(k)} and {', '.join(names)}; "
+                                  "compile the folder again")
+        elif (files.program, files.weights) != (program_name(k), weights_name(k)) or files.bytes < 0 or files.ranks:
             raise FolderError(f"{where}: stage {k}'s files must be {program_name(k)} and {weights_name(k)}, but it "
                               f"lists {files.program[:40]!r} and {files.weights[:40]!r}")
 

@@ -59,11 +59,14 @@ def stage_options(folder: CompiledFolder, **overrides) -> StageOptions:
 
 def load_stage(folder: str | CompiledFolder, k: int, device: torch.device | str = "cpu", *,
                compile: bool | None = None, fuse_projections: bool | None = None,
-               fuse_pointwise: bool | None = None, gemv: bool | None = None) -> fx.GraphModule:
+               fuse_pointwise: bool | None = None, gemv: bool | None = None,
+               tp_rank: int | None = None) -> fx.GraphModule:
     """Stage ``k`` of a compiled folder, ready to run on ``device``: ``y, aux = stage(x, positions, aux)``.
     ``compile``, ``fuse_projections``, ``fuse_pointwise``, ``gemv``: the stage rewrites (``StageOptions``); ``None``
     keeps what the folder records (``ppsplit compile --fuse-projections``; ``gemv`` on, ``compile`` off by default).
-    ``fuse_pointwise`` and ``gemv`` run only on a CUDA device.
+    ``fuse_pointwise`` and ``gemv`` run only on a CUDA device. A folder cut for tensor parallelism needs ``tp_rank``:
+    the stage is that rank's shard, whose collectives run on the group ``ppsplit.distributed.tensor_parallel``
+    registers.
 
     Example::
 
@@ -73,37 +76,41 @@ def load_stage(folder: str | CompiledFolder, k: int, device: torch.device | str 
     options = stage_options(folder, compile=compile, fuse_projections=fuse_projections,
                             fuse_pointwise=fuse_pointwise, gemv=gemv)
     program = folder.program(k)
-    folder.check_weights(program)
-    return build_stage(folder, program, check_device(device), options)
+    folder.check_weights(program, tp_rank)
+    return build_stage(folder, program, check_device(device), options, tp_rank)
 
 
 def build_stage(folder: CompiledFolder, program: StageProgram, device: torch.device,
-                options: StageOptions) -> fx.GraphModule:
-    """The stage of a checked ``program``: its tensors read onto ``device``, then the stage rewrites. A stage that
-    declares more than ``device`` holds is refused before anything is allocated."""
+                options: StageOptions, tp_rank: int | None = None) -> fx.GraphModule:
+    """The stage of a checked ``program`` (TP rank ``tp_rank``'s shard, with tensor parallelism): its tensors read
+    onto ``device``, then the stage rewrites. A whole stage that declares more than ``device`` holds is refused
+    before anything is allocated (a TP rank's shard is not checked here: the program declares the whole stage)."""
     need, have = stage_memory(program), device_memory(device)
-    if need.total > have:
+    if tp_rank is None and need.total > have:
         from ppsplit.core.plan import fmt_bytes
 
         raise FolderError(f"stage {program.index} of {folder.path} allocates {fmt_bytes(need.total)} (weights "
                           f"{fmt_bytes(need.weights)}, zero-initialised {fmt_bytes(need.state)}, the largest "
                           f"{need.largest}), more than {device} has ({fmt_bytes(have)}); run ppsplit inspect on it")
-    root = _tensors(folder, program, device)
+    root = _tensors(folder, program, device, tp_rank)
     stage = fx.GraphModule(root, program.graph, class_name=f"Stage{program.index}")
     copy_buffer_persistence(stage, root)
     stage.meta["ppsplit.stage"] = program.index
     stage.meta["ppsplit.plan"] = folder.plan
+    if folder.plan.tp > 1:
+        stage.meta["ppsplit.tp"] = (tp_rank, folder.plan.tp)
     apply_rewrites(stage, options, device)
     return stage
 
 
-def _tensors(folder: CompiledFolder, program: StageProgram, device: torch.device) -> torch.nn.Module:
+def _tensors(folder: CompiledFolder, program: StageProgram, device: torch.device,
+             tp_rank: int | None = None) -> torch.nn.Module:
     """A module holding stage ``program.index``'s tensors under their names: read from its weights file (already
     checked against the program) or, for state, zeros."""
     from safetensors import safe_open
 
     root = torch.nn.Module()
-    path = folder.weights(program.index)
+    path = folder.weights(program.index, tp_rank)
     try:
         with safe_open(path, framework="pt", device=str(device)) as f:
             for t in program.tensors:

@@ -28,6 +28,7 @@ from torch import fx
 
 from ppsplit.core.checked import FolderError
 from ppsplit.core.fx_utils import SHAPE, static_shape
+from ppsplit.core.shards import TP_GROUP
 from ppsplit.core.tensors import DTYPES, dtype_name
 
 FORMAT = "ppsplit.stage-program"
@@ -36,7 +37,7 @@ VERSION = 2  # 2: nodes carry their static shapes (version 1 programs load, with
 # steps, which also take the step's metadata (ppsplit.core.ragged.STEP_INPUTS).
 INPUTS = ("x", "positions", "aux", "seq", "block_table", "seq_start", "seq_count")
 _CONTRACTS = (3, len(INPUTS))
-_OP_NAMESPACES = ("aten", "ppsplit", "transformers")
+_OP_NAMESPACES = ("aten", "ppsplit", "transformers", "_c10d_functional")  # the last: TP all-reduce / all-gather
 _OP_NAME = re.compile(r"^(" + "|".join(_OP_NAMESPACES) + r")::([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)$")
 _PY_FUNCS = {f"operator.{name}": getattr(operator, name) for name in (
     "getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow", "eq", "ne", "lt", "le", "gt", "ge",
@@ -47,11 +48,15 @@ _FORMATS = {"contiguous_format": torch.contiguous_format, "preserve_format": tor
             "channels_last": torch.channels_last}
 _DEVICE = re.compile(r"^(cpu|cuda|meta)(:\d{1,4})?$")
 _FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-_META = {"ppsplit.tap": (int,), "ppsplit.fused": (str,), "ppsplit.layer": (int, type(None))}
+_META = {"ppsplit.tap": (int,), "ppsplit.fused": (str,), "ppsplit.layer": (int, type(None)),
+         "ppsplit.vocab": (int,)}  # the last: a vocab-parallel lookup's whole vocabulary
 # String arguments whose values an operator takes from a fixed set: a program may only pass one of them (ppsplit's
 # norm kinds, and the ATen enumerations stages are seen to use). Other string arguments pass as literals.
 _STRING_VALUES = {"kind": ("none", "rms", "rms_1p", "rms_f32w", "layer"), "approximate": ("none", "tanh"),
-                  "rounding_mode": (None, "trunc", "floor"), "reduce": ("sum", "prod", "mean", "amax", "amin")}
+                  "rounding_mode": (None, "trunc", "floor"), "reduce": ("sum", "prod", "mean", "amax", "amin"),
+                  "reduce_op": ("sum",), "group_name": (TP_GROUP,)}
+# The collectives a TP stage calls: an all-reduce, the lm_head's all-gather, and their waits.
+_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "wait_tensor")
 _PART = re.compile(r"^(?:[A-Za-z][A-Za-z0-9_]*|\d+)$")
 _RESERVED = frozenset(dir(fx.GraphModule))  # attributes a tensor name must not shadow (forward, training, ...)
 
@@ -89,6 +94,9 @@ def _resolve(name) -> object:
         raise ProgramError(f"the program calls {name[:80]!r}, which is not an allowed operator (namespace::name."
                            f"overload in {', '.join(_OP_NAMESPACES)}, or one of {len(_PY_FUNCS)} size operators)")
     namespace, op_name, overload = m.groups()
+    if namespace == "_c10d_functional" and op_name not in _COLLECTIVES:
+        raise ProgramError(f"the program calls {name[:80]!r}; of the collectives only {', '.join(_COLLECTIVES)} "
+                           "are allowed")
     if namespace == "ppsplit":
         import ppsplit.triton_kernels  # noqa: F401  (registers torch.ops.ppsplit.*)
     try:

@@ -119,6 +119,8 @@ def _add_split_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="'demo', a local checkpoint folder, a .gguf file (or a folder holding one), or a hub "
                                  "id (local HF cache, else downloaded)")
     p.add_argument("--pp", type=int, required=True, help="number of pipeline stages")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside every stage (pp x tp processes "
+                   "run the folder; default 1)")
     p.add_argument("--aux", default=None,
                    help="tap ids like 2,16,29, or 'eagle3' for (2, L//2, L-3) (default: no taps)")
     p.add_argument("--aux-convention", choices=("vllm", "sglang"), default="vllm",
@@ -151,7 +153,7 @@ def split_options(args, **extra):
     cap = parse_bytes(args.max_stage_memory) if args.max_stage_memory else None
     return SplitOptions(pp=args.pp, aux=args.aux, balance=balance, aux_convention=args.aux_convention,
                            max_stage_bytes=cap, cost_model=CostModel.parse(args.cost_model),
-                           half_layers=args.half_layers, **extra)
+                           half_layers=args.half_layers, tp=args.tp, **extra)
 
 
 def cache_options(args):
@@ -172,7 +174,8 @@ def cmd_compile(args) -> int:
     from ppsplit.compile.demo import DEMO_NAME
     from ppsplit.compile.writer import compile_model
 
-    out = args.output or f"{os.path.basename(os.path.normpath(args.model)).replace('/', '--')}-pp{args.pp}"
+    out = args.output or (f"{os.path.basename(os.path.normpath(args.model)).replace('/', '--')}-pp{args.pp}"
+                          + (f"-tp{args.tp}" if args.tp > 1 else ""))
     cache = cache_options(args)
     options = split_options(args, cache=cache, fuse="none" if args.no_fuse else "all",
                             fuse_projections=args.fuse_projections)
@@ -228,9 +231,12 @@ def cmd_inspect(args) -> int:
     if q is not None:
         print(f"quantized: {q.describe()}; per stage, weights on FP8 (linears and expert stacks) {list(q.linears)}, "
               f"tensors dequantized to {manifest.dtype} at compile {list(q.dequantized)}")
-    print(f"{'stage':>5}  {'program':<14} {'weights':<20} {'bytes':>12} {'tensors':>8}")
+    print(f"{'stage':>5}  {'program':<14} {'weights':<24} {'bytes':>12} {'tensors':>8}")
     for program, files in zip(programs, manifest.stages):
-        print(f"{program.index:>5}  {files.program:<14} {files.weights:<20} {files.bytes:>12,} {len(program.stored):>8}")
+        for weights, size in ([(f.weights, f.bytes) for f in files.ranks] or [(files.weights, files.bytes)]):
+            cut = sum(1 for t in program.stored.values() if t.shard is not None and t.shard.kind == "split")
+            held = f"{len(program.stored):>8}" + (f"  ({cut} cut over the TP ranks)" if files.ranks else "")
+            print(f"{program.index:>5}  {files.program:<14} {weights:<24} {size:>12,} {held}")
     print(tokenizer)
     _check_memory(memory, scheduler_bytes(plan), cap if cap is not None else largest_memory(), cap is None)
     return 0

@@ -19,8 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=256,
                    help="unfinished requests admitted at most; more are answered 503 at once")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: DIR's name)")
-    p.add_argument("--ranks", type=int, default=1, help="processes: 1, or one per stage of DIR (rank 0 serves "
-                                                        "HTTP and schedules; the others run their stage)")
+    p.add_argument("--ranks", type=int, default=1, help="processes: 1, or one per stage of DIR (per stage and TP "
+                   "rank with --tp: pp x tp; rank 0 serves HTTP and schedules; the others run their stage)")
     from ppsplit.serve.requests import add_runtime_arguments
 
     add_runtime_arguments(p)
@@ -60,7 +60,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.folder} has no tokenizer (tokenizer.json), which serving text needs; compile from a "
                           "checkpoint folder that has one (the demo has one)")
     plan = CompiledFolder(args.folder).plan  # checks the folder before any process starts
-    if args.ranks != 1 and args.ranks != plan.pp:
+    if plan.tp > 1 and args.ranks != plan.pp * plan.tp:
+        raise ConfigError(f"{args.folder} has {plan.pp} stages of {plan.tp} TP ranks: serve it with --ranks "
+                          f"{plan.pp * plan.tp} (one process per stage and TP rank), not {args.ranks}")
+    if args.ranks != 1 and args.ranks != plan.pp * plan.tp:
         raise ConfigError(f"--ranks must be 1 or the folder's {plan.pp} stages (one process per stage), but got "
                           f"{args.ranks}")
     _check_servable(plan, args)

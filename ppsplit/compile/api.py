@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,9 @@ from ppsplit.passes.pipeline import lower
 from ppsplit.passes.plan import plan as make_split_plan
 from ppsplit.passes.rewrites import apply_rewrites
 from ppsplit.passes.trace import trace
+from ppsplit.passes.tp import check_shards, rank_stage, shard_stage
+from ppsplit.core.plan import SplitPlan
+from ppsplit.core.tensors import module_device
 from ppsplit.serve.runtime import SplitModel
 
 log = logging.getLogger("ppsplit")
@@ -73,6 +77,11 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
 
     ``model`` may be the result of ``trace_model``. The stages share the model's parameters (no copy).
 
+    ``tp`` > 1 cuts every stage over ``tp`` tensor-parallel ranks (``ppsplit.passes.tp``) and returns a
+    ``ShardedSplit`` (``.ranks[r]``: TP rank ``r``'s ``SplitModel``), or with ``tp_rank`` only that rank's
+    ``SplitModel``, for a caller that runs it in its own process with its TP group registered
+    (``ppsplit.distributed.tensor_parallel.use_group``).
+
     Example::
 
         split = split_model(AutoModelForCausalLM.from_config(cfg), pp=4, aux="2,16,29")
@@ -98,10 +107,50 @@ def split_model(model: torch.nn.Module | Annotated, pp: int | None = None, aux: 
         traced = info.retraced["lockstep"]
         plan = dataclasses.replace(plan_split(traced, options, taps), lockstep_reason=str(e))
         lowered = lower(traced, plan, attention=options.attention, fuse=options.fuse)
+    info = traced.traced
+    if options.tp > 1:
+        return _tensor_parallel(lowered, info, options)
     for stage in lowered.stages:
         apply_rewrites(stage, options.stage)
-    info = traced.traced
     return SplitModel(lowered.plan, lowered.stages, eos_token_id=info.eos_token_id, pad_token_id=info.pad_token_id)
+
+
+@dataclass
+class ShardedSplit:
+    """A split whose stages are each cut over ``plan.tp`` tensor-parallel ranks: ``ranks[r]`` is TP rank ``r``'s
+    ``SplitModel`` (its stage ``k`` holds rank ``r``'s pieces of stage ``k``). Every rank's stages call the
+    collectives of the process group registered as ``ppsplit_tp``
+    (``ppsplit.distributed.tensor_parallel.use_group``), so each rank runs in a process of its own.
+
+    Example (4 processes, TP groups of 2 registered)::
+
+        split = split_model(model, pp=2, tp=2, tp_rank=tp_group.rank())   # one rank's SplitModel
+    """
+
+    plan: SplitPlan
+    ranks: list
+
+
+def _tensor_parallel(lowered, info, options: SplitOptions):
+    """Each stage of ``lowered`` cut over ``options.tp`` ranks by the TP pass, proven equal to the whole stage by
+    running the ranks in lockstep (when the weights are real), then the stage rewrites on every rank's stage."""
+    tp_plan = getattr(getattr(info.source, "config", None), "base_model_tp_plan", None)
+    sharded = [shard_stage(stage, options.tp, tp_plan) for stage in lowered.stages]
+    plan = dataclasses.replace(lowered.plan, tp=options.tp, sharded=tuple(s.report for s in sharded))
+    wanted = range(options.tp) if options.tp_rank is None else [options.tp_rank]
+    ranks = {r: [rank_stage(stage, s, r) for stage, s in zip(lowered.stages, sharded)] for r in range(options.tp)}
+    for k, stage in enumerate(lowered.stages):
+        if module_device(stage).type != "meta":
+            check_shards(stage, [ranks[r][k] for r in range(options.tp)])
+    models = []
+    for r in wanted:
+        for stage in ranks[r]:
+            stage.meta["ppsplit.plan"] = plan
+            apply_rewrites(stage, options.stage)
+        models.append(SplitModel(plan, ranks[r], eos_token_id=info.eos_token_id, pad_token_id=info.pad_token_id))
+    if options.tp_rank is not None:
+        return models[0]
+    return ShardedSplit(plan, models)
 
 
 def _traced(model: torch.nn.Module | Annotated, options: SplitOptions) -> tuple[Annotated, tuple[int, ...]]:

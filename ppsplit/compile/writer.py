@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from ppsplit.compile.api import split_model
-from ppsplit.compile.checkpoint import ST_DTYPES, Checkpoint, write_safetensors
+from ppsplit.compile.checkpoint import ST_DTYPES, Checkpoint, RawRange, write_safetensors
 from ppsplit.core.options import CacheConfig, SplitOptions, StageOptions
 from ppsplit.compile.conversion import Sources
 from ppsplit.compile.quantized import Scheme, is_exponents, read_scheme
@@ -26,8 +26,8 @@ from ppsplit.core.quant import Quantization
 from ppsplit.triton_kernels.fp8 import scale_grid
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.fx_utils import get_tensor, is_cache_buffer, tied_names, tied_parameters
-from ppsplit.artifact.folder import (MANIFEST, PLAN, Manifest, StageFiles, fingerprint, program_name, serving_files,
-                                     weights_name, write_json)
+from ppsplit.artifact.folder import (MANIFEST, PLAN, Manifest, RankFiles, StageFiles, fingerprint, program_name,
+                                     serving_files, weights_name, write_json)
 from ppsplit.artifact.program import graph_to_json
 from ppsplit.serve.runtime import SplitModel
 from ppsplit.core.tensors import DTYPE_ALIASES, DTYPES, MODEL_DTYPES, dtype_name, nbytes
@@ -85,6 +85,9 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     stage_options = options.stage
     options = dataclasses.replace(options, stage=StageOptions(fuse_projections=False, fuse_pointwise=False,
                                                                    gemv=False, compile=False))
+    # Tensor parallelism cuts the stages last (after the FP8 rewrite, so block scales are cut with their weights).
+    tp = options.tp
+    options = dataclasses.replace(options, tp=1, tp_rank=None)
     _make_tmp(out, probe=True)  # an unwritable destination fails now, before the slow trace
     start = time.perf_counter()
     model_obj, buffers = skeleton(config, torch_dtype)
@@ -95,12 +98,20 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     log.info("split into %d stages in %.1fs", split.plan.pp, time.perf_counter() - start)
     tied = tied_names(tied_parameters(model_obj))  # name -> every name sharing its tensor
     fp8 = [_quantize(stage, sources) for stage in split.stages] if scheme is not None else None
+    sharded = None
+    if tp > 1:
+        from ppsplit.passes.tp import shard_stage
+
+        sharded = [shard_stage(stage, tp, getattr(config, "base_model_tp_plan", None)) for stage in split.stages]
+        split.plan = dataclasses.replace(split.plan, tp=tp, sharded=tuple(s.report for s in sharded))
+        log.info("cut every stage over %d TP ranks", tp)
     stage_specs = [_stage_tensors(stage, k, sources, buffers, tied) for k, stage in enumerate(split.stages)]
     quantization = None if scheme is None else _quantization(scheme, fp8, stage_specs, sources)
 
     tmp = _make_tmp(out)
     try:
-        _write(tmp, split, stage_specs, sources, buffers, model, torch_dtype, progress, stage_options, quantization)
+        _write(tmp, split, stage_specs, sources, buffers, model, torch_dtype, progress, stage_options, quantization,
+               sharded)
         if drafter is not None:
             from ppsplit.eagle3.formats import write_compiled_drafter
             write_compiled_drafter(tmp, drafter, split, checkpoint, tied, drafter_convention)
@@ -331,7 +342,7 @@ def _spec_bytes(spec: dict) -> int:
 
 def _write(tmp: str, split: SplitModel, stage_specs: list, sources: Sources, buffers: dict, source: str,
            dtype: torch.dtype, progress: bool, stage_options: StageOptions,
-           quantization: Quantization | None = None) -> None:
+           quantization: Quantization | None = None, sharded: list | None = None) -> None:
     import transformers
 
     import ppsplit
@@ -346,16 +357,29 @@ def _write(tmp: str, split: SplitModel, stage_specs: list, sources: Sources, buf
     files = []
     try:
         for k, (stage, specs) in enumerate(zip(split.stages, stage_specs)):
+            cut = sharded[k] if sharded else None
+            listed = _rank_specs(specs, cut) if cut else specs
+            graph = cut.graph if cut else stage.graph
             write_json(os.path.join(tmp, program_name(k)), {"stage": k, "plan_sha256": fingerprint(plan_json),
-                                                            "tensors": specs, "program": graph_to_json(stage.graph)})
-            in_file = sorted((s for s in specs if s["init"] == "file"), key=lambda s: _order(s, sources))
+                                                            "tensors": listed, "program": graph_to_json(graph)})
+            in_file = sorted((s for s in listed if s["init"] == "file"), key=lambda s: _order(s, sources))
             own = dict(stage.named_parameters(remove_duplicate=False)) | dict(stage.named_buffers(remove_duplicate=False))
             entries = [(s["name"], tuple(s["shape"]), DTYPES[s["dtype"]]) for s in in_file]
             bar.set_description(f"stage {k}")
-            size = write_safetensors(os.path.join(tmp, weights_name(k)), entries,
-                                     _stage_stream(in_file, own, sources, buffers),
-                                     metadata={"format": "pt", "ppsplit_stage": k}, progress=bar.update)
-            files.append(StageFiles(program_name(k), weights_name(k), size))
+            if cut is None:
+                size = write_safetensors(os.path.join(tmp, weights_name(k)), entries,
+                                         _stage_stream(in_file, own, sources, buffers),
+                                         metadata={"format": "pt", "ppsplit_stage": k}, progress=bar.update)
+                files.append(StageFiles(program_name(k), weights_name(k), size))
+                continue
+            ranks = []
+            for r in range(cut.tp):  # each rank's file streamed on its own: memory holds one tensor (or piece)
+                size = write_safetensors(os.path.join(tmp, weights_name(k, r)), entries,
+                                         _stage_stream(in_file, own, sources, buffers, (cut, r)),
+                                         metadata={"format": "pt", "ppsplit_stage": k, "ppsplit_tp_rank": r},
+                                         progress=lambda n, tp=cut.tp: bar.update(n // tp))
+                ranks.append(RankFiles(weights_name(k, r), size))
+            files.append(StageFiles(program_name(k), "", sum(f.bytes for f in ranks), tuple(ranks)))
     finally:
         bar.close()
     manifest = Manifest(ppsplit=ppsplit.__version__, torch=torch.__version__, transformers=transformers.__version__,
@@ -373,8 +397,30 @@ def _order(spec: dict, sources: Sources) -> tuple:
     return (where.get(spec["source"] or "", ""), "", spec["name"])
 
 
-def _stage_stream(in_file: list[dict], own: dict, sources: Sources, buffers: dict):
-    """``(name, tensor)`` in ``in_file`` order; at most one conversion group's outputs are held at a time."""
+def _rank_specs(specs: list[dict], cut) -> list[dict]:
+    """A stage's tensor list as one TP rank holds it: each cut tensor's local shape and its ``shard``, and the
+    generated per-rank tensors (a vocab-parallel lookup's first row)."""
+    out = []
+    for s in specs:
+        shard = cut.shards.get(s["name"])
+        if shard is None:
+            out.append(s)
+            continue
+        out.append(dict(s, shape=list(shard.local_shape(s["shape"])), shard=dataclasses.asdict(shard)))
+    for name, shard in cut.shards.items():
+        if shard.kind == "start":
+            out.append({"name": name, "kind": "buffer", "shape": [1], "dtype": "int64", "persistent": True,
+                        "init": "file", "source": None, "shard": dataclasses.asdict(shard)})
+    return out
+
+
+def _stage_stream(in_file: list[dict], own: dict, sources: Sources, buffers: dict, rank: tuple | None = None):
+    """``(name, tensor)`` in ``in_file`` order; at most one conversion group's outputs are held at a time. With
+    ``rank`` (a ``ShardedStage`` and a TP rank), each cut tensor is that rank's piece, read alone from its shard
+    where the checkpoint stores it as the stage keeps it."""
+    if rank is not None:
+        yield from _rank_stream(in_file, own, sources, buffers, *rank)
+        return
     checkpoint = sources.checkpoint
     group, outputs = None, {}
     for s in in_file:
@@ -397,6 +443,47 @@ def _stage_stream(in_file: list[dict], own: dict, sources: Sources, buffers: dic
             yield s["name"], raw if same else sources.read(s["source"], DTYPES[s["dtype"]])
         else:  # a buffer computed at init or a constant captured by the trace
             yield s["name"], buffers.get(s["name"], own[s["name"]])
+
+
+def _rank_stream(in_file: list[dict], own: dict, sources: Sources, buffers: dict, cut, r: int):
+    from safetensors import safe_open
+
+    whole = [dict(s, shape=list(_whole_shape(s))) for s in in_file]
+    stream = _stage_stream([s for s in whole if s.get("shard") is None or s["shard"]["kind"] != "start"], own, sources,
+                           buffers)
+    for s in in_file:
+        shard = cut.shards.get(s["name"])
+        if shard is not None and shard.kind == "start":
+            yield s["name"], shard.take(None, r, cut.tp)
+            continue
+        if shard is None:
+            yield next(stream)
+            continue
+        raw = s.get("source") and sources.checkpoint.raw_range(s["source"])
+        if raw and raw.dtype == ST_DTYPES[DTYPES[s["dtype"]]]:  # stored as kept: read this rank's piece alone
+            _skip(stream)
+            with safe_open(raw.path, framework="pt") as f:
+                yield s["name"], shard.take(f.get_slice(s["source"]), r, cut.tp)
+            continue
+        name, t = next(stream)
+        if isinstance(t, RawRange):
+            t = sources.read(s["source"], DTYPES[s["dtype"]])
+        yield name, shard.take(t, r, cut.tp).to(DTYPES[s["dtype"]])
+
+
+def _whole_shape(spec: dict) -> tuple:
+    """The stage's shape of a tensor a rank holds a piece of (``spec["shard"]``, its dict form)."""
+    shard = spec.get("shard")
+    if shard is None or shard["kind"] != "split":
+        return tuple(spec["shape"])
+    shape = list(spec["shape"])
+    shape[shard["dim"]] = sum(shard["segments"])
+    return tuple(shape)
+
+
+def _skip(stream) -> None:
+    """Advance ``stream`` past a tensor without reading it (a plain source yields a ``RawRange``, no data)."""
+    next(stream)
 
 
 class _NoBar:

@@ -171,11 +171,11 @@ def _call(graph, target, args, meta, **kwargs):
 
 
 def stage_vocab(stage) -> int:
-    """The vocabulary size: the rows of stage 0's embedding table."""
+    """The vocabulary size: the rows of stage 0's embedding table (all ranks' rows, when it is vocab-parallel)."""
     for node in stage.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.aten.embedding.default \
                 and getattr(node.args[0], "op", None) == "get_attr":
-            return get_tensor(stage, node.args[0].target).shape[0]
+            return node.meta.get("ppsplit.vocab") or get_tensor(stage, node.args[0].target).shape[0]
     raise ConfigError("stage 0 has no embedding lookup to tell the vocabulary size from")
 
 

@@ -183,7 +183,8 @@ class SplitOptions:
     """Everything ``split_model`` and ``ppsplit compile`` take, validated on construction, by when it applies:
 
     - the plan: ``pp``, ``aux`` and ``aux_convention`` (the taps), ``layers``, ``balance``, ``cost_model``,
-      ``max_stage_bytes``, ``half_layers``, ``cache`` (the cache layout);
+      ``max_stage_bytes``, ``half_layers``, ``cache`` (the cache layout), ``tp`` (tensor-parallel ranks per stage;
+      ``tp_rank``: build only that rank's shards);
     - lowering, recorded in the stage programs: ``attention``, ``fuse``;
     - built stages: ``stage`` (``StageOptions``: fuse_projections, fuse_pointwise, gemv, compile), applied again
       by ``load``.
@@ -207,6 +208,8 @@ class SplitOptions:
     max_stage_bytes: int | None = None  # per-stage cap on weights + KV cache
     cost_model: CostModel = CostModel()  # the workload of the flops and time policies
     half_layers: bool = False  # stages may also end between a layer's attention and MLP blocks
+    tp: int = 1  # tensor-parallel ranks inside each stage (ppsplit.passes.tp)
+    tp_rank: int | None = None  # split_model: build only this TP rank's shards (None: every rank's)
     stage: StageOptions = StageOptions()
 
     def __init__(self, pp: int, **options):
@@ -251,6 +254,12 @@ class SplitOptions:
         if not isinstance(self.half_layers, bool):
             raise ConfigError(f"half_layers must be True (stages may end between a layer's attention and MLP blocks) "
                               f"or False, but got {self.half_layers!r}")
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise ConfigError(f"tp must be a positive number of tensor-parallel ranks per stage, but got {self.tp!r}")
+        if self.tp_rank is not None and (not isinstance(self.tp_rank, int) or isinstance(self.tp_rank, bool)
+                                         or not 0 <= self.tp_rank < self.tp):
+            raise ConfigError(f"tp_rank must be a rank in [0, {self.tp}) (or None for every rank), but got "
+                              f"{self.tp_rank!r}")
         if isinstance(self.balance, str) and self.balance not in BALANCE_POLICIES:
             raise ConfigError(f"balance must be one of {', '.join(BALANCE_POLICIES)}, a list of layer counts, or "
                               f"f(costs, pp) -> counts, but got {self.balance!r}")

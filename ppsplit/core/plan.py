@@ -14,7 +14,7 @@ from ppsplit.core.checked import FolderError, check, from_json
 from ppsplit.core.options import CostModel
 
 _ELEMENT_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-PLAN_VERSION = 6  # 6: a residual stream of several vectors per token; 5: a paged cache; 4: stages may end mid-layer;
+PLAN_VERSION = 7  # 7: tensor parallelism inside stages; 6: a residual stream of several vectors per token; 5: a paged cache; 4: stages may end mid-layer;
 # 3: carried values; 2: structured fusion
 
 
@@ -134,6 +134,31 @@ class StageFusion:
     def lines(self) -> tuple[str, ...]:
         extra = (f"{self.other_norms} add+norm / norm groups without a tap fused",) if self.other_norms else ()
         return tuple(t.describe() for t in self.taps) + extra
+
+
+@dataclass(frozen=True)
+class StageSharding:
+    """The TP pass's report for one stage: its column- and row-parallel products, vocab-parallel lookups,
+    all-reduces and all-gathers, and what each TP rank holds (weights, of which ``whole_bytes`` are not cut, and
+    cache)."""
+
+    column: int = 0
+    row: int = 0
+    vocab: int = 0
+    all_reduces: int = 0
+    gathers: int = 0
+    rank_bytes: int = 0
+    whole_bytes: int = 0
+    rank_cache_bytes: int = 0
+
+    def lines(self) -> tuple[str, ...]:
+        cut = f"{self.column} column-parallel + {self.row} row-parallel products"
+        if self.vocab:
+            cut += f", {self.vocab} vocab-parallel lookup"
+        comm = f"{self.all_reduces} all-reduce(s)" + (f", {self.gathers} all-gather" if self.gathers else "")
+        held = (f"per TP rank: {fmt_bytes(self.rank_bytes)} weights ({fmt_bytes(self.whole_bytes)} held whole)"
+                + (f", cache {fmt_bytes(self.rank_cache_bytes)}" if self.rank_cache_bytes else ""))
+        return (f"tp: {cut}; {comm} per step", held)
 
 
 def token_major(rank: int, batch_dim: int, token_dim: int) -> list[int]:
@@ -277,6 +302,8 @@ class SplitPlan:
     num_blocks: int = 0
     lockstep_reason: str = ""  # why a cached split has a lockstep cache (no ragged steps), when it does
     stream: Stream | None = None  # a residual stream of several hidden vectors per token (None: [B, T, H])
+    tp: int = 1  # tensor-parallel ranks inside every stage (ppsplit.passes.tp)
+    sharded: tuple[StageSharding, ...] = ()  # per stage, what the TP pass did (when tp > 1)
 
     def __post_init__(self):
         if list(self.taps) != sorted(set(self.taps)) or any(not 0 <= t <= self.num_layers for t in self.taps):
@@ -393,6 +420,8 @@ class SplitPlan:
             del d["lockstep_reason"]
         if self.stream is None:  # written only when used, as the fields above: older plans keep their layout
             del d["stream"]
+        if self.tp == 1:
+            del d["tp"], d["sharded"]
         for c in d["carries"]:
             if not c["batch_dim"]:
                 del c["batch_dim"]
@@ -457,8 +486,9 @@ class SplitPlan:
         elif self.lockstep_reason:
             cache += f" (lockstep: no ragged steps, because {self.lockstep_reason})"
         hidden = f"stream [{self.stream.dims()}]" if self.stream else f"hidden {self.hidden_size}"
+        tp = f" x tp={self.tp} ({self.pp * self.tp} ranks)" if self.tp > 1 else ""
         lines = [f"{self.model_class or 'model'}: {self.num_layers} layers, {hidden}, {self.dtype}, "
-                 f"pp={self.pp}, balance={self.balance}, {self.n_slots} aux slots{cache}"]
+                 f"pp={self.pp}{tp}, balance={self.balance}, {self.n_slots} aux slots{cache}"]
         unit = self.region_costs.unit if self.region_costs else ("layers" if self.balance == "layers" else "params")
         balance = f"stage cost in {unit}: slowest / mean = {self.imbalance:.3f}"
         r = self.region_costs
@@ -487,6 +517,8 @@ class SplitPlan:
             lines.append(f"{s.index:>5}  {self.layer_range(s.index):>9}  {s.params:>12,}  {fmt_bytes(s.bytes):>10}  "
                          f"{s.cost:>10.4g}  {owned:<14} {sends:<12} {role}{cache}")
             for line in (self.fused[s.index].lines() if s.index < len(self.fused) else ()):
+                lines.append(f"{'':>7}{line}")
+            for line in (self.sharded[s.index].lines() if s.index < len(self.sharded) else ()):
                 lines.append(f"{'':>7}{line}")
             for line in self.attention_lines(s.index):
                 lines.append(f"{'':>7}{line}")

@@ -99,6 +99,8 @@ class PipelineEngine:
     (then pass ``eos_token_id``). ``drafter``: an ``Eagle3Drafter`` for the last rank (default: the folder's, when
     ``num_draft_tokens`` > 0). ``cuda_graphs``: capture every bucket on every rank at start (``buckets_up_to`` the
     token budget; default: on CUDA). ``device`` defaults to ``cuda:<LOCAL_RANK>`` under NCCL, else the CPU.
+    ``group``: the pipeline's ranks when the world holds more (``ppsplit.distributed.tensor_parallel``: the stages'
+    TP rank 0s); default the world.
 
     Rank 0 drives the ``Engine`` (``engine``) and is its runner: ``add_request``, ``abort``, ``step``, ``stream``,
     ``generate``, ``close`` (ends the job on every rank). The other ranks call ``follow()``, which runs micro-steps
@@ -108,8 +110,8 @@ class PipelineEngine:
 
     def __init__(self, source: str | fx.GraphModule, *, drafter=None, num_draft_tokens: int = 0,
                  max_num_batched_tokens: int = DEFAULT_BUDGET, max_num_seqs: int | None = None, cuda_graphs: bool | None = None,
-                 device: torch.device | str | None = None, eos_token_id=()):
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+                 device: torch.device | str | None = None, eos_token_id=(), group=None):
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.backend = dist.get_backend()
         if device is None:
             device = f"cuda:{torch.cuda.current_device()}" if self.backend == "nccl" else "cpu"
@@ -147,7 +149,7 @@ class PipelineEngine:
         except PpsplitError as e:
             header["error"] = str(e)
 
-        agree(header)
+        agree(header, group)
         self.dtype, self.eos = model_dtype(plan), eos
         self.received = plan.filled(self.rank - 1) if self.rank else 0
         self.sends = plan.filled(self.rank)
@@ -155,7 +157,7 @@ class PipelineEngine:
         self.vocab = stage_vocab(self.stage) if self.first else None
         self.buckets = buckets_up_to(max_num_batched_tokens) if self.cuda_graphs else []
         self.depth, self.lag = self.world, False  # the runner interface (ppsplit.serve.runner)
-        self.links = Links(self.rank, self.world)
+        self.links = Links(self.rank, self.world, group)
         self.stats = Stats()
         self.sent: list = []  # the sends of the last micro-step (its buffers stay alive until they are done)
         self.serial = 0

@@ -58,15 +58,18 @@ def rank_main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from ppsplit import distributed as ppd
     from ppsplit.core.errors import ConfigError, PpsplitError
+    from ppsplit.distributed.tensor_parallel import pipeline_engine
     from ppsplit.serve.requests import PROGRESS_SECONDS, print_outputs, prompts_of, sampling_params
 
     rank = int(os.environ.get("RANK", "0"))
     try:
         check(args)
         ppd.init(ppd.backend_for(args.device), timeout=args.timeout)
-        engine = ppd.PipelineEngine(args.folder, num_draft_tokens=args.num_draft_tokens or 0,
-                                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                    cuda_graphs=not args.enforce_eager)
+        options = dict(num_draft_tokens=args.num_draft_tokens or 0, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs, cuda_graphs=not args.enforce_eager)
+        engine = pipeline_engine(args.folder, **options)
+        if engine is None:  # a TP follower whose job is over
+            os._exit(0)
         prompts, tokenizer, params = None, None, None
         if engine.rank == 0:
             prompts, tokenizer = prompts_of(args, args.folder)
@@ -109,7 +112,8 @@ def start_ranks(folder: str, module: str, argv: list[str], device: str = "auto")
     from ppsplit.artifact.folder import CompiledFolder
     from ppsplit.core.errors import PpsplitError
 
-    pp = CompiledFolder(folder).plan.pp
+    plan = CompiledFolder(folder).plan
+    pp = plan.pp * plan.tp  # one process per stage, or per (stage, TP rank)
     gpu = device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() >= pp
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below
     if not gpu:  # the ranks share this host's cores

@@ -1,4 +1,5 @@
-"""Serving: ``ppsplit serve --ranks N``, one process per stage on this host (gloo on the CPU, NCCL with a GPU each).
+"""Serving: ``ppsplit serve --ranks N``, one process per stage (per stage and TP rank in a folder compiled with
+``--tp``) on this host (gloo on the CPU, NCCL with a GPU each).
 
 The serving process is rank 0: it starts ranks ``1 .. N-1`` as child processes (``python -m ppsplit.distributed.server_ranks``),
 joins the process group with them, and drives the ``PipelineEngine`` from its engine loop; the children load their
@@ -58,6 +59,7 @@ def start(args, world: int):
     import torch
 
     from ppsplit import distributed as ppd
+    from ppsplit.distributed.tensor_parallel import pipeline_engine
 
     threads = max(1, (os.cpu_count() or 1) // world)
     port = _free_port()
@@ -78,7 +80,7 @@ def start(args, world: int):
     watcher.start()  # a child that fails while the group forms would leave rank 0 waiting: end the server then
     try:
         ppd.init(ppd.backend_for(args.device), timeout=args.rank_timeout)
-        engine = ppd.PipelineEngine(args.folder, **engine_options(args))
+        engine = pipeline_engine(args.folder, **engine_options(args))
     except BaseException:  # the same ConfigError is raised on every rank: rank 0 reports it, the children end
         watcher.released.set()
         raise
@@ -170,12 +172,15 @@ def follower_main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     from ppsplit import distributed as ppd
     from ppsplit.core.errors import ConfigError, PpsplitError
+    from ppsplit.distributed.tensor_parallel import pipeline_engine
     from ppsplit.distributed.transport import Heartbeat
 
     try:
         ppd.init(ppd.backend_for(args.device), timeout=args.timeout)
         Heartbeat(int(os.environ["RANK"]), args.heartbeat).start()
-        ppd.PipelineEngine(args.folder, **engine_options(args)).follow()
+        engine = pipeline_engine(args.folder, **engine_options(args))
+        if engine is not None:  # None: a TP follower, its job already over
+            engine.follow()
         code = 0
     except PpsplitError as e:
         if not isinstance(e, ConfigError):  # rank 0 says a ConfigError (every rank raises the same one)

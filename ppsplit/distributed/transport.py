@@ -56,14 +56,15 @@ def backend_for(device: str | None) -> str | None:
 TIMEOUT = [DEFAULT_TIMEOUT]  # the timeout init() was given: groups made later get the same
 
 
-def agree(header: dict) -> list[dict]:
-    """Gather every rank's ``header`` and raise the same ``ConfigError`` on every rank if they disagree.
+def agree(header: dict, group=None) -> list[dict]:
+    """Gather every rank's ``header`` (of ``group``, default the world) and raise the same ``ConfigError`` on every
+    rank if they disagree.
 
     A header may carry ``"error"`` (the rank could not load its stage): then every rank raises it. Keys
     ``stage`` and ``rank`` may differ.
     """
-    headers: list = [None] * dist.get_world_size()
-    dist.all_gather_object(headers, header)
+    headers: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(headers, header, group=group)
     for r, h in enumerate(headers):
         if "error" in h:
             raise ConfigError(f"rank {r}: {h['error']}")
@@ -82,8 +83,8 @@ class Links:
     from the last rank to rank 0), ``wait`` waits for posted ones; both raise a ``PipelineError`` naming the peer.
     ``wait_s`` and ``bytes_sent`` count what this rank spent and sent."""
 
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int, world: int, group=None):
+        self.rank, self.world, self.group = rank, world, group
         self.wait_s = 0.0
         self.bytes_sent = 0
         # Results go back to rank 0 through a group of their own: NCCL runs the operations of one communicator in
@@ -91,7 +92,13 @@ class Links:
         # next receive from rank 0 queued before a result send) would wait on each other.
         self.back = None
         if world > 1:
-            self.back = dist.new_group([0, world - 1], timeout=datetime.timedelta(seconds=TIMEOUT[0]))
+            # in a pipeline group (tensor parallelism: ppsplit.distributed.tensor_parallel) only its ranks make it
+            self.back = dist.new_group([self.global_rank(0), self.global_rank(world - 1)],
+                                       timeout=datetime.timedelta(seconds=TIMEOUT[0]),
+                                       use_local_synchronization=group is not None)
+
+    def global_rank(self, peer: int) -> int:
+        return peer if self.group is None else dist.get_global_rank(self.group, peer)
 
     def send(self, tensor: torch.Tensor, peer: int, what: str = "send to", back: bool = False):
         self.bytes_sent += tensor.numel() * tensor.element_size()
@@ -102,7 +109,8 @@ class Links:
 
     def _post(self, op, tensor, peer, what, back):
         try:
-            return (op(tensor, peer, group=self.back) if back else op(tensor, peer)), what, peer
+            dst = self.global_rank(peer)
+            return (op(tensor, dst, group=self.back) if back else op(tensor, dst, group=self.group)), what, peer
         except Exception as e:  # posting on a connection that is already gone fails at once
             raise self.lost(e, what, peer) from None
 

@@ -315,6 +315,9 @@ def prepare(folder: str, prompts: str, out: str, *, generate: int = 0, logits: b
     from ppsplit.artifact.folder import CompiledFolder
 
     opened = CompiledFolder(folder)
+    if opened.plan.tp > 1:
+        raise ConfigError(f"{folder} is cut for tensor parallelism (tp={opened.plan.tp}), which collect does not run: "
+                          f"compile the model without --tp for collecting")
     if shard_size < 1:
         raise ConfigError(f"--shard-size must be at least 1, but got {shard_size}")
     rows = read_rows(prompts, folder)
