@@ -13,8 +13,9 @@ Recognition is by running, not by op patterns (as the fuse pass recognises norms
    Its remaining inputs must depend only on ``positions`` and sizes (the mask, ALiBi biases) or be
    parameters (sinks). Nothing inside may be read from outside.
 2. Candidate parameters come from the subgraph's constants: the scale (SDPA's ``scale``, a multiplier or
-   divisor, ``1/sqrt(D)``), a soft-cap (only with a ``tanh``), a sliding window (integer constants of the
-   mask), ALiBi slopes (read off a position-only bias input), sinks (a ``[Hq]`` parameter input).
+   divisor, ``1/sqrt(D)``), a soft-cap (only with a ``tanh``), a sliding window and, for a paged cache, a chunk
+   size (integer constants of the mask), ALiBi slopes (read off a position-only bias input), sinks (a ``[Hq]``
+   parameter input).
 3. The subgraph, with the mask computed from ``positions`` as the graph computes it, is evaluated on random
    ``q, K, V`` (fp32, several batch sizes, token counts and start positions, stale random values past the live
    length) and must equal ``cache_attention`` with one candidate set to 1e-4; else it stays as traced.
@@ -34,6 +35,7 @@ Result: ``Attended``, the rewritten copy of the graph and one ``AttentionSite`` 
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from dataclasses import dataclass
@@ -116,8 +118,9 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
 def _rewrite(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict) -> str:
     """The attention over the cached ``k``, ``v`` -> ``cache_attention``; its description (else ``_NoMatch``)."""
     found = _match(gm, k, v, order)
-    scale, window, softcap, alibi, sink = _verified(verified, found.signature(), lambda: _verify(gm, found, info))
-    params = (scale, window, softcap, alibi, None if sink is None else _sinks(found)[sink])
+    scale, window, softcap, alibi, sink, chunk = _verified(verified, found.signature(),
+                                                          lambda: _verify(gm, found, info))
+    params = (scale, window, softcap, alibi, None if sink is None else _sinks(found)[sink], chunk)
     _replace(gm, found, params)
     return _describe(params)
 
@@ -295,16 +298,15 @@ def _verify(gm: fx.GraphModule, f: _Found, info) -> tuple:
     first = cases[0]
     alibis = [None] + _alibi_candidates(gm, f, info, first[0], first[1].shape[0], max_len)
     sinks = _sinks(f)
-    for scale in _scales(f, head_dim):
-        for softcap in _softcaps(f):
-            for window in _windows(gm, f):
-                for alibi in alibis:
-                    for sink in [None, *sinks]:
-                        sink_value = params[sink] if sink is not None else None
-                        if all(_close(attention_reference(q, k, v, pos, scale, window, softcap, alibi, sink_value), got)
-                               for pos, q, k, v, got, _ in cases):
-                            return scale, window, softcap, alibi, None if sink is None else sinks.index(sink)
-    raise _NoMatch("no scale/window/soft-cap/ALiBi/sinks makes cache_attention equal it")
+    # Chunked attention only where a paged cache will serve it: the lockstep kernels have no chunks.
+    chunks = _chunks(gm, f) if info.stand_in is not None else [0]
+    for chunk, scale, softcap, window, alibi, sink in itertools.product(
+            chunks, _scales(f, head_dim), _softcaps(f), _windows(gm, f), alibis, [None, *sinks]):
+        sink_value = params[sink] if sink is not None else None
+        if all(_close(attention_reference(q, k, v, pos, scale, window, softcap, alibi, sink_value, chunk_size=chunk),
+                      got) for pos, q, k, v, got, _ in cases):
+            return scale, window, softcap, alibi, None if sink is None else sinks.index(sink), chunk
+    raise _NoMatch("no scale/window/chunk/soft-cap/ALiBi/sinks makes cache_attention equal it")
 
 
 def _cases(gm, f: _Found, info, q_dim: int, params: dict, gen) -> list:
@@ -427,15 +429,25 @@ def _softcaps(f: _Found) -> list[float]:
 
 def _windows(gm, f: _Found) -> list[int]:
     """0 (none) and the integer constants of the mask's computation, give or take one."""
+    out = [0]
+    for c in sorted(_mask_ints(f)):
+        out += [c - 1, c, c + 1]
+    return [w for w in dict.fromkeys(out) if w >= 0]
+
+
+def _mask_ints(f: _Found) -> set[int]:
     ints = set()
     for n in _closure_nodes(f.inputs):
         for a in list(n.args) + list(n.kwargs.values()):
             if isinstance(a, int) and not isinstance(a, bool) and 1 <= abs(a) < (1 << 40):
                 ints.add(abs(a))
-    out = [0]
-    for c in sorted(ints):
-        out += [c - 1, c, c + 1]
-    return [w for w in dict.fromkeys(out) if w >= 0]
+    return ints
+
+
+def _chunks(gm, f: _Found) -> list[int]:
+    """0 (none) and the integer constants of the mask's computation above 1: the chunk sizes of a chunked attention
+    (Llama 4's ``attention_chunk_size``)."""
+    return [0] + sorted(c for c in _mask_ints(f) if c > 1)
 
 
 def _closure_nodes(roots: list, attrs: bool = False) -> list:
@@ -726,7 +738,7 @@ def _replace_indexer(gm: fx.GraphModule, f: _Found, topk: fx.Node, scale: float)
 # ---- rewrite --------------------------------------------------------------------------------------------------
 
 def _replace(gm: fx.GraphModule, f: _Found, params: tuple) -> None:
-    scale, window, softcap, alibi, sink = params
+    scale, window, softcap, alibi, sink, chunk = params
     graph = gm.graph
     positions = graph.find_nodes(op="placeholder", target="positions")[0]
     with graph.inserting_before(f.out):
@@ -737,7 +749,7 @@ def _replace(gm: fx.GraphModule, f: _Found, params: tuple) -> None:
             alibi_node.meta["ppsplit.token"] = False
         node = graph.call_function(torch.ops.ppsplit.cache_attention.default,
                                    (f.q, f.k, f.v, positions, float(scale), int(window), float(softcap),
-                                    alibi_node, sink))
+                                    alibi_node, sink, int(chunk)))
     _swap(gm, f, node, _describe(params))
 
 
@@ -770,10 +782,12 @@ def _alibi_buffer(gm: fx.GraphModule, slopes: torch.Tensor) -> str:
 
 
 def _describe(params: tuple) -> str:
-    scale, window, softcap, alibi, sink = params
+    scale, window, softcap, alibi, sink, *chunk = params
     parts = [f"scale {scale:.6g}"]
     if window:
         parts.append(f"window {window}")
+    if chunk and chunk[0]:
+        parts.append(f"chunks of {chunk[0]}")
     if softcap:
         parts.append(f"softcap {softcap:g}")
     if alibi is not None:

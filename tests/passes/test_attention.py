@@ -229,7 +229,7 @@ def test_unrecognised_attention_is_left_and_reported():
     split = ppsplit.split_model(model, 2, cache=CACHE)
     for k in range(2):
         assert split.plan.attention_lines(k)[0] == "attention: 0 of 1 -> cache_attention"
-        assert "left as traced: no scale/window/soft-cap/ALiBi/sinks" in split.plan.attention_lines(k)[1]
+        assert "left as traced: no scale/window/chunk/soft-cap/ALiBi/sinks" in split.plan.attention_lines(k)[1]
         assert not any(n.target is ops.cache_attention.default for n in split.stages[k].graph.nodes)
     prompt = torch.randint(3, VOCAB, (2, 6))
     with torch.no_grad():

@@ -1,0 +1,93 @@
+"""Decoders whose attention needed more than the common form to be served from the paged cache: each one's split is
+paged (no lockstep cache), a mixed ragged step equals Hugging Face on every sequence alone, and requests arriving at
+different steps through the engine each give Hugging Face's greedy output (fp32, CPU, pp 1 and 2).
+
+- Llama 4: chunked attention (each token over the keys of its own chunk) and, on its NoPE layers, an attention
+  temperature computed from each token's own position (the model adds ``0 .. T-1`` to the first position).
+"""
+import random
+
+import pytest
+import torch
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+import ppsplit
+from ppsplit import CacheConfig
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.sampling import SamplingParams
+from tests.serve.test_ragged import FILL, MIXED, TAPS, assert_matches, references, run, sequences
+from tests.support import random_model
+
+V = 128
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+CONFIGS = {
+    # chunks of 8 positions on layers 0-2; layer 3 NoPE with a temperature that changes every 4 positions
+    "llama4_text": dict(head_dim=16, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
+                        attention_chunk_size=8, floor_scale=4, attn_scale=0.5, no_rope_layers=[1, 1, 1, 0],
+                        layer_types=["chunked_attention"] * 3 + ["full_attention"], moe_layers=[1, 3]),
+}
+# What the plan says of each model's attention (every layer paged), beside the scale.
+DETAILS = {"llama4_text": "chunks of 8"}
+ARCHS = [a for a in CONFIGS if a in CONFIG_MAPPING]
+CACHE = CacheConfig(batch_size=4, max_len=64, block_size=16, num_blocks=14)
+_built: dict = {}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def build(arch):
+    if arch not in _built:
+        model = random_model({"model_type": arch, **COMMON, **CONFIGS[arch]})
+        _built[arch] = model, ppsplit.trace_model(model, cache=CACHE)
+    return _built[arch]
+
+
+def hf(model, prompt, params: SamplingParams):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=params.max_tokens, do_sample=False,
+                             eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_split_is_paged_and_a_mixed_step_equals_each_sequence_alone(arch):
+    model, traced = build(arch)
+    seqs = sequences({0: 7, 1: 31, 2: 16, 3: 25})
+    refs = references(model, seqs)
+    for pp in (1, 2):
+        split = ppsplit.split_model(traced, pp, aux=list(TAPS))
+        assert split.plan.paged, split.plan.lockstep_reason
+        for k in range(pp):
+            layers = split.plan.stages[k].end - split.plan.stages[k].start
+            assert split.plan.attention_lines(k)[0].startswith(f"attention: {layers} of {layers} -> paged_attention")
+        assert DETAILS[arch] in split.plan.describe()
+        blocks = list(range(split.layout.num_blocks))
+        random.Random(pp).shuffle(blocks)
+        tables = {s: blocks[3 * s:3 * s + 3] for s in range(4)}
+        for segments in (FILL, MIXED):
+            logits, aux = run(split, seqs, segments, tables)
+            assert_matches(segments, logits, aux, refs)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_requests_arriving_at_different_steps_each_equal_hf_alone(arch, pp):
+    model, traced = build(arch)
+    engine = Engine(ppsplit.split_model(traced, pp), max_num_batched_tokens=24)
+    rng = random.Random(pp)
+    lengths = (3, 29, 11, 20, 6, 40)  # prompts of different lengths, across chunk and block boundaries
+    prompts = [[rng.randrange(3, V) for _ in range(n)] for n in lengths]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (12, 8, 10, 6, 9, 11)]
+    outputs, ids, step = {}, {}, 0
+    while len(outputs) < len(prompts):
+        for i in (2 * step, 2 * step + 1):  # two new requests every step
+            if i < len(prompts):
+                ids[engine.add_request(prompts[i], params[i])] = i
+        for out in engine.step():
+            if out.finished:
+                outputs[ids[out.request_id]] = out
+        step += 1
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        assert outputs[i].token_ids == hf(model, prompt, p), i
+    assert engine.blocks_in_use == 0
