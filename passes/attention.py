@@ -39,6 +39,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -118,11 +119,23 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
 def _rewrite(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict) -> str:
     """The attention over the cached ``k``, ``v`` -> ``cache_attention``; its description (else ``_NoMatch``)."""
     found = _match(gm, k, v, order)
-    scale, window, softcap, alibi, sink, chunk = _verified(verified, found.signature(),
-                                                          lambda: _verify(gm, found, info))
-    params = (scale, window, softcap, alibi, None if sink is None else _sinks(found)[sink], chunk)
+    params = _verified(verified, found.signature(), lambda: _verify(gm, found, info))
+    if params.sink is not None:
+        params = params._replace(sink=_sinks(found)[params.sink])
     _replace(gm, found, params)
     return _describe(params)
+
+
+class _Params(NamedTuple):
+    """What makes ``cache_attention`` equal a traced attention (``attention_reference`` has the math)."""
+
+    scale: float
+    window: int = 0
+    softcap: float = 0.0
+    alibi: torch.Tensor | None = None
+    sink: Any = None  # the index among ``_sinks`` while verifying, then its node
+    chunk: int = 0
+    tiled: bool = False  # query head h reads KV head h % Hkv (JetMoe repeats K and V whole), not h // (Hq // Hkv)
 
 
 def _verified(verified: dict, key: tuple, verify):
@@ -185,11 +198,13 @@ def _shape(node: fx.Node):
 
 
 def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
+    """The attention over the cached ``k``, ``v``: it ends at the first node reading both (through views to
+    ``[B, Hq, T, Dv]``), or, where that one's region is read outside it, at the first later ``[B, Hq, T, Dv]`` node
+    whose region is self-contained (Granite-SWA scales the attention's output by its sinks after the product)."""
     from_k, from_v = _downstream(k), _downstream(v)
-    both = [n for n in from_k & from_v]
+    both = sorted(from_k & from_v, key=order.get)
     if not both:
         raise _NoMatch("no op reads both the cached keys and values")
-    out = min(both, key=order.get)
     kshape, vshape = _shape(k), _shape(v)
     batch, kv_heads, dv = kshape[0], kshape[1], vshape[3]
     positions = gm.graph.find_nodes(op="placeholder", target="positions")[0]
@@ -199,17 +214,26 @@ def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
         return (shape is not None and len(shape) == 4 and shape[0] == batch and shape[2] == tokens
                 and shape[3] == dv and isinstance(shape[1], int) and shape[1] % kv_heads == 0)
 
-    chain = [out]
-    while not is_out(_shape(out)):
-        users = list(out.users)
-        if len(users) != 1 or users[0].target not in _VIEWS:
-            raise _NoMatch(f"its output {out.format_node()} is not [B, Hq, T, Dv]")
-        out = users[0]
-        chain.append(out)
-    heads = _shape(out)[1]
+    first_error = None
+    for out in [both[0]] + [n for n in both[1:] if is_out(_shape(n))]:
+        try:
+            chain = [out]
+            while not is_out(_shape(out)):
+                users = list(out.users)
+                if len(users) != 1 or users[0].target not in _VIEWS:
+                    raise _NoMatch(f"its output {out.format_node()} is not [B, Hq, T, Dv]")
+                out = users[0]
+                chain.append(out)
+            region, external = _region(chain, from_k | from_v)
+            return _found(gm, k, v, out, region, external, (batch, _shape(out)[1], tokens, kshape[3]), order)
+        except _NoMatch as e:
+            first_error = first_error or e
+    raise first_error
 
-    # Everything between the cache reads and the output; stop at what comes from elsewhere.
-    inside = from_k | from_v
+
+def _region(chain: list, inside: set) -> tuple[set, list]:
+    """Everything between the cache reads (``inside``: the nodes reading them) and the output ``chain``, and the
+    nodes from elsewhere that it reads."""
     region, external, todo = set(chain), [], list(chain)
     while todo:
         n = todo.pop()
@@ -221,7 +245,7 @@ def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
                 todo.append(a)
             else:
                 external.append(a)
-    return _found(gm, k, v, out, region, external, (batch, heads, tokens, kshape[3]), order)
+    return region, external
 
 
 def _found(gm, k: fx.Node, v: fx.Node, out: fx.Node, region: set, external: list, qshape: tuple,
@@ -300,13 +324,33 @@ def _verify(gm: fx.GraphModule, f: _Found, info) -> tuple:
     sinks = _sinks(f)
     # Chunked attention only where a paged cache will serve it: the lockstep kernels have no chunks.
     chunks = _chunks(gm, f) if info.stand_in is not None else [0]
-    for chunk, scale, softcap, window, alibi, sink in itertools.product(
-            chunks, _scales(f, head_dim), _softcaps(f), _windows(gm, f), alibis, [None, *sinks]):
+    orders = [False, True] if f.heads != int(kshape[1]) else [False]
+    for tiled, chunk, scale, softcap, window, alibi, sink in itertools.product(
+            orders, chunks, _scales(f, head_dim), _softcaps(f), _windows(gm, f), alibis, [None, *sinks]):
+        if tiled and (alibi is not None or sink is not None):
+            continue  # per-head constants of a tiled order: none of the models built so has them
         sink_value = params[sink] if sink is not None else None
-        if all(_close(attention_reference(q, k, v, pos, scale, window, softcap, alibi, sink_value, chunk_size=chunk),
-                      got) for pos, q, k, v, got, _ in cases):
-            return scale, window, softcap, alibi, None if sink is None else sinks.index(sink), chunk
-    raise _NoMatch("no scale/window/chunk/soft-cap/ALiBi/sinks makes cache_attention equal it")
+        kv_heads = int(kshape[1])
+
+        def reference(pos, q, k, v):
+            q = _tile_heads(q, kv_heads) if tiled else q
+            out = attention_reference(q, k, v, pos, scale, window, softcap, alibi, sink_value, chunk_size=chunk)
+            return _untile_heads(out, kv_heads) if tiled else out
+
+        if all(_close(reference(pos, q, k, v), got) for pos, q, k, v, got, _ in cases):
+            return _Params(scale, window, softcap, alibi, None if sink is None else sinks.index(sink), chunk, tiled)
+    raise _NoMatch("no scale/window/chunk/soft-cap/ALiBi/sinks/head order makes cache_attention equal it")
+
+
+def _tile_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Query heads ``r * Hkv + j`` (which read KV head ``j`` when K and V are repeated whole) moved to ``j * G + r``,
+    where ``cache_attention`` reads KV head ``j``."""
+    return q.unflatten(1, (-1, kv_heads)).transpose(1, 2).flatten(1, 2)
+
+
+def _untile_heads(out: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``_tile_heads`` undone on the attention's output."""
+    return out.unflatten(1, (kv_heads, -1)).transpose(1, 2).flatten(1, 2)
 
 
 def _cases(gm, f: _Found, info, q_dim: int, params: dict, gen) -> list:
@@ -553,7 +597,7 @@ def _rewrite_latent(gm, mla: _Latent, indexer_keys: fx.Node | None, order: dict,
     key = ("latent", mla.nope) + found.signature()
     scale, window, softcap = _verified(verified, key, lambda: _verify_latent(gm, found, mla, info))
     rdim, dr = _shape(mla.latent)[3], _shape(mla.rope)[3]
-    detail = f"MLA: latent {rdim} + rotary {dr} per position, " + _describe((scale, window, softcap, None, None))
+    detail = f"MLA: latent {rdim} + rotary {dr} per position, " + _describe(_Params(scale, window, softcap))
     indexer = None
     if found.selected is not None:
         if indexer_keys is None:
@@ -737,20 +781,47 @@ def _replace_indexer(gm: fx.GraphModule, f: _Found, topk: fx.Node, scale: float)
 
 # ---- rewrite --------------------------------------------------------------------------------------------------
 
-def _replace(gm: fx.GraphModule, f: _Found, params: tuple) -> None:
-    scale, window, softcap, alibi, sink, chunk = params
+def _replace(gm: fx.GraphModule, f: _Found, params: _Params) -> None:
     graph = gm.graph
     positions = graph.find_nodes(op="placeholder", target="positions")[0]
+    kv_heads = _shape(f.k)[1]
     with graph.inserting_before(f.out):
         alibi_node = None
-        if alibi is not None:
-            alibi_node = graph.create_node("get_attr", _alibi_buffer(gm, alibi))
-            alibi_node.meta["val"] = alibi
+        if params.alibi is not None:
+            alibi_node = graph.create_node("get_attr", _alibi_buffer(gm, params.alibi))
+            alibi_node.meta["val"] = params.alibi
             alibi_node.meta["ppsplit.token"] = False
+        q = _reorder_heads(graph, f.q, [-1, kv_heads]) if params.tiled else f.q
         node = graph.call_function(torch.ops.ppsplit.cache_attention.default,
-                                   (f.q, f.k, f.v, positions, float(scale), int(window), float(softcap),
-                                    alibi_node, sink, int(chunk)))
+                                   (q, f.k, f.v, positions, float(params.scale), int(params.window),
+                                    float(params.softcap), alibi_node, params.sink, int(params.chunk)))
     _swap(gm, f, node, _describe(params))
+    if params.tiled:  # the output's heads back in the model's order, laid out [B, T, Hq, Dv] as the op's output is
+        users = list(node.users)
+        out = _reorder_heads(graph, node, [kv_heads, -1], dim=2)
+        for user in users:
+            user.replace_input_with(node, out)
+
+
+def _reorder_heads(graph: fx.Graph, x: fx.Node, sizes: list, dim: int = 1) -> fx.Node:
+    """``x [B, H, T, D]`` with its heads split as ``sizes`` and the two parts swapped (``_tile_heads`` and
+    ``_untile_heads`` as nodes), with the token facts of ``x``. ``dim=2``: in the layout ``[B, T, H, D]`` (transposed
+    there and back)."""
+    ops = [(aten.unflatten.int, (dim, sizes)), (aten.transpose.int, (dim, dim + 1)),
+           (aten.flatten.using_ints, (dim, dim + 1))]
+    if dim == 2:
+        ops = [(aten.transpose.int, (1, 2))] + ops + [(aten.transpose.int, (1, 2))]
+    last = x
+    for op, args in ops:
+        with graph.inserting_after(last):
+            node = graph.call_function(op, (last, *args))
+        node.meta.update({k: v for k, v in x.meta.items() if k in ("ppsplit.layer", "ppsplit.region", "ppsplit.stage",
+                                                                    "ppsplit.token", "nn_module_stack")})
+        val = last.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            node.meta["val"] = op(val, *args)
+        last = node
+    return last
 
 
 def _swap(gm: fx.GraphModule, f: _Found, node: fx.Node, detail: str) -> None:
@@ -781,17 +852,18 @@ def _alibi_buffer(gm: fx.GraphModule, slopes: torch.Tensor) -> str:
     return f"ppsplit_attention.{name}"
 
 
-def _describe(params: tuple) -> str:
-    scale, window, softcap, alibi, sink, *chunk = params
-    parts = [f"scale {scale:.6g}"]
-    if window:
-        parts.append(f"window {window}")
-    if chunk and chunk[0]:
-        parts.append(f"chunks of {chunk[0]}")
-    if softcap:
-        parts.append(f"softcap {softcap:g}")
-    if alibi is not None:
+def _describe(params: _Params) -> str:
+    parts = [f"scale {params.scale:.6g}"]
+    if params.window:
+        parts.append(f"window {params.window}")
+    if params.chunk:
+        parts.append(f"chunks of {params.chunk}")
+    if params.softcap:
+        parts.append(f"softcap {params.softcap:g}")
+    if params.alibi is not None:
         parts.append("ALiBi")
-    if sink is not None:
+    if params.sink is not None:
         parts.append("sinks")
+    if params.tiled:
+        parts.append("query head h on KV head h % kv_heads")
     return ", ".join(parts)

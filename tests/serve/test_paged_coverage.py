@@ -4,6 +4,10 @@ different steps through the engine each give Hugging Face's greedy output (fp32,
 
 - Llama 4: chunked attention (each token over the keys of its own chunk) and, on its NoPE layers, an attention
   temperature computed from each token's own position (the model adds ``0 .. T-1`` to the first position).
+- Granite-SWA, GraniteMoE-SWA: sinks applied after the attention's product (its output scaled by
+  ``sigmoid(logsumexp - sink)``), so the attention ends at that scaling, not at the product.
+- JetMoe: K and V repeated whole for its mixture of attention heads (``repeat``, not ``repeat_interleave``), so
+  the query heads are reordered around the attention.
 """
 import random
 
@@ -26,9 +30,17 @@ CONFIGS = {
     "llama4_text": dict(head_dim=16, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
                         attention_chunk_size=8, floor_scale=4, attn_scale=0.5, no_rope_layers=[1, 1, 1, 0],
                         layer_types=["chunked_attention"] * 3 + ["full_attention"], moe_layers=[1, 3]),
+    # sliding windows of 6 on layers 0 and 2, sinks applied as a sigmoid of the log-sum-exp after the product
+    "granite_swa": dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
+                        attention_multiplier=0.3, residual_multiplier=0.7),
+    "granitemoe_swa": dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
+                           num_local_experts=4, num_experts_per_tok=2, attention_multiplier=0.3),
+    # attention heads from a mixture of experts, K and V repeated whole (query head h reads KV head h % 2)
+    "jetmoe": dict(kv_channels=16, num_local_experts=4, num_experts_per_tok=2),
 }
-# What the plan says of each model's attention (every layer paged), beside the scale.
-DETAILS = {"llama4_text": "chunks of 8"}
+# What the plan says of each model's attention (every layer paged).
+DETAILS = {"llama4_text": "chunks of 8", "granite_swa": "scale 0.3, window 6, sinks",
+           "granitemoe_swa": "scale 0.3, window 6, sinks", "jetmoe": "query head h on KV head h % kv_heads"}
 ARCHS = [a for a in CONFIGS if a in CONFIG_MAPPING]
 CACHE = CacheConfig(batch_size=4, max_len=64, block_size=16, num_blocks=14)
 _built: dict = {}
