@@ -100,6 +100,7 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
     for layer, kv in sorted(writes.items()):
         k, v = kv.get("keys"), kv.get("values")
         stage = (k or v).meta.get("ppsplit.stage", 0)
+        mla = None
         try:
             if k is None or v is None:
                 raise _NoMatch("the layer writes only one of keys/values")
@@ -111,14 +112,37 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
             sites.append(AttentionSite(layer, stage, True, detail))
         except _NoMatch as e:
             sites.append(AttentionSite(layer, stage, False, str(e)))
+        if k is not None and v is not None and mla is None:
+            sites += _shared(gm, k, v, layer, order, info, verified)
+    sites.sort(key=lambda site: site.layer)
     graph.lint()
     gm.recompile()
     return carry_forward(tapped, Attended, gm=gm, sites=tuple(sites))
 
 
-def _rewrite(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict) -> str:
-    """The attention over the cached ``k``, ``v`` -> ``cache_attention``; its description (else ``_NoMatch``)."""
-    found = _match(gm, k, v, order)
+def _shared(gm, k: fx.Node, v: fx.Node, owner: int, order: dict, info, verified: dict) -> list[AttentionSite]:
+    """The sites of the layers that attend over layer ``owner``'s cached ``k``, ``v`` (Gemma 3n's and Gemma 4's KV
+    sharing: a layer reuses the keys and values of the last earlier layer of its kind), each rewritten as that layer's
+    own attention would be."""
+    readers = {}
+    for u in list(k.users) + list(v.users):
+        layer = u.meta.get("ppsplit.layer")
+        if isinstance(layer, int) and layer != owner:
+            readers.setdefault(layer, u.meta.get("ppsplit.stage", 0))
+    sites = []
+    for layer, stage in sorted(readers.items()):
+        try:
+            detail = _rewrite(gm, k, v, order, info, verified, layer=layer)
+            sites.append(AttentionSite(layer, stage, True, f"{detail}, over the keys and values of layer {owner}"))
+        except _NoMatch as e:
+            sites.append(AttentionSite(layer, stage, False, f"over the keys and values of layer {owner}: {e}"))
+    return sites
+
+
+def _rewrite(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict, layer: int | None = None) -> str:
+    """The attention over the cached ``k``, ``v`` (in ``layer``: by default the layer that writes them) ->
+    ``cache_attention``; its description (else ``_NoMatch``)."""
+    found = _match(gm, k, v, order, layer)
     params = _verified(verified, found.signature(), lambda: _verify(gm, found, info))
     if params.sink is not None:
         params = params._replace(sink=_sinks(found)[params.sink])
@@ -197,11 +221,12 @@ def _shape(node: fx.Node):
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
+def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict, layer: int | None = None) -> _Found:
     """The attention over the cached ``k``, ``v``: it ends at the first node reading both (through views to
     ``[B, Hq, T, Dv]``), or, where that one's region is read outside it, at the first later ``[B, Hq, T, Dv]`` node
-    whose region is self-contained (Granite-SWA scales the attention's output by its sinks after the product)."""
-    from_k, from_v = _downstream(k), _downstream(v)
+    whose region is self-contained (Granite-SWA scales the attention's output by its sinks after the product).
+    ``layer``: the attention of that layer over them (KV sharing), not of the layer that writes them."""
+    from_k, from_v = _downstream(k, layer=layer), _downstream(v, layer=layer)
     both = sorted(from_k & from_v, key=order.get)
     if not both:
         raise _NoMatch("no op reads both the cached keys and values")
@@ -294,10 +319,10 @@ def _self_contained(region: set, out: fx.Node, what: str = "the attention") -> N
             raise _NoMatch(f"{n.format_node()} inside {what} writes a tensor outside it")
 
 
-def _downstream(start: fx.Node, writes: bool = False) -> set:
-    """Nodes reading ``start``, transitively, within its decoder layer; with ``writes``, also those reading a tensor
-    that one of them writes in place (MLA's keys assembled by ``copy_`` into a ``new_empty``)."""
-    layer = start.meta.get("ppsplit.layer")
+def _downstream(start: fx.Node, writes: bool = False, layer: int | None = None) -> set:
+    """Nodes reading ``start``, transitively, within its decoder layer (or ``layer``); with ``writes``, also those
+    reading a tensor that one of them writes in place (MLA's keys assembled by ``copy_`` into a ``new_empty``)."""
+    layer = start.meta.get("ppsplit.layer") if layer is None else layer
     seen, todo = set(), [start]
     while todo:
         n = todo.pop()

@@ -174,10 +174,11 @@ class _Rewrite:
             self.writes.setdefault(layer, {})[kind] = write
         readers = list(node.users)
         if kind in ("keys", "values"):
-            site = self.sites.get(layer)
-            if site is not None and not site.replaced:
-                raise Unpageable(f"layer {layer}'s attention stays as traced ({site.detail}); the paged cache serves "
-                                 "only the attention ppsplit rewrites")
+            for reader in sorted({layer} | {u.meta.get("ppsplit.layer") for u in readers} - {None}):
+                site = self.sites.get(reader)  # the layer's own, or one reading this layer's keys (KV sharing)
+                if site is not None and not site.replaced:
+                    raise Unpageable(f"layer {reader}'s attention stays as traced ({site.detail}); the paged cache "
+                                     "serves only the attention ppsplit rewrites")
             for user in readers:
                 if user.target not in _ATTENTIONS:
                     raise Unpageable(f"layer {layer}'s cached {kind} are read by {user.format_node()}, not by the "

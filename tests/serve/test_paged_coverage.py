@@ -8,6 +8,9 @@ different steps through the engine each give Hugging Face's greedy output (fp32,
   ``sigmoid(logsumexp - sink)``), so the attention ends at that scaling, not at the product.
 - JetMoe: K and V repeated whole for its mixture of attention heads (``repeat``, not ``repeat_interleave``), so
   the query heads are reordered around the attention.
+- Gemma 3n, Gemma 4 with KV sharing: the last layers attend over the keys and values of an earlier layer, so they read
+  its pools through the same block table (a later stage keeps a replica of those pools, written from the carried new
+  keys and values).
 """
 import random
 
@@ -19,7 +22,8 @@ import ppsplit
 from ppsplit import CacheConfig
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.sampling import SamplingParams
-from tests.serve.test_ragged import FILL, MIXED, TAPS, assert_matches, references, run, sequences
+from ppsplit.core.tensors import stream_rows
+from tests.serve.test_ragged import FILL, MIXED, TAPS, run, sequences
 from tests.support import random_model
 
 V = 128
@@ -37,10 +41,18 @@ CONFIGS = {
                            num_local_experts=4, num_experts_per_tok=2, attention_multiplier=0.3),
     # attention heads from a mixture of experts, K and V repeated whole (query head h reads KV head h % 2)
     "jetmoe": dict(kv_channels=16, num_local_experts=4, num_experts_per_tok=2),
+    # KV sharing: layers 2 and 3 attend over the keys and values of layers 0 (sliding) and 1 (full)
+    "gemma3n_text": dict(vocab_size_per_layer_input=V, head_dim=16, hidden_size_per_layer_input=8, laurel_rank=8,
+                         sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
+                         activation_sparsity_pattern=[0.0] * 4, num_kv_shared_layers=2),
+    "gemma4_text": dict(head_dim=16, global_head_dim=16, sliding_window=6, hidden_size_per_layer_input=8,
+                        vocab_size_per_layer_input=V, layer_types=["sliding_attention", "full_attention"] * 2,
+                        num_kv_shared_layers=2),
 }
 # What the plan says of each model's attention (every layer paged).
 DETAILS = {"llama4_text": "chunks of 8", "granite_swa": "scale 0.3, window 6, sinks",
-           "granitemoe_swa": "scale 0.3, window 6, sinks", "jetmoe": "query head h on KV head h % kv_heads"}
+           "granitemoe_swa": "scale 0.3, window 6, sinks", "jetmoe": "query head h on KV head h % kv_heads",
+           "gemma3n_text": "over the keys and values of layer 1", "gemma4_text": "over the keys and values of layer 1"}
 ARCHS = [a for a in CONFIGS if a in CONFIG_MAPPING]
 CACHE = CacheConfig(batch_size=4, max_len=64, block_size=16, num_blocks=14)
 _built: dict = {}
@@ -53,6 +65,22 @@ def build(arch):
         model = random_model({"model_type": arch, **COMMON, **CONFIGS[arch]})
         _built[arch] = model, ppsplit.trace_model(model, cache=CACHE)
     return _built[arch]
+
+
+def references(model, seqs):
+    with torch.no_grad():
+        return {s: model(ids[None], output_hidden_states=True) for s, ids in seqs.items()}
+
+
+def assert_matches(plan, segments, logits, aux, refs):
+    at = 0
+    for s in segments:
+        rows, where = slice(at, at + s.count), slice(s.position, s.position + s.count)
+        torch.testing.assert_close(logits[rows], refs[s.slot].logits[0, where], atol=1e-4, rtol=0)
+        for slot, tap in enumerate(TAPS):
+            want = stream_rows(plan, refs[s.slot].hidden_states[tap])[0, where]
+            torch.testing.assert_close(aux[slot, rows], want, atol=1e-4, rtol=0)
+        at += s.count
 
 
 def hf(model, prompt, params: SamplingParams):
@@ -79,7 +107,7 @@ def test_the_split_is_paged_and_a_mixed_step_equals_each_sequence_alone(arch):
         tables = {s: blocks[3 * s:3 * s + 3] for s in range(4)}
         for segments in (FILL, MIXED):
             logits, aux = run(split, seqs, segments, tables)
-            assert_matches(segments, logits, aux, refs)
+            assert_matches(split.plan, segments, logits, aux, refs)
 
 
 @pytest.mark.parametrize("pp", [1, 2])
@@ -103,3 +131,27 @@ def test_requests_arriving_at_different_steps_each_equal_hf_alone(arch, pp):
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         assert outputs[i].token_ids == hf(model, prompt, p), i
     assert engine.blocks_in_use == 0
+
+
+@pytest.mark.parametrize("arch", [a for a in ("gemma3n_text", "gemma4_text") if a in ARCHS])
+def test_kv_sharing_layers_read_the_owners_pools(arch):
+    """The layers that share another layer's keys and values hold no pools of their own: their ``paged_attention``
+    reads the owner's. On a later stage the owner's pools are replicas (counted in the plan at their pooled size),
+    written by that stage from the carried new keys and values."""
+    _, traced = build(arch)
+    ops = torch.ops.ppsplit
+    for pp in (1, 2):
+        split = ppsplit.split_model(traced, pp)
+        read = set()
+        for stage in split.stages:
+            for node in stage.graph.nodes:
+                if node.target is ops.paged_attention.default and node.meta.get("ppsplit.layer") in (2, 3):
+                    read.add((node.meta["ppsplit.layer"], node.args[1].target, node.args[2].target))
+        assert read == {(2, "kv_cache.0.keys", "kv_cache.0.values"), (3, "kv_cache.1.keys", "kv_cache.1.values")}
+        pools = [{n: b.numel() * b.element_size() for n, b in stage.named_buffers() if n.startswith("kv_cache.")}
+                 for stage in split.stages]
+        assert not any(n.startswith(("kv_cache.2.", "kv_cache.3.")) for p in pools for n in p)
+        if pp == 2:
+            assert sorted((s, n) for s, n, _ in split.plan.replicas) == [(1, f"kv_cache.{i}.{kind}")
+                                                                        for i in (0, 1) for kind in ("keys", "values")]
+            assert all(size == pools[1][n] for _, n, size in split.plan.replicas)
