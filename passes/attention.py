@@ -60,6 +60,7 @@ aten = torch.ops.aten
 _VIEWS = VIEW_OPS | COPY_OPS
 _BUDGET = 1 << 27  # largest tensor (elements) the check may build: Hq * max_len * head_dim
 _TOL = dict(atol=1e-4, rtol=1e-4)
+_CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
 
 
 @dataclass(frozen=True)
@@ -624,10 +625,17 @@ def _rewrite_latent(gm, mla: _Latent, indexer_keys: fx.Node | None, order: dict,
     rdim, dr = _shape(mla.latent)[3], _shape(mla.rope)[3]
     detail = f"MLA: latent {rdim} + rotary {dr} per position, " + _describe(_Params(scale, window, softcap))
     indexer = None
-    if found.selected is not None:
+    picks = _picks(found.selected) if found.selected is not None else None
+    picker = picks.meta.get("ppsplit.layer") if picks is not None else None
+    if picks is not None and picker != found.out.meta.get("ppsplit.layer"):
+        if picks.target is not torch.ops.ppsplit.indexer_topk.default:
+            raise _NoMatch(f"its sparse attention reads the positions layer {picker}'s indexer picks, which stays as "
+                           "traced")
+        detail += f"; sparse over {_shape(found.selected)[-1]} positions layer {picker}'s indexer picks"
+    elif found.selected is not None:
         if indexer_keys is None:
             raise _NoMatch("its sparse attention's positions are picked by no indexer over this layer's cache")
-        indexer = _match_indexer(gm, indexer_keys, found.selected, order, info.cache.max_len)
+        indexer = _match_indexer(gm, indexer_keys, picks, order, info.cache.max_len)
         index_scale = _verified(verified, ("indexer",) + indexer.signature(),
                                 lambda: _verify_indexer(gm, indexer, info))
         detail += f"; sparse over {_shape(found.selected)[-1]} positions an indexer picks, scale {index_scale:.6g}"
@@ -638,7 +646,7 @@ def _rewrite_latent(gm, mla: _Latent, indexer_keys: fx.Node | None, order: dict,
             found.selected, *mla.weight_args()))
     _swap(gm, found, node, detail)
     if indexer is not None:
-        _replace_indexer(gm, indexer, found.selected.args[0], index_scale)
+        _replace_indexer(gm, indexer, picks.args[0], index_scale)
     return detail
 
 
@@ -668,30 +676,46 @@ def _match_latent(gm: fx.GraphModule, mla: _Latent, order: dict) -> _Found:
 def _selection(region: set) -> fx.Node | None:
     """Sparse attention (DeepSeek-V3.2's DSA): the indices of the layer's ``topk`` from which the attention's mask is
     built (scattered, cast, combined with the causal mask). The nodes between them join ``region``; the indices are
-    then an input of the attention, its ``selected``."""
+    then an input of the attention, its ``selected``. A layer without an indexer of its own (GLM-MoE-DSA's "shared"
+    layers) reads those of an earlier layer: its ``topk``'s, or the ``indexer_topk`` they became."""
     layer = next(iter(region)).meta.get("ppsplit.layer")
     todo = [a for n in region for a in n.all_input_nodes if a not in region]
     seen, found = set(), set()
     while todo:
         n = todo.pop()
-        if n in seen or n in region or n.op != "call_function" or not n.meta.get("ppsplit.token") \
-                or n.meta.get("ppsplit.layer") != layer:
+        if n in seen or n in region or n.op != "call_function" or not n.meta.get("ppsplit.token"):
+            continue
+        root = _picks(n)
+        if root is n or root is not None and any(u.meta.get("ppsplit.layer") != layer for u in [n, *n.users]):
+            found.add(n)  # the picks, or as a layer hands them on to later layers (GLM-MoE-DSA: cast to int32)
+            continue
+        if n.meta.get("ppsplit.layer") != layer:
             continue
         seen.add(n)
-        if n.target is operator.getitem and n.args[1] == 1 and isinstance(n.args[0], fx.Node) \
-                and n.args[0].target is aten.topk.default:
-            found.add(n)
-            continue
         todo.extend(n.all_input_nodes)
     if len(found) != 1:
         return None
     selected = found.pop()
-    between = seen & _downstream(selected)
-    if any(u.meta.get("ppsplit.layer") != layer for n in between | {selected} for u in n.users):
-        raise _NoMatch("its sparse attention's positions are also read by another layer (an indexer shared between "
-                       "layers), which the paged cache does not serve yet")
+    between = seen & _downstream(selected, layer=layer)
+    if any(u.meta.get("ppsplit.layer") != layer for n in between for u in n.users):
+        raise _NoMatch("the mask its sparse attention builds from its indexer's positions is also read by another "
+                       "layer, which the paged cache does not serve")
     region.update(between)
     return selected
+
+
+def _picks(node: fx.Node) -> fx.Node | None:
+    """The positions an indexer picks, when ``node`` is they or a cast of them (GLM-MoE-DSA hands them on as int32):
+    ``topk(...)[1]``, or the ``indexer_topk`` that replaced it."""
+    while node.target in _CASTS and isinstance(node.args[0], fx.Node) \
+            and isinstance(node.args[0].meta.get("val"), torch.Tensor) and not node.args[0].meta["val"].is_floating_point():
+        node = node.args[0]
+    if node.target is torch.ops.ppsplit.indexer_topk.default:
+        return node
+    if (node.target is operator.getitem and node.args[1] == 1 and isinstance(node.args[0], fx.Node)
+            and node.args[0].target is aten.topk.default):
+        return node
+    return None
 
 
 def _verify_latent(gm: fx.GraphModule, f: _Found, mla: _Latent, info) -> tuple:

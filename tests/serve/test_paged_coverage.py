@@ -11,6 +11,8 @@ different steps through the engine each give Hugging Face's greedy output (fp32,
 - Gemma 3n, Gemma 4 with KV sharing: the last layers attend over the keys and values of an earlier layer, so they read
   its pools through the same block table (a later stage keeps a replica of those pools, written from the carried new
   keys and values).
+- GLM-MoE-DSA with shared indexers: a "shared" layer's sparse attention reads the positions the indexer of the layer
+  before picked (positions of the token's own sequence, so the same ones index the shared layer's own pools).
 """
 import random
 
@@ -49,11 +51,15 @@ CONFIGS = {
                         vocab_size_per_layer_input=V, layer_types=["sliding_attention", "full_attention"] * 2,
                         num_kv_shared_layers=2),
 }
+# Sparse attention (MLA + DSA) whose "shared" layers attend over the positions the layer before picked:
+# tests.architectures.test_indexer's tie-free model.
+INDEXED = {"glm_moe_dsa_shared": "glm_moe_dsa"}
 # What the plan says of each model's attention (every layer paged).
 DETAILS = {"llama4_text": "chunks of 8", "granite_swa": "scale 0.3, window 6, sinks",
            "granitemoe_swa": "scale 0.3, window 6, sinks", "jetmoe": "query head h on KV head h % kv_heads",
-           "gemma3n_text": "over the keys and values of layer 1", "gemma4_text": "over the keys and values of layer 1"}
-ARCHS = [a for a in CONFIGS if a in CONFIG_MAPPING]
+           "gemma3n_text": "over the keys and values of layer 1", "gemma4_text": "over the keys and values of layer 1",
+           "glm_moe_dsa_shared": "sparse over 4 positions layer 0's indexer picks"}
+ARCHS = [a for a in CONFIGS if a in CONFIG_MAPPING] + [a for a, base in INDEXED.items() if base in CONFIG_MAPPING]
 CACHE = CacheConfig(batch_size=4, max_len=64, block_size=16, num_blocks=14)
 _built: dict = {}
 
@@ -62,7 +68,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def build(arch):
     if arch not in _built:
-        model = random_model({"model_type": arch, **COMMON, **CONFIGS[arch]})
+        if arch in INDEXED:
+            from tests.architectures.test_indexer import indexed_model
+
+            model = indexed_model(arch)
+        else:
+            model = random_model({"model_type": arch, **COMMON, **CONFIGS[arch]})
         _built[arch] = model, ppsplit.trace_model(model, cache=CACHE)
     return _built[arch]
 
