@@ -35,6 +35,7 @@ Result: ``Attended``, the rewritten copy of the graph and one ``AttentionSite`` 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -45,7 +46,7 @@ import torch
 from torch import fx
 
 import ppsplit.triton_kernels.attention  # noqa: F401  (registers torch.ops.ppsplit.cache_attention)
-from ppsplit.core.fx_utils import CACHE_PREFIX, INDEXER_KEYS, fresh_copy, get_tensor
+from ppsplit.core.fx_utils import CACHE_PREFIX, INDEXER_KEYS, fresh_copy, get_tensor, set_tensor
 from ppsplit.passes.annotate import mutated_bases
 from ppsplit.passes.evaluate import (COPY_OPS, SHAPE_OPS, VIEW_OPS, EvaluationError, SubgraphEvaluator,
                                      upcast)
@@ -109,7 +110,7 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
             if mla is not None:
                 detail = _rewrite_latent(gm, mla, kv.get(INDEXER_KEYS), order, info, verified)
             else:
-                detail = _rewrite(gm, k, v, order, info, verified)
+                detail = _rewrite_or_join(gm, k, v, order, info, verified)
             sites.append(AttentionSite(layer, stage, True, detail))
         except _NoMatch as e:
             sites.append(AttentionSite(layer, stage, False, str(e)))
@@ -119,6 +120,20 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
     graph.lint()
     gm.recompile()
     return carry_forward(tapped, Attended, gm=gm, sites=tuple(sites))
+
+
+def _rewrite_or_join(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict) -> str:
+    """``_rewrite``, or where it finds no attention, ``_rewrite_joined`` (a paged cache only: it changes what the
+    cache holds); the first refusal's reason when neither fits."""
+    try:
+        return _rewrite(gm, k, v, order, info, verified)
+    except _NoMatch as e:
+        if info.stand_in is None:
+            raise
+        try:
+            return _rewrite_joined(gm, k, v, order, info, verified)
+        except _NoMatch:
+            raise e from None
 
 
 def _shared(gm, k: fx.Node, v: fx.Node, owner: int, order: dict, info, verified: dict) -> list[AttentionSite]:
@@ -199,6 +214,8 @@ class _Found:
     params: list  # get_attr nodes the region reads
     heads: int
     selected: fx.Node | None = None  # sparse attention: the positions each token sees, picked by an indexer
+    values: Any = None  # joined attentions: what the attention reads of the cached values, as a function of them
+    token_major: bool = False  # its output is laid out [B, T, Hq, Dv] (the joined attentions' concatenation)
 
     def signature(self) -> tuple:
         index = {n: ("in", i) for i, n in enumerate([self.q, self.k, self.v, self.selected]) if n is not None}
@@ -335,6 +352,132 @@ def _downstream(start: fx.Node, writes: bool = False, layer: int | None = None) 
     return seen
 
 
+# ---- joined attentions: several over the same queries and keys, their values per-position parts of one cache ----
+
+def _rewrite_joined(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict) -> str:
+    """DiffLlama: attentions over the same query and keys whose values are per-position transforms of the cached values
+    (``chunk`` along the heads, ``repeat``), concatenated along the last dim. Attention is linear in its values, so
+    that is one attention over the concatenated values: the cache then holds those (the transforms run on each
+    step's new values before the write), and one ``cache_attention`` reads them. Proved by evaluation as ``_rewrite``
+    proves a plain attention."""
+    found, parts, transforms = _match_joined(gm, k, v, order)
+    params = _verified(verified, ("joined",) + found.signature(), lambda: _verify(gm, found, info))
+    if params.sink is not None:
+        params = params._replace(sink=_sinks(found)[params.sink])
+    _hold_joined_values(gm, v, parts, transforms)
+    graph = gm.graph
+    users = list(found.out.users)
+    _replace(gm, found, params)
+    node = next(n for n in graph.nodes if n.target is torch.ops.ppsplit.cache_attention.default
+                and any(u in users for u in n.users)) if users else None
+    if node is not None:  # back to the concatenation's [B, T, Hq, Dv] layout
+        with graph.inserting_after(node):
+            out = graph.call_function(aten.transpose.int, (node, 1, 2))
+        out.meta.update({key: val for key, val in node.meta.items() if key != "ppsplit.attention"})
+        out.meta["val"] = node.meta["val"].transpose(1, 2)
+        for user in users:
+            user.replace_input_with(node, out)
+    return _describe(params) + f", values joined from {len(parts)} parts"
+
+
+def _match_joined(gm, k: fx.Node, v: fx.Node, order: dict):
+    """``(found, parts, transforms)``: the attention ending at the first ``cat`` along the last dim of attentions over
+    ``k`` and ``v``, with ``values`` set to build the concatenated values from cached ones; ``parts`` the value nodes
+    each attention reads at the KV heads (``[B, Hkv, L, d]``), ``transforms`` the nodes between ``v`` and them."""
+    from_k, from_v = _downstream(k), _downstream(v)
+    kshape, vshape = _shape(k), _shape(v)
+    batch, kv_heads, length = kshape[0], kshape[1], kshape[2]
+    joins = [n for n in sorted(from_k & from_v, key=order.get) if n.target is aten.cat.default
+             and (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) in (-1, len(_shape(n) or ()) - 1)]
+    if not joins:
+        raise _NoMatch("no concatenation of attentions over its keys and values")
+    join = joins[0]
+    shape = _shape(join)
+    positions = gm.graph.find_nodes(op="placeholder", target="positions")[0]
+    tokens = positions.meta["val"].shape[0]
+    if shape is None or len(shape) != 4 or shape[0] != batch or shape[1] != tokens:
+        raise _NoMatch(f"its concatenation {join.format_node()} is not [B, T, Hq, Dv]")
+    values_only = from_v - from_k
+    parts, transforms = [], set()
+    for piece in join.args[0]:
+        ancestors = _ancestors(piece, from_k | from_v | {v}) & (values_only | {v})
+        kv_shaped = [n for n in ancestors if _shape(n) is not None and len(_shape(n)) == 4
+                     and _shape(n)[:3] == (batch, kv_heads, length)]
+        if not kv_shaped:
+            raise _NoMatch(f"{piece.format_node()} reads no values of the cache's heads and positions")
+        part = max(kv_shaped, key=order.get)
+        parts.append(part)
+        transforms |= _ancestors(part, values_only)
+    for n in transforms:
+        if n.op != "call_function" or any(a == length for a in _flat_args(n)):
+            raise _NoMatch(f"its values' transform {n.format_node()} is not one per position")
+    region, external = _region([join], from_k | from_v)
+    found = _found(gm, k, v, join, region, external, (batch, shape[2], tokens, kshape[3]), order)
+    transforms = sorted(transforms, key=order.get)
+
+    def values(cached: torch.Tensor) -> torch.Tensor:
+        env = SubgraphEvaluator(gm, upcast=True).run_nodes(transforms, {v: cached})
+        return torch.cat([env[p] if p is not v else cached for p in parts], dim=-1)
+
+    return dataclasses.replace(found, values=values, token_major=True), parts, transforms
+
+
+def _hold_joined_values(gm: fx.GraphModule, v: fx.Node, parts: list, transforms: list) -> None:
+    """The cache of ``v`` (an ``index_copy_`` into ``kv_cache.<layer>.values``) holds the concatenated ``parts``:
+    the ``transforms`` run on each step's new values, and their concatenation is what is written."""
+    graph = gm.graph
+    view, dim, index, new = v.args
+    base = view
+    while base.op == "call_function":
+        base = base.args[0]
+    env = {v: new}
+    with graph.inserting_before(v):
+        for n in transforms:
+            copy = graph.node_copy(n, lambda a: env.get(a, a))
+            copy.meta["val"] = _fake_run(copy)
+            env[n] = copy
+        joined = graph.call_function(aten.cat.default, ([env[p] for p in parts], -1))
+    joined.meta.update({key: val for key, val in new.meta.items() if key != "val"})
+    joined.meta["val"] = _fake_run(joined)
+    old = get_tensor(gm, base.target)
+    shape = (*old.shape[:3], sum(_shape(p)[3] for p in parts))
+    set_tensor(gm, base.target, torch.zeros(shape, dtype=old.dtype, device=old.device), parameter=False,
+               persistent=False)
+    node = view
+    while True:
+        node.meta["val"] = node.meta["val"].new_empty((*node.meta["val"].shape[:3], shape[3]))
+        if node is base:
+            break
+        node = node.args[0]
+    v.args = (view, dim, index, joined)
+    v.meta["val"] = view.meta["val"]
+
+
+def _fake_run(node: fx.Node):
+    """``node``'s value computed on its inputs' ``meta["val"]`` (fake tensors)."""
+    args = fx.node.map_arg(node.args, lambda a: a.meta["val"])
+    kwargs = fx.node.map_arg(node.kwargs, lambda a: a.meta["val"])
+    return node.target(*args, **kwargs)
+
+
+def _ancestors(node: fx.Node, within: set) -> set:
+    """``node`` and the nodes of ``within`` it reads, transitively through them."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or n is not node and n not in within:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _flat_args(node: fx.Node) -> list:
+    out = []
+    fx.node.map_aggregate((node.args, node.kwargs), lambda a: out.append(a) if isinstance(a, int) else None)
+    return out
+
+
 # ---- verification by evaluation ----------------------------------------------------------------------------
 
 def _verify(gm: fx.GraphModule, f: _Found, info) -> tuple:
@@ -360,8 +503,10 @@ def _verify(gm: fx.GraphModule, f: _Found, info) -> tuple:
 
         def reference(pos, q, k, v):
             q = _tile_heads(q, kv_heads) if tiled else q
+            v = f.values(v) if f.values is not None else v
             out = attention_reference(q, k, v, pos, scale, window, softcap, alibi, sink_value, chunk_size=chunk)
-            return _untile_heads(out, kv_heads) if tiled else out
+            out = _untile_heads(out, kv_heads) if tiled else out
+            return out.transpose(1, 2) if f.token_major else out
 
         if all(_close(reference(pos, q, k, v), got) for pos, q, k, v, got, _ in cases):
             return _Params(scale, window, softcap, alibi, None if sink is None else sinks.index(sink), chunk, tiled)

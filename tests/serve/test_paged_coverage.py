@@ -6,6 +6,8 @@ different steps through the engine each give Hugging Face's greedy output (fp32,
   temperature computed from each token's own position (the model adds ``0 .. T-1`` to the first position).
 - Granite-SWA, GraniteMoE-SWA: sinks applied after the attention's product (its output scaled by
   ``sigmoid(logsumexp - sink)``), so the attention ends at that scaling, not at the product.
+- DiffLlama: ``softmax(q k) v1`` and ``softmax(q k) v2`` (``v1``, ``v2`` halves of the value heads, repeated)
+  concatenated are one attention over ``[v1; v2]``, which the cache holds instead of ``v``.
 - JetMoe: K and V repeated whole for its mixture of attention heads (``repeat``, not ``repeat_interleave``), so
   the query heads are reordered around the attention.
 - Gemma 3n, Gemma 4 with KV sharing: the last layers attend over the keys and values of an earlier layer, so they read
@@ -41,6 +43,8 @@ CONFIGS = {
                         attention_multiplier=0.3, residual_multiplier=0.7),
     "granitemoe_swa": dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
                            num_local_experts=4, num_experts_per_tok=2, attention_multiplier=0.3),
+    # differential attention: two attentions over the same keys, each over half the value heads, concatenated
+    "diffllama": {},
     # attention heads from a mixture of experts, K and V repeated whole (query head h reads KV head h % 2)
     "jetmoe": dict(kv_channels=16, num_local_experts=4, num_experts_per_tok=2),
     # KV sharing: layers 2 and 3 attend over the keys and values of layers 0 (sliding) and 1 (full)
@@ -58,7 +62,8 @@ INDEXED = {"glm_moe_dsa_shared": "glm_moe_dsa"}
 DETAILS = {"llama4_text": "chunks of 8", "granite_swa": "scale 0.3, window 6, sinks",
            "granitemoe_swa": "scale 0.3, window 6, sinks", "jetmoe": "query head h on KV head h % kv_heads",
            "gemma3n_text": "over the keys and values of layer 1", "gemma4_text": "over the keys and values of layer 1",
-           "glm_moe_dsa_shared": "sparse over 4 positions layer 0's indexer picks"}
+           "glm_moe_dsa_shared": "sparse over 4 positions layer 0's indexer picks",
+           "diffllama": "values joined from 2 parts"}
 ARCHS = [a for a in CONFIGS if a in CONFIG_MAPPING] + [a for a, base in INDEXED.items() if base in CONFIG_MAPPING]
 CACHE = CacheConfig(batch_size=4, max_len=64, block_size=16, num_blocks=14)
 _built: dict = {}
