@@ -123,17 +123,19 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
 
 
 def _rewrite_or_join(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict) -> str:
-    """``_rewrite``, or where it finds no attention, ``_rewrite_joined`` (a paged cache only: it changes what the
-    cache holds); the first refusal's reason when neither fits."""
+    """``_rewrite``, or where it finds no attention, ``_rewrite_joined`` or ``_rewrite_key_bias`` (a paged cache only:
+    they change what the cache holds); the first refusal's reason when none fits."""
     try:
         return _rewrite(gm, k, v, order, info, verified)
     except _NoMatch as e:
         if info.stand_in is None:
             raise
-        try:
-            return _rewrite_joined(gm, k, v, order, info, verified)
-        except _NoMatch:
-            raise e from None
+        for fallback in (_rewrite_joined, _rewrite_key_bias):
+            try:
+                return fallback(gm, k, v, order, info, verified)
+            except _NoMatch:
+                pass
+        raise e from None
 
 
 def _shared(gm, k: fx.Node, v: fx.Node, owner: int, order: dict, info, verified: dict) -> list[AttentionSite]:
@@ -215,6 +217,8 @@ class _Found:
     heads: int
     selected: fx.Node | None = None  # sparse attention: the positions each token sees, picked by an indexer
     values: Any = None  # joined attentions: what the attention reads of the cached values, as a function of them
+    key_bias: Any = None  # a per-key bias [B, Hkv, L] added to the scores, as a function of the cached values and
+    # the weights (Doge)
     token_major: bool = False  # its output is laid out [B, T, Hq, Dv] (the joined attentions' concatenation)
 
     def signature(self) -> tuple:
@@ -426,10 +430,7 @@ def _hold_joined_values(gm: fx.GraphModule, v: fx.Node, parts: list, transforms:
     """The cache of ``v`` (an ``index_copy_`` into ``kv_cache.<layer>.values``) holds the concatenated ``parts``:
     the ``transforms`` run on each step's new values, and their concatenation is what is written."""
     graph = gm.graph
-    view, dim, index, new = v.args
-    base = view
-    while base.op == "call_function":
-        base = base.args[0]
+    new = v.args[3]
     env = {v: new}
     with graph.inserting_before(v):
         for n in transforms:
@@ -439,18 +440,128 @@ def _hold_joined_values(gm: fx.GraphModule, v: fx.Node, parts: list, transforms:
         joined = graph.call_function(aten.cat.default, ([env[p] for p in parts], -1))
     joined.meta.update({key: val for key, val in new.meta.items() if key != "val"})
     joined.meta["val"] = _fake_run(joined)
+    _widen_cache(gm, v, joined, sum(_shape(p)[3] for p in parts))
+
+
+def _rewrite_key_bias(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict) -> str:
+    """Doge's dynamic mask: the scores get a bias per KV head and key computed from that key's cached value
+    (``exp(A * softplus(dt_proj(v)))``). As ``scale * [q, 1] . [k, bias / scale]`` it is an attention over keys one
+    dimension wider: the cache then holds those keys (the bias computed from each step's new values before the
+    write), and one ``cache_attention`` reads them with the queries widened by a 1. Proved by evaluation."""
+    found = _match(gm, k, v, order)
+    kshape = _shape(k)
+    batch, kv_heads, length = kshape[0], kshape[1], kshape[2]
+    values_only = _downstream(v) - _downstream(k)
+    biases = [n for n in found.region if n in values_only and _shape(n) == (batch, kv_heads, length)]
+    if not biases:
+        raise _NoMatch("no per-key bias computed from its values")
+    bias = max(biases, key=order.get)
+    transforms = sorted(_ancestors(bias, values_only) - {v}, key=order.get)
+    _check_per_position(transforms, v, bias, length)
+    found = dataclasses.replace(found, key_bias=lambda cached, params: _replay(transforms, v, cached, length,
+                                                                              params)[bias])
+    params = _verified(verified, ("key bias",) + found.signature(), lambda: _verify(gm, found, info))
+    if params.sink is not None or params.tiled or params.alibi is not None:
+        raise _NoMatch("a per-key bias beside sinks, ALiBi or a tiled head order")
+    graph = gm.graph
+    view, dim, index, new_keys = k.args
+    new_values = v.args[3]
+    if order[new_values] > order[k]:
+        raise _NoMatch("its new values are computed after its keys are written")
+    env = {v: new_values}
+    with graph.inserting_before(k):
+        tokens = graph.call_function(aten.sym_size.int, (new_values, 2))
+        tokens.meta["val"] = new_values.meta["val"].shape[2]
+        for n in transforms:
+            copy = graph.node_copy(n, lambda a: env.get(a, a))
+            copy.args, copy.kwargs = fx.node.map_aggregate(
+                (copy.args, copy.kwargs), lambda a: tokens if isinstance(a, int) and not isinstance(a, bool)
+                and a == length else a)
+            copy.meta["val"] = _fake_run(copy)
+            env[n] = copy
+        scaled = graph.call_function(aten.div.Tensor, (env[bias], float(params.scale)))
+        column = graph.call_function(aten.unsqueeze.default, (scaled, -1))
+        cast = graph.call_function(aten._to_copy.default, (column,), {"dtype": new_keys.meta["val"].dtype})
+        wider = graph.call_function(aten.cat.default, ([new_keys, cast], -1))
+    for n in (scaled, column, cast, wider):
+        n.meta.update({key: val for key, val in new_keys.meta.items() if key != "val"})
+        n.meta["val"] = _fake_run(n)
+    _widen_cache(gm, k, wider, kshape[3] + 1)
+    with graph.inserting_before(found.out):
+        q = found.q
+        ones = graph.call_function(aten.new_ones.default, (q, [*_sizes(graph, q)[:-1], 1]))
+        widened = graph.call_function(aten.cat.default, ([q, ones], -1))
+    for n in (ones, widened):
+        n.meta.update({key: val for key, val in q.meta.items() if key != "val"})
+        n.meta["val"] = _fake_run(n)
+    _replace(gm, dataclasses.replace(found, q=widened), params)
+    return _describe(params) + ", a per-key bias from its values in the keys"
+
+
+def _sizes(graph: fx.Graph, node: fx.Node) -> list:
+    """The sizes of ``node`` as graph values: ``sym_size`` nodes where they are symbolic."""
+    out = []
+    for d, size in enumerate(node.meta["val"].shape):
+        if isinstance(size, torch.SymInt):
+            size_node = graph.call_function(aten.sym_size.int, (node, d))
+            size_node.meta["val"] = size
+            out.append(size_node)
+        else:
+            out.append(int(size))
+    return out
+
+
+def _replay(transforms: list, v: fx.Node, cached: torch.Tensor, length: int, params: dict) -> dict:
+    """The values of ``transforms`` (nodes reading ``v`` and the weights ``params``) on ``cached`` values of any number
+    of positions: integer arguments equal to the traced cache ``length`` take the positions of ``cached``."""
+    env = {v: cached, **params}
+    positions = cached.shape[2]
+    for n in transforms:
+        args, kwargs = fx.node.map_aggregate(
+            (n.args, n.kwargs), lambda a: env[a] if isinstance(a, fx.Node) else positions
+            if isinstance(a, int) and not isinstance(a, bool) and a == length else a)
+        env[n] = n.target(*args, **kwargs)
+    return env
+
+
+def _check_per_position(transforms: list, v: fx.Node, out: fx.Node, length: int) -> None:
+    """``_NoMatch`` unless ``out`` (``[B, H, L, ...]``, from the cached values ``v`` through ``transforms``) is a
+    function of each position alone: computed on a few positions' values it equals those positions of it computed on
+    all (random values and weights)."""
+    gen = torch.Generator().manual_seed(0)
+    cached = torch.randn([int(d) for d in v.meta["val"].shape], generator=gen)
+    where = torch.tensor([length - 1, 0, length // 2])
+    gm = v.graph.owning_module
+    params = {a: _param_value(gm, a, gen) for n in transforms for a in n.all_input_nodes if a.op == "get_attr"}
+    try:
+        whole = _replay(transforms, v, cached, length, params)[out].index_select(2, where)
+        part = _replay(transforms, v, cached.index_select(2, where), length, params)[out]
+        ok = torch.allclose(whole, part, **_TOL)
+    except Exception as e:  # noqa: BLE001  (a transform this evaluation cannot run on fewer positions)
+        raise _NoMatch(f"its values' transform cannot be computed per position ({type(e).__name__})") from None
+    if not ok:
+        raise _NoMatch("its values' transform is not one per position")
+
+
+def _widen_cache(gm: fx.GraphModule, write: fx.Node, new: fx.Node, width: int) -> None:
+    """The cache ``write`` (an ``index_copy_`` into ``kv_cache.<layer>.<kind>``) holds ``new`` (its last dim
+    ``width``): the buffer re-registered that wide, the meta of its views and of the write updated."""
+    view = write.args[0]
+    base = view
+    while base.op == "call_function":
+        base = base.args[0]
     old = get_tensor(gm, base.target)
-    shape = (*old.shape[:3], sum(_shape(p)[3] for p in parts))
+    shape = (*old.shape[:3], width)
     set_tensor(gm, base.target, torch.zeros(shape, dtype=old.dtype, device=old.device), parameter=False,
                persistent=False)
     node = view
     while True:
-        node.meta["val"] = node.meta["val"].new_empty((*node.meta["val"].shape[:3], shape[3]))
+        node.meta["val"] = node.meta["val"].new_empty((*node.meta["val"].shape[:3], width))
         if node is base:
             break
         node = node.args[0]
-    v.args = (view, dim, index, joined)
-    v.meta["val"] = view.meta["val"]
+    write.args = (view, *write.args[1:3], new)
+    write.meta["val"] = view.meta["val"]
 
 
 def _fake_run(node: fx.Node):
@@ -503,6 +614,8 @@ def _verify(gm: fx.GraphModule, f: _Found, info) -> tuple:
 
         def reference(pos, q, k, v):
             q = _tile_heads(q, kv_heads) if tiled else q
+            if f.key_bias is not None:
+                q, k = _with_key_bias(q, k, f.key_bias(v, params), scale)
             v = f.values(v) if f.values is not None else v
             out = attention_reference(q, k, v, pos, scale, window, softcap, alibi, sink_value, chunk_size=chunk)
             out = _untile_heads(out, kv_heads) if tiled else out
@@ -511,6 +624,13 @@ def _verify(gm: fx.GraphModule, f: _Found, info) -> tuple:
         if all(_close(reference(pos, q, k, v), got) for pos, q, k, v, got, _ in cases):
             return _Params(scale, window, softcap, alibi, None if sink is None else sinks.index(sink), chunk, tiled)
     raise _NoMatch("no scale/window/chunk/soft-cap/ALiBi/sinks/head order makes cache_attention equal it")
+
+
+def _with_key_bias(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, scale: float) -> tuple:
+    """``q [B, Hq, T, D]``, ``k [B, Hkv, L, D]`` with one more dimension each (1 for the query, ``bias / scale`` for
+    the key), so that ``scale * q . k`` becomes ``scale * q . k + bias[kv head, key]``."""
+    ones = torch.ones(*q.shape[:-1], 1, dtype=q.dtype)
+    return torch.cat([q, ones], dim=-1), torch.cat([k, (bias / scale)[..., None].to(k.dtype)], dim=-1)
 
 
 def _tile_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:

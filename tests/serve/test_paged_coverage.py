@@ -8,6 +8,8 @@ different steps through the engine each give Hugging Face's greedy output (fp32,
   ``sigmoid(logsumexp - sink)``), so the attention ends at that scaling, not at the product.
 - DiffLlama: ``softmax(q k) v1`` and ``softmax(q k) v2`` (``v1``, ``v2`` halves of the value heads, repeated)
   concatenated are one attention over ``[v1; v2]``, which the cache holds instead of ``v``.
+- Doge: its dynamic mask adds a bias per KV head and key computed from the key's value; as ``scale * [q, 1] .
+  [k, bias / scale]`` that is an attention over keys one dimension wider, which the cache holds instead of ``k``.
 - JetMoe: K and V repeated whole for its mixture of attention heads (``repeat``, not ``repeat_interleave``), so
   the query heads are reordered around the attention.
 - Gemma 3n, Gemma 4 with KV sharing: the last layers attend over the keys and values of an earlier layer, so they read
@@ -45,6 +47,8 @@ CONFIGS = {
                            num_local_experts=4, num_experts_per_tok=2, attention_multiplier=0.3),
     # differential attention: two attentions over the same keys, each over half the value heads, concatenated
     "diffllama": {},
+    # a bias per key from its value (exp(A * softplus(dt_proj(v)))) added to the scores
+    "doge": {},
     # attention heads from a mixture of experts, K and V repeated whole (query head h reads KV head h % 2)
     "jetmoe": dict(kv_channels=16, num_local_experts=4, num_experts_per_tok=2),
     # KV sharing: layers 2 and 3 attend over the keys and values of layers 0 (sliding) and 1 (full)
@@ -63,7 +67,7 @@ DETAILS = {"llama4_text": "chunks of 8", "granite_swa": "scale 0.3, window 6, si
            "granitemoe_swa": "scale 0.3, window 6, sinks", "jetmoe": "query head h on KV head h % kv_heads",
            "gemma3n_text": "over the keys and values of layer 1", "gemma4_text": "over the keys and values of layer 1",
            "glm_moe_dsa_shared": "sparse over 4 positions layer 0's indexer picks",
-           "diffllama": "values joined from 2 parts"}
+           "diffllama": "values joined from 2 parts", "doge": "a per-key bias from its values in the keys"}
 ARCHS = [a for a in CONFIGS if a in CONFIG_MAPPING] + [a for a, base in INDEXED.items() if base in CONFIG_MAPPING]
 CACHE = CacheConfig(batch_size=4, max_len=64, block_size=16, num_blocks=14)
 _built: dict = {}
@@ -79,6 +83,11 @@ def build(arch):
             model = indexed_model(arch)
         else:
             model = random_model({"model_type": arch, **COMMON, **CONFIGS[arch]})
+        if arch == "doge":  # A starts at zero: a bias that barely varies between keys would prove little
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.self_attn.A.copy_(torch.randn(layer.self_attn.A.shape, generator=torch.Generator()
+                                                        .manual_seed(layer.self_attn.layer_idx)) * 2)
         _built[arch] = model, ppsplit.trace_model(model, cache=CACHE)
     return _built[arch]
 
@@ -171,3 +180,33 @@ def test_kv_sharing_layers_read_the_owners_pools(arch):
             assert sorted((s, n) for s, n, _ in split.plan.replicas) == [(1, f"kv_cache.{i}.{kind}")
                                                                         for i in (0, 1) for kind in ("keys", "values")]
             assert all(size == pools[1][n] for _, n, size in split.plan.replicas)
+
+
+@pytest.mark.skipif("doge" not in CONFIG_MAPPING, reason="this transformers has no doge")
+def test_doge_past_its_keep_window_keeps_a_lockstep_cache_equal_to_hf():
+    """With a cache longer than ``keep_window_size``, Doge's mask keeps only each query's top keys (a top-k over the
+    whole cache), which no paged attention computes: the stand-in cache is traced that long, so the top-k shows and
+    the split stays lockstep, saying why; its greedy tokens past the window still equal Hugging Face's."""
+    model = random_model({"model_type": "doge", **COMMON, "keep_window_size": 16})
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.A.copy_(torch.randn(layer.self_attn.A.shape, generator=torch.Generator().manual_seed(3)))
+    split = ppsplit.split_model(ppsplit.trace_model(model, cache=CACHE), 2)
+    assert not split.plan.paged and "layer 0's attention stays as traced" in split.plan.lockstep_reason
+    ids = torch.randint(3, V, (1, 20), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(split.generate(ids, 12), model.generate(ids, max_new_tokens=12, do_sample=False))
+
+
+def test_joined_values_and_key_biases_widen_the_pools():
+    """DiffLlama's value pools hold both halves' values per KV head (twice the head dim); Doge's key pools one more
+    dimension (the bias over the scale)."""
+    for arch, kind, width in (("diffllama", "values", 32), ("doge", "keys", 17)):
+        if arch not in ARCHS:
+            continue
+        _, traced = build(arch)
+        split = ppsplit.split_model(traced, 1)
+        pools = {n: tuple(b.shape) for n, b in split.stages[0].named_buffers() if n.startswith("kv_cache.")}
+        layout = split.layout
+        assert pools[f"kv_cache.0.{kind}"] == (layout.num_blocks, layout.block_size, 2, width), pools
+        other = "keys" if kind == "values" else "values"
+        assert pools[f"kv_cache.0.{other}"] == (layout.num_blocks, layout.block_size, 2, 16), pools
