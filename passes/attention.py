@@ -369,18 +369,7 @@ def _rewrite_joined(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dic
     if params.sink is not None:
         params = params._replace(sink=_sinks(found)[params.sink])
     _hold_joined_values(gm, v, parts, transforms)
-    graph = gm.graph
-    users = list(found.out.users)
     _replace(gm, found, params)
-    node = next(n for n in graph.nodes if n.target is torch.ops.ppsplit.cache_attention.default
-                and any(u in users for u in n.users)) if users else None
-    if node is not None:  # back to the concatenation's [B, T, Hq, Dv] layout
-        with graph.inserting_after(node):
-            out = graph.call_function(aten.transpose.int, (node, 1, 2))
-        out.meta.update({key: val for key, val in node.meta.items() if key != "ppsplit.attention"})
-        out.meta["val"] = node.meta["val"].transpose(1, 2)
-        for user in users:
-            user.replace_input_with(node, out)
     return _describe(params) + f", values joined from {len(parts)} parts"
 
 
@@ -1110,11 +1099,19 @@ def _replace(gm: fx.GraphModule, f: _Found, params: _Params) -> None:
                                    (q, f.k, f.v, positions, float(params.scale), int(params.window),
                                     float(params.softcap), alibi_node, params.sink, int(params.chunk)))
     _swap(gm, f, node, _describe(params))
+    users, out = list(node.users), node
+    if f.token_major:
+        node.meta["val"] = f.out.meta["val"].transpose(1, 2)
     if params.tiled:  # the output's heads back in the model's order, laid out [B, T, Hq, Dv] as the op's output is
-        users = list(node.users)
-        out = _reorder_heads(graph, node, [kv_heads, -1], dim=2)
-        for user in users:
-            user.replace_input_with(node, out)
+        out = _reorder_heads(graph, out, [kv_heads, -1], dim=2)
+    if f.token_major:  # the layout the attention had: [B, T, Hq, Dv]
+        with graph.inserting_after(out):
+            moved = graph.call_function(aten.transpose.int, (out, 1, 2))
+        moved.meta.update({key: val for key, val in out.meta.items() if key != "ppsplit.attention"})
+        moved.meta["val"] = out.meta["val"].transpose(1, 2)
+        out = moved
+    for user in users:
+        user.replace_input_with(node, out)
 
 
 def _reorder_heads(graph: fx.Graph, x: fx.Node, sizes: list, dim: int = 1) -> fx.Node:
