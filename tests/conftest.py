@@ -1,4 +1,9 @@
 import os
+import tempfile
+
+# Inductor's on-disk cache is shared by every checkout on the machine and keys a compiled graph without the schemas
+# of the custom ops it calls: another branch's ppsplit ops would be called with this one's arguments. One per run.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="ppsplit-inductor-")
 
 import torch
 

@@ -208,10 +208,10 @@ class AbortInFlight:
         requests = engine.scheduler.requests
         if self.slot is None:
             victim = requests.get(self.victim)
-            if victim is not None and victim.in_flight and victim.drafts:
+            if victim is not None and victim.flight and victim.drafts:
                 self.slot = victim.slot
                 engine.abort(self.victim)
                 engine.add_request(self.prompt, self.params, request_id="new")
-                self.in_pipe = any(r is victim for plan, _, _ in engine.flight for r, _ in plan)
+                self.in_pipe = any(r is victim for plan, _ in engine.flight for r, _ in plan.entries)
         elif self.seen is None and requests["new"].slot is not None:
             self.seen = (self.slot, requests["new"].slot, self.in_pipe)

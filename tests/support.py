@@ -187,6 +187,33 @@ def traced_with_cache(arch: str, cache: CacheConfig):
     return _TRACED[(arch, cache)]
 
 
+def decode(split, ids, new: int) -> torch.Tensor:
+    """Greedy decoding of ``ids [B, T]`` through ``split``: the engine (``split.generate``) when the split pages its
+    cache. A split that keeps a lockstep cache runs ``forward`` only (generation refuses it, as checked here), so the
+    test drives that cache with forward steps itself, padding a sequence after its end-of-sequence token as Hugging
+    Face's ``generate`` does."""
+    import pytest
+
+    if split.plan.paged:
+        return split.generate(ids, new)
+    with pytest.raises(ppsplit.ConfigError, match="keeps a lockstep one because"):
+        split.generate(ids, new)
+    batch, prompt = ids.shape
+    eos = torch.tensor(split.eos_token_id, dtype=torch.long)
+    pad = split.pad_token_id if split.pad_token_id is not None else (split.eos_token_id or (0,))[0]
+    out, done = [ids], torch.zeros(batch, dtype=torch.bool)
+    with torch.no_grad():
+        logits, _ = split(ids, torch.arange(prompt))
+        for step in range(new):
+            token = torch.where(done, pad, logits[:, -1].argmax(-1))
+            done |= torch.isin(token, eos)
+            out.append(token[:, None])
+            if bool(done.all()) or step == new - 1:
+                break
+            logits, _ = split(token[:, None], torch.tensor([prompt + step]))
+    return torch.cat(out, dim=1)
+
+
 def hf_greedy(model, ids, new: int):
     """Hugging Face's greedy continuation of ``ids`` (the decoding oracle)."""
     with torch.no_grad():
@@ -240,3 +267,14 @@ def assert_decode_steps_equal(changed, plain, graphed, what: str = "") -> None:
             (a, a_aux), (b, b_aux), (c, c_aux) = (s.step(tokens, step) for s in (changed, plain, graphed))
         assert torch.equal(a, b) and torch.equal(a_aux, b_aux), f"{what}eager, position {position}"
         assert torch.equal(c, b) and torch.equal(c_aux, b_aux), f"{what}captured, position {position}"
+
+
+def first_drafts(split, drafter, prompt, k: int) -> list[int]:
+    """The ``k`` drafts the engine's draft loop proposes after ``prompt``'s step: the chain drafted from its last row
+    (its taps, and the target's greedy next token), which the first verify window holds."""
+    from ppsplit.serve.engine import Engine
+    from ppsplit.serve.sampling import SamplingParams
+
+    out = Engine(split, drafter=drafter, num_draft_tokens=k).generate(
+        [prompt], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    return out.drafts[0]

@@ -219,3 +219,40 @@ def test_loading_and_serving_a_folder_imports_no_transformers_and_no_compile_pas
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "HEAVY []" in done.stdout
+
+
+PICKS = {"argmax", "multinomial", "searchsorted", "sample"}  # what choosing a token from logits calls
+DECODING = {"ppsplit.serve.sampling", "ppsplit.serve.sampler", "ppsplit.serve.speculative"}
+SCORING = {"ppsplit.eagle3.drafter"}  # draft_agreement: teacher-forced first drafts, no loop that decodes
+
+
+def test_tokens_are_chosen_in_the_engine_only():
+    """Decoding has one home: the engine's sampler and draft loop. A second decoding loop (the lockstep ``generate``,
+    a speculative loop of its own, a per-command decoder) has to choose tokens, so a call that picks a token from
+    logits anywhere else in the package fails this test."""
+    found = {}
+    for mod, path in modules().items():
+        if folder(mod) in ("ppsplit.triton_kernels", "ppsplit.passes"):  # kernels and rewrites: no decoding there
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in PICKS:
+                found.setdefault(mod, []).append(f"{os.path.relpath(path, ROOT)}:{node.lineno} .{node.func.attr}(")
+    assert DECODING <= set(found), sorted(found)  # the rule sees the engine's own picks
+    stray = [line for mod, lines in found.items() if mod not in DECODING | SCORING for line in lines]
+    assert not stray, "tokens chosen outside the engine:\n" + "\n".join(stray)
+
+
+def test_a_split_that_cannot_page_is_refused_by_every_decoding_entry():
+    """A split without a paged cache runs forward only: the engine, generate and ragged steps refuse it in one line."""
+    import torch
+
+    import ppsplit
+    from ppsplit.serve.engine import Engine
+    from tests.support import tiny_model
+
+    split = ppsplit.split_model(tiny_model("llama", num_layers=2), 2)  # no cache
+    ids = torch.tensor([[5, 6, 7]])
+    assert split(ids)[0].shape == (1, 3, 128)
+    for call in (lambda: split.generate(ids, 2), lambda: Engine(split), lambda: split.step(ids[0], None)):
+        with pytest.raises(ppsplit.ConfigError):
+            call()

@@ -44,6 +44,7 @@ def attention_reference(q, k, v, positions, scale: float, window: int = 0, softc
                         alibi: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
                         selected: Optional[torch.Tensor] = None, chunk_size: int = 0):
     """The exact math above in torch, over the whole cache with a mask (fp32 math, or fp64 for fp64 inputs).
+    ``positions``: ``[T]``, or ``[B, T]`` when the rows of the batch sit at positions of their own.
     ``selected [B, T, K]``: each query also sees only the slots it lists (sparse attention; ``-1`` lists none).
     ``chunk_size``: each query sees only the slots of its own chunk of that many positions (chunked attention)."""
     B, Hq, T, D = q.shape
@@ -57,7 +58,7 @@ def attention_reference(q, k, v, positions, scale: float, window: int = 0, softc
     slots = torch.arange(L, device=q.device)
     if alibi is not None:
         s = s + alibi.to(f).view(1, Hq, 1, 1) * slots.to(f)
-    qpos = positions.view(1, 1, T, 1)
+    qpos = positions.view(-1, 1, T, 1)  # [T] for the batch, or [B, T]: each row's own
     visible = slots <= qpos
     if window > 0:
         visible = visible & (qpos - slots < window)

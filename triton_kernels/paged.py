@@ -130,6 +130,35 @@ def paged_attention_reference(q, keys, values, positions, seq, block_table, seq_
     return out
 
 
+def paged_attention_grouped(q, keys, values, positions, block_table, seq_start, seq_count, scale: float,
+                            window: int = 0, softcap: float = 0.0, alibi=None, sinks=None,
+                            chunk_size: int = 0) -> torch.Tensor:
+    """``paged_attention_reference`` with the sequences of a step grouped by their token count (all decode tokens,
+    all verify windows of K + 1, each prefill chunk length): one batched ``attention_reference`` per group over its
+    sequences' keys, gathered through the block table up to the group's longest. The torch path of the op (a host
+    read of the counts, no loop over the sequences)."""
+    out = torch.zeros(q.shape[:-1] + (values.shape[-1],), dtype=q.dtype, device=q.device)
+    groups: dict[int, list[int]] = {}
+    for slot, _, count in _segments(seq_start, seq_count):
+        groups.setdefault(count, []).append(slot)
+    bs = keys.shape[1]
+    for count, slots in groups.items():
+        slots = torch.tensor(slots, device=q.device)
+        rows = seq_start[slots][:, None] + torch.arange(count, device=q.device)  # [B, count]
+        pos = positions[rows]
+        where = torch.arange(int(pos.max()) + 1, device=q.device)
+        blocks = block_table[slots][:, where // bs].clamp(min=0)  # [B, L]
+        # Past a sequence's own length the rows hold other sequences' entries (or nothing written yet): masked out
+        # by position, and zeroed, so that a stale value (even a NaN) weighs nothing.
+        stale = (where >= pos.max(1).values[:, None] + 1)[:, None, :, None]
+        k, v = (pool[blocks, where % bs].transpose(1, 2).to(q.dtype).masked_fill(stale, 0)
+                for pool in (keys, values))  # [B, Hkv, L, *]
+        got = attention_reference(q[0][:, rows].transpose(0, 1), k, v, pos, scale, window, softcap, alibi, sinks,
+                                  chunk_size=chunk_size)
+        out[0][:, rows] = got.transpose(0, 1)
+    return out
+
+
 @register("ppsplit::paged_attention", opaque=True)
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                     seq: torch.Tensor, block_table: torch.Tensor, seq_start: torch.Tensor, seq_count: torch.Tensor,
@@ -143,8 +172,8 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
                                           window, softcap, alibi, sinks, chunk_size=chunk_size)
     out = torch.empty(q.shape[0], q.shape[2], q.shape[1], values.shape[-1], dtype=q.dtype,
                       device=q.device).transpose(1, 2)
-    out.copy_(paged_attention_reference(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale,
-                                        window, softcap, alibi, sinks, chunk_size))
+    out.copy_(paged_attention_grouped(q, keys, values, positions, block_table, seq_start, seq_count, scale, window,
+                                      softcap, alibi, sinks, chunk_size))
     return out
 
 

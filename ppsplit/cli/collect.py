@@ -29,15 +29,18 @@ def cmd_collect(args: argparse.Namespace) -> int:
     if args.ranks is not None:
         from ppsplit.artifact.folder import CompiledFolder
         from ppsplit.distributed.launch import collect_argv, start_ranks
+        from ppsplit.distributed.transport import backend_for
+
+        backend_for(args.device)
 
         pp = CompiledFolder(args.folder).plan.pp
         if args.ranks != pp:
             raise ConfigError(f"--ranks must be the folder's number of stages, {pp}, but got {args.ranks}")
-        return start_ranks(args.folder, "ppsplit.distributed.collect", collect_argv(args))
-    import ppsplit
+        return start_ranks(args.folder, "ppsplit.distributed.collect", collect_argv(args), args.device)
+    from ppsplit.serve.placement import load_placed
 
     try:
-        report = run(job, ppsplit.load(args.folder))
+        report = run(job, load_placed(args.folder, args.device))
     except KeyboardInterrupt:
         print(f"ppsplit: interrupted; the rows written so far stay in {args.out} (whole files only): the same command "
               "resumes", file=sys.stderr)

@@ -6,12 +6,13 @@ import time
 
 
 def add_parsers(sub) -> None:
-    from ppsplit.serve.requests import add_request_arguments
+    from ppsplit.serve.requests import add_request_arguments, add_runtime_arguments
 
     p = sub.add_parser("generate", help="decode requests through a compiled folder in this process (the engine: "
                                         "continuous batching; speculatively with -k)")
     p.add_argument("folder")
     add_request_arguments(p)
+    add_runtime_arguments(p)
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder (default: the one compiled into DIR)")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
                    help="numbering of the drafter's tap ids (default: its format's own)")
@@ -33,15 +34,18 @@ def add_parsers(sub) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import ppsplit
+    from ppsplit.artifact.folder import CompiledFolder
     from ppsplit.core.errors import ConfigError
     from ppsplit.serve.engine import Engine
+    from ppsplit.serve.placement import load_placed
     from ppsplit.serve.requests import check_requests, print_outputs, prompts_of, sampling_params
 
     check_requests(args, args.folder)
-    split = ppsplit.load(args.folder)
-    if not split.plan.max_len:
-        raise ConfigError(f"{args.folder} has no KV cache (compiled with --no-cache, or a model that cannot have one); "
-                          "compile it without --no-cache to generate")
+    plan = CompiledFolder(args.folder).plan
+    if not plan.paged:
+        why = plan.lockstep_reason or "it has no KV cache (compiled with --no-cache); compile it without --no-cache"
+        raise ConfigError(f"{args.folder} cannot generate: the engine needs a paged KV cache, and {why}")
+    split = load_placed(args.folder, args.device)
     drafter = None
     if args.num_draft_tokens is not None:
         drafter = ppsplit.load_drafter(args.drafter, split=split, aux_convention=args.drafter_convention) \
@@ -50,44 +54,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ConfigError(f"{args.folder} holds no drafter: compile it with --drafter, or pass --drafter DIR")
     prompts, tokenizer = prompts_of(args, args.folder)
     params = [sampling_params(args, i) for i in range(len(prompts))]
+    engine = Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0,
+                    enforce_eager=args.enforce_eager)
     start = time.perf_counter()
-    if split.plan.paged:
-        engine = Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0)
-        outputs = engine.generate(prompts, params)
-    else:  # a lockstep cache (the plan says why): one request at a time
-        outputs = _lockstep(split, prompts, params, drafter, args)
-    print_outputs(outputs, tokenizer, time.perf_counter() - start,
-                  "1 process" + ("" if split.plan.paged else f", lockstep cache: {split.plan.lockstep_reason}"))
+    outputs = engine.generate(prompts, params)
+    print_outputs(outputs, tokenizer, time.perf_counter() - start, "1 process")
     return 0
-
-
-def _lockstep(split, prompts, params, drafter, args):
-    """Requests one after another through a split whose cache is lockstep (greedy; sampled only with a drafter)."""
-    import torch
-
-    from ppsplit.core.errors import ConfigError
-    from ppsplit.serve.engine import RequestOutput
-
-    if any(p.stop_token_ids or p.ignore_eos or p.top_k or p.top_p < 1 for p in params) or \
-            (drafter is None and args.temperature):
-        raise ConfigError(f"this folder keeps a lockstep cache ({split.plan.lockstep_reason}), which decodes greedily "
-                          "(or samples at --temperature with a drafter); drop --top-p/--top-k/--stop-token-ids/"
-                          "--ignore-eos")
-    outputs = []
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        ids = torch.tensor([prompt])
-        accepted = []
-        if drafter is not None:
-            out, stats = split.generate(ids, p.max_tokens, drafter=drafter, num_draft_tokens=args.num_draft_tokens,
-                                        temperature=p.temperature, generator=torch.Generator().manual_seed(p.seed),
-                                        return_stats=True)
-            accepted = list(stats.accepted)
-        else:
-            out = split.generate(ids, p.max_tokens)
-        new = out[0, len(prompt):].tolist()
-        reason = "stop" if new and new[-1] in split.eos_token_id and len(new) < p.max_tokens else "length"
-        outputs.append(RequestOutput(str(i), prompt, new, new, True, reason, accepted))
-    return outputs
 
 
 def _tokenizer(folder: str):
@@ -104,7 +76,7 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     from ppsplit.eagle3.formats import drafter_taps, read_drafter, resolve_drafter
     from ppsplit.core.errors import ConfigError
     from ppsplit.compile.source import resolve_model
-    from ppsplit.eagle3.speculative import draft_agreement
+    from ppsplit.eagle3.drafter import draft_agreement
 
     if args.model == DEMO_NAME:
         model = demo_model()

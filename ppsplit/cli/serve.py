@@ -19,12 +19,14 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: DIR's name)")
     p.add_argument("--ranks", type=int, default=1, help="processes: 1, or one per stage of DIR (rank 0 serves "
                                                         "HTTP and schedules; the others run their stage)")
+    from ppsplit.serve.requests import add_runtime_arguments
+
+    add_runtime_arguments(p)
     p.add_argument("--rank-timeout", type=float, default=None,
                    help="seconds a rank waits on a peer (--ranks > 1; default: a day, as followers wait while idle)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import ppsplit
     from ppsplit.core.errors import ConfigError
 
     _require_serve_dependencies()
@@ -55,7 +57,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop = EngineLoop(engine, max_queue=args.max_queue, close=engine.close)
         watcher.on_failure = loop.fail
     else:
-        loop = EngineLoop(_engine(ppsplit.load(args.folder), args), max_queue=args.max_queue)
+        from ppsplit.serve.placement import load_placed
+
+        loop = EngineLoop(_engine(load_placed(args.folder, args.device), args), max_queue=args.max_queue)
     server = Server(loop.start(), FolderTokenizer(args.folder), args.served_model_name or model_name(args.folder),
                     loop.engine.scheduler.layout.max_len, loop.engine.scheduler.k)
     code = run(server, sock)
@@ -68,11 +72,16 @@ def _check_servable(plan, args) -> None:
     from ppsplit.core.errors import ConfigError
     from ppsplit.serve.requests import has_drafter
 
+    if args.ranks > 1:
+        from ppsplit.distributed.transport import backend_for
+
+        backend_for(args.device)
+
     if not plan.paged:
         why = plan.lockstep_reason or "it has no KV cache: compile it without --no-cache"
         raise ConfigError(f"{args.folder} cannot be served: the engine needs a paged cache, and {why}")
     if args.num_draft_tokens is not None:
-        from ppsplit.eagle3.speculative import check_num_draft_tokens
+        from ppsplit.serve.speculative import check_num_draft_tokens
 
         check_num_draft_tokens(args.num_draft_tokens)
         if not has_drafter(args.folder):
@@ -84,7 +93,8 @@ def _engine(split, args):
 
     drafter = split.drafter if args.num_draft_tokens is not None else None
     return Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                  enforce_eager=args.enforce_eager)
 
 
 def _require_serve_dependencies() -> None:

@@ -29,7 +29,7 @@ from ppsplit.core.errors import ConfigError, PpsplitError
 from ppsplit.core.ragged import CacheLayout, RaggedStep
 from ppsplit.core.tensors import model_dtype, new_aux
 from ppsplit.distributed.launch import add_collect_arguments
-from ppsplit.distributed.transport import Links, agree
+from ppsplit.distributed.transport import Links, agree, backend_for
 from ppsplit.eagle3.collect import HeadInput, Job, Report, prepare, sample_tensors, write_sample
 
 
@@ -163,7 +163,7 @@ def rank_main(argv: list[str] | None = None) -> None:
 
     rank = int(os.environ.get("RANK", "0"))
     try:
-        backend = init(timeout=args.timeout)
+        backend = init(backend_for(args.device), timeout=args.timeout)
         start = time.perf_counter()
         report = collect_ranks(args.folder, args.prompts, args.out, generate=args.generate, logits=args.logits,
                                shard_size=args.shard_size)

@@ -1,25 +1,26 @@
-"""Multi-process engine: the serving loop of ``ppsplit.serve.engine`` with one rank per stage over
-``torch.distributed`` (NCCL on GPUs, gloo on CPUs).
+"""Multi-process engine: the engine of ``ppsplit.serve.engine`` with one rank per stage over ``torch.distributed``
+(NCCL on GPUs, gloo on CPUs).
 
-Rank ``k`` loads only stage ``k`` of a ``ppsplit compile`` folder (with a paged cache). Rank 0 holds the
-``Scheduler`` (requests, sequence slots, block tables) and the last rank the ``Sampler`` (sampling, EAGLE-3
-acceptance, the drafter); the other ranks hold nothing but their stage. Each micro-step rank 0 schedules a ragged
-step, runs stage 0 and sends down the pipe, in this order::
+Rank ``k`` loads only stage ``k`` of a ``ppsplit compile`` folder (with a paged cache). Rank 0 holds the ``Engine``
+(scheduler, requests, block tables) and is its runner: each micro-step it runs stage 0 and sends down the pipe, as
+named tensors in this order::
 
-    head   int64 [4]                      run (1) / end of job (0) / job refused (2), N tokens, R works, serial
-    meta   int64 [4N + S*M + 2S]          token ids, positions, seq, block_table, seq_start, seq_count
-    works  int64 [R, 10 + K + 2]          what the sampler needs per request (the two last columns: float64 bits)
-    hidden [N, W]                         the stage's output (and any values carried beside it)
-    aux    [filled(k), N, H]              the aux prefix the next stages read
+    head          int64 [7]             run (1) / end of job (0) / job refused (2), N tokens, R requests, D drawing,
+                                        A admissions, serial, what the drawing requests do (SAMPLED | CUT_K | CUT_P)
+    batch         int64                 the step's packed fields (``ppsplit.serve.batch``: ids, positions, slots,
+                                        block table, per-request rows)
+    admit_floats  float32 [A, 2]        temperature, top-p of each request taking a slot (sent once per admission)
+    admit_ints    int64 [A, 4]          slot, top-k, seed, output index of its next draw
+    hidden        [N, W]                the stage's output (and any values carried beside it)
+    aux           [filled(k), N, H]     the aux prefix the next stages read
 
-Rank ``k`` relays ``head``, ``meta`` and ``works`` and sends its own ``hidden`` and ``aux[:filled(k)]``. The last
-rank samples and sends rank 0 the results of the micro-step in a fixed-width message ``int64 [S, 6 + 2K]`` (slot,
-generation, tokens committed, drafts accepted, drafts proposed, then the tokens and the drafts) through a group of
-its own. ``pp`` micro-steps over disjoint requests are in flight, so every stage is busy; a request in flight is
-not scheduled again until its result is back. Every rank runs the micro-steps in the order rank 0 sent them, so a
-slot or block freed while a micro-step is in flight (an abort) and given to a new request is written by the new
-request only after the old step is done with it; a result whose slot generation no longer matches its request is
-dropped.
+Rank ``k`` relays ``head``, ``batch`` and the admissions and sends its own ``hidden`` and ``aux[:filled(k)]``. The
+last rank holds the ``Sampler`` (per-slot parameters, sampling, acceptance, the drafter) and sends rank 0 one tensor
+per micro-step, the results ``int64 [R, 3 + 3K]`` (``ppsplit.serve.sampler``), through a group of its own. ``pp``
+micro-steps over disjoint requests are in flight, so every stage is busy; a request in flight is not scheduled again
+until its result is back. Every rank runs the micro-steps in the order rank 0 sent them, so a slot or block freed
+while a micro-step is in flight (an abort) and given to a new request is written by the new request only after the
+old step is done with it; a result whose slot generation no longer matches its request is dropped.
 
 Before any tensor moves the ranks exchange a header (plan fingerprint, world size, dtype, cache layout, ``K``,
 token budget, buckets); a mismatch raises the same ``ConfigError`` on every rank. A rank that dies or stalls makes
@@ -35,7 +36,6 @@ Example (``torchrun --nproc-per-node 2 script.py``)::
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -46,16 +46,20 @@ from ppsplit.artifact.folder import CompiledFolder
 from ppsplit.artifact.folder import fingerprint as plan_fingerprint
 from ppsplit.artifact.loader import load_stage
 from ppsplit.core.errors import ConfigError, PpsplitError
-from ppsplit.core.ragged import CacheLayout, RaggedStep, Segment
+from ppsplit.core.fx_utils import stage_vocab
+from ppsplit.core.ragged import CacheLayout, RaggedStep
 from ppsplit.core.tensors import model_dtype
 from ppsplit.distributed.transport import Links, agree
-from ppsplit.core.fx_utils import stage_vocab
-from ppsplit.serve.engine import Result, Sampler, Scheduler, Work, finish_step, run_to_end, add_all
+from ppsplit.serve.batch import StepBatch
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.runner import buckets_up_to
+from ppsplit.serve.sampler import Sampler, admission_tensors, result_width, to_device
 from ppsplit.serve.sampling import SamplingParams
+from ppsplit.serve.scheduler import DEFAULT_BUDGET, Scheduler
 
 RUN, END, REFUSED = 1, 0, 2
-HEAD = 4
-WORK_INTS = ("slot", "generation", "position", "count", "final", "next_token", "index", "seed", "top_k", "drafts")
+SAMPLED, CUT_K, CUT_P = 1, 2, 4
+HEAD = 7
 MESSAGE_BYTES = 1024  # a refused job's error text
 
 
@@ -71,13 +75,15 @@ class Stats:
     bytes_sent: int = 0
 
 
-def buckets_up_to(budget: int) -> list[int]:
-    """The token counts a step is padded to: powers of two below ``budget``, and ``budget``."""
-    out, n = [], 1
-    while n < budget:
-        out.append(n)
-        n *= 2
-    return out + [budget]
+class _Pending:
+    """A micro-step's results on their way back from the last rank."""
+
+    def __init__(self, links, posted, buffer):
+        self.links, self.posted, self.buffer = links, posted, buffer
+
+    def wait(self):
+        self.links.wait(self.posted)
+        return self.buffer.cpu().numpy()
 
 
 class PipelineEngine:
@@ -86,16 +92,16 @@ class PipelineEngine:
     ``source``: a compiled folder (this rank loads its stage) or this rank's stage module from an in-process split
     (then pass ``eos_token_id``). ``drafter``: an ``Eagle3Drafter`` for the last rank (default: the folder's, when
     ``num_draft_tokens`` > 0). ``cuda_graphs``: capture every bucket on every rank at start (``buckets_up_to`` the
-    token budget) and replay them. ``device`` defaults to ``cuda:<LOCAL_RANK>`` under NCCL, else the CPU.
+    token budget; default: on CUDA). ``device`` defaults to ``cuda:<LOCAL_RANK>`` under NCCL, else the CPU.
 
-    Rank 0 drives: ``add_request``, ``abort``, ``step`` (returns the ``RequestOutput`` s of the oldest micro-step in
-    flight, after filling the pipeline), ``stream``, ``generate``, ``close`` (ends the job on every rank). The other
-    ranks call ``follow()``, which runs micro-steps until rank 0 closes. ``generate(prompts, params)`` is collective:
-    rank 0 runs the prompts to the end and closes; the others follow; rank 0 returns the outputs, the others None.
+    Rank 0 drives the ``Engine`` (``engine``) and is its runner: ``add_request``, ``abort``, ``step``, ``stream``,
+    ``generate``, ``close`` (ends the job on every rank). The other ranks call ``follow()``, which runs micro-steps
+    until rank 0 closes. ``generate(prompts, params)`` is collective: rank 0 runs the prompts to the end and closes;
+    the others follow; rank 0 returns the outputs, the others None.
     """
 
     def __init__(self, source: str | fx.GraphModule, *, drafter=None, num_draft_tokens: int = 0,
-                 max_num_batched_tokens: int = 256, max_num_seqs: int | None = None, cuda_graphs: bool = False,
+                 max_num_batched_tokens: int = DEFAULT_BUDGET, max_num_seqs: int | None = None, cuda_graphs: bool | None = None,
                  device: torch.device | str | None = None, eos_token_id=()):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.backend = dist.get_backend()
@@ -104,9 +110,9 @@ class PipelineEngine:
         self.device = torch.device(device)
         self.first, self.last = self.rank == 0, self.rank == self.world - 1
         self.k = num_draft_tokens
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.cuda_graphs = self.device.type == "cuda" and cuda_graphs is not False
         header = {"world": self.world, "backend": self.backend, "k": num_draft_tokens,
-                  "budget": max_num_batched_tokens, "max_seqs": max_num_seqs, "graphs": bool(cuda_graphs)}
+                  "budget": max_num_batched_tokens, "max_seqs": max_num_seqs, "graphs": self.cuda_graphs}
         eos = list(eos_token_id)
         try:
             folder = CompiledFolder(source) if isinstance(source, str) else None
@@ -121,12 +127,14 @@ class PipelineEngine:
             header.update(fingerprint=fingerprint, pp=plan.pp, dtype=plan.dtype, hidden=plan.hidden_size, eos=eos)
             self._check(plan)
             self.layout = CacheLayout.of(plan)
+            proposer = None
             if self.last and self.k:
-                self.drafter = drafter or self._folder_drafter(folder)
-                from ppsplit.eagle3.speculative import check_speculation
+                from ppsplit.serve.speculative import Proposer, check_speculation
 
-                check_speculation(plan, self.k, self.drafter)
-            self.buckets = buckets_up_to(max_num_batched_tokens)
+                drafter = drafter or self._folder_drafter(folder)
+                check_speculation(plan, self.k, drafter)
+                proposer = Proposer(drafter, self.k, self.layout)
+            self.sampler = Sampler(self.layout.slots, self.device, proposer) if self.last else None
         except PpsplitError as e:
             header["error"] = str(e)
 
@@ -135,18 +143,26 @@ class PipelineEngine:
         self.received = plan.filled(self.rank - 1) if self.rank else 0
         self.sends = plan.filled(self.rank)
         self.x_width = plan.width(self.rank)
-        self.scheduler = Scheduler(self.layout, vocab=stage_vocab(self.stage), eos=eos, k=self.k,
-                                   budget=max_num_batched_tokens, max_seqs=max_num_seqs,
-                                   buckets=self.buckets) if self.first else None
-        self.sampler = Sampler(self.drafter if self.k else None, self.k, self.layout) if self.last else None
+        self.vocab = stage_vocab(self.stage) if self.first else None
+        self.buckets = buckets_up_to(max_num_batched_tokens) if self.cuda_graphs else []
+        self.depth, self.lag = self.world, False  # the runner interface (ppsplit.serve.runner)
         self.links = Links(self.rank, self.world)
         self.stats = Stats()
-        self.flight: deque = deque()  # rank 0: (plan, posted result receive, result buffer) per micro-step
         self.sent: list = []  # the sends of the last micro-step (its buffers stay alive until they are done)
         self.serial = 0
         self.graphs = {}
-        self._warm_up()
+        if self.world == 1:  # one rank holds every stage: the in-process runner
+            from ppsplit.serve.runner import LocalRunner
+            from ppsplit.serve.runtime import SplitModel
+
+            runner = LocalRunner(SplitModel(plan, [self.stage], eos_token_id=eos), proposer=self.sampler.proposer,
+                                 budget=max_num_batched_tokens, cuda_graphs=self.cuda_graphs)
+            self.engine = Engine(runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+            return
+        self._warm_up(max_num_batched_tokens)
         self._connect()
+        self.engine = Engine(self, max_num_batched_tokens=max_num_batched_tokens,
+                             max_num_seqs=max_num_seqs) if self.first else None
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def _check(self, plan) -> None:
@@ -168,7 +184,7 @@ class PipelineEngine:
 
         return load_folder_drafter(folder.drafter, self.plan, self.device)
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, budget: int) -> None:
         """On a GPU, run (or capture) the stage once per bucket and the sampler's ops once, before any transfer is
         pending. CUDA loads a kernel at its first launch (Triton compiles at its first call), and a load can wait
         for the device to go idle: with a receive pending there that waits on a peer which waits on this rank, it
@@ -178,7 +194,7 @@ class PipelineEngine:
         from ppsplit.serve.cuda_graphs import CapturedStage
 
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        for n in self.buckets:
+        for n in buckets_up_to(budget):
             if self.cuda_graphs:
                 self.graphs[n] = CapturedStage(self.stage, 0, n, pool=pool)
             else:
@@ -189,19 +205,21 @@ class PipelineEngine:
         torch.cuda.synchronize(self.device)
 
     def _warm_sampler(self) -> None:
-        """The sampler's ops once each (greedy and sampled; a draw, then a verify of ``K`` drafts), on slot 0 of a
-        step of its own. What they write (slot 0's first block) is overwritten by any request before it is read."""
-        k = self.k
-        step = RaggedStep.build([Segment(0, 0, k + 1)], {0: list(range(-(-(k + 1) // self.layout.block_size)))},
-                                self.layout)
-        y, aux = self._run(self._input(k + 1), step.to(self.device), self._aux(k + 1))
-        for params in (SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, top_k=4)):
-            draw = Work(0, 0, 0, (0,) * (k + 1), True, -1, (), 0, 0, params)
-            self.sampler.run([draw], y, aux, step, step.block_table, self.layout)
-            if k:
-                verify = Work(0, 0, 0, (0,) * (k + 1), True, -1, (0,) * k, 0, 0, params)
-                self.sampler.run([verify], y, aux, step, step.block_table, self.layout)
-        self.sampler.draft_probs.clear()
+        """The sampler's ops once each (greedy and sampled; a draw, then a verify of ``K`` drafts), on one request of
+        a scheduler of its own. What they write (slot 0's first blocks) is overwritten by any request before it is
+        read."""
+        for params in (SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, top_k=4)):
+            sched = Scheduler(self.layout, vocab=1, k=self.k, budget=max(self.k + 1, 1))
+            sched.add([0], params)
+            while sched.has_unfinished() and (plan := sched.schedule()) is not None:
+                batch = plan.batch.to(self.device)
+                self.sampler.admit(plan.admissions)
+                y, aux = self._run(self._input(batch.n), batch.step(), self._aux(batch.n))
+                results = self.sampler.run(y, aux, batch.tokens, batch.positions, batch, sampled=plan.sampled,
+                                           cut_k=plan.cut_k, cut_p=plan.cut_p)
+                for request in sched.apply(plan, results.cpu().numpy()):
+                    if request.finish_reason is not None:
+                        sched.release(request)
 
     def _connect(self) -> None:
         """Open every connection the loop uses now, with one small transfer each, in pipeline order. NCCL creates
@@ -221,48 +239,38 @@ class PipelineEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    # -- rank 0 --------------------------------------------------------------------------------------------------
+    # -- rank 0: the engine --------------------------------------------------------------------------------------
+    def _driver(self) -> Engine:
+        if not self.first:
+            raise ConfigError(f"requests go to rank 0; rank {self.rank} calls follow() (or generate with no prompts)")
+        return self.engine
+
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        return self._driver().add(prompt_ids, params, request_id)
+        return self._driver().add_request(prompt_ids, params, request_id)
 
     def abort(self, request_id: str) -> None:
         self._driver().abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self._driver().has_unfinished() or bool(self.flight)
+        return self._driver().has_unfinished()
+
+    def step(self):
+        return self._driver().step()
+
+    def stream(self, prompts, params=None):
+        return self._driver().stream(prompts, params)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._driver().scheduler
+
+    @property
+    def flight(self):
+        return self._driver().flight
 
     @property
     def blocks_in_use(self) -> int:
         return self._driver().blocks_in_use
-
-    def _driver(self) -> Scheduler:
-        if not self.first:
-            raise ConfigError(f"requests go to rank 0; rank {self.rank} calls follow() (or generate with no prompts)")
-        return self.scheduler
-
-    @torch.no_grad()
-    def step(self):
-        """Fill the pipeline with up to ``pp`` micro-steps (the requests spread evenly over them), then take the
-        oldest one's results; its outputs."""
-        sched = self._driver()
-        share = -(-(len(sched.running) + len(sched.waiting)) // self.world)  # requests spread over the micro-steps
-        while len(self.flight) < self.world:
-            plan = sched.schedule(max_seqs=share)
-            if not plan:
-                break
-            self._launch(plan)
-        if not self.flight:
-            if sched.waiting:
-                raise ConfigError("no request fits the cache: every waiting request needs more blocks than the pool has")
-            return []
-        plan, posted, buffer = self.flight.popleft()
-        self.links.wait(posted)
-        return finish_step(sched, plan, self._results(buffer, plan))
-
-    def stream(self, prompts, params=None):
-        add_all(self, prompts, params)
-        while self.has_unfinished():
-            yield from self.step()
 
     @torch.no_grad()
     def generate(self, prompts=None, params: SamplingParams | list[SamplingParams] | None = None):
@@ -272,64 +280,46 @@ class PipelineEngine:
             self.follow()
             return None
         try:
-            outputs = run_to_end(self, prompts, params)
+            outputs = self.engine.generate(prompts, params)
         except ConfigError as e:
-            for request in list(self.scheduler.requests.values()):
-                self.scheduler.abort(request.id)
-            self._drain()
-            self._send_head(REFUSED, message=str(e))
+            self._end(REFUSED, str(e))
             raise
         self.close()
         return outputs
 
     def close(self) -> None:
         """Rank 0: end the job; every other rank returns from ``follow``. Requests still running are aborted."""
-        for request in list(self._driver().requests.values()):
-            self.scheduler.abort(request.id)
-        self._drain()
-        self._send_head(END)
+        self._end(END)
 
-    def _drain(self) -> None:
-        while self.flight:
-            _, posted, _ = self.flight.popleft()
-            self.links.wait(posted)
+    def _end(self, kind: int, message: str = "") -> None:
+        engine = self._driver()
+        for request in list(engine.scheduler.requests.values()):
+            engine.abort(request.id)
+        while engine.flight:
+            engine.flight.popleft()[1].wait()
+        if self.world > 1:
+            self.links.wait(self.sent)
+            head = torch.tensor([kind, 0, 0, 0, 0, self.serial, 0], device=self.device)
+            tensors = [head] + ([_text(message, self.device)] if kind == REFUSED else [])
+            self.links.wait([self.links.send(t, 1) for t in tensors])
+            self.sent = []
 
-    def _send_head(self, kind: int, message: str = "") -> None:
-        if self.world == 1:
-            return
-        self.links.wait(self.sent)
-        head = torch.tensor([kind, 0, 0, self.serial], device=self.device)
-        tensors = [head] + ([_text(message, self.device)] if kind == REFUSED else [])
-        self.links.wait([self.links.send(t, 1) for t in tensors])
-        self.sent = []
-
-    def _launch(self, plan) -> None:
-        """Run stage 0 on ``plan``'s step and send it down the pipe (one rank: run everything here)."""
-        sched, dev = self.scheduler, self.device
-        step = sched.step_of(plan)
-        n = step.num_tokens
-        ids = torch.zeros(n, dtype=torch.long)
-        feeds = [t for _, w in plan for t in w.tokens]
-        ids[:len(feeds)] = torch.tensor(feeds)
-        works = [w for _, w in plan]
+    def launch(self, plan) -> _Pending:
+        """The runner's ``launch``: run stage 0 on ``plan``'s step and send it down the pipe."""
+        dev = self.device
+        batch = plan.batch.to(dev, non_blocking=True)
+        admissions = plan.admissions
         self.serial += 1
-        if self.world == 1:
-            y, aux = self._run(ids.to(dev), step.to(dev), self._aux(n))
-            results = self.sampler.run(works, y, aux, step, step.block_table, self.layout)
-            self.flight.append((plan, [], pack_results(results, self.layout.slots, self.k)))
-            return
-        meta = torch.cat([ids, *step.tensors()[:1], *(t.reshape(-1) for t in step.tensors()[1:])])
-        head = torch.tensor([RUN, n, len(works), self.serial])
-        packed = pack_works(works, self.k)
-        dstep = RaggedStep(*(t.to(dev) for t in step.tensors()))
-        y, aux = self._run(ids.to(dev), dstep, self._aux(n))
-        self._send_on([head.to(dev), meta.to(dev), packed.to(dev)], y, aux)
-        buffer = torch.zeros(self.layout.slots, 6 + 2 * self.k, dtype=torch.long, device=dev)
+        flags = SAMPLED * plan.sampled | CUT_K * plan.cut_k | CUT_P * plan.cut_p
+        head = torch.tensor([RUN, batch.n, batch.num_rows, batch.num_drawing, len(admissions), self.serial, flags])
+        y, aux = self._run(batch.tokens, batch.step(), self._aux(batch.n))
+        relayed = [to_device(head, dev), batch.buffer]
+        if admissions:
+            relayed += [to_device(t, dev) for t in admission_tensors(admissions)]
+        self._send_on(relayed, y, aux)
+        buffer = torch.zeros(batch.num_rows, result_width(self.k), dtype=torch.long, device=dev)
         posted = [self.links.recv(buffer, self.world - 1, "receive results from", back=True)]
-        self.flight.append((plan, posted, buffer))
-
-    def _results(self, buffer: torch.Tensor, plan) -> list:
-        return unpack_results(buffer.cpu(), plan, self.k)
+        return _Pending(self.links, posted, buffer)
 
     # -- every other rank ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -338,40 +328,47 @@ class PipelineEngine:
         if self.first:
             raise ConfigError("rank 0 drives the engine (add_request, step, generate); the other ranks follow")
         prev, dev = self.rank - 1, self.device
+        S, M = self.layout.slots, self.layout.blocks_per_seq
         while True:
             head = torch.zeros(HEAD, dtype=torch.long, device=dev)
             self.links.wait([self.links.recv(head, prev)])
-            kind, n, r, serial = head.tolist()
+            kind, n, rows, drawing, admitted, _, flags = head.tolist()
             if kind != RUN:
-                message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device=dev)
-                if kind == REFUSED:
-                    self.links.wait([self.links.recv(message, prev)])
-                if not self.last:
-                    self.links.wait(self.sent)
-                    self.links.wait([self.links.send(t, self.rank + 1) for t in
-                                     ([head, message] if kind == REFUSED else [head])])
-                    self.sent = []
-                if kind == REFUSED:
-                    raise ConfigError(bytes(message.cpu().tolist()).rstrip(b"\0").decode(errors="replace"))
+                self._pass_end(head, kind)
                 return
-            S, M = self.layout.slots, self.layout.blocks_per_seq
-            meta = torch.empty(4 * n + S * M + 2 * S, dtype=torch.long, device=dev)
-            works = torch.empty(r, len(WORK_INTS) + self.k + 2, dtype=torch.long, device=dev)
+            packed = torch.empty(StepBatch.size(n, rows, drawing, S, M), dtype=torch.long, device=dev)
+            floats = torch.empty(admitted, 2, dtype=torch.float32, device=dev)
+            ints = torch.empty(admitted, 4, dtype=torch.long, device=dev)
             x = torch.empty(n, self.x_width, dtype=self.dtype, device=dev)
             aux = self._aux(n)
-            tensors = [meta, works, x] + ([aux[: self.received]] if self.received else [])
+            tensors = [packed] + ([floats, ints] if admitted else []) + [x] + ([aux[:self.received]] if self.received
+                                                                               else [])
             self.links.wait([self.links.recv(t, prev) for t in tensors])
-            ids, step = unpack_meta(meta, n, S, M)
-            y, aux = self._run(x, step, aux)
+            batch = StepBatch(packed, n, rows, drawing, S, M)
+            y, aux = self._run(x, batch.step(), aux)
             if not self.last:
-                self._send_on([head, meta, works], y, aux)
+                self._send_on([head, packed] + ([floats, ints] if admitted else []), y, aux)
                 continue
-            cpu_works = unpack_works(works.cpu(), ids.cpu(), step.seq_start.cpu(), self.k)
-            results = self.sampler.run(cpu_works, y, aux, step, step.block_table, self.layout)
-            message = pack_results(results, S, self.k).to(dev)
+            if admitted:
+                self.sampler.admit_tensors(floats, ints)
+            results = self.sampler.run(y, aux, batch.tokens, batch.positions, batch, sampled=bool(flags & SAMPLED),
+                                       cut_k=bool(flags & CUT_K), cut_p=bool(flags & CUT_P))
             self.links.wait(self.sent)
-            self.sent = [self.links.send(message, 0, "send results to", back=True)]
-            self._message = message  # alive until its send is done
+            self.sent = [self.links.send(results, 0, "send results to", back=True)]
+            self._message = results  # alive until its send is done
+
+    def _pass_end(self, head, kind: int) -> None:
+        prev = self.rank - 1
+        message = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
+        if kind == REFUSED:
+            self.links.wait([self.links.recv(message, prev)])
+        if not self.last:
+            self.links.wait(self.sent)
+            self.links.wait([self.links.send(t, self.rank + 1) for t in ([head, message] if kind == REFUSED
+                                                                          else [head])])
+            self.sent = []
+        if kind == REFUSED:
+            raise ConfigError(bytes(message.cpu().tolist()).rstrip(b"\0").decode(errors="replace"))
 
     # -- both ----------------------------------------------------------------------------------------------------
     def _input(self, n: int) -> torch.Tensor:
@@ -400,69 +397,6 @@ class PipelineEngine:
         self._alive = tensors
         self.stats.bytes_sent = self.links.bytes_sent
         self.stats.wait_s = self.links.wait_s
-
-
-# -- messages ------------------------------------------------------------------------------------------------------
-
-def pack_works(works: list[Work], k: int) -> torch.Tensor:
-    """``int64 [R, 10 + k + 2]``: ``WORK_INTS``, the drafts (padded with -1), temperature and top-p as float64 bits."""
-    out = torch.full((len(works), len(WORK_INTS) + k + 2), -1, dtype=torch.long)
-    for i, w in enumerate(works):
-        p = w.params
-        out[i, :len(WORK_INTS)] = torch.tensor([w.slot, w.generation, w.position, len(w.tokens), int(w.final),
-                                                w.next_token, w.index, w.seed, p.top_k, len(w.drafts)])
-        out[i, len(WORK_INTS):len(WORK_INTS) + len(w.drafts)] = torch.tensor(w.drafts, dtype=torch.long)
-        out[i, -2:] = torch.tensor([p.temperature, p.top_p], dtype=torch.float64).view(torch.long)
-    return out
-
-
-def unpack_works(packed: torch.Tensor, ids: torch.Tensor, seq_start: torch.Tensor, k: int) -> list[Work]:
-    works = []
-    for row in packed:
-        slot, generation, position, count, final, next_token, index, seed, top_k, n = row[:len(WORK_INTS)].tolist()
-        temperature, top_p = row[-2:].view(torch.float64).tolist()
-        start = int(seq_start[slot])
-        drafts = tuple(row[len(WORK_INTS):len(WORK_INTS) + n].tolist())
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
-        works.append(Work(slot, generation, position, tuple(ids[start:start + count].tolist()), bool(final),
-                          next_token, drafts, index, seed, params))
-    return works
-
-
-def unpack_meta(meta: torch.Tensor, n: int, slots: int, blocks: int) -> tuple[torch.Tensor, RaggedStep]:
-    ids, positions, seq = meta[:n], meta[n:2 * n], meta[2 * n:3 * n]
-    at = 3 * n
-    table = meta[at:at + slots * blocks].view(slots, blocks)
-    at += slots * blocks
-    return ids, RaggedStep(positions, seq, table, meta[at:at + slots], meta[at + slots:at + 2 * slots])
-
-
-def pack_results(results: list[Result | None], slots: int, k: int) -> torch.Tensor:
-    """``int64 [S, 6 + 2k]`` (fixed width): slot, generation, tokens committed (-1: a prefill chunk, nothing
-    drawn), drafts accepted (-1: no verify), drafts proposed, then ``k + 1`` token columns and ``k`` draft columns."""
-    out = torch.full((slots, 6 + 2 * k), -1, dtype=torch.long)
-    for i, r in enumerate(results):
-        if r is None:
-            out[i, 2] = -1
-            continue
-        out[i, :5] = torch.tensor([r.slot, r.generation, len(r.tokens), r.accepted, len(r.drafts)])
-        out[i, 5:5 + len(r.tokens)] = torch.tensor(r.tokens)
-        out[i, 6 + k:6 + k + len(r.drafts)] = torch.tensor(r.drafts, dtype=torch.long)
-    return out
-
-
-def unpack_results(packed: torch.Tensor, plan, k: int) -> list[Result | None]:
-    results = []
-    for i, (_, w) in enumerate(plan):
-        slot, generation, count, accepted, n = packed[i, :5].tolist()
-        if count < 0:
-            results.append(None)
-            continue
-        if slot != w.slot:
-            raise ConfigError(f"the last rank's result {i} is for slot {slot}, but rank 0 sent slot {w.slot} there")
-        results.append(Result(slot, generation, tuple(packed[i, 5:5 + count].tolist()), accepted,
-                              tuple(packed[i, 6 + k:6 + k + n].tolist())))
-    return results
 
 
 def _text(message: str, device) -> torch.Tensor:

@@ -15,13 +15,15 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ppsplit.serve.requests import add_request_arguments
+    from ppsplit.serve.requests import add_request_arguments, add_runtime_arguments
 
     p.add_argument("folder", help="a folder written by ppsplit compile (with its cache)")
     add_request_arguments(p)
+    add_runtime_arguments(p, ranks=True)
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests in flight at most (default: the "
                                                                   "cache's sequence slots)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per micro-step at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per micro-step at most (default: 2048)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a peer before failing")
 
 
@@ -30,9 +32,16 @@ def check(args) -> None:
     from ppsplit.core.errors import ConfigError
     from ppsplit.serve.requests import check_requests, has_drafter
 
+    from ppsplit.distributed.transport import backend_for
+
     check_requests(args, args.folder)
+    backend_for(args.device)
     if args.num_draft_tokens is not None and not has_drafter(args.folder):
         raise ConfigError(f"{args.folder} holds no drafter; compile it with --drafter DRAFTER to use -k")
+    if args.max_num_batched_tokens is None:
+        from ppsplit.serve.scheduler import DEFAULT_BUDGET
+
+        args.max_num_batched_tokens = DEFAULT_BUDGET
     if args.max_num_batched_tokens < 1:
         raise ConfigError(f"--max-num-batched-tokens must be at least 1, but got {args.max_num_batched_tokens}")
 
@@ -54,9 +63,10 @@ def rank_main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         check(args)
-        ppd.init(timeout=args.timeout)
+        ppd.init(ppd.backend_for(args.device), timeout=args.timeout)
         engine = ppd.PipelineEngine(args.folder, num_draft_tokens=args.num_draft_tokens or 0,
-                                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+                                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                                    cuda_graphs=not args.enforce_eager)
         prompts, tokenizer, params = None, None, None
         if engine.rank == 0:
             prompts, tokenizer = prompts_of(args, args.folder)
@@ -83,10 +93,10 @@ def rank_main(argv: list[str] | None = None) -> int:
 def launch(args) -> int:
     """Start one rank per stage of ``args.folder`` on this host and wait for them (``ppsplit run``)."""
     check(args)
-    return start_ranks(args.folder, "ppsplit.run", run_argv(args))
+    return start_ranks(args.folder, "ppsplit.run", run_argv(args), args.device)
 
 
-def start_ranks(folder: str, module: str, argv: list[str]) -> int:
+def start_ranks(folder: str, module: str, argv: list[str], device: str = "auto") -> int:
     """Run ``python -m module *argv`` as one rank per stage of ``folder`` on this host (torch's elastic launcher) and
     wait for them. A rank's ppsplit error is printed by the rank (exit 2); any other failure is raised here."""
     import logging
@@ -100,7 +110,7 @@ def start_ranks(folder: str, module: str, argv: list[str]) -> int:
     from ppsplit.core.errors import PpsplitError
 
     pp = CompiledFolder(folder).plan.pp
-    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= pp
+    gpu = device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() >= pp
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are reported below
     if not gpu:  # the ranks share this host's cores
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // pp)))
@@ -128,25 +138,28 @@ def add_collect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logits", action="store_true", help="also write the target's logits [1, T, V] per sequence")
     p.add_argument("--shard-size", type=int, default=5000, help="rows per rows_<a>-<b> subfolder")
     p.add_argument("--timeout", type=float, default=300.0, help="one rank per stage: seconds a rank waits for a peer")
+    p.add_argument("--device", default="auto", help="auto: CUDA when the machine has a GPU (one per rank with "
+                   "--ranks), else the CPU; cpu; cuda; or (one process) a list cuda:0,cuda:1 (default: %(default)s)")
 
 
 def collect_argv(args) -> list[str]:
     """The command line of one collect rank for ``args`` (every option passed on as given)."""
     return [args.folder, "--prompts", args.prompts, "-o", args.out, "--generate", str(args.generate),
-            "--shard-size", str(args.shard_size), "--timeout", str(args.timeout)] + (["--logits"] if args.logits else [])
+            "--shard-size", str(args.shard_size), "--timeout", str(args.timeout), "--device", args.device] + \
+        (["--logits"] if args.logits else [])
 
 
 def run_argv(args) -> list[str]:
     """The command line of one rank for ``args`` (every option passed on as given)."""
     argv = [args.folder, "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
             "--top-p", str(args.top_p), "--top-k", str(args.top_k), "--seed", str(args.seed), "--timeout",
-            str(args.timeout), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+            str(args.timeout), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--device", args.device]
     argv += [x for t in args.prompt for x in ("--prompt", t)] + [x for t in args.prompt_ids for x in ("--prompt-ids", t)]
     for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--stop-token-ids", args.stop_token_ids),
                         ("-k", args.num_draft_tokens)):
         if value is not None:
             argv += [flag, str(value)]
-    return argv + (["--ignore-eos"] if args.ignore_eos else [])
+    return argv + (["--ignore-eos"] if args.ignore_eos else []) + (["--enforce-eager"] if args.enforce_eager else [])
 
 
 if __name__ == "__main__":

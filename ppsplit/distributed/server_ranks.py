@@ -19,13 +19,15 @@ import subprocess
 import sys
 import threading
 
+from ppsplit.serve.scheduler import DEFAULT_BUDGET
+
 log = logging.getLogger("ppsplit")
 DEFAULT_RANK_TIMEOUT = 86400.0
 
 
 def engine_options(args) -> dict:
-    return {"num_draft_tokens": args.num_draft_tokens or 0, "max_num_batched_tokens": args.max_num_batched_tokens or 256,
-            "max_num_seqs": args.max_num_seqs}
+    return {"num_draft_tokens": args.num_draft_tokens or 0,
+            "max_num_batched_tokens": args.max_num_batched_tokens or DEFAULT_BUDGET, "max_num_seqs": args.max_num_seqs, "cuda_graphs": not args.enforce_eager}
 
 
 def _free_port() -> int:
@@ -50,7 +52,8 @@ def start(args, world: int):
     threads = max(1, (os.cpu_count() or 1) // world)
     port = _free_port()
     argv = [args.folder, "--timeout", str(args.rank_timeout), "--max-num-batched-tokens",
-            str(engine_options(args)["max_num_batched_tokens"])]
+            str(engine_options(args)["max_num_batched_tokens"]), "--device", args.device] + \
+        (["--enforce-eager"] if args.enforce_eager else [])
     for flag, value in (("-k", args.num_draft_tokens), ("--max-num-seqs", args.max_num_seqs)):
         if value is not None:
             argv += [flag, str(value)]
@@ -63,7 +66,7 @@ def start(args, world: int):
     watcher = Watcher(children)
     watcher.start()  # a child that fails while the group forms would leave rank 0 waiting: end the server then
     try:
-        ppd.init(timeout=args.rank_timeout)
+        ppd.init(ppd.backend_for(args.device), timeout=args.rank_timeout)
         engine = ppd.PipelineEngine(args.folder, **engine_options(args))
     except BaseException:  # the same ConfigError is raised on every rank: rank 0 reports it, the children end
         watcher.released.set()
@@ -121,13 +124,15 @@ def follower_main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     from ppsplit import distributed as ppd
     from ppsplit.core.errors import ConfigError, PpsplitError
 
     try:
-        ppd.init(timeout=args.timeout)
+        ppd.init(ppd.backend_for(args.device), timeout=args.timeout)
         ppd.PipelineEngine(args.folder, **engine_options(args)).follow()
         code = 0
     except PpsplitError as e:

@@ -42,6 +42,14 @@ def init(backend: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> str:
     return backend
 
 
+def backend_for(device: str | None) -> str | None:
+    """The backend for a command's ``--device`` under ranks: ``cpu`` gloo, ``cuda`` NCCL, ``auto`` ``init``'s choice."""
+    if device not in (None, "auto", "cpu", "cuda"):
+        raise ConfigError(f"--device with one process per stage is auto, cpu or cuda (each rank takes the GPU of its "
+                          f"local rank), but got {device!r}")
+    return {"cpu": "gloo", "cuda": "nccl"}.get(device)
+
+
 TIMEOUT = [DEFAULT_TIMEOUT]  # the timeout init() was given: groups made later get the same
 
 

@@ -13,10 +13,11 @@ An EAGLE-3 checkpoint is a one-layer Llama (SafeAILab/EAGLE ``cnets.py``, SpecFo
     logits = lm_head(norm(out))      # draft vocabulary; target id = draft id + d2t[draft id]
                                      # [no norm: SpecForge norm_output false; norm(out) fed back: Eagle 3.1]
 
-The drafter keeps its own static KV cache addressed by positions, like the stages (``passes/kv_cache.py``): a call
-writes K/V at ``positions`` and attends under a causal mask on positions, so rejected drafts are overwritten by
-the next call at the same positions; nothing is rolled back. No host synchronisation in ``forward``: a draft
-step can be captured in a CUDA graph.
+On the last stage the drafter keeps a paged KV cache over the target's block tables (``allocate_paged``): a call
+with a ``RaggedStep`` writes K/V at the step's positions and attends to its sequence's keys up to each position,
+so rejected drafts are overwritten by the next call at the same positions; nothing is rolled back. Given plain
+positions instead (training, scoring) it attends within the call. The engine's draft loop lives in
+``ppsplit.serve.speculative``.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppsplit.core.graphs import capture
 from ppsplit.core.ragged import RaggedStep
 
 
@@ -92,8 +92,8 @@ class Eagle3Drafter(nn.Module):
     Example::
 
         drafter = ppsplit.load_drafter("eagle3-llama-3.1-8b", split=split)
-        logits, hidden = drafter(aux, next_tokens, positions)      # prefill: aux [n_slots, B, T, H]
-        ids, _ = drafter.draft(aux, next_tokens, positions, index=T - 1, k=4)   # [B, 4] target-vocab drafts
+        logits, hidden = drafter(aux, next_tokens, positions)      # aux [n_slots, B, T, H], positions [T]
+        drafts = drafter.target_ids[logits[:, -1].argmax(-1)]     # the next token's draft, target vocabulary
     """
 
     def __init__(self, cfg: dict, taps: tuple[int, ...], slots: tuple[int, ...], embed: torch.Tensor,
@@ -120,25 +120,14 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = float(rope_scale)
         self.n_slots = max(self.slots) + 1 if n_slots is None else n_slots  # slots in the split's aux buffer
-        self.graphs: dict = {}  # (batch, window rows, k) -> captured greedy draft (see capture)
-        for name in ("cache_keys", "cache_values", "cache_positions", "paged_keys", "paged_values"):
-            self.register_buffer(name, None, persistent=False)  # set by allocate_cache / allocate_paged
+        for name in ("paged_keys", "paged_values"):
+            self.register_buffer(name, None, persistent=False)  # set by allocate_paged
 
     # -- state ---------------------------------------------------------------------------------------------------
     @property
     def target_ids(self) -> torch.Tensor:
         """Target-vocabulary id of each draft id: ``arange(draft_vocab) + d2t``."""
         return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
-
-    def allocate_cache(self, batch: int, max_len: int) -> "Eagle3Drafter":
-        """Give the drafter a static KV cache of ``batch`` sequences x ``max_len`` positions (zeros)."""
-        attn = self.midlayer.self_attn
-        shape = (batch, attn.kv_heads, max_len, attn.head_dim)
-        dev, dtype = self.fc.weight.device, self.fc.weight.dtype
-        self.cache_keys = torch.zeros(shape, dtype=dtype, device=dev)
-        self.cache_values = torch.zeros(shape, dtype=dtype, device=dev)
-        self.cache_positions = torch.arange(max_len, device=dev)
-        return self
 
     def allocate_paged(self, layout) -> "Eagle3Drafter":
         """Give the drafter a paged cache over the target's block tables (``CacheLayout``): its positions are the
@@ -184,8 +173,8 @@ class Eagle3Drafter(nn.Module):
         """One drafter pass: ``hidden`` is the aux buffer ``[n_slots, B, T, Ht]`` (goes through ``fc``) or the
         drafter's own previous output ``[B, T, H]``; ``tokens [B, T]`` the target-vocab ids that follow each
         position; ``positions [T]``. Returns ``(draft logits [B, T, draft_vocab], out [B, T, H])``, ``out`` before
-        the final norm (after it with ``feed_normed``): the next step's ``hidden``. Writes this pass's K/V into the
-        cache at ``positions``."""
+        the final norm (after it with ``feed_normed``): the next step's ``hidden``. ``positions`` a ``RaggedStep``
+        (``B = 1``): K/V written into the paged cache, attention over each sequence's cache."""
         x = self.adapt(hidden) if hidden.dim() == 4 else hidden
         layer = self.midlayer
         normed = layer.hidden_norm(x)
@@ -199,7 +188,7 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(out) if self.final_norm else out), out
 
     def _attention(self, h: torch.Tensor, positions) -> torch.Tensor:
-        """Attention of ``h [B, T, 2H]`` at ``positions``: a tensor ``[T]`` (the dense cache) or a ``RaggedStep``
+        """Attention of ``h [B, T, 2H]`` at ``positions``: a tensor ``[T]`` (within the call) or a ``RaggedStep``
         (``B = 1``, the paged cache of ``allocate_paged``)."""
         attn = self.midlayer.self_attn
         batch, tokens, _ = h.shape
@@ -223,85 +212,37 @@ class Eagle3Drafter(nn.Module):
             o = ops.paged_attention(q, self.paged_keys, self.paged_values, *step.tensors(), attn.head_dim ** -0.5,
                                     self.sliding_window, 0.0, None, None)
             return attn.o_proj(o.transpose(1, 2).reshape(batch, tokens, attn.heads * attn.head_dim))
-        if self.cache_keys is None or self.training:  # no cache (training): attend within this call
-            keys, values, key_positions = k, v, positions
-        else:
-            keys = self.cache_keys[:batch].index_copy_(2, positions, k)
-            values = self.cache_values[:batch].index_copy_(2, positions, v)
-            key_positions = self.cache_positions
+        keys, values, key_positions = k, v, positions  # no paged cache (training, scoring): attend within the call
         mask = key_positions[None, :] <= positions[:, None]
         if self.sliding_window:
             mask = mask & (positions[:, None] - key_positions[None, :] < self.sliding_window)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=attn.heads != attn.kv_heads)
         return attn.o_proj(o.transpose(1, 2).reshape(batch, tokens, attn.heads * attn.head_dim))
 
-    # -- drafting ------------------------------------------------------------------------------------------------
-    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
-        """One greedy draft step, CUDA-graph capturable: ``(hidden [B, 1, H], tokens [B, 1], positions [1]) ->
-        (next target-vocab ids [B], out [B, 1, H])``."""
-        logits, out = self(hidden, tokens, positions)
-        return self.target_ids[logits[:, -1].argmax(-1)], out
-
-    @torch.no_grad()
-    def draft(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, index, k: int,
-              temperature: float = 0.0, generator: torch.Generator | None = None):
-        """Feed a window of target features, then draft a chain of ``k`` tokens from its row ``index``.
-
-        ``aux [n_slots, B, T, Ht]`` holds the target's taps at ``positions [T]``, ``tokens [B, T]`` the token that
-        follows each position; ``index`` (int or 0-d tensor) is the last committed row: rows after it are stale and
-        are overwritten later. Returns ``(ids [B, k], q)``: target-vocab drafts, and for ``temperature > 0`` the
-        draft distributions over the target vocabulary ``[B, k, V]`` they were sampled from (else ``None``)."""
-        from ppsplit.eagle3.speculative import check_num_draft_tokens
-
-        check_num_draft_tokens(k)
-        captured = self.graphs.get((aux.shape[1], aux.shape[2], k)) if temperature <= 0 else None
-        if captured is not None:
-            graph, static, ids = captured
-            for name, value in (("aux", aux), ("tokens", tokens), ("positions", positions)):
-                static[name].copy_(value)
-            static["index"].copy_(torch.as_tensor(index).view(1))
-            graph.replay()
-            return ids.clone(), None
-        index = torch.as_tensor(index, device=positions.device).view(1)
-        logits, out = self(aux, tokens, positions)
-        logits, out, pos = logits.index_select(1, index), out.index_select(1, index), positions.index_select(0, index)
-        ids, dists = [], []
-        for j in range(k):
-            if j:
-                pos = pos + 1
-                logits, out = self(out, ids[-1][:, None], pos)
-            token, dist = self._pick(logits[:, -1], temperature, generator)
-            ids.append(token)
-            dists.append(dist)
-        return torch.stack(ids, 1), (torch.stack(dists, 1) if temperature > 0 else None)
-
-    def capture(self, batch: int, k: int, *, pool=None) -> "Eagle3Drafter":
-        """Capture greedy ``draft`` for windows of ``K + 1`` rows (what every verify step feeds it) and ``k``
-        drafts as one CUDA graph; ``draft`` then replays it for matching calls. Capture before the cache holds
-        live sequences (warm-up and capture write it)."""
-        self.graphs.pop((batch, k + 1, k), None)  # capture runs the eager path
-        dev = self.fc.weight.device
-        static = {"aux": torch.zeros(self.n_slots, batch, k + 1, self.target_hidden_size, dtype=self.fc.weight.dtype,
-                                     device=dev),
-                  "tokens": torch.zeros(batch, k + 1, dtype=torch.long, device=dev),
-                  "positions": torch.arange(k + 1, device=dev), "index": torch.zeros(1, dtype=torch.long, device=dev)}
-        run = lambda: self.draft(static["aux"], static["tokens"], static["positions"], static["index"], k)[0]  # noqa: E731
-        graph, ids = capture(run, dev, pool=pool)
-        self.graphs[(batch, k + 1, k)] = (graph, static, ids)
-        return self
-
-    def _pick(self, logits: torch.Tensor, temperature: float, generator):
-        if temperature <= 0:
-            return self.target_ids[logits.argmax(-1)], None
-        from ppsplit.eagle3.speculative import sample
-
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        draft_id = sample(probs, generator)
-        full = probs.new_zeros(probs.shape[0], self.embed_tokens.shape[0])
-        full[:, self.target_ids] = probs  # d2t is one-to-one: q over the target vocabulary
-        return self.target_ids[draft_id], full
-
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+@torch.no_grad()
+def draft_agreement(split, drafter, ids: torch.Tensor, start: int = 1) -> tuple[int, int]:
+    """Teacher-forced first-draft agreement on ``ids [B, T]``: how often the drafter, fed the target's taps of
+    position ``i`` and token ``i + 1``, predicts the target's own greedy token at ``i + 2`` (for ``i + 1 >= start``).
+    Returns ``(agreeing, total)``. A drafter read under the wrong tap numbering scores near zero.
+
+    Example::
+
+        agree, total = draft_agreement(split, drafter, sequences, start=4)
+    """
+    batch, tokens = ids.shape
+    device, last = ids.device, drafter.fc.weight.device
+    logits, aux = split(ids, torch.arange(tokens, device=device))
+    target_next = logits.argmax(-1).to(last)  # [B, T]: the target's token for position i + 1
+    ids = ids.to(last)
+    draft_logits, _ = drafter(aux.to(last), torch.cat([ids[:, 1:], target_next[:, -1:]], 1),
+                              torch.arange(tokens, device=last))
+    drafts = drafter.target_ids[draft_logits.argmax(-1)]  # [B, T]: the drafter's token for position i + 2
+    lo = max(start - 1, 0)
+    hits = drafts[:, lo:tokens - 1] == target_next[:, lo + 1:]
+    return int(hits.sum()), hits.numel()

@@ -222,8 +222,6 @@ def build_drafter(cfg: dict, tensors: dict, plan, embed: torch.Tensor, aux_conve
     drafter.embed_tokens = embed.detach() if same else embed.detach().to(device=device, dtype=dtype)
     drafter.inv_freq = inv_freq.to(device)
     drafter.rope_scale = rope_scale
-    if plan.max_len:
-        drafter.allocate_cache(plan.max_batch, plan.max_len)
     return drafter.eval()
 
 

@@ -28,6 +28,20 @@ def add_request_arguments(p: argparse.ArgumentParser) -> None:
                    help="EAGLE-3 speculative decoding with K drafts per verify pass (needs a drafter)")
 
 
+def add_runtime_arguments(p: argparse.ArgumentParser, ranks: bool = False) -> None:
+    """Where the stages run, and whether CUDA graphs are captured (``generate``, ``serve``, ``run``, ``collect``)."""
+    if ranks:
+        p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                       help="auto: a GPU per rank (NCCL) when the machine has one per stage, else the CPU (gloo); "
+                            "cpu / cuda force either (default: %(default)s)")
+    else:
+        p.add_argument("--device", default="auto", help="auto: CUDA when the machine has a GPU, else the CPU; cpu; "
+                       "cuda: all stages on the current GPU if they fit, else spread over the visible GPUs; or a list "
+                       "cuda:0,cuda:1 (default: %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true", help="run the stages eagerly on CUDA instead of replaying "
+                   "CUDA graphs captured for each token bucket (as vLLM's --enforce-eager)")
+
+
 def check_requests(args, folder: str) -> None:
     """Fail fast, before any model loads: at least one prompt, ids that parse, a tokenizer for text, valid
     sampling options."""
@@ -42,7 +56,7 @@ def check_requests(args, folder: str) -> None:
         parse_ids(text, "--prompt-ids")
     sampling_params(args, 0)
     if args.num_draft_tokens is not None:
-        from ppsplit.eagle3.speculative import check_num_draft_tokens
+        from ppsplit.serve.speculative import check_num_draft_tokens
 
         check_num_draft_tokens(args.num_draft_tokens)
 

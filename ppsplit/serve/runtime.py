@@ -9,7 +9,6 @@ from ppsplit.artifact.folder import CompiledFolder
 from ppsplit.artifact.loader import build_stage, check_device, stage_options
 from ppsplit.serve.cuda_graphs import CapturedStage
 from ppsplit.core.errors import ConfigError
-from ppsplit.core.generation import EndOfSequence
 from ppsplit.core.fx_utils import is_cache_buffer
 from ppsplit.core.plan import SplitPlan
 from ppsplit.core.ragged import CacheLayout, RaggedStep
@@ -48,7 +47,7 @@ class SplitModel(torch.nn.Module):
         if len(devices) != self.plan.pp:
             raise ValueError(f"place needs one device per stage ({self.plan.pp}), got {len(devices)}")
         for stage, dev in zip(self.stages, devices):
-            stage.to(dev)
+            _move(stage, torch.device(dev))
         return self
 
     def new_aux(self, batch: int, tokens: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -167,19 +166,20 @@ class SplitModel(torch.nn.Module):
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int, *, drafter=None, num_draft_tokens: int = 4,
                  temperature: float = 0.0, generator: torch.Generator | None = None, return_stats: bool = False,
-                 seed: int | None = None):
-        """Decoding through the stages with their caches, greedy or sampled at ``temperature`` (each sequence
-        seeded ``seed + b``). ``input_ids``: a ``[B, T]`` tensor, or a list of prompts of any lengths (1-D tensors
-        or lists of ids).
+                 seed: int | None = None, enforce_eager: bool = False):
+        """Decoding through the engine (``ppsplit.serve.engine``), greedy or sampled at ``temperature`` (sequence
+        ``b`` seeded ``seed + b``; default: ``generator``'s initial seed, else 0). ``input_ids``: a ``[B, T]``
+        tensor, or a list of prompts of any lengths (1-D tensors or lists of ids).
 
         With ``drafter`` (an EAGLE-3 drafter from ``ppsplit.load_drafter``): speculative decoding, ``K =
         num_draft_tokens`` drafts per verify pass, each sequence accepting its own (greedy, or the lossless
-        rejection rule); with ``return_stats`` returns ``(ids, SpeculativeStats)`` (see ``ppsplit.eagle3``).
+        rejection rule); with ``return_stats`` returns ``(ids, SpeculativeStats)`` of the first sequence. On CUDA
+        the engine captures the stages' token buckets unless ``enforce_eager``.
 
         A ``[B, T]`` tensor gives ``[B, T + new]``, equal to ``model.generate(input_ids, do_sample=False, ...)``: a
-        sequence that has emitted an end-of-sequence token continues with padding, and decoding stops when all
-        have. A list gives one tensor per prompt, each equal to generating that prompt alone. With a paged cache
-        this runs the engine (``ppsplit.serve.engine``), sequences joining the batch as slots allow.
+        sequence that has emitted an end-of-sequence token continues with padding to the longest. A list gives one
+        tensor per prompt, each equal to generating that prompt alone. Needs a paged cache: a split that keeps a
+        lockstep one (``plan.lockstep_reason``) runs ``forward`` only.
 
         Example::
 
@@ -187,52 +187,29 @@ class SplitModel(torch.nn.Module):
             out = split.generate(input_ids, max_new_tokens=32)   # [B, T + new]
             outs = split.generate([ids_a, ids_b], max_new_tokens=32)
         """
-        if self.layout is not None:
-            return self._generate_with_engine(input_ids, max_new_tokens, drafter, num_draft_tokens, temperature,
-                                              return_stats, seed if seed is not None else
-                                              (generator.initial_seed() if generator is not None else 0))
-        if isinstance(input_ids, (list, tuple)):
-            raise ConfigError("prompts of different lengths need a paged cache (this split keeps a lockstep one"
-                              + (f" because {self.plan.lockstep_reason}" if self.plan.lockstep_reason else "")
-                              + "); pass one [B, T] tensor")
-        if drafter is not None:
-            from ppsplit.eagle3 import speculative
-
-            out, stats = speculative.generate(self, input_ids, max_new_tokens, drafter, num_draft_tokens,
-                                              temperature, generator)
-            return (out, stats) if return_stats else out
-        if temperature or return_stats:
-            raise ConfigError("temperature and return_stats need a drafter (speculative decoding) on a split with a "
-                              "lockstep cache; plain generate there is greedy")
-        batch, prompt = input_ids.shape
-        self.check_fits(batch, prompt + max_new_tokens)
-        device = input_ids.device
-        eos = EndOfSequence(self.eos_token_id, self.pad_token_id, device)
-        self.check_inputs(input_ids, torch.arange(prompt, device=device))
-        logits, _ = self(input_ids, torch.arange(prompt, device=device), check=False)
-        out = [input_ids]
-        done = eos.new_done(batch)
-        for step in range(max_new_tokens):
-            token = eos.apply(logits[:, -1].argmax(-1), done)
-            out.append(token[:, None])
-            if step == max_new_tokens - 1 or eos.all_done(done):
-                break
-            logits, _ = self(token[:, None], torch.tensor([prompt + step], device=device), check=False)
-        return torch.cat(out, dim=1)
-
-    def _generate_with_engine(self, prompts, new: int, drafter, k: int, temperature: float, stats: bool, seed: int):
-        from ppsplit.eagle3.speculative import SpeculativeStats
         from ppsplit.serve.engine import Engine
         from ppsplit.serve.sampling import SamplingParams
+        from ppsplit.serve.speculative import SpeculativeStats
 
-        batch = isinstance(prompts, torch.Tensor)
-        if batch and (prompts.dim() != 2 or prompts.dtype not in _INDEX_DTYPES):
+        if self.layout is None:
+            if self.plan.lockstep_reason:
+                raise ConfigError(f"generation runs through the engine, which needs a paged cache, and this split keeps "
+                                  f"a lockstep one because {self.plan.lockstep_reason}; it runs forward only")
+            if self.plan.max_batch:
+                raise ConfigError("generation runs through the engine, which needs a paged cache, and this split keeps "
+                                  "a lockstep one because it was traced with paged=False; it runs forward only")
+            raise ConfigError("this split has no KV cache: pass cache=CacheConfig(batch_size, max_len) to split_model "
+                              "(generation runs through the engine, over a paged cache)")
+        k = num_draft_tokens if drafter is not None else 0
+        seed = seed if seed is not None else (generator.initial_seed() if generator is not None else 0)
+        batch = isinstance(input_ids, torch.Tensor)
+        if batch and (input_ids.dim() != 2 or input_ids.dtype not in _INDEX_DTYPES):
             raise ConfigError(f"input_ids must be a 2-D integer tensor [batch, tokens] or a list of prompts, but got "
-                              f"{prompts.dim()}-D {prompts.dtype}")
-        rows = list(prompts) if batch else [torch.as_tensor(p).flatten() for p in prompts]
-        params = [SamplingParams(max_tokens=new, temperature=temperature, seed=seed + i) for i in range(len(rows))]
-        engine = Engine(self, drafter=drafter, num_draft_tokens=k if drafter is not None else 0)
-        outs = engine.generate(rows, params)
+                              f"{input_ids.dim()}-D {input_ids.dtype}")
+        rows = list(input_ids) if batch else [torch.as_tensor(p).flatten() for p in input_ids]
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed + i)
+                  for i in range(len(rows))]
+        outs = Engine(self, drafter=drafter, num_draft_tokens=k, enforce_eager=enforce_eager).generate(rows, params)
         device = rows[0].device
         seqs = [torch.cat([r.to(device), torch.tensor(o.token_ids, dtype=torch.long, device=device)]) for r, o in
                 zip(rows, outs)]
@@ -244,19 +221,11 @@ class SplitModel(torch.nn.Module):
                 result[i, :len(s)] = s
         else:
             result = seqs
-        if not stats:
+        if not return_stats:
             return result
-        first = outs[0]  # the stats describe the first sequence, as before; each accepts on its own now
+        first = outs[0]
         return result, SpeculativeStats(num_draft_tokens=k, draft_tokens=first.drafts, accepted=first.accepted,
                                         committed=first.accepted, verify_passes=len(first.accepted))
-
-    def check_fits(self, batch: int, length: int) -> None:
-        """Raise a ``ConfigError`` unless ``batch`` sequences of ``length`` positions fit the KV cache."""
-        if not self.plan.max_len:
-            raise ConfigError("this split has no KV cache: pass cache=CacheConfig(batch_size, max_len) to split_model")
-        if batch > self.plan.max_batch or length > self.plan.max_len:
-            raise ConfigError(f"batch {batch} x {length} tokens does not fit the KV cache of {self.plan.max_batch} x "
-                              f"{self.plan.max_len}; split with a larger CacheConfig")
 
     def reset_cache(self) -> None:
         """Zero every stage's KV cache (not needed for correctness: positions overwrite, the mask hides the rest)."""
@@ -294,3 +263,16 @@ def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, co
 
         split.drafter = load_folder_drafter(opened.drafter, plan, module_device(stages[-1]))
     return split
+
+
+def _move(stage: torch.nn.Module, device: torch.device) -> None:
+    """``stage.to(device)`` without touching the tensors it shares: splits of one trace hold the same ``Parameter``
+    objects, which ``Module.to`` moves in place (``param.data = ...``), so placing one split would move the other's
+    weights too. Each moved tensor is a new one here."""
+    for module in stage.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.device != device:
+                module._parameters[name] = torch.nn.Parameter(param.detach().to(device), param.requires_grad)
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)

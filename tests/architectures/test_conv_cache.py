@@ -6,7 +6,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING
 
 import ppsplit
-from tests.support import hf_greedy
+from tests.support import decode, hf_greedy
 from ppsplit import CacheConfig
 
 V = 128
@@ -60,7 +60,7 @@ def test_cached_greedy_decoding_equals_hf(cached, ids, expected, pp):
     buffers = {n for stage in split.stages for n, _ in stage.named_buffers() if n.startswith("kv_cache.")}
     assert {f"kv_cache.{i}.conv_inputs" for i in (0, 2, 4)} <= buffers
     assert {f"kv_cache.{i}.keys" for i in (1, 3, 5)} <= buffers
-    assert torch.equal(split.generate(ids, 10), expected)
+    assert torch.equal(decode(split, ids, 10), expected)
 
 
 def test_verify_pass_with_rejected_drafts_then_decoding_equals_hf(cached, ids, expected):
@@ -91,7 +91,7 @@ def test_conv_state_survives_compile_load_and_two_processes(model, ids, expected
 
     model.save_pretrained(tmp_path / "ckpt")
     folder = ppsplit.compile_model(str(tmp_path / "ckpt"), str(tmp_path / "pp2"), pp=2, cache=CacheConfig(2, 32))
-    assert torch.equal(ppsplit.load(folder).generate(ids, 10), expected)
+    assert torch.equal(decode(ppsplit.load(folder), ids, 10), expected)
     results = launch(2, generate, folder, ids, 10)
     assert results[0][0] == results[1][0] == "ok", results
     first, again = results[0][1]
@@ -104,10 +104,10 @@ def test_captured_conv_stages_equal_eager_on_gpu(model, ids):
 
     split = ppsplit.split_model(copy.deepcopy(model).to("cuda", torch.bfloat16), 2, cache=CacheConfig(2, 32))
     prompt = ids.cuda()
-    eager = split.generate(prompt, 10)
+    eager = decode(split, prompt, 10)
     split.reset_cache()
     split.capture(2, [prompt.shape[1], 1])
-    assert torch.equal(split.generate(prompt, 10), eager)
+    assert torch.equal(decode(split, prompt, 10), eager)
 
 
 # Convolution state kept by position in several buffers per layer (conv_inputs, conv_inputs_1, ...). Inkling: four
@@ -162,7 +162,7 @@ def test_convolution_states_split_decode_and_verify_rejected_drafts_like_hf(ids,
     buffers = {n for stage in split.stages for n, _ in stage.named_buffers() if n.startswith("kv_cache.")}
     names = ["conv_inputs"] + [f"conv_inputs_{i}" for i in range(1, count)]
     assert {f"kv_cache.{layer}.{name}" for layer in range(2) for name in names} <= buffers
-    assert torch.equal(split.generate(ids, 10), want)
+    assert torch.equal(decode(split, ids, 10), want)
     assert torch.equal(decode_through_rejected_drafts(split, ids, want[:, 6:]), want[:, 6:])
 
 
@@ -171,4 +171,4 @@ def test_convolution_states_compile_to_a_folder_that_decodes_like_hf(ids, arch, 
     model, _, _ = conv_model(arch)
     model.save_pretrained(tmp_path / "ckpt")
     folder = ppsplit.compile_model(str(tmp_path / "ckpt"), str(tmp_path / "pp2"), pp=2, cache=CacheConfig(2, 32))
-    assert torch.equal(ppsplit.load(folder).generate(ids, 10), hf_greedy(model, ids, 10))
+    assert torch.equal(decode(ppsplit.load(folder), ids, 10), hf_greedy(model, ids, 10))

@@ -13,7 +13,7 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
 import ppsplit
 from ppsplit import CacheConfig
-from tests.support import hf_greedy, tiny_model
+from tests.support import decode, hf_greedy, tiny_model
 
 V = 128
 _SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -88,7 +88,7 @@ def test_mpt_with_a_cache_splits_and_decodes_like_hf():
         torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=0)
         for slot, tap in enumerate((1, 2, 3)):
             torch.testing.assert_close(aux[slot], ref.hidden_states[tap], atol=1e-5, rtol=0)
-        out = split.generate(ids, 8)
+        out = decode(split, ids, 8)
         assert torch.equal(out, expected), f"pp={pp}:\n{out[:, 6:]}\n{expected[:, 6:]}"
 
 
@@ -207,7 +207,7 @@ def test_experts_switched_from_their_eager_loop_split_and_decode_like_hf():
     torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=0)
     for slot, tap in enumerate((1, 2)):
         torch.testing.assert_close(aux[slot], ref.hidden_states[tap], atol=1e-5, rtol=0)
-    assert torch.equal(split.generate(ids, 6), expected)
+    assert torch.equal(decode(split, ids, 6), expected)
     gm = split.stages[0]
     assert any("grouped_mm" in str(n.target) for n in gm.graph.nodes), "the experts did not go through grouped_mm"
 
@@ -228,4 +228,4 @@ def test_a_cache_the_model_makes_for_itself_is_off_while_tracing():
         torch.testing.assert_close(aux[1], ref.hidden_states[3], atol=1e-5, rtol=0)
     assert model.config.use_cache
     ids = torch.randint(3, V, (2, 6), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(ppsplit.split_model(model, 2, cache=CacheConfig(2, 16)).generate(ids, 6), hf_greedy(model, ids, 6))
+    assert torch.equal(decode(ppsplit.split_model(model, 2, cache=CacheConfig(2, 16)), ids, 6), hf_greedy(model, ids, 6))

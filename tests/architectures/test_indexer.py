@@ -6,6 +6,7 @@ import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
 import ppsplit
+from tests.support import decode
 from ppsplit import CacheConfig
 
 V = 128
@@ -89,7 +90,7 @@ def test_cached_generate_matches_hf_and_holds_its_indexer_keys():
     hf_cache = hf.past_key_values if hasattr(hf, "past_key_values") else hf.cache
     for pp in (2, 3):
         split = ppsplit.split_model(traced, pp, aux=[2])
-        out = split.generate(ids, 12)
+        out = decode(split, ids, 12)
         assert torch.equal(out, hf.sequences), f"pp={pp}:\n{out[:, 10:]}\n{hf.sequences[:, 10:]}"
         # Each stage's cache holds the indexer keys HF's cache holds, position for position: in block pools, where a
         # lockstep call (here a prefill of the generated sequences) gives row b the blocks b * M .. (b + 1) * M - 1.
@@ -142,7 +143,7 @@ def test_other_indexer_models_decode_like_hf(model_type):
     ids = prompt(seed=2)
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=12, do_sample=False)
-    out = ppsplit.split_model(traced, 2, aux=[1, 3]).generate(ids, 12)
+    out = decode(ppsplit.split_model(traced, 2, aux=[1, 3]), ids, 12)
     assert torch.equal(out, expected), f"{model_type}:\n{out[:, 10:]}\n{expected[:, 10:]}"
 
 
@@ -156,4 +157,4 @@ def test_shared_indexer_top_k_is_carried_across_a_boundary():
     split = ppsplit.split_model(traced, 2, balance=[1, 3])  # layer 0 (full) | layer 1 (shared) ...
     assert [(c.shape, c.stages) for c in split.plan.carries] == [((TOPK,), (1,))]
     assert split.plan.carries[0].dtype.startswith("int")
-    assert torch.equal(split.generate(ids, 12), expected)
+    assert torch.equal(decode(split, ids, 12), expected)

@@ -12,7 +12,7 @@ import ppsplit
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.fx_utils import is_cache_buffer
 from ppsplit.compile.writer import compile_model
-from tests.support import VOCAB, tiny_config
+from tests.support import VOCAB, decode, tiny_config
 
 L = 4
 _MOE = dict(num_experts_per_tok=2)
@@ -149,7 +149,7 @@ def test_fp32_moe_checkpoint_compiles_with_a_cache_and_decodes(tmp_path_factory)
     ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = hf.generate(ids, max_new_tokens=8, do_sample=False)
-    assert torch.equal(ppsplit.load(out).generate(ids, 8), expected)
+    assert torch.equal(decode(ppsplit.load(out), ids, 8), expected)
 
 
 def test_deepseek_v3_folder_pages_its_mla_latents(tmp_path_factory):
@@ -164,6 +164,6 @@ def test_deepseek_v3_folder_pages_its_mla_latents(tmp_path_factory):
     assert widths == {(1, hf.config.kv_lora_rank), (1, hf.config.qk_rope_head_dim)}
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (4, 11)]
-    for prompt, got in zip(prompts, split.generate(prompts, 8)):
+    for prompt, got in zip(prompts, decode(split, prompts, 8)):
         with torch.no_grad():
             assert torch.equal(got, hf.generate(prompt[None], max_new_tokens=8, do_sample=False)[0])

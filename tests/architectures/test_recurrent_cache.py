@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, CONFIG_MAPPING
 import ppsplit
 from ppsplit import CacheConfig
 from ppsplit.core.errors import ConfigError
+from tests.support import decode
 
 V = 128
 COMMON = dict(vocab_size=V, hidden_size=64, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
@@ -125,7 +126,7 @@ def test_cached_greedy_decoding_equals_hf(arch, pp):
         assert ring.shape[:2] == (2, split.plan.state_slots) and ring.dtype == torch.float32
         assert (f"kv_cache.{layer}.conv_inputs" in buffers) == (arch not in NO_CONV)
     assert split.plan.state_slots == 8
-    assert torch.equal(split.generate(IDS, 10), expected(arch))
+    assert torch.equal(decode(split, IDS, 10), expected(arch))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -164,7 +165,7 @@ def test_speculative_decoding_with_an_eagle3_drafter_equals_hf_greedy(arch, tmp_
 
 
 def test_verify_longer_than_the_ring_is_refused():
-    from ppsplit.eagle3.speculative import check_speculation
+    from ppsplit.serve.speculative import check_speculation
 
     plan = ppsplit.split_model(cached(ARCHS[0]), 2).plan
     check_speculation(plan, plan.state_slots - 1)  # K + 1 = slots fits
@@ -173,13 +174,13 @@ def test_verify_longer_than_the_ring_is_refused():
 
 
 def test_the_ring_size_follows_the_cache_config():
-    from ppsplit.eagle3.speculative import check_speculation
+    from ppsplit.serve.speculative import check_speculation
 
     arch = "falcon_mamba" if "falcon_mamba" in ARCHS else ARCHS[0]
     split = ppsplit.split_model(build(arch), 2, cache=CacheConfig(2, 32, state_slots=4))
     rings = [b for stage in split.stages for n, b in stage.named_buffers() if n.endswith(".states")]
     assert rings and all(r.shape[1] == 4 for r in rings) and split.plan.state_slots == 4
-    assert torch.equal(split.generate(IDS, 10), expected(arch))
+    assert torch.equal(decode(split, IDS, 10), expected(arch))
     check_speculation(split.plan, 3)
     with pytest.raises(ConfigError, match=r"num_draft_tokens <= 3"):
         check_speculation(split.plan, 4)
@@ -195,7 +196,7 @@ def test_recurrent_state_survives_compile_load_and_two_processes(tmp_path):
     folder = ppsplit.compile_model(str(tmp_path / "ckpt"), str(tmp_path / "pp2"), pp=2, cache=CacheConfig(2, 32))
     loaded = ppsplit.load(folder)
     assert loaded.plan.state_slots == 8
-    assert torch.equal(loaded.generate(IDS, 10), expected(arch))
+    assert torch.equal(decode(loaded, IDS, 10), expected(arch))
     results = launch(2, generate, folder, IDS, 10)
     assert results[0][0] == results[1][0] == "ok", results
     first, again = results[0][1]
@@ -223,10 +224,10 @@ def test_captured_recurrent_stages_equal_eager_on_gpu(arch):
     model = copy.deepcopy(build(arch)).to("cuda", torch.bfloat16)
     split = ppsplit.split_model(model, 2, cache=CacheConfig(2, 32))
     prompt = IDS.cuda()
-    eager = split.generate(prompt, 10)
+    eager = decode(split, prompt, 10)
     split.reset_cache()
     split.capture(2, [prompt.shape[1], 1])
-    assert torch.equal(split.generate(prompt, 10), eager)
+    assert torch.equal(decode(split, prompt, 10), eager)
 
 
 def _scan_cases(device):
@@ -306,7 +307,7 @@ def test_rwkv_one_sequence_decodes_like_hf_generate():
     split = ppsplit.split_model(cached("rwkv"), 2)
     with torch.no_grad():
         want = build("rwkv").generate(IDS[:1], max_new_tokens=10, do_sample=False)
-    assert torch.equal(split.generate(IDS[:1], 10), want) and torch.equal(want, expected("rwkv")[:1])
+    assert torch.equal(decode(split, IDS[:1], 10), want) and torch.equal(want, expected("rwkv")[:1])
 
 
 @pytest.mark.parametrize("arch", NEW_RINGS)
@@ -315,7 +316,7 @@ def test_compiled_folder_keeps_the_rings_and_decodes_like_hf(arch, tmp_path):
     folder = ppsplit.compile_model(str(tmp_path / "ckpt"), str(tmp_path / "pp2"), pp=2, cache=CacheConfig(2, 32))
     loaded = ppsplit.load(folder)
     assert loaded.plan.state_slots == 8 and loaded.plan.paged, loaded.plan.lockstep_reason
-    assert torch.equal(loaded.generate(IDS, 10), expected(arch))
+    assert torch.equal(decode(loaded, IDS, 10), expected(arch))
 
 
 @pytest.mark.parametrize("arch", NEW_RINGS)

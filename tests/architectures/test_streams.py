@@ -12,6 +12,7 @@ from ppsplit.core.errors import CrossingError
 from ppsplit.core.plan import Stream
 from ppsplit.core.ragged import RaggedStep, Segment
 from ppsplit.core.tensors import stream_rows
+from tests.support import decode
 
 V = 128
 COMMON = dict(vocab_size=V, hidden_size=64, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
@@ -100,7 +101,7 @@ def test_hyper_connection_stream_splits_and_decodes_like_hf():
     with pytest.raises(CrossingError, match=r"per-token shape \[Min\(2048, s\d+\)\] is not fixed"):
         ppsplit.split_model(traced, 3, balance=[1, 1, 2])
     cached = ppsplit.split_model(model, 2, cache=CacheConfig(2, 32))
-    assert torch.equal(cached.generate(IDS, 10), greedy("hy_v4"))
+    assert torch.equal(decode(cached, IDS, 10), greedy("hy_v4"))
 
 
 _cached: dict = {}
@@ -115,7 +116,7 @@ def cached(name: str):
 @pytest.mark.parametrize("pp", [2, 3])
 def test_gemma3n_cached_greedy_decoding_equals_hf(pp):
     split = ppsplit.split_model(cached("gemma3n_text"), pp)
-    assert torch.equal(split.generate(IDS, 10), greedy("gemma3n_text"))
+    assert torch.equal(decode(split, IDS, 10), greedy("gemma3n_text"))
 
 
 def test_gemma3n_verify_pass_with_rejected_drafts_then_decoding_equals_hf():
@@ -132,7 +133,7 @@ def test_gemma3n_compiles_to_a_folder_that_loads_and_decodes_like_hf(tmp_path):
                                    cache=CacheConfig(2, 32))
     loaded = ppsplit.load(folder)
     assert loaded.plan.stream == STREAMS["gemma3n_text"]
-    assert torch.equal(loaded.generate(IDS, 10), greedy("gemma3n_text"))
+    assert torch.equal(decode(loaded, IDS, 10), greedy("gemma3n_text"))
 
 
 def test_gemma3n_ragged_step_over_the_paged_cache_equals_each_sequence_alone():

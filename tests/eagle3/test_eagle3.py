@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 import ppsplit
 from ppsplit import CacheConfig, ConfigError
-from ppsplit.eagle3.speculative import accept
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.sampling import SamplingParams, accept_sampled
 from tests.support import drafter_config, random_drafter_tensors, write_drafter
 from tests.support import VOCAB, tiny_model
 from tests.serve.test_decode import CACHE, cached  # the same traced models as the decoding tests
@@ -76,8 +77,6 @@ def test_batch_sequences_accept_and_commit_on_their_own(tmp_path):
     """Drafts that are right for sequence 0 and wrong from index 1 on for sequence 1, in one batch: each sequence
     accepts and commits its own count (0: all four, 1: one), and the output still equals greedy decoding (the
     lockstep loop committed the batch's minimum)."""
-    from ppsplit.serve.engine import Engine
-    from ppsplit.serve.sampling import SamplingParams
 
     model, graph = traced("llama")
     split = ppsplit.split_model(graph, 2, aux=TAPS)
@@ -91,18 +90,19 @@ def test_batch_sequences_accept_and_commit_on_their_own(tmp_path):
 
     engine = Engine(split, drafter=drafter, num_draft_tokens=4)
 
-    def oracle(works, rows, results, aux, step, table, layout):  # the sampler's drafts, from the known truth
-        drafts = {}
-        for i, (w, r) in enumerate(zip(works, results)):
-            if r is not None:
-                b = next(int(q.id) for q in engine.scheduler.running if q.slot == w.slot)
-                done = w.index + len(r.tokens)
-                proposal = truth[b, done:done + 4].tolist() + [5] * 4
-                drafts[i] = tuple(proposal[:4] if b == 0 else proposal[:1] + [(d + 1) % VOCAB for d in proposal[1:4]])
-                full[b].append(done + 4 <= truth.shape[1])
-        return drafts
+    def oracle(aux, ids, positions, batch, last, token, sampler, *flags):  # the draft loop's drafts, from the truth
+        if last is None:
+            return None
+        drafts = []
+        for slot in batch.slot[batch.drawing].tolist():
+            b = next(int(q.id) for q in engine.scheduler.running if q.slot == slot)
+            done = int(sampler.index[slot])  # the request's tokens after this step's commit
+            proposal = truth[b, done:done + 4].tolist() + [5] * 4
+            drafts.append(proposal[:4] if b == 0 else proposal[:1] + [(d + 1) % VOCAB for d in proposal[1:4]])
+            full[b].append(done + 4 <= truth.shape[1])
+        return torch.tensor(drafts)
 
-    engine.sampler.draft = oracle
+    engine.runner.sampler.proposer.feed = oracle
     outs = engine.generate(list(ids), SamplingParams(max_tokens=20))
     assert [o.token_ids for o in outs] == truth.tolist()
     for b, right in ((0, 4), (1, 1)):
@@ -181,8 +181,10 @@ def test_drafter_matches_independent_reference(norm_before_residual, tmp_path):
     with torch.no_grad():
         logits, _ = drafter(aux, tokens[None], torch.arange(T))
     torch.testing.assert_close(logits[0], ref_logits, atol=1e-4, rtol=1e-4)
-    drafts, _ = drafter.draft(aux, tokens[None], torch.arange(T), T - 1, k=2)
-    assert drafts[0].tolist() == ref_ids
+    # The engine's draft loop: after the prompt's step, the first window verifies the chain drafted from its last row.
+    out = Engine(split, drafter=drafter, num_draft_tokens=2).generate([ids[0]], SamplingParams(max_tokens=2,
+                                                                                               ignore_eos=True))[0]
+    assert out.token_ids[0] == int(next_token) and out.drafts[0] == ref_ids
 
 
 def test_adapter_never_concatenates_and_matches_fc(tmp_path):
@@ -265,8 +267,6 @@ def test_a_batch_of_8_keeps_each_requests_own_acceptance(trained):
     """8 unseen prompts in one batch through the engine: each request's drafts and acceptances are those it gets
     alone, so the batch's tokens per verify pass average at least 0.95 of the requests' own mean acceptance length
     (a batch that committed the minimum acceptance of its members, the lockstep rule, would fall well below)."""
-    from ppsplit.serve.engine import Engine
-    from ppsplit.serve.sampling import SamplingParams
 
     model, split, drafter, g = trained
     prompts = [p.tolist() for p in torch.randint(3, 32, (8, 4), generator=g)]
@@ -306,8 +306,9 @@ def test_acceptance_rule_is_lossless_at_every_index():
     q[:, 0] = 0  # the drafter never proposes token 0: only the residual can produce it
     q = q / q.sum(-1, keepdim=True)
     drafts = torch.stack([torch.multinomial(q[i], N, replacement=True, generator=g) for i in range(K)], 1)
-    n, token = accept(drafts, target_logits.expand(N, K + 1, V), 1.0, q.expand(N, K, V), g)
     p = torch.softmax(target_logits, -1)
+    n, token = accept_sampled(p.expand(N, K + 1, V), q.expand(N, K, V), drafts, torch.full((N,), K),
+                              torch.rand(N, K, generator=g), lambda taken: torch.rand(N, generator=g))
     full = torch.cat([drafts, drafts[:, :1]], 1)
     for i in range(K + 1):
         reached = n >= i
@@ -445,8 +446,6 @@ def test_speculative_through_processes_equals_single_process(pp, compiled_with_d
     each request's tokens, drafts and acceptances per verify pass equal the in-process engine's, and its tokens
     equal Hugging Face greedy of its prompt alone; sampling (temperature 0.8, a seed per request) gives the
     in-process engine's tokens too."""
-    from ppsplit.serve.engine import Engine
-    from ppsplit.serve.sampling import SamplingParams
     from tests.processes import generate, launch
 
     model, folders = compiled_with_drafter
@@ -473,7 +472,6 @@ def test_slot_reused_while_drafts_are_in_flight_through_four_ranks(compiled_with
     """A request aborted while its verify window is in flight through 4 ranks, its slot given at once to a new
     request (the old micro-step still in the pipe): the new request's tokens equal its solo run, the others are
     untouched, and the pool is whole at the end."""
-    from ppsplit.serve.sampling import SamplingParams
     from tests.processes import AbortInFlight, launch, serve
 
     model, folders = compiled_with_drafter
@@ -497,8 +495,6 @@ def test_slot_reused_while_drafts_are_in_flight_through_four_ranks(compiled_with
 def test_speculative_nccl_two_gpus_equals_single_process(cuda_graphs, compiled_with_drafter):
     """NCCL, rank r on cuda:r, the drafter on rank 1 (every bucket replayed from CUDA graphs, or eager): tokens,
     drafts and acceptances equal the in-process engine on one GPU."""
-    from ppsplit.serve.engine import Engine
-    from ppsplit.serve.sampling import SamplingParams
     from tests.processes import launch, serve
 
     if torch.cuda.device_count() < 2:
@@ -553,69 +549,30 @@ def test_speculative_through_processes_errors(compiled_with_drafter, tmp_path):
 
 
 @pytest.mark.gpu
-def test_draft_step_is_cuda_graph_capturable(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_draft_loop_on_cuda_drafts_like_the_cpu(tmp_path, compiled):
+    """The engine's draft loop on a GPU (fp32; the stages captured, async scheduling): every request's tokens, drafts
+    and acceptances equal the same engine's on the CPU. ``compiled``: the drafter's forward handed to Inductor
+    (``load_drafter(compile=True)``), whose fused kernels may round differently: its outputs still equal greedy."""
+    from tests.serve.test_engine import hf
+
     model, graph = traced("llama")
-    split = ppsplit.split_model(graph, 2, aux=TAPS).place(["cuda", "cuda"])
-    folder, _, _ = drafter_on_disk(tmp_path, model, "safetensors")
-    drafter = ppsplit.load_drafter(folder, split=split)
-    assert drafter.fc.weight.is_cuda and drafter.cache_keys.is_cuda
-    hidden = torch.randn(2, 1, 64, device="cuda")
-    token = torch.randint(3, VOCAB, (2, 1), device="cuda")
-    pos = torch.tensor([7], device="cuda")
-    with torch.no_grad():
-        eager_ids, eager_out = drafter.step(hidden, token, pos)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            drafter.step(hidden, token, pos)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            ids, out = drafter.step(hidden, token, pos)
-        hidden.copy_(torch.randn_like(hidden))
-        g.replay()
-        expected_ids, expected_out = drafter.step(hidden, token, pos)
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, expected_out)
-    assert torch.equal(ids, expected_ids) and not torch.equal(out, eager_out)
-
-    # The whole greedy draft of a verify step (window of K + 1 rows, then K - 1 steps) as one graph.
-    aux = torch.randn(3, 2, 4, 64, device="cuda")
-    tokens = torch.randint(3, VOCAB, (2, 4), device="cuda")
-    positions = torch.arange(10, 14, device="cuda")
-    # Capture writes the drafter's cache (slots 0..3 here), so the eager reference runs after it, on the same
-    # cache: each draft rewrites every slot it reads from 10 on, and slots below 10 are the same for both.
-    drafter.capture(2, 3)
-    assert (2, 4, 3) in drafter.graphs
-    replayed, _ = drafter.draft(aux, tokens, positions, 2, 3)
-    # The captured graph reads its inputs: a different window drafts what eager drafting gives for it.
-    other, _ = drafter.draft(aux.flip(1), tokens.flip(0), positions, 1, 3)
-    drafter.graphs.clear()
-    assert torch.equal(replayed, drafter.draft(aux, tokens, positions, 2, 3)[0])
-    assert torch.equal(other, drafter.draft(aux.flip(1), tokens.flip(0), positions, 1, 3)[0])
-
-
-@pytest.mark.gpu
-def test_inductor_compiled_drafter_captures_and_drafts_like_its_eager_run(tmp_path):
-    """``drafter.compile(dynamic=False)`` (nn.Module.compile: Inductor fuses the norms, rotary and adds of its
-    forward); ``capture`` then records the compiled kernels: the replayed draft equals the compiled draft run
-    uncaptured, and the compiled logits stay close to the eager ones."""
-    model, graph = traced("llama")
-    split = ppsplit.split_model(graph, 2, aux=TAPS).place(["cuda", "cuda"])
-    folder, _, _ = drafter_on_disk(tmp_path, model, "safetensors")
-    drafter = ppsplit.load_drafter(folder, split=split)
-    aux = torch.randn(3, 2, 4, 64, device="cuda")
-    tokens = torch.randint(3, VOCAB, (2, 4), device="cuda")
-    positions = torch.arange(10, 14, device="cuda")
-    with torch.no_grad():
-        eager_logits, _ = drafter(aux, tokens, positions)
-        drafter.compile(dynamic=False)
-        compiled_logits, _ = drafter(aux, tokens, positions)
-    torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
-    drafter.capture(2, 3)
-    replayed, _ = drafter.draft(aux, tokens, positions, 2, 3)
-    drafter.graphs.clear()
-    assert torch.equal(replayed, drafter.draft(aux, tokens, positions, 2, 3)[0])
+    folder, _, _ = drafter_on_disk(tmp_path, model, "safetensors", seed=2)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (3, 9, 14, 6, 11)]
+    params = [SamplingParams(max_tokens=m) for m in (10, 12, 8, 15, 9)]
+    runs = []
+    for device in ("cpu", "cuda"):
+        split = ppsplit.split_model(graph, 2, aux=TAPS)
+        if device == "cuda":
+            split.place(["cuda", "cuda"])
+        drafter = ppsplit.load_drafter(folder, split=split, compile=compiled and device == "cuda")
+        outs = Engine(split, drafter=drafter, num_draft_tokens=3).generate(prompts, params)
+        runs.append([(o.token_ids, o.drafts, o.accepted) for o in outs])
+    for prompt, p, out in zip(prompts, params, runs[1]):
+        assert out[0] == hf(model, prompt, p)
+    if not compiled:
+        assert runs[1] == runs[0]
 
 
 def test_load_drafter_compile_hands_the_forward_to_inductor(tmp_path):

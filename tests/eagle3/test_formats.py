@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import ppsplit
 from ppsplit import ConfigError
 from tests.eagle3.test_eagle3 import traced
-from tests.support import VOCAB, random_drafter_tensors, write_drafter
+from tests.support import VOCAB, first_drafts, random_drafter_tensors, write_drafter
 
 TAPS = [1, 2, 4]  # ppsplit (= vLLM, speculators) numbering; SpecForge writes [0, 1, 3]
 K = 3
@@ -192,8 +192,7 @@ def test_every_variant_drafts_like_the_reference(name, tmp_path):
         with torch.no_grad():
             logits, _ = drafter(aux, tokens[None], torch.arange(T))
         torch.testing.assert_close(logits[0], ref_logits, atol=5e-5, rtol=1e-4)
-        drafts, _ = drafter.draft(aux, tokens[None], torch.arange(T), T - 1, k=4)
-        assert drafts[0].tolist() == ref_ids, (name, pp)
+        assert first_drafts(split, drafter, ids[0], 4) == ref_ids, (name, pp)
 
 
 def test_variants_change_the_drafts(tmp_path):
@@ -398,9 +397,7 @@ def test_speculators_window_variant_against_the_reference(tmp_path):
     drafter = ppsplit.load_drafter(str(tmp_path / "spec"), split=split)
     _, ref = reference_chain(t, {"heads": 4, "kv_heads": 2, "theta": 5000.0, "window": 4}, feats, tokens,
                              model.get_input_embeddings().weight.detach(), k=4)
-    _, aux = split(ids, torch.arange(9))
-    drafts, _ = drafter.draft(aux, tokens[None], torch.arange(9), 8, k=4)
-    assert drafts[0].tolist() == ref
+    assert first_drafts(split, drafter, ids[0], 4) == ref
 
 
 @pytest.fixture
@@ -465,8 +462,7 @@ def test_specforge_checkpoints_draft_like_specforge(flags, tmp_path, no_dynamo):
         with torch.no_grad():
             logits, _ = drafter(aux, tokens[None], torch.arange(9))
         torch.testing.assert_close(logits[0], ref_logits, atol=5e-5, rtol=0)
-        drafts, _ = drafter.draft(aux, tokens[None], torch.arange(9), 8, k=4)
-        assert drafts[0].tolist() == ref_ids, pp
+        assert first_drafts(split, drafter, ids[0], 4) == ref_ids, pp
 
 
 @pytest.mark.parametrize("fmt", ["speculators", "specforge"])
@@ -482,8 +478,7 @@ def test_saved_drafters_are_read_back_by_the_owning_library(fmt, tmp_path, no_dy
     torch.manual_seed(10)
     ids = torch.randint(3, VOCAB, (1, 9))
     feats, tokens = target_features(model, ids)
-    _, aux = split(ids, torch.arange(9))
-    ours, _ = drafter.draft(aux, tokens[None], torch.arange(9), 8, k=K)
+    ours = first_drafts(split, drafter, ids[0], K)
     if fmt == "speculators":
         pytest.importorskip("speculators")
         from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
@@ -492,7 +487,7 @@ def test_saved_drafters_are_read_back_by_the_owning_library(fmt, tmp_path, no_dy
         config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention's block masks need a GPU size
         lib = Eagle3DraftModel.from_pretrained(out, config=config).eval()
         assert lib.config.norm_output and lib.layers[0].self_attn.q_proj.weight.shape == (64, 128)
-        lib_ids, _ = speculators_drafts(lib, feats, tokens, ours[0].tolist())
+        lib_ids, _ = speculators_drafts(lib, feats, tokens, ours)
     else:
         pytest.importorskip("specforge")
         from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
@@ -504,9 +499,9 @@ def test_saved_drafters_are_read_back_by_the_owning_library(fmt, tmp_path, no_dy
         with torch.no_grad():
             lib.embed_tokens.weight.copy_(model.get_input_embeddings().weight)  # the SGLang layout ships none
         _, lib_ids = specforge_drafts(lib, feats, tokens, K)
-    assert ours[0].tolist() == lib_ids
+    assert ours == lib_ids
     again = ppsplit.load_drafter(out, split=split)  # and ppsplit reads its own export
-    assert torch.equal(again.draft(aux, tokens[None], torch.arange(9), 8, k=K)[0], ours)
+    assert first_drafts(split, again, ids[0], K) == ours
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
 
 
@@ -527,19 +522,15 @@ def test_compile_with_a_speculators_drafter(tmp_path):
     drafter = ppsplit.load_drafter(folder, split=split)
     torch.manual_seed(12)
     ids = torch.randint(3, VOCAB, (1, 9))
-    _, tokens = target_features(model, ids)
-    _, aux = split(ids, torch.arange(9))
-    expected, _ = drafter.draft(aux, tokens[None], torch.arange(9), 8, k=4)
-    _, aux = loaded(ids, torch.arange(9))
-    got, _ = loaded.drafter.draft(aux, tokens[None], torch.arange(9), 8, k=4)
-    assert torch.equal(got, expected)
+    expected = first_drafts(split, drafter, ids[0], 4)
+    assert first_drafts(loaded, loaded.drafter, ids[0], 4) == expected
     # ppsplit save-drafter: the compiled folder's drafter back out as a speculators checkpoint, read again
     assert main(["save-drafter", out, "--format", "speculators", "-o", str(tmp_path / "exported")]) == 0
     cfg = json.load(open(tmp_path / "exported" / "config.json"))
     assert cfg["speculators_model_type"] == "eagle3" and cfg["norm_output"] is True
     assert cfg["eagle_aux_hidden_state_layer_ids"] == TAPS
     again = ppsplit.load_drafter(str(tmp_path / "exported"), split=split)
-    assert torch.equal(again.draft(aux, tokens[None], torch.arange(9), 8, k=4)[0], expected)
+    assert first_drafts(split, again, ids[0], 4) == expected
     assert main(["save-drafter", out, "--format", "specforge", "-o", str(tmp_path / "x")]) == 2  # cannot express it
 
 
@@ -571,4 +562,4 @@ def test_a_narrower_drafter_with_its_own_embedding(fmt, tmp_path):
     with torch.no_grad():
         logits, _ = drafter(aux, tokens[None], torch.arange(9))
     torch.testing.assert_close(logits[0], ref_logits, atol=5e-5, rtol=1e-4)
-    assert drafter.draft(aux, tokens[None], torch.arange(9), 8, k=4)[0][0].tolist() == ref_ids
+    assert first_drafts(split, drafter, ids[0], 4) == ref_ids

@@ -15,9 +15,10 @@ from ppsplit.triton_kernels.common import HAVE_TRITON
 from ppsplit.triton_kernels import recurrent
 from ppsplit.triton_kernels.attention import indexer_topk, latent_attention_reference
 from ppsplit.triton_kernels.paged import (launch_paged_attention, launch_paged_conv1d, launch_paged_latent_attention,
-                                          launch_paged_write, paged_attention_reference, paged_conv1d_reference,
-                                          latent_fp8_views, paged_indexer_topk, paged_latent_attention,
-                                          paged_latent_attention_reference, slot_mapping_reference)
+                                          launch_paged_write, paged_attention_grouped, paged_attention_reference,
+                                          paged_conv1d_reference, latent_fp8_views, paged_indexer_topk,
+                                          paged_latent_attention, paged_latent_attention_reference,
+                                          slot_mapping_reference)
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 
@@ -108,6 +109,28 @@ def run_attention_case(case, dtype, device, tol, config=None):
                                     None if alibi is None else alibi.double().cpu(),
                                     None if sinks is None else sinks.double().cpu(), chunk_size)
     torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
+def test_paged_attention_torch_path_groups_sequences_exactly(case):
+    """The op's torch path (the sequences of a step grouped by token count, one batched attention per group over
+    keys gathered to the group's longest) equals the per-sequence reference in fp64, with NaN in every pool entry
+    no sequence owns."""
+    hq, hkv, dim, block, counts, extras = ATTENTION_CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    step, layout, lengths = ragged(counts, block, slots=len(counts) + 1, seed=case,
+                                   max_start=extras.get("max_start", 40))
+    keys, values = pools(layout, lengths, step, hkv, dim, gen, torch.float64, "cpu")
+    q = torch.randn(1, hq, step.num_tokens, dim, generator=gen, dtype=torch.float64)
+    alibi = torch.rand(hq, generator=gen, dtype=torch.float64) * -0.5 if extras.get("alibi") else None
+    sinks = torch.randn(hq, generator=gen, dtype=torch.float64) if extras.get("sinks") else None
+    args = (step.positions, step.block_table, step.seq_start, step.seq_count, dim ** -0.5, extras.get("window", 0),
+            extras.get("softcap", 0.0), alibi, sinks)
+    got = paged_attention_grouped(q, keys, values, *args)
+    ref = paged_attention_reference(q, keys.nan_to_num(), values.nan_to_num(), step.positions, step.seq,
+                                    *args[1:])
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("config", [None, "chunked", "decode", "wide", "head-major", "int64"],

@@ -14,7 +14,7 @@ import ppsplit
 import tests.serve.test_decode as decode_tests
 from ppsplit import CacheConfig, ConfigError
 from ppsplit.triton_kernels.attention import HAVE_TRITON, attention_reference, launch_cache_attention
-from tests.support import VOCAB
+from tests.support import VOCAB, decode
 
 ops = torch.ops.ppsplit
 CACHE = decode_tests.CACHE
@@ -234,7 +234,7 @@ def test_unrecognised_attention_is_left_and_reported():
     prompt = torch.randint(3, VOCAB, (2, 6))
     with torch.no_grad():
         expected = model.generate(prompt, max_new_tokens=8, do_sample=False)
-    assert torch.equal(split.generate(prompt, 8), expected)
+    assert torch.equal(decode(split, prompt, 8), expected)
 
 
 def _deepseek_v3(attn_implementation="sdpa"):
@@ -284,7 +284,7 @@ def test_an_expansion_that_is_not_mla_stays_lockstep_and_says_why():
     prompt = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
-    assert torch.equal(split.generate(prompt, 6), expected)
+    assert torch.equal(decode(split, prompt, 6), expected)
 
 
 def test_plan_json_round_trip_keeps_the_report():

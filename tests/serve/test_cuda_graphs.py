@@ -65,13 +65,61 @@ def test_rope_write_kernel_in_a_ragged_step_equals_the_ops_it_replaces(arch):
 def test_generate_with_graphs_equals_eager():
     model = tiny_model("llama").to(device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(3, VOCAB, (2, 7), device="cuda")
-    eager = ppsplit.split_model(model, 3, cache=CacheConfig(batch_size=2, max_len=64)).generate(ids, 20)
+    eager = ppsplit.split_model(model, 3, cache=CacheConfig(batch_size=2, max_len=64)).generate(ids, 20,
+                                                                                                enforce_eager=True)
     graphed = ppsplit.split_model(model, 3, cache=CacheConfig(batch_size=2, max_len=64)).capture(2, [7, 1])
     assert graphed.graphs and torch.equal(graphed.generate(ids, 20), eager)
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=20, do_sample=False)
     # bf16 on the GPU: HF's dynamic cache and our static one may round differently; most tokens agree.
     assert (eager == expected).float().mean() > 0.9
+
+
+def test_the_engine_on_cuda_captures_schedules_ahead_and_equals_eager(tmp_path):
+    """bf16 on one GPU: by default the engine captures its stages for the token buckets and schedules each step while
+    the previous one runs (windows filled in on the device). Every request's tokens, and with an EAGLE-3 drafter its
+    drafts and acceptances, equal the eager engine's on the same padded steps; the greedy tokens mostly equal Hugging
+    Face's (bf16 rounding may differ); one device read per step."""
+    from ppsplit.serve.engine import Engine
+    from ppsplit.serve.sampling import SamplingParams
+    from tests.serve.test_engine import HostReads
+    from tests.support import drafter_config, random_drafter_tensors, write_drafter
+
+    model = tiny_model("llama").to(device="cuda", dtype=torch.bfloat16)
+    cache = CacheConfig(batch_size=8, max_len=96)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (3, 17, 9, 30, 5, 12)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (12, 8, 15, 10, 6, 20)]
+    cfg = drafter_config(model.config, aux_ids=[0, 1, 3])
+    folder = write_drafter(str(tmp_path / "d"), cfg, random_drafter_tensors(cfg, scale=2.0))
+    for k in (0, 3):
+        runs = []
+        for eager in (False, True):
+            split = ppsplit.split_model(model, 2, aux=[1, 2, 4], cache=cache)
+            drafter = ppsplit.load_drafter(folder, split=split) if k else None
+            engine = Engine(split, drafter=drafter, num_draft_tokens=k, enforce_eager=eager,
+                            async_scheduling=not eager, max_num_batched_tokens=64)
+            if eager:
+                engine.scheduler.buckets = list(runs[0][1])  # the same padded steps as the captured engine
+            else:
+                assert split.graphs and engine.runner.lag and engine.runner.depth == 2
+            outs = engine.generate(prompts, params)
+            runs.append(([(o.token_ids, o.drafts, o.accepted) for o in outs], engine.scheduler.buckets))
+            for p in prompts[:2]:
+                engine.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
+            engine.step()
+            reads = HostReads()
+            with reads:
+                engine.step()
+            assert reads.count <= 1
+        assert runs[0][0] == runs[1][0], k
+        agree = total = 0
+        for p, (tokens, _, _) in zip(prompts, runs[0][0]):
+            with torch.no_grad():
+                hf = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=len(tokens), do_sample=False,
+                                    eos_token_id=None)[0, len(p):].tolist()
+            agree, total = agree + sum(a == b for a, b in zip(tokens, hf)), total + len(tokens)
+        assert agree / total > 0.9
 
 
 def test_stages_on_two_devices():

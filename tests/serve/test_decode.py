@@ -108,3 +108,16 @@ def test_generate_errors():
         split.generate(torch.zeros(1, 40, dtype=torch.long), 10)
     with pytest.raises(ConfigError, match="CacheConfig.max_len must be a positive integer"):
         CacheConfig(batch_size=1, max_len=0)
+
+
+def test_placing_a_split_leaves_the_other_splits_of_its_trace_where_they_are():
+    # Splits of one trace share their Parameter objects; Module.to would move them in place, under the other split.
+    model = tiny_model("llama")
+    graph = ppsplit.trace_model(model, cache=CacheConfig(2, 32))
+    kept, moved = ppsplit.split_model(graph, 2), ppsplit.split_model(graph, 2)
+    moved.place(["meta", "meta"])
+    assert {t.device.type for s in moved.stages for t in [*s.parameters(), *s.buffers()]} == {"meta"}
+    assert {t.device.type for s in kept.stages for t in [*s.parameters(), *s.buffers()]} == {"cpu"}
+    ids = torch.randint(3, 100, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(kept.generate(ids, 6), model.generate(ids, max_new_tokens=6, do_sample=False))

@@ -40,10 +40,12 @@ def requests(n=12, seed=0):
     return prompts, params
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_requests_arriving_at_different_steps_each_equal_hf_alone(llama, pp):
+@pytest.mark.parametrize("pp, lag", [(1, False), (2, False), (2, True)])
+def test_requests_arriving_at_different_steps_each_equal_hf_alone(llama, pp, lag):
+    """``lag``: async scheduling (two steps in flight, windows filled in from the device), as on one GPU."""
     model, traced = llama
-    engine = Engine(ppsplit.split_model(traced, pp), max_num_batched_tokens=32)  # 14 blocks: preemption happens
+    engine = Engine(ppsplit.split_model(traced, pp), max_num_batched_tokens=32,  # 14 blocks: preemption happens
+                    async_scheduling=lag)
     prompts, params = requests()
     arrivals = {i: i // 2 for i in range(len(prompts))}  # two new requests every step
     outputs, step, ids = {}, 0, {}
@@ -114,8 +116,10 @@ def test_a_seed_gives_the_same_tokens_whatever_the_batch(llama):
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
     alone = Engine(split).generate([[5, 6, 7]], params)[0].token_ids
     others = [SamplingParams(max_tokens=9, temperature=1.0, seed=s, ignore_eos=True) for s in range(7)]
-    batch = Engine(split).generate([[9, 9, 9, 9]] * 3 + [[5, 6, 7]] + [[4, 4]] * 4, others[:3] + [params] + others[3:])
-    assert batch[3].token_ids == alone
+    for lag in (False, True):
+        batch = Engine(split, async_scheduling=lag).generate([[9, 9, 9, 9]] * 3 + [[5, 6, 7]] + [[4, 4]] * 4,
+                                                             others[:3] + [params] + others[3:])
+        assert batch[3].token_ids == alone
 
 
 def chi_square_p(counts, probs):
@@ -185,10 +189,12 @@ def test_speculative_requests_accept_on_their_own(tmp_path, llama):
                                    split=split)
     prompts, params = requests(6, seed=3)
     together = Engine(split, drafter=drafter, num_draft_tokens=3).generate(prompts, params)
-    for prompt, p, out in zip(prompts, params, together):
+    lagged = Engine(split, drafter=drafter, num_draft_tokens=3, async_scheduling=True).generate(prompts, params)
+    for prompt, p, out, other in zip(prompts, params, together, lagged):
         alone = Engine(split, drafter=drafter, num_draft_tokens=3).generate([prompt], p)[0]
         assert out.token_ids == hf(model, prompt, p)
         assert out.drafts == alone.drafts and out.accepted == alone.accepted
+        assert (other.token_ids, other.drafts, other.accepted) == (out.token_ids, out.drafts, out.accepted)
 
 
 def test_a_hybrid_speculates_per_request_like_alone(tmp_path):
@@ -248,3 +254,45 @@ def test_mla_requests_each_equal_hf_alone(tmp_path, arch):
     assert [o.token_ids for o in speculative] == expected[:3]
     # Every step verified K + 1 tokens; rejected drafts' latents were overwritten by the next step's.
     assert all(o.accepted and sum(o.accepted) < 3 * len(o.accepted) for o in speculative)
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the reads of tensor values into Python (each one a device synchronisation on a GPU)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
+             torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+@pytest.mark.parametrize("lag", [False, True])
+def test_a_step_reads_the_device_once_whatever_the_batch(tmp_path, llama, with_drafter, lag):
+    """During one ``Engine.step()`` (greedy and sampling requests mixed, drafts verified), the reads of tensor values
+    into Python do not grow from 1 to 16 requests: one copy of the step's results."""
+    model, _ = llama
+    split = ppsplit.split_model(ppsplit.trace_model(model, cache=CacheConfig(16, 64)), 2, aux=[1, 2, 4])
+    drafter = None
+    if with_drafter:
+        cfg = drafter_config(model.config, aux_ids=[0, 1, 3])
+        drafter = ppsplit.load_drafter(write_drafter(str(tmp_path / "d"), cfg, random_drafter_tensors(cfg)),
+                                       split=split)
+    counts = {}
+    for n in (1, 16):
+        engine = Engine(split, drafter=drafter, num_draft_tokens=3 if drafter else 0, async_scheduling=lag)
+        for i in range(n):
+            engine.add_request([5 + i, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True, seed=i,
+                                                             temperature=0.7 * (i % 2), top_p=0.9))
+        engine.step()
+        engine.step()
+        reads = HostReads()
+        with reads:
+            engine.step()
+        counts[n] = reads.count
+    assert counts[16] == counts[1] <= 1, counts

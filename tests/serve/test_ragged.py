@@ -232,9 +232,9 @@ def test_bad_metadata_is_refused_before_anything_runs():
 
 def test_models_whose_cache_cannot_be_paged_keep_a_lockstep_cache_and_say_why():
     """HY-V4 (MLA whose attention adds learned sinks, which ``latent_attention`` does not have): the paged pass does
-    not serve it, so the split keeps a lockstep cache, the plan says why, and ragged steps are refused with the
-    reason."""
-    from tests.architectures.test_streams import IDS, build as build_streamed, greedy
+    not serve it, so the split keeps a lockstep cache, the plan says why, its forward equals Hugging Face's, and
+    generation (the engine) and ragged steps are refused with the reason."""
+    from tests.architectures.test_streams import IDS, build as build_streamed
 
     model = build_streamed("hy_v4")
     split = ppsplit.split_model(ppsplit.trace_model(model, cache=CacheConfig(2, 32)), 2)
@@ -242,6 +242,9 @@ def test_models_whose_cache_cannot_be_paged_keep_a_lockstep_cache_and_say_why():
     assert "its cache holds MLA latents, but no scale/window/soft-cap makes latent_attention equal it" \
         in split.plan.lockstep_reason
     assert "lockstep: no ragged steps" in split.plan.describe()
-    assert torch.equal(split.generate(IDS, 10), greedy("hy_v4"))
+    with torch.no_grad():
+        torch.testing.assert_close(split(IDS)[0], model(IDS).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="needs a paged cache, and this split keeps a lockstep one because layer 0"):
+        split.generate(IDS, 6)
     with pytest.raises(ConfigError, match="ragged steps need a paged cache; this split keeps a lockstep cache"):
         split.step(torch.zeros(1, dtype=torch.long), None)
