@@ -114,7 +114,7 @@ def run_attention_case(case, dtype, device, tol, config=None):
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
 def test_paged_attention_torch_path_groups_sequences_exactly(case):
     """The op's torch path (the sequences of a step grouped by token count, one batched attention per group over
-    keys gathered to the group's longest) equals the per-sequence reference in fp64, with NaN in every pool entry
+    keys gathered to the group's longest; Llama 4's chunks too) equals the per-sequence reference in fp64, with NaN in every pool entry
     no sequence owns."""
     hq, hkv, dim, block, counts, extras = ATTENTION_CASES[case]
     gen = torch.Generator().manual_seed(case)
@@ -125,7 +125,7 @@ def test_paged_attention_torch_path_groups_sequences_exactly(case):
     alibi = torch.rand(hq, generator=gen, dtype=torch.float64) * -0.5 if extras.get("alibi") else None
     sinks = torch.randn(hq, generator=gen, dtype=torch.float64) if extras.get("sinks") else None
     args = (step.positions, step.block_table, step.seq_start, step.seq_count, dim ** -0.5, extras.get("window", 0),
-            extras.get("softcap", 0.0), alibi, sinks)
+            extras.get("softcap", 0.0), alibi, sinks, extras.get("chunk_size", 0))
     got = paged_attention_grouped(q, keys, values, *args)
     ref = paged_attention_reference(q, keys.nan_to_num(), values.nan_to_num(), step.positions, step.seq,
                                     *args[1:])
