@@ -962,7 +962,8 @@ def _picks(node: fx.Node) -> fx.Node | None:
     """The positions an indexer picks, when ``node`` is they or a cast of them (GLM-MoE-DSA hands them on as int32):
     ``topk(...)[1]``, or the ``indexer_topk`` that replaced it."""
     while node.target in _CASTS and isinstance(node.args[0], fx.Node) \
-            and isinstance(node.args[0].meta.get("val"), torch.Tensor) and not node.args[0].meta["val"].is_floating_point():
+            and isinstance(node.args[0].meta.get("val"), torch.Tensor) \
+            and not node.args[0].meta["val"].is_floating_point():
         node = node.args[0]
     if node.target is torch.ops.ppsplit.indexer_topk.default:
         return node

@@ -114,8 +114,8 @@ def run_attention_case(case, dtype, device, tol, config=None):
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
 def test_paged_attention_torch_path_groups_sequences_exactly(case):
     """The op's torch path (the sequences of a step grouped by token count, one batched attention per group over
-    keys gathered to the group's longest; Llama 4's chunks too) equals the per-sequence reference in fp64, with NaN in every pool entry
-    no sequence owns."""
+    keys gathered to the group's longest; Llama 4's chunks too) equals the per-sequence reference in fp64, with NaN
+    in every pool entry no sequence owns."""
     hq, hkv, dim, block, counts, extras = ATTENTION_CASES[case]
     gen = torch.Generator().manual_seed(case)
     step, layout, lengths = ragged(counts, block, slots=len(counts) + 1, seed=case,
