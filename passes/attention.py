@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import ppsplit.triton_kernels.attention  # noqa: F401  (registers torch.ops.ppsplit.cache_attention)
 from ppsplit.core.fx_utils import CACHE_PREFIX, INDEXER_KEYS, fresh_copy, get_tensor, set_tensor
@@ -243,6 +244,16 @@ def _shape(node: fx.Node):
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def _same(a, b) -> bool:
+    """Sizes (or tuples of them) known equal without a guard: ``==`` on a traced symbolic size, made a ``bool``,
+    would specialise the symbol to its example value (the step's token count fixed at the trace's) wherever the
+    example value happened to match."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) \
+            and all(_same(x, y) for x, y in zip(a, b))
+    return statically_known_true(a == b)
+
+
 def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict, layer: int | None = None) -> _Found:
     """The attention over the cached ``k``, ``v``: it ends at the first node reading both (through views to
     ``[B, Hq, T, Dv]``), or, where that one's region is read outside it, at the first later ``[B, Hq, T, Dv]`` node
@@ -258,8 +269,8 @@ def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict, layer: int |
     tokens = positions.meta["val"].shape[0]
 
     def is_out(shape):
-        return (shape is not None and len(shape) == 4 and shape[0] == batch and shape[2] == tokens
-                and shape[3] == dv and isinstance(shape[1], int) and shape[1] % kv_heads == 0)
+        return (shape is not None and len(shape) == 4 and _same(shape[0], batch) and _same(shape[2], tokens)
+                and _same(shape[3], dv) and isinstance(shape[1], int) and shape[1] % kv_heads == 0)
 
     first_error = None
     for out in [both[0]] + [n for n in both[1:] if is_out(_shape(n))]:
@@ -388,14 +399,14 @@ def _match_joined(gm, k: fx.Node, v: fx.Node, order: dict):
     shape = _shape(join)
     positions = gm.graph.find_nodes(op="placeholder", target="positions")[0]
     tokens = positions.meta["val"].shape[0]
-    if shape is None or len(shape) != 4 or shape[0] != batch or shape[1] != tokens:
+    if shape is None or len(shape) != 4 or not _same(shape[:2], (batch, tokens)):
         raise _NoMatch(f"its concatenation {join.format_node()} is not [B, T, Hq, Dv]")
     values_only = from_v - from_k
     parts, transforms = [], set()
     for piece in join.args[0]:
         ancestors = _ancestors(piece, from_k | from_v | {v}) & (values_only | {v})
         kv_shaped = [n for n in ancestors if _shape(n) is not None and len(_shape(n)) == 4
-                     and _shape(n)[:3] == (batch, kv_heads, length)]
+                     and _same(_shape(n)[:3], (batch, kv_heads, length))]
         if not kv_shaped:
             raise _NoMatch(f"{piece.format_node()} reads no values of the cache's heads and positions")
         part = max(kv_shaped, key=order.get)
@@ -441,7 +452,7 @@ def _rewrite_key_bias(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: d
     kshape = _shape(k)
     batch, kv_heads, length = kshape[0], kshape[1], kshape[2]
     values_only = _downstream(v) - _downstream(k)
-    biases = [n for n in found.region if n in values_only and _shape(n) == (batch, kv_heads, length)]
+    biases = [n for n in found.region if n in values_only and _same(_shape(n), (batch, kv_heads, length))]
     if not biases:
         raise _NoMatch("no per-key bias computed from its values")
     bias = max(biases, key=order.get)
