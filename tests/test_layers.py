@@ -223,7 +223,8 @@ def test_loading_and_serving_a_folder_imports_no_transformers_and_no_compile_pas
 
 PICKS = {"argmax", "multinomial", "searchsorted", "sample"}  # what choosing a token from logits calls
 DECODING = {"ppsplit.serve.sampling", "ppsplit.serve.sampler", "ppsplit.serve.speculative"}
-SCORING = {"ppsplit.eagle3.drafter"}  # draft_agreement: teacher-forced first drafts, no loop that decodes
+SCORING = {"ppsplit.eagle3.drafter", "ppsplit.eagle3.dflash"}  # draft_agreement, block_agreement: teacher-forced
+# first drafts, no loop that decodes
 
 
 def test_tokens_are_chosen_in_the_engine_only():

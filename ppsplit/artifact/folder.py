@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 
 from ppsplit.core.checked import FolderError, check, from_json
@@ -36,6 +37,9 @@ DRAFTER = "drafter"
 SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                  "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json",
                  "chat_template.jinja", "chat_template.json")
+# The most bytes a JSON file of a folder may hold (ppsplit's own are kilobytes per stage; tokenizer.json files of
+# large vocabularies are tens of megabytes): a larger one is refused before it is parsed.
+MAX_JSON_BYTES = 64 << 20
 _TENSOR_KINDS = ("parameter", "buffer")
 _INITS = ("file", "zeros")
 
@@ -133,6 +137,57 @@ class StageProgram:
         return {t.name: t for t in self.tensors if t.init == "file"}
 
 
+@dataclass(frozen=True)
+class StageMemory:
+    """What loading stage ``stage`` allocates on its device, in bytes: ``weights`` (read from its weights file),
+    ``state`` (the zero-initialised tensors its program declares: KV pools, recurrent rings, ...; ``largest`` names
+    the largest), and on the last stage of a folder with a drafter, ``drafter`` (its weights and paged KV pool)."""
+
+    stage: int
+    weights: int
+    state: int
+    largest: str | None = None
+    drafter: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.state + self.drafter
+
+
+def tensor_bytes(spec: TensorSpec) -> int:
+    n = DTYPES[spec.dtype].itemsize
+    for size in spec.shape:
+        n *= size
+    return n
+
+
+def stage_memory(program: StageProgram) -> StageMemory:
+    """The weights and zero-initialised state of a checked ``program`` (its drafter is added by
+    ``CompiledFolder.memory``)."""
+    state = [t for t in program.tensors if t.init == "zeros"]
+    largest = max(state, key=tensor_bytes, default=None)
+    return StageMemory(program.index, sum(tensor_bytes(t) for t in program.tensors if t.init == "file"),
+                       sum(tensor_bytes(t) for t in state),
+                       None if largest is None else f"{largest.name} {list(largest.shape)} {largest.dtype}")
+
+
+def scheduler_bytes(plan: SplitPlan) -> int:
+    """What the engine's scheduler keeps on the host for a paged cache: the block table (``max_batch`` x
+    ``blocks_per_seq`` int64), the free-block list (a Python int per block, 36 bytes with its list entry) and the
+    per-slot lists (64 bytes a slot)."""
+    if not plan.paged:
+        return 0
+    return 8 * plan.max_batch * plan.blocks_per_seq + 36 * plan.num_blocks + 64 * plan.max_batch
+
+
+def host_memory() -> int:
+    """This machine's RAM in bytes (a very large number where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
 class CompiledFolder:
     """A compiled folder opened for reading: ``plan`` and ``manifest`` read once and checked; ``program(k)``,
     ``weights(k)`` and ``check()`` check the rest.
@@ -148,24 +203,32 @@ class CompiledFolder:
             what = "does not exist" if not isinstance(path, str) or not os.path.exists(path) else "is a file"
             raise FolderError(f"{path} {what}; pass a folder written by ppsplit compile")
         self.path = path
-        text = _read(os.path.join(path, PLAN))
+        text = read_file(self.file(PLAN), MAX_JSON_BYTES, path)
         self.fingerprint = fingerprint(text)
         self.plan = SplitPlan.from_dict(_json(text, self.file(PLAN)), self.file(PLAN))
         _check_plan(self.plan, self.file(PLAN))
-        self.manifest = Manifest.from_dict(_json(_read(self.file(MANIFEST)), self.file(MANIFEST)), self.file(MANIFEST))
+        manifest = read_file(self.file(MANIFEST), MAX_JSON_BYTES, path)
+        self.manifest = Manifest.from_dict(_json(manifest, self.file(MANIFEST)), self.file(MANIFEST))
         _check_manifest(self.manifest, self.plan, self.file(MANIFEST))
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
     def weights(self, k: int) -> str:
-        return self.file(weights_name(k))
+        """Stage ``k``'s weights file, checked to be a regular file inside the folder."""
+        return regular_file(self.file(weights_name(k)), self.path)
 
     @property
     def drafter(self) -> str | None:
         """The drafter folder inside, or ``None``."""
         path = self.file(DRAFTER)
-        return path if os.path.isdir(path) else None
+        if not os.path.lexists(path):
+            return None
+        _inside(path, self.path)
+        if not os.path.isdir(path):
+            raise FolderError(f"{path} is not a folder; a compiled folder keeps its drafter in {DRAFTER}/: compile "
+                              "the folder again")
+        return path
 
     def program(self, k: int) -> StageProgram:
         """Stage ``k``'s program, checked: its tensor list, its graph (``ppsplit.artifact.program``) and that it
@@ -175,7 +238,7 @@ class CompiledFolder:
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < self.plan.pp:
             raise FolderError(f"stage {k} does not exist: {self.path} has stages 0 to {self.plan.pp - 1}")
         where = self.file(program_name(k))
-        data = _json(_read(where), where)
+        data = _json(read_file(where, MAX_JSON_BYTES, self.path), where)
         if not isinstance(data, dict):
             raise FolderError(f"{where} must be a JSON object")
         if check(int, data.get("stage"), f"{where}: stage") != k:
@@ -226,6 +289,21 @@ class CompiledFolder:
             raise FolderError(f"cannot read {path} ({first}); the file is incomplete or corrupt: compile the folder "
                               "again") from None
 
+    def memory(self, programs: list[StageProgram]) -> list[StageMemory]:
+        """What loading each stage allocates (``StageMemory``), the drafter's weights and paged KV pool counted on
+        the last stage (``ppsplit inspect`` prints it; ``load`` refuses a stage larger than its device)."""
+        out = [stage_memory(p) for p in programs]
+        if self.drafter is not None and out:
+            cfg, _ = check_drafter(self.drafter, self.plan)
+            heads = cfg["num_attention_heads"]
+            kv_heads, head_dim = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or \
+                cfg["hidden_size"] // max(1, heads)
+            pool = 2 * self.plan.num_blocks * self.plan.block_size * kv_heads * head_dim * \
+                DTYPES[self.plan.dtype].itemsize
+            weights = os.path.getsize(regular_file(os.path.join(self.drafter, "drafter.safetensors")))
+            out[-1] = dataclasses.replace(out[-1], drafter=weights + pool)
+        return out
+
     def check(self) -> list[StageProgram]:
         """Everything ``load`` checks before it reads a tensor: the plan, the manifest, every stage program and
         every weights file's header, and the drafter's config and tensor names (``ppsplit inspect``). Returns the
@@ -239,6 +317,7 @@ class CompiledFolder:
 
 
 # What the config of a drafter stored in a compiled folder may hold, by type (ppsplit writes it: save_drafter).
+_FOREIGN_DRAFTER_FILES = ("model.safetensors", "pytorch_model.bin")
 _STORED_CONFIG = {**DRAFTER_KEYS, "ppsplit_rope_scale": float, "ppsplit_taps": tuple[int, ...]}
 
 
@@ -249,6 +328,10 @@ def check_drafter(path: str, plan) -> tuple[dict, dict]:
 
     where = os.path.join(path, "config.json")
     cfg = read_json_object(where)
+    for name in _FOREIGN_DRAFTER_FILES:  # what a drafter checkpoint may hold and ppsplit never writes here
+        if os.path.lexists(os.path.join(path, name)):
+            raise FolderError(f"{os.path.join(path, name)} is not a file ppsplit writes (a compiled folder's drafter "
+                              "is config.json and drafter.safetensors): remove it, or compile the folder again")
     for key, kind in _STORED_CONFIG.items():
         if key in cfg and cfg[key] is not None:
             cfg[key] = check(kind, cfg[key], f"{where}: {key}")
@@ -260,8 +343,10 @@ def check_drafter(path: str, plan) -> tuple[dict, dict]:
                           f"carries {list(plan.taps)}; compile the folder again")
     weights = os.path.join(path, "drafter.safetensors")
     try:
-        with safe_open(weights, framework="pt") as f:
+        with safe_open(regular_file(weights), framework="pt") as f:
             shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except FolderError:
+        raise
     except Exception as e:  # a missing, truncated or oversized file (safetensors' own error type)
         raise FolderError(f"cannot read {weights} ({str(e).splitlines()[0][:120]}); compile the folder again") from None
     if "embed_tokens.weight" not in shapes:
@@ -276,14 +361,61 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF
                        "C64": "complex64", "F8_E4M3": "float8_e4m3fn"}
 
 
-def _read(path: str) -> bytes:
+def _inside(path: str, root: str) -> str:
+    """The real path of ``path`` when it resolves inside folder ``root``, or a ``FolderError``."""
+    base, real = os.path.realpath(root), os.path.realpath(path)
+    if os.path.commonpath([base, real]) != base:
+        raise FolderError(f"{path} leads to {real}, outside {root}; a folder's files must be inside it: copy the file "
+                          "in (or compile the folder again)")
+    return real
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def regular_file(path: str, root: str | None = None) -> str:
+    """The real path of ``path``, checked to be a regular file inside folder ``root`` (default: ``path``'s own
+    folder), or one ``FolderError``. A folder's files are never pipes, devices or links leading out of it: reading
+    one could block forever (a pipe), never end (``/dev/zero``) or read a file the folder's author picked."""
+    real = _inside(path, root or os.path.dirname(path) or ".")
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        mode = os.stat(real).st_mode
     except FileNotFoundError:
-        raise FolderError(f"{path} is missing: {os.path.dirname(path)} is not a complete ppsplit compile folder") from None
+        raise FolderError(f"{path} is missing: {os.path.dirname(path) or '.'} is not a complete ppsplit compile "
+                          "folder") from None
     except OSError as e:
         raise FolderError(f"{path} is unreadable ({e.strerror or e}); compile the folder again") from None
+    if not stat.S_ISREG(mode):
+        kind = next((what for test, what in _KINDS if test(mode)), "not a regular file")
+        raise FolderError(f"{path} is {kind}, not a regular file; replace it with the file ppsplit wrote (compile "
+                          "the folder again)")
+    return real
+
+
+def read_file(path: str, limit: int, root: str | None = None) -> bytes:
+    """The bytes of ``path`` (a ``regular_file`` inside ``root``) when it holds at most ``limit`` of them."""
+    real = regular_file(path, root)
+    try:
+        # O_NONBLOCK: a file swapped for a pipe after the check still cannot block the open.
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise FolderError(f"{path} is unreadable ({e.strerror or e}); compile the folder again") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise FolderError(f"{path} is not a regular file; replace it with the file ppsplit wrote")
+        if info.st_size > limit:
+            raise FolderError(f"{path} holds {info.st_size:,} bytes, more than the {limit:,} ppsplit reads from such "
+                              "a file; it is not a file ppsplit or a tokenizer wrote: compile the folder again")
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise FolderError(f"{path} is unreadable ({e.strerror or e}); compile the folder again") from None
+    if len(data) > limit:  # grew after the check
+        raise FolderError(f"{path} holds more than the {limit:,} bytes ppsplit reads from such a file")
+    return data
 
 
 def _json(data: bytes, where: str):
@@ -293,11 +425,12 @@ def _json(data: bytes, where: str):
         raise FolderError(f"{where} is not valid JSON ({str(e)[:120]}); compile the folder again") from None
 
 
-def read_json_object(path: str, missing_ok: bool = False) -> dict:
-    """The JSON object in ``path`` (``{}`` when it is absent and ``missing_ok``), or one ``FolderError``."""
-    if missing_ok and not os.path.isfile(path):
+def read_json_object(path: str, missing_ok: bool = False, root: str | None = None) -> dict:
+    """The JSON object in ``path`` (``{}`` when nothing has that name and ``missing_ok``), a ``regular_file`` inside
+    ``root`` (default: its own folder) of at most ``MAX_JSON_BYTES``, or one ``FolderError``."""
+    if missing_ok and not os.path.lexists(path):
         return {}
-    data = _json(_read(path), path)
+    data = _json(read_file(path, MAX_JSON_BYTES, root), path)
     if not isinstance(data, dict):
         raise FolderError(f"{path} must be a JSON object")
     return data
@@ -309,6 +442,15 @@ def _check_plan(plan: SplitPlan, where: str) -> None:
         raise FolderError(f"{where}: dtype {plan.dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
     if plan.hidden_size < 1 or plan.max_batch < 0 or plan.max_len < 0 or plan.state_slots < 0:
         raise FolderError(f"{where}: hidden_size must be positive and max_batch, max_len, state_slots not negative")
+    if plan.block_size < 0 or plan.num_blocks < 0:
+        raise FolderError(f"{where}: block_size and num_blocks must not be negative")
+    host = scheduler_bytes(plan)
+    if host > host_memory():
+        from ppsplit.core.plan import fmt_bytes
+
+        raise FolderError(f"{where}: its cache ({plan.max_batch} sequences of {plan.max_len} tokens, {plan.num_blocks} "
+                          f"blocks) makes the scheduler keep {fmt_bytes(host)} on the host, more than this machine has "
+                          f"({fmt_bytes(host_memory())}); compile the folder again with a smaller cache")
     for c in plan.carries:
         if c.dtype not in DTYPES or c.width < 1 or any(s < 1 for s in c.shape) or c.token_dim < 1:
             raise FolderError(f"{where}: carried value {c.name!r} has an impossible layout")

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from torch import fx
 
-from ppsplit.artifact.folder import CompiledFolder, FolderError, StageProgram
+from ppsplit.artifact.folder import CompiledFolder, FolderError, StageProgram, host_memory, stage_memory
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.fx_utils import copy_buffer_persistence, set_tensor
 from ppsplit.core.options import StageOptions
@@ -35,6 +35,21 @@ def check_device(device: torch.device | str) -> torch.device:
             raise ConfigError(f"device {dev} does not exist: this machine has {count} CUDA GPU(s), cuda:0 to "
                               f"cuda:{count - 1}")
     return dev
+
+
+def device_memory(device: torch.device) -> int:
+    """The bytes ``device`` has: this machine's RAM for the CPU, the GPU's own memory for a CUDA device."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    return host_memory()
+
+
+def largest_memory() -> int:
+    """The most memory one stage could be given on this machine: its RAM, or its largest GPU's if that is more."""
+    sizes = [device_memory(torch.device("cpu"))]
+    if torch.cuda.is_available():
+        sizes += [device_memory(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
+    return max(sizes)
 
 
 def stage_options(folder: CompiledFolder, **overrides) -> StageOptions:
@@ -64,7 +79,15 @@ def load_stage(folder: str | CompiledFolder, k: int, device: torch.device | str 
 
 def build_stage(folder: CompiledFolder, program: StageProgram, device: torch.device,
                 options: StageOptions) -> fx.GraphModule:
-    """The stage of a checked ``program``: its tensors read onto ``device``, then the stage rewrites."""
+    """The stage of a checked ``program``: its tensors read onto ``device``, then the stage rewrites. A stage that
+    declares more than ``device`` holds is refused before anything is allocated."""
+    need, have = stage_memory(program), device_memory(device)
+    if need.total > have:
+        from ppsplit.core.plan import fmt_bytes
+
+        raise FolderError(f"stage {program.index} of {folder.path} allocates {fmt_bytes(need.total)} (weights "
+                          f"{fmt_bytes(need.weights)}, zero-initialised {fmt_bytes(need.state)}, the largest "
+                          f"{need.largest}), more than {device} has ({fmt_bytes(have)}); run ppsplit inspect on it")
     root = _tensors(folder, program, device)
     stage = fx.GraphModule(root, program.graph, class_name=f"Stage{program.index}")
     copy_buffer_persistence(stage, root)

@@ -1,6 +1,6 @@
-"""Driver: the command line. ppsplit splits a Hugging Face decoder into pipeline stages that carry EAGLE-3 taps.
+"""ppsplit splits a Hugging Face decoder into pipeline stages that carry EAGLE-3 taps, and runs and serves them.
 
-    ppsplit compile MODEL --pp 4 --aux 2,16,29 [-o DIR]     write per-stage artifacts
+    ppsplit compile MODEL --pp 4 --aux 2,16,29 [-o DIR]     write per-stage artifacts (MODEL: also a .gguf file)
     ppsplit inspect DIR                                     check a compiled folder and print its plan
     ppsplit plan MODEL --pp 4 --aux eagle3                  print the plan only (meta device, writes nothing)
     ppsplit generate DIR --prompt-ids 1,2,3 [-k 4]          decode (speculatively with the folder's drafter)
@@ -61,7 +61,7 @@ def _main(argv: list[str] | None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from ppsplit import __version__
 
-    parser = argparse.ArgumentParser(prog="ppsplit", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+    parser = argparse.ArgumentParser(prog="ppsplit", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n")[1])
     parser.add_argument("--version", action="version", version=f"ppsplit {__version__}")
@@ -89,8 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="numbering of the drafter's tap ids (default: its format's own; speculators: vllm, "
                         "SpecForge/EAGLE: sglang): sglang (SpecForge layer outputs, +1) or vllm (as written)")
 
-    p = sub.add_parser("inspect", help="check a compiled folder as loading would, and print its stages and taps")
-    p.add_argument("folder")
+    p = sub.add_parser("inspect", help="check a compiled folder as loading and serving would, and print its stages, "
+                                       "taps and the memory loading it allocates")
+    p.add_argument("folder", help="a folder written by ppsplit compile")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="refuse a folder whose stage (or scheduler) allocates more than this, like 80GiB (default: "
+                        "this machine's largest memory, its RAM or its largest GPU's)")
 
     p = sub.add_parser("plan", help="trace MODEL on the meta device and print the split plan (writes nothing)")
     _add_split_args(p)
@@ -112,12 +116,13 @@ def _terminate(signum, frame):
 
 
 def _add_split_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="'demo', a local checkpoint folder, or a hub id (local HF cache, else downloaded)")
+    p.add_argument("model", help="'demo', a local checkpoint folder, a .gguf file (or a folder holding one), or a hub "
+                                 "id (local HF cache, else downloaded)")
     p.add_argument("--pp", type=int, required=True, help="number of pipeline stages")
     p.add_argument("--aux", default=None,
                    help="tap ids like 2,16,29, or 'eagle3' for (2, L//2, L-3) (default: no taps)")
     p.add_argument("--aux-convention", choices=("vllm", "sglang"), default="vllm",
-                   help="vllm: tap j enters layer j; sglang: the same tensor numbered j-1")
+                   help="vllm: tap j enters layer j; sglang: the same tensor numbered j-1 (default: %(default)s)")
     p.add_argument("--balance", default="layers",
                    help="layers, params, flops, time (needs real weights), memory (weights + KV cache), or explicit "
                         "counts like 8,9,9,6; every name minimises the slowest stage")
@@ -195,10 +200,20 @@ def demo_drafter(options) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from ppsplit.artifact.folder import CompiledFolder
+    from ppsplit.artifact.folder import CompiledFolder, scheduler_bytes
+    from ppsplit.artifact.loader import largest_memory
+    from ppsplit.artifact.tokenizer import check_tokenizer, has_tokenizer
+    from ppsplit.core.options import parse_bytes
 
+    cap = parse_bytes(args.max_memory) if args.max_memory is not None else None
     folder = CompiledFolder(args.folder)
     programs = folder.check()  # exactly what load checks before it reads a tensor
+    memory = folder.memory(programs)
+    tokenizer = "tokenizer: none (token ids only)"
+    if has_tokenizer(args.folder):  # rendered and tokenised within the budget serve gives a request by default
+        from ppsplit.serve.openai_api import default_max_request_bytes, prompt_budget
+
+        tokenizer = check_tokenizer(args.folder, prompt_budget(default_max_request_bytes(folder.plan.max_len)))
     plan, manifest = folder.plan, folder.manifest
     print(plan.describe())
     defaults = {"fuse_projections": "default (on CUDA)", "fuse_pointwise": "default (on CUDA unless compiled)"}
@@ -216,7 +231,33 @@ def cmd_inspect(args) -> int:
     print(f"{'stage':>5}  {'program':<14} {'weights':<20} {'bytes':>12} {'tensors':>8}")
     for program, files in zip(programs, manifest.stages):
         print(f"{program.index:>5}  {files.program:<14} {files.weights:<20} {files.bytes:>12,} {len(program.stored):>8}")
+    print(tokenizer)
+    _check_memory(memory, scheduler_bytes(plan), cap if cap is not None else largest_memory(), cap is None)
     return 0
+
+
+def _check_memory(memory, host: int, cap: int, default: bool) -> None:
+    """Print what loading allocates per stage; refuse a stage (or the scheduler's host tables) above ``cap``."""
+    from ppsplit.core.errors import ConfigError
+    from ppsplit.core.plan import fmt_bytes
+
+    what = "this machine's largest memory" if default else "--max-memory"
+    print(f"memory loading allocates, per stage on its device (cap {fmt_bytes(cap)}: {what}):")
+    print(f"{'stage':>5}  {'weights':>10}  {'zero-init':>10}  {'drafter':>10}  {'total':>10}  largest zero-initialised")
+    for m in memory:
+        print(f"{m.stage:>5}  {fmt_bytes(m.weights):>10}  {fmt_bytes(m.state):>10}  "
+              f"{fmt_bytes(m.drafter) if m.drafter else '-':>10}  {fmt_bytes(m.total):>10}  {m.largest or '-'}")
+    print(f"host, rank 0's scheduler (block table, free-block list): {fmt_bytes(host)}")
+    for m in memory:
+        if m.total > cap:
+            raise ConfigError(f"stage {m.stage} allocates {fmt_bytes(m.total)} (weights {fmt_bytes(m.weights)}, "
+                              f"zero-initialised {fmt_bytes(m.state)}, the largest {m.largest}, drafter "
+                              f"{fmt_bytes(m.drafter)}), more than the cap of {fmt_bytes(cap)} ({what}); pass "
+                              f"--max-memory {-(-m.total // (1 << 30))}GiB if you mean it")
+    if host > cap:
+        raise ConfigError(f"the folder's cache layout makes the scheduler keep {fmt_bytes(host)} of block tables on "
+                          f"the host, more than the cap of {fmt_bytes(cap)} ({what}); pass --max-memory "
+                          f"{-(-host // (1 << 30))}GiB if you mean it")
 
 
 def cmd_plan(args) -> int:

@@ -10,7 +10,7 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("generate", help="decode requests through a compiled folder in this process (the engine: "
                                         "continuous batching; speculatively with -k)")
-    p.add_argument("folder")
+    p.add_argument("folder", help="a folder written by ppsplit compile")
     add_request_arguments(p)
     add_runtime_arguments(p)
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder (default: the one compiled into DIR)")
@@ -20,16 +20,18 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("save-drafter", help="write the EAGLE-3 drafter of a compiled folder as a checkpoint vLLM "
                                             "(speculators format) or SGLang (SpecForge format) loads")
     p.add_argument("folder", help="a folder compiled with --drafter")
-    p.add_argument("--format", choices=("speculators", "specforge"), default="speculators")
+    p.add_argument("--format", choices=("speculators", "specforge"), default="speculators",
+                   help="speculators: vLLM's format; specforge: SGLang's (default: %(default)s)")
     p.add_argument("--verifier", default=None, help="the target's hub id or folder (recorded by the speculators format)")
-    p.add_argument("-o", "--out", required=True)
+    p.add_argument("-o", "--out", required=True, help="the drafter checkpoint folder to write")
 
-    p = sub.add_parser("check-drafter", help="first-draft agreement of an EAGLE-3 drafter under both tap numberings")
+    p = sub.add_parser("check-drafter",
+                       help="first-draft agreement of an EAGLE-3 or DFlash drafter under both tap numberings")
     p.add_argument("model", help="the target: 'demo', a checkpoint folder or a hub id")
     p.add_argument("drafter", help="EAGLE-3 drafter folder or hub id")
     p.add_argument("--prompts", type=int, default=4, help="number of sequences the target generates to score on")
     p.add_argument("--tokens", type=int, default=32, help="tokens the target generates per sequence")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -38,7 +40,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ppsplit.core.errors import ConfigError
     from ppsplit.serve.engine import Engine
     from ppsplit.serve.placement import load_placed
-    from ppsplit.serve.requests import check_requests, print_outputs, prompts_of, sampling_params
+    from ppsplit.serve.requests import PROGRESS_SECONDS, check_requests, print_outputs, prompts_of, sampling_params
 
     check_requests(args, args.folder)
     plan = CompiledFolder(args.folder).plan
@@ -57,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0,
                     enforce_eager=args.enforce_eager)
     start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
+    outputs = engine.generate(prompts, params, progress=PROGRESS_SECONDS)
     print_outputs(outputs, tokenizer, time.perf_counter() - start, "1 process")
     return 0
 
@@ -76,6 +78,7 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     from ppsplit.eagle3.formats import drafter_taps, read_drafter, resolve_drafter
     from ppsplit.core.errors import ConfigError
     from ppsplit.compile.source import resolve_model
+    from ppsplit.eagle3.dflash import block_agreement
     from ppsplit.eagle3.drafter import draft_agreement
 
     if args.model == DEMO_NAME:
@@ -103,7 +106,8 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     scores = {}
     for convention in taps:
         drafter = ppsplit.load_drafter(args.drafter, split=split, aux_convention=convention)
-        agree, total = draft_agreement(split, drafter, sequences, start=seed_len)
+        score = block_agreement if getattr(drafter, "family", None) == "dflash" else draft_agreement
+        agree, total = score(split, drafter, sequences, start=seed_len)
         scores[convention] = agree / max(1, total)
         print(f"{convention:>7}: taps {','.join(map(str, taps[convention]))}  first-draft agreement "
               f"{scores[convention]:.3f} ({agree}/{total})")

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a compiled folder over the OpenAI HTTP API (/v1/completions, "
                                      "/v1/chat/completions; needs ppsplit[serve])")
-    p.add_argument("folder")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("folder", help="a folder written by ppsplit compile, with a tokenizer")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0: every "
+                   "interface)")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the log line says which)")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
                    help="EAGLE-3 speculative decoding with K drafts per verify pass (the folder's drafter)")
@@ -24,6 +26,14 @@ def add_parser(sub) -> None:
     add_runtime_arguments(p)
     p.add_argument("--rank-timeout", type=float, default=None,
                    help="seconds a rank waits on a peer (--ranks > 1; default: a day, as followers wait while idle)")
+    p.add_argument("--rank-stall-timeout", type=float, default=None,
+                   help="seconds without a heartbeat after which a rank counts as stalled: the server then fails its "
+                        "requests and exits 1 (--ranks > 1; default: 60)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body; larger ones are answered 413 (default: 64 bytes per token of the "
+                        "context length, at least 1 MiB)")
+    p.add_argument("--prompt-timeout", type=float, default=None,
+                   help="seconds a request's chat template and tokenizer may take; longer is a 400 (default: 10)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -32,13 +42,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _require_serve_dependencies()
     from ppsplit.artifact.folder import CompiledFolder
     from ppsplit.artifact.tokenizer import FolderTokenizer, has_tokenizer
-    from ppsplit.serve.loop import EngineLoop
-    from ppsplit.serve.server import Server, bind, model_name, run
+    from ppsplit.serve.openai_api import default_max_request_bytes, prompt_budget
 
     if args.max_queue < 1:
         raise ConfigError(f"--max-queue must be >= 1, but got {args.max_queue}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be from 0 to 65535, but got {args.port}")
+    for flag, value in (("--max-request-bytes", args.max_request_bytes), ("--prompt-timeout", args.prompt_timeout),
+                        ("--rank-stall-timeout", args.rank_stall_timeout)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} must be positive, but got {value}")
+    from ppsplit.serve.requests import check_folder
+
+    check_folder(args.folder)
     if not has_tokenizer(args.folder):
         raise ConfigError(f"{args.folder} has no tokenizer (tokenizer.json), which serving text needs; compile from a "
                           "checkpoint folder that has one (the demo has one)")
@@ -47,12 +63,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--ranks must be 1 or the folder's {plan.pp} stages (one process per stage), but got "
                           f"{args.ranks}")
     _check_servable(plan, args)
+    max_request = args.max_request_bytes or default_max_request_bytes(plan.max_len)
+    tokenizer = FolderTokenizer(args.folder, prompt_budget(max_request, args.prompt_timeout))
+    try:
+        logging.getLogger("ppsplit").info("%s", tokenizer.check())  # as inspect checks it, before anything loads
+        return _serve(args, tokenizer, max_request)
+    finally:
+        tokenizer.close()
+
+
+def _serve(args, tokenizer, max_request: int) -> int:
+    """Bind, load, serve until SIGTERM or a failure; the exit code."""
+    from ppsplit.serve.loop import EngineLoop
+    from ppsplit.serve.server import Server, bind, model_name, run
+
     sock = bind(args.host, args.port)  # a taken port fails before the model loads
     watcher = None
     if args.ranks > 1:
         from ppsplit.distributed import server_ranks as ranks
 
         args.rank_timeout = args.rank_timeout or ranks.DEFAULT_RANK_TIMEOUT
+        args.rank_stall_timeout = args.rank_stall_timeout or ranks.DEFAULT_STALL_TIMEOUT
         engine, watcher = ranks.start(args, args.ranks)
         loop = EngineLoop(engine, max_queue=args.max_queue, close=engine.close)
         watcher.on_failure = loop.fail
@@ -60,8 +91,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ppsplit.serve.placement import load_placed
 
         loop = EngineLoop(_engine(load_placed(args.folder, args.device), args), max_queue=args.max_queue)
-    server = Server(loop.start(), FolderTokenizer(args.folder), args.served_model_name or model_name(args.folder),
-                    loop.engine.scheduler.layout.max_len, loop.engine.scheduler.k)
+    server = Server(loop.start(), tokenizer, args.served_model_name or model_name(args.folder),
+                    loop.engine.scheduler.layout.max_len, loop.engine.scheduler.k, max_request_bytes=max_request)
+    if watcher is not None:
+        watcher.on_failure = server.fail
     code = run(server, sock)
     if watcher is not None:
         code = code or watcher.finish()

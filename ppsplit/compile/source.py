@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 
 import torch
 
@@ -22,18 +23,22 @@ def cache_dir() -> str:
 def resolve_model(model: str) -> str:
     """A local folder holding ``config.json`` and safetensors weights for MODEL.
 
-    ``demo`` is written once into ``$PPSPLIT_CACHE`` (default ``~/.cache/ppsplit``); a hub id is looked up in the
-    local Hugging Face cache, then downloaded where the network allows.
+    ``demo`` is written once into ``$PPSPLIT_CACHE`` (default ``~/.cache/ppsplit``), and so is a GGUF file's
+    conversion (``materialize_gguf``); a hub id is looked up in the local Hugging Face cache, then downloaded where
+    the network allows.
     """
     if model == DEMO_NAME:
         return materialize_demo()
+    gguf = gguf_file(model)
+    if gguf is not None:
+        return materialize_gguf(gguf)
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ConfigError(f"{model} is a folder without config.json; pass a checkpoint folder saved with "
                               "save_pretrained, a hub id, or 'demo'")
         return model
     if os.path.exists(model):
-        raise ConfigError(f"{model} is a file; pass a checkpoint folder, a hub id, or 'demo'")
+        raise ConfigError(f"{model} is a file; pass a checkpoint folder, a .gguf file, a hub id, or 'demo'")
     if not _looks_like_hub_id(model):
         raise ConfigError(f"{model} does not exist; pass a checkpoint folder, a hub id like org/name, or 'demo'")
     from huggingface_hub import snapshot_download
@@ -49,6 +54,72 @@ def resolve_model(model: str) -> str:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise ConfigError(f"{model} is not a local folder, not in the local Hugging Face cache, and could not be "
                           f"downloaded ({type(e).__name__}: {first}); pass a checkpoint folder or 'demo'") from None
+
+
+def gguf_file(model: str) -> str | None:
+    """The GGUF file MODEL names: the file itself, or the one ``.gguf`` in a folder without ``config.json``."""
+    if os.path.isfile(model) and model.lower().endswith(".gguf"):
+        return model
+    if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+        found = sorted(f for f in os.listdir(model) if f.lower().endswith(".gguf"))
+        if len(found) > 1:
+            raise ConfigError(f"{model} holds {len(found)} GGUF files ({', '.join(found[:4])}); pass the one to "
+                              "compile, like " + os.path.join(model, found[0]))
+        return os.path.join(model, found[0]) if found else None
+    return None
+
+
+def materialize_gguf(path: str) -> str:
+    """A GGUF file as a Hugging Face checkpoint folder in ``cache_dir()`` (named by the file's SHA-256, written once):
+    transformers' GGUF loader reads and dequantises it to float32 (a GGUF-loaded model does not ``save_pretrained``,
+    so its tensors go into a model built from the same config), and its tokenizer, chat template included, is
+    saved beside. ``ppsplit compile --dtype`` then casts as for any checkpoint. The conversion holds the whole model
+    in memory once."""
+    import hashlib
+    import logging
+
+    log = logging.getLogger("ppsplit")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    name = os.path.basename(path)
+
+    def write(tmp):
+        import importlib.util
+
+        missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]  # transformers' GGUF loader's
+        if missing:
+            raise ConfigError(f"reading {name} needs {' and '.join(missing)}: pip install gguf accelerate (or "
+                              "ppsplit[gguf])")
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one line of ours instead of tqdm bars per tensor group
+        log.info("converting %s with transformers' GGUF loader (dequantised to float32) ...", name)
+        start = time.perf_counter()
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        except Exception as e:  # noqa: BLE001 (transformers raises many kinds for a file it cannot read)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise ConfigError(f"transformers could not load {path} as a GGUF model ({type(e).__name__}: {first})") \
+                from None
+        config = loaded.config.to_dict()
+        config.pop("quantization_config", None)  # dequantised at load: a plain float32 checkpoint now
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict(), assign=True)
+        plain.save_pretrained(tmp)
+        del loaded, plain
+        try:
+            AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+        except Exception as e:  # noqa: BLE001 (a GGUF without tokenizer metadata still compiles, without one)
+            log.warning("%s: no tokenizer (%s: %s); the folder will take --prompt-ids only", name, type(e).__name__,
+                        (str(e).strip().splitlines() or [""])[0][:200])
+        log.info("converted %s in %.1fs", name, time.perf_counter() - start)
+
+    return _materialize(f"gguf-{digest.hexdigest()[:24]}", write)
 
 
 def materialize_demo() -> str:
@@ -83,11 +154,14 @@ def _materialize(name: str, write) -> str:
     try:
         os.makedirs(tmp)
         write(tmp)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.rename(tmp, folder)
-    except BaseException:
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # there already: another process wrote it meanwhile (kept, it may be reading it), or a wreck
+            if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+                shutil.rmtree(folder, ignore_errors=True)
+                os.rename(tmp, folder)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 

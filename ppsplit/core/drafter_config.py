@@ -1,4 +1,5 @@
-"""What an EAGLE-3 checkpoint's ``config.json`` says, per format, as one flat drafter config (pure data, no torch).
+"""What an EAGLE-3 (or DFlash, at the end) checkpoint's ``config.json`` says, per format, as one flat drafter config
+(pure data, no torch).
 
 Formats (``detect_format``):
 
@@ -209,3 +210,131 @@ def drafter_config(cfg: dict, tensors=()) -> tuple[dict, dict, str]:
     if out["intermediate_size"] is None:
         raise ConfigError("the drafter config needs intermediate_size (the draft layer's MLP width)")
     return out, rope, fmt
+
+
+# -- DFlash (block diffusion) --------------------------------------------------------------------------------------
+# z-lab's folders (the ``dflash`` package's ``DFlashDraftModel``): a flat Qwen3 config plus ``dflash_config``, whose
+# keys the library also reads from the top level (``_draft_value``); tap ids are layer outputs (vLLM adds 1).
+# speculators' ``dflash``: ``transformer_layer_config`` plus top-level DFlash keys; tap ids as vLLM numbers them.
+_DFLASH_VALUES = {"target_layer_ids", "block_size", "mask_token_id", "input_embedding_scale", "output_multiplier",
+                  "final_logit_softcapping"}
+# dflash_config keys vLLM reads that must keep their plain-DFlash value (anything else is a variant ppsplit refuses).
+_DFLASH_FIXED = {"causal": False, "use_swa": False, "attention_sink_bias": False, "use_aux_hidden_state": True}
+_DFLASH_TOP = {"dflash_config", "num_target_layers", "is_causal", "is_neox_style", *_DFLASH_VALUES}
+_DFLASH_SPECULATORS_TOP = {"speculators_model_type", "speculators_config", "speculators_version",
+                           "transformer_layer_config", "draft_vocab_size", "block_size", "target_hidden_size",
+                           "aux_hidden_state_layer_ids", "mask_token_id", "sliding_window_non_causal",
+                           "sample_from_anchor", "embed_requires_grad"}
+
+
+def is_dflash(cfg: dict) -> bool:
+    """Whether a drafter config is a DFlash one (z-lab's ``dflash_config`` or architecture, speculators' ``dflash``)."""
+    return bool("dflash_config" in cfg or cfg.get("speculators_model_type") == "dflash"
+            or {"DFlashDraftModel", "DFlash2DraftModel"} & set(cfg.get("architectures") or ()))
+
+
+def dflash_drafter_config(cfg: dict) -> tuple[dict, dict, list | None, str]:
+    """``(flat config, rotary keys, tap ids or None, their numbering)`` of a DFlash drafter config. Every key is read,
+    listed as inert, or refused naming it."""
+    if cfg.get("speculators_model_type") == "dflash":
+        return _dflash_speculators(cfg)
+    if "DFlash2DraftModel" in (cfg.get("architectures") or ()):
+        raise ConfigError("drafter architecture DFlash2DraftModel (grouped dynamic convolutions and a candidate "
+                          "selector) is not supported; ppsplit runs plain DFlash (DFlashDraftModel)")
+    inner = cfg.get("dflash_config") or {}
+    if not isinstance(inner, dict):
+        raise ConfigError(f"drafter config dflash_config must be an object, but got {inner!r}")
+    _refuse_unknown(inner, _DFLASH_VALUES | set(_DFLASH_FIXED), "dflash_config.")
+    for key, plain in _DFLASH_FIXED.items():
+        if inner.get(key, plain) != plain:
+            raise ConfigError(f"drafter config dflash_config.{key} = {inner[key]!r} asks for a DFlash variant ppsplit "
+                              f"does not run; plain DFlash has {key} = {plain!r}")
+    for key in ("is_causal",):
+        if cfg.get(key):
+            raise ConfigError(f"drafter config {key} is true: causal draft blocks are not supported (plain DFlash "
+                              "attends within a block both ways)")
+    if cfg.get("is_neox_style", True) is not True:
+        raise ConfigError("drafter config is_neox_style is false: interleaved rotary is not supported")
+    _refuse_unknown(cfg, _DFLASH_TOP | _LAYER_READ, "")
+    value = lambda key, default=None: inner.get(key, cfg.get(key, default))  # noqa: E731  (the library's order)
+    out, rope = _dflash_layers(cfg, "")
+    out.update(block_size=value("block_size", 16), mask_token_id=value("mask_token_id"),
+               input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+               output_multiplier=float(value("output_multiplier", 1.0)),
+               final_logit_softcapping=float(value("final_logit_softcapping") or 0.0),
+               draft_vocab_size=out["vocab_size"], target_hidden_size=out["hidden_size"])
+    ids = value("target_layer_ids")
+    if ids is None:  # the library's default spread (dflash.model.build_target_layer_ids)
+        n, layers = cfg.get("num_target_layers"), out["num_hidden_layers"]
+        if not isinstance(n, int):
+            raise ConfigError("the DFlash drafter config has neither dflash_config.target_layer_ids nor "
+                              "num_target_layers; it cannot say which taps it reads")
+        ids = [n // 2] if layers == 1 else [round(1 + i * (n - 4) / (layers - 1)) for i in range(layers)]
+    out["num_target_layers"] = cfg.get("num_target_layers")
+    return _dflash_checked(out), rope, ids, "sglang"
+
+
+def _dflash_speculators(cfg: dict) -> tuple[dict, dict, list | None, str]:
+    _refuse_unknown(cfg, _DFLASH_SPECULATORS_TOP, "")
+    spec = cfg.get("speculators_config") or {}
+    if not isinstance(spec, dict) or spec.get("algorithm", "dflash") != "dflash":
+        raise ConfigError(f"drafter config speculators_config.algorithm is {spec.get('algorithm')!r}; a speculators "
+                          "dflash drafter has \"dflash\"")
+    _refuse_unknown(spec, {"algorithm", "proposal_methods", "default_proposal_method", "verifier"},
+                    "speculators_config.")
+    if _flag(cfg, "sample_from_anchor", False):
+        raise ConfigError("drafter config sample_from_anchor is true (the anchor position drafts too, DSpark's "
+                          "layout); ppsplit runs DFlash blocks whose anchor is the bonus token (false)")
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ConfigError("the speculators dflash config needs a transformer_layer_config object (the draft layers' "
+                          "Qwen3 fields)")
+    _refuse_unknown(layer, _LAYER_READ, "transformer_layer_config.")
+    out, rope = _dflash_layers(layer, "transformer_layer_config.")
+    # sliding_window_non_causal only shapes sliding-window layers, which _dflash_layers refuses: inert here.
+    out.update(block_size=cfg.get("block_size", 8), mask_token_id=cfg.get("mask_token_id"),
+               input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=0.0,
+               draft_vocab_size=cfg.get("draft_vocab_size") or out["vocab_size"],
+               target_hidden_size=cfg.get("target_hidden_size") or out["hidden_size"], num_target_layers=None)
+    ids = cfg.get("aux_hidden_state_layer_ids")
+    if not ids:
+        raise ConfigError("the speculators dflash config has no aux_hidden_state_layer_ids; it cannot say which taps "
+                          "it reads")
+    return _dflash_checked(out), rope, ids, "vllm"
+
+
+def _dflash_layers(layer: dict, where: str) -> tuple[dict, dict]:
+    """The draft layers' Qwen3 fields: as EAGLE-3's one layer, but any number of them and full attention only."""
+    types = layer.get("layer_types")
+    if types is not None and (not isinstance(types, list) or any(t != "full_attention" for t in types)):
+        raise ConfigError(f"drafter config {where}layer_types {types!r} has sliding-window layers; ppsplit runs "
+                          "DFlash drafters with full attention only")
+    if types is None and layer.get("use_sliding_window"):
+        raise ConfigError(f"drafter config {where}use_sliding_window is true; ppsplit runs DFlash drafters with full "
+                          "attention only")
+    if layer.get("model_type", "qwen3") != "qwen3":
+        raise ConfigError(f"drafter config {where}model_type {layer.get('model_type')!r}: DFlash draft layers are "
+                          "Qwen3 layers (q_norm / k_norm)")
+    layers = layer.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        raise ConfigError(f"drafter config {where}num_hidden_layers must be the number of draft layers (>= 1), but "
+                          f"got {layers!r}")
+    flat = {k: v for k, v in layer.items() if k not in ("layer_types", "num_hidden_layers")}
+    out, rope = _layer({**flat, "model_type": "qwen3", "num_hidden_layers": 1}, where)
+    out.update(num_hidden_layers=layers, sliding_window=0)
+    if out["intermediate_size"] is None:
+        raise ConfigError(f"the drafter config needs {where}intermediate_size (the draft layers' MLP width)")
+    return out, rope
+
+
+def _dflash_checked(out: dict) -> dict:
+    block, mask = out["block_size"], out["mask_token_id"]
+    if not isinstance(block, int) or isinstance(block, bool) or block < 2:
+        raise ConfigError(f"drafter config block_size must be an integer >= 2 (the bonus token and at least one "
+                          f"draft), but got {block!r}")
+    if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < (out["vocab_size"] or mask + 1):
+        raise ConfigError(f"drafter config mask_token_id must be a token id of the target's vocabulary, but got "
+                          f"{mask!r}")
+    if out["final_logit_softcapping"] < 0:
+        raise ConfigError("drafter config final_logit_softcapping must be >= 0 (0: none)")
+    return out

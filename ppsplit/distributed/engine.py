@@ -132,6 +132,9 @@ class PipelineEngine:
                 from ppsplit.serve.speculative import Proposer, check_speculation
 
                 drafter = drafter or self._folder_drafter(folder)
+                if getattr(drafter, "family", None) == "dflash":  # rank 0's scheduler would reserve one position short
+                    raise ConfigError("a DFlash drafter runs in one process (ppsplit.Engine over a split) for now, "
+                                      "not across ranks; use an EAGLE-3 drafter with ppsplit.distributed")
                 check_speculation(plan, self.k, drafter)
                 proposer = Proposer(drafter, self.k, self.layout)
             self.sampler = Sampler(self.layout.slots, self.device, proposer) if self.last else None
@@ -273,14 +276,15 @@ class PipelineEngine:
         return self._driver().blocks_in_use
 
     @torch.no_grad()
-    def generate(self, prompts=None, params: SamplingParams | list[SamplingParams] | None = None):
+    def generate(self, prompts=None, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 progress: float | None = None):
         """Collective: rank 0 runs ``prompts`` to the end (``RequestOutput`` s in order) and closes the job; the
         other ranks follow it and return ``None``. A refused prompt raises the same ``ConfigError`` on every rank."""
         if not self.first:
             self.follow()
             return None
         try:
-            outputs = self.engine.generate(prompts, params)
+            outputs = self.engine.generate(prompts, params, progress=progress)
         except ConfigError as e:
             self._end(REFUSED, str(e))
             raise

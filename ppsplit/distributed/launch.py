@@ -58,7 +58,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from ppsplit import distributed as ppd
     from ppsplit.core.errors import ConfigError, PpsplitError
-    from ppsplit.serve.requests import print_outputs, prompts_of, sampling_params
+    from ppsplit.serve.requests import PROGRESS_SECONDS, print_outputs, prompts_of, sampling_params
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -72,7 +72,7 @@ def rank_main(argv: list[str] | None = None) -> int:
             prompts, tokenizer = prompts_of(args, args.folder)
             params = [sampling_params(args, i) for i in range(len(prompts))]
         start = time.perf_counter()
-        outputs = engine.generate(prompts, params)
+        outputs = engine.generate(prompts, params, progress=PROGRESS_SECONDS)
         if engine.rank == 0:
             print_outputs(outputs, tokenizer, time.perf_counter() - start,
                           f"{engine.world} stages, {engine.backend}, {len(outputs)} request"

@@ -7,7 +7,11 @@ signal to the whole process group drains through rank 0 as it does with one proc
 serving ends the server with exit code 1 (a watcher thread), and one that loses rank 0 fails its next wait on it.
 
 Waits on a peer are bounded by ``--rank-timeout`` (default one day): the followers wait on rank 0 while the server is
-idle, so this is not a stall detector; a rank that dies is seen at once through its closed connections.
+idle, so this is not a stall detector; a rank that dies is seen at once through its closed connections. A rank that
+is alive but stopped (SIGSTOP, a hung driver) is seen by its heartbeat (``transport.Heartbeat``): each follower
+advances a counter in the rendezvous store every ``--rank-stall-timeout / 5`` seconds, and rank 0's watcher treats
+one whose counter has not moved for ``--rank-stall-timeout`` seconds (default 60) as dead: it fails the requests in
+flight and ``/health`` at once, kills that rank (so the waits on it end) and the server exits 1.
 """
 from __future__ import annotations
 
@@ -18,11 +22,17 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from ppsplit.serve.scheduler import DEFAULT_BUDGET
 
 log = logging.getLogger("ppsplit")
 DEFAULT_RANK_TIMEOUT = 86400.0
+DEFAULT_STALL_TIMEOUT = 60.0
+
+
+def beat_period(stall_timeout: float) -> float:
+    return min(1.0, max(0.01, stall_timeout / 5))
 
 
 def engine_options(args) -> dict:
@@ -51,9 +61,10 @@ def start(args, world: int):
 
     threads = max(1, (os.cpu_count() or 1) // world)
     port = _free_port()
+    stall = getattr(args, "rank_stall_timeout", None) or DEFAULT_STALL_TIMEOUT
     argv = [args.folder, "--timeout", str(args.rank_timeout), "--max-num-batched-tokens",
-            str(engine_options(args)["max_num_batched_tokens"]), "--device", args.device] + \
-        (["--enforce-eager"] if args.enforce_eager else [])
+            str(engine_options(args)["max_num_batched_tokens"]), "--device", args.device,
+            "--heartbeat", str(beat_period(stall))] + (["--enforce-eager"] if args.enforce_eager else [])
     for flag, value in (("-k", args.num_draft_tokens), ("--max-num-seqs", args.max_num_seqs)):
         if value is not None:
             argv += [flag, str(value)]
@@ -63,7 +74,7 @@ def start(args, world: int):
         children.append(subprocess.Popen([sys.executable, "-m", "ppsplit.distributed.server_ranks", *argv], env=env))
     os.environ.update(_rank_env(0, world, port, threads))
     torch.set_num_threads(threads)
-    watcher = Watcher(children)
+    watcher = Watcher(children, stall)
     watcher.start()  # a child that fails while the group forms would leave rank 0 waiting: end the server then
     try:
         ppd.init(ppd.backend_for(args.device), timeout=args.rank_timeout)
@@ -75,27 +86,55 @@ def start(args, world: int):
 
 
 class Watcher(threading.Thread):
-    """Ends this process with exit code 1 if a child rank exits before ``release``."""
+    """Ends this process with exit code 1 if a child rank exits before ``release``, or stops beating (its heartbeat
+    counter unchanged for ``stall_timeout`` seconds; the child is then killed)."""
 
-    def __init__(self, children):
+    def __init__(self, children, stall_timeout: float = DEFAULT_STALL_TIMEOUT):
         super().__init__(name="ppsplit-ranks", daemon=True)
         self.children, self.released = children, threading.Event()
+        self.stall_timeout = stall_timeout
         self.on_failure = None  # while serving: a callable that ends the server (instead of exiting at once)
 
     def run(self) -> None:
+        beats: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
         while not self.released.wait(0.2):
             for rank, child in enumerate(self.children, start=1):
                 code = child.poll()
-                if code is not None and not self.released.is_set():
+                if code == 0:  # rank 0 closed the job and this rank followed
+                    continue
+                if code is not None:
                     message = f"rank {rank} exited with code {code}"
-                    if self.on_failure is None:
-                        # Rank 0 may be about to raise the same refusal (and say it); give it that time.
-                        if self.released.wait(5.0):
-                            return
-                        log.error("%s while the ranks were starting", message)
-                        os._exit(1)
-                    self.on_failure(message)
+                else:
+                    message = self._stalled(rank, beats)
+                    if message is not None:
+                        child.kill()  # its connections close, so every wait on it ends
+                if message is not None and not self.released.is_set():
+                    self._fail(message)
                     return
+
+    def _stalled(self, rank: int, beats: dict) -> str | None:
+        from ppsplit.distributed.transport import heartbeat
+
+        count, now = heartbeat(rank), time.monotonic()
+        if count is None:  # no store yet: this rank (0) is still joining the group
+            return None
+        last = beats.get(rank)
+        if last is None or count != last[0]:
+            beats[rank] = (count, now)
+            return None
+        if now - last[1] <= self.stall_timeout:
+            return None
+        return (f"rank {rank} stopped answering: no heartbeat for {now - last[1]:.1f} s (--rank-stall-timeout "
+                f"{self.stall_timeout:g}); killed it")
+
+    def _fail(self, message: str) -> None:
+        if self.on_failure is None:
+            # Rank 0 may be about to raise the same refusal (and say it); give it that time.
+            if self.released.wait(5.0):
+                return
+            log.error("%s while the ranks were starting", message)
+            os._exit(1)
+        self.on_failure(message)
 
     def finish(self, timeout: float = 30.0) -> int:
         """After rank 0 closed the job: wait for the children; the worst exit code (killing any still alive)."""
@@ -124,15 +163,18 @@ def follower_main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--heartbeat", type=float, default=beat_period(DEFAULT_STALL_TIMEOUT))
     parser.add_argument("--device", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     from ppsplit import distributed as ppd
     from ppsplit.core.errors import ConfigError, PpsplitError
+    from ppsplit.distributed.transport import Heartbeat
 
     try:
         ppd.init(ppd.backend_for(args.device), timeout=args.timeout)
+        Heartbeat(int(os.environ["RANK"]), args.heartbeat).start()
         ppd.PipelineEngine(args.folder, **engine_options(args)).follow()
         code = 0
     except PpsplitError as e:

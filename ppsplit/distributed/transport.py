@@ -3,13 +3,16 @@ transfers whose failures name the peer.
 
 A rank that dies or stalls makes its neighbours fail with a ``PipelineError`` naming it, within the process group's
 timeout (``init(timeout=...)``); the first failure any rank reports is kept in the rendezvous store, so a rank two
-hops away names the rank that died, not only the neighbour that left.
+hops away names the rank that died, not only the neighbour that left. A rank that is alive but stopped (frozen,
+SIGSTOP, a hung driver) keeps its connections open, so it is told apart from one that waits by a ``Heartbeat``: a
+counter in the rendezvous store that its own thread advances and another rank reads (``heartbeat``).
 """
 from __future__ import annotations
 
 import datetime
 import os
 import re
+import threading
 import time
 
 import torch
@@ -144,10 +147,8 @@ def first_failure(message: str, rank: int, world: int) -> str:
     other rank to report before it goes on to exit: leaving at once would close the store (and rank 0's links) under
     ranks that have not read the first report yet, and they would name rank 0 instead of the rank that died.
     """
-    from torch.distributed.distributed_c10d import _get_default_store  # the one internal name used here
-
     try:
-        store = _get_default_store()
+        store = _store()
         store.set_timeout(datetime.timedelta(seconds=2))  # the store's host may be gone too
         first = store.compare_set("ppsplit/first_failure", "", message)
         reported = store.add("ppsplit/failures_reported", 1)
@@ -158,3 +159,40 @@ def first_failure(message: str, rank: int, world: int) -> str:
         return first.decode() if isinstance(first, bytes) else str(first)
     except Exception:  # no store (or it died with its host): report what this rank saw
         return message
+
+
+def _store():
+    from torch.distributed.distributed_c10d import _get_default_store  # the one internal name used here
+
+    return _get_default_store()
+
+
+def _beat_key(rank: int) -> str:
+    return f"ppsplit/heartbeat/{rank}"
+
+
+class Heartbeat(threading.Thread):
+    """Advances this rank's counter in the rendezvous store every ``period`` seconds, from a thread of its own: it
+    stops exactly when the whole process stops (a thread blocked on a peer still beats). Start it after ``init``."""
+
+    def __init__(self, rank: int, period: float):
+        super().__init__(name="ppsplit-heartbeat", daemon=True)
+        self.key, self.period, self.stopped = _beat_key(rank), period, threading.Event()
+
+    def run(self) -> None:
+        try:
+            store = _store()
+            while True:
+                store.add(self.key, 1)
+                if self.stopped.wait(self.period):
+                    return
+        except Exception:  # the store lived in rank 0, which is gone: nobody is left to tell
+            return
+
+
+def heartbeat(rank: int) -> int | None:
+    """Rank ``rank``'s heartbeat counter (0 before its first beat), or ``None`` before ``init`` or without a store."""
+    try:
+        return int(_store().add(_beat_key(rank), 0))
+    except Exception:
+        return None

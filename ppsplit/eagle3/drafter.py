@@ -58,7 +58,7 @@ class _Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
 
 
-class _MLP(nn.Module):
+class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -79,7 +79,7 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.self_attn = _Attention(h, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
                                     cfg["attention_bias"], bool(cfg.get("qk_norm")), eps)
-        self.mlp = _MLP(h, cfg["intermediate_size"], cfg["hidden_act"])
+        self.mlp = MLP(h, cfg["intermediate_size"], cfg["hidden_act"])
 
 
 class Eagle3Drafter(nn.Module):
@@ -95,6 +95,8 @@ class Eagle3Drafter(nn.Module):
         logits, hidden = drafter(aux, next_tokens, positions)      # aux [n_slots, B, T, H], positions [T]
         drafts = drafter.target_ids[logits[:, -1].argmax(-1)]     # the next token's draft, target vocabulary
     """
+
+    family = "eagle3"
 
     def __init__(self, cfg: dict, taps: tuple[int, ...], slots: tuple[int, ...], embed: torch.Tensor,
                  inv_freq: torch.Tensor, rope_scale: float = 1.0, n_slots: int | None = None):

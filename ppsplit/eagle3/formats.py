@@ -18,7 +18,8 @@ import os
 
 import torch
 
-from ppsplit.core.drafter_config import DRAFTER_KEYS, FORMAT_NUMBERING, aux_ids, detect_format, drafter_config
+from ppsplit.core.drafter_config import (DRAFTER_KEYS, FORMAT_NUMBERING, aux_ids, detect_format, dflash_drafter_config,
+                                         drafter_config, is_dflash)
 from ppsplit.eagle3.drafter import Eagle3Drafter
 from ppsplit.core.errors import ConfigError
 from ppsplit.artifact.folder import DRAFTER, FolderError, check_drafter
@@ -41,6 +42,9 @@ def drafter_taps(cfg: dict, num_layers: int, aux_convention: str | None = None) 
     """
     if "ppsplit_taps" in cfg:
         return tuple(cfg["ppsplit_taps"])
+    if is_dflash(cfg):
+        _, _, ids, numbering = dflash_drafter_config(cfg)
+        return to_taps(ids, aux_convention or numbering, num_layers, what="DFlash drafter tap id")
     if aux_convention is None:
         aux_convention = FORMAT_NUMBERING[detect_format(cfg)]
     if aux_convention not in TAP_NUMBERINGS:
@@ -97,16 +101,16 @@ def read_drafter(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
         except Exception as e:
             raise ConfigError(f"cannot read {path} as plain tensors ({type(e).__name__}); convert it to "
                               "model.safetensors") from None
-    out = {}
+    out, dflash = {}, is_dflash(cfg)
     for name, t in tensors.items():
         name = name.removeprefix("model.")
-        if name.startswith("layers.0."):  # vLLM's naming of the one layer
+        if name.startswith("layers.0.") and not dflash:  # vLLM's naming of the one layer
             name = _LAYER + name[len("layers.0."):]
         out[name] = t
     return cfg, out
 
 
-def _rope(cfg: dict, rope: dict, tensors: dict) -> tuple[torch.Tensor, float]:
+def drafter_rope(cfg: dict, rope: dict, tensors: dict) -> tuple[torch.Tensor, float]:
     """Rotary inverse frequencies and scale of the drafter, computed by transformers' own Llama rotary code from the
     config's ``rope`` keys so every ``rope_scaling`` type (llama3, yarn, ...) matches; a compiled folder stores them
     and needs no transformers."""
@@ -164,8 +168,13 @@ def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = N
         stage = split.stages[0]
         embed = dict(stage.named_parameters()).get(name)
         embed = (embed if embed is not None else stage.get_buffer(name)).detach()
-    drafter = build_drafter(cfg, tensors, split.plan, embed, aux_convention,
-                            device if device is not None else module_device(split.stages[-1]))
+    device = device if device is not None else module_device(split.stages[-1])
+    if is_dflash(cfg):
+        from ppsplit.eagle3.dflash import build_dflash, output_head
+
+        drafter = build_dflash(cfg, tensors, split.plan, embed, output_head(split), aux_convention, device)
+    else:
+        drafter = build_drafter(cfg, tensors, split.plan, embed, aux_convention, device)
     if compile:
         drafter.compile(dynamic=False)
     return drafter
@@ -189,12 +198,12 @@ def build_drafter(cfg: dict, tensors: dict, plan, embed: torch.Tensor, aux_conve
     if (cfg.get("vocab_size") or vocab) != vocab or embed.shape[1] != cfg["hidden_size"]:
         raise ConfigError(f"the drafter's vocabulary x hidden ({cfg.get('vocab_size')} x {cfg['hidden_size']}) does "
                           f"not match the target's embedding {tuple(embed.shape)}; use a drafter trained for this target")
-    d2t = _draft_map(cfg, tensors, vocab)
+    d2t = draft_map(cfg, tensors, vocab)
     cfg["vocab_size"] = vocab
     if cfg["hidden_act"] not in ("silu", "gelu", "gelu_pytorch_tanh"):
         raise ConfigError(f"drafter hidden_act {cfg['hidden_act']!r} is not supported; use silu, gelu or "
                           "gelu_pytorch_tanh")
-    inv_freq, rope_scale = _rope(cfg, rope, tensors)
+    inv_freq, rope_scale = drafter_rope(cfg, rope, tensors)
     dtype = model_dtype(plan)
     device = torch.empty(0, device=device).device
     with torch.device("meta"):
@@ -241,7 +250,7 @@ def _check_tensors(cfg: dict, tensors: dict, n_taps: int) -> None:
                               "or loaded (speculators fills embed_tokens and lm_head with NaN until then)")
 
 
-def _draft_map(cfg: dict, tensors: dict, vocab: int) -> torch.Tensor:
+def draft_map(cfg: dict, tensors: dict, vocab: int) -> torch.Tensor:
     """``d2t`` (checked one-to-one into the target vocabulary, and against ``t2d`` when present)."""
     d2t = tensors.get("d2t")
     if d2t is None:
@@ -286,6 +295,9 @@ def compile_taps(drafter: str, config, aux, aux_convention: str) -> tuple[int, .
     if aux is not None:
         raise ConfigError("pass either --aux or --drafter: with a drafter the taps come from its config")
     cfg, _ = read_drafter(resolve_drafter(drafter))
+    if is_dflash(cfg):
+        raise ConfigError("ppsplit compile --drafter stores EAGLE-3 drafters only; compile with the DFlash drafter's "
+                          "taps (--aux) and load it with ppsplit.load_drafter(folder, split=split)")
     return drafter_taps(cfg, config.num_hidden_layers, aux_convention)
 
 

@@ -17,6 +17,8 @@ Example::
 """
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -25,6 +27,8 @@ import torch
 from ppsplit.core.errors import ConfigError
 from ppsplit.serve.sampling import SamplingParams
 from ppsplit.serve.scheduler import DEFAULT_BUDGET, Request, Scheduler
+
+log = logging.getLogger("ppsplit")
 
 
 @dataclass
@@ -77,7 +81,8 @@ class Engine:
         self.runner = runner
         budget = max_num_batched_tokens or (runner.buckets[-1] if runner.buckets else DEFAULT_BUDGET)
         self.scheduler = Scheduler(runner.layout, vocab=runner.vocab, eos=runner.eos, k=runner.k, budget=budget,
-                                   max_seqs=max_num_seqs, buckets=runner.buckets, lag=runner.lag)
+                                   max_seqs=max_num_seqs, buckets=runner.buckets, lag=runner.lag,
+                                   lookahead=getattr(runner, "lookahead", runner.k))
         self.flight: deque = deque()  # (plan, pending) of the steps launched and not read yet, oldest first
         self.steps = 0
 
@@ -134,14 +139,22 @@ class Engine:
         while self.has_unfinished():
             yield from self.step()
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Add ``prompts``, run to the end, and return their final outputs in order."""
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 progress: float | None = None) -> list[RequestOutput]:
+        """Add ``prompts``, run to the end, and return their final outputs in order. ``progress``: log a line (the
+        ``ppsplit`` logger) every that many seconds while it runs (the commands pass 10)."""
         ids = add_all(self, prompts, params)
-        final = {}
+        final, tokens, start = {}, 0, time.perf_counter()
+        shown = start
         while self.has_unfinished():
             for out in self.step():
+                tokens += len(out.new_token_ids)
                 if out.finished:
                     final[out.request_id] = out
+            if progress is not None and time.perf_counter() - shown >= progress:
+                shown = time.perf_counter()
+                log.info("generating: %d tokens, %d of %d requests done, %.0fs", tokens, len(final), len(ids),
+                         shown - start)
         return [final[i] for i in ids]
 
 

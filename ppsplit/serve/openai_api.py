@@ -2,7 +2,8 @@
 
 Every refusal is an ``ApiError`` that becomes an HTTP error with the OpenAI error body
 ``{"error": {"message", "type", "param", "code"}}``; the message says what to change. A field the server does not
-implement is refused by name, never ignored.
+implement is refused by name, never ignored. Types are OpenAI's: an integer field takes no ``true`` and no ``1.0``.
+``read_json`` and ``parse`` run on a worker thread (the body may be megabytes), never on the event loop.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import time
 from dataclasses import dataclass
 
+from ppsplit.artifact.sandbox import Budget
 from ppsplit.core.errors import ConfigError
 from ppsplit.serve.sampling import SamplingParams
 
@@ -18,6 +20,24 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 MAX_STOP = 4
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a seed travels between ranks as an int64 (vLLM's bounds too)
+MIN_REQUEST_BYTES = 1 << 20
+REQUEST_BYTES_PER_TOKEN = 64
+PROMPT_SECONDS = 10.0  # what a request's chat template and tokenizer may take (--prompt-timeout)
+PROMPT_WORKERS = 4  # processes that render and tokenise requests in parallel
+
+
+def default_max_request_bytes(max_len: int) -> int:
+    """The body size a server over a ``max_len``-token cache admits: 64 bytes a token of context (room for JSON
+    escapes and token-id lists), at least 1 MiB."""
+    return max(MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * max_len)
+
+
+def prompt_budget(max_request_bytes: int, seconds: float | None = None) -> Budget:
+    """What rendering and tokenising one request may take: ``seconds`` (default ``PROMPT_SECONDS``), and a rendered
+    prompt of at most 4 characters per byte the request may hold (more than its messages could fill: the rest would
+    be the template's own output). ``ppsplit inspect`` checks a folder's template within the same budget."""
+    return Budget(seconds=seconds or PROMPT_SECONDS, max_chars=4 * max_request_bytes, workers=PROMPT_WORKERS)
 
 
 class ApiError(Exception):
@@ -43,13 +63,37 @@ class Parsed:
 
 
 def read_json(raw: bytes) -> dict:
+    """The request body as a JSON object whose every string is valid Unicode, or an ``ApiError``."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(f"the request body is not valid JSON ({e}); send a JSON object") from None
+    except RecursionError:
+        raise ApiError("the request body nests JSON too deeply; send a flat JSON object") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
+        raise ApiError(f"the request body is not valid JSON ({str(e)[:120]}); send a JSON object") from None
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, but got a JSON {type(body).__name__}")
+    _check_text(body)
     return body
+
+
+def _check_text(body: dict) -> None:
+    """JSON may escape half of a UTF-16 surrogate pair (``"\\ud800"``), which is no character: refuse it by field."""
+    stack = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            where = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"
+            for text in (key, item) if isinstance(key, str) else (item,):
+                if isinstance(text, str) and not text.isascii():
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError as e:
+                        raise ApiError(f"{where.lstrip('.')} holds a lone surrogate ({text[e.start]!r}), which is "
+                                       "not a character; send valid UTF-8 (or escape pairs)",
+                                       param=where.lstrip(".").split("[")[0].split(".")[0]) from None
+            if isinstance(item, (dict, list)):
+                stack.append((item, where))
 
 
 def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_positions: int) -> Parsed:
@@ -61,10 +105,13 @@ def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_
                        "others", param=unknown[0], code="unsupported_field")
     body = {k: v for k, v in body.items() if v is not None}  # a null field is an absent one (the client's default)
     if body.get("model") != model:
-        raise ApiError(f"model {body.get('model')!r} is not served here; this server serves {model!r} "
-                       "(see /v1/models)", param="model", code="model_not_found")
-    if body.get("n", 1) != 1:
-        raise ApiError(f"n must be 1 (one choice per request), but got {body['n']!r}", param="n")
+        raise ApiError(f"model {json.dumps(body.get('model'))[:80]} is not served here; this server serves "
+                       f"{model!r} (see /v1/models)", param="model", code="model_not_found", status=404)
+    n = body.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n != 1:
+        raise ApiError(f"n must be the integer 1 (one choice per request), but got {json.dumps(n)[:40]}", param="n")
+    if not isinstance(body.get("user", ""), str):
+        raise ApiError(f"user must be a string, but got {json.dumps(body['user'])[:40]}", param="user")
     prompt_ids = _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer)
     stream = _flag(body, "stream")
     options = body.get("stream_options")
@@ -90,7 +137,7 @@ def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_
 def _flag(body: dict, key: str, name: str | None = None) -> bool:
     value = body.get(key, False)
     if not isinstance(value, bool):
-        raise ApiError(f"{name or key} must be true or false, but got {value!r}", param=name or key)
+        raise ApiError(f"{name or key} must be true or false, but got {repr(value)[:60]}", param=name or key)
     return value
 
 
@@ -99,7 +146,10 @@ def _completion_prompt(body: dict, tokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        try:
+            ids = tokenizer.encode(prompt)
+        except ConfigError as e:  # the tokenizer failed or ran past its budget on this text
+            raise ApiError(str(e), param="prompt") from None
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
@@ -122,15 +172,21 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer") \
                 or set(m) - {"role", "content", "name"}:
-            raise ApiError(f"messages[{i}] must be {{role: system|user|assistant|developer, content}}, but got "
-                           f"{json.dumps(m)[:80]}", param=f"messages[{i}]")
-        plain.append({"role": m["role"], "content": _content(m.get("content"), i)})
+            raise ApiError(f"messages[{i}] must be {{role: system|user|assistant|developer, content, name?}}, but "
+                           f"got {json.dumps(m)[:80]}", param=f"messages[{i}]")
+        message = {"role": m["role"], "content": _content(m.get("content"), i)}
+        if m.get("name") is not None:  # transformers hands the template each message as the client sent it
+            if not isinstance(m["name"], str):
+                raise ApiError(f"messages[{i}].name must be a string, but got {json.dumps(m['name'])[:40]}",
+                               param=f"messages[{i}].name")
+            message["name"] = m["name"]
+        plain.append(message)
     if tokenizer.chat_template is None:
         raise ApiError("this model's folder has no chat template; use /v1/completions with a prompt",
                        param="messages")
     try:
         return tokenizer.encode_chat(plain, add_generation_prompt=True)
-    except ConfigError as e:
+    except ConfigError as e:  # the template refused, failed or ran past its budget (time, output, memory)
         raise ApiError(str(e), param="messages") from None
 
 
@@ -148,7 +204,7 @@ def _number(body: dict, key: str, default, low, high, integer: bool, what: str):
     value = body.get(key, default)
     ok = isinstance(value, int if integer else (int, float)) and not isinstance(value, bool)
     if not ok or not (low is None or value >= low) or not (high is None or value <= high):
-        raise ApiError(f"{key} must be {what}, but got {value!r}", param=key)
+        raise ApiError(f"{key} must be {what}, but got {repr(value)[:60]}", param=key)
     return value
 
 
@@ -159,7 +215,8 @@ def _params(body: dict, key: str, default: int) -> SamplingParams:
     if top_p == 0:
         raise ApiError("top_p must be a number in (0, 1], but got 0", param="top_p")
     top_k = _number(body, "top_k", 0, -1, None, True, "an integer >= 1, or 0 or -1 for no cut")
-    seed = _number(body, "seed", None, None, None, True, "an integer") if "seed" in body else None
+    seed = _number(body, "seed", None, *SEED_RANGE, True, "an integer from -2**63 to 2**63 - 1") \
+        if "seed" in body else None
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(0, top_k),
                           seed=seed)
 

@@ -1,8 +1,12 @@
 """Serving: the requests of a command line. ``ppsplit generate`` (one process) and ``ppsplit run`` (one process per
 stage) take the same prompt and sampling options, read and checked here, and print their outputs the same way.
 
-    --prompt TEXT (repeatable) --prompt-ids 1,2,3 (repeatable) --max-new-tokens N --temperature T --top-p P
+    --prompt TEXT (repeatable) --prompt-ids 1,2,3 (repeatable) --raw --max-new-tokens N --temperature T --top-p P
     --top-k K --seed S --stop-token-ids 2,7 --ignore-eos
+
+Requests keep the command line's order, whichever option gave them. A ``--prompt`` is a user message under the
+folder's chat template when it has one (as vLLM's ``chat``; ``--raw`` sends the text as is, as its ``complete``).
+Errors name the flags typed, not the API fields behind them.
 """
 from __future__ import annotations
 
@@ -12,20 +16,59 @@ import os
 from ppsplit.core.errors import ConfigError
 
 
+PROGRESS_SECONDS = 10.0  # a progress line this often while a command generates
+
+# The API field behind each request flag, for errors raised by the engine's checks.
+FLAGS = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+         "seed": "--seed", "stop_token_ids": "--stop-token-ids", "num_draft_tokens": "-k/--num-draft-tokens"}
+
+
+class _InOrder(argparse.Action):
+    """``--prompt`` / ``--prompt-ids``: each also appended to ``requests`` as ``(option, value)``, in typed order."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        getattr(namespace, self.dest).append(values)
+        namespace.requests = [*getattr(namespace, "requests", []), (self.dest, values)]
+
+
 def add_request_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", action="append", default=[], help="prompt text (needs a tokenizer in the folder); "
-                                                                 "repeat for several requests")
-    p.add_argument("--prompt-ids", action="append", default=[], help="prompt token ids like 1,2,3; repeatable")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per request at most")
+    p.set_defaults(requests=[])
+    p.add_argument("--prompt", action=_InOrder, default=[], help="prompt text (needs a tokenizer in the folder), a "
+                   "user message under the folder's chat template when it has one; repeat for several requests")
+    p.add_argument("--prompt-ids", action=_InOrder, default=[], help="prompt token ids like 1,2,3, sent as they are; "
+                   "repeatable, mixed with --prompt in the order given")
+    p.add_argument("--raw", "--no-chat-template", dest="raw", action="store_true",
+                   help="send --prompt text as it is, without the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per request at most (default: "
+                                                                  "%(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample (with -k: lossless "
-                                                                  "speculative sampling)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
+                                                                  "speculative sampling) (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
+                   "probabilities reach P (default: %(default)s: all)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (default: %(default)s: "
+                   "all)")
+    p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i (default: %(default)s)")
     p.add_argument("--stop-token-ids", default=None, help="comma-separated ids that end a request (kept in it)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence ids")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
-                   help="EAGLE-3 speculative decoding with K drafts per verify pass (needs a drafter)")
+                   help="EAGLE-3 speculative decoding with K drafts per verify pass (needs a drafter; default: none)")
+
+
+def check_folder(folder: str) -> None:
+    """A missing folder is named as missing, before anything asks it for a tokenizer or a plan."""
+    if not os.path.exists(folder):
+        raise ConfigError(f"{folder} does not exist; pass a folder written by ppsplit compile")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{folder} is not a folder; pass a folder written by ppsplit compile")
+
+
+def with_flags(error: ConfigError) -> ConfigError:
+    """``error`` with the API field it names replaced by the command-line flag the user typed."""
+    message = str(error)
+    for field, flag in FLAGS.items():
+        if message.startswith(field + " ") or message.startswith(field + "="):
+            return ConfigError(flag + message[len(field):])
+    return error
 
 
 def add_runtime_arguments(p: argparse.ArgumentParser, ranks: bool = False) -> None:
@@ -47,6 +90,7 @@ def check_requests(args, folder: str) -> None:
     sampling options."""
     from ppsplit.artifact.tokenizer import has_tokenizer
 
+    check_folder(folder)
     if not args.prompt and not args.prompt_ids:
         raise ConfigError("pass --prompt TEXT or --prompt-ids 1,2,3 (each may be given several times)")
     if args.prompt and not has_tokenizer(folder):
@@ -58,7 +102,10 @@ def check_requests(args, folder: str) -> None:
     if args.num_draft_tokens is not None:
         from ppsplit.serve.speculative import check_num_draft_tokens
 
-        check_num_draft_tokens(args.num_draft_tokens)
+        try:
+            check_num_draft_tokens(args.num_draft_tokens)
+        except ConfigError as e:
+            raise with_flags(e) from None
 
 
 def parse_ids(text: str, option: str) -> list[int]:
@@ -76,21 +123,30 @@ def sampling_params(args, index: int):
     from ppsplit.serve.sampling import SamplingParams
 
     stop = parse_ids(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids else ()
-    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed + index, stop_token_ids=tuple(stop),
-                          ignore_eos=args.ignore_eos)
+    try:
+        return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed + index, stop_token_ids=tuple(stop),
+                              ignore_eos=args.ignore_eos)
+    except ConfigError as e:
+        raise with_flags(e) from None
 
 
 def prompts_of(args, folder: str):
-    """``(prompts, tokenizer)``: the ``--prompt-ids`` requests first, then the ``--prompt`` texts, in the order
-    given; the tokenizer is ``None`` without text prompts."""
-    tokenizer = None
-    if args.prompt:
-        from ppsplit.artifact.tokenizer import FolderTokenizer
+    """``(prompts, tokenizer)`` in the command line's order: ``--prompt-ids`` as given, ``--prompt`` text as a user
+    message under the folder's chat template (as it is with ``--raw``, or without a template). The tokenizer (the
+    folder's, when it has one; else ``None``) also prints the outputs as text."""
+    from ppsplit.artifact.tokenizer import FolderTokenizer, has_tokenizer
 
-        tokenizer = FolderTokenizer(folder)
-    return [parse_ids(t, "--prompt-ids") for t in args.prompt_ids] + [tokenizer.encode(t) for t in args.prompt], \
-        tokenizer
+    tokenizer = FolderTokenizer(folder) if has_tokenizer(folder) else None
+    prompts = []
+    for option, value in args.requests:
+        if option == "prompt_ids":
+            prompts.append(parse_ids(value, "--prompt-ids"))
+        elif tokenizer.chat_template is not None and not args.raw:
+            prompts.append(tokenizer.encode_chat([{"role": "user", "content": value}]))
+        else:
+            prompts.append(tokenizer.encode(value))
+    return prompts, tokenizer
 
 
 def print_outputs(outputs, tokenizer, seconds: float, what: str) -> None:

@@ -75,6 +75,7 @@ class LocalRunner:
         self.vocab = stage_vocab(split.stages[0])
         self.eos = split.eos_token_id
         self.k = proposer.k if proposer is not None else 0
+        self.lookahead = proposer.lookahead if proposer is not None else 0
         self.sampler = Sampler(self.layout.slots, self.device, proposer)
         captured = sorted(n for b, n in split.graphs if b == 0)
         if cuda and cuda_graphs and not captured:

@@ -124,8 +124,9 @@ class Scheduler:
     """Requests, sequence slots and blocks, and what each step feeds (see the module docstring)."""
 
     def __init__(self, layout: CacheLayout, *, vocab: int, eos=(), k: int = 0, budget: int = 256,
-                 max_seqs: int | None = None, buckets=(), lag: bool = False):
+                 max_seqs: int | None = None, buckets=(), lag: bool = False, lookahead: int | None = None):
         self.layout, self.vocab, self.eos, self.k = layout, vocab, set(eos), k
+        self.lookahead = k if lookahead is None else lookahead  # positions past a window the drafter writes
         self.budget, self.buckets, self.lag = budget, sorted(buckets), lag
         if budget < k + 1:
             raise ConfigError(f"max_num_batched_tokens={budget} cannot hold one verify window of {k + 1} tokens")
@@ -152,12 +153,12 @@ class Scheduler:
         bad = [t for t in prompt if not 0 <= t < self.vocab]
         if bad:
             raise ConfigError(f"token id {bad[0]} is outside the vocabulary of {self.vocab} ids (0 to {self.vocab - 1})")
-        need = len(prompt) + params.max_tokens + self.k
+        need = len(prompt) + params.max_tokens + self.lookahead
         if need > self.layout.max_len:
-            raise ConfigError(f"a prompt of {len(prompt)} tokens + max_tokens {params.max_tokens}"
-                              + (f" + {self.k} draft positions" if self.k else "") + f" needs {need} positions, but a "
-                              f"sequence of the cache holds {self.layout.max_len}; shorten it or compile with a larger "
-                              "--max-len")
+            ahead = f" + {self.lookahead} draft positions" if self.lookahead else ""
+            raise ConfigError(f"a prompt of {len(prompt)} tokens + max_tokens {params.max_tokens}{ahead} needs {need} "
+                              f"positions, but a sequence of the cache holds {self.layout.max_len}; shorten it or "
+                              "compile with a larger --max-len")
         if -(-need // self.layout.block_size) > self.layout.num_blocks:
             raise ConfigError(f"the request needs {-(-need // self.layout.block_size)} blocks, more than the cache's "
                               f"pool of {self.layout.num_blocks}")
@@ -344,7 +345,7 @@ class Scheduler:
         """Blocks for positions ``0 .. end - 1`` (+ the drafts' positions ahead). When the pool is short, running
         requests other than ``keep`` (already in this step) and not in flight are preempted, newest first;
         ``keep=None``: none is."""
-        need = -(-(end + self.k) // self.layout.block_size) - len(request.blocks)
+        need = -(-(end + self.lookahead) // self.layout.block_size) - len(request.blocks)
         while need > 0:
             got = self.pool.take(need)
             if got is not None:

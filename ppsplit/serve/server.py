@@ -6,6 +6,11 @@ handler submits its request there and awaits its events on an asyncio queue the 
 answers 503 at once; a client that goes away (mid-stream or while waiting) aborts its request, which frees its
 blocks. SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish, then the process
 exits 0; a failed engine step ends the server with the error logged and exit code 1.
+
+The event loop only moves bytes: a body is read up to ``max_request_bytes`` (413 beyond, from its Content-Length
+before any is read), then parsed, checked, templated and tokenised on a worker thread, the template and tokenizer
+in child processes under their budget (``ppsplit.artifact.sandbox``), so a large or slow request delays only itself.
+Every error is OpenAI's JSON body; one nobody expected is logged in one line and answered 500, never a traceback.
 """
 from __future__ import annotations
 
@@ -16,14 +21,19 @@ import os
 import signal
 import socket
 import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException
 from starlette.responses import StreamingResponse
 
+from ppsplit.core.errors import ConfigError
 from ppsplit.serve.detokenize import TextStream
 from ppsplit.serve.loop import EngineLoop, QueueFull
-from ppsplit.serve.openai_api import (ApiError, chunk_body, completion_body, now, parse, read_json, sse, usage)
+from ppsplit.serve.openai_api import (ApiError, chunk_body, completion_body, default_max_request_bytes, now, parse,
+                                      read_json, sse, usage)
 
 log = logging.getLogger("ppsplit")
 
@@ -43,18 +53,56 @@ class _Events:
 
 
 class Server:
-    """What the handlers share: the engine loop, the tokenizer, the model's name and the cache's limits."""
+    """What the handlers share: the engine loop, the tokenizer, the model's name, the cache's limits, the largest
+    request body, and the threads that prepare requests."""
 
-    def __init__(self, loop: EngineLoop, tokenizer, model: str, max_len: int, draft_positions: int):
+    def __init__(self, loop: EngineLoop, tokenizer, model: str, max_len: int, draft_positions: int,
+                 max_request_bytes: int | None = None, threads: int = 8):
         self.loop, self.tokenizer, self.model = loop, tokenizer, model
         self.max_len, self.draft_positions = max_len, draft_positions
+        self.max_request_bytes = max_request_bytes or default_max_request_bytes(max_len)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ppsplit-request")
         self.draining = False
+        self.live: weakref.WeakSet = weakref.WeakSet()  # the events of requests in flight (event loop's thread)
+        self._aio: asyncio.AbstractEventLoop | None = None
 
-    async def start(self, body: dict, chat: bool):
-        """Check ``body``, submit it and wait until the engine took it: ``(parsed, request id, events)``."""
-        parsed = parse(body, chat=chat, model=self.model, tokenizer=self.tokenizer, max_len=self.max_len,
-                       draft_positions=self.draft_positions)
+    def fail(self, message: str) -> None:
+        """End the server from another thread (a rank that stopped answering): ``/health`` fails, and every request
+        in flight gets its error now rather than when (if ever) the engine's wait on that rank ends."""
+        self.loop.fail(message)
+        if self._aio is not None:
+            self._aio.call_soon_threadsafe(self._fail_live, message)
+
+    def _fail_live(self, message: str) -> None:
+        for events in list(self.live):
+            events.queue.put_nowait(("error", message))
+
+    def prepare(self, raw: bytes, chat: bool):
+        """Parse, check, template and tokenise a body (on a worker thread): the ``Parsed`` request."""
+        return parse(read_json(raw), chat=chat, model=self.model, tokenizer=self.tokenizer, max_len=self.max_len,
+                     draft_positions=self.draft_positions)
+
+    async def read(self, request: Request) -> bytes:
+        """The body, refused (413) past ``max_request_bytes``: by its Content-Length before any of it is read, else
+        as soon as it passes the limit."""
+        limit = self.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(f"{int(declared):,} bytes", limit)
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(f"more than {limit:,} bytes", limit)
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def start(self, raw: bytes, chat: bool):
+        """Check the body ``raw``, submit it and wait until the engine took it: ``(parsed, request id, events)``."""
+        self._aio = asyncio.get_running_loop()
+        parsed = await self._aio.run_in_executor(self.pool, self.prepare, raw, chat)
         events = _Events()
+        self.live.add(events)
         try:
             request_id = self.loop.submit(parsed.prompt_ids, parsed.params, events)
         except QueueFull as e:
@@ -72,14 +120,20 @@ class Server:
             kind, out = await events.get()
             if kind == "error":
                 raise ApiError(f"the engine failed: {out}", status=500, kind="server_error", code="engine_failed")
-            piece = text.feed(out.new_token_ids)
+            try:
+                piece = text.feed(out.new_token_ids)
+                rest = text.flush() if out.finished and not text.stopped else ""
+            except ConfigError as e:  # the folder's decoder failed on these tokens
+                if not out.finished:
+                    self.loop.abort(request_id)
+                raise ApiError(str(e), status=500, kind="server_error", code="detokenize_failed") from None
             if text.stopped:
                 if not out.finished:
                     self.loop.abort(request_id)
                 yield piece, "stop", text.num_tokens
                 return
             if out.finished:
-                yield piece + text.flush(), "stop" if out.finish_reason == "stop" else "length", text.num_tokens
+                yield piece + rest, "stop" if out.finish_reason == "stop" else "length", text.num_tokens
                 return
             if out.new_token_ids:  # held-back text still makes a (empty) chunk: clients see every step, as vLLM's
                 yield piece, None, text.num_tokens
@@ -95,15 +149,59 @@ class Stream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+def _too_large(size: str, limit: int) -> ApiError:
+    return ApiError(f"the request body has {size}, more than this server takes ({limit:,} bytes, "
+                    "--max-request-bytes); send a shorter prompt", status=413, code="request_too_large")
+
+
+class _Guard:
+    """An exception no handler expected: one log line, and OpenAI's error body (500) unless the response had
+    begun; never a traceback to the client."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        began = False
+
+        async def watched(message):
+            nonlocal began
+            began = began or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as e:
+            log.error("%s %s failed unexpectedly: %s", scope.get("method"), scope.get("path"), one_line(e))
+            if not began:
+                error = ApiError("the server failed on this request unexpectedly (its log says why)", status=500,
+                                 kind="server_error", code="internal_error")
+                await JSONResponse(error.body(), status_code=500)(scope, receive, send)
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
+
+
 def build_app(server: Server) -> FastAPI:
     app = FastAPI(title="ppsplit", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Guard)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # no such route or method
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        body = ApiError(f"{request.method} {request.url.path}: {e.detail}", status=e.status_code, kind=kind).body()
+        return JSONResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))
+
     async def generate(request: Request, chat: bool):
-        parsed, request_id, events = await server.start(read_json(await request.body()), chat)
+        parsed, request_id, events = await server.start(await server.read(request), chat)
         rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, now()
         if parsed.stream:
             return Stream(_sse(server, parsed, request_id, events, rid, created),
@@ -173,6 +271,11 @@ async def _sse(server: Server, parsed, request_id: str, events: _Events, rid: st
     except ApiError as e:  # the engine failed mid-stream: say so in the stream (the status is already sent)
         done = True
         yield sse(e.body())
+        yield sse("[DONE]")
+    except Exception as e:  # unexpected: one log line, and the stream still ends as OpenAI's do
+        log.error("a stream failed unexpectedly: %s", one_line(e))
+        yield sse(ApiError("the server failed on this request unexpectedly (its log says why)", status=500,
+                           kind="server_error", code="internal_error").body())
         yield sse("[DONE]")
     finally:
         if not done:
@@ -249,7 +352,8 @@ def run(server: Server, sock: socket.socket, *, log_level: str = "warning") -> i
     log.info("serving %s on http://%s:%d (OpenAI API: /v1/completions, /v1/chat/completions)", server.model,
              host, port)
     Uvicorn(config).run(sockets=[sock])
-    server.loop.stop()
+    server.pool.shutdown(wait=False, cancel_futures=True)
+    server.loop.stop(timeout=1.0 if server.loop.failed else 10.0)
     if server.loop.failed:
         log.error("the server stopped because the engine failed: %s", server.loop.failed)
         return 1

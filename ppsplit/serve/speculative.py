@@ -63,12 +63,19 @@ def check_speculation(plan, k, drafter=None) -> None:
 
 
 class Proposer:
-    """The EAGLE-3 ``drafter``'s loop proposing ``k`` drafts per drawing request (see the module docstring), over a
-    paged cache of ``layout`` (the target's ``CacheLayout``)."""
+    """The ``drafter``'s loop proposing ``k`` drafts per drawing request (see the module docstring), over a paged
+    cache of ``layout`` (the target's ``CacheLayout``): an EAGLE-3 chain of ``k`` steps, or one DFlash block."""
 
     def __init__(self, drafter, k: int, layout):
         check_num_draft_tokens(k)
+        self.block = getattr(drafter, "family", None) == "dflash"
+        if self.block and k > drafter.block_size - 1:
+            raise ConfigError(f"num_draft_tokens={k} exceeds what one block of the DFlash drafter proposes "
+                              f"({drafter.block_size - 1}: block_size {drafter.block_size} minus the bonus token); use "
+                              f"num_draft_tokens <= {drafter.block_size - 1}")
         self.drafter, self.k = drafter, k
+        # Positions past a window's end the drafter writes: a chain's last draft, or a block's last mask row.
+        self.lookahead = k + 1 if self.block else k
         drafter.allocate_paged(layout)
         self.slots = layout.slots
         self.q = None  # [S, K, draft vocab]: each slot's draft distributions, once a request samples
@@ -79,6 +86,8 @@ class Proposer:
         """Feed the step's rows; with ``last`` (the row of each drawing request's last committed token) and
         ``token`` (that token), draft ``[D, K]`` target-vocabulary ids for the drawing requests."""
         drafter = self.drafter
+        if self.block:
+            return self._feed_block(aux, positions, batch, last, token, sampler, sampled, cut_k, cut_p)
         follow = batch.follow
         nxt = torch.where(follow >= 0, ids[follow.clamp_min(0)], batch.follow_token)
         if last is not None:
@@ -88,12 +97,7 @@ class Proposer:
             return None
         logits, hidden, position = logits[0, last], hidden[0, last], positions[last]
         slot = batch.slot[batch.drawing]
-        params = None
-        if sampled:
-            params = (sampler.temperature[slot], sampler.top_k[slot], sampler.top_p[slot], sampler.seed[slot],
-                      sampler.index[slot])
-            if self.q is None:
-                self.q = torch.zeros(self.slots, self.k, drafter.d2t.shape[0], device=logits.device)
+        params = self._params(slot, sampler, sampled, logits.device)
         drafts = []
         for j in range(self.k):
             drafts.append(self._pick(logits, j, slot, params, cut_k, cut_p))
@@ -103,6 +107,34 @@ class Proposer:
             logits, hidden = drafter(hidden[None], drafts[-1][None], step)
             logits, hidden = logits[0], hidden[0]
         return torch.stack(drafts, 1)
+
+    def _feed_block(self, aux, positions, batch, last, token, sampler, sampled: bool, cut_k: bool, cut_p: bool):
+        """DFlash: write every row's context, then one forward over each drawing request's block ``[token, mask x
+        K]`` at the positions after its last committed token; the K drafts are the block's rows 1 .. K."""
+        drafter, k = self.drafter, self.k
+        drafter.write_context(aux, batch.step(positions))
+        if last is None:
+            return None
+        slot = batch.slot[batch.drawing]
+        width = k + 1
+        j = torch.arange(width, device=slot.device)
+        tokens = torch.where(j == 0, token[:, None], drafter.mask_token_id).reshape(-1)
+        start = positions[last] + 1
+        step = RaggedStep((start[:, None] + j).reshape(-1), slot[:, None].expand(-1, width).reshape(-1),
+                          batch.block_table, batch.chain_start * width, batch.chain_count * width)
+        rows = drafter.draft_block(tokens, step).view(slot.shape[0], width, -1)
+        logits = drafter.logits(rows[:, 1:])
+        params = self._params(slot, sampler, sampled, logits.device)
+        return torch.stack([self._pick(logits[:, i], i, slot, params, cut_k, cut_p) for i in range(k)], 1)
+
+    def _params(self, slot, sampler, sampled: bool, device):
+        """The drawing requests' sampling parameters (``None`` for a greedy step)."""
+        if not sampled:
+            return None
+        if self.q is None:
+            self.q = torch.zeros(self.slots, self.k, self.drafter.d2t.shape[0], device=device)
+        return (sampler.temperature[slot], sampler.top_k[slot], sampler.top_p[slot], sampler.seed[slot],
+                sampler.index[slot])
 
     def _pick(self, logits, j: int, slot, params, cut_k: bool, cut_p: bool) -> torch.Tensor:
         """Draft ``j`` of each drawing request (target-vocabulary ids)."""

@@ -1,9 +1,12 @@
 """``ppsplit serve``: a live server on 127.0.0.1 (the demo model in 2 stages with its tokenizer, a random EAGLE-3
 drafter, -k 2; one process, or one per stage with --ranks 2) driven with the real ``openai`` client and raw HTTP,
 against the engine called in this process."""
+import asyncio
 import http.client
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +52,7 @@ class Live:
 
     def __init__(self, folder: str, *extra: str):
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.folder = folder
         self.proc = subprocess.Popen([sys.executable, "-m", "ppsplit.cli", "serve", folder, "--port", "0",
                                       "--served-model-name", MODEL, *extra],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -290,7 +294,6 @@ def test_a_dropped_client_aborts_its_request_and_frees_its_blocks(live):
 
 
 BAD = [
-    ({"model": "other", "prompt": "a"}, "model", "is not served here"),
     ({"model": MODEL, "prompt": "a " * MAX_LEN}, "prompt", "a sequence holds 128 tokens"),
     ({"model": MODEL, "prompt": "a", "max_tokens": MAX_LEN}, "max_tokens", "ask for at most"),
     ({"model": MODEL, "prompt": "a", "max_tokens": 0}, "max_tokens", "an integer >= 1"),
@@ -298,15 +301,24 @@ BAD = [
     ({"model": MODEL, "prompt": "a", "top_p": 0}, "top_p", "(0, 1]"),
     ({"model": MODEL, "prompt": "a", "logprobs": 1}, "logprobs", "unsupported field 'logprobs'"),
     ({"model": MODEL, "prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
-    ({"model": MODEL, "prompt": "a", "n": 2}, "n", "n must be 1"),
+    ({"model": MODEL, "prompt": "a", "n": 2}, "n", "n must be the integer 1"),
     ({"model": MODEL, "prompt": "a", "stop": ["x"] * 5}, "stop", "up to 4"),
     ({"model": MODEL, "prompt": [5, 100000]}, "prompt", "outside the vocabulary"),
     (b'{"model": "demo-serve", "prompt": ', None, "not valid JSON"),
     (b'[1, 2]', None, "must be a JSON object"),
+    # Each of these was a plain-text 500 with a traceback in the log.
+    (b'{"model": "demo-serve", "prompt": "\\ud800x"}', "prompt", "lone surrogate"),
+    (b'{"model": "demo-serve", "prompt": "a", "stop": ["\\udfff"]}', "stop", "lone surrogate"),
+    (b'{"model": "demo-serve", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nests JSON too deeply"),
+    (b'{"model": "demo-serve", "prompt": "a", "seed": ' + b"7" * 5000 + b"}", None, "not valid JSON"),
+    ({"model": MODEL, "prompt": "a", "seed": 2 ** 64}, "seed", "from -2**63 to 2**63 - 1"),
+    ({"model": MODEL, "prompt": "a", "user": {}}, "user", "user must be a string"),
+    ({"model": MODEL, "prompt": "a", "n": True}, "n", "the integer 1"),
+    ({"model": MODEL, "prompt": "a", "n": 1.0}, "n", "the integer 1"),
 ]
 
 
-@pytest.mark.parametrize("body,param,says", BAD, ids=[b[1] or b[2] for b in BAD])
+@pytest.mark.parametrize("body,param,says", BAD, ids=[f"{b[1]}-{b[2]}" for b in BAD])
 def test_a_bad_request_gets_a_400_that_says_what_to_change(live, body, param, says):
     status, data = live.post("/v1/completions", body)
     assert status == 400, data
@@ -314,11 +326,41 @@ def test_a_bad_request_gets_a_400_that_says_what_to_change(live, body, param, sa
     assert data["error"]["type"] == "invalid_request_error"
 
 
+def test_unknown_models_routes_and_methods_are_404_and_405_in_openais_body(live):
+    status, data = live.post("/v1/completions", {"model": "other", "prompt": "a"})
+    assert status == 404 and data["error"]["code"] == "model_not_found" and data["error"]["param"] == "model"
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        live.client.chat.completions.create(model="other", messages=[{"role": "user", "content": "Hi"}])
+    status, data = live.post("/v1/embeddings", {"model": MODEL, "input": "a"})
+    assert status == 404 and "Not Found" in data["error"]["message"], data
+    conn = live.connection()
+    conn.request("GET", "/v1/completions")
+    response = conn.getresponse()
+    assert response.status == 405 and "Method Not Allowed" in json.loads(response.read())["error"]["message"]
+    conn.close()
+
+
+def test_temperatures_below_the_epsilon_sample_greedily(live, oracle):
+    outputs, tok = oracle
+    ref = outputs([tok.encode("Once upon a time")], [12])[0]
+    for temperature in (1e-45, 1e-6):
+        got = live.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                             temperature=temperature, seed=3)
+        assert got.choices[0].text == text_of(tok, ref.token_ids), temperature
+    assert SamplingParams(temperature=1e-45).greedy and not SamplingParams(temperature=1e-5).greedy
+
+
 def test_bad_chat_requests_and_the_client_error_then_serving_goes_on(live, oracle):
     status, data = live.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
     assert status == 400 and data["error"]["param"] == "messages[0]"
     status, data = live.post("/v1/chat/completions", {"model": MODEL, "prompt": "x"})
     assert status == 400 and data["error"]["param"] == "prompt"
+    status, data = live.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x",
+                                                                                       "name": 5}]})
+    assert status == 400 and data["error"]["param"] == "messages[0].name"
+    status, data = live.post("/v1/chat/completions", b'{"model": "demo-serve", "messages": [{"role": "user", '
+                                                     b'"content": "\\ud83dx"}]}')
+    assert status == 400 and data["error"]["param"] == "messages" and "lone surrogate" in data["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="top_k must be"):
         live.client.completions.create(model=MODEL, prompt="a", extra_body={"top_k": -5})
     outputs, tok = oracle
@@ -353,17 +395,22 @@ def test_full_queue_503_then_sigterm_finishes_the_requests_in_flight_and_exits_0
             server.proc.kill()
 
 
-def _children(pid: int) -> list[int]:
+def _children(pid: int, running: str = "") -> list[int]:
+    """The child processes of ``pid`` (whose command line holds ``running``)."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid and \
+                            running in open(f"/proc/{entry}/cmdline").read().replace("\0", " "):
                         out.append(int(entry))
             except (OSError, IndexError, ValueError):
                 pass
     return out
+
+
+RANK = "ppsplit.distributed.server_ranks"
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank processes through /proc")
@@ -381,16 +428,318 @@ def test_ranks_2_gives_the_same_outputs_and_a_dead_rank_ends_the_server(folder, 
                                                      max_tokens=5, temperature=0)
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]), add_special_tokens=False)
         assert chat.choices[0].message.content == text_of(tok, outputs([ids], [5])[0].token_ids)
-        (follower,) = _children(server.proc.pid)
+        (follower,) = _children(server.proc.pid, RANK)
         conn, response = _open_stream(server, max_tokens=MAX_LEN - 10)
         os.kill(follower, signal.SIGKILL)
         events = [line[6:] for line in response.read().split(b"\n") if line.startswith(b"data: ")]
-        assert json.loads(events[-2])["error"]["code"] == "engine_failed" and events[-1] == b"[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "engine_failed" and events[-1] == b"[DONE]", events[-3:]
         assert server.proc.wait(60) == 1
         assert any("rank 1" in line for line in server.lines), "".join(server.lines)
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
+
+
+# -- hostile input: a folder's template and tokenizer, large bodies, a frozen rank ------------------------------
+
+# What the hostile folder's chat template does when the last message is one of these words (else it renders like the
+# demo's, with each message's name).
+TRAPS = {
+    "LOOP": "{% for i in range(100000) %}{% for j in range(100000) %}{% set x = i * j %}{% endfor %}{% endfor %}",
+    "FLOOD": "{% for i in range(100000) %}{{ 'x' * 1000000 }}{% endfor %}",
+    "DIVIDE": "{{ 1 / 0 }}",
+    "RECURSE": "{{ deeper(0) }}",
+    "MEMORY": "{{ ([1] * 10 ** 10) | length }}",
+    "ESCAPE": "{{ cycler.__init__.__globals__.os.popen('touch MARK') }}",
+}
+HOSTILE_TEMPLATE = (
+    "{% macro deeper(n) %}{{ deeper(n + 1) }}{% endmacro %}{% set last = messages[-1]['content'] %}{% if false %}"
+    + "".join(f"{{% elif last == '{word}' %}}{body}" for word, body in TRAPS.items())
+    + "{% endif %}{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+    "{% if message.name is defined %}{{ '(' + message.name + ')' }}{% endif %}{{ '\\n' + message['content'] + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+BACKTRACKS = "(a|aa)+b"  # a pre-tokenizer regex that hits the regex engine's limit on a run of 60 a's
+LIMIT = 4_000_000  # --max-request-bytes of the hostile server
+PROMPT_TIMEOUT = 2.0
+
+
+def hostile_folder(folder: str, out: str, mark: str) -> str:
+    """``folder`` with the trapped chat template and a pre-tokenizer regex that backtracks."""
+    shutil.copytree(folder, out)
+    path = os.path.join(out, "tokenizer_config.json")
+    config = json.load(open(path))
+    config["chat_template"] = HOSTILE_TEMPLATE.replace("MARK", mark)
+    json.dump(config, open(path, "w"))
+    path = os.path.join(out, "tokenizer.json")
+    tok = json.load(open(path))
+    tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": BACKTRACKS}, "behavior": "Isolated", "invert": False},
+        tok["pre_tokenizer"]]}
+    json.dump(tok, open(path, "w"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hostile(folder, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hostile")
+    out = hostile_folder(folder, str(root / MODEL), str(root / "PWNED"))
+    server = Live(out, "--prompt-timeout", str(PROMPT_TIMEOUT), "--max-request-bytes", str(LIMIT))
+    yield server, root
+    if server.proc.poll() is None:
+        server.proc.kill()
+
+
+class Traffic:
+    """While a test attacks the server: streams run back to back and /health is polled; records the largest gap
+    between a stream's events (its first included), the slowest /health, and anything that went wrong."""
+
+    def __init__(self, live):
+        self.live, self.done = live, threading.Event()
+        self.gaps, self.health, self.streams, self.bad = [0.0], [0.0], 0, []
+        self.threads = [threading.Thread(target=self._stream), threading.Thread(target=self._poll)]
+        for t in self.threads:
+            t.start()
+
+    def _stream(self):
+        while not self.done.is_set():
+            conn = self.live.connection()
+            last = time.monotonic()
+            conn.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": "Hello", "stream": True,
+                                                                     "max_tokens": 60, "temperature": 0}),
+                         headers={"Content-Type": "application/json"})
+            events = []
+            for line in conn.getresponse():
+                if line.startswith(b"data: "):
+                    now = time.monotonic()
+                    self.gaps.append(now - last)
+                    last = now
+                    events.append(line[6:].strip())
+            conn.close()
+            if events[-1:] != [b"[DONE]"] or b'"error"' in events[-2]:
+                self.bad.append(events[-2:])
+            self.streams += 1
+
+    def _poll(self):
+        while not self.done.is_set():
+            start = time.monotonic()
+            conn = self.live.connection()
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            response.read()
+            conn.close()
+            self.health.append(time.monotonic() - start)
+            if response.status != 200:
+                self.bad.append(("health", response.status))
+            time.sleep(0.05)
+
+    def finish(self) -> tuple[float, float]:
+        self.done.set()
+        for t in self.threads:
+            t.join(120)
+        return max(self.gaps), max(self.health)
+
+
+def _chat(content, **kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": content, **kw}], "max_tokens": 4}
+
+
+def test_a_hostile_template_or_tokenizer_is_one_400_and_the_server_goes_on(hostile, folder):
+    live, root = hostile
+    traffic = Traffic(live)
+    try:
+        for trap, says in (("LOOP", f"took longer than {PROMPT_TIMEOUT:g} s"), ("FLOOD", "characters, its limit"),
+                           ("DIVIDE", "ZeroDivisionError"), ("RECURSE", "recursed too deeply"),
+                           ("MEMORY", "out of memory"), ("ESCAPE", "sandbox forbids"),
+                           ("a" * 60, "retry-limit-in-match")):
+            start = time.monotonic()
+            status, data = live.post("/v1/chat/completions", _chat(trap))
+            assert status == 400 and data["error"]["param"] == "messages", (trap, data)
+            assert says in data["error"]["message"], (trap, data)
+            assert time.monotonic() - start < PROMPT_TIMEOUT + 5, trap
+        status, data = live.post("/v1/completions", {"model": MODEL, "prompt": "a" * 60, "max_tokens": 2})
+        assert status == 400 and data["error"]["param"] == "prompt" and "retry-limit" in data["error"]["message"]
+    finally:
+        gap, health = traffic.finish()
+    assert not (root / "PWNED").exists()
+    assert traffic.streams >= 1 and len(traffic.gaps) > 20 and not traffic.bad, traffic.bad
+    assert gap < 2.0 and health < 2.0, (gap, health)
+    # The template still serves, and it gets each message's name as transformers passes it.
+    tok = FolderTokenizer(live.folder)
+    try:
+        for extra in ({}, {"name": "ann"}):
+            got = live.client.chat.completions.create(model=MODEL, max_tokens=3, temperature=0,
+                                                      messages=[{"role": "user", "content": "Hi", **extra}])
+            ids = tok.encode_chat([{"role": "user", "content": "Hi", **extra}])
+            assert got.usage.prompt_tokens == len(ids)
+            assert ("(ann)" in tok.decode(ids, skip_special_tokens=False)) == bool(extra)
+    finally:
+        tok.close()
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_large_body_delays_only_itself(hostile):
+    live, _ = hostile
+    # Refused from its Content-Length, before any of it is read.
+    conn = live.connection()
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(50 << 20))
+    conn.endheaders()
+    start = time.monotonic()
+    response = conn.getresponse()
+    data = json.loads(response.read())
+    conn.close()
+    assert response.status == 413 and data["error"]["code"] == "request_too_large", data
+    assert f"{50 << 20:,} bytes" in data["error"]["message"] and time.monotonic() - start < 2
+    # Without a length (chunked): refused once it passes the limit.
+    conn = live.connection()
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.endheaders()
+    chunk = b"x" * (1 << 16)
+    try:
+        for _ in range(LIMIT // len(chunk) + 8):
+            conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    except (BrokenPipeError, ConnectionResetError):  # the server answered and closed
+        pass
+    response = conn.getresponse()
+    assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
+    conn.close()
+    # Near the limit while streams run: the text's tokenising (in the tokenizer's process) takes seconds, and only
+    # this request waits for it.
+    rss = _rss(live.proc.pid)
+    text = "Hello world, the pipeline serves a request. "
+    bodies = [json.dumps({"model": MODEL, "prompt": text * (LIMIT // len(text) - 40), "max_tokens": 4}),
+              json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text * 400}] * (LIMIT // 18100),
+                          "max_tokens": 4}),
+              json.dumps({"model": MODEL, "prompt": list(range(5, 900)) * int(LIMIT * 0.95 / 4400), "max_tokens": 4})]
+    traffic = Traffic(live)
+    try:
+        for body in bodies:
+            assert LIMIT * 0.9 < len(body) <= LIMIT, len(body)
+            status, data = live.post("/v1/chat/completions" if "messages" in body[:40] else "/v1/completions",
+                                     body.encode())
+            assert status == 400, data
+            assert data["error"]["code"] == "context_length_exceeded" or "took longer than" in data["error"]["message"], \
+                data
+    finally:
+        gap, health = traffic.finish()
+    assert traffic.streams >= 1 and len(traffic.gaps) > 20 and not traffic.bad, traffic.bad
+    assert gap < 2.0 and health < 2.0, (gap, health)
+    assert _rss(live.proc.pid) - rss < 512 << 20
+
+
+def _descendants(pid: int) -> list[int]:
+    out = _children(pid)
+    return out + [g for c in out for g in _descendants(c)]
+
+
+def test_sigterm_while_a_template_loops_drains_and_exits_0(hostile):
+    live, _ = hostile
+    helpers = _descendants(live.proc.pid)  # the template and tokenizer processes the tests above started
+    assert helpers
+    answer = {}
+    looping = threading.Thread(target=lambda: answer.update(zip(("status", "data"), live.post(
+        "/v1/chat/completions", _chat("LOOP")))))
+    looping.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    live.proc.send_signal(signal.SIGTERM)
+    assert live.proc.wait(PROMPT_TIMEOUT + 20) == 0, "".join(live.lines)
+    looping.join(10)
+    assert answer["status"] == 400 and "took longer than" in answer["data"]["error"]["message"]
+    assert time.monotonic() - start < PROMPT_TIMEOUT + 20
+    assert _wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
+                                     for p in helpers), 10)
+    assert not any("Traceback" in line for line in live.lines), "".join(live.lines)
+
+
+class _Broken:
+    """A tokenizer that fails as nothing should."""
+
+    chat_template = "x"
+
+    def encode(self, text):
+        raise RuntimeError("boom\nsecond line")
+
+
+async def _asgi(app, method: str, path: str, body: bytes):
+    """One request through the ASGI app, without a network: ``(status, JSON body)``."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    sent = []
+
+    async def receive():
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return start["status"], json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+
+
+def test_an_unexpected_error_is_one_log_line_and_openais_500_body(caplog):
+    from ppsplit.serve.server import Server, build_app
+
+    server = Server(None, _Broken(), MODEL, MAX_LEN, 0)
+    try:
+        with caplog.at_level(logging.ERROR, logger="ppsplit"):
+            status, body = asyncio.run(_asgi(build_app(server), "POST", "/v1/completions",
+                                             json.dumps({"model": MODEL, "prompt": "hi"}).encode()))
+    finally:
+        server.pool.shutdown()
+    assert status == 500 and body["error"]["type"] == "server_error" and body["error"]["code"] == "internal_error"
+    assert "boom" not in json.dumps(body)  # the client learns nothing of the server's insides
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is None, errors
+    assert "POST /v1/completions failed unexpectedly: RuntimeError: boom" == errors[0].getMessage()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank processes through /proc")
+def test_a_frozen_rank_fails_health_and_its_requests_within_the_stall_timeout(folder):
+    stall = 2.0
+    server = Live(folder, "--ranks", "2", "--rank-stall-timeout", str(stall))
+    try:
+        (follower,) = _children(server.proc.pid, RANK)
+        assert server.client.completions.create(model=MODEL, prompt="Hi", max_tokens=3).usage.completion_tokens
+        conn, response = _open_stream(server, max_tokens=MAX_LEN - 10)
+        os.kill(follower, signal.SIGSTOP)
+        stopped = time.monotonic()
+        events = [line[6:] for line in response.read().split(b"\n") if line.startswith(b"data: ")]
+        failed = time.monotonic() - stopped
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "engine_failed" and "rank 1 stopped answering" in error["message"], events[-2:]
+        assert events[-1] == b"[DONE]" and failed < stall + 3, failed
+        conn.close()
+
+        def health_not_ok():
+            try:
+                conn = server.connection()
+                conn.request("GET", "/health")
+                return conn.getresponse().status != 200
+            except OSError:  # already gone
+                return True
+        assert health_not_ok()
+        assert server.proc.wait(30) == 1
+        assert any("no heartbeat for" in line for line in server.lines), "".join(server.lines)
+        assert _wait_for(lambda: not os.path.exists(f"/proc/{follower}")
+                         or open(f"/proc/{follower}/stat").read().split()[2] == "Z", 10)  # killed, not left stopped
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        try:
+            os.kill(follower, signal.SIGKILL)
+        except (OSError, UnboundLocalError):
+            pass
 
 
 # -- without a server ----------------------------------------------------------------------------------------------
