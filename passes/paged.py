@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import ppsplit.triton_kernels.paged  # noqa: F401  (registers the paged ops)
 import ppsplit.triton_kernels.recurrent  # noqa: F401
@@ -360,8 +361,10 @@ def _equals_positions(gm: fx.GraphModule, node: fx.Node, positions: fx.Node, inf
     """Whether ``node``, ``[T]`` or ``[1, T]`` of the positions' dtype and computed from ``positions`` and sizes
     alone, equals ``positions`` for steps of contiguous positions (a few token counts and first positions)."""
     val, pval = node.meta.get("val"), positions.meta.get("val")
+    # Sizes compared without a guard: making ``!=`` on the traced token count a bool would fix it to the example's
     if not isinstance(val, torch.Tensor) or val.dtype != pval.dtype or val.dim() not in (1, 2) \
-            or val.shape[-1] != pval.shape[0] or val.dim() == 2 and val.shape[0] != 1:
+            or not statically_known_true(val.shape[-1] == pval.shape[0]) \
+            or val.dim() == 2 and not statically_known_true(val.shape[0] == 1):
         return False
     ancestors, todo = set(), [node]
     while todo:
