@@ -924,8 +924,7 @@ def _match_latent(gm: fx.GraphModule, mla: _Latent, order: dict) -> _Found:
     batch = _shape(mla.latent)[0]
 
     def is_out(shape):
-        return (shape is not None and len(shape) == 4 and shape[0] == batch and shape[1] == mla.heads
-                and shape[2] == tokens and shape[3] == mla.value)
+        return shape is not None and _same(shape, (batch, mla.heads, tokens, mla.value))
 
     out = next((n for n in sorted(from_latent & from_rope, key=order.get) if is_out(_shape(n))), None)
     if out is None:
