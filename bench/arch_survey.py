@@ -3,6 +3,7 @@
     python bench/arch_survey.py                        # every causal LM type the installed transformers maps
     python bench/arch_survey.py falcon bloom gemma4_text -j 2 --timeout 120 --markdown survey.md
     python bench/arch_survey.py --zoo                  # the 34 hand-tuned architectures of bench/RESULTS.md section 2
+    python bench/arch_survey.py --checks build,engine  # only these checks (the others are reported as "-")
 
 Model types come from ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``. Encoder-decoder configs and multimodal wrappers (a
 vision / audio sub-config, or an assistant that reads another model's hidden states) are skipped and listed with
@@ -14,10 +15,13 @@ Then, each check independent of the others:
   build    the tiny model (hidden 64, 4 layers, vocab 128) with weights perturbed by randn * 0.02
   split    split_model(model, pp, aux=[1, 2, L-1]) for pp 2 and 3: logits and taps equal model(ids,
            output_hidden_states=True, position_ids=0..T-1) (max abs error < 1e-4)
-  decode   split_model(model, 2, cache=CacheConfig(2, 64)).generate(ids, 16) equals model.generate(ids,
-           max_new_tokens=16, do_sample=False) token for token
+  decode   split_model(model, 2, cache=CacheConfig(2, 64))'s greedy tokens (generate; forward steps for a lockstep
+           cache, which generate refuses) equal model.generate(ids, max_new_tokens=16, do_sample=False)
+  engine   the decode check's split served by the engine: "paged" when its cache is paged and Engine(split)
+           .generate of the two prompts as requests gives Hugging Face's greedy tokens (to its end-of-sequence);
+           "lockstep" when the split keeps a lockstep cache (which the engine refuses), with the plan's reason
   compile  save_pretrained, ppsplit.compile_model(ckpt, out, pp=2, cache=CacheConfig(2, 64)), ppsplit.load(out)
-           and its generate equal to Hugging Face's
+           and its greedy tokens (as decode takes them) equal to Hugging Face's
 
 Each model type runs in a forked child with a timeout, so a hang or crash in one cannot stop the survey.
 
@@ -48,12 +52,15 @@ import ppsplit.compile.api  # noqa: F401  imported before forking so that each c
 import ppsplit.artifact.loader  # noqa: F401
 import ppsplit.compile.writer  # noqa: F401
 from ppsplit.core.tensors import stream_rows
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.sampling import SamplingParams
 
 warnings.filterwarnings("ignore")
 L, H, V = 4, 64, 128
 TOL = 1e-4
 NEW_TOKENS = 16
-CHECKS = ("build", "split", "decode", "compile")
+CHECKS = ("build", "split", "decode", "engine", "compile")
+SELECTED = set(CHECKS)  # --checks: the ones that run
 
 # Generic shrinking: every field of these names that the config has (and that is set) gets this value.
 _SIZES = [
@@ -262,7 +269,7 @@ STAGE_OPTIONS: dict = {}  # --cuda-rewrites: the stage rewrites of split_model's
 
 
 def _run_checks(model_type: str, zoo: bool, send):
-    """The four checks; ``send(check, status)`` after each, so a timeout later keeps what is known."""
+    """The checks; ``send(check, status)`` after each, so a timeout later keeps what is known."""
     torch.manual_seed(1)
     ids = torch.randint(3, V, (2, 9))
     try:  # a config the shrinking rules made invalid fails here, in Hugging Face's own forward
@@ -275,6 +282,109 @@ def _run_checks(model_type: str, zoo: bool, send):
             send(check, "-")
         return
     send("build", "ok")
+    if "split" in SELECTED:
+        _split_check(model, model_type, ids, ref, send)
+    else:
+        send("split", "-")
+    _generation_checks(model, model_type, ids, send)
+
+
+def _generation_checks(model, model_type: str, ids, send):
+    """decode, engine and compile, each against Hugging Face's greedy tokens."""
+    skipped = [c for c in CHECKS[2:] if c not in SELECTED]
+    for check in skipped:
+        send(check, "-")
+    if len(skipped) == 3:
+        return
+    try:
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+            if model_type in UNCACHED_ORACLE:
+                expected = ids
+                for _ in range(NEW_TOKENS):
+                    expected = torch.cat([expected, model(expected).logits[:, -1:].argmax(-1)], dim=1)
+    except Exception as e:
+        for check in CHECKS[2:]:
+            if check not in skipped:
+                send(check, f"HF generate: {reason(e)}" if check == "decode" else "- (no HF generate to compare)")
+        return
+
+    def compare(got):
+        if got.shape != expected.shape:
+            return f"mismatch: shape {tuple(got.shape)} != HF {tuple(expected.shape)}"
+        if torch.equal(got, expected):
+            return "ok"
+        return f"mismatch at token {int((got != expected).any(0).nonzero()[0]) - ids.shape[1]}"
+
+    if SELECTED & {"decode", "engine"}:
+        try:
+            cached = ppsplit.split_model(model, 2, cache=ppsplit.CacheConfig(2, 64), **STAGE_OPTIONS)
+        except Exception as e:
+            cached = None
+            for check in ("decode", "engine"):
+                if check in SELECTED:
+                    send(check, reason(e) if check == "decode" or "decode" not in SELECTED else "-")
+        if cached is not None and "decode" in SELECTED:
+            try:
+                send("decode", compare(greedy(cached, ids, NEW_TOKENS)))
+            except Exception as e:
+                send("decode", reason(e))
+        if cached is not None and "engine" in SELECTED:
+            send("engine", _engine_check(cached, model, ids, expected))
+    if "compile" in SELECTED:
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                model.save_pretrained(os.path.join(tmp, "ckpt"))
+                folder = ppsplit.compile_model(os.path.join(tmp, "ckpt"), os.path.join(tmp, "pp2"), pp=2,
+                                               cache=ppsplit.CacheConfig(2, 64))
+                send("compile", compare(greedy(ppsplit.load(folder), ids, NEW_TOKENS)))
+        except Exception as e:
+            send("compile", reason(e))
+
+
+def greedy(split, ids, new: int) -> torch.Tensor:
+    """Greedy tokens after ``ids [B, T]``: ``split.generate`` (the engine) for a paged cache; a lockstep cache, which
+    generation refuses, through forward steps, a row padded after its end-of-sequence as Hugging Face's generate
+    pads it (the engine check says which of the two a split takes)."""
+    if split.plan.paged:
+        return split.generate(ids, new)
+    batch, prompt = ids.shape
+    eos = torch.tensor(split.eos_token_id or [], dtype=torch.long)
+    pad = split.pad_token_id if split.pad_token_id is not None else (split.eos_token_id or (0,))[0]
+    out, done = [ids], torch.zeros(batch, dtype=torch.bool)
+    with torch.no_grad():
+        logits, _ = split(ids, torch.arange(prompt))
+        for step in range(new):
+            token = torch.where(done, pad, logits[:, -1].argmax(-1))
+            done |= torch.isin(token, eos)
+            out.append(token[:, None])
+            if bool(done.all()) or step == new - 1:
+                break
+            logits, _ = split(token[:, None], torch.tensor([prompt + step]))
+    return torch.cat(out, dim=1)
+
+
+def _engine_check(split, model, ids, expected) -> str:
+    """``paged`` when the engine serves ``split`` and each prompt's tokens equal Hugging Face's up to its
+    end-of-sequence; ``lockstep: <why>`` when the split keeps a lockstep cache."""
+    if not split.plan.paged:
+        return f"lockstep: {split.plan.lockstep_reason}"
+    try:
+        outs = Engine(split).generate([row.tolist() for row in ids],
+                                      SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    except Exception as e:
+        return reason(e)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    for row, out in enumerate(outs):
+        want = expected[row, ids.shape[1]:].tolist()
+        end = next((i + 1 for i, t in enumerate(want) if t in eos), len(want))
+        if out.token_ids[:end] != want[:end]:
+            return f"mismatch: request {row} differs at token {next(i for i in range(end) if out.token_ids[i] != want[i])}"
+    return "paged"
+
+
+def _split_check(model, model_type: str, ids, ref, send):
     try:
         n = ppsplit.core.layers.find_layers(model).num_layers
         taps = [1, 2, n - 1]
@@ -298,38 +408,6 @@ def _run_checks(model_type: str, zoo: bool, send):
              "pp=2,3" + bad[0][4:])
     except Exception as e:
         send("split", reason(e))
-    try:
-        with torch.no_grad():
-            expected = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-            if model_type in UNCACHED_ORACLE:
-                expected = ids
-                for _ in range(NEW_TOKENS):
-                    expected = torch.cat([expected, model(expected).logits[:, -1:].argmax(-1)], dim=1)
-    except Exception as e:
-        send("decode", f"HF generate: {reason(e)}")
-        send("compile", "- (no HF generate to compare)")
-        return
-
-    def compare(got):
-        if got.shape != expected.shape:
-            return f"mismatch: shape {tuple(got.shape)} != HF {tuple(expected.shape)}"
-        if torch.equal(got, expected):
-            return "ok"
-        return f"mismatch at token {int((got != expected).any(0).nonzero()[0]) - ids.shape[1]}"
-
-    try:
-        cached = ppsplit.split_model(model, 2, cache=ppsplit.CacheConfig(2, 64), **STAGE_OPTIONS)
-        send("decode", compare(cached.generate(ids, NEW_TOKENS)))
-    except Exception as e:
-        send("decode", reason(e))
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            model.save_pretrained(os.path.join(tmp, "ckpt"))
-            folder = ppsplit.compile_model(os.path.join(tmp, "ckpt"), os.path.join(tmp, "pp2"), pp=2,
-                                           cache=ppsplit.CacheConfig(2, 64))
-            send("compile", compare(ppsplit.load(folder).generate(ids, NEW_TOKENS)))
-    except Exception as e:
-        send("compile", reason(e))
 
 
 def _child(model_type: str, zoo: bool, conn, verbose: bool):
@@ -402,9 +480,16 @@ def main():
     parser.add_argument("-v", "--verbose", action="store_true", help="keep the children's output and tracebacks")
     parser.add_argument("--cuda-rewrites", action="store_true",
                         help="split with fuse_projections=True, fuse_pointwise=True (CUDA's default rewrites)")
+    parser.add_argument("--checks", default=",".join(CHECKS),
+                        help=f"comma-separated checks to run (default: all of {','.join(CHECKS)}; build always runs)")
     args = parser.parse_args()
     if args.cuda_rewrites:
         STAGE_OPTIONS.update(fuse_projections=True, fuse_pointwise=True)
+    wanted = {c.strip() for c in args.checks.split(",") if c.strip()}
+    if wanted - set(CHECKS):
+        parser.error(f"unknown checks: {', '.join(sorted(wanted - set(CHECKS)))} (choose from {', '.join(CHECKS)})")
+    SELECTED.clear()
+    SELECTED.update(wanted | {"build"})
 
     skipped = {}
     if args.zoo:
@@ -423,38 +508,48 @@ def main():
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, ppsplit {ppsplit.__version__}; "
           f"{len(types)} model types, {len(skipped)} skipped; -j {args.jobs}, timeout {args.timeout:.0f}s", flush=True)
-    print(f"{'model type':<26} {'build':<6} {'split':<6} {'decode':<7} {'compile':<8} time", flush=True)
+    print(f"{'model type':<26} {'build':<6} {'split':<6} {'decode':<7} {'engine':<9} {'compile':<8} time", flush=True)
     results = {}
 
     def report(model_type, statuses, seconds):
         results[model_type] = statuses
-        mark = {k: "ok" if statuses[k] == "ok" else "-" if statuses[k].startswith("-") else "FAIL" for k in CHECKS}
-        print(f"{model_type:<26} {mark['build']:<6} {mark['split']:<6} {mark['decode']:<7} {mark['compile']:<8} "
-              f"{seconds:.0f}s", flush=True)
+        mark = {k: cell(statuses[k]) for k in CHECKS}
+        print(f"{model_type:<26} {mark['build']:<6} {mark['split']:<6} {mark['decode']:<7} {mark['engine']:<9} "
+              f"{mark['compile']:<8} {seconds:.0f}s", flush=True)
         for check in CHECKS:
-            if mark[check] == "FAIL":
+            if mark[check] in ("FAIL", "lockstep"):
                 print(f"    {check}: {statuses[check]}", flush=True)
 
     start = time.monotonic()
     survey(types, args.zoo, max(1, args.jobs), args.timeout, args.verbose, report)
-    counts = {k: sum(r[k] == "ok" for r in results.values()) for k in CHECKS}
+    counts = {k: sum(r[k] in ("ok", "paged") for r in results.values()) for k in CHECKS}
+    lockstep = sum(r["engine"].startswith("lockstep") for r in results.values())
     if skipped:
         print(f"\nskipped ({len(skipped)}):")
         for t, why in skipped.items():
             print(f"    {t}: {why}")
     summary = (f"{len(types)} model types: {counts['build']} build, {counts['split']} split, {counts['decode']} decode, "
-               f"{counts['compile']} compile")
+               f"{counts['engine']} served by the engine (paged), {lockstep} lockstep, {counts['compile']} compile")
     print(f"\n{summary}  ({time.monotonic() - start:.0f}s)", flush=True)
     if args.markdown:
         write_markdown(args.markdown, types, results, skipped, summary)
 
 
+def cell(status: str) -> str:
+    """A check's mark in the table: ok, paged or lockstep (the engine check), - (not run), FAIL."""
+    if status in ("ok", "paged"):
+        return status
+    if status.startswith("lockstep"):
+        return "lockstep"
+    return "-" if status.startswith("-") else "FAIL"
+
+
 def write_markdown(path, types, results, skipped, summary):
-    cell = lambda s: "ok" if s == "ok" else "-" if s.startswith("-") else "FAIL"  # noqa: E731
-    rows = ["| model type | build | split pp 2, 3 | decode | compile | reason |", "|---|---|---|---|---|---|"]
+    rows = ["| model type | build | split pp 2, 3 | decode | engine | compile | reason |",
+            "|---|---|---|---|---|---|---|"]
     for t in types:
         r = results[t]
-        why = "; ".join(f"{k}: {r[k]}" for k in CHECKS if cell(r[k]) == "FAIL").replace("|", "\\|")
+        why = "; ".join(f"{k}: {r[k]}" for k in CHECKS if cell(r[k]) in ("FAIL", "lockstep")).replace("|", "\\|")
         rows.append(f"| {t} | " + " | ".join(cell(r[k]) for k in CHECKS) + f" | {why} |")
     text = [f"torch {torch.__version__}, transformers {transformers.__version__}", "", summary, "", *rows]
     if skipped:

@@ -13,8 +13,9 @@ Recognition is by running, not by op patterns (as the fuse pass recognises norms
    Its remaining inputs must depend only on ``positions`` and sizes (the mask, ALiBi biases) or be
    parameters (sinks). Nothing inside may be read from outside.
 2. Candidate parameters come from the subgraph's constants: the scale (SDPA's ``scale``, a multiplier or
-   divisor, ``1/sqrt(D)``), a soft-cap (only with a ``tanh``), a sliding window (integer constants of the
-   mask), ALiBi slopes (read off a position-only bias input), sinks (a ``[Hq]`` parameter input).
+   divisor, ``1/sqrt(D)``), a soft-cap (only with a ``tanh``), a sliding window and, for a paged cache, a chunk
+   size (integer constants of the mask), ALiBi slopes (read off a position-only bias input), sinks (a ``[Hq]``
+   parameter input).
 3. The subgraph, with the mask computed from ``positions`` as the graph computes it, is evaluated on random
    ``q, K, V`` (fp32, several batch sizes, token counts and start positions, stale random values past the live
    length) and must equal ``cache_attention`` with one candidate set to 1e-4; else it stays as traced.
@@ -34,15 +35,19 @@ Result: ``Attended``, the rewritten copy of the graph and one ``AttentionSite`` 
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import operator
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import ppsplit.triton_kernels.attention  # noqa: F401  (registers torch.ops.ppsplit.cache_attention)
-from ppsplit.core.fx_utils import CACHE_PREFIX, INDEXER_KEYS, fresh_copy, get_tensor
+from ppsplit.core.fx_utils import CACHE_PREFIX, INDEXER_KEYS, fresh_copy, get_tensor, set_tensor
 from ppsplit.passes.annotate import mutated_bases
 from ppsplit.passes.evaluate import (COPY_OPS, SHAPE_OPS, VIEW_OPS, EvaluationError, SubgraphEvaluator,
                                      upcast)
@@ -57,6 +62,7 @@ aten = torch.ops.aten
 _VIEWS = VIEW_OPS | COPY_OPS
 _BUDGET = 1 << 27  # largest tensor (elements) the check may build: Hq * max_len * head_dim
 _TOL = dict(atol=1e-4, rtol=1e-4)
+_CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout}
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,7 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
     for layer, kv in sorted(writes.items()):
         k, v = kv.get("keys"), kv.get("values")
         stage = (k or v).meta.get("ppsplit.stage", 0)
+        mla = None
         try:
             if k is None or v is None:
                 raise _NoMatch("the layer writes only one of keys/values")
@@ -104,22 +111,74 @@ def attention(tapped: Tapped, plan: SplitPlan) -> Attended:
             if mla is not None:
                 detail = _rewrite_latent(gm, mla, kv.get(INDEXER_KEYS), order, info, verified)
             else:
-                detail = _rewrite(gm, k, v, order, info, verified)
+                detail = _rewrite_or_join(gm, k, v, order, info, verified)
             sites.append(AttentionSite(layer, stage, True, detail))
         except _NoMatch as e:
             sites.append(AttentionSite(layer, stage, False, str(e)))
+        if k is not None and v is not None and mla is None:
+            sites += _shared(gm, k, v, layer, order, info, verified)
+    sites.sort(key=lambda site: site.layer)
     graph.lint()
     gm.recompile()
     return carry_forward(tapped, Attended, gm=gm, sites=tuple(sites))
 
 
-def _rewrite(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict) -> str:
-    """The attention over the cached ``k``, ``v`` -> ``cache_attention``; its description (else ``_NoMatch``)."""
-    found = _match(gm, k, v, order)
-    scale, window, softcap, alibi, sink = _verified(verified, found.signature(), lambda: _verify(gm, found, info))
-    params = (scale, window, softcap, alibi, None if sink is None else _sinks(found)[sink])
+def _rewrite_or_join(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict) -> str:
+    """``_rewrite``, or where it finds no attention, ``_rewrite_joined`` or ``_rewrite_key_bias`` (a paged cache only:
+    they change what the cache holds); the first refusal's reason when none fits."""
+    try:
+        return _rewrite(gm, k, v, order, info, verified)
+    except _NoMatch as e:
+        if info.stand_in is None:
+            raise
+        for fallback in (_rewrite_joined, _rewrite_key_bias):
+            try:
+                return fallback(gm, k, v, order, info, verified)
+            except _NoMatch:
+                pass
+        raise e from None
+
+
+def _shared(gm, k: fx.Node, v: fx.Node, owner: int, order: dict, info, verified: dict) -> list[AttentionSite]:
+    """The sites of the layers that attend over layer ``owner``'s cached ``k``, ``v`` (Gemma 3n's and Gemma 4's KV
+    sharing: a layer reuses the keys and values of the last earlier layer of its kind), each rewritten as that layer's
+    own attention would be."""
+    readers = {}
+    for u in list(k.users) + list(v.users):
+        layer = u.meta.get("ppsplit.layer")
+        if isinstance(layer, int) and layer != owner:
+            readers.setdefault(layer, u.meta.get("ppsplit.stage", 0))
+    sites = []
+    for layer, stage in sorted(readers.items()):
+        try:
+            detail = _rewrite(gm, k, v, order, info, verified, layer=layer)
+            sites.append(AttentionSite(layer, stage, True, f"{detail}, over the keys and values of layer {owner}"))
+        except _NoMatch as e:
+            sites.append(AttentionSite(layer, stage, False, f"over the keys and values of layer {owner}: {e}"))
+    return sites
+
+
+def _rewrite(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict, layer: int | None = None) -> str:
+    """The attention over the cached ``k``, ``v`` (in ``layer``: by default the layer that writes them) ->
+    ``cache_attention``; its description (else ``_NoMatch``)."""
+    found = _match(gm, k, v, order, layer)
+    params = _verified(verified, found.signature(), lambda: _verify(gm, found, info))
+    if params.sink is not None:
+        params = params._replace(sink=_sinks(found)[params.sink])
     _replace(gm, found, params)
     return _describe(params)
+
+
+class _Params(NamedTuple):
+    """What makes ``cache_attention`` equal a traced attention (``attention_reference`` has the math)."""
+
+    scale: float
+    window: int = 0
+    softcap: float = 0.0
+    alibi: torch.Tensor | None = None
+    sink: Any = None  # the index among ``_sinks`` while verifying, then its node
+    chunk: int = 0
+    tiled: bool = False  # query head h reads KV head h % Hkv (JetMoe repeats K and V whole), not h // (Hq // Hkv)
 
 
 def _verified(verified: dict, key: tuple, verify):
@@ -158,6 +217,10 @@ class _Found:
     params: list  # get_attr nodes the region reads
     heads: int
     selected: fx.Node | None = None  # sparse attention: the positions each token sees, picked by an indexer
+    values: Any = None  # joined attentions: what the attention reads of the cached values, as a function of them
+    key_bias: Any = None  # a per-key bias [B, Hkv, L] added to the scores, as a function of the cached values and
+    # the weights (Doge)
+    token_major: bool = False  # its output is laid out [B, T, Hq, Dv] (the joined attentions' concatenation)
 
     def signature(self) -> tuple:
         index = {n: ("in", i) for i, n in enumerate([self.q, self.k, self.v, self.selected]) if n is not None}
@@ -181,32 +244,54 @@ def _shape(node: fx.Node):
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
-    from_k, from_v = _downstream(k), _downstream(v)
-    both = [n for n in from_k & from_v]
+def _same(a, b) -> bool:
+    """Sizes (or tuples of them) known equal without a guard: ``==`` on a traced symbolic size, made a ``bool``,
+    would specialise the symbol to its example value (the step's token count fixed at the trace's) wherever the
+    example value happened to match."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) \
+            and all(_same(x, y) for x, y in zip(a, b))
+    return statically_known_true(a == b)
+
+
+def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict, layer: int | None = None) -> _Found:
+    """The attention over the cached ``k``, ``v``: it ends at the first node reading both (through views to
+    ``[B, Hq, T, Dv]``), or, where that one's region is read outside it, at the first later ``[B, Hq, T, Dv]`` node
+    whose region is self-contained (Granite-SWA scales the attention's output by its sinks after the product).
+    ``layer``: the attention of that layer over them (KV sharing), not of the layer that writes them."""
+    from_k, from_v = _downstream(k, layer=layer), _downstream(v, layer=layer)
+    both = sorted(from_k & from_v, key=order.get)
     if not both:
         raise _NoMatch("no op reads both the cached keys and values")
-    out = min(both, key=order.get)
     kshape, vshape = _shape(k), _shape(v)
     batch, kv_heads, dv = kshape[0], kshape[1], vshape[3]
     positions = gm.graph.find_nodes(op="placeholder", target="positions")[0]
     tokens = positions.meta["val"].shape[0]
 
     def is_out(shape):
-        return (shape is not None and len(shape) == 4 and shape[0] == batch and shape[2] == tokens
-                and shape[3] == dv and isinstance(shape[1], int) and shape[1] % kv_heads == 0)
+        return (shape is not None and len(shape) == 4 and _same(shape[0], batch) and _same(shape[2], tokens)
+                and _same(shape[3], dv) and isinstance(shape[1], int) and shape[1] % kv_heads == 0)
 
-    chain = [out]
-    while not is_out(_shape(out)):
-        users = list(out.users)
-        if len(users) != 1 or users[0].target not in _VIEWS:
-            raise _NoMatch(f"its output {out.format_node()} is not [B, Hq, T, Dv]")
-        out = users[0]
-        chain.append(out)
-    heads = _shape(out)[1]
+    first_error = None
+    for out in [both[0]] + [n for n in both[1:] if is_out(_shape(n))]:
+        try:
+            chain = [out]
+            while not is_out(_shape(out)):
+                users = list(out.users)
+                if len(users) != 1 or users[0].target not in _VIEWS:
+                    raise _NoMatch(f"its output {out.format_node()} is not [B, Hq, T, Dv]")
+                out = users[0]
+                chain.append(out)
+            region, external = _region(chain, from_k | from_v)
+            return _found(gm, k, v, out, region, external, (batch, _shape(out)[1], tokens, kshape[3]), order)
+        except _NoMatch as e:
+            first_error = first_error or e
+    raise first_error
 
-    # Everything between the cache reads and the output; stop at what comes from elsewhere.
-    inside = from_k | from_v
+
+def _region(chain: list, inside: set) -> tuple[set, list]:
+    """Everything between the cache reads (``inside``: the nodes reading them) and the output ``chain``, and the
+    nodes from elsewhere that it reads."""
     region, external, todo = set(chain), [], list(chain)
     while todo:
         n = todo.pop()
@@ -218,7 +303,7 @@ def _match(gm: fx.GraphModule, k: fx.Node, v: fx.Node, order: dict) -> _Found:
                 todo.append(a)
             else:
                 external.append(a)
-    return _found(gm, k, v, out, region, external, (batch, heads, tokens, kshape[3]), order)
+    return region, external
 
 
 def _found(gm, k: fx.Node, v: fx.Node, out: fx.Node, region: set, external: list, qshape: tuple,
@@ -267,10 +352,10 @@ def _self_contained(region: set, out: fx.Node, what: str = "the attention") -> N
             raise _NoMatch(f"{n.format_node()} inside {what} writes a tensor outside it")
 
 
-def _downstream(start: fx.Node, writes: bool = False) -> set:
-    """Nodes reading ``start``, transitively, within its decoder layer; with ``writes``, also those reading a tensor
-    that one of them writes in place (MLA's keys assembled by ``copy_`` into a ``new_empty``)."""
-    layer = start.meta.get("ppsplit.layer")
+def _downstream(start: fx.Node, writes: bool = False, layer: int | None = None) -> set:
+    """Nodes reading ``start``, transitively, within its decoder layer (or ``layer``); with ``writes``, also those
+    reading a tensor that one of them writes in place (MLA's keys assembled by ``copy_`` into a ``new_empty``)."""
+    layer = start.meta.get("ppsplit.layer") if layer is None else layer
     seen, todo = set(), [start]
     while todo:
         n = todo.pop()
@@ -280,6 +365,228 @@ def _downstream(start: fx.Node, writes: bool = False) -> set:
                 seen.add(u)
                 todo.append(u)
     return seen
+
+
+# ---- joined attentions: several over the same queries and keys, their values per-position parts of one cache ----
+
+def _rewrite_joined(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict) -> str:
+    """DiffLlama: attentions over the same query and keys whose values are per-position transforms of the cached values
+    (``chunk`` along the heads, ``repeat``), concatenated along the last dim. Attention is linear in its values, so
+    that is one attention over the concatenated values: the cache then holds those (the transforms run on each
+    step's new values before the write), and one ``cache_attention`` reads them. Proved by evaluation as ``_rewrite``
+    proves a plain attention."""
+    found, parts, transforms = _match_joined(gm, k, v, order)
+    params = _verified(verified, ("joined",) + found.signature(), lambda: _verify(gm, found, info))
+    if params.sink is not None:
+        params = params._replace(sink=_sinks(found)[params.sink])
+    _hold_joined_values(gm, v, parts, transforms)
+    _replace(gm, found, params)
+    return _describe(params) + f", values joined from {len(parts)} parts"
+
+
+def _match_joined(gm, k: fx.Node, v: fx.Node, order: dict):
+    """``(found, parts, transforms)``: the attention ending at the first ``cat`` along the last dim of attentions over
+    ``k`` and ``v``, with ``values`` set to build the concatenated values from cached ones; ``parts`` the value nodes
+    each attention reads at the KV heads (``[B, Hkv, L, d]``), ``transforms`` the nodes between ``v`` and them."""
+    from_k, from_v = _downstream(k), _downstream(v)
+    kshape, vshape = _shape(k), _shape(v)
+    batch, kv_heads, length = kshape[0], kshape[1], kshape[2]
+    joins = [n for n in sorted(from_k & from_v, key=order.get) if n.target is aten.cat.default
+             and (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) in (-1, len(_shape(n) or ()) - 1)]
+    if not joins:
+        raise _NoMatch("no concatenation of attentions over its keys and values")
+    join = joins[0]
+    shape = _shape(join)
+    positions = gm.graph.find_nodes(op="placeholder", target="positions")[0]
+    tokens = positions.meta["val"].shape[0]
+    if shape is None or len(shape) != 4 or not _same(shape[:2], (batch, tokens)):
+        raise _NoMatch(f"its concatenation {join.format_node()} is not [B, T, Hq, Dv]")
+    values_only = from_v - from_k
+    parts, transforms = [], set()
+    for piece in join.args[0]:
+        ancestors = _ancestors(piece, from_k | from_v | {v}) & (values_only | {v})
+        kv_shaped = [n for n in ancestors if _shape(n) is not None and len(_shape(n)) == 4
+                     and _same(_shape(n)[:3], (batch, kv_heads, length))]
+        if not kv_shaped:
+            raise _NoMatch(f"{piece.format_node()} reads no values of the cache's heads and positions")
+        part = max(kv_shaped, key=order.get)
+        parts.append(part)
+        transforms |= _ancestors(part, values_only)
+    for n in transforms:
+        if n.op != "call_function" or any(a == length for a in _flat_args(n)):
+            raise _NoMatch(f"its values' transform {n.format_node()} is not one per position")
+    region, external = _region([join], from_k | from_v)
+    found = _found(gm, k, v, join, region, external, (batch, shape[2], tokens, kshape[3]), order)
+    transforms = sorted(transforms, key=order.get)
+
+    def values(cached: torch.Tensor) -> torch.Tensor:
+        env = SubgraphEvaluator(gm, upcast=True).run_nodes(transforms, {v: cached})
+        return torch.cat([env[p] if p is not v else cached for p in parts], dim=-1)
+
+    return dataclasses.replace(found, values=values, token_major=True), parts, transforms
+
+
+def _hold_joined_values(gm: fx.GraphModule, v: fx.Node, parts: list, transforms: list) -> None:
+    """The cache of ``v`` (an ``index_copy_`` into ``kv_cache.<layer>.values``) holds the concatenated ``parts``:
+    the ``transforms`` run on each step's new values, and their concatenation is what is written."""
+    graph = gm.graph
+    new = v.args[3]
+    env = {v: new}
+    with graph.inserting_before(v):
+        for n in transforms:
+            copy = graph.node_copy(n, lambda a: env.get(a, a))
+            copy.meta["val"] = _fake_run(copy)
+            env[n] = copy
+        joined = graph.call_function(aten.cat.default, ([env[p] for p in parts], -1))
+    joined.meta.update({key: val for key, val in new.meta.items() if key != "val"})
+    joined.meta["val"] = _fake_run(joined)
+    _widen_cache(gm, v, joined, sum(_shape(p)[3] for p in parts))
+
+
+def _rewrite_key_bias(gm, k: fx.Node, v: fx.Node, order: dict, info, verified: dict) -> str:
+    """Doge's dynamic mask: the scores get a bias per KV head and key computed from that key's cached value
+    (``exp(A * softplus(dt_proj(v)))``). As ``scale * [q, 1] . [k, bias / scale]`` it is an attention over keys one
+    dimension wider: the cache then holds those keys (the bias computed from each step's new values before the
+    write), and one ``cache_attention`` reads them with the queries widened by a 1. Proved by evaluation."""
+    found = _match(gm, k, v, order)
+    kshape = _shape(k)
+    batch, kv_heads, length = kshape[0], kshape[1], kshape[2]
+    values_only = _downstream(v) - _downstream(k)
+    biases = [n for n in found.region if n in values_only and _same(_shape(n), (batch, kv_heads, length))]
+    if not biases:
+        raise _NoMatch("no per-key bias computed from its values")
+    bias = max(biases, key=order.get)
+    transforms = sorted(_ancestors(bias, values_only) - {v}, key=order.get)
+    _check_per_position(transforms, v, bias, length)
+    found = dataclasses.replace(found, key_bias=lambda cached, params: _replay(transforms, v, cached, length,
+                                                                              params)[bias])
+    params = _verified(verified, ("key bias",) + found.signature(), lambda: _verify(gm, found, info))
+    if params.sink is not None or params.tiled or params.alibi is not None:
+        raise _NoMatch("a per-key bias beside sinks, ALiBi or a tiled head order")
+    graph = gm.graph
+    view, dim, index, new_keys = k.args
+    new_values = v.args[3]
+    if order[new_values] > order[k]:
+        raise _NoMatch("its new values are computed after its keys are written")
+    env = {v: new_values}
+    with graph.inserting_before(k):
+        tokens = graph.call_function(aten.sym_size.int, (new_values, 2))
+        tokens.meta["val"] = new_values.meta["val"].shape[2]
+        for n in transforms:
+            copy = graph.node_copy(n, lambda a: env.get(a, a))
+            copy.args, copy.kwargs = fx.node.map_aggregate(
+                (copy.args, copy.kwargs), lambda a: tokens if isinstance(a, int) and not isinstance(a, bool)
+                and a == length else a)
+            copy.meta["val"] = _fake_run(copy)
+            env[n] = copy
+        scaled = graph.call_function(aten.div.Tensor, (env[bias], float(params.scale)))
+        column = graph.call_function(aten.unsqueeze.default, (scaled, -1))
+        cast = graph.call_function(aten._to_copy.default, (column,), {"dtype": new_keys.meta["val"].dtype})
+        wider = graph.call_function(aten.cat.default, ([new_keys, cast], -1))
+    for n in (scaled, column, cast, wider):
+        n.meta.update({key: val for key, val in new_keys.meta.items() if key != "val"})
+        n.meta["val"] = _fake_run(n)
+    _widen_cache(gm, k, wider, kshape[3] + 1)
+    with graph.inserting_before(found.out):
+        q = found.q
+        ones = graph.call_function(aten.new_ones.default, (q, [*_sizes(graph, q)[:-1], 1]))
+        widened = graph.call_function(aten.cat.default, ([q, ones], -1))
+    for n in (ones, widened):
+        n.meta.update({key: val for key, val in q.meta.items() if key != "val"})
+        n.meta["val"] = _fake_run(n)
+    _replace(gm, dataclasses.replace(found, q=widened), params)
+    return _describe(params) + ", a per-key bias from its values in the keys"
+
+
+def _sizes(graph: fx.Graph, node: fx.Node) -> list:
+    """The sizes of ``node`` as graph values: ``sym_size`` nodes where they are symbolic."""
+    out = []
+    for d, size in enumerate(node.meta["val"].shape):
+        if isinstance(size, torch.SymInt):
+            size_node = graph.call_function(aten.sym_size.int, (node, d))
+            size_node.meta["val"] = size
+            out.append(size_node)
+        else:
+            out.append(int(size))
+    return out
+
+
+def _replay(transforms: list, v: fx.Node, cached: torch.Tensor, length: int, params: dict) -> dict:
+    """The values of ``transforms`` (nodes reading ``v`` and the weights ``params``) on ``cached`` values of any number
+    of positions: integer arguments equal to the traced cache ``length`` take the positions of ``cached``."""
+    env = {v: cached, **params}
+    positions = cached.shape[2]
+    for n in transforms:
+        args, kwargs = fx.node.map_aggregate(
+            (n.args, n.kwargs), lambda a: env[a] if isinstance(a, fx.Node) else positions
+            if isinstance(a, int) and not isinstance(a, bool) and a == length else a)
+        env[n] = n.target(*args, **kwargs)
+    return env
+
+
+def _check_per_position(transforms: list, v: fx.Node, out: fx.Node, length: int) -> None:
+    """``_NoMatch`` unless ``out`` (``[B, H, L, ...]``, from the cached values ``v`` through ``transforms``) is a
+    function of each position alone: computed on a few positions' values it equals those positions of it computed on
+    all (random values and weights)."""
+    gen = torch.Generator().manual_seed(0)
+    cached = torch.randn([int(d) for d in v.meta["val"].shape], generator=gen)
+    where = torch.tensor([length - 1, 0, length // 2])
+    gm = v.graph.owning_module
+    params = {a: _param_value(gm, a, gen) for n in transforms for a in n.all_input_nodes if a.op == "get_attr"}
+    try:
+        whole = _replay(transforms, v, cached, length, params)[out].index_select(2, where)
+        part = _replay(transforms, v, cached.index_select(2, where), length, params)[out]
+        ok = torch.allclose(whole, part, **_TOL)
+    except Exception as e:  # noqa: BLE001  (a transform this evaluation cannot run on fewer positions)
+        raise _NoMatch(f"its values' transform cannot be computed per position ({type(e).__name__})") from None
+    if not ok:
+        raise _NoMatch("its values' transform is not one per position")
+
+
+def _widen_cache(gm: fx.GraphModule, write: fx.Node, new: fx.Node, width: int) -> None:
+    """The cache ``write`` (an ``index_copy_`` into ``kv_cache.<layer>.<kind>``) holds ``new`` (its last dim
+    ``width``): the buffer re-registered that wide, the meta of its views and of the write updated."""
+    view = write.args[0]
+    base = view
+    while base.op == "call_function":
+        base = base.args[0]
+    old = get_tensor(gm, base.target)
+    shape = (*old.shape[:3], width)
+    set_tensor(gm, base.target, torch.zeros(shape, dtype=old.dtype, device=old.device), parameter=False,
+               persistent=False)
+    node = view
+    while True:
+        node.meta["val"] = node.meta["val"].new_empty((*node.meta["val"].shape[:3], width))
+        if node is base:
+            break
+        node = node.args[0]
+    write.args = (view, *write.args[1:3], new)
+    write.meta["val"] = view.meta["val"]
+
+
+def _fake_run(node: fx.Node):
+    """``node``'s value computed on its inputs' ``meta["val"]`` (fake tensors)."""
+    args = fx.node.map_arg(node.args, lambda a: a.meta["val"])
+    kwargs = fx.node.map_arg(node.kwargs, lambda a: a.meta["val"])
+    return node.target(*args, **kwargs)
+
+
+def _ancestors(node: fx.Node, within: set) -> set:
+    """``node`` and the nodes of ``within`` it reads, transitively through them."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or n is not node and n not in within:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _flat_args(node: fx.Node) -> list:
+    out = []
+    fx.node.map_aggregate((node.args, node.kwargs), lambda a: out.append(a) if isinstance(a, int) else None)
+    return out
 
 
 # ---- verification by evaluation ----------------------------------------------------------------------------
@@ -295,16 +602,46 @@ def _verify(gm: fx.GraphModule, f: _Found, info) -> tuple:
     first = cases[0]
     alibis = [None] + _alibi_candidates(gm, f, info, first[0], first[1].shape[0], max_len)
     sinks = _sinks(f)
-    for scale in _scales(f, head_dim):
-        for softcap in _softcaps(f):
-            for window in _windows(gm, f):
-                for alibi in alibis:
-                    for sink in [None, *sinks]:
-                        sink_value = params[sink] if sink is not None else None
-                        if all(_close(attention_reference(q, k, v, pos, scale, window, softcap, alibi, sink_value), got)
-                               for pos, q, k, v, got, _ in cases):
-                            return scale, window, softcap, alibi, None if sink is None else sinks.index(sink)
-    raise _NoMatch("no scale/window/soft-cap/ALiBi/sinks makes cache_attention equal it")
+    # Chunked attention only where a paged cache will serve it: the lockstep kernels have no chunks.
+    chunks = _chunks(gm, f) if info.stand_in is not None else [0]
+    orders = [False, True] if f.heads != int(kshape[1]) else [False]
+    for tiled, chunk, scale, softcap, window, alibi, sink in itertools.product(
+            orders, chunks, _scales(f, head_dim), _softcaps(f), _windows(gm, f), alibis, [None, *sinks]):
+        if tiled and (alibi is not None or sink is not None):
+            continue  # per-head constants of a tiled order: none of the models built so has them
+        sink_value = params[sink] if sink is not None else None
+        kv_heads = int(kshape[1])
+
+        def reference(pos, q, k, v):
+            q = _tile_heads(q, kv_heads) if tiled else q
+            if f.key_bias is not None:
+                q, k = _with_key_bias(q, k, f.key_bias(v, params), scale)
+            v = f.values(v) if f.values is not None else v
+            out = attention_reference(q, k, v, pos, scale, window, softcap, alibi, sink_value, chunk_size=chunk)
+            out = _untile_heads(out, kv_heads) if tiled else out
+            return out.transpose(1, 2) if f.token_major else out
+
+        if all(_close(reference(pos, q, k, v), got) for pos, q, k, v, got, _ in cases):
+            return _Params(scale, window, softcap, alibi, None if sink is None else sinks.index(sink), chunk, tiled)
+    raise _NoMatch("no scale/window/chunk/soft-cap/ALiBi/sinks/head order makes cache_attention equal it")
+
+
+def _with_key_bias(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, scale: float) -> tuple:
+    """``q [B, Hq, T, D]``, ``k [B, Hkv, L, D]`` with one more dimension each (1 for the query, ``bias / scale`` for
+    the key), so that ``scale * q . k`` becomes ``scale * q . k + bias[kv head, key]``."""
+    ones = torch.ones(*q.shape[:-1], 1, dtype=q.dtype)
+    return torch.cat([q, ones], dim=-1), torch.cat([k, (bias / scale)[..., None].to(k.dtype)], dim=-1)
+
+
+def _tile_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Query heads ``r * Hkv + j`` (which read KV head ``j`` when K and V are repeated whole) moved to ``j * G + r``,
+    where ``cache_attention`` reads KV head ``j``."""
+    return q.unflatten(1, (-1, kv_heads)).transpose(1, 2).flatten(1, 2)
+
+
+def _untile_heads(out: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``_tile_heads`` undone on the attention's output."""
+    return out.unflatten(1, (kv_heads, -1)).transpose(1, 2).flatten(1, 2)
 
 
 def _cases(gm, f: _Found, info, q_dim: int, params: dict, gen) -> list:
@@ -427,15 +764,25 @@ def _softcaps(f: _Found) -> list[float]:
 
 def _windows(gm, f: _Found) -> list[int]:
     """0 (none) and the integer constants of the mask's computation, give or take one."""
+    out = [0]
+    for c in sorted(_mask_ints(f)):
+        out += [c - 1, c, c + 1]
+    return [w for w in dict.fromkeys(out) if w >= 0]
+
+
+def _mask_ints(f: _Found) -> set[int]:
     ints = set()
     for n in _closure_nodes(f.inputs):
         for a in list(n.args) + list(n.kwargs.values()):
             if isinstance(a, int) and not isinstance(a, bool) and 1 <= abs(a) < (1 << 40):
                 ints.add(abs(a))
-    out = [0]
-    for c in sorted(ints):
-        out += [c - 1, c, c + 1]
-    return [w for w in dict.fromkeys(out) if w >= 0]
+    return ints
+
+
+def _chunks(gm, f: _Found) -> list[int]:
+    """0 (none) and the integer constants of the mask's computation above 1: the chunk sizes of a chunked attention
+    (Llama 4's ``attention_chunk_size``)."""
+    return [0] + sorted(c for c in _mask_ints(f) if c > 1)
 
 
 def _closure_nodes(roots: list, attrs: bool = False) -> list:
@@ -541,12 +888,19 @@ def _rewrite_latent(gm, mla: _Latent, indexer_keys: fx.Node | None, order: dict,
     key = ("latent", mla.nope) + found.signature()
     scale, window, softcap = _verified(verified, key, lambda: _verify_latent(gm, found, mla, info))
     rdim, dr = _shape(mla.latent)[3], _shape(mla.rope)[3]
-    detail = f"MLA: latent {rdim} + rotary {dr} per position, " + _describe((scale, window, softcap, None, None))
+    detail = f"MLA: latent {rdim} + rotary {dr} per position, " + _describe(_Params(scale, window, softcap))
     indexer = None
-    if found.selected is not None:
+    picks = _picks(found.selected) if found.selected is not None else None
+    picker = picks.meta.get("ppsplit.layer") if picks is not None else None
+    if picks is not None and picker != found.out.meta.get("ppsplit.layer"):
+        if picks.target is not torch.ops.ppsplit.indexer_topk.default:
+            raise _NoMatch(f"its sparse attention reads the positions layer {picker}'s indexer picks, which stays as "
+                           "traced")
+        detail += f"; sparse over {_shape(found.selected)[-1]} positions layer {picker}'s indexer picks"
+    elif found.selected is not None:
         if indexer_keys is None:
             raise _NoMatch("its sparse attention's positions are picked by no indexer over this layer's cache")
-        indexer = _match_indexer(gm, indexer_keys, found.selected, order, info.cache.max_len)
+        indexer = _match_indexer(gm, indexer_keys, picks, order, info.cache.max_len)
         index_scale = _verified(verified, ("indexer",) + indexer.signature(),
                                 lambda: _verify_indexer(gm, indexer, info))
         detail += f"; sparse over {_shape(found.selected)[-1]} positions an indexer picks, scale {index_scale:.6g}"
@@ -557,7 +911,7 @@ def _rewrite_latent(gm, mla: _Latent, indexer_keys: fx.Node | None, order: dict,
             found.selected, *mla.weight_args()))
     _swap(gm, found, node, detail)
     if indexer is not None:
-        _replace_indexer(gm, indexer, found.selected.args[0], index_scale)
+        _replace_indexer(gm, indexer, picks.args[0], index_scale)
     return detail
 
 
@@ -570,8 +924,7 @@ def _match_latent(gm: fx.GraphModule, mla: _Latent, order: dict) -> _Found:
     batch = _shape(mla.latent)[0]
 
     def is_out(shape):
-        return (shape is not None and len(shape) == 4 and shape[0] == batch and shape[1] == mla.heads
-                and shape[2] == tokens and shape[3] == mla.value)
+        return shape is not None and _same(shape, (batch, mla.heads, tokens, mla.value))
 
     out = next((n for n in sorted(from_latent & from_rope, key=order.get) if is_out(_shape(n))), None)
     if out is None:
@@ -587,30 +940,47 @@ def _match_latent(gm: fx.GraphModule, mla: _Latent, order: dict) -> _Found:
 def _selection(region: set) -> fx.Node | None:
     """Sparse attention (DeepSeek-V3.2's DSA): the indices of the layer's ``topk`` from which the attention's mask is
     built (scattered, cast, combined with the causal mask). The nodes between them join ``region``; the indices are
-    then an input of the attention, its ``selected``."""
+    then an input of the attention, its ``selected``. A layer without an indexer of its own (GLM-MoE-DSA's "shared"
+    layers) reads those of an earlier layer: its ``topk``'s, or the ``indexer_topk`` they became."""
     layer = next(iter(region)).meta.get("ppsplit.layer")
     todo = [a for n in region for a in n.all_input_nodes if a not in region]
     seen, found = set(), set()
     while todo:
         n = todo.pop()
-        if n in seen or n in region or n.op != "call_function" or not n.meta.get("ppsplit.token") \
-                or n.meta.get("ppsplit.layer") != layer:
+        if n in seen or n in region or n.op != "call_function" or not n.meta.get("ppsplit.token"):
+            continue
+        root = _picks(n)
+        if root is n or root is not None and any(u.meta.get("ppsplit.layer") != layer for u in [n, *n.users]):
+            found.add(n)  # the picks, or as a layer hands them on to later layers (GLM-MoE-DSA: cast to int32)
+            continue
+        if n.meta.get("ppsplit.layer") != layer:
             continue
         seen.add(n)
-        if n.target is operator.getitem and n.args[1] == 1 and isinstance(n.args[0], fx.Node) \
-                and n.args[0].target is aten.topk.default:
-            found.add(n)
-            continue
         todo.extend(n.all_input_nodes)
     if len(found) != 1:
         return None
     selected = found.pop()
-    between = seen & _downstream(selected)
-    if any(u.meta.get("ppsplit.layer") != layer for n in between | {selected} for u in n.users):
-        raise _NoMatch("its sparse attention's positions are also read by another layer (an indexer shared between "
-                       "layers), which the paged cache does not serve yet")
+    between = seen & _downstream(selected, layer=layer)
+    if any(u.meta.get("ppsplit.layer") != layer for n in between for u in n.users):
+        raise _NoMatch("the mask its sparse attention builds from its indexer's positions is also read by another "
+                       "layer, which the paged cache does not serve")
     region.update(between)
     return selected
+
+
+def _picks(node: fx.Node) -> fx.Node | None:
+    """The positions an indexer picks, when ``node`` is they or a cast of them (GLM-MoE-DSA hands them on as int32):
+    ``topk(...)[1]``, or the ``indexer_topk`` that replaced it."""
+    while node.target in _CASTS and isinstance(node.args[0], fx.Node) \
+            and isinstance(node.args[0].meta.get("val"), torch.Tensor) \
+            and not node.args[0].meta["val"].is_floating_point():
+        node = node.args[0]
+    if node.target is torch.ops.ppsplit.indexer_topk.default:
+        return node
+    if (node.target is operator.getitem and node.args[1] == 1 and isinstance(node.args[0], fx.Node)
+            and node.args[0].target is aten.topk.default):
+        return node
+    return None
 
 
 def _verify_latent(gm: fx.GraphModule, f: _Found, mla: _Latent, info) -> tuple:
@@ -725,20 +1095,55 @@ def _replace_indexer(gm: fx.GraphModule, f: _Found, topk: fx.Node, scale: float)
 
 # ---- rewrite --------------------------------------------------------------------------------------------------
 
-def _replace(gm: fx.GraphModule, f: _Found, params: tuple) -> None:
-    scale, window, softcap, alibi, sink = params
+def _replace(gm: fx.GraphModule, f: _Found, params: _Params) -> None:
     graph = gm.graph
     positions = graph.find_nodes(op="placeholder", target="positions")[0]
+    kv_heads = _shape(f.k)[1]
     with graph.inserting_before(f.out):
         alibi_node = None
-        if alibi is not None:
-            alibi_node = graph.create_node("get_attr", _alibi_buffer(gm, alibi))
-            alibi_node.meta["val"] = alibi
+        if params.alibi is not None:
+            alibi_node = graph.create_node("get_attr", _alibi_buffer(gm, params.alibi))
+            alibi_node.meta["val"] = params.alibi
             alibi_node.meta["ppsplit.token"] = False
+        q = _reorder_heads(graph, f.q, [-1, kv_heads]) if params.tiled else f.q
         node = graph.call_function(torch.ops.ppsplit.cache_attention.default,
-                                   (f.q, f.k, f.v, positions, float(scale), int(window), float(softcap),
-                                    alibi_node, sink))
+                                   (q, f.k, f.v, positions, float(params.scale), int(params.window),
+                                    float(params.softcap), alibi_node, params.sink, int(params.chunk)))
     _swap(gm, f, node, _describe(params))
+    users, out = list(node.users), node
+    if f.token_major:
+        node.meta["val"] = f.out.meta["val"].transpose(1, 2)
+    if params.tiled:  # the output's heads back in the model's order, laid out [B, T, Hq, Dv] as the op's output is
+        out = _reorder_heads(graph, out, [kv_heads, -1], dim=2)
+    if f.token_major:  # the layout the attention had: [B, T, Hq, Dv]
+        with graph.inserting_after(out):
+            moved = graph.call_function(aten.transpose.int, (out, 1, 2))
+        moved.meta.update({key: val for key, val in out.meta.items() if key != "ppsplit.attention"})
+        moved.meta["val"] = out.meta["val"].transpose(1, 2)
+        out = moved
+    for user in users:
+        user.replace_input_with(node, out)
+
+
+def _reorder_heads(graph: fx.Graph, x: fx.Node, sizes: list, dim: int = 1) -> fx.Node:
+    """``x [B, H, T, D]`` with its heads split as ``sizes`` and the two parts swapped (``_tile_heads`` and
+    ``_untile_heads`` as nodes), with the token facts of ``x``. ``dim=2``: in the layout ``[B, T, H, D]`` (transposed
+    there and back)."""
+    ops = [(aten.unflatten.int, (dim, sizes)), (aten.transpose.int, (dim, dim + 1)),
+           (aten.flatten.using_ints, (dim, dim + 1))]
+    if dim == 2:
+        ops = [(aten.transpose.int, (1, 2))] + ops + [(aten.transpose.int, (1, 2))]
+    last = x
+    for op, args in ops:
+        with graph.inserting_after(last):
+            node = graph.call_function(op, (last, *args))
+        node.meta.update({k: v for k, v in x.meta.items() if k in ("ppsplit.layer", "ppsplit.region", "ppsplit.stage",
+                                                                    "ppsplit.token", "nn_module_stack")})
+        val = last.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            node.meta["val"] = op(val, *args)
+        last = node
+    return last
 
 
 def _swap(gm: fx.GraphModule, f: _Found, node: fx.Node, detail: str) -> None:
@@ -769,15 +1174,18 @@ def _alibi_buffer(gm: fx.GraphModule, slopes: torch.Tensor) -> str:
     return f"ppsplit_attention.{name}"
 
 
-def _describe(params: tuple) -> str:
-    scale, window, softcap, alibi, sink = params
-    parts = [f"scale {scale:.6g}"]
-    if window:
-        parts.append(f"window {window}")
-    if softcap:
-        parts.append(f"softcap {softcap:g}")
-    if alibi is not None:
+def _describe(params: _Params) -> str:
+    parts = [f"scale {params.scale:.6g}"]
+    if params.window:
+        parts.append(f"window {params.window}")
+    if params.chunk:
+        parts.append(f"chunks of {params.chunk}")
+    if params.softcap:
+        parts.append(f"softcap {params.softcap:g}")
+    if params.alibi is not None:
         parts.append("ALiBi")
-    if sink is not None:
+    if params.sink is not None:
         parts.append("sinks")
+    if params.tiled:
+        parts.append("query head h on KV head h % kv_heads")
     return ", ".join(parts)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import ppsplit.triton_kernels.paged  # noqa: F401  (registers the paged ops)
 import ppsplit.triton_kernels.recurrent  # noqa: F401
@@ -34,6 +35,7 @@ from ppsplit.core.plan import SplitPlan
 from ppsplit.core.ragged import STEP_INPUTS
 from ppsplit.passes.annotate import mutated_bases
 from ppsplit.passes.attention import Attended
+from ppsplit.passes.evaluate import SHAPE_OPS, SubgraphEvaluator
 from ppsplit.passes.partition import Partitioned, carry_forward
 
 aten = torch.ops.aten
@@ -72,6 +74,8 @@ def paged(result: Attended, plan: SplitPlan, cache: CacheConfig, stand_in: Cache
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _SCANS:
             rewrite.scan(node)
+    rewrite.sweep()
+    rewrite.positions_per_token(result.annotated.traced)
     rewrite.sweep()
     rewrite.check()
     graph.lint()
@@ -171,10 +175,11 @@ class _Rewrite:
             self.writes.setdefault(layer, {})[kind] = write
         readers = list(node.users)
         if kind in ("keys", "values"):
-            site = self.sites.get(layer)
-            if site is not None and not site.replaced:
-                raise Unpageable(f"layer {layer}'s attention stays as traced ({site.detail}); the paged cache serves "
-                                 "only the attention ppsplit rewrites")
+            for reader in sorted({layer} | {u.meta.get("ppsplit.layer") for u in readers} - {None}):
+                site = self.sites.get(reader)  # the layer's own, or one reading this layer's keys (KV sharing)
+                if site is not None and not site.replaced:
+                    raise Unpageable(f"layer {reader}'s attention stays as traced ({site.detail}); the paged cache "
+                                     "serves only the attention ppsplit rewrites")
             for user in readers:
                 if user.target not in _ATTENTIONS:
                     raise Unpageable(f"layer {layer}'s cached {kind} are read by {user.format_node()}, not by the "
@@ -222,8 +227,8 @@ class _Rewrite:
                     softcap, selected, *fp8)
             target = ops.paged_latent_attention.default
         else:
-            q, k, v, positions, scale, window, softcap, alibi, sinks = node.args
-            args = (q, self.cached(k), self.cached(v), positions, *step, scale, window, softcap, alibi, sinks)
+            q, k, v, positions, scale, window, softcap, alibi, sinks, *chunk = node.args
+            args = (q, self.cached(k), self.cached(v), positions, *step, scale, window, softcap, alibi, sinks, *chunk)
             target = ops.paged_attention.default
         with self.graph.inserting_before(node):
             new = self.graph.call_function(target, args)
@@ -300,6 +305,32 @@ class _Rewrite:
         if ring is not pool and not ring.users:
             self.graph.erase_node(ring)
 
+    def positions_per_token(self, info) -> None:
+        """A model that numbers a step's tokens as the first one's position plus ``0 .. T-1`` (Llama 4's attention
+        temperature adds an ``arange`` to ``cache.get_seq_length()``, the first position) means each token's own
+        position, which in a ragged step is ``positions`` itself: a value computed from the first position and the
+        token count that equals ``positions`` on contiguous positions (what the stand-in was traced for, and what
+        each sequence of a ragged step has) becomes ``positions``."""
+        firsts = [n for n in self.graph.nodes if n.op == "call_function" and _reads_first_position(n, self.positions)]
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        for first in firsts:
+            todo, seen = [first], set()
+            while todo:
+                node = todo.pop()
+                if node in seen or node.graph is not self.graph:
+                    continue
+                seen.add(node)
+                if node is not first and _equals_positions(self.gm, node, self.positions, info):
+                    with self.graph.inserting_before(node):
+                        own = self.positions
+                        if node.meta["val"].dim() == 2:
+                            own = self.graph.call_function(aten.unsqueeze.default, (self.positions, 0))
+                            own.meta.update({"val": node.meta["val"], "ppsplit.token": False})
+                    node.replace_all_uses_with(own)
+                    continue
+                todo += sorted((u for u in node.users if u.op == "call_function"
+                                and not u.meta.get("ppsplit.token")), key=order.get, reverse=True)
+
     # -- what is left ----------------------------------------------------------------------------------------
     def sweep(self) -> None:
         """Drop what only the stand-in needed (masks over its length, window index arithmetic)."""
@@ -318,6 +349,45 @@ class _Rewrite:
                                  "step, which a ragged step does not have")
             if node.op == "call_function" and node.target in _ATTENTIONS | {ops.indexer_topk.default}:
                 raise Unpageable(f"{node.format_node()} reads a cache the paged pass did not rewrite")
+
+
+def _reads_first_position(node: fx.Node, positions: fx.Node) -> bool:
+    """``positions[0]`` or ``positions[:1]``: one position standing for every token of the step."""
+    return (node.target in (aten.select.int, aten.slice.Tensor) and node.args[0] is positions
+            and tuple(node.args[1:3]) == (0, 0))
+
+
+def _equals_positions(gm: fx.GraphModule, node: fx.Node, positions: fx.Node, info) -> bool:
+    """Whether ``node``, ``[T]`` or ``[1, T]`` of the positions' dtype and computed from ``positions`` and sizes
+    alone, equals ``positions`` for steps of contiguous positions (a few token counts and first positions)."""
+    val, pval = node.meta.get("val"), positions.meta.get("val")
+    # Sizes compared without a guard: making ``!=`` on the traced token count a bool would fix it to the example's
+    if not isinstance(val, torch.Tensor) or val.dtype != pval.dtype or val.dim() not in (1, 2) \
+            or not statically_known_true(val.shape[-1] == pval.shape[0]) \
+            or val.dim() == 2 and not statically_known_true(val.shape[0] == 1):
+        return False
+    ancestors, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in ancestors:
+            continue
+        ancestors.add(n)
+        if n.op == "placeholder" and n is not positions or n.op not in ("placeholder", "get_attr", "call_function"):
+            return False
+        if n.target not in SHAPE_OPS:  # a size is computed from the probe's token count, not from its tensor
+            todo += n.all_input_nodes
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    needed = sorted(ancestors - {positions}, key=order.get)
+    for tokens, start in ((1, 0), (3, 5), (5, 17), (2, 30)):
+        want = torch.arange(start, start + tokens)
+        evaluator = SubgraphEvaluator(gm, sizes={info.batch_symbol: 1, info.tokens_symbol: tokens})
+        try:
+            got = evaluator.run_nodes(needed, {positions: want})[node]
+        except Exception:  # noqa: BLE001  (a value this evaluation cannot compute is not one it can prove)
+            return False
+        if not isinstance(got, torch.Tensor) or not torch.equal(got.reshape(-1), want):
+            return False
+    return True
 
 
 def _fake_like(val, shape, dtype):

@@ -22,8 +22,8 @@ from torch import fx
 
 from ppsplit.core.errors import CrossingError
 from ppsplit.core.fx_utils import fresh_copy, is_cache_buffer
-from ppsplit.passes.annotate import (Annotated, is_view, mutated_bases, per_token_layout, residual_message,
-                                     stream_layout)
+from ppsplit.passes.annotate import (Annotated, is_view, mutated_bases, per_token_layout, pooled_bytes,
+                                     residual_message, stream_layout)
 from ppsplit.core.plan import Carry, SplitPlan
 from ppsplit.core.tensors import dtype_name, model_dtype, nbytes
 
@@ -82,7 +82,7 @@ def partition(annotated: Annotated, plan: SplitPlan) -> Partitioned:
         check_stream(nodes, residual, annotated, plan, f"the residual stream into stage {stage.index}")
         boundaries[stage.index] = residual
 
-    replicas = _replicate_shared_caches(gm, nodes, plan)
+    replicas = _replicate_shared_caches(gm, nodes, plan, annotated)
     carries = []
     for node in nodes:
         home = node.meta.get("ppsplit.stage")
@@ -116,7 +116,8 @@ def check_stream(nodes: list[fx.Node], name: str, annotated: Annotated, plan: Sp
                             f"{want}; ppsplit packs one layout at every cut. Choose other stage boundaries or aux ids")
 
 
-def _replicate_shared_caches(gm: fx.GraphModule, nodes: list[fx.Node], plan: SplitPlan) -> tuple:
+def _replicate_shared_caches(gm: fx.GraphModule, nodes: list[fx.Node], plan: SplitPlan,
+                             annotated: Annotated) -> tuple:
     """A layer that reads another layer's KV cache (Gemma's KV sharing) on a later stage gets a replica of that
     cache on its own stage: the writes into it run on both stages (their new keys and values are then carried,
     a few bytes per token), so the whole cache never crosses. Marks every node that aliases such a cache (the
@@ -138,8 +139,8 @@ def _replicate_shared_caches(gm: fx.GraphModule, nodes: list[fx.Node], plan: Spl
         if far:
             for a in alias:
                 a.meta["ppsplit.replicas"] = tuple(sorted(far))
-            buf = gm.get_buffer(base.target)
-            replicas += [(s, base.target, buf.numel() * buf.element_size()) for s in sorted(far)]
+            size = pooled_bytes(base.target, gm.get_buffer(base.target), annotated.traced)
+            replicas += [(s, base.target, size) for s in sorted(far)]
     return tuple(replicas)
 
 

@@ -473,12 +473,12 @@ def _mask_rows_at_positions(gm: fx.GraphModule, keys: int, tokens) -> None:
 
 def stand_in_cache(model: torch.nn.Module, cache: CacheConfig) -> CacheConfig:
     """The dense one-row cache a model is traced with: long enough that a sliding window (or attention chunk, or the
-    positions a sparse-attention indexer keeps) of the config shows in the attention the pass checks, short enough to
-    check quickly."""
+    positions a sparse-attention indexer keeps, or Doge's ``keep_window_size``, past which its mask keeps only the
+    top keys) of the config shows in the attention the pass checks, short enough to check quickly."""
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     reach = [getattr(config, name, None) for name in ("sliding_window", "attention_chunk_size", "chunk_size",
-                                                      "index_topk")]
+                                                      "index_topk", "keep_window_size")]
     reach = max((r for r in reach if isinstance(r, int) and not isinstance(r, bool)), default=0)
     length = min(cache.max_len, max(64, 2 * reach + 64))
     return CacheConfig(batch_size=1, max_len=length, state_slots=cache.state_slots, block_size=cache.block_size)

@@ -7,6 +7,7 @@ Exact math (what the attention pass proves the traced attention equals)::
     s = softcap * tanh(s / softcap)                  if softcap > 0     (Gemma 2)
     s = s + alibi[h] * j                             if alibi is given  (Bloom: slope times the key's slot)
     visible(t, j) = j <= positions[t] and (window == 0 or positions[t] - j < window)
+                    and (chunk_size == 0 or j // chunk_size == positions[t] // chunk_size)   (Llama 4's chunks)
     p = softmax over visible j of s  (with sinks[h] as one more logit in the denominator; gpt-oss)
     out[b, h, t] = sum_j p[h, t, j] * v[h // G, j]
 
@@ -41,10 +42,11 @@ from ppsplit.triton_kernels.common import HAVE_TRITON, on_gpu, register, tl, tri
 
 def attention_reference(q, k, v, positions, scale: float, window: int = 0, softcap: float = 0.0,
                         alibi: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
-                        selected: Optional[torch.Tensor] = None):
+                        selected: Optional[torch.Tensor] = None, chunk_size: int = 0):
     """The exact math above in torch, over the whole cache with a mask (fp32 math, or fp64 for fp64 inputs).
     ``positions``: ``[T]``, or ``[B, T]`` when the rows of the batch sit at positions of their own.
-    ``selected [B, T, K]``: each query also sees only the slots it lists (sparse attention; ``-1`` lists none)."""
+    ``selected [B, T, K]``: each query also sees only the slots it lists (sparse attention; ``-1`` lists none).
+    ``chunk_size``: each query sees only the slots of its own chunk of that many positions (chunked attention)."""
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -60,6 +62,8 @@ def attention_reference(q, k, v, positions, scale: float, window: int = 0, softc
     visible = slots <= qpos
     if window > 0:
         visible = visible & (qpos - slots < window)
+    if chunk_size > 0:
+        visible = visible & (slots // chunk_size == qpos // chunk_size)
     if selected is not None:
         visible = visible & (selected[..., None] == slots).any(-2)[:, None]
     s = s.masked_fill(~visible, float("-inf"))
@@ -362,16 +366,21 @@ def launch_cache_attention(q, k, v, positions, scale: float, window: int = 0, so
 @register("ppsplit::cache_attention")
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                     scale: float, window: int, softcap: float, alibi: Optional[torch.Tensor],
-                    sinks: Optional[torch.Tensor]) -> torch.Tensor:
+                    sinks: Optional[torch.Tensor], chunk_size: int = 0) -> torch.Tensor:
     """Causal attention of ``q [B, Hq, T, D]`` at ``positions`` over the cache rows ``k_cache/v_cache
-    [B, Hkv, L, D]`` (already written at ``positions``); see the module docstring for the exact math."""
+    [B, Hkv, L, D]`` (already written at ``positions``); see the module docstring for the exact math. Chunked
+    attention (``chunk_size``) is proposed by the attention pass only for a paged cache, whose pass turns it into
+    ``paged_attention``: the lockstep kernels here have no chunks."""
     if on_gpu(q):
+        if chunk_size:
+            raise NotImplementedError("cache_attention's kernels have no chunked attention; it runs as paged_attention")
         with torch.cuda.device(q.device):
             return launch_cache_attention(q, k_cache, v_cache, positions, scale, window, softcap, alibi, sinks,
                                           wrap=wrap_triton)
     B, Hq, T, _ = q.shape
     out = torch.empty(B, T, Hq, v_cache.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
-    out.copy_(attention_reference(q, k_cache, v_cache, positions, scale, window, softcap, alibi, sinks))
+    out.copy_(attention_reference(q, k_cache, v_cache, positions, scale, window, softcap, alibi, sinks,
+                                  chunk_size=chunk_size))
     return out
 
 

@@ -14,8 +14,9 @@ Ops (each with a torch path for CPU tensors, which the tests compare, and a Trit
 - ``paged_write(pool, value [N, *feature], slots)``: ``pool.flat[slots[t]] = value[t]`` for every real token;
   ``paged_write_pair`` two of them at the same slots (a layer's keys and values) in one launch;
 - ``paged_attention(q [1, Hq, N, D], keys, values, positions, seq, block_table, seq_start, seq_count, scale,
-  window, softcap, alibi, sinks)``: token ``t`` attends to the keys of its own sequence at positions
-  ``<= positions[t]`` (and ``> positions[t] - window`` with a window), the math of ``attention_reference``;
+  window, softcap, alibi, sinks, chunk_size)``: token ``t`` attends to the keys of its own sequence at positions
+  ``<= positions[t]`` (and ``> positions[t] - window`` with a window, and in the same chunk of ``chunk_size``
+  positions as ``positions[t]`` with chunks), the math of ``attention_reference``;
 - ``paged_latent_attention(q [1, H, N, dn + dr], latents, ropes, weight, nope_dim, positions, seq, ...)``: MLA over
   pools of latents ``[num_blocks, block_size, 1, r]`` and rotary keys ``[..., 1, dr]``, the math of
   ``latent_attention_reference`` per sequence (the kernel is ``paged_attention``'s with a second key part); with
@@ -113,7 +114,8 @@ def _gather(pool: torch.Tensor, block_table: torch.Tensor, slot: int, length: in
 
 
 def paged_attention_reference(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale: float,
-                              window: int = 0, softcap: float = 0.0, alibi=None, sinks=None) -> torch.Tensor:
+                              window: int = 0, softcap: float = 0.0, alibi=None, sinks=None,
+                              chunk_size: int = 0) -> torch.Tensor:
     """Per sequence, ``attention_reference`` over the keys it has so far; padding tokens get zeros.
     ``q [1, Hq, N, D]`` -> ``[1, Hq, N, Dv]``."""
     out = torch.zeros(q.shape[:-1] + (values.shape[-1],), dtype=q.dtype, device=q.device)
@@ -123,13 +125,14 @@ def paged_attention_reference(q, keys, values, positions, seq, block_table, seq_
         k = _gather(keys, block_table, slot, length).permute(1, 0, 2)[None]  # [1, Hkv, L, D]
         v = _gather(values, block_table, slot, length).permute(1, 0, 2)[None]
         got = attention_reference(q[:, :, start:start + count], k.to(q.dtype), v.to(q.dtype), pos, scale, window,
-                                  softcap, alibi, sinks)
+                                  softcap, alibi, sinks, chunk_size=chunk_size)
         out[:, :, start:start + count] = got.to(q.dtype)
     return out
 
 
 def paged_attention_grouped(q, keys, values, positions, block_table, seq_start, seq_count, scale: float,
-                            window: int = 0, softcap: float = 0.0, alibi=None, sinks=None) -> torch.Tensor:
+                            window: int = 0, softcap: float = 0.0, alibi=None, sinks=None,
+                            chunk_size: int = 0) -> torch.Tensor:
     """``paged_attention_reference`` with the sequences of a step grouped by their token count (all decode tokens,
     all verify windows of K + 1, each prefill chunk length): one batched ``attention_reference`` per group over its
     sequences' keys, gathered through the block table up to the group's longest. The torch path of the op (a host
@@ -150,7 +153,8 @@ def paged_attention_grouped(q, keys, values, positions, block_table, seq_start, 
         stale = (where >= pos.max(1).values[:, None] + 1)[:, None, :, None]
         k, v = (pool[blocks, where % bs].transpose(1, 2).to(q.dtype).masked_fill(stale, 0)
                 for pool in (keys, values))  # [B, Hkv, L, *]
-        got = attention_reference(q[0][:, rows].transpose(0, 1), k, v, pos, scale, window, softcap, alibi, sinks)
+        got = attention_reference(q[0][:, rows].transpose(0, 1), k, v, pos, scale, window, softcap, alibi, sinks,
+                                  chunk_size=chunk_size)
         out[0][:, rows] = got.transpose(0, 1)
     return out
 
@@ -159,22 +163,23 @@ def paged_attention_grouped(q, keys, values, positions, block_table, seq_start, 
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                     seq: torch.Tensor, block_table: torch.Tensor, seq_start: torch.Tensor, seq_count: torch.Tensor,
                     scale: float, window: int, softcap: float, alibi: Optional[torch.Tensor],
-                    sinks: Optional[torch.Tensor]) -> torch.Tensor:
+                    sinks: Optional[torch.Tensor], chunk_size: int = 0) -> torch.Tensor:
     """Ragged causal attention over paged keys and values (see the module docstring). ``[1, Hq, N, Dv]``, stored
     as ``[1, N, Hq, Dv]`` (the layout the model's output projection reads)."""
     if on_gpu(q):
         with torch.cuda.device(q.device):
             return launch_paged_attention(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale,
-                                          window, softcap, alibi, sinks)
+                                          window, softcap, alibi, sinks, chunk_size=chunk_size)
     out = torch.empty(q.shape[0], q.shape[2], q.shape[1], values.shape[-1], dtype=q.dtype,
                       device=q.device).transpose(1, 2)
     out.copy_(paged_attention_grouped(q, keys, values, positions, block_table, seq_start, seq_count, scale, window,
-                                      softcap, alibi, sinks))
+                                      softcap, alibi, sinks, chunk_size))
     return out
 
 
 @paged_attention.register_fake
-def _(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale, window, softcap, alibi, sinks):
+def _(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale, window, softcap, alibi, sinks,
+      chunk_size=0):
     return q.new_empty(q.shape[0], q.shape[2], q.shape[1], values.shape[-1]).transpose(1, 2)
 
 
@@ -422,7 +427,7 @@ if HAVE_TRITON:
     @triton.jit
     def _paged_attention_kernel(Q, K, V, Q2, K2, POS, TABLE, STARTS, COUNTS, SLOPES, SINKS, O, PART, STATS,
                                 sqh, sqt, skb, sks, skh, svb, svs, svh, sq2h, sq2t, sk2b, sk2s, sk2h, soh, sot,
-                                stable, sps, spt, sph, sss, sst, scale, window, softcap, chunk,
+                                stable, sps, spt, sph, sss, sst, scale, window, softcap, chunk, attn_chunk,
                                 S: tl.constexpr, BLOCK_S: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                                 DV: tl.constexpr, D2: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr,
                                 BLOCK_G: tl.constexpr,
@@ -461,11 +466,17 @@ if HAVE_TRITON:
             h = kvh * G + g
             p = tl.load(POS + t, mask=row_ok, other=-1)
             p_last = tl.load(POS + tl.load(STARTS + s) + tl.minimum(first + BLOCK_Q, count) - 1)
+            p_first = tl.load(POS + tl.load(STARTS + s) + first)
+            # The first key each row sees (``lo_row``), and the first row's (``lo``, the least: both bounds grow
+            # with the position, so the last row's is the most).
             lo_row = p * 0
             lo = p_last * 0
             if window > 0:
                 lo_row = tl.maximum(p - window + 1, 0)
-                lo = tl.maximum(tl.load(POS + tl.load(STARTS + s) + first) - window + 1, 0)
+                lo = tl.maximum(p_first - window + 1, 0)
+            if attn_chunk > 0:  # chunked attention: the start of the row's own chunk
+                lo_row = tl.maximum(lo_row, p - p % attn_chunk)
+                lo = tl.maximum(lo, p_first - p_first % attn_chunk)
             begin = lo + part * chunk
             end = tl.minimum(begin + chunk, p_last + 1)
             d = tl.arange(0, BLOCK_D)
@@ -489,7 +500,8 @@ if HAVE_TRITON:
             see_all = begin
             if window > 0:
                 see_all = tl.maximum(p_last - window + 1, begin)
-            p_first = tl.load(POS + tl.load(STARTS + s) + first)
+            if attn_chunk > 0:
+                see_all = tl.maximum(p_last - p_last % attn_chunk, see_all)
             a = tl.minimum(begin + tl.cdiv(see_all - begin, BLOCK_N) * BLOCK_N, end)
             seen = tl.maximum(tl.minimum(end, p_first + 1), begin)  # no negative quotient: C and numpy round apart
             b = tl.maximum(a, tl.minimum(begin + (seen - begin) // BLOCK_N * BLOCK_N, end))
@@ -666,8 +678,8 @@ def _query_tiles(n: int, slots: int, block_q: int) -> int:
 
 
 def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_start, seq_count, scale: float,
-                           window: int = 0, softcap: float = 0.0, alibi=None, sinks=None, *, config: dict | None = None,
-                           rope: tuple | None = None):
+                           window: int = 0, softcap: float = 0.0, alibi=None, sinks=None, *, chunk_size: int = 0,
+                           config: dict | None = None, rope: tuple | None = None):
     """The Triton path of ``paged_attention`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``); ``config``
     overrides ``attention_plan`` (the tests force chunking on small shapes, and ``int64``: the offsets of pools of
     2**31 elements or more, which the kernel takes by itself for such pools). ``rope = (q2 [1, Hq, N, D2], pool2
@@ -701,9 +713,9 @@ def launch_paged_attention(q, keys, values, positions, seq, block_table, seq_sta
         q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), strides[0], values.stride(0), values.stride(1),
         strides[1], q2.stride(1), q2.stride(2), k2.stride(0), k2.stride(1), strides[2], out.stride(1), out.stride(2),
         block_table.stride(0), *(part.stride()[:3] if split else (0, 0, 0)), *(stats.stride()[:2] if split else (0, 0)),
-        scale, window, softcap, plan["chunk"], S=slots, BLOCK_S=_pow2(slots, least=2), G=hq // hkv, D=d, DV=dv,
-        D2=d2, BS=bs, BLOCK_Q=plan["block_q"], BLOCK_G=plan["block_g"], BLOCK_N=plan["block_n"], BLOCK_D=_pow2(d),
-        BLOCK_DV=_pow2(dv), BLOCK_D2=_pow2(d2),
+        scale, window, softcap, plan["chunk"], chunk_size, S=slots, BLOCK_S=_pow2(slots, least=2), G=hq // hkv, D=d,
+        DV=dv, D2=d2, BS=bs, BLOCK_Q=plan["block_q"], BLOCK_G=plan["block_g"], BLOCK_N=plan["block_n"],
+        BLOCK_D=_pow2(d), BLOCK_DV=_pow2(dv), BLOCK_D2=_pow2(d2),
         SPLIT=split, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi is not None, HAS_SINKS=sinks is not None,
         HAS_ROPE=rope is not None, IEEE=q.dtype == torch.float32, REVERSE=plan["reverse"], PHASES=plan["phases"],
         INT64=plan.get("int64", False) or max(t.numel() for t in (keys, values, k2)) >= 2 ** 31,

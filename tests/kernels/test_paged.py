@@ -35,6 +35,10 @@ ATTENTION_CASES = [
     (8, 2, 64, 16, (1, 40, 5), dict(max_start=300)),
     (4, 2, 64, 16, (30, 1, 4), dict(max_start=300, window=70, softcap=20.0)),
     (4, 4, 64, 32, (6, 1), dict(max_start=200, alibi=True, sinks=True)),
+    # Llama 4's chunked attention: each token over the keys of its own chunk (rows of one tile in two chunks)
+    (8, 2, 64, 16, (1, 20, 5, 3), dict(chunk_size=8)),
+    (4, 2, 64, 16, (30, 1, 4), dict(max_start=300, chunk_size=48)),
+    (4, 2, 64, 16, (9, 1, 4), dict(chunk_size=5, window=3)),
 ]
 
 
@@ -76,6 +80,7 @@ def run_attention_case(case, dtype, device, tol, config=None):
     alibi = torch.rand(hq, generator=gen).to(device) * -0.5 if extras.get("alibi") else None
     sinks = torch.randn(hq, generator=gen).to(device) if extras.get("sinks") else None
     window, softcap, scale = extras.get("window", 0), extras.get("softcap", 0.0), dim ** -0.5
+    chunk_size = extras.get("chunk_size", 0)
     meta = step.to(device)
     if config == "chunked":  # the keys cut into 32-position chunks, combined after; tiles of 2 tokens, first first,
         # each chunk in one masked loop
@@ -93,7 +98,8 @@ def run_attention_case(case, dtype, device, tol, config=None):
         keys, values = (t.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for t in (keys, values))
         config = None
     got = launch_paged_attention(q, keys, values, meta.positions, meta.seq, meta.block_table, meta.seq_start,
-                                 meta.seq_count, scale, window, softcap, alibi, sinks, config=config)
+                                 meta.seq_count, scale, window, softcap, alibi, sinks, chunk_size=chunk_size,
+                                 config=config)
     n = sum(counts)
     assert not got[:, :, :n].isnan().any(), "an output left unwritten, or a stale pool entry read"
     assert (got[:, :, n:] == 0).all(), "padding tokens must give zeros"
@@ -101,15 +107,15 @@ def run_attention_case(case, dtype, device, tol, config=None):
                                     .nan_to_num(), step.positions, step.seq, step.block_table, step.seq_start,
                                     step.seq_count, scale, window, softcap,
                                     None if alibi is None else alibi.double().cpu(),
-                                    None if sinks is None else sinks.double().cpu())
+                                    None if sinks is None else sinks.double().cpu(), chunk_size)
     torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
 def test_paged_attention_torch_path_groups_sequences_exactly(case):
     """The op's torch path (the sequences of a step grouped by token count, one batched attention per group over
-    keys gathered to the group's longest) equals the per-sequence reference in fp64, with NaN in every pool entry
-    no sequence owns."""
+    keys gathered to the group's longest; Llama 4's chunks too) equals the per-sequence reference in fp64, with NaN
+    in every pool entry no sequence owns."""
     hq, hkv, dim, block, counts, extras = ATTENTION_CASES[case]
     gen = torch.Generator().manual_seed(case)
     step, layout, lengths = ragged(counts, block, slots=len(counts) + 1, seed=case,
@@ -119,7 +125,7 @@ def test_paged_attention_torch_path_groups_sequences_exactly(case):
     alibi = torch.rand(hq, generator=gen, dtype=torch.float64) * -0.5 if extras.get("alibi") else None
     sinks = torch.randn(hq, generator=gen, dtype=torch.float64) if extras.get("sinks") else None
     args = (step.positions, step.block_table, step.seq_start, step.seq_count, dim ** -0.5, extras.get("window", 0),
-            extras.get("softcap", 0.0), alibi, sinks)
+            extras.get("softcap", 0.0), alibi, sinks, extras.get("chunk_size", 0))
     got = paged_attention_grouped(q, keys, values, *args)
     ref = paged_attention_reference(q, keys.nan_to_num(), values.nan_to_num(), step.positions, step.seq,
                                     *args[1:])

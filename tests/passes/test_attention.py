@@ -14,7 +14,7 @@ import ppsplit
 import tests.serve.test_decode as decode_tests
 from ppsplit import CacheConfig, ConfigError
 from ppsplit.triton_kernels.attention import HAVE_TRITON, attention_reference, launch_cache_attention
-from tests.support import VOCAB, decode
+from tests.support import VOCAB, decode, hf_greedy, tiny_model
 
 ops = torch.ops.ppsplit
 CACHE = decode_tests.CACHE
@@ -229,7 +229,7 @@ def test_unrecognised_attention_is_left_and_reported():
     split = ppsplit.split_model(model, 2, cache=CACHE)
     for k in range(2):
         assert split.plan.attention_lines(k)[0] == "attention: 0 of 1 -> cache_attention"
-        assert "left as traced: no scale/window/soft-cap/ALiBi/sinks" in split.plan.attention_lines(k)[1]
+        assert "left as traced: no scale/window/chunk/soft-cap/ALiBi/sinks" in split.plan.attention_lines(k)[1]
         assert not any(n.target is ops.cache_attention.default for n in split.stages[k].graph.nodes)
     prompt = torch.randint(3, VOCAB, (2, 6))
     with torch.no_grad():
@@ -354,3 +354,13 @@ def test_captured_stage_equals_eager_on_gpu(compile):
     from tests.support import tiny_model
 
     ragged_replay_equals_eager(tiny_model("gemma2").to(device="cuda", dtype=torch.bfloat16), compile=compile)
+
+def test_a_head_count_equal_to_the_traced_token_count_leaves_the_step_size_open():
+    """Llama with 8 query heads, traced with an example of 8 tokens: the pass looks at the shapes of every node
+    reading the cache ([B, T, H, D] among them) without fixing the token count to 8, so the paged cache's checks
+    run at other step sizes too and pass: the split is paged and decodes as Hugging Face does."""
+    model = tiny_model("llama", num_attention_heads=8, num_key_value_heads=2)
+    split = ppsplit.split_model(model, 2, cache=CacheConfig(batch_size=1, max_len=16))
+    assert split.plan.paged, split.plan.lockstep_reason
+    ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(split.generate(ids, 6), hf_greedy(model, ids, 6))

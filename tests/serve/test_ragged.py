@@ -231,20 +231,20 @@ def test_bad_metadata_is_refused_before_anything_runs():
 
 
 def test_models_whose_cache_cannot_be_paged_keep_a_lockstep_cache_and_say_why():
-    """GLM-MoE-DSA with shared indexers (a layer attends over the positions the layer before it picked): the paged
-    pass does not serve that yet, so the split keeps a lockstep cache, the plan says why, its forward equals Hugging
-    Face's, and generation (the engine) and ragged steps are refused with the reason."""
-    from tests.architectures.test_indexer import build as build_indexed, prompt
+    """HY-V4 (MLA whose attention adds learned sinks, which ``latent_attention`` does not have): the paged pass does
+    not serve it, so the split keeps a lockstep cache, the plan says why, its forward equals Hugging Face's, and
+    generation (the engine) and ragged steps are refused with the reason."""
+    from tests.architectures.test_streams import IDS, build as build_streamed
 
-    model, traced = build_indexed("glm_moe_dsa_shared")
-    split = ppsplit.split_model(traced, 2)
+    model = build_streamed("hy_v4")
+    split = ppsplit.split_model(ppsplit.trace_model(model, cache=CacheConfig(2, 32)), 2)
     assert not split.plan.paged and "layer 0's attention stays as traced" in split.plan.lockstep_reason
-    assert "also read by another layer (an indexer shared between layers)" in split.plan.lockstep_reason
+    assert "its cache holds MLA latents, but no scale/window/soft-cap makes latent_attention equal it" \
+        in split.plan.lockstep_reason
     assert "lockstep: no ragged steps" in split.plan.describe()
-    ids = prompt()
     with torch.no_grad():
-        torch.testing.assert_close(split(ids)[0], model(ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(split(IDS)[0], model(IDS).logits, atol=1e-5, rtol=1e-5)
     with pytest.raises(ConfigError, match="needs a paged cache, and this split keeps a lockstep one because layer 0"):
-        split.generate(ids, 6)
+        split.generate(IDS, 6)
     with pytest.raises(ConfigError, match="ragged steps need a paged cache; this split keeps a lockstep cache"):
         split.step(torch.zeros(1, dtype=torch.long), None)
