@@ -153,6 +153,8 @@ def main():
             except subprocess.TimeoutExpired:
                 vllm_proc.kill()
         vllm_log.close()
+    if vllm_proc is None or vllm_proc.returncode in (0, -signal.SIGTERM):
+        os.unlink(vllm_log.name)  # kept only when vllm serve failed
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "wall_s": time.monotonic() - start, "runs": rows}, f, indent=1)
