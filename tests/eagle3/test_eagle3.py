@@ -528,7 +528,7 @@ def test_cli_run_speculative(compiled_with_drafter, capfd):
     assert lines[0] == ",".join(map(str, expected)), out
     assert "(2 stages, gloo, 1 request, K=4, mean acceptance length" in lines[1], out
     assert main(["run", folders[2], "--prompt-ids", "1,2", "-k", "0"]) == 2
-    assert "num_draft_tokens must be an integer >= 1" in capfd.readouterr().err
+    assert "-k/--num-draft-tokens must be an integer >= 1, but got 0" in capfd.readouterr().err
 
 
 def test_speculative_through_processes_errors(compiled_with_drafter, tmp_path):
