@@ -33,7 +33,7 @@ from ppsplit.core.errors import ConfigError
 from ppsplit.core.fx_utils import SHAPE, copy_buffer_persistence, get_tensor, is_cache_buffer, set_tensor
 from ppsplit.core.plan import StageSharding
 from ppsplit.core.shards import TP_GROUP, Shard
-from ppsplit.core.tensors import nbytes
+from ppsplit.core.tensors import module_device, nbytes
 from ppsplit.passes.sharding.evaluate import run_ranks, run_whole, stage_shapes, static_shapes, step_inputs
 from ppsplit.passes.sharding.placements import PARTIAL, Split, refine
 from ppsplit.passes.sharding.rules import Propagation
@@ -333,7 +333,8 @@ def check_shards(stage: fx.GraphModule, ranks: list[fx.GraphModule], tokens: int
     """The proof: ``stage`` and its ``ranks`` (run in lockstep, the collectives done in-process) on a random step
     of ``tokens`` tokens; every rank's output and aux buffer must equal the whole stage's. Returns the largest
     difference; raises ``ConfigError`` when it is not within the tolerance of summing in another order."""
-    inputs = step_inputs(stage, tokens, fill=torch.randn, seed=seed)
+    # The step where the stage's weights are (an H100 run of bench/tp_shard.py failed with CPU inputs to CUDA stages).
+    inputs = step_inputs(stage, tokens, fill=torch.randn, seed=seed, device=module_device(stage))
     with torch.no_grad():
         want = run_whole(stage, inputs)
         got = run_ranks(ranks, inputs)
