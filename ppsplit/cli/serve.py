@@ -102,7 +102,17 @@ def _serve(args, tokenizer, max_request: int) -> int:
         watcher.on_failure = server.fail
     code = run(server, sock)
     if watcher is not None:
+        import logging
+        import os
+        import sys
+
         code = code or watcher.finish()
+        # No process-group teardown at exit: after a rank died or froze, tearing gloo's down can abort this process
+        # (exit -6 instead of 1, seen under load); the OS closes the sockets, as ppsplit run's ranks do.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
     return code
 
 
