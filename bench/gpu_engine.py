@@ -150,13 +150,25 @@ def single(engine, split, prompt, new):
     return 1e3 * dt / toks, start.elapsed_time(stop) / 50
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_trace_arguments(ap) -> None:
+    """The request trace's options (shared with ``bench/gpu_serve.py``)."""
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--min-prompt", type=int, default=128)
     ap.add_argument("--max-prompt", type=int, default=1024)
+
+
+def trace_prompts(a) -> list[list[int]]:
+    """``a.requests`` prompts of ``a.min_prompt`` .. ``a.max_prompt`` random ids, seeded."""
+    rng = random.Random(0)
+    return [[rng.randrange(1000, 100000) for _ in range(rng.randint(a.min_prompt, a.max_prompt))]
+            for _ in range(a.requests)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_trace_arguments(ap)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--budget", type=int, default=2048, help="the engine's max_num_batched_tokens")
     ap.add_argument("--profile-steps", type=int, default=20)
@@ -170,9 +182,7 @@ def main():
     say(torch=torch.__version__, transformers=transformers.__version__, gpu=torch.cuda.get_device_name())
     bw, fl = copy_bw(), mm_rate()
     say(copy_bw_GBs=round(bw / 1e9), matmul_TFLOPs=round(fl / 1e12))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(rng.randint(a.min_prompt, a.max_prompt))]
-               for _ in range(a.requests)]
+    prompts = trace_prompts(a)
     cfg = LlamaConfig(num_hidden_layers=a.layers, **LLAMA8B)
     torch.manual_seed(0)
     with torch.device("cuda"):

@@ -17,7 +17,6 @@ same greedy tokens and the counts are compared. The checkpoint's tokenizer is a 
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ import time
 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.gpu_engine import LLAMA8B  # noqa: E402
+from bench.gpu_engine import LLAMA8B, add_trace_arguments, trace_prompts  # noqa: E402
 
 SMALL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)  # --small: a check on the CPU
 DEVICE = "cuda"
@@ -175,11 +174,7 @@ def generate_run(folder, prompts, new):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--min-prompt", type=int, default=128)
-    ap.add_argument("--max-prompt", type=int, default=1024)
+    add_trace_arguments(ap)
     ap.add_argument("--work", default="/tmp/gpu_serve")
     ap.add_argument("--port", type=int, default=8731)
     ap.add_argument("--small", action="store_true", help="hidden 256 (the script checked on a machine without a GPU)")
@@ -192,9 +187,7 @@ def main():
     DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     say(torch=torch.__version__, transformers=transformers.__version__,
         device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(rng.randint(a.min_prompt, a.max_prompt))]
-               for _ in range(a.requests)]
+    prompts = trace_prompts(a)
     ckpt, folder = os.path.join(a.work, "ckpt"), os.path.join(a.work, "pp1")
     if not os.path.exists(os.path.join(ckpt, "config.json")):
         t = time.perf_counter()
