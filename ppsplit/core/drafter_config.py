@@ -227,17 +227,30 @@ _DFLASH_SPECULATORS_TOP = {"speculators_model_type", "speculators_config", "spec
                            "sample_from_anchor", "embed_requires_grad"}
 
 
+# speculators' ``dspark``: its ``dflash`` layout plus a Markov head and a confidence head (speculators'
+# ``DSparkSpeculatorConfig``); ``sample_from_anchor`` (default true) makes the anchor row draft too.
+_DSPARK_TOP = {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"}
+_MARKOV_HEADS = ("vanilla", "gated", "rnn")
+# DeepSpec's own DSpark folders (a flat target config, ``num_anchors``, its own ``markov_head`` module): no reader.
+_DEEPSPEC_DSPARK = {"Qwen3DSparkModel", "DeepseekV2DSparkModel", "Gemma4DSparkModel"}
+
+
 def is_dflash(cfg: dict) -> bool:
-    """Whether a drafter config is a DFlash one (z-lab's ``dflash_config`` or architecture, speculators' ``dflash``)."""
-    return bool("dflash_config" in cfg or cfg.get("speculators_model_type") == "dflash"
-            or {"DFlashDraftModel", "DFlash2DraftModel"} & set(cfg.get("architectures") or ()))
+    """Whether a drafter config is a DFlash-family one (z-lab's ``dflash_config`` or architecture, speculators'
+    ``dflash`` and ``dspark``, DeepSpec's DSpark architectures, which are refused)."""
+    return bool("dflash_config" in cfg or cfg.get("speculators_model_type") in ("dflash", "dspark")
+            or {"DFlashDraftModel", "DFlash2DraftModel", *_DEEPSPEC_DSPARK} & set(cfg.get("architectures") or ()))
 
 
 def dflash_drafter_config(cfg: dict) -> tuple[dict, dict, list | None, str]:
     """``(flat config, rotary keys, tap ids or None, their numbering)`` of a DFlash drafter config. Every key is read,
     listed as inert, or refused naming it."""
-    if cfg.get("speculators_model_type") == "dflash":
+    if cfg.get("speculators_model_type") in ("dflash", "dspark"):
         return _dflash_speculators(cfg)
+    deepspec = _DEEPSPEC_DSPARK & set(cfg.get("architectures") or ())
+    if deepspec:
+        raise ConfigError(f"drafter architecture {sorted(deepspec)[0]} is DeepSpec's own DSpark folder, which ppsplit "
+                          "does not read; convert it to speculators' dspark layout (speculators_model_type \"dspark\")")
     if "DFlash2DraftModel" in (cfg.get("architectures") or ()):
         raise ConfigError("drafter architecture DFlash2DraftModel (grouped dynamic convolutions and a candidate "
                           "selector) is not supported; ppsplit runs plain DFlash (DFlashDraftModel)")
@@ -275,14 +288,15 @@ def dflash_drafter_config(cfg: dict) -> tuple[dict, dict, list | None, str]:
 
 
 def _dflash_speculators(cfg: dict) -> tuple[dict, dict, list | None, str]:
-    _refuse_unknown(cfg, _DFLASH_SPECULATORS_TOP, "")
+    family = cfg["speculators_model_type"]
+    _refuse_unknown(cfg, _DFLASH_SPECULATORS_TOP | (_DSPARK_TOP if family == "dspark" else set()), "")
     spec = cfg.get("speculators_config") or {}
-    if not isinstance(spec, dict) or spec.get("algorithm", "dflash") != "dflash":
+    if not isinstance(spec, dict) or spec.get("algorithm", family) != family:
         raise ConfigError(f"drafter config speculators_config.algorithm is {spec.get('algorithm')!r}; a speculators "
-                          "dflash drafter has \"dflash\"")
+                          f"{family} drafter has \"{family}\"")
     _refuse_unknown(spec, {"algorithm", "proposal_methods", "default_proposal_method", "verifier"},
                     "speculators_config.")
-    if _flag(cfg, "sample_from_anchor", False):
+    if family == "dflash" and _flag(cfg, "sample_from_anchor", False):
         raise ConfigError("drafter config sample_from_anchor is true (the anchor position drafts too, DSpark's "
                           "layout); ppsplit runs DFlash blocks whose anchor is the bonus token (false)")
     layer = cfg.get("transformer_layer_config")
@@ -295,12 +309,32 @@ def _dflash_speculators(cfg: dict) -> tuple[dict, dict, list | None, str]:
     out.update(block_size=cfg.get("block_size", 8), mask_token_id=cfg.get("mask_token_id"),
                input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=0.0,
                draft_vocab_size=cfg.get("draft_vocab_size") or out["vocab_size"],
-               target_hidden_size=cfg.get("target_hidden_size") or out["hidden_size"], num_target_layers=None)
+               target_hidden_size=cfg.get("target_hidden_size") or out["hidden_size"], num_target_layers=None,
+               family=family, sample_from_anchor=False)
+    if family == "dspark":
+        out.update(_dspark_heads(cfg))
     ids = cfg.get("aux_hidden_state_layer_ids")
     if not ids:
         raise ConfigError("the speculators dflash config has no aux_hidden_state_layer_ids; it cannot say which taps "
                           "it reads")
     return _dflash_checked(out), rope, ids, "vllm"
+
+
+def _dspark_heads(cfg: dict) -> dict:
+    """DSpark's heads, with speculators' defaults (``DSparkSpeculatorConfig``)."""
+    rank = cfg.get("markov_rank", 256)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ConfigError(f"drafter config markov_rank must be an integer >= 0 (0: no Markov head), but got {rank!r}")
+    kind = cfg.get("markov_head_type", "vanilla")
+    if kind not in _MARKOV_HEADS:
+        raise ConfigError(f"drafter config markov_head_type {kind!r} is not one of {', '.join(_MARKOV_HEADS)}")
+    confidence = _flag(cfg, "enable_confidence_head", True)
+    with_markov = confidence and _flag(cfg, "confidence_head_with_markov", True)
+    if with_markov and not rank:
+        raise ConfigError("drafter config confidence_head_with_markov is true but markov_rank is 0 (no Markov "
+                          "embedding to feed it); set confidence_head_with_markov false")
+    return dict(sample_from_anchor=_flag(cfg, "sample_from_anchor", True), markov_rank=rank, markov_head_type=kind,
+                confidence_head=confidence, confidence_with_markov=with_markov)
 
 
 def _dflash_layers(layer: dict, where: str) -> tuple[dict, dict]:

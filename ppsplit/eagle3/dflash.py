@@ -98,6 +98,15 @@ class DFlashDrafter(nn.Module):
     def target_ids(self) -> torch.Tensor:
         return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
 
+    # The block row whose output is the first draft: the bonus token's row predicts nothing in plain DFlash (DSpark's
+    # anchor layout drafts from it: 0).
+    first_draft_row = 1
+
+    @property
+    def max_drafts(self) -> int:
+        """The drafts one block proposes: one per block row from ``first_draft_row``."""
+        return self.block_size - self.first_draft_row
+
     def save(self, folder: str, verifier: str | None = None) -> str:
         """Write the drafter in speculators' ``dflash`` layout (what vLLM loads): ``config.json`` as speculators'
         ``save_pretrained`` writes it, tap ids in vLLM's numbering (ppsplit's), ``model.safetensors`` without the
@@ -194,6 +203,11 @@ class DFlashDrafter(nn.Module):
                 block_positions: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, V]`` of one block: ``aux [n_slots, T, Ht]`` the taps of the context rows at
         ``ctx_positions [T]``, ``tokens [B]`` the block (bonus token, then masks) at ``block_positions [B]``."""
+        return self.logits(self.block_rows(aux, tokens, ctx_positions, block_positions))
+
+    def block_rows(self, aux: torch.Tensor, tokens: torch.Tensor, ctx_positions: torch.Tensor,
+                   block_positions: torch.Tensor) -> torch.Tensor:
+        """``forward``'s block rows after the last layer ``[B, H]`` (before ``norm``)."""
         ctx = self.context(aux).to(self.fc.weight.dtype)
         x = self.embed(tokens).to(ctx.dtype)
         cc, cs = self._rotary(ctx_positions, x.dtype)
@@ -209,7 +223,7 @@ class DFlashDrafter(nn.Module):
                                                enable_gqa=attn.heads != attn.kv_heads)
             x = x + attn.o_proj(o[0].transpose(0, 1).reshape(h.shape[0], -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.logits(x)
+        return x
 
     # -- the paged cache (the engine) --------------------------------------------------------------------------------
     def write_context(self, aux: torch.Tensor, step: RaggedStep) -> None:
@@ -275,9 +289,10 @@ def output_head(split) -> torch.Tensor:
 
 
 def build_dflash(cfg: dict, tensors: dict, plan, embed: torch.Tensor, head: torch.Tensor,
-                 aux_convention: str | None, device) -> DFlashDrafter:
+                 aux_convention: str | None, device, cls: type = DFlashDrafter) -> DFlashDrafter:
     """The DFlash drafter of ``(cfg, tensors)`` for a split with ``plan``, sharing the target's ``embed`` table and
-    output projection ``head``; checked before any tensor is loaded."""
+    output projection ``head``; checked before any tensor is loaded. ``cls``: the family's module (DSpark's adds
+    heads; their tensors are accounted for by its ``state_dict``)."""
     flat, rope, ids, numbering = dflash_drafter_config(cfg)
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ConfigError(f"DFlash drafter tap ids must be a list of integers, but got {ids!r}")
@@ -313,7 +328,7 @@ def build_dflash(cfg: dict, tensors: dict, plan, embed: torch.Tensor, head: torc
     dtype = model_dtype(plan)
     device = torch.empty(0, device=device).device
     with torch.device("meta"):
-        drafter = DFlashDrafter(flat, taps, tuple(plan.taps.index(t) for t in taps), n_slots=plan.n_slots)
+        drafter = cls(flat, taps, tuple(plan.taps.index(t) for t in taps), n_slots=plan.n_slots)
     drafter = drafter.to_empty(device=device)
     state = {k: v for k, v in tensors.items() if k not in ("t2d", "embed_tokens.weight", "rotary.inv_freq")}
     if drafter.lm_head is None:

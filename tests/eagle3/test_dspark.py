@@ -1,0 +1,249 @@
+"""DSpark drafters (speculators' ``dspark``: DFlash's backbone, a Markov head, a confidence head) on the last stage:
+folders written by speculators' own ``save_pretrained``, logits / confidences / drafts equal to speculators' own
+modules, greedy output equal to Hugging Face's at pp 1, 2, 3 with confidence-trimmed verify windows of different
+lengths in one step, the target's distribution kept when sampling, and every refusal in one line."""
+import json
+
+import pytest
+import torch
+
+import ppsplit
+from ppsplit import ConfigError
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.sampling import SamplingParams
+from tests.eagle3.test_dflash import small
+from tests.serve.test_decode import cached
+
+pytest.importorskip("speculators")
+
+TAPS = [1, 3, 4]  # speculators writes vLLM's numbering (hidden_states[j]): ppsplit's
+BLOCK = 4
+MASK = 5
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def dspark_drafter(folder, model, draft_vocab=None, seed=0, scale=0.1, **options):
+    """speculators' ``DSparkDraftModel`` with random weights (``options``: its config fields), saved by its own
+    ``save_pretrained``; ``(library model, the draft vocabulary's target ids)``."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
+
+    vocab = model.config.vocab_size
+    draft_vocab = draft_vocab or vocab
+    layer = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, num_hidden_layers=2, vocab_size=vocab, max_position_embeddings=256,
+                        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+                        layer_types=["full_attention"] * 2)
+    layer._attn_implementation = "sdpa"
+    options = {"markov_rank": 8, **options}
+    cfg = DSparkSpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=draft_vocab, block_size=BLOCK,
+        aux_hidden_state_layer_ids=TAPS, mask_token_id=MASK, **options, speculators_config=SpeculatorsConfig(
+            algorithm="dspark", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BLOCK)],
+            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=[])))
+    lib = DSparkDraftModel(cfg).eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lib.named_parameters():
+            p.copy_(torch.randn_like(p) * scale + (1.0 if name.endswith("norm.weight") else 0.0))
+        lib.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
+        if draft_vocab == vocab:  # a full vocabulary: the verifier's head (speculators does not save it)
+            lib.lm_head.weight.copy_(model.lm_head.weight)
+    targets = torch.arange(vocab)
+    if draft_vocab != vocab:
+        targets = torch.sort(torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:draft_vocab]).values
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[targets] = True
+        lib.load_vocab_mappings(t2d, targets - torch.arange(draft_vocab))
+    lib.save_pretrained(str(folder))
+    return lib, targets
+
+
+def library_block(lib, model, ids, bonus, prev):
+    """speculators' own modules on one block at ``len(ids)``: the context's taps, the block ``[bonus, mask x 3]``
+    attending as its anchor mask does (context, block both ways), then its Markov head (teacher-forced by ``prev``,
+    the token before each slot's prediction, as its ``forward`` does) and confidence head. ``(logits, confidence)``."""
+    with torch.no_grad():
+        hs = model(ids[None], output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[j] for j in TAPS], -1)
+        block = torch.tensor([bonus] + [MASK] * (BLOCK - 1))
+        x = lib.embed_tokens(block)[None]
+        ctx = lib.hidden_norm(lib.fc(aux))
+        rotary = lib.rotary_emb(x, torch.arange(len(ids) + BLOCK)[None])
+        for layer in lib.layers:
+            x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_embeddings=rotary)
+        hidden = lib.norm(x)
+        prev = torch.as_tensor(prev)[None]
+        emb = lib.markov_head.prev_embeddings(prev)
+        logits = lib.lm_head(hidden) + lib.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden,
+                                                                  prev_emb=emb)
+        features = torch.cat([hidden, emb], -1) if lib.config.confidence_head_with_markov else hidden
+        return logits[0], lib.confidence_head(features)[0]
+
+
+def ppsplit_taps(model, ids):
+    with torch.no_grad():
+        hs = model(ids[None], output_hidden_states=True).hidden_states
+    return torch.stack([hs[j][0] for j in TAPS])
+
+
+# -- the drafter's forward equals the library's own ----------------------------------------------------------------
+@pytest.mark.parametrize("kind, draft_vocab, anchor", [("vanilla", None, True), ("gated", 96, True),
+                                                       ("rnn", None, True), ("vanilla", None, False)])
+def test_speculators_dspark_drafts_like_the_library(tmp_path, kind, draft_vocab, anchor):
+    """Teacher-forced logits and confidences of every block row equal speculators' modules; the drafts ppsplit
+    proposes one at a time (each biased by the draft before it) are the argmax of the library's logits when fed those
+    same drafts."""
+    model, graph = cached("qwen3")
+    lib, targets = dspark_drafter(tmp_path / "d", model, draft_vocab, markov_head_type=kind,
+                                  sample_from_anchor=anchor)
+    split = ppsplit.split_model(graph, 2, aux=TAPS)
+    drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
+    assert drafter.family == "dspark" and drafter.taps == tuple(TAPS)
+    assert drafter.first_draft_row == (0 if anchor else 1) and drafter.max_drafts == BLOCK - 1 + anchor
+    assert torch.equal(drafter.target_ids, targets)
+    torch.manual_seed(2)
+    ids = torch.randint(6, 128, (9,))
+    aux = ppsplit_taps(model, ids)
+    block = torch.tensor([7] + [MASK] * (BLOCK - 1))
+    prev = torch.tensor([7, 40, 41, 42]) if anchor else torch.tensor([7, 7, 40, 41])
+    ref_logits, ref_conf = library_block(lib, model, ids, 7, prev)
+    with torch.no_grad():
+        logits, conf = drafter(aux, block, torch.arange(9), torch.arange(9, 9 + BLOCK), prev)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(conf, ref_conf, rtol=1e-4, atol=1e-4)
+        # sequential drafting, as the engine does it, against the library teacher-forced by ppsplit's own drafts
+        skip = drafter.first_draft_row
+        rows = drafter.block_rows(aux, block, torch.arange(9), torch.arange(9, 9 + BLOCK))[None, skip:]
+        drafts, seq_logits, seq_conf = drafter.heads(rows, torch.tensor([7]),
+                                                     lambda x, i: drafter.target_ids[x.argmax(-1)])
+    fed = torch.cat([torch.tensor([7] * (1 + skip)), drafts[0, :-1]])
+    lib_logits, lib_conf = library_block(lib, model, ids, 7, fed)
+    torch.testing.assert_close(seq_logits[0], lib_logits[skip:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(seq_conf[0], lib_conf[skip:], rtol=1e-4, atol=1e-4)
+    assert torch.equal(drafts[0], targets[lib_logits[skip:].argmax(-1)])
+
+
+# -- through the engine: lossless, windows trimmed per request -------------------------------------------------------
+def plans_of(engine):
+    """Record every step's plan: ``[(slot, count, num_drafts) of each verify window]`` per step."""
+    seen, schedule = [], engine.scheduler.schedule
+
+    def record(*args, **kwargs):
+        plan = schedule(*args, **kwargs)
+        if plan is not None:
+            seen.append([(w.slot, w.count, w.num_drafts) for _, w in plan.entries if w.num_drafts or w.fed])
+        return plan
+    engine.scheduler.schedule = record
+    return seen
+
+
+@pytest.mark.parametrize("pp, engine_options", [(1, {}), (2, {}), (3, {}),
+                                                 (2, {"max_num_batched_tokens": 8, "async_scheduling": True})])
+def test_engine_trims_windows_and_equals_greedy(pp, engine_options, tmp_path):
+    """Four requests batched, the confidence threshold on: each output equals Hugging Face greedy; each verify
+    window carries exactly the drafts speculators' modules propose for its context, cut where their confidences'
+    survival drops below the threshold; and one step verifies windows of different lengths. With async scheduling
+    (windows the device fills in) the windows keep K + 1 rows and the device verifies only the kept drafts."""
+    model, graph = small()
+    lib, _ = dspark_drafter(tmp_path / "d", model, seed=1, scale=0.5)
+    split = ppsplit.split_model(graph, pp, aux=TAPS)
+    drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
+    drafter.confidence_threshold = 0.3
+    engine = Engine(split, drafter=drafter, num_draft_tokens=BLOCK, **engine_options)
+    plans = plans_of(engine)
+    torch.manual_seed(3)
+    prompts = torch.randint(6, 32, (4, 7))
+    outs = engine.generate(list(prompts), SamplingParams(max_tokens=24))
+    lengths = set()
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            greedy = model.generate(prompt[None], max_new_tokens=24, do_sample=False)[0, 7:].tolist()
+        assert out.token_ids == greedy
+        full = torch.tensor(prompt.tolist() + out.token_ids)
+        at = 7  # the bonus token of the first window: the prefill's token
+        for accepted, verified in zip(out.accepted, out.verified):
+            drafts, conf = [], []
+            bonus = int(full[at])
+            prev = bonus
+            for i in range(BLOCK):  # the library, one draft at a time (its teacher forcing by its own argmaxes)
+                logits, c = library_block(lib, model, full[:at], bonus, [bonus] + drafts + [0] * (BLOCK - 1 - i))
+                drafts.append(int(logits[i].argmax()))
+                conf.append(float(c[i]))
+            kept = int((torch.sigmoid(torch.tensor(conf)).cumprod(0) >= 0.3).sum())
+            assert verified == drafts[:kept], (at, verified, drafts, kept)
+            lengths.add(kept)
+            at += accepted + 1
+    assert len(lengths) > 1 and sum(sum(o.accepted) for o in outs) > 0
+    if not engine_options.get("async_scheduling"):  # the host knows each count: windows of 1 + kept rows
+        assert any(len({count for _, count, _ in step}) > 1 for step in plans), plans
+
+
+# -- sampling stays lossless ----------------------------------------------------------------------------------------
+def test_dspark_sampling_matches_target_distribution(tmp_path):
+    """2000 copies of one prompt on a Llama target, drafts drawn one at a time through the Markov head, windows
+    trimmed by confidence: the joint distribution of the first two tokens equals the target's p(t0) p(t1 | t0)."""
+    from tests.eagle3.test_eagle3 import chi2_pvalue, traced
+
+    model, graph = traced("small")
+    split = ppsplit.split_model(graph, 2, aux=TAPS, fuse=False)
+    dspark_drafter(tmp_path / "d", model, seed=3, scale=0.5)
+    drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
+    drafter.confidence_threshold = 0.2
+    prompt = torch.tensor([[5, 9, 17, 3, 11]])
+    N, V, temp = 2000, 32, 0.8
+    out = split.generate(prompt.expand(N, -1), 2, drafter=drafter, num_draft_tokens=3, temperature=temp,
+                         generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        p0 = torch.softmax(model(prompt).logits[0, -1] / temp, -1)
+        after = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)
+        p1 = torch.softmax(model(after).logits[:, -1] / temp, -1)
+        hot = torch.softmax(model(prompt).logits[0, -1] / 1.2, -1)[:, None] \
+            * torch.softmax(model(after).logits[:, -1] / 1.2, -1)
+    counts = torch.bincount(out[:, 5] * V + out[:, 6], minlength=V * V)
+    assert chi2_pvalue(counts, (p0[:, None] * p1).flatten()) > 1e-3
+    assert chi2_pvalue(counts, hot.flatten()) < 1e-3  # the test has power
+
+
+# -- refusals: one line, before anything loads ----------------------------------------------------------------------
+def _edit(folder, change):
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    change(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(frobnicate=1), "drafter config key frobnicate"),
+    (lambda c: c.update(markov_head_type="lstm"), "markov_head_type 'lstm'"),
+    (lambda c: c.update(markov_rank=-1), "markov_rank must be an integer >= 0"),
+    (lambda c: c.update(markov_rank=0), "confidence_head_with_markov is true but markov_rank is 0"),
+    (lambda c: c["speculators_config"].update(algorithm="dflash"), "a speculators dspark drafter"),
+    (lambda c: c.update(architectures=["Qwen3DSparkModel"], speculators_model_type=None), "DeepSpec"),
+    (lambda c: c.update(enable_confidence_head=False), "tensors its config does not account for"),
+    (lambda c: c.update(aux_hidden_state_layer_ids=[1, 3, 9]), "tap id 9 is out of range"),
+])
+def test_bad_dspark_configs_are_refused_in_one_line(tmp_path, change, message):
+    model, graph = cached("qwen3")
+    dspark_drafter(tmp_path / "d", model)
+    _edit(tmp_path / "d", change)
+    split = ppsplit.split_model(graph, 1, aux=TAPS)
+    with pytest.raises(ConfigError, match=message) as e:
+        ppsplit.load_drafter(str(tmp_path / "d"), split=split)
+    assert "\n" not in str(e.value)
+
+
+def test_dspark_runtime_refusals(tmp_path):
+    model, graph = cached("qwen3")
+    dspark_drafter(tmp_path / "d", model, enable_confidence_head=False, confidence_head_with_markov=False)
+    split = ppsplit.split_model(graph, 1, aux=TAPS)
+    drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
+    assert drafter.confidence_head is None
+    for value, message in ((0.5, "has none"), (1.5, "from 0 to 1"), ("x", "from 0 to 1")):
+        with pytest.raises(ConfigError, match=message):
+            drafter.confidence_threshold = value
+    with pytest.raises(ConfigError, match="num_draft_tokens=5 exceeds what one block of the dspark drafter"):
+        Engine(split, drafter=drafter, num_draft_tokens=BLOCK + 1)
