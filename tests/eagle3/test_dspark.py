@@ -23,9 +23,9 @@ MASK = 5
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def dspark_drafter(folder, model, draft_vocab=None, seed=0, scale=0.1, **options):
-    """speculators' ``DSparkDraftModel`` with random weights (``options``: its config fields), saved by its own
-    ``save_pretrained``; ``(library model, the draft vocabulary's target ids)``."""
+def dspark_drafter(folder, model, draft_vocab=None, seed=0, scale=0.1, prepare=None, **options):
+    """speculators' ``DSparkDraftModel`` with random weights (``options``: its config fields; ``prepare(lib)``: set
+    some), saved by its own ``save_pretrained``; ``(library model, the draft vocabulary's target ids)``."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -52,6 +52,8 @@ def dspark_drafter(folder, model, draft_vocab=None, seed=0, scale=0.1, **options
         lib.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
         if draft_vocab == vocab:  # a full vocabulary: the verifier's head (speculators does not save it)
             lib.lm_head.weight.copy_(model.lm_head.weight)
+    if prepare is not None:
+        prepare(lib)
     targets = torch.arange(vocab)
     if draft_vocab != vocab:
         targets = torch.sort(torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:draft_vocab]).values
@@ -82,6 +84,23 @@ def library_block(lib, model, ids, bonus, prev):
                                                                   prev_emb=emb)
         features = torch.cat([hidden, emb], -1) if lib.config.confidence_head_with_markov else hidden
         return logits[0], lib.confidence_head(features)[0]
+
+
+def bigram_markov(model):
+    """A Markov head that knows the target: its bias (rank = vocabulary) favours the token that most often follows
+    the previous one in the target's greedy continuations of 32 random prompts."""
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        seqs = model.generate(torch.randint(6, vocab, (32, 4), generator=torch.Generator().manual_seed(0)),
+                              max_new_tokens=24, do_sample=False)
+    counts = torch.zeros(vocab, vocab).index_put_((seqs[:, :-1].flatten(), seqs[:, 1:].flatten()),
+                                                  torch.ones(seqs[:, 1:].numel()), accumulate=True)
+
+    def prepare(lib):
+        with torch.no_grad():
+            lib.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
+            lib.markov_head.markov_w2.weight.copy_(20.0 * torch.nn.functional.one_hot(counts.argmax(1), vocab).T)
+    return prepare
 
 
 def ppsplit_taps(model, ids):
@@ -129,13 +148,15 @@ def test_speculators_dspark_drafts_like_the_library(tmp_path, kind, draft_vocab,
 
 # -- through the engine: lossless, windows trimmed per request -------------------------------------------------------
 def plans_of(engine):
-    """Record every step's plan: ``[(slot, count, num_drafts) of each verify window]`` per step."""
+    """Record every step's plan: ``[(slot, count, num_drafts, fed) of each decoding window]`` per step (the last token
+    and its drafts; a request whose drafts were all trimmed feeds its last token alone)."""
     seen, schedule = [], engine.scheduler.schedule
 
     def record(*args, **kwargs):
         plan = schedule(*args, **kwargs)
         if plan is not None:
-            seen.append([(w.slot, w.count, w.num_drafts) for _, w in plan.entries if w.num_drafts or w.fed])
+            seen.append([(w.slot, w.count, w.num_drafts, w.fed) for r, w in plan.entries
+                         if w.fed or w.position >= len(r.prompt)])
         return plan
     engine.scheduler.schedule = record
     return seen
@@ -149,7 +170,7 @@ def test_engine_trims_windows_and_equals_greedy(pp, engine_options, tmp_path):
     survival drops below the threshold; and one step verifies windows of different lengths. With async scheduling
     (windows the device fills in) the windows keep K + 1 rows and the device verifies only the kept drafts."""
     model, graph = small()
-    lib, _ = dspark_drafter(tmp_path / "d", model, seed=1, scale=0.5)
+    lib, _ = dspark_drafter(tmp_path / "d", model, seed=1, scale=0.5, markov_rank=32, prepare=bigram_markov(model))
     split = ppsplit.split_model(graph, pp, aux=TAPS)
     drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
     drafter.confidence_threshold = 0.3
@@ -164,8 +185,8 @@ def test_engine_trims_windows_and_equals_greedy(pp, engine_options, tmp_path):
             greedy = model.generate(prompt[None], max_new_tokens=24, do_sample=False)[0, 7:].tolist()
         assert out.token_ids == greedy
         full = torch.tensor(prompt.tolist() + out.token_ids)
-        at = 7  # the bonus token of the first window: the prefill's token
-        for accepted, verified in zip(out.accepted, out.verified):
+        at, records = 7, list(zip(out.accepted, out.drafts))  # the first window's bonus token: the prefill's token
+        while records:
             drafts, conf = [], []
             bonus = int(full[at])
             prev = bonus
@@ -174,12 +195,21 @@ def test_engine_trims_windows_and_equals_greedy(pp, engine_options, tmp_path):
                 drafts.append(int(logits[i].argmax()))
                 conf.append(float(c[i]))
             kept = int((torch.sigmoid(torch.tensor(conf)).cumprod(0) >= 0.3).sum())
-            assert verified == drafts[:kept], (at, verified, drafts, kept)
             lengths.add(kept)
+            if kept == 0 and records[0][1]:  # the host knew: a plain decode step, which verifies nothing
+                at += 1
+                continue
+            accepted, verified = records.pop(0)  # (a window the device fed verifies [] when nothing is kept)
+            assert verified == drafts[:kept], (at, verified, drafts, kept)
             at += accepted + 1
     assert len(lengths) > 1 and sum(sum(o.accepted) for o in outs) > 0
-    if not engine_options.get("async_scheduling"):  # the host knows each count: windows of 1 + kept rows
-        assert any(len({count for _, count, _ in step}) > 1 for step in plans), plans
+    windows = [w for step in plans for w in step]
+    assert all(count == 1 + drafts for _, count, drafts, fed in windows if not fed)  # 1 + kept rows
+    assert all(count == BLOCK + 1 for _, count, _, fed in windows if fed)  # K + 1 rows, the kept ones verified
+    if engine_options.get("async_scheduling"):
+        assert any(fed for *_, fed in windows)
+    else:  # the host knows each count: windows of different lengths in one step
+        assert any(len({count for _, count, _, _ in step}) > 1 for step in plans), plans
 
 
 # -- sampling stays lossless ----------------------------------------------------------------------------------------
