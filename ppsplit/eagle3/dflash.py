@@ -107,8 +107,14 @@ class DFlashDrafter(nn.Module):
         """The drafts one block proposes: one per block row from ``first_draft_row``."""
         return self.block_size - self.first_draft_row
 
+    architecture = "DFlashDraftModel"  # what speculators' save_pretrained writes for the family
+
+    def layout_keys(self) -> dict:
+        """The family's own top-level keys of speculators' layout (DSpark's heads)."""
+        return {}
+
     def save(self, folder: str, verifier: str | None = None) -> str:
-        """Write the drafter in speculators' ``dflash`` layout (what vLLM loads): ``config.json`` as speculators'
+        """Write the drafter in speculators' ``dflash`` (or ``dspark``) layout (what vLLM loads): ``config.json`` as speculators'
         ``save_pretrained`` writes it, tap ids in vLLM's numbering (ppsplit's), ``model.safetensors`` without the
         target's embedding and head. ``verifier``: the target's hub id or folder, recorded in the config."""
         import json
@@ -126,17 +132,18 @@ class DFlashDrafter(nn.Module):
                  ["full_attention"] * len(self.layers), **{k: cfg[k] for k in (
                      "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "hidden_act", "rms_norm_eps", "vocab_size", "attention_bias")}, **cfg["rope"]}
-        out = {"architectures": ["DFlashDraftModel"], "speculators_model_type": "dflash",
-               "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
+        out = {"architectures": [self.architecture], "speculators_model_type": self.family,
+               "speculators_config": {"algorithm": self.family, "default_proposal_method": "greedy",
                                       "proposal_methods": [{"proposal_type": "greedy",
-                                                            "speculative_tokens": self.block_size - 1,
+                                                            "speculative_tokens": self.max_drafts,
                                                             "accept_tolerance": 0.0, "verifier_accept_k": 1}],
                                       "verifier": {"name_or_path": verifier, "architectures": []}},
                "transformer_layer_config": layer, "draft_vocab_size": cfg["draft_vocab_size"],
                "block_size": self.block_size, "mask_token_id": self.mask_token_id,
-               "aux_hidden_state_layer_ids": list(self.taps), "sample_from_anchor": False,
+               "aux_hidden_state_layer_ids": list(self.taps), "sample_from_anchor": self.first_draft_row == 0,
                "sliding_window_non_causal": False, "tie_word_embeddings": False,
-               "target_hidden_size": None if self.target_hidden_size == self.hidden_size else self.target_hidden_size}
+               "target_hidden_size": None if self.target_hidden_size == self.hidden_size else self.target_hidden_size,
+               **self.layout_keys()}
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         if self.lm_head is None:  # a full vocabulary: speculators keeps no mapping and reloads the verifier's head
             del tensors["d2t"]
@@ -372,6 +379,7 @@ def block_agreement(split, drafter: DFlashDrafter, ids: torch.Tensor, start: int
         for a in range(max(start, 1), tokens - 1):
             logits = drafter(aux[:, b, :a], torch.cat([ids[b, a:a + 1], masks]), torch.arange(a, device=last),
                              torch.arange(a, a + width, device=last))
-            agree += int(drafter.target_ids[logits[1].argmax()] == ids[b, a + 1])
+            logits = logits[0] if isinstance(logits, tuple) else logits  # DSpark: (logits, confidence)
+            agree += int(drafter.target_ids[logits[drafter.first_draft_row].argmax()] == ids[b, a + 1])
             total += 1
     return agree, total

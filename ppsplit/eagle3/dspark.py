@@ -75,6 +75,13 @@ class DSparkDrafter(DFlashDrafter):
     """
 
     family = "dspark"
+    architecture = "DSparkDraftModel"
+
+    def layout_keys(self) -> dict:
+        cfg = self.cfg
+        return {"markov_rank": cfg["markov_rank"], "markov_head_type": cfg["markov_head_type"],
+                "enable_confidence_head": cfg["confidence_head"],
+                "confidence_head_with_markov": cfg["confidence_with_markov"]}
 
     def __init__(self, cfg: dict, taps: tuple[int, ...], slots: tuple[int, ...], n_slots: int | None = None):
         super().__init__(cfg, taps, slots, n_slots)

@@ -146,6 +146,36 @@ def test_speculators_dspark_drafts_like_the_library(tmp_path, kind, draft_vocab,
     assert torch.equal(drafts[0], targets[lib_logits[skip:].argmax(-1)])
 
 
+@pytest.mark.parametrize("kind, draft_vocab", [("gated", 96), ("rnn", None)])
+def test_save_writes_speculators_dspark_layout(tmp_path, kind, draft_vocab):
+    """``drafter.save`` writes speculators' dspark layout: its own ``from_pretrained`` reads it back (every tensor,
+    the heads' config), its modules give the same logits and confidences, and ppsplit reloads the same drafter."""
+    from speculators.models.dspark import DSparkDraftModel
+
+    model, graph = cached("qwen3")
+    dspark_drafter(tmp_path / "src", model, draft_vocab, markov_head_type=kind)
+    split = ppsplit.split_model(graph, 1, aux=TAPS)
+    drafter = ppsplit.load_drafter(str(tmp_path / "src"), split=split)
+    drafter.save(str(tmp_path / "out"))
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dspark" and cfg["markov_head_type"] == kind and cfg["sample_from_anchor"]
+    lib = DSparkDraftModel.from_pretrained(str(tmp_path / "out")).eval()
+    if draft_vocab is None:  # speculators rebuilds a full-vocabulary head from the verifier: give it the target's
+        lib.lm_head.weight.data.copy_(model.lm_head.weight)
+    lib.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
+    again = ppsplit.load_drafter(str(tmp_path / "out"), split=split)
+    torch.manual_seed(5)
+    ids = torch.randint(6, 128, (9,))
+    aux, block, prev = ppsplit_taps(model, ids), torch.tensor([7] + [MASK] * (BLOCK - 1)), torch.tensor([7, 8, 9, 10])
+    ref_logits, ref_conf = library_block(lib, model, ids, 7, prev)
+    with torch.no_grad():
+        logits, conf = drafter(aux, block, torch.arange(9), torch.arange(9, 9 + BLOCK), prev)
+        logits2, conf2 = again(aux, block, torch.arange(9), torch.arange(9, 9 + BLOCK), prev)
+    assert torch.equal(logits, logits2) and torch.equal(conf, conf2)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(conf, ref_conf, rtol=1e-4, atol=1e-4)
+
+
 # -- through the engine: lossless, windows trimmed per request -------------------------------------------------------
 def plans_of(engine):
     """Record every step's plan: ``[(slot, count, num_drafts, fed) of each decoding window]`` per step (the last token
