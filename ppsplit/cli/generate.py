@@ -108,7 +108,8 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     scores = {}
     for convention in taps:
         drafter = ppsplit.load_drafter(args.drafter, split=split, aux_convention=convention)
-        score = block_agreement if getattr(drafter, "family", None) in ("dflash", "dspark") else draft_agreement
+        score = block_agreement if getattr(drafter, "family", None) in ("dflash", "dspark", "dflash2") \
+            else draft_agreement
         agree, total = score(split, drafter, sequences, start=seed_len)
         scores[convention] = agree / max(1, total)
         print(f"{convention:>7}: taps {','.join(map(str, taps[convention]))}  first-draft agreement "

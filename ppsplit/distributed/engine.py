@@ -140,7 +140,7 @@ class PipelineEngine:
                 from ppsplit.serve.speculative import Proposer, check_speculation
 
                 drafter = drafter or self._folder_drafter(folder)
-                if getattr(drafter, "family", None) in ("dflash", "dspark"):  # rank 0 reserves one position short
+                if getattr(drafter, "family", None) in ("dflash", "dspark", "dflash2"):  # rank 0 reserves too little
                     raise ConfigError(f"a {drafter.family} drafter runs in one process (ppsplit.Engine over a "
                                       "split) for now, not across ranks; use an EAGLE-3 drafter with "
                                       "ppsplit.distributed")

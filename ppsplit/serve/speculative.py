@@ -68,7 +68,7 @@ class Proposer:
 
     def __init__(self, drafter, k: int, layout):
         check_num_draft_tokens(k)
-        self.block = getattr(drafter, "family", None) in ("dflash", "dspark")
+        self.block = getattr(drafter, "family", None) in ("dflash", "dspark", "dflash2")
         if self.block and k > drafter.max_drafts:
             raise ConfigError(f"num_draft_tokens={k} exceeds what one block of the {drafter.family} drafter proposes "
                               f"({drafter.max_drafts}: block_size {drafter.block_size}, drafting from block row "
@@ -125,12 +125,12 @@ class Proposer:
         start = positions[last] + 1
         step = RaggedStep((start[:, None] + j).reshape(-1), slot[:, None].expand(-1, width).reshape(-1),
                           batch.block_table, batch.chain_start * width, batch.chain_count * width)
-        rows = drafter.draft_block(tokens, step).view(slot.shape[0], width, -1)[:, skip:]
+        rows = drafter.draft_block(tokens, step, width).view(slot.shape[0], width, -1)[:, skip:]
         params = self._params(slot, sampler, sampled, rows.device)
-        if drafter.family == "dspark":  # the Markov head's bias follows each draw: drafts one at a time
+        if hasattr(drafter, "heads"):  # DSpark's Markov head, DFlash2's selector: each draft follows the one before
             drafts, _, confidence = drafter.heads(rows, token, lambda x, i: self._pick(x, i, slot, params, cut_k,
                                                                                       cut_p))
-            self.kept = drafter.kept(confidence)
+            self.kept = drafter.kept(confidence) if confidence is not None else None
             return drafts
         logits = drafter.logits(rows)
         return torch.stack([self._pick(logits[:, i], i, slot, params, cut_k, cut_p) for i in range(k)], 1)
