@@ -338,7 +338,7 @@ def _dflash2_fields(value, out: dict) -> dict:
     got = {key: value(key) for key in _DFLASH2_KEYS}
     for key, v in got.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"drafter config {key} must be an integer >= 1, but got {v!r}")
+            raise ConfigError(f"DFlash2 drafter config {key} must be an integer >= 1, but got {v!r}")
     if out["hidden_size"] % got["conv_group_size"]:
         raise ConfigError(f"drafter config conv_group_size {got['conv_group_size']} does not divide hidden_size "
                           f"{out['hidden_size']}")
