@@ -210,3 +210,39 @@ def test_bad_dflash2_configs_are_refused_in_one_line(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message) as e:
         ppsplit.load_drafter(str(tmp_path / "z"), split=split)
     assert "\n" not in str(e.value)
+
+
+def test_save_writes_speculators_dflash2_layout(tmp_path):
+    """``drafter.save`` of a z-lab DFlash2 folder writes speculators' dflash2 layout: its own ``from_pretrained``
+    reads every tensor back, its layers and selector give ppsplit's logits and drafts, ppsplit reloads the same."""
+    from speculators.models.dflash2 import DFlash2DraftModel
+
+    model, graph = cached("qwen3")
+    zlab_dflash2(tmp_path / "z", model.config.vocab_size)
+    split = ppsplit.split_model(graph, 1, aux=TAPS)
+    drafter = ppsplit.load_drafter(str(tmp_path / "z"), split=split)
+    drafter.save(str(tmp_path / "out"))
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash2" and all(cfg[k] == v for k, v in CONV.items())
+    assert cfg["aux_hidden_state_layer_ids"] == TAPS  # vLLM's numbering
+    lib = DFlash2DraftModel.from_pretrained(str(tmp_path / "out")).eval()
+    again = ppsplit.load_drafter(str(tmp_path / "out"), split=split)
+    torch.manual_seed(4)
+    aux, _ = feats_of(model, torch.randint(6, 128, (1, 9)))
+    block = torch.tensor([7, MASK, MASK, MASK])
+    with torch.no_grad():
+        x = model.get_input_embeddings()(block)[None]
+        ctx = lib.hidden_norm(lib.fc(torch.cat(list(aux), -1)))[None]
+        rotary = lib.rotary_emb(x, torch.arange(9 + BLOCK)[None])
+        for layer in lib.layers:
+            x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_embeddings=rotary)
+        hidden = lib.norm(x)
+        ref = model.lm_head(hidden)[0]  # a full vocabulary: speculators reloads the verifier's head
+        got = drafter(aux, block, torch.arange(9), torch.arange(9, 9 + BLOCK))
+        assert torch.equal(again(aux, block, torch.arange(9), torch.arange(9, 9 + BLOCK)), got)
+        rows = drafter.block_rows(aux, block, torch.arange(9), torch.arange(9, 9 + BLOCK))
+        drafts, _, _ = drafter.heads(rows[None, 1:], block[:1], lambda x, i: x.max(-1).indices)
+        prev = torch.cat([block[:1], drafts[0, :-1]])[None]
+        candidates, scores = lib.candidate_selector.select(ref[None, 1:], hidden[:, 1:], prev)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(drafts, candidates.gather(-1, scores.max(-1).indices[..., None])[..., 0])

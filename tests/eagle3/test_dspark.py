@@ -242,6 +242,85 @@ def test_engine_trims_windows_and_equals_greedy(pp, engine_options, tmp_path):
         assert any(len({count for _, count, _, _ in step}) > 1 for step in plans), plans
 
 
+# -- a drafter trained here accepts, and trimming keeps what it accepts --------------------------------------------
+@pytest.fixture(scope="module")
+def trained_dspark(tmp_path_factory):
+    """A DSpark drafter trained with speculators' own modules (400 Adam steps on the 32-token target's greedy
+    continuations, blocks at random anchors: cross-entropy of every slot, and its confidence against whether the
+    slot's argmax is the target's token), saved by its ``save_pretrained``: ``(target, folder)``."""
+    tmp_path = tmp_path_factory.mktemp("dspark")
+    model, _ = small()
+    lib, _ = dspark_drafter(tmp_path / "init", model, seed=2, scale=0.02, markov_rank=16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        seqs = model.generate(torch.randint(6, 32, (256, 4), generator=g), max_new_tokens=36, do_sample=False)
+        hs = model(seqs, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[j] for j in TAPS], -1)
+    params = [p for n, p in lib.named_parameters() if not n.startswith(("embed_tokens", "lm_head", "verifier"))]
+    opt = torch.optim.Adam(params, lr=3e-3)
+    lib.train()
+    T = seqs.shape[1]
+    for _ in range(400):
+        pick = torch.randint(0, len(seqs), (32,), generator=g)
+        a = int(torch.randint(4, T - BLOCK, (1,), generator=g))
+        s = seqs[pick]
+        block = torch.cat([s[:, a:a + 1], torch.full((32, BLOCK - 1), MASK)], 1)
+        x = lib.embed_tokens(block)
+        ctx = lib.hidden_norm(lib.fc(feats[pick, :a]))
+        rotary = lib.rotary_emb(x, torch.arange(a + BLOCK)[None])
+        for layer in lib.layers:
+            x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_embeddings=rotary)
+        hidden = lib.norm(x)
+        prev = s[:, a:a + BLOCK]  # sample_from_anchor: slot k predicts a + k + 1 after the token at a + k
+        emb = lib.markov_head.prev_embeddings(prev)
+        logits = lib.lm_head(hidden) + lib.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden,
+                                                                  prev_emb=emb)
+        target = s[:, a + 1:a + 1 + BLOCK]
+        confidence = lib.confidence_head(torch.cat([hidden, emb], -1))
+        hit = (logits.argmax(-1) == target).float()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten()) \
+            + torch.nn.functional.binary_cross_entropy_with_logits(confidence, hit)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    lib.eval()
+    lib.save_pretrained(str(tmp_path / "trained"))
+    return model, str(tmp_path / "trained")
+
+
+def test_trained_dspark_accepts_and_trimming_drops_what_it_would_reject(trained_dspark):
+    """Every request of a batch of 8 averages more than one token per verify pass, each gets its own acceptance, and
+    the outputs stay the target's greedy ones; with the confidence threshold the same outputs come from far fewer
+    verified drafts, a larger share of them accepted."""
+    model, folder = trained_dspark
+    _, graph = small()
+    split = ppsplit.split_model(graph, 2, aux=TAPS)
+    prompts = torch.randint(6, 32, (8, 4), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        greedy = model.generate(prompts, max_new_tokens=24, do_sample=False)[:, 4:].tolist()
+    seen = {}
+    for threshold in (0.0, 0.5):
+        drafter = ppsplit.load_drafter(folder, split=split)
+        drafter.confidence_threshold = threshold
+        engine = Engine(split, drafter=drafter, num_draft_tokens=BLOCK)
+        outs = engine.generate(list(prompts), SamplingParams(max_tokens=24))
+        assert [o.token_ids for o in outs] == greedy
+        lengths = [o.mean_acceptance_length for o in outs]
+        verified = sum(len(d) for o in outs for d in o.drafts)
+        accepted = sum(sum(o.accepted) for o in outs)
+        seen[threshold] = outs, lengths, verified, accepted
+        print(f"trained DSpark drafter, block {BLOCK}, threshold {threshold}, batch of 8: tokens per verify pass "
+              f"{[round(x, 2) for x in lengths]}, mean {sum(lengths) / len(lengths):.2f}; drafts verified {verified}, "
+              f"accepted {accepted} ({accepted / max(1, verified):.2f}), steps {engine.steps}")
+    outs, lengths, verified, accepted = seen[0.0]
+    assert min(lengths) > 1.0 and sum(lengths) / len(lengths) >= 2.0, lengths
+    alone = Engine(split, drafter=ppsplit.load_drafter(folder, split=split), num_draft_tokens=BLOCK).generate(
+        [prompts[0]], SamplingParams(max_tokens=24))
+    assert alone[0].accepted == outs[0].accepted  # each request's own acceptance, not the batch's
+    _, _, trimmed_verified, trimmed_accepted = seen[0.5]
+    assert trimmed_verified < verified / 2 and trimmed_accepted / trimmed_verified > 1.5 * accepted / verified
+
+
 # -- sampling stays lossless ----------------------------------------------------------------------------------------
 def test_dspark_sampling_matches_target_distribution(tmp_path):
     """2000 copies of one prompt on a Llama target, drafts drawn one at a time through the Markov head, windows
