@@ -321,6 +321,33 @@ def test_trained_dspark_accepts_and_trimming_drops_what_it_would_reject(trained_
     assert trimmed_verified < verified / 2 and trimmed_accepted / trimmed_verified > 1.5 * accepted / verified
 
 
+def test_block_agreement_and_check_drafter(trained_dspark, tmp_path, capsys):
+    """``block_agreement`` (check-drafter's score) counts exactly the blocks whose first draft (the anchor row through
+    the Markov head, after the bonus token) speculators' modules get right; the CLI scores the numbering."""
+    from ppsplit.cli import main
+    from ppsplit.eagle3.dflash import block_agreement
+
+    model, folder = trained_dspark
+    _, graph = small()
+    split = ppsplit.split_model(graph, 1, aux=TAPS)
+    drafter = ppsplit.load_drafter(folder, split=split)
+    from speculators.models.dspark import DSparkDraftModel
+    lib = DSparkDraftModel.from_pretrained(folder).eval()
+    lib.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
+    lib.lm_head.weight.data.copy_(model.lm_head.weight)
+    with torch.no_grad():
+        seqs = model.generate(torch.randint(6, 32, (2, 4), generator=torch.Generator().manual_seed(6)),
+                              max_new_tokens=10, do_sample=False)
+    prev = lambda b, a: (seqs[b, a:a + BLOCK].tolist() + [0] * BLOCK)[:BLOCK]  # noqa: E731  (slot 0 reads prev[0])
+    hits = sum(int(library_block(lib, model, seqs[b, :a], int(seqs[b, a]), prev(b, a))[0][0].argmax() == seqs[b, a + 1])
+               for b in range(2) for a in range(4, seqs.shape[1] - 1))
+    assert block_agreement(split, drafter, seqs, start=4) == (hits, 2 * (seqs.shape[1] - 5)) and hits > 0
+    model.save_pretrained(str(tmp_path / "target"))
+    capsys.readouterr()
+    assert main(["check-drafter", str(tmp_path / "target"), folder, "--prompts", "3"]) == 0
+    assert "vllm: taps 1,3,4  first-draft agreement" in capsys.readouterr().out
+
+
 # -- sampling stays lossless ----------------------------------------------------------------------------------------
 def test_dspark_sampling_matches_target_distribution(tmp_path):
     """2000 copies of one prompt on a Llama target, drafts drawn one at a time through the Markov head, windows
