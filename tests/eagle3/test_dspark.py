@@ -79,9 +79,10 @@ def library_block(lib, model, ids, bonus, prev):
             x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_embeddings=rotary)
         hidden = lib.norm(x)
         prev = torch.as_tensor(prev)[None]
-        emb = lib.markov_head.prev_embeddings(prev)
-        logits = lib.lm_head(hidden) + lib.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden,
-                                                                  prev_emb=emb)
+        logits = lib.lm_head(hidden)
+        if lib.markov_head is not None:
+            emb = lib.markov_head.prev_embeddings(prev)
+            logits = logits + lib.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden, prev_emb=emb)
         features = torch.cat([hidden, emb], -1) if lib.config.confidence_head_with_markov else hidden
         return logits[0], lib.confidence_head(features)[0]
 
@@ -111,14 +112,14 @@ def ppsplit_taps(model, ids):
 
 # -- the drafter's forward equals the library's own ----------------------------------------------------------------
 @pytest.mark.parametrize("kind, draft_vocab, anchor", [("vanilla", None, True), ("gated", 96, True),
-                                                       ("rnn", None, True), ("vanilla", None, False)])
+                                                       ("rnn", None, True), ("vanilla", None, False), (None, 96, True)])
 def test_speculators_dspark_drafts_like_the_library(tmp_path, kind, draft_vocab, anchor):
-    """Teacher-forced logits and confidences of every block row equal speculators' modules; the drafts ppsplit
-    proposes one at a time (each biased by the draft before it) are the argmax of the library's logits when fed those
-    same drafts."""
+    """Teacher-forced logits and confidences of every block row equal speculators' modules (each Markov head type, a
+    reduced vocabulary, both anchor layouts, no Markov head); the drafts ppsplit proposes one at a time (each biased
+    by the draft before it) are the argmax of the library's logits when fed those same drafts."""
     model, graph = cached("qwen3")
-    lib, targets = dspark_drafter(tmp_path / "d", model, draft_vocab, markov_head_type=kind,
-                                  sample_from_anchor=anchor)
+    heads = {"markov_head_type": kind} if kind else {"markov_rank": 0, "confidence_head_with_markov": False}
+    lib, targets = dspark_drafter(tmp_path / "d", model, draft_vocab, sample_from_anchor=anchor, **heads)
     split = ppsplit.split_model(graph, 2, aux=TAPS)
     drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
     assert drafter.family == "dspark" and drafter.taps == tuple(TAPS)
