@@ -349,6 +349,27 @@ def test_block_agreement_and_check_drafter(trained_dspark, tmp_path, capsys):
     assert "vllm: taps 1,3,4  first-draft agreement" in capsys.readouterr().out
 
 
+def test_generate_command_with_a_dspark_drafter(trained_dspark, tmp_path, capsys):
+    """``ppsplit generate FOLDER --drafter DSPARK -k 4 --confidence-threshold 0.5`` on a folder compiled with the
+    drafter's taps prints the target's greedy continuation; the flag without a DSpark drafter is one line."""
+    from ppsplit.cli import main
+
+    model, folder = trained_dspark
+    model.save_pretrained(str(tmp_path / "target"))
+    out = str(tmp_path / "compiled")
+    assert main(["compile", str(tmp_path / "target"), "--pp", "2", "--aux", "1,3,4", "-o", out, "--max-batch", "1",
+                 "--max-len", "64"]) == 0
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([[7, 20, 4, 13]]), max_new_tokens=20, do_sample=False)[0, 4:].tolist()
+    capsys.readouterr()
+    assert main(["generate", out, "--device", "cpu", "--prompt-ids", "7,20,4,13", "--max-new-tokens", "20", "-k", "4",
+                 "--drafter", folder, "--confidence-threshold", "0.5"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0] == ",".join(map(str, greedy)) and "mean acceptance length" in printed
+    assert main(["generate", out, "--device", "cpu", "--prompt-ids", "7,20", "--confidence-threshold", "0.5"]) == 2
+    assert "--confidence-threshold trims a DSpark drafter" in capsys.readouterr().err
+
+
 # -- sampling stays lossless ----------------------------------------------------------------------------------------
 def test_dspark_sampling_matches_target_distribution(tmp_path):
     """2000 copies of one prompt on a Llama target, drafts drawn one at a time through the Markov head, windows
