@@ -77,8 +77,18 @@ class Proposer:
         # Positions past a window's end the drafter writes: a chain's last draft, or a block's last mask row.
         self.lookahead = k + 1 if self.block else k
         drafter.allocate_paged(layout)
-        self.slots = layout.slots
+        self.layout, self.slots = layout, layout.slots
+        self.graphs = None  # a block drafter's CUDA graphs (``capture``)
         self.q = None  # [S, K, draft vocab]: each slot's draft distributions, once a request samples
+
+    def capture(self, plan, token_buckets) -> None:
+        """Capture a block drafter's parts as CUDA graphs for ``token_buckets`` (the stages' buckets) and every count
+        of drawing requests (``ppsplit.serve.draft_graphs``). A chain drafter runs eager."""
+        if self.block:
+            from ppsplit.serve.draft_graphs import BlockGraphs
+
+            with torch.no_grad():
+                self.graphs = BlockGraphs(self.drafter, self.k + 1, plan, self.layout, token_buckets)
 
     @torch.no_grad()
     def feed(self, aux, ids, positions, batch, last, token, sampler, sampled: bool, cut_k: bool = False,
@@ -112,7 +122,8 @@ class Proposer:
         """DFlash: write every row's context, then one forward over each drawing request's block ``[token, mask x
         K]`` at the positions after its last committed token; the K drafts are the block's rows 1 .. K."""
         drafter, k = self.drafter, self.k
-        drafter.write_context(aux, batch.step(positions))
+        run = self.graphs or drafter
+        run.write_context(aux, batch.step(positions))
         if last is None:
             return None
         slot = batch.slot[batch.drawing]
@@ -122,7 +133,7 @@ class Proposer:
         start = positions[last] + 1
         step = RaggedStep((start[:, None] + j).reshape(-1), slot[:, None].expand(-1, width).reshape(-1),
                           batch.block_table, batch.chain_start * width, batch.chain_count * width)
-        rows = drafter.draft_block(tokens, step).view(slot.shape[0], width, -1)
+        rows = run.draft_block(tokens, step).view(slot.shape[0], width, -1)
         logits = drafter.logits(rows[:, 1:])
         params = self._params(slot, sampler, sampled, logits.device)
         return torch.stack([self._pick(logits[:, i], i, slot, params, cut_k, cut_p) for i in range(k)], 1)
