@@ -78,8 +78,19 @@ class Proposer:
         self.lookahead = k + drafter.first_draft_row if self.block else k
         self.kept = None  # [D]: the drafts of the last proposal each drawing request verifies (DSpark), None: all K
         drafter.allocate_paged(layout)
-        self.slots = layout.slots
+        self.layout, self.slots = layout, layout.slots
+        self.graphs = None  # a block drafter's CUDA graphs (``capture``)
         self.q = None  # [S, K, draft vocab]: each slot's draft distributions, once a request samples
+
+    def capture(self, plan, token_buckets) -> None:
+        """Capture a block drafter's parts as CUDA graphs for ``token_buckets`` (the stages' buckets) and every count
+        of drawing requests (``ppsplit.serve.draft_graphs``). A chain drafter runs eager."""
+        if self.block:
+            from ppsplit.serve.draft_graphs import BlockGraphs
+
+            with torch.no_grad():
+                self.graphs = BlockGraphs(self.drafter, self.k + self.drafter.first_draft_row, plan, self.layout,
+                                          token_buckets)
 
     @torch.no_grad()
     def feed(self, aux, ids, positions, batch, last, token, sampler, sampled: bool, cut_k: bool = False,
@@ -114,7 +125,8 @@ class Proposer:
         mask, ...]`` at the positions after its last committed token; the K drafts are the block's rows 1 .. K
         (DSpark's anchor layout: 0 .. K - 1, through its heads, which also set ``kept``)."""
         drafter, k = self.drafter, self.k
-        drafter.write_context(aux, batch.step(positions))
+        run = self.graphs or drafter
+        run.write_context(aux, batch.step(positions))
         if last is None:
             return None
         slot = batch.slot[batch.drawing]
@@ -125,7 +137,7 @@ class Proposer:
         start = positions[last] + 1
         step = RaggedStep((start[:, None] + j).reshape(-1), slot[:, None].expand(-1, width).reshape(-1),
                           batch.block_table, batch.chain_start * width, batch.chain_count * width)
-        rows = drafter.draft_block(tokens, step, width).view(slot.shape[0], width, -1)[:, skip:]
+        rows = run.draft_block(tokens, step, width).view(slot.shape[0], width, -1)[:, skip:]
         params = self._params(slot, sampler, sampled, rows.device)
         if hasattr(drafter, "heads"):  # DSpark's Markov head, DFlash2's selector: each draft follows the one before
             drafts, _, confidence = drafter.heads(rows, token, lambda x, i: self._pick(x, i, slot, params, cut_k,
