@@ -163,6 +163,30 @@ def test_engine_equals_greedy_and_dflash_generate(pp, engine_options, tmp_path, 
     assert sum(sum(o.accepted) for o in outs) > 0
 
 
+def test_stand_in_graphs_equal_the_eager_engine(tmp_path):
+    """The captured drafter's parts (``ppsplit.serve.draft_graphs``, through the eager stand-in for capture), the
+    convolutions running on the static buffers' blocks: the same tokens and acceptance as eager."""
+    from ppsplit.serve.draft_graphs import BlockGraphs
+    from tests.serve.test_draft_graphs import eager_capture
+
+    _, graph = small()
+    zlab_dflash2(tmp_path / "z", 32, seed=1, scale=0.5)
+    split = ppsplit.split_model(graph, 2, aux=TAPS)
+    prompts = [torch.randint(3, 32, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 5, 9)]
+    runs = []
+    for graphs in (False, True):
+        drafter = ppsplit.load_drafter(str(tmp_path / "z"), split=split)
+        engine = Engine(split, drafter=drafter, num_draft_tokens=BLOCK - 1)
+        proposer = engine.runner.sampler.proposer
+        if graphs:
+            proposer.graphs = BlockGraphs(drafter, BLOCK, split.plan, split.layout, range(1, 65),
+                                          capture_fn=eager_capture)
+        runs.append((engine.generate(prompts, SamplingParams(max_tokens=24)), proposer.graphs))
+    (eager, _), (graphed, blocks) = runs
+    assert [(o.token_ids, o.accepted) for o in graphed] == [(o.token_ids, o.accepted) for o in eager]
+    assert sum(sum(o.accepted) for o in eager) > 0 and blocks.blocks[4][0].replays > 0
+
+
 def test_dflash2_sampling_matches_target_distribution(tmp_path):
     """2000 copies of one prompt on a Llama target, drafts drawn from the selector's candidates: the joint
     distribution of the first two tokens equals the target's."""

@@ -370,6 +370,31 @@ def test_generate_command_with_a_dspark_drafter(trained_dspark, tmp_path, capsys
     assert "--confidence-threshold trims a DSpark drafter" in capsys.readouterr().err
 
 
+def test_stand_in_graphs_equal_the_eager_engine(trained_dspark):
+    """The captured drafter's parts (``ppsplit.serve.draft_graphs``, through the eager stand-in for capture) with the
+    anchor layout's K-row blocks and the threshold on: the same tokens, acceptance and verified drafts as eager."""
+    from ppsplit.serve.draft_graphs import BlockGraphs
+    from tests.serve.test_draft_graphs import eager_capture
+
+    _, folder = trained_dspark
+    _, graph = small()
+    split = ppsplit.split_model(graph, 2, aux=TAPS)
+    prompts = [torch.randint(6, 32, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 5, 9)]
+    runs = []
+    for graphs in (False, True):
+        drafter = ppsplit.load_drafter(folder, split=split)
+        drafter.confidence_threshold = 0.5
+        engine = Engine(split, drafter=drafter, num_draft_tokens=BLOCK)
+        proposer = engine.runner.sampler.proposer
+        if graphs:
+            proposer.graphs = BlockGraphs(drafter, BLOCK, split.plan, split.layout, range(1, 65),
+                                          capture_fn=eager_capture)
+        runs.append((engine.generate(prompts, SamplingParams(max_tokens=20)), proposer.graphs))
+    (eager, _), (graphed, blocks) = runs
+    assert [(o.token_ids, o.accepted, o.drafts) for o in graphed] == [(o.token_ids, o.accepted, o.drafts) for o in eager]
+    assert sum(sum(o.accepted) for o in eager) > 0 and blocks.blocks[4][0].replays > 0
+
+
 # -- sampling stays lossless ----------------------------------------------------------------------------------------
 def test_dspark_sampling_matches_target_distribution(tmp_path):
     """2000 copies of one prompt on a Llama target, drafts drawn one at a time through the Markov head, windows
