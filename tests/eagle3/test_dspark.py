@@ -220,7 +220,6 @@ def test_engine_trims_windows_and_equals_greedy(pp, engine_options, tmp_path):
         while records:
             drafts, conf = [], []
             bonus = int(full[at])
-            prev = bonus
             for i in range(BLOCK):  # the library, one draft at a time (its teacher forcing by its own argmaxes)
                 logits, c = library_block(lib, model, full[:at], bonus, [bonus] + drafts + [0] * (BLOCK - 1 - i))
                 drafts.append(int(logits[i].argmax()))
