@@ -242,6 +242,23 @@ def test_engine_trims_windows_and_equals_greedy(pp, engine_options, tmp_path):
         assert any(len({count for _, count, _, _ in step}) > 1 for step in plans), plans
 
 
+def test_fewer_drafts_than_the_block(trained_dspark):
+    """K = 2 of a block of 4 (a 2-row block: the anchor and one mask), threshold on, async scheduling: still the
+    target's greedy output, and drafts are accepted."""
+    model, folder = trained_dspark
+    _, graph = small()
+    split = ppsplit.split_model(graph, 2, aux=TAPS)
+    drafter = ppsplit.load_drafter(folder, split=split)
+    drafter.confidence_threshold = 0.3
+    prompts = torch.randint(6, 32, (4, 4), generator=torch.Generator().manual_seed(7))
+    outs = Engine(split, drafter=drafter, num_draft_tokens=2, async_scheduling=True).generate(
+        list(prompts), SamplingParams(max_tokens=20))
+    with torch.no_grad():
+        greedy = model.generate(prompts, max_new_tokens=20, do_sample=False)[:, 4:].tolist()
+    assert [o.token_ids for o in outs] == greedy
+    assert sum(sum(o.accepted) for o in outs) > 0 and all(len(d) <= 2 for o in outs for d in o.drafts)
+
+
 # -- a drafter trained here accepts, and trimming keeps what it accepts --------------------------------------------
 @pytest.fixture(scope="module")
 def trained_dspark(tmp_path_factory):
