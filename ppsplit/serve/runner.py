@@ -21,7 +21,7 @@ import torch
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.fx_utils import stage_vocab
 from ppsplit.core.tensors import module_device
-from ppsplit.serve.sampler import Sampler
+from ppsplit.serve.sampler import Sampler, to_device
 from ppsplit.serve.scheduler import DEFAULT_BUDGET
 
 log = logging.getLogger("ppsplit")
@@ -85,6 +85,7 @@ class LocalRunner:
                      "s" * (len(devices) != 1), len(buckets), buckets[-1], time.perf_counter() - start)
             captured = sorted(n for b, n in split.graphs if b == 0)
         self.buckets = captured
+        self.structured = True  # it takes grammar requests (the pipeline of ranks does not relay their masks yet)
 
     def launch(self, plan) -> Pending:
         batch = plan.batch.to(self.device, non_blocking=True)
@@ -93,7 +94,8 @@ class LocalRunner:
         logits, aux = self.split.step(ids.to(module_device(self.split.stages[0])), batch.step(positions))
         results = self.sampler.run(logits, aux, ids, positions, batch, sampled=plan.sampled, cut_k=plan.cut_k,
                                    cut_p=plan.cut_p, adjusted=plan.adjusted, logprobs=plan.logprobs,
-                                   prompt_logprobs=plan.prompt_logprobs)
+                                   prompt_logprobs=plan.prompt_logprobs,
+                                   bitmask=None if plan.bitmask is None else to_device(plan.bitmask, self.device))
         return Pending(results)
 
     def close(self) -> None:
