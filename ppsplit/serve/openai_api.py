@@ -18,7 +18,8 @@ from ppsplit.serve.sampling import MAX_LOGPROBS, SamplingParams
 # vLLM's OpenAI server takes these too (its benchmark client sends repetition_penalty, ignore_eos, logprobs: null).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
            "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
-           "ignore_eos", "logit_bias", "logprobs"}
+           "ignore_eos", "logit_bias", "logprobs", "response_format", "structured_outputs", "guided_json",
+           "guided_regex", "guided_choice", "guided_grammar"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 MAX_STOP = 4
@@ -114,8 +115,10 @@ def _check_text(body: dict) -> None:
                 stack.append((item, where))
 
 
-def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_positions: int) -> Parsed:
-    """The request ``body`` of ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions``, checked."""
+def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_positions: int,
+          grammars=None) -> Parsed:
+    """The request ``body`` of ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions``, checked;
+    ``grammars``: what compiles its structured output (``ppsplit.serve.structured.Grammars``; ``None``: refused)."""
     body = {k: v for k, v in body.items() if v is not None}  # a null field is an absent one (OpenAI's default)
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = sorted(k for k in body if k not in allowed)
@@ -155,6 +158,9 @@ def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_
     logprobs = _logprobs(body, chat)
     echo = _flag(body, "echo")
     base = _params(body, key, default, logprobs)
+    grammar = _grammar(body, grammars)
+    if grammar is not None:
+        base = replace(base, grammar=grammar)
     if echo and logprobs is not None:  # the prompt's logprobs too, as lm-evaluation-harness reads them
         base = replace(base, prompt_logprobs=logprobs)
     if longest + base.max_tokens + draft_positions > max_len:
@@ -300,6 +306,77 @@ def _params(body: dict, key: str, default: int, logprobs: int | None) -> Samplin
     except ConfigError as e:
         message = str(e)
         raise ApiError(message, param=next((f for f in fields if message.startswith(f)), None)) from None
+
+
+def _grammar(body: dict, grammars):
+    """The compiled grammar of the request's structured output, or ``None``: OpenAI's ``response_format``
+    (``json_object``, ``json_schema``), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar`` and its ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``); one of them at most."""
+    given = [(name, body[name]) for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                             "guided_choice", "guided_grammar") if name in body]
+    if len(given) > 1:
+        raise ApiError(f"{given[0][0]} and {given[1][0]} both ask for structured output; send one of them",
+                       param=given[1][0])
+    if not given:
+        return None
+    name, value = given[0]
+    if name == "response_format":
+        spec = _response_format(value)
+    elif name == "structured_outputs":
+        if not isinstance(value, dict):
+            raise ApiError(f"structured_outputs must be an object like {{\"json\": schema}}, but got "
+                           f"{json.dumps(value)[:80]}", param=name)
+        value = {k: v for k, v in value.items() if v is not None and v is not False}
+        if len(value) != 1 or not set(value) <= {"json", "regex", "choice", "grammar", "json_object"}:
+            raise ApiError(f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object, but "
+                           f"got {sorted(value)}", param=name)
+        (field, inner), = value.items()
+        spec = _guided("json_object" if field == "json_object" else field, inner, f"{name}.{field}")
+        name = f"{name}.{field}"
+    else:
+        spec = _guided(name.split("_", 1)[1], value, name)
+    if spec is None:
+        return None
+    if grammars is None:
+        raise ApiError(f"{name}: structured output needs xgrammar (pip install 'ppsplit[structured]') and the stages "
+                       "in one process (not --ranks); this server has neither", param=name.split(".")[0])
+    try:
+        return grammars.compile(*spec)
+    except ConfigError as e:
+        raise ApiError(f"{name}: {e}", param=name.split(".")[0]) from None
+
+
+def _response_format(value) -> tuple[str, str] | None:
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise ApiError(f"response_format must be {{\"type\": \"text\" | \"json_object\" | \"json_schema\"}}, but "
+                       f"got {json.dumps(value)[:80]}", param="response_format")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return "json_object", ""
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict) \
+            or not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise ApiError(f"response_format.json_schema must be {{name, schema: {{...}}, strict?}}, but got "
+                       f"{json.dumps(spec)[:80]}", param="response_format")
+    return "json", json.dumps(spec.get("schema", {}))
+
+
+def _guided(kind: str, value, name: str) -> tuple[str, str]:
+    """``(kind, source)`` of a vLLM structured output field: ``json`` (a schema object or its text), ``regex`` and
+    ``grammar`` (text), ``choice`` (a list of strings), ``json_object`` (true)."""
+    if kind == "json" and isinstance(value, dict):
+        return "json", json.dumps(value)
+    if kind == "choice" and isinstance(value, list):
+        return "choice", json.dumps(value)
+    if kind == "json_object" and value is True:
+        return "json_object", ""
+    if kind in ("json", "regex", "grammar") and isinstance(value, str):
+        return kind, value
+    want = {"json": "a JSON schema (an object, or its text)", "regex": "a regular expression (a string)",
+            "grammar": "an EBNF grammar (a string)", "choice": "a list of strings", "json_object": "true"}[kind]
+    raise ApiError(f"{name} must be {want}, but got {json.dumps(value)[:80]}", param=name.split(".")[0])
 
 
 def _stop(body: dict) -> tuple[str, ...]:

@@ -83,8 +83,9 @@ class Server:
     request body, and the threads that prepare requests."""
 
     def __init__(self, loop: EngineLoop, tokenizer, model: str, max_len: int, draft_positions: int,
-                 max_request_bytes: int | None = None, threads: int = 8, root: str | None = None):
+                 max_request_bytes: int | None = None, threads: int = 8, root: str | None = None, grammars=None):
         self.loop, self.tokenizer, self.model, self.root = loop, tokenizer, model, root or model
+        self.grammars = grammars  # compiles structured output (ppsplit.serve.structured.Grammars), or None
         self.max_len, self.draft_positions = max_len, draft_positions
         self.max_request_bytes = max_request_bytes or default_max_request_bytes(max_len)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ppsplit-request")
@@ -106,7 +107,7 @@ class Server:
     def prepare(self, raw: bytes, chat: bool):
         """Parse, check, template and tokenise a body (on a worker thread): the ``Parsed`` request."""
         return parse(read_json(raw), chat=chat, model=self.model, tokenizer=self.tokenizer, max_len=self.max_len,
-                     draft_positions=self.draft_positions)
+                     draft_positions=self.draft_positions, grammars=self.grammars)
 
     async def read(self, request: Request) -> bytes:
         """The body, refused (413) past ``max_request_bytes``: by its Content-Length before any of it is read, else

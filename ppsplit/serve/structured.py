@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
@@ -108,18 +108,16 @@ class Grammars:
     def __init__(self, tokenizer_json: str, vocab_size: int, stop_token_ids, *, seconds: float = COMPILE_SECONDS):
         self.tokenizer_json, self.vocab_size, self.seconds = tokenizer_json, vocab_size, seconds
         self.stop_token_ids = sorted(set(stop_token_ids))
-        self.pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="ppsplit-grammar")
+        self.workers = threading.Semaphore(COMPILE_WORKERS)
         self.lock = threading.Lock()
         self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._compiler = None
 
     @classmethod
     def available(cls) -> bool:
-        try:
-            import xgrammar  # noqa: F401
-        except ImportError:
-            return False
-        return True
+        import importlib.util
+
+        return importlib.util.find_spec("xgrammar") is not None
 
     def compile(self, kind: str, source: str) -> Grammar:
         """The compiled grammar, or a ``ConfigError`` in one line: text too long, not a valid ``kind``, or compiling
@@ -133,7 +131,7 @@ class Grammars:
         with self.lock:
             future = self.cache.get(key)
             if future is None:
-                future = self.cache[key] = self.pool.submit(self._compile, kind, source)
+                future = self.cache[key] = self._start(kind, source)
                 while len(self.cache) > CACHE_ENTRIES:
                     self.cache.popitem(last=False)
             else:
@@ -148,6 +146,21 @@ class Grammars:
                     del self.cache[key]
             raise
 
+    def _start(self, kind: str, source: str) -> Future:
+        """Compile on a daemon thread (one past its budget must not hold the process at exit), ``COMPILE_WORKERS`` at
+        a time."""
+        future: Future = Future()
+
+        def work():
+            with self.workers:
+                try:
+                    future.set_result(self._compile(kind, source))
+                except BaseException as e:  # noqa: BLE001 (handed to the waiting request)
+                    future.set_exception(e)
+
+        threading.Thread(target=work, name="ppsplit-grammar", daemon=True).start()
+        return future
+
     def _compile(self, kind: str, source: str) -> Grammar:
         import json
 
@@ -156,7 +169,8 @@ class Grammars:
             if kind == "json":
                 compiled = compiler.compile_json_schema(source, any_whitespace=False)
             elif kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
+                # OpenAI's json_object is an object (xgrammar's built-in JSON grammar takes any value)
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             elif kind == "regex":
                 compiled = compiler.compile_regex(source)
             elif kind == "choice":
@@ -184,12 +198,13 @@ class Grammars:
         for token, i in backend.get_vocab(with_added_tokens=True).items():
             if 0 <= i < self.vocab_size:
                 vocab[i] = token
+        for i, added in backend.get_added_tokens_decoder().items():
+            if added.special and 0 <= i < self.vocab_size:
+                vocab[i] = ""  # a special token is no text: never inside a grammar's output (xgrammar skips it)
         meta = xgrammar.TokenizerInfo._detect_metadata_from_hf(self.tokenizer_json)
         return xgrammar.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=self.vocab_size,
                                       stop_token_ids=self.stop_token_ids, add_prefix_space=meta["add_prefix_space"])
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def choice_grammar(choices) -> str:

@@ -40,9 +40,7 @@ def text(ids) -> str:
 def grammars():
     from ppsplit.serve.structured import Grammars
 
-    g = Grammars(char_tokenizer_json(), 32, [EOS])
-    yield g
-    g.close()
+    return Grammars(char_tokenizer_json(), 32, [EOS])
 
 
 @pytest.fixture(scope="module")
