@@ -10,7 +10,8 @@ penalties as vLLM defines them (``vllm/model_executor/layers/utils.py: apply_pen
 divides a positive logit (multiplies a negative one) of every token seen in the prompt or the output, and
 ``frequency_penalty * count + presence_penalty * (count > 0)`` is subtracted, ``count`` being the token's occurrences
 in the output so far (OpenAI's definition). The target distribution that greedy, sampling and the rejection rule use
-is the adjusted one; ``logprobs`` are the unadjusted model's (``log_softmax`` of the logits, as vLLM's default).
+is the adjusted one; ``logprobs`` are the unadjusted model's (``log_softmax`` of the logits, as vLLM's default). A
+request with a grammar then has the ids it forbids masked (``mask_batch``; ``ppsplit.serve.structured``).
 
 Randomness is counter-based: the uniform a request draws with is a hash of its seed, the output index of the token
 being drawn and what it is drawn for (``SALT_*``), computed with tensor ops on the device for every request of a step

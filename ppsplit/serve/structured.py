@@ -147,8 +147,8 @@ class Grammars:
             raise
 
     def _start(self, kind: str, source: str) -> Future:
-        """Compile on a daemon thread (one past its budget must not hold the process at exit), ``COMPILE_WORKERS`` at
-        a time."""
+        """Compile on a thread of its own, ``COMPILE_WORKERS`` at a time. Not a daemon: the process waits for a compile
+        at exit (a native compile stopped by the interpreter's shutdown aborts the process)."""
         future: Future = Future()
 
         def work():
@@ -158,7 +158,7 @@ class Grammars:
                 except BaseException as e:  # noqa: BLE001 (handed to the waiting request)
                     future.set_exception(e)
 
-        threading.Thread(target=work, name="ppsplit-grammar", daemon=True).start()
+        threading.Thread(target=work, name="ppsplit-grammar").start()
         return future
 
     def _compile(self, kind: str, source: str) -> Grammar:

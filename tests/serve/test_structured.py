@@ -214,3 +214,41 @@ def test_bad_grammars_are_refused_in_one_line(llama, grammars):
         engine.add_request([1, 2], SamplingParams(grammar=other.compile("regex", "a+")))
     with pytest.raises(ConfigError, match="Grammar"):
         SamplingParams(grammar="a+")
+
+
+def test_each_verify_row_is_masked_after_the_drafts_before_it(tmp_path, llama, grammars):
+    """Drafts chosen here (K = 3): the next two tokens of the masked greedy reference, then a token the grammar
+    forbids. The two are accepted only if rows 1 and 2 of the window are masked as the grammar stands after the
+    drafts before them (unmasked, the model's own argmax differs), and the forbidden one is always rejected."""
+    model, traced = llama
+    split = ppsplit.split_model(traced, 1, aux=[1, 2, 4])
+    cfg = drafter_config(model.config, aux_ids=[0, 1, 3])
+    drafter = ppsplit.load_drafter(write_drafter(str(tmp_path / "d"), cfg, random_drafter_tensors(cfg)), split=split)
+    for kind in [("regex", REGEX), ("json", json.dumps(SCHEMA))]:
+        params = SamplingParams(max_tokens=40, grammar=grammars.compile(*kind))
+        prompt = [5, 9, 3, 9]
+        ref = reference(model, prompt, params)
+        assert reference(model, prompt, SamplingParams(max_tokens=3))[:3] != ref[:3]  # unmasked, another path
+        engine = Engine(split, drafter=drafter, num_draft_tokens=3)
+        rid = engine.add_request(prompt, params)
+        request, out = engine.scheduler.requests[rid], None
+        while engine.has_unfinished():
+            for out in engine.step():
+                pass
+            n = len(request.output)
+            request.drafts = (ref[n:n + 2] + [0, 0])[:2] + [0]  # "<unk>": no grammar here allows it
+        assert out.token_ids == ref and out.finish_reason == "stop"
+        assert max(out.accepted) == 2 and 3 not in out.accepted, out.accepted
+        assert sum(out.accepted) >= len(ref) // 2 - 2, (out.accepted, len(ref))
+
+
+def test_a_compile_past_its_budget_is_refused_and_cached_grammars_are_shared():
+    from ppsplit.serve.structured import Grammars
+
+    slow = Grammars(char_tokenizer_json(), 32, [EOS], seconds=1e-4)
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-f]{%d}" % (i % 9 + 1)}
+                                               for i in range(600)}}
+    with pytest.raises(ConfigError, match="took longer than"):
+        slow.compile("json", json.dumps(schema))
+    fast = Grammars(char_tokenizer_json(), 32, [EOS])
+    assert fast.compile("regex", "[a-f]+") is fast.compile("regex", "[a-f]+")
