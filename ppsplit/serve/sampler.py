@@ -165,7 +165,11 @@ class Sampler:
         index = self.index[slot]
         target = self.adjust(window, slot, drafts, num, index) if adjusted else window
         if bitmask is not None:
-            target = mask_batch(target, bitmask)
+            masked = mask_batch(target, bitmask)
+            # Where the adjustments leave nothing the grammar allows (min_tokens holding back the end a complete
+            # grammar asks for), the grammar wins.
+            stuck = torch.isneginf(masked).all(-1, keepdim=True)
+            target = torch.where(stuck, mask_batch(window.float(), bitmask), masked) if adjusted else masked
         greedy_n, greedy_token = accept_greedy(target.argmax(-1), drafts, num)
         n, token = greedy_n, greedy_token
         if sampled:

@@ -252,3 +252,11 @@ def test_a_compile_past_its_budget_is_refused_and_cached_grammars_are_shared():
         slow.compile("json", json.dumps(schema))
     fast = Grammars(char_tokenizer_json(), 32, [EOS])
     assert fast.compile("regex", "[a-f]+") is fast.compile("regex", "[a-f]+")
+
+
+def test_a_complete_grammar_ends_the_request_before_min_tokens(llama, grammars):
+    """min_tokens holds the end-of-sequence back, but a complete grammar allows nothing else: the grammar wins."""
+    _, traced = llama
+    params = SamplingParams(max_tokens=30, min_tokens=20, grammar=grammars.compile("choice", json.dumps(CHOICES)))
+    out = Engine(ppsplit.split_model(traced, 1)).generate([[5, 9, 3]], params)[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == EOS and text(out.token_ids) in CHOICES
