@@ -35,7 +35,7 @@ from ppsplit.serve.detokenize import TextStream
 from ppsplit.serve.loop import EngineLoop, QueueFull
 from ppsplit.serve.openai_api import (ApiError, choice_body, chunk_body, completion_body, default_max_request_bytes,
                                       detokenize_body, logprobs_body, now, parse, read_json, sse, tokenize_body,
-                                      usage)
+                                      tool_calls_of, usage)
 
 log = logging.getLogger("ppsplit")
 
@@ -316,7 +316,10 @@ async def _collect(server: Server, parsed, choice: Choice):
         if delta.finish is not None:
             text = (parsed.texts[choice.index // parsed.n] if parsed.echo else "") + "".join(parts)
             logprobs = None if parsed.logprobs is None else logprobs_body(server.tokenizer, entries, ids, parsed.chat)
-            return choice_body(choice.index, text, delta.finish, logprobs, parsed.chat), delta.num_tokens
+            calls = tool_calls_of(text, parsed.tool_call) if parsed.tool_call and delta.finish == "stop" else None
+            # OpenAI's finish: "stop" after the call it was told to make, "tool_calls" after calls it chose
+            finish = delta.finish if calls is None or parsed.tool_call[0] == "function" else "tool_calls"
+            return choice_body(choice.index, text, finish, logprobs, parsed.chat, calls), delta.num_tokens
 
 
 async def _disconnected(request) -> None:

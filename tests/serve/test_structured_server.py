@@ -132,3 +132,85 @@ def test_a_large_grammar_delays_only_itself(live):
     for t in heavy:
         t.join(120)
     assert len(answers) == 4 and set(answers) <= {200, 400}, answers
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"],
+    "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                                          "maximum": 7}}}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["a", "b"],
+             "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                            "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}}]
+
+
+def valid_arguments(name: str, arguments: str) -> bool:
+    value = json.loads(arguments)
+    if name == "get_weather":
+        return set(value) == {"city", "days"} and value["city"] in ("Paris", "Rome", "Oslo") \
+            and type(value["days"]) is int and 1 <= value["days"] <= 7
+    return set(value) == {"a", "b"} and all(type(v) is int and 0 <= v <= 99 for v in value.values())
+
+
+def test_tool_calls_for_a_named_function_and_for_required(live):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for name in ("get_weather", "add"):
+        out = live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                                  tools=TOOLS, tool_choice={"type": "function",
+                                                                            "function": {"name": name}})
+        choice = out.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content is None, choice
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == name and call.id.startswith("call_")
+        assert valid_arguments(name, call.function.arguments), call.function.arguments
+    for seed in range(4):
+        out = live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=1.0,
+                                                  seed=seed, tools=TOOLS, tool_choice="required",
+                                                  parallel_tool_calls=False)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+        call = choice.message.tool_calls[0]
+        assert valid_arguments(call.function.name, call.function.arguments), call.function
+    # The conversation goes on with the call and its result (the template gets them as sent).
+    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    out = live.client.chat.completions.create(model=MODEL, messages=follow, max_tokens=5, temperature=0, tools=TOOLS,
+                                              tool_choice="none")
+    assert out.choices[0].message.content is not None and out.choices[0].message.tool_calls is None
+
+
+TOOL_BAD = [
+    ({"tools": TOOLS}, "tool_choice", "tool_choice auto"),
+    ({"tools": TOOLS, "tool_choice": "required", "stream": True}, "stream", "answered whole"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"}, "tools", "tools[0]"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "send one of them"),
+]
+
+
+@pytest.mark.parametrize("extra,param,says", TOOL_BAD, ids=[b[1] + "-" + b[2] for b in TOOL_BAD])
+def test_bad_tool_requests_are_400s(live, extra, param, says):
+    status, data = live.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                                      **extra})
+    assert status == 400, data
+    assert data["error"]["param"] == param and says in data["error"]["message"], data
+
+
+def test_the_chat_template_sees_the_tools(folder, tmp_path):  # noqa: F811
+    import os
+    import shutil
+
+    from ppsplit.artifact.tokenizer import FolderTokenizer
+
+    shutil.copy(os.path.join(folder, "tokenizer.json"), tmp_path)
+    with open(tmp_path / "tokenizer_config.json", "w") as f:
+        json.dump({"chat_template": "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+                                    "{% for m in messages %}{{ m.content }}{% endfor %}"}, f)
+    tok = FolderTokenizer(str(tmp_path))
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        assert tok.apply_chat_template(messages, tools=TOOLS) == "[get_weather][add]hi"
+        assert tok.apply_chat_template(messages) == "hi"
+    finally:
+        tok.close()
