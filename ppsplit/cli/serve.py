@@ -121,7 +121,7 @@ def _grammars(engine, tokenizer):
     ranks): those requests are then refused by name."""
     from ppsplit.serve.structured import Grammars
 
-    if not getattr(engine.runner, "structured", False) or not Grammars.available():
+    if not getattr(getattr(engine, "runner", None), "structured", False) or not Grammars.available():
         return None
     scheduler = engine.scheduler
     return Grammars(tokenizer.backend.to_str(), scheduler.vocab, scheduler.eos or tokenizer.eos_token_ids)

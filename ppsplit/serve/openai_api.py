@@ -366,7 +366,7 @@ def _grammar(body: dict, grammars, field: str | None = None):
         return None
     if grammars is None:
         raise ApiError(f"{name}: structured output needs xgrammar (pip install 'ppsplit[structured]') and the stages "
-                       "in one process (not --ranks); this server has neither", param=name.split(".")[0])
+                       "in one process; this server runs them on --ranks or lacks xgrammar", param=name.split(".")[0])
     name = field or name  # the field the user sent (tool_choice's grammar travels as guided_json)
     try:
         return grammars.compile(*spec)
