@@ -168,9 +168,9 @@ def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_
         if grammar is not None:
             raise ApiError("tool_choice asks for tool calls, and the request also asks for structured output; send one "
                            "of them", param="tool_choice")
-        if stream:
-            raise ApiError("tool calls are answered whole; send stream: false with tool_choice "
-                           f"{json.dumps(body['tool_choice'])[:60]}", param="stream")
+        if stream and logprobs is not None:
+            raise ApiError("a streamed tool call comes whole, without logprobs; send stream: false for them",
+                           param="logprobs")
         grammar = _grammar({"guided_json": tool_schema}, grammars, "tool_choice")
     if grammar is not None:
         base = replace(base, grammar=grammar)
@@ -500,15 +500,17 @@ def choice_body(index: int, text: str, finish: str, logprobs: dict | None, chat:
 
 def chunk_body(rid: str, model: str, created: int, chat: bool, *, index: int = 0, text: str | None = None,
                finish: str | None = None, role: bool = False, use: dict | None = None, include_usage: bool = False,
-               logprobs: dict | None = None, running: dict | None = None) -> dict:
+               logprobs: dict | None = None, running: dict | None = None, tool_calls: list | None = None) -> dict:
     """One streamed chunk; ``use`` makes it the final usage chunk (no choices); ``running``: the usage so far
-    (``continuous_usage_stats``)."""
+    (``continuous_usage_stats``); ``tool_calls``: a chat delta of whole calls (each with its ``index``)."""
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model}
     if use is not None:
         return body | {"choices": [], "usage": use}
     if chat:
         delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text is not None else {})
+        if tool_calls is not None:
+            delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(tool_calls)]
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}

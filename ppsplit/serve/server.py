@@ -362,6 +362,7 @@ async def _chunks(server: Server, parsed, choices: list, rid: str, created: int,
 
     tasks = [asyncio.ensure_future(pump(c)) for c in choices]
     chat, model, started = parsed.chat, server.model, set()
+    held: dict[int, str] = {}  # with tool_choice: each choice's text, answered as calls once it is whole
     try:
         while len(done) < len(choices):
             choice, delta = await queue.get()
@@ -381,6 +382,18 @@ async def _chunks(server: Server, parsed, choices: list, rid: str, created: int,
             if chat and choice.index not in started:
                 yield sse(chunk_body(rid, model, created, True, role=True, **kw))
             started.add(choice.index)
+            if parsed.tool_call is not None:
+                held[choice.index] = held.get(choice.index, "") + text
+                if delta.finish is None:
+                    continue
+                text = held.pop(choice.index)
+                calls = tool_calls_of(text, parsed.tool_call) if delta.finish == "stop" else None
+                if calls is not None:
+                    yield sse(chunk_body(rid, model, created, True, tool_calls=calls, **kw))
+                    finish = "stop" if parsed.tool_call[0] == "function" else "tool_calls"
+                    yield sse(chunk_body(rid, model, created, True, finish=finish, **kw))
+                    done.add(choice.index)
+                    continue
             if chat and delta.finish is not None:  # the text, then the finish reason on an empty delta
                 if text or logprobs:
                     yield sse(chunk_body(rid, model, created, True, text=text, logprobs=logprobs, **kw))

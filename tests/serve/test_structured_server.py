@@ -171,6 +171,15 @@ def test_tool_calls_for_a_named_function_and_for_required(live):
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
         call = choice.message.tool_calls[0]
         assert valid_arguments(call.function.name, call.function.arguments), call.function
+    # Streamed: the role, then the calls whole, then the finish reason.
+    chunks = list(live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                                      stream=True, tools=TOOLS, tool_choice={
+                                                          "type": "function", "function": {"name": "add"}}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = [t for d in deltas for t in d.tool_calls or []]
+    assert deltas[0].role == "assistant" and len(streamed) == 1 and streamed[0].function.name == "add"
+    assert valid_arguments("add", streamed[0].function.arguments)
+    assert not any(d.content for d in deltas) and chunks[-1].choices[0].finish_reason == "stop"
     # The conversation goes on with the call and its result (the template gets them as sent).
     follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                          {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
@@ -181,7 +190,7 @@ def test_tool_calls_for_a_named_function_and_for_required(live):
 
 TOOL_BAD = [
     ({"tools": TOOLS}, "tool_choice", "tool_choice auto"),
-    ({"tools": TOOLS, "tool_choice": "required", "stream": True}, "stream", "answered whole"),
+    ({"tools": TOOLS, "tool_choice": "required", "stream": True, "logprobs": True}, "logprobs", "without logprobs"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"}, "tools", "tools[0]"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
