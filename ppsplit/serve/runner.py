@@ -77,6 +77,7 @@ class LocalRunner:
         self.k = proposer.k if proposer is not None else 0
         self.lookahead = proposer.lookahead if proposer is not None else 0
         self.sampler = Sampler(self.layout.slots, self.device, proposer)
+        self.structured = True  # it takes grammar requests (the pipeline of ranks does not relay their masks yet)
         captured = sorted(n for b, n in split.graphs if b == 0)
         if cuda and cuda_graphs and not captured:
             start, buckets = time.perf_counter(), buckets_up_to(budget)
@@ -85,7 +86,6 @@ class LocalRunner:
                      "s" * (len(devices) != 1), len(buckets), buckets[-1], time.perf_counter() - start)
             captured = sorted(n for b, n in split.graphs if b == 0)
         self.buckets = captured
-        self.structured = True  # it takes grammar requests (the pipeline of ranks does not relay their masks yet)
 
     def launch(self, plan) -> Pending:
         batch = plan.batch.to(self.device, non_blocking=True)
