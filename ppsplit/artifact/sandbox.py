@@ -231,9 +231,10 @@ class _Folder:
         if op == "encode":
             return self.encode(message["text"], message.get("add_special_tokens", True))
         if op == "render":
-            return self.render(message["messages"], message.get("add_generation_prompt", True))
+            return self.render(message["messages"], message.get("add_generation_prompt", True), message.get("tools"))
         if op == "encode_chat":
-            return self.encode(self.render(message["messages"], message.get("add_generation_prompt", True)), False)
+            return self.encode(self.render(message["messages"], message.get("add_generation_prompt", True),
+                                           message.get("tools")), False)
         raise _Refused(f"unknown operation {op!r}")
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -249,13 +250,14 @@ class _Folder:
             ids = [self.bos_id] + ids
         return ids
 
-    def render(self, messages: list, add_generation_prompt: bool) -> str:
+    def render(self, messages: list, add_generation_prompt: bool, tools: list | None = None) -> str:
         if self.template is None:
             self.template = _compile(self.source)
         parts, size = [], 0
         try:
+            extra = {} if tools is None else {"tools": tools}  # as transformers hands a template the tools
             for piece in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **self.specials):
+                                                **extra, **self.specials):
                 size += len(piece)
                 if size > self.max_chars:
                     raise _Refused(f"the chat template's output passed {self.max_chars:,} characters, its limit; it "

@@ -88,17 +88,22 @@ class FolderTokenizer:
                 raise
             raise ConfigError(f"the folder's tokenizer cannot decode these tokens ({str(e)[:120]})") from None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         """The prompt text of ``messages`` under the folder's chat template (Jinja's immutable sandbox, within the
-        budget); a template that raises or runs past its budget is a ``BudgetError`` (a ``ConfigError``)."""
+        budget); a template that raises or runs past its budget is a ``BudgetError`` (a ``ConfigError``). ``tools``:
+        OpenAI's tool definitions, which the template reads as ``tools`` (as transformers passes them)."""
         self._need_template()
-        return self.sandbox.call("render", messages=list(messages), add_generation_prompt=add_generation_prompt)
+        return self.sandbox.call("render", messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                 tools=tools)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The token ids of ``messages`` under the chat template (no tokenizer specials added: the template writes
-        its own); one call into the sandbox."""
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """The token ids of ``messages`` (and ``tools``) under the chat template (no tokenizer specials added: the
+        template writes its own); one call into the sandbox."""
         self._need_template()
-        return self.sandbox.call("encode_chat", messages=list(messages), add_generation_prompt=add_generation_prompt)
+        return self.sandbox.call("encode_chat", messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                 tools=tools)
 
     def encode_reply(self, messages: list[dict], reply: str) -> tuple[list[int], list[int]]:
         """``(prompt ids, reply ids)`` of ``messages`` answered by the assistant with ``reply``: the prompt as

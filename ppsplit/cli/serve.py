@@ -97,7 +97,7 @@ def _serve(args, tokenizer, max_request: int) -> int:
         loop = EngineLoop(_engine(load_placed(args.folder, args.device), args), max_queue=args.max_queue)
     server = Server(loop.start(), tokenizer, args.served_model_name or model_name(args.folder),
                     loop.engine.scheduler.layout.max_len, loop.engine.scheduler.k, max_request_bytes=max_request,
-                    root=args.folder)
+                    root=args.folder, grammars=_grammars(loop.engine, tokenizer))
     if watcher is not None:
         watcher.on_failure = server.fail
     code = run(server, sock)
@@ -114,6 +114,17 @@ def _serve(args, tokenizer, max_request: int) -> int:
         logging.shutdown()
         os._exit(code)
     return code
+
+
+def _grammars(engine, tokenizer):
+    """What compiles requests' structured output, or ``None`` where it cannot run (xgrammar missing, stages on
+    ranks): those requests are then refused by name."""
+    from ppsplit.serve.structured import Grammars
+
+    if not getattr(getattr(engine, "runner", None), "structured", False) or not Grammars.available():
+        return None
+    scheduler = engine.scheduler
+    return Grammars(tokenizer.backend.to_str(), scheduler.vocab, scheduler.eos or tokenizer.eos_token_ids)
 
 
 def _check_servable(plan, args) -> None:

@@ -94,6 +94,9 @@ class Engine:
         self.steps = 0
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        if params is not None and params.grammar is not None and not getattr(self.runner, "structured", False):
+            raise ConfigError("structured output (a grammar) runs with the stages in one process; this engine runs "
+                              "them on ranks, which do not take grammars yet")
         return self.scheduler.add(prompt_ids, params, request_id)
 
     def abort(self, request_id: str) -> None:

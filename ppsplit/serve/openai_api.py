@@ -8,6 +8,7 @@ implement is refused by name, never ignored. Types are OpenAI's: an integer fiel
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, replace
 
@@ -18,9 +19,12 @@ from ppsplit.serve.sampling import MAX_LOGPROBS, SamplingParams
 # vLLM's OpenAI server takes these too (its benchmark client sends repetition_penalty, ignore_eos, logprobs: null).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
            "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids",
-           "ignore_eos", "logit_bias", "logprobs"}
+           "ignore_eos", "logit_bias", "logprobs", "response_format", "structured_outputs", "guided_json",
+           "guided_regex", "guided_choice", "guided_grammar"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                         "parallel_tool_calls"}
+MAX_TOOLS = 128
 MAX_STOP = 4
 MAX_CHOICES = 64  # prompts x n of one request
 LOGPROB_FLOOR = -9999.0  # a -inf logprob (a token ruled out) as JSON can carry it, as vLLM writes it
@@ -71,6 +75,7 @@ class Parsed:
     echo: bool = False
     logprobs: int | None = None
     continuous_usage: bool = False
+    tool_call: tuple | None = None  # ("function", name) or ("required",): the output is tool calls (chat)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -114,8 +119,10 @@ def _check_text(body: dict) -> None:
                 stack.append((item, where))
 
 
-def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_positions: int) -> Parsed:
-    """The request ``body`` of ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions``, checked."""
+def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_positions: int,
+          grammars=None) -> Parsed:
+    """The request ``body`` of ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions``, checked;
+    ``grammars``: what compiles its structured output (``ppsplit.serve.structured.Grammars``; ``None``: refused)."""
     body = {k: v for k, v in body.items() if v is not None}  # a null field is an absent one (OpenAI's default)
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     unknown = sorted(k for k in body if k not in allowed)
@@ -131,8 +138,9 @@ def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_
                        param="best_of")
     if not isinstance(body.get("user", ""), str):
         raise ApiError(f"user must be a string, but got {json.dumps(body['user'])[:40]}", param="user")
+    tools, tool_call, tool_schema = _tools(body) if chat else (None, None, None)
     if chat:
-        prompts, texts = [_chat_prompt(body, tokenizer)], ()
+        prompts, texts = [_chat_prompt(body, tokenizer, tools)], ()
     else:
         prompts, texts = _completion_prompts(body, tokenizer)
     if len(prompts) * n > MAX_CHOICES:
@@ -155,6 +163,17 @@ def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_
     logprobs = _logprobs(body, chat)
     echo = _flag(body, "echo")
     base = _params(body, key, default, logprobs)
+    grammar = _grammar(body, grammars)
+    if tool_call is not None:
+        if grammar is not None:
+            raise ApiError("tool_choice asks for tool calls, and the request also asks for structured output; send one "
+                           "of them", param="tool_choice")
+        if stream and logprobs is not None:
+            raise ApiError("a streamed tool call comes whole, without logprobs; send stream: false for them",
+                           param="logprobs")
+        grammar = _grammar({"guided_json": tool_schema}, grammars, "tool_choice")
+    if grammar is not None:
+        base = replace(base, grammar=grammar)
     if echo and logprobs is not None:  # the prompt's logprobs too, as lm-evaluation-harness reads them
         base = replace(base, prompt_logprobs=logprobs)
     if longest + base.max_tokens + draft_positions > max_len:
@@ -166,7 +185,8 @@ def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_
     # Choice j samples with seed + j (as vLLM's parallel sampling), so n seeded choices differ and repeat.
     params = [base if base.seed is None or n == 1 else replace(base, seed=base.seed + j)
               for _ in prompts for j in range(n)]
-    return Parsed(prompts, params, _stop(body), stream, include_usage, chat, n, texts, echo, logprobs, continuous)
+    return Parsed(prompts, params, _stop(body), stream, include_usage, chat, n, texts, echo, logprobs, continuous,
+                  tool_call)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -223,13 +243,13 @@ def _completion_prompt(prompt, tokenizer) -> list[int]:
     return ids
 
 
-def _chat_prompt(body: dict, tokenizer) -> list[int]:
+def _chat_prompt(body: dict, tokenizer, tools: list | None = None) -> list[int]:
     plain = _chat_prompt_messages(body)
     if tokenizer.chat_template is None:
         raise ApiError("this model's folder has no chat template; use /v1/completions with a prompt",
                        param="messages")
     try:
-        return tokenizer.encode_chat(plain, add_generation_prompt=True)
+        return tokenizer.encode_chat(plain, add_generation_prompt=True, tools=tools)
     except ConfigError as e:  # the template refused, failed or ran past its budget (time, output, memory)
         raise ApiError(str(e), param="messages") from None
 
@@ -240,11 +260,23 @@ def _chat_prompt_messages(body: dict) -> list[dict]:
         raise ApiError("messages must be a non-empty list of {role, content} objects", param="messages")
     plain = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer") \
-                or set(m) - {"role", "content", "name"}:
-            raise ApiError(f"messages[{i}] must be {{role: system|user|assistant|developer, content, name?}}, but "
-                           f"got {json.dumps(m)[:80]}", param=f"messages[{i}]")
-        message = {"role": m["role"], "content": _content(m.get("content"), i)}
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool") \
+                or set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"}:
+            raise ApiError(f"messages[{i}] must be {{role: system|user|assistant|developer|tool, content, name?, "
+                           f"tool_calls? (assistant), tool_call_id? (tool)}}, but got {json.dumps(m)[:80]}",
+                           param=f"messages[{i}]")
+        calls, call_id = m.get("tool_calls"), m.get("tool_call_id")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str) for c in calls)):
+            raise ApiError(f"messages[{i}].tool_calls must be an assistant's list of {{id, type, function: {{name, "
+                           "arguments}}}}", param=f"messages[{i}].tool_calls")
+        if call_id is not None and (m["role"] != "tool" or not isinstance(call_id, str)):
+            raise ApiError(f"messages[{i}].tool_call_id must be a tool message's string", param=f"messages[{i}]")
+        content = "" if calls is not None and m.get("content") is None else _content(m.get("content"), i)
+        message = {"role": m["role"], "content": content}
+        message |= ({"tool_calls": calls} if calls is not None else {}) | (
+            {"tool_call_id": call_id} if call_id is not None else {})
         if m.get("name") is not None:  # transformers hands the template each message as the client sent it
             if not isinstance(m["name"], str):
                 raise ApiError(f"messages[{i}].name must be a string, but got {json.dumps(m['name'])[:40]}",
@@ -302,6 +334,139 @@ def _params(body: dict, key: str, default: int, logprobs: int | None) -> Samplin
         raise ApiError(message, param=next((f for f in fields if message.startswith(f)), None)) from None
 
 
+def _grammar(body: dict, grammars, field: str | None = None):
+    """The compiled grammar of the request's structured output, or ``None``: OpenAI's ``response_format``
+    (``json_object``, ``json_schema``), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar`` and its ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``); one of them at most."""
+    given = [(name, body[name]) for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                             "guided_choice", "guided_grammar") if name in body]
+    if len(given) > 1:
+        raise ApiError(f"{given[0][0]} and {given[1][0]} both ask for structured output; send one of them",
+                       param=given[1][0])
+    if not given:
+        return None
+    name, value = given[0]
+    if name == "response_format":
+        spec = _response_format(value)
+    elif name == "structured_outputs":
+        if not isinstance(value, dict):
+            raise ApiError(f"structured_outputs must be an object like {{\"json\": schema}}, but got "
+                           f"{json.dumps(value)[:80]}", param=name)
+        value = {k: v for k, v in value.items() if v is not None and v is not False}
+        if len(value) != 1 or not set(value) <= {"json", "regex", "choice", "grammar", "json_object"}:
+            raise ApiError(f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object, but "
+                           f"got {sorted(value)}", param=name)
+        (field, inner), = value.items()
+        spec = _guided("json_object" if field == "json_object" else field, inner, f"{name}.{field}")
+        name = f"{name}.{field}"
+    else:
+        spec = _guided(name.split("_", 1)[1], value, name)
+    if spec is None:
+        return None
+    if grammars is None:
+        raise ApiError(f"{name}: structured output needs xgrammar (pip install 'ppsplit[structured]') and the stages "
+                       "in one process; this server runs them on --ranks or lacks xgrammar", param=name.split(".")[0])
+    name = field or name  # the field the user sent (tool_choice's grammar travels as guided_json)
+    try:
+        return grammars.compile(*spec)
+    except ConfigError as e:
+        raise ApiError(f"{name}: {e}", param=name.split(".")[0]) from None
+
+
+def _tools(body: dict) -> tuple[list | None, tuple | None, dict | None]:
+    """``(tools, tool_call, schema)``: the tools the chat template sees, and with ``tool_choice`` ``"required"`` or a
+    named function, what the output is and the JSON schema it follows (vLLM's: for ``required`` a list of
+    ``{"name", "parameters"}``; for a named function its parameters)."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice", "auto" if tools else "none")
+    if tools is None:
+        if choice != "none":
+            raise ApiError("tool_choice needs tools", param="tool_choice")
+        return None, None, None
+    if not isinstance(tools, list) or not 0 < len(tools) <= MAX_TOOLS:
+        raise ApiError(f"tools must be a list of 1 to {MAX_TOOLS} tools", param="tools")
+    params = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}",
+                                                                                 function["name"]) \
+                or not isinstance(function.get("parameters", {}), dict) or function["name"] in params:
+            raise ApiError(f"tools[{i}] must be {{type: function, function: {{name (a unique name of letters, digits, "
+                           f"_.-), description?, parameters?: a JSON schema}}}}, but got {json.dumps(tool)[:80]}",
+                           param="tools")
+        params[function["name"]] = function.get("parameters") or {"type": "object"}
+    if choice == "none":
+        return tools, None, None
+    if choice == "required":
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"enum": [name]}, "parameters": p},
+             "required": ["name", "parameters"], "additionalProperties": False} for name, p in params.items()]}}
+        if body.get("parallel_tool_calls") is False:
+            schema["maxItems"] = 1
+        return tools, ("required",), schema
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if name is not None and name in params:
+        return tools, ("function", name), params[name]
+    if choice == "auto":
+        raise ApiError("tool_choice auto needs a parser of this model's own tool-call format, which ppsplit does not "
+                       "have; send tool_choice required or {type: function, function: {name}}", param="tool_choice")
+    raise ApiError(f"tool_choice must be none, required or {{type: function, function: {{name}}}} naming one of the "
+                   f"tools ({', '.join(params)[:80]}), but got {json.dumps(choice)[:80]}", param="tool_choice")
+
+
+def tool_calls_of(text: str, tool_call: tuple) -> list[dict] | None:
+    """The ``tool_calls`` of a finished answer that followed ``tool_call``'s grammar (``None`` if it does not
+    parse: the grammar ended early)."""
+    import uuid
+
+    def call(name: str, arguments: str) -> dict:
+        return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if tool_call[0] == "function":
+        return [call(tool_call[1], text)]
+    return [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+
+
+def _response_format(value) -> tuple[str, str] | None:
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise ApiError(f"response_format must be {{\"type\": \"text\" | \"json_object\" | \"json_schema\"}}, but "
+                       f"got {json.dumps(value)[:80]}", param="response_format")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return "json_object", ""
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict) \
+            or not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise ApiError(f"response_format.json_schema must be {{name, schema: {{...}}, strict?}}, but got "
+                       f"{json.dumps(spec)[:80]}", param="response_format")
+    return "json", json.dumps(spec.get("schema", {}))
+
+
+def _guided(kind: str, value, name: str) -> tuple[str, str]:
+    """``(kind, source)`` of a vLLM structured output field: ``json`` (a schema object or its text), ``regex`` and
+    ``grammar`` (text), ``choice`` (a list of strings), ``json_object`` (true)."""
+    if kind == "json" and isinstance(value, dict):
+        return "json", json.dumps(value)
+    if kind == "choice" and isinstance(value, list):
+        return "choice", json.dumps(value)
+    if kind == "json_object" and value is True:
+        return "json_object", ""
+    if kind in ("json", "regex", "grammar") and isinstance(value, str):
+        return kind, value
+    want = {"json": "a JSON schema (an object, or its text)", "regex": "a regular expression (a string)",
+            "grammar": "an EBNF grammar (a string)", "choice": "a list of strings", "json_object": "true"}[kind]
+    raise ApiError(f"{name} must be {want}, but got {json.dumps(value)[:80]}", param=name.split(".")[0])
+
+
 def _stop(body: dict) -> tuple[str, ...]:
     stop = body.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
@@ -322,7 +487,11 @@ def completion_body(rid: str, model: str, created: int, choices: list[dict], use
             "choices": choices, "usage": use}
 
 
-def choice_body(index: int, text: str, finish: str, logprobs: dict | None, chat: bool) -> dict:
+def choice_body(index: int, text: str, finish: str, logprobs: dict | None, chat: bool,
+                tool_calls: list | None = None) -> dict:
+    if tool_calls is not None:
+        return {"index": index, "message": {"role": "assistant", "content": None, "tool_calls": tool_calls},
+                "logprobs": logprobs, "finish_reason": finish}
     if chat:
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
@@ -331,15 +500,17 @@ def choice_body(index: int, text: str, finish: str, logprobs: dict | None, chat:
 
 def chunk_body(rid: str, model: str, created: int, chat: bool, *, index: int = 0, text: str | None = None,
                finish: str | None = None, role: bool = False, use: dict | None = None, include_usage: bool = False,
-               logprobs: dict | None = None, running: dict | None = None) -> dict:
+               logprobs: dict | None = None, running: dict | None = None, tool_calls: list | None = None) -> dict:
     """One streamed chunk; ``use`` makes it the final usage chunk (no choices); ``running``: the usage so far
-    (``continuous_usage_stats``)."""
+    (``continuous_usage_stats``); ``tool_calls``: a chat delta of whole calls (each with its ``index``)."""
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model}
     if use is not None:
         return body | {"choices": [], "usage": use}
     if chat:
         delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": text} if text is not None else {})
+        if tool_calls is not None:
+            delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(tool_calls)]
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}

@@ -21,7 +21,7 @@ import torch
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.fx_utils import stage_vocab
 from ppsplit.core.tensors import module_device
-from ppsplit.serve.sampler import Sampler
+from ppsplit.serve.sampler import Sampler, to_device
 from ppsplit.serve.scheduler import DEFAULT_BUDGET
 
 log = logging.getLogger("ppsplit")
@@ -77,6 +77,7 @@ class LocalRunner:
         self.k = proposer.k if proposer is not None else 0
         self.lookahead = proposer.lookahead if proposer is not None else 0
         self.sampler = Sampler(self.layout.slots, self.device, proposer)
+        self.structured = True  # it takes grammar requests (the pipeline of ranks does not relay their masks yet)
         captured = sorted(n for b, n in split.graphs if b == 0)
         if cuda and cuda_graphs and not captured:
             start, buckets = time.perf_counter(), buckets_up_to(budget)
@@ -95,7 +96,8 @@ class LocalRunner:
         logits, aux = self.split.step(ids.to(module_device(self.split.stages[0])), batch.step(positions))
         results = self.sampler.run(logits, aux, ids, positions, batch, sampled=plan.sampled, cut_k=plan.cut_k,
                                    cut_p=plan.cut_p, adjusted=plan.adjusted, logprobs=plan.logprobs,
-                                   prompt_logprobs=plan.prompt_logprobs)
+                                   prompt_logprobs=plan.prompt_logprobs,
+                                   bitmask=None if plan.bitmask is None else to_device(plan.bitmask, self.device))
         return Pending(results)
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ppsplit.serve.sampling import (GREEDY_BELOW, SALT_ACCEPT, SALT_TARGET, accept_greedy, accept_sampled,
-                                    filter_batch, uniform)
+                                    filter_batch, mask_batch, uniform)
 
 _U64 = (1 << 64) - 1
 
@@ -135,12 +135,13 @@ class Sampler:
     @torch.no_grad()
     def run(self, logits: torch.Tensor, aux: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, batch, *,
             sampled: bool, cut_k: bool, cut_p: bool, adjusted: bool = False, logprobs: int = -1,
-            prompt_logprobs: int = -1) -> torch.Tensor:
+            prompt_logprobs: int = -1, bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """The step's results ``[R, result_width(K, logprobs)]`` (see the module docstring) from ``logits [N, V]``
         and ``aux [n_slots, N, H]``; ``ids`` and ``positions``: what the stages ran. ``sampled`` / ``cut_k`` /
         ``cut_p`` / ``adjusted``: whether any drawing request samples, cuts to top-k, to top-p, adjusts its logits;
         ``logprobs`` / ``prompt_logprobs``: the most alternatives one wants (-1: none). Host knowledge, so a plain
-        step skips that work."""
+        step skips that work. ``bitmask`` (int32 ``[D, K + 1, words]``, ``ppsplit.serve.structured.fill_bitmask``):
+        the tokens grammars allow per window row, applied after the adjustments."""
         k, dev = self.k, self.device
         rows = batch.num_rows
         if self.marks:
@@ -167,6 +168,12 @@ class Sampler:
         drafts = ids[(first[:, None] + 1 + j[:k]).clamp(max=ids.shape[0] - 1)]  # [D, K]: those verified
         index = self.index[slot]
         target = self.adjust(window, slot, drafts, num, index) if adjusted else window
+        if bitmask is not None:
+            masked = mask_batch(target, bitmask)
+            # Where the adjustments leave nothing the grammar allows (min_tokens holding back the end a complete
+            # grammar asks for), the grammar wins.
+            stuck = torch.isneginf(masked).all(-1, keepdim=True)
+            target = torch.where(stuck, mask_batch(window.float(), bitmask), masked) if adjusted else masked
         greedy_n, greedy_token = accept_greedy(target.argmax(-1), drafts, num)
         n, token = greedy_n, greedy_token
         if sampled:

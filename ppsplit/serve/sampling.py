@@ -10,7 +10,8 @@ penalties as vLLM defines them (``vllm/model_executor/layers/utils.py: apply_pen
 divides a positive logit (multiplies a negative one) of every token seen in the prompt or the output, and
 ``frequency_penalty * count + presence_penalty * (count > 0)`` is subtracted, ``count`` being the token's occurrences
 in the output so far (OpenAI's definition). The target distribution that greedy, sampling and the rejection rule use
-is the adjusted one; ``logprobs`` are the unadjusted model's (``log_softmax`` of the logits, as vLLM's default).
+is the adjusted one; ``logprobs`` are the unadjusted model's (``log_softmax`` of the logits, as vLLM's default). A
+request with a grammar then has the ids it forbids masked (``mask_batch``; ``ppsplit.serve.structured``).
 
 Randomness is counter-based: the uniform a request draws with is a hash of its seed, the output index of the token
 being drawn and what it is drawn for (``SALT_*``), computed with tensor ops on the device for every request of a step
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ppsplit.core.errors import ConfigError
+from ppsplit.serve.structured import Grammar
 
 GREEDY_BELOW = 1e-5  # as vLLM: a smaller temperature decodes greedily (dividing by it would overflow to inf)
 SALT_TARGET, SALT_ACCEPT, SALT_DRAFT = 0, 1, 2  # a target draw, a draft's acceptance test, a drafter's draw
@@ -37,7 +39,9 @@ class SamplingParams:
     ``min_tokens``: no stop id is drawn before that many tokens; ``presence_penalty`` / ``frequency_penalty`` (-2 to
     2), ``repetition_penalty`` (> 0, 1: none), ``logit_bias`` (``{token id: bias}``, -100 to 100): see the module
     docstring; ``logprobs``: return each new token's log-probability and the ``logprobs`` most likely alternatives
-    (0 to ``MAX_LOGPROBS``), ``None``: none; ``prompt_logprobs``: the same for each prompt token after the first.
+    (0 to ``MAX_LOGPROBS``), ``None``: none; ``prompt_logprobs``: the same for each prompt token after the first;
+    ``grammar``: a ``ppsplit.serve.structured.Grammar`` the output follows (its token mask applied after the
+    adjustments, before temperature), ending the request where the grammar ends.
 
     Example::
 
@@ -58,6 +62,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -102,6 +107,9 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ConfigError(f"{name} must be an integer from 0 to {MAX_LOGPROBS} (the alternatives returned per "
                                   f"token) or None, but got {value!r}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ConfigError(f"grammar must be a ppsplit.serve.structured.Grammar (Grammars.compile), but got "
+                              f"{type(self.grammar).__name__}")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
 
@@ -181,6 +189,14 @@ def filter_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def mask_batch(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits [R, J, V]`` with the ids a grammar forbids at ``-inf``: ``bitmask`` int32 ``[R, J, ceil(V / 32)]``,
+    bit ``v % 32`` of word ``v // 32`` set where id ``v`` is allowed (xgrammar's layout)."""
+    v = torch.arange(logits.shape[-1], device=logits.device)
+    allowed = (bitmask[..., v >> 5] >> (v & 31).int()) & 1
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 _M32 = 0xFFFFFFFF

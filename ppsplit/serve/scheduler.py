@@ -26,6 +26,7 @@ from ppsplit.core.errors import ConfigError
 from ppsplit.core.ragged import CacheLayout
 from ppsplit.serve.batch import StepBatch
 from ppsplit.serve.sampling import SamplingParams
+from ppsplit.serve.structured import Matcher, fill_bitmask
 
 
 # A step's token budget by default, as vLLM's for online serving: a prompt of up to 2048 tokens is one prefill step
@@ -70,6 +71,7 @@ class Request:
     new: list[int] = field(default_factory=list)  # produced in the step just read
     logprobs: list = field(default_factory=list)  # per output token (with params.logprobs): (logprob, top [(id, lp)])
     prompt_logprobs: list = field(default_factory=list)  # the same per prompt token (None for the first)
+    matcher: Matcher | None = None  # where its output stands in its grammar (params.grammar)
 
     @property
     def tokens(self) -> list[int]:
@@ -102,6 +104,7 @@ class StepPlan:
     adjusted: bool = False  # some drawing request's logits are adjusted (bias, min_tokens, penalties)
     logprobs: int = -1  # the most alternatives a drawing request asks for, -1: no request wants logprobs
     prompt_logprobs: int = -1  # the same for the prompt tokens this step feeds
+    bitmask: object = None  # the tokens grammars allow per drawing row (``structured.fill_bitmask``), or None
 
     @property
     def fed(self) -> bool:
@@ -178,8 +181,12 @@ class Scheduler:
                               f"{self.vocab} ids (0 to {self.vocab - 1})")
         if request_id in self.requests and self.requests[request_id].finish_reason is None:
             raise ConfigError(f"request id {request_id!r} is already in use")
+        if params.grammar is not None and params.grammar.vocab_size != self.vocab:
+            raise ConfigError(f"the request's grammar was compiled for {params.grammar.vocab_size} token ids, but the "
+                              f"model has {self.vocab}; compile it with Grammars(..., vocab_size={self.vocab}, ...)")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        request = Request(request_id, prompt, params, seed, arrival=len(self.requests))
+        request = Request(request_id, prompt, params, seed, arrival=len(self.requests),
+                          matcher=params.grammar.matcher() if params.grammar is not None else None)
         self.requests[request_id] = request
         self.waiting.append(request)
         return request_id
@@ -248,6 +255,8 @@ class Scheduler:
         """What ``request`` feeds next, or ``None`` (waiting for a result, or done once its steps in flight end)."""
         if request.flight and (not self.lag or len(request.flight) > 1):
             return None
+        if request.matcher is not None and request.flight and request.flight[-1].final:
+            return None  # its next window's mask follows the tokens that step draws: wait for them
         end = self._end(request)
         if request.flight and request.flight[-1].final:
             # Its last step draws: the window after it comes from the device, unless that step ends the request.
@@ -321,12 +330,13 @@ class Scheduler:
                       draws=rows[4], drawing=np.asarray(drawing, dtype=np.int64))
         draws = [r.params for r, w in entries if w.final]
         sampled = [p for p in draws if not p.greedy]
+        bitmask = fill_bitmask([(r, w) for r, w in entries if w.final], self.k, self.vocab)
         return StepPlan(entries, admissions, StepBatch.pack(arrays, layout.slots, layout.blocks_per_seq),
                         bool(sampled), any(p.top_k for p in sampled), any(p.top_p < 1 for p in sampled),
                         any(p.adjusted for p in draws), max((p.logprobs for p in draws if p.logprobs is not None),
                                                             default=-1),
                         max((r.params.prompt_logprobs for r, w in entries if r.params.prompt_logprobs is not None
-                             and not w.fed and w.position + 1 < len(r.prompt)), default=-1))
+                             and not w.fed and w.position + 1 < len(r.prompt)), default=-1), bitmask)
 
     def apply(self, plan: StepPlan, results: np.ndarray) -> list:
         """Take a step's results (``results [R, W]``, rows in plan order: see ``ppsplit.serve.sampler``); the
@@ -384,7 +394,9 @@ class Scheduler:
 
     def _stops(self, request: Request, token: int) -> bool:
         params = request.params
-        if (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids:
+        if request.matcher is not None and request.matcher.advance(token):
+            request.finish_reason = "stop"  # the grammar is complete (its end-of-sequence token taken)
+        elif (token in self.eos and not params.ignore_eos) or token in params.stop_token_ids:
             request.finish_reason = "stop"
         elif len(request.output) >= params.max_tokens:
             request.finish_reason = "length"

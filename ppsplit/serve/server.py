@@ -35,7 +35,7 @@ from ppsplit.serve.detokenize import TextStream
 from ppsplit.serve.loop import EngineLoop, QueueFull
 from ppsplit.serve.openai_api import (ApiError, choice_body, chunk_body, completion_body, default_max_request_bytes,
                                       detokenize_body, logprobs_body, now, parse, read_json, sse, tokenize_body,
-                                      usage)
+                                      tool_calls_of, usage)
 
 log = logging.getLogger("ppsplit")
 
@@ -83,8 +83,9 @@ class Server:
     request body, and the threads that prepare requests."""
 
     def __init__(self, loop: EngineLoop, tokenizer, model: str, max_len: int, draft_positions: int,
-                 max_request_bytes: int | None = None, threads: int = 8, root: str | None = None):
+                 max_request_bytes: int | None = None, threads: int = 8, root: str | None = None, grammars=None):
         self.loop, self.tokenizer, self.model, self.root = loop, tokenizer, model, root or model
+        self.grammars = grammars  # compiles structured output (ppsplit.serve.structured.Grammars), or None
         self.max_len, self.draft_positions = max_len, draft_positions
         self.max_request_bytes = max_request_bytes or default_max_request_bytes(max_len)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="ppsplit-request")
@@ -106,7 +107,7 @@ class Server:
     def prepare(self, raw: bytes, chat: bool):
         """Parse, check, template and tokenise a body (on a worker thread): the ``Parsed`` request."""
         return parse(read_json(raw), chat=chat, model=self.model, tokenizer=self.tokenizer, max_len=self.max_len,
-                     draft_positions=self.draft_positions)
+                     draft_positions=self.draft_positions, grammars=self.grammars)
 
     async def read(self, request: Request) -> bytes:
         """The body, refused (413) past ``max_request_bytes``: by its Content-Length before any of it is read, else
@@ -315,7 +316,10 @@ async def _collect(server: Server, parsed, choice: Choice):
         if delta.finish is not None:
             text = (parsed.texts[choice.index // parsed.n] if parsed.echo else "") + "".join(parts)
             logprobs = None if parsed.logprobs is None else logprobs_body(server.tokenizer, entries, ids, parsed.chat)
-            return choice_body(choice.index, text, delta.finish, logprobs, parsed.chat), delta.num_tokens
+            calls = tool_calls_of(text, parsed.tool_call) if parsed.tool_call and delta.finish == "stop" else None
+            # OpenAI's finish: "stop" after the call it was told to make, "tool_calls" after calls it chose
+            finish = delta.finish if calls is None or parsed.tool_call[0] == "function" else "tool_calls"
+            return choice_body(choice.index, text, finish, logprobs, parsed.chat, calls), delta.num_tokens
 
 
 async def _disconnected(request) -> None:
@@ -358,6 +362,7 @@ async def _chunks(server: Server, parsed, choices: list, rid: str, created: int,
 
     tasks = [asyncio.ensure_future(pump(c)) for c in choices]
     chat, model, started = parsed.chat, server.model, set()
+    held: dict[int, str] = {}  # with tool_choice: each choice's text, answered as calls once it is whole
     try:
         while len(done) < len(choices):
             choice, delta = await queue.get()
@@ -377,6 +382,18 @@ async def _chunks(server: Server, parsed, choices: list, rid: str, created: int,
             if chat and choice.index not in started:
                 yield sse(chunk_body(rid, model, created, True, role=True, **kw))
             started.add(choice.index)
+            if parsed.tool_call is not None:
+                held[choice.index] = held.get(choice.index, "") + text
+                if delta.finish is None:
+                    continue
+                text = held.pop(choice.index)
+                calls = tool_calls_of(text, parsed.tool_call) if delta.finish == "stop" else None
+                if calls is not None:
+                    yield sse(chunk_body(rid, model, created, True, tool_calls=calls, **kw))
+                    finish = "stop" if parsed.tool_call[0] == "function" else "tool_calls"
+                    yield sse(chunk_body(rid, model, created, True, finish=finish, **kw))
+                    done.add(choice.index)
+                    continue
             if chat and delta.finish is not None:  # the text, then the finish reason on an empty delta
                 if text or logprobs:
                     yield sse(chunk_body(rid, model, created, True, text=text, logprobs=logprobs, **kw))
