@@ -158,6 +158,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.share_prompts = share_prompts  # off where a prompt leaves state outside the blocks (recurrent layers)
         self.held: dict[str, list[Request]] = {}  # a parent's id -> the requests waiting to share its prompt blocks
+        self.shared_tokens = 0  # prompt tokens requests took from another's blocks instead of computing them
         self._ids = itertools.count()
 
     # -- requests ------------------------------------------------------------------------------------------------
@@ -477,6 +478,7 @@ class Scheduler:
         for child in reversed(self.held.pop(source.id, [])):
             self.pool.share(blocks)
             child.blocks, child.computed = list(blocks), shared * self.layout.block_size
+            self.shared_tokens += child.computed
             self.waiting.appendleft(child)
 
     @property
