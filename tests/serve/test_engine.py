@@ -227,6 +227,11 @@ def test_a_hybrid_speculates_per_request_like_alone(tmp_path):
         assert out.token_ids == hf(model, prompt, p)
         assert out.drafts == alone.drafts and out.accepted == alone.accepted
     assert any(sum(o.accepted) < 3 * len(o.accepted) for o in together)  # some drafts were rejected
+    # The rings keep a prompt's state per slot, outside the blocks: n choices fall back to prefilling on their own.
+    engine, prompt = Engine(split), list(range(3, 24))
+    final, fed, most = run_group(engine, prompt, [SamplingParams(max_tokens=5, ignore_eos=True)] * 2)
+    assert not engine.scheduler.share_prompts and (fed, most) == (2 * len(prompt), 1)
+    assert final[0].token_ids == final[1].token_ids == hf(model, prompt, SamplingParams(max_tokens=5, ignore_eos=True))
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
