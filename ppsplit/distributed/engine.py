@@ -145,7 +145,8 @@ class PipelineEngine:
                                       "not across ranks; use an EAGLE-3 drafter with ppsplit.distributed")
                 check_speculation(plan, self.k, drafter)
                 proposer = Proposer(drafter, self.k, self.layout)
-            self.sampler = Sampler(self.layout.slots, self.device, proposer) if self.last else None
+            self.sampler = Sampler(self.layout.slots, self.device, proposer,
+                                   max_len=self.layout.max_len) if self.last else None
         except PpsplitError as e:
             header["error"] = str(e)
 

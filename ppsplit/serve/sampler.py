@@ -19,15 +19,16 @@ logprobs (``result_shape``).
 The sampler also keeps, per sequence slot, what a request's next window needs without the host: its sampling
 parameters (written once, at admission), the output index of its next draw (the counter its randomness hashes),
 its last token and that token's position, and its drafts (and their distributions when sampling). A request whose
-logits are adjusted (``SamplingParams.adjusted``) also keeps, over the vocabulary: its bias, the ids ``min_tokens``
-holds back, the tokens of its prompt and the counts of its output's (updated on the device as tokens commit).
+logits are adjusted (``SamplingParams.adjusted``) also keeps, over the vocabulary: the ids ``min_tokens`` holds back
+and the tokens of its prompt (bool masks), the counts of its output's (updated on the device as tokens commit; int16
+where a sequence cannot hold more tokens); and its biased ids with their biases (at most ``MAX_LOGIT_BIAS``).
 """
 from __future__ import annotations
 
 import torch
 
-from ppsplit.serve.sampling import (GREEDY_BELOW, SALT_ACCEPT, SALT_TARGET, accept_greedy, accept_sampled,
-                                    filter_batch, uniform)
+from ppsplit.serve.sampling import (GREEDY_BELOW, MAX_LOGIT_BIAS, SALT_ACCEPT, SALT_TARGET, accept_greedy,
+                                    accept_sampled, filter_batch, uniform)
 
 _U64 = (1 << 64) - 1
 
@@ -52,8 +53,10 @@ class Sampler:
     """Slot state and the per-step draw on ``device`` for a cache of ``slots`` sequence slots; ``proposer``: the
     drafter's loop (``ppsplit.serve.speculative.Proposer``) proposing ``k`` drafts per request, or ``None``."""
 
-    def __init__(self, slots: int, device, proposer=None):
+    def __init__(self, slots: int, device, proposer=None, max_len: int = 0):
         self.device, self.proposer = torch.device(device), proposer
+        # An output count never exceeds a sequence's length (``max_len``, 0: unknown).
+        self.count_dtype = torch.int16 if 0 < max_len < 1 << 15 else torch.int32
         self.k = proposer.k if proposer is not None else 0
         zeros = lambda dtype=torch.long: torch.zeros(slots, dtype=dtype, device=self.device)  # noqa: E731
         self.temperature, self.top_p, self.top_k = zeros(torch.float32), zeros(torch.float32), zeros()
@@ -61,7 +64,8 @@ class Sampler:
         self.presence, self.frequency = zeros(torch.float32), zeros(torch.float32)
         self.repetition = zeros(torch.float32)
         self.min_tokens = zeros()
-        self.counts = self.seen = self.bias = self.stops = None  # [slots, V], once a request is adjusted
+        self.counts = self.seen = self.stops = None  # [slots, V + 1], once a request is adjusted
+        self.bias_ids = self.bias = None  # [slots, MAX_LOGIT_BIAS + 1]
         self.marks: list = []  # admissions' marks not written yet (the vocabulary is known at the next run)
         self.last_token, self.last_position = zeros(), zeros()
         self.drafts = torch.zeros(slots, max(self.k, 1), dtype=torch.long, device=self.device)
@@ -86,36 +90,46 @@ class Sampler:
 
     def _write_marks(self, vocab: int) -> None:
         """The pending admissions' vocabulary-wide state: the admitted slots cleared, then their marks written."""
+        slots_n, dev = len(self.seed), self.device
         if self.counts is None:
-            size, dev = (len(self.seed), vocab), self.device
-            # int32 and float32 so that marks add up with index_put_ (no mask indexing: it would wait for the device)
-            self.counts, self.seen, self.stops = (torch.zeros(size, dtype=torch.int32, device=dev) for _ in range(3))
-            self.bias = torch.zeros(size, dtype=torch.float32, device=dev)
+            # Every mark writes each state; a mark of another kind lands in the last column, never read (no mask
+            # indexing: it would wait for the device), so duplicate ids write the same True and are harmless.
+            self.counts = torch.zeros(slots_n, vocab + 1, dtype=self.count_dtype, device=dev)
+            self.seen, self.stops = (torch.zeros(slots_n, vocab + 1, dtype=torch.bool, device=dev) for _ in range(2))
+            self.bias_ids = torch.zeros(slots_n, MAX_LOGIT_BIAS + 1, dtype=torch.long, device=dev)
+            self.bias = torch.zeros(slots_n, MAX_LOGIT_BIAS + 1, dtype=torch.float32, device=dev)
         for slots, marks, values in self.marks:
             for state in (self.counts, self.seen, self.stops, self.bias):
                 state.index_fill_(0, slots, 0)
             slot, kind, token = marks[:, 0], marks[:, 1], marks[:, 2]
-            for state, of in ((self.counts, OUTPUT), (self.seen, PROMPT), (self.stops, STOP)):
-                state.index_put_((slot, token), (kind == of).int(), accumulate=True)
-            self.bias.index_put_((slot, token), torch.where(kind == BIAS, values, 0), accumulate=True)
+            self.counts.index_put_((slot, torch.where(kind == OUTPUT, token, vocab)),
+                                   torch.ones((), dtype=self.count_dtype, device=dev), accumulate=True)
+            for state, of in ((self.seen, PROMPT), (self.stops, STOP)):
+                state.index_put_((slot, torch.where(kind == of, token, vocab)), torch.ones((), dtype=torch.bool,
+                                                                                        device=dev))
+            column = bias_columns(slot, kind)
+            self.bias_ids.index_put_((slot, column), token)
+            self.bias.index_put_((slot, column), torch.where(kind == BIAS, values, 0))
         self.marks = []
 
     def adjust(self, window: torch.Tensor, slot: torch.Tensor, drafts: torch.Tensor, num: torch.Tensor,
                index: torch.Tensor) -> torch.Tensor:
         """``sampling.adjusted_logits`` for every drawing request's window ``[D, K + 1, V]``: row ``j`` follows the
         output so far and the window's first ``j`` drafts (``drafts [D, K]``, ``num [D]`` real)."""
-        k = drafts.shape[1]
-        logits = window.float() + self.bias[slot][:, None]
+        k, vocab = drafts.shape[1], window.shape[-1]
+        bias = window.new_zeros(len(slot), vocab, dtype=torch.float32).scatter_add_(
+            1, self.bias_ids[slot, :MAX_LOGIT_BIAS], self.bias[slot, :MAX_LOGIT_BIAS])
+        logits = window.float() + bias[:, None]
         j = torch.arange(k + 1, device=logits.device)
         early = (index[:, None] + j) < self.min_tokens[slot][:, None]  # [D, K + 1]
-        logits = logits.masked_fill(early[..., None] & (self.stops[slot] > 0)[:, None], float("-inf"))
-        counts = self.counts[slot].float()[:, None].expand(-1, k + 1, -1)
+        logits = logits.masked_fill(early[..., None] & self.stops[slot, :vocab][:, None], float("-inf"))
+        counts = self.counts[slot, :vocab].float()[:, None].expand(-1, k + 1, -1)
         if k:
             valid = (j[:k] < num[:, None]).float()[..., None]
             ahead = torch.zeros(len(slot), k, logits.shape[-1], device=logits.device).scatter_(
                 2, drafts.clamp_min(0)[..., None], valid).cumsum(1)
             counts = counts + torch.cat([ahead.new_zeros(len(slot), 1, logits.shape[-1]), ahead], 1)
-        seen = (self.seen[slot] > 0)[:, None] | (counts > 0)
+        seen = self.seen[slot, :vocab][:, None] | (counts > 0)
         penalty = torch.where(seen, self.repetition[slot][:, None, None], 1.0)
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
         return (logits - self.frequency[slot][:, None, None] * counts
@@ -186,7 +200,8 @@ class Sampler:
         out[d, 2:3 + k] = committed
         if adjusted:
             rows_of = slot[:, None].expand_as(committed)
-            self.counts.index_put_((rows_of, committed.clamp_min(0)), (committed >= 0).int(), accumulate=True)
+            self.counts.index_put_((rows_of, torch.where(committed >= 0, committed, logits.shape[-1])),
+                                   torch.ones((), dtype=self.count_dtype, device=dev), accumulate=True)
         if logprobs >= 0:
             out[d, 3 + 3 * k:result_width(k, logprobs)] = logprob_columns(window, committed, logprobs)
         if k:
@@ -195,6 +210,16 @@ class Sampler:
             self.drafts[slot] = proposed
             out[d, 3 + 2 * k:3 + 3 * k] = proposed
         return out
+
+
+def bias_columns(slot: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
+    """Each admission mark's column in its slot's sparse bias: ``BIAS`` marks numbered from 0 per slot (an
+    admission's marks are consecutive), other marks the unread last column."""
+    is_bias = kind == BIAS
+    at = torch.arange(len(kind), device=kind.device)
+    same = torch.cat([is_bias[:1] & False, is_bias[:-1] & (slot[1:] == slot[:-1])])
+    start = torch.where(is_bias & ~same, at, 0).cummax(0).values
+    return torch.where(is_bias, at - start, MAX_LOGIT_BIAS)
 
 
 def logprob_columns(window: torch.Tensor, committed: torch.Tensor, width: int) -> torch.Tensor:

@@ -181,3 +181,36 @@ def test_speculative_sampling_with_adjustments_follows_the_adjusted_distribution
     with torch.no_grad():
         unadjusted = filtered_probs(model(torch.tensor([prompt])).logits[0, -1], plain)
     assert (unadjusted - first).abs().sum() > 0.2  # the adjustment moves the distribution
+
+
+def test_the_compact_slot_state_equals_the_reference_at_its_limits():
+    """The state is bool masks, int16 counts (a sequence of 512 positions) and a sparse bias: three requests admitted
+    in one step (300 biased ids, prompts repeating ids, an output after a preemption, stop ids given twice), then one
+    slot admitted again (its old state cleared): the batched adjustment equals ``adjusted_logits`` per request."""
+    from ppsplit.serve.sampler import Sampler
+    from ppsplit.serve.scheduler import Admission
+
+    vocab, g = 1000, torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    sampler = Sampler(4, "cpu", max_len=512)
+
+    def check(requests):
+        sampler.admit([Admission(slot, p, 0, len(out), tuple(prompt), tuple(out), (EOS, EOS) + p.stop_token_ids)
+                       for slot, p, prompt, out in requests])
+        sampler._write_marks(vocab)
+        slot = torch.tensor([r[0] for r in requests])
+        logits = torch.randn(len(requests), 1, vocab, generator=g) * 3
+        got = sampler.adjust(logits, slot, torch.zeros(len(requests), 0, dtype=torch.long),
+                             torch.zeros(len(requests), dtype=torch.long), sampler.index[slot])
+        for i, (_, p, prompt, out) in enumerate(requests):
+            want = adjusted_logits(logits[i, 0], p, prompt, out, (EOS,))
+            torch.testing.assert_close(got[i, 0], want, rtol=1e-6, atol=1e-5)
+
+    biased = dict(zip(ids(300), torch.linspace(-100, 100, 300).tolist()))
+    check([(0, SamplingParams(max_tokens=60, logit_bias=biased, repetition_penalty=1.3), ids(40), []),
+           (1, SamplingParams(max_tokens=60, frequency_penalty=0.8, presence_penalty=-0.4, min_tokens=30,
+                              stop_token_ids=(5, 5, 9)), [7] * 12 + ids(5), [3, 3, 3] + ids(20)),
+           (3, SamplingParams(max_tokens=9, logit_bias={4: 2.0, 999: -3.5}, min_tokens=2), [4, 4], [])])
+    check([(0, SamplingParams(max_tokens=8, logit_bias={17: 1.5}, presence_penalty=1.0), [17, 18], [18])])
+    assert (sampler.counts.dtype, sampler.seen.dtype, sampler.stops.dtype) == (torch.int16, torch.bool, torch.bool)
+    assert Sampler(4, "cpu", max_len=1 << 15).count_dtype == torch.int32
