@@ -13,7 +13,8 @@ named tensors in this order::
                                         block table, per-request rows)
     admit_floats  float32 [A, 5]        temperature, top-p, penalties of each request taking a slot (sent once per
                                         admission; ``ppsplit.serve.sampler.admission_tensors``)
-    admit_ints    int64 [A, 6]          slot, top-k, seed, output index of its next draw, min_tokens, adjusted
+    admit_ints    int64 [A, 7]          slot, top-k, seed, output index of its next draw, min_tokens, adjusted,
+                                        logprobs of the adjusted logits
     admit_marks   int64 [E, 3]          with E >= 0: the adjusted requests' prompt, output, stop and bias ids
     mark_values   float32 [E]           and the biases
     hidden        [N, W]                the stage's output (and any values carried beside it)

@@ -176,8 +176,8 @@ def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_
                        + f", but a sequence holds {max_len} tokens; shorten the prompt or ask for at most "
                        f"{max(0, room)} tokens", param=key if room > 0 else ("messages" if chat else "prompt"),
                        code="context_length_exceeded")
-    if best_of > n and base.logprobs is None:  # ranking reads each token's logprob (not returned)
-        base = replace(base, logprobs=0)
+    if best_of > n:  # ranked by the tokens' logprobs under the adjusted logits (returned only if asked for)
+        base = replace(base, logprobs=0 if base.logprobs is None else base.logprobs, logprobs_adjusted=True)
     # Sequence j samples with seed + j (as vLLM's parallel sampling), so n seeded choices differ and repeat.
     params = [base if base.seed is None or best_of == 1 else replace(base, seed=base.seed + j)
               for _ in prompts for j in range(best_of)]

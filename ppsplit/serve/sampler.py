@@ -34,7 +34,7 @@ _U64 = (1 << 64) - 1
 
 
 PROMPT, OUTPUT, BIAS, STOP = range(4)  # what an admission mark writes into its slot's vocabulary-wide state
-FLOATS, INTS = 5, 6  # admission columns (``admission_tensors``)
+FLOATS, INTS = 5, 7  # admission columns (``admission_tensors``)
 
 
 def result_width(k: int, logprobs: int = -1) -> int:
@@ -64,6 +64,7 @@ class Sampler:
         self.presence, self.frequency = zeros(torch.float32), zeros(torch.float32)
         self.repetition = zeros(torch.float32)
         self.min_tokens = zeros()
+        self.logprobs_adjusted = zeros(torch.bool)  # its logprobs are those of the adjusted logits
         self.counts = self.seen = self.stops = None  # [slots, V + 1], once a request is adjusted
         self.bias_ids = self.bias = None  # [slots, MAX_LOGIT_BIAS + 1]
         self.marks: list = []  # admissions' marks not written yet (the vocabulary is known at the next run)
@@ -83,6 +84,7 @@ class Sampler:
         self.presence[slots], self.frequency[slots], self.repetition[slots] = floats[:, 2], floats[:, 3], floats[:, 4]
         self.top_k[slots], self.seed[slots], self.index[slots] = ints[:, 1], ints[:, 2], ints[:, 3]
         self.min_tokens[slots] = ints[:, 4]
+        self.logprobs_adjusted[slots] = ints[:, 6] > 0
         if marks is not None or self.counts is not None:  # an admitted slot's old state is cleared, even if unused
             if marks is None:
                 marks, values = ints.new_zeros(0, 3), floats.new_zeros(0)
@@ -203,7 +205,8 @@ class Sampler:
             self.counts.index_put_((rows_of, torch.where(committed >= 0, committed, logits.shape[-1])),
                                    torch.ones((), dtype=self.count_dtype, device=dev), accumulate=True)
         if logprobs >= 0:
-            out[d, 3 + 3 * k:result_width(k, logprobs)] = logprob_columns(window, committed, logprobs)
+            source = torch.where(self.logprobs_adjusted[slot][:, None, None], target, window) if adjusted else window
+            out[d, 3 + 3 * k:result_width(k, logprobs)] = logprob_columns(source, committed, logprobs)
         if k:
             out[d, 3 + k:3 + 2 * k] = torch.where(j[:k] < num[:, None], drafts, -1)
             proposed = self.proposer.feed(aux, ids, positions, batch, last, token, self, sampled, cut_k, cut_p)
@@ -223,8 +226,8 @@ def bias_columns(slot: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
 
 
 def logprob_columns(window: torch.Tensor, committed: torch.Tensor, width: int) -> torch.Tensor:
-    """``[D, (K + 1) * (1 + 2 * width)]``: per committed token, its logprob under the model (``log_softmax`` of the
-    unadjusted logits), the ``width`` most likely ids and their logprobs (float32 bits)."""
+    """``[D, (K + 1) * (1 + 2 * width)]``: per committed token, its logprob under ``window`` (``log_softmax`` of the
+    model's logits, or of the adjusted ones), the ``width`` most likely ids and their logprobs (float32 bits)."""
     lp = torch.log_softmax(window.float(), -1)
     chosen = lp.gather(2, committed.clamp_min(0)[..., None])
     top = lp.topk(width, dim=-1)
@@ -234,14 +237,15 @@ def logprob_columns(window: torch.Tensor, committed: torch.Tensor, width: int) -
 
 def admission_tensors(admissions):
     """What a slot keeps of each admitted request (``Scheduler``'s ``Admission``), as it travels: ``floats [A, 5]``
-    (temperature, top-p, presence, frequency and repetition penalties), ``ints [A, 6]`` (slot, top-k, seed as int64
-    (its low 64 bits), output index of the next draw, min_tokens, adjusted); with an adjusted request also its marks
+    (temperature, top-p, presence, frequency and repetition penalties), ``ints [A, 7]`` (slot, top-k, seed as int64
+    (its low 64 bits), output index of the next draw, min_tokens, adjusted, logprobs of the adjusted logits); with an adjusted request also its marks
     ``[E, 3]`` (slot, ``PROMPT`` / ``OUTPUT`` / ``BIAS`` / ``STOP``, token id) and their values ``float32 [E]``."""
     floats = torch.tensor([(a.params.temperature, a.params.top_p, a.params.presence_penalty,
                             a.params.frequency_penalty, a.params.repetition_penalty) for a in admissions],
                           dtype=torch.float32)
     ints = torch.tensor([(a.slot, a.params.top_k, _int64(a.seed), a.index, a.params.min_tokens,
-                          int(a.params.adjusted)) for a in admissions], dtype=torch.long)
+                          int(a.params.adjusted), int(a.params.logprobs_adjusted)) for a in admissions],
+                         dtype=torch.long)
     out = (floats.view(-1, FLOATS), ints.view(-1, INTS))
     marks, values = [], []
     for a in admissions:

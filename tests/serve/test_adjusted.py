@@ -1,6 +1,8 @@
 """Logits adjusted in the engine's batched sampler (logit_bias, min_tokens, presence / frequency / repetition
 penalties) and logprobs, against a per-request reference (``sampling.adjusted_logits``, written from vLLM's and
 OpenAI's definitions) over Hugging Face's logits, one request at a time (fp32, CPU)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -23,14 +25,15 @@ def llama():
 
 def reference(model, prompt, params: SamplingParams):
     """Greedy decoding of one request: argmax of ``adjusted_logits`` of HF's logits; ``(ids, logprobs)`` where
-    logprobs are ``log_softmax`` of HF's unadjusted logits at each chosen id."""
+    logprobs are ``log_softmax`` of HF's logits at each chosen id (of the adjusted ones with ``logprobs_adjusted``)."""
     out, logprobs = [], []
     with torch.no_grad():
         while len(out) < params.max_tokens:
             logits = model(torch.tensor([prompt + out])).logits[0, -1]
-            token = int(adjusted_logits(logits, params, prompt, out, () if params.ignore_eos else (EOS,)).argmax())
+            adjusted = adjusted_logits(logits, params, prompt, out, () if params.ignore_eos else (EOS,))
+            token = int(adjusted.argmax())
             out.append(token)
-            logprobs.append(torch.log_softmax(logits.float(), -1))
+            logprobs.append(torch.log_softmax((adjusted if params.logprobs_adjusted else logits).float(), -1))
             if (token == EOS and not params.ignore_eos) or token in params.stop_token_ids:
                 break
     return out, logprobs
@@ -63,6 +66,10 @@ def test_adjusted_greedy_requests_each_equal_the_reference(tmp_path, llama, pp, 
     prompts += [list(range(30, 60))]  # a prompt read in two chunks, its logprobs kept from both
     params += [SamplingParams(max_tokens=8, logprobs=2), SamplingParams(max_tokens=8, ignore_eos=True),
                SamplingParams(max_tokens=3, prompt_logprobs=0)]
+    # vLLM's processed logprobs (what best_of ranks by): penalties, and a bias with min_tokens
+    prompts += [prompts[2], prompts[3]]
+    params += [replace(params[2], prompt_logprobs=None, logprobs_adjusted=True),
+               replace(params[3], logprobs=2, logprobs_adjusted=True)]
     engine = Engine(split, drafter=drafter, num_draft_tokens=k, async_scheduling=lag, max_num_batched_tokens=24)
     outs = engine.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, outs):

@@ -129,6 +129,7 @@ def oracle(folder):
     def outputs(prompts, max_tokens):
         return engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
 
+    outputs.engine = engine
     return outputs, tok
 
 
@@ -542,6 +543,16 @@ def test_n_choices_share_the_prompt_and_best_of_returns_the_most_likely(live, or
     assert best.choices[0].logprobs is None
     assert best.usage.completion_tokens == four.usage.completion_tokens
     assert best.usage.prompt_tokens == four.usage.prompt_tokens == len(tok.encode(prompt))
+    # With a penalty the ranking is by the adjusted logits' logprobs (vLLM's old best_of), which it then returns.
+    penalised = [SamplingParams(max_tokens=8, temperature=1.0, seed=21 + j, frequency_penalty=1.5,
+                                presence_penalty=1.0, logprobs=0, logprobs_adjusted=True) for j in range(4)]
+    ref = outputs.engine.generate([tok.encode(prompt)] * 4, penalised)
+    ranked = sorted(range(4), key=lambda j: -sum(lp for lp, _ in ref[j].logprobs))[:2]
+    best = live.client.completions.create(n=2, best_of=4, seed=21, frequency_penalty=1.5, presence_penalty=1.0,
+                                          logprobs=0, **kw)
+    assert [c.text for c in best.choices] == [text_of(tok, ref[j].token_ids) for j in ranked]
+    assert [sum(c.logprobs.token_logprobs) for c in best.choices] == \
+        pytest.approx([sum(lp for lp, _ in ref[j].logprobs) for j in ranked], abs=1e-4)
     conn, _ = _open_stream(live, max_tokens=60, chunks=3, prompt=prompt, n=4, temperature=1.0, seed=2)
     assert live.metrics()["ppsplit_kv_blocks_in_use"] > 0
     conn.sock.shutdown(2)
