@@ -528,7 +528,8 @@ def test_n_choices_share_the_prompt_and_best_of_returns_the_most_likely(live, or
     kw = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0)
     shared = live.metrics()["ppsplit_prompt_tokens_shared_total"]
     four = live.client.completions.create(n=4, seed=21, logprobs=0, **kw)
-    assert live.metrics()["ppsplit_prompt_tokens_shared_total"] == shared + 3 * ((len(tok.encode(prompt)) - 1) // 16 * 16)
+    full_blocks = (len(tok.encode(prompt)) - 1) // 16  # before the prompt's last token: choices 1..3 take them
+    assert live.metrics()["ppsplit_prompt_tokens_shared_total"] == shared + 3 * full_blocks * 16
     again = live.client.completions.create(n=4, seed=21, logprobs=0, **kw)
     texts = [c.text for c in four.choices]
     assert [c.index for c in four.choices] == [0, 1, 2, 3] and len(set(texts)) == 4
