@@ -258,8 +258,9 @@ class PipelineEngine:
             raise ConfigError(f"requests go to rank 0; rank {self.rank} calls follow() (or generate with no prompts)")
         return self.engine
 
-    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        return self._driver().add_request(prompt_ids, params, request_id)
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None, *,
+                    parent: str | None = None) -> str:
+        return self._driver().add_request(prompt_ids, params, request_id, parent=parent)
 
     def abort(self, request_id: str) -> None:
         self._driver().abort(request_id)

@@ -662,6 +662,10 @@ def test_ranks_2_gives_the_same_outputs_and_a_dead_rank_ends_the_server(folder, 
                                                      max_tokens=5, temperature=0)
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]), add_special_tokens=False)
         assert chat.choices[0].message.content == text_of(tok, outputs([ids], [5])[0].token_ids)
+        long = tok.encode(" ".join(PROMPTS))  # n choices across the ranks share its full blocks
+        two = server.client.completions.create(model=MODEL, prompt=long, max_tokens=5, temperature=0, n=2)
+        assert [c.text for c in two.choices] == [text_of(tok, outputs([long], [5])[0].token_ids)] * 2
+        assert server.metrics()["ppsplit_prompt_tokens_shared_total"] == (len(long) - 1) // 16 * 16
         (follower,) = _children(server.proc.pid, RANK)
         conn, response = _open_stream(server, max_tokens=MAX_LEN - 10)
         os.kill(follower, signal.SIGKILL)
