@@ -12,12 +12,22 @@ first adjusted request, for a cache of --slots sequence slots over a --vocab voc
 """
 import argparse
 
+import torch
+
 from ppsplit.serve.sampler import Sampler
+from ppsplit.serve.sampling import SamplingParams
+from ppsplit.serve.scheduler import Admission
 
 
 def measured(slots: int, vocab: int, max_len: int) -> dict[str, int]:
+    """The state's bytes once a request with a penalty, a bias and min_tokens was admitted and adjusted (shapes only:
+    the meta device allocates nothing)."""
     sampler = Sampler(slots, "meta", max_len=max_len)
-    sampler._write_marks(vocab)  # allocates the state as the first adjusted request does
+    params = SamplingParams(max_tokens=8, presence_penalty=1.0, logit_bias={5: 1.0}, min_tokens=2)
+    sampler.admit([Admission(0, params, 0, 0, (1, 2), (), (2,))])
+    meta = dict(device="meta", dtype=torch.long)
+    sampler.adjust(torch.empty(1, 1, vocab, device="meta"), torch.zeros(1, **meta), torch.zeros(1, 0, **meta),
+                   torch.zeros(1, **meta), torch.zeros(1, **meta))
     return {name: getattr(sampler, name).nbytes for name in ("counts", "seen", "stops", "bias_ids", "bias")}
 
 

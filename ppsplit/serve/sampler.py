@@ -119,6 +119,8 @@ class Sampler:
         """``sampling.adjusted_logits`` for every drawing request's window ``[D, K + 1, V]``: row ``j`` follows the
         output so far and the window's first ``j`` drafts (``drafts [D, K]``, ``num [D]`` real)."""
         k, vocab = drafts.shape[1], window.shape[-1]
+        if self.marks:  # admitted since the last run (called on its own, as the tests do)
+            self._write_marks(vocab)
         bias = window.new_zeros(len(slot), vocab, dtype=torch.float32).scatter_add_(
             1, self.bias_ids[slot, :MAX_LOGIT_BIAS], self.bias[slot, :MAX_LOGIT_BIAS])
         logits = window.float() + bias[:, None]

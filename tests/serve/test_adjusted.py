@@ -204,7 +204,6 @@ def test_the_compact_slot_state_equals_the_reference_at_its_limits():
     def check(requests):
         sampler.admit([Admission(slot, p, 0, len(out), tuple(prompt), tuple(out), (EOS, EOS) + p.stop_token_ids)
                        for slot, p, prompt, out in requests])
-        sampler._write_marks(vocab)
         slot = torch.tensor([r[0] for r in requests])
         logits = torch.randn(len(requests), 1, vocab, generator=g) * 3
         got = sampler.adjust(logits, slot, torch.zeros(len(requests), 0, dtype=torch.long),
