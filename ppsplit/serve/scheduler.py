@@ -426,8 +426,8 @@ class Scheduler:
     # -- blocks and slots ----------------------------------------------------------------------------------------
     def _reserve(self, request: Request, end: int, keep: list | None) -> bool:
         """Blocks for positions ``0 .. end - 1`` (+ the drafts' positions ahead). When the pool is short, running
-        requests other than ``keep`` (already in this step) and not in flight are preempted, newest first;
-        ``keep=None``: none is."""
+        requests other than ``keep`` (already in this step) and not in flight are preempted, newest first, and then
+        waiting requests give up the blocks they share (they will prefill on their own); ``keep=None``: none is."""
         need = -(-(end + self.lookahead) // self.layout.block_size) - len(request.blocks)
         while need > 0:
             got = self.pool.take(need)
@@ -437,9 +437,15 @@ class Scheduler:
                 break
             victims = [r for r in self.running if r is not request and keep is not None and r not in keep
                        and not r.flight]
-            if not victims:
+            sharing = [r for r in self.waiting if r.blocks] if keep is not None else []
+            if victims:
+                self.preempt(max(victims, key=lambda r: r.arrival))
+            elif sharing:
+                for waiting in sharing:
+                    self.pool.give(waiting.blocks)
+                    waiting.blocks, waiting.computed = [], 0
+            else:
                 return False
-            self.preempt(max(victims, key=lambda r: r.arrival))
         return True
 
     def preempt(self, request: Request) -> None:

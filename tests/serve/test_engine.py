@@ -391,3 +391,23 @@ def test_choices_held_for_a_parent_aborted_before_its_prefill_prefill_on_their_o
         outs.update({o.request_id: o for o in engine2.step() if o.finished})
     assert [outs[i].token_ids for i in ids] == [hf(model, prompt, params[0])] * 2
     assert engine2.blocks_in_use == 0 and not engine2.scheduler.pool.refs.any()
+
+
+def test_a_request_that_needs_the_whole_pool_takes_the_blocks_waiting_choices_share(llama):
+    """A pool of 5 blocks, a request R that needs all 5, and 3 choices of a finished parent waiting (2 slots) with
+    its first block: R takes that block back (the waiting choices then prefill on their own) instead of stalling."""
+    model, _ = llama
+    traced = ppsplit.trace_model(model, cache=CacheConfig(batch_size=4, max_len=80, num_blocks=5))
+    engine = Engine(ppsplit.split_model(traced, 1), max_num_seqs=2)
+    prompt, long = list(range(3, 20)), list(range(40, 80))
+    params = [SamplingParams(max_tokens=1, ignore_eos=True)] + [SamplingParams(max_tokens=20, ignore_eos=True)] * 3
+    parent = engine.add_request(prompt, params[0])
+    ids = [parent] + [engine.add_request(prompt, p, parent=parent) for p in params[1:]]
+    ids.append(engine.add_request(long, SamplingParams(max_tokens=36, ignore_eos=True)))
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        holders_match_refs(engine.scheduler)
+    assert [final[i] for i in ids[1:4]] == [hf(model, prompt, params[1])] * 3
+    assert final[ids[4]] == hf(model, long, SamplingParams(max_tokens=36, ignore_eos=True))
+    assert engine.scheduler.shared_tokens >= 16 and engine.blocks_in_use == 0
