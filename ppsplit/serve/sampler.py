@@ -241,7 +241,8 @@ def admission_tensors(admissions):
     """What a slot keeps of each admitted request (``Scheduler``'s ``Admission``), as it travels: ``floats [A, 5]``
     (temperature, top-p, presence, frequency and repetition penalties), ``ints [A, 7]`` (slot, top-k, seed as int64
     (its low 64 bits), output index of the next draw, min_tokens, adjusted, logprobs of the adjusted logits); with an
-    adjusted request also its marks ``[E, 3]`` (slot, ``PROMPT`` / ``OUTPUT`` / ``BIAS`` / ``STOP``, token id) and their values ``float32 [E]``."""
+    adjusted request also its marks ``[E, 3]`` (slot, ``PROMPT`` / ``OUTPUT`` / ``BIAS`` / ``STOP``, token id) and
+    their values ``float32 [E]``."""
     floats = torch.tensor([(a.params.temperature, a.params.top_p, a.params.presence_penalty,
                             a.params.frequency_penalty, a.params.repetition_penalty) for a in admissions],
                           dtype=torch.float32)

@@ -476,7 +476,7 @@ class Scheduler:
 
     def _fork(self, source: Request) -> None:
         """The requests held for ``source``'s prompt take its first full blocks (written: ``source.computed`` is past
-        them) and wait, first in line, to compute the rest of their prompt. Recomputing the tail (under one block)
+        them) and wait, first in line, to compute the rest of their prompt. Recomputing the tail (one block at most)
         rather than copying the partial block keeps sharing host bookkeeping: no copy in every stage's cache, and
         across ranks no new message (vLLM v1's parallel sampling over prefix caching recomputes it too)."""
         shared = self._shareable(source.prompt)
