@@ -411,3 +411,31 @@ def test_a_request_that_needs_the_whole_pool_takes_the_blocks_waiting_choices_sh
     assert [final[i] for i in ids[1:4]] == [hf(model, prompt, params[1])] * 3
     assert final[ids[4]] == hf(model, long, SamplingParams(max_tokens=36, ignore_eos=True))
     assert engine.scheduler.shared_tokens >= 16 and engine.blocks_in_use == 0
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_choices_with_a_drafter_draft_as_independent_requests(tmp_path, family):
+    """The drafter's cache rides the target's block tables, so the shared blocks hold its entries for the prompt too:
+    each choice's drafts and acceptances are those of the same request made on its own, and its tokens HF greedy."""
+    from tests.eagle3.test_dflash import BLOCK, TAPS, small, zlab_drafter
+
+    model, traced = small()
+    split = ppsplit.split_model(traced, 2, aux=TAPS)
+    if family == "dflash":
+        zlab_drafter(tmp_path / "z", 32, seed=1, scale=0.5)
+        drafter, k = ppsplit.load_drafter(str(tmp_path / "z"), split=split), BLOCK - 1
+    else:
+        cfg = drafter_config(model.config, aux_ids=[t - 1 for t in TAPS])
+        drafter = ppsplit.load_drafter(write_drafter(str(tmp_path / "e"), cfg, random_drafter_tensors(cfg, scale=2.0)),
+                                       split=split)
+        k = 3
+    prompt = torch.randint(3, 32, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = [SamplingParams(max_tokens=30, ignore_eos=True)] * 3
+    shared, fed, _ = run_group(Engine(split, drafter=drafter, num_draft_tokens=k), prompt, params)
+    alone, _, _ = run_group(Engine(split, drafter=drafter, num_draft_tokens=k), prompt, params, share=False)
+    assert fed == 21 + 2 * 5
+    expected = hf(model, prompt, params[0])
+    for j in range(3):
+        assert shared[j].token_ids == alone[j].token_ids == expected
+        assert (shared[j].drafts, shared[j].accepted) == (alone[j].drafts, alone[j].accepted)
+    assert sum(sum(o.accepted) for o in shared.values()) > 0
