@@ -128,6 +128,25 @@ def generate(rank, folder, prompts, params=None, k=0):
     return [[(o.token_ids, o.accepted, o.drafts) for o in run] for run in runs]
 
 
+def generate_choices(rank, folder, prompt, params):
+    """Choices of one prompt across the ranks, choice 0 the parent whose prompt blocks the others share; rank 0
+    returns their token ids, the prompt tokens shared and the blocks still in use."""
+    from ppsplit import distributed as ppd
+
+    engine = ppd.PipelineEngine(folder)
+    if rank:
+        engine.follow()
+        return None
+    inner = engine.engine
+    ids = [inner.add_request(prompt, params[0])]
+    ids += [inner.add_request(prompt, p, parent=ids[0]) for p in params[1:]]
+    final = {}
+    while inner.has_unfinished():
+        final.update({o.request_id: o.token_ids for o in inner.step() if o.finished})
+    engine.close()
+    return [final[i] for i in ids], inner.scheduler.shared_tokens, inner.blocks_in_use
+
+
 def equal_to_hf(run, expected: torch.Tensor, eos=()) -> bool:
     """A ``generate`` run's token ids against HF ``generate``'s ``[B, T + new]``: the same tokens, ending early only
     at an end-of-sequence token (after which HF pads)."""

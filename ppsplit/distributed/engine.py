@@ -13,7 +13,8 @@ named tensors in this order::
                                         block table, per-request rows)
     admit_floats  float32 [A, 5]        temperature, top-p, penalties of each request taking a slot (sent once per
                                         admission; ``ppsplit.serve.sampler.admission_tensors``)
-    admit_ints    int64 [A, 6]          slot, top-k, seed, output index of its next draw, min_tokens, adjusted
+    admit_ints    int64 [A, 7]          slot, top-k, seed, output index of its next draw, min_tokens, adjusted,
+                                        logprobs of the adjusted logits
     admit_marks   int64 [E, 3]          with E >= 0: the adjusted requests' prompt, output, stop and bias ids
     mark_values   float32 [E]           and the biases
     hidden        [N, W]                the stage's output (and any values carried beside it)
@@ -146,7 +147,8 @@ class PipelineEngine:
                                       "ppsplit.distributed")
                 check_speculation(plan, self.k, drafter)
                 proposer = Proposer(drafter, self.k, self.layout)
-            self.sampler = Sampler(self.layout.slots, self.device, proposer) if self.last else None
+            self.sampler = Sampler(self.layout.slots, self.device, proposer,
+                                   max_len=self.layout.max_len) if self.last else None
         except PpsplitError as e:
             header["error"] = str(e)
 
@@ -257,8 +259,9 @@ class PipelineEngine:
             raise ConfigError(f"requests go to rank 0; rank {self.rank} calls follow() (or generate with no prompts)")
         return self.engine
 
-    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        return self._driver().add_request(prompt_ids, params, request_id)
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None, *,
+                    parent: str | None = None) -> str:
+        return self._driver().add_request(prompt_ids, params, request_id, parent=parent)
 
     def abort(self, request_id: str) -> None:
         self._driver().abort(request_id)

@@ -87,17 +87,23 @@ class Engine:
                                  lag=async_scheduling)
         self.runner = runner
         budget = max_num_batched_tokens or (runner.buckets[-1] if runner.buckets else DEFAULT_BUDGET)
+        # Recurrent layers keep a prompt's state per slot, outside the blocks: their choices prefill on their own.
+        plan = getattr(runner, "plan", None) or getattr(getattr(runner, "split", None), "plan", None)
         self.scheduler = Scheduler(runner.layout, vocab=runner.vocab, eos=runner.eos, k=runner.k, budget=budget,
                                    max_seqs=max_num_seqs, buckets=runner.buckets, lag=runner.lag,
-                                   lookahead=getattr(runner, "lookahead", runner.k))
+                                   lookahead=getattr(runner, "lookahead", runner.k),
+                                   share_prompts=not getattr(plan, "state_slots", 0))
         self.flight: deque = deque()  # (plan, pending) of the steps launched and not read yet, oldest first
         self.steps = 0
 
-    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None, *,
+                    parent: str | None = None) -> str:
+        """Queue a request (``Scheduler.add``); ``parent``: a request with the same prompt (another choice of the
+        same ``n``) whose prompt blocks this one shares, copy-on-write, instead of prefilling its own."""
         if params is not None and params.grammar is not None and not getattr(self.runner, "structured", False):
             raise ConfigError("structured output (a grammar) runs with the stages in one process; this engine runs "
                               "them on ranks, which do not take grammars yet")
-        return self.scheduler.add(prompt_ids, params, request_id)
+        return self.scheduler.add(prompt_ids, params, request_id, parent=parent)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

@@ -58,6 +58,7 @@ class Metrics:
     lock: threading.Lock = field(default_factory=threading.Lock)
     finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     prompt_tokens: int = 0
+    prompt_tokens_shared: int = 0
     generation_tokens: int = 0
     drafts_proposed: int = 0
     drafts_accepted: int = 0
@@ -78,6 +79,8 @@ class Metrics:
                     ("gauge", "kv_blocks_in_use", "KV cache blocks held by requests", self.blocks_in_use),
                     ("gauge", "kv_blocks_total", "KV cache blocks of the pool", self.blocks_total),
                     ("counter", "prompt_tokens_total", "prompt tokens of admitted requests", self.prompt_tokens),
+                    ("counter", "prompt_tokens_shared_total", "prompt tokens read from another choice's blocks, not "
+                     "computed", self.prompt_tokens_shared),
                     ("counter", "generation_tokens_total", "tokens generated", self.generation_tokens),
                     ("counter", "spec_decode_draft_tokens_total", "EAGLE-3 drafts verified", self.drafts_proposed),
                     ("counter", "spec_decode_accepted_tokens_total", "EAGLE-3 drafts accepted", self.drafts_accepted),
@@ -137,8 +140,9 @@ class EngineLoop:
         self.thread.start()
         return self
 
-    def submit(self, prompt_ids, params, callback) -> str:
-        """Queue a request; ``callback(kind, payload)`` gets its events on the loop's thread (keep it short)."""
+    def submit(self, prompt_ids, params, callback, parent: str | None = None) -> str:
+        """Queue a request; ``callback(kind, payload)`` gets its events on the loop's thread (keep it short).
+        ``parent``: a request submitted before with the same prompt, whose prompt blocks this one shares."""
         with self._lock:
             if self.failed is not None:
                 raise QueueFull(f"the engine stopped: {self.failed}")
@@ -147,7 +151,7 @@ class EngineLoop:
                                 f"{self.max_queue}); retry later")
             self._admitted += 1
         request_id = f"req-{next(self._ids)}"
-        self.inbox.put(("add", request_id, (list(prompt_ids), params, callback, time.monotonic())))
+        self.inbox.put(("add", request_id, (list(prompt_ids), params, callback, time.monotonic(), parent)))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -205,9 +209,10 @@ class EngineLoop:
 
     def _handle(self, kind: str, request_id: str, payload) -> None:
         if kind == "add":
-            prompt, params, callback, arrival = payload
+            prompt, params, callback, arrival, parent = payload
             try:
-                self.engine.add_request(prompt, params, request_id=request_id)
+                self.engine.add_request(prompt, params, request_id=request_id,
+                                        parent=parent if parent in self._tracked else None)
             except PpsplitError as e:
                 self._release_slot()
                 callback("error", str(e))
@@ -266,6 +271,7 @@ class EngineLoop:
             self.metrics.running = len(sched.running)
             self.metrics.waiting = len(sched.waiting)
             self.metrics.blocks_in_use = sched.blocks_in_use
+            self.metrics.prompt_tokens_shared = sched.shared_tokens
 
     def _drain_failed(self, message: str) -> None:
         """After a failure: refuse what is still in the inbox, until ``stop``."""

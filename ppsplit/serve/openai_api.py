@@ -61,8 +61,10 @@ class ApiError(Exception):
 @dataclass(frozen=True)
 class Parsed:
     """A checked request: its prompts (token ids, and the text ``echo`` repeats), ``n`` choices per prompt and how
-    each samples (``params[i * n + j]``: prompt ``i``'s choice ``j``, ``choices[].index`` ``i * n + j`` as vLLM),
-    the stop strings, how to answer; ``logprobs``: alternatives per token (``None``: no logprobs)."""
+    each samples (``params[i * per + j]``: prompt ``i``'s sequence ``j``; ``choices[].index`` ``i * n + j`` as vLLM),
+    the stop strings, how to answer; ``logprobs``: alternatives per token (``None``: no logprobs). With ``best_of``
+    above ``n``, ``per = best_of`` sequences are generated per prompt and the ``n`` of the highest cumulative logprob
+    returned."""
 
     prompts: list[list[int]]
     params: list[SamplingParams]
@@ -76,13 +78,19 @@ class Parsed:
     logprobs: int | None = None
     continuous_usage: bool = False
     tool_call: tuple | None = None  # ("function", name) or ("required",): the output is tool calls (chat)
+    best_of: int = 0  # 0: n
+
+    @property
+    def per(self) -> int:
+        """Sequences generated per prompt."""
+        return max(self.best_of, self.n)
 
     @property
     def prompt_ids(self) -> list[int]:
         return self.prompts[0]
 
     def prompt_of(self, index: int) -> list[int]:
-        return self.prompts[index // self.n]
+        return self.prompts[index // self.per]
 
 
 def read_json(raw: bytes) -> dict:
@@ -133,9 +141,10 @@ def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_
         raise ApiError(f"model {json.dumps(body.get('model'))[:80]} is not served here; this server serves "
                        f"{model!r} (see /v1/models)", param="model", code="model_not_found", status=404)
     n = _number(body, "n", 1, 1, MAX_CHOICES, True, f"an integer from 1 to {MAX_CHOICES}")
-    if body.get("best_of", n) != n:
-        raise ApiError(f"best_of must equal n ({n}) or be null: this server returns every sequence it generates",
-                       param="best_of")
+    best_of = _number(body, "best_of", n, 1, MAX_CHOICES, True, f"an integer from n ({n}) to {MAX_CHOICES}")
+    if best_of < n:
+        raise ApiError(f"best_of ({best_of}) must be at least n ({n}): it is how many sequences the n are chosen "
+                       "from", param="best_of")
     if not isinstance(body.get("user", ""), str):
         raise ApiError(f"user must be a string, but got {json.dumps(body['user'])[:40]}", param="user")
     tools, tool_call, tool_schema = _tools(body) if chat else (None, None, None)
@@ -143,10 +152,14 @@ def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_
         prompts, texts = [_chat_prompt(body, tokenizer, tools)], ()
     else:
         prompts, texts = _completion_prompts(body, tokenizer)
-    if len(prompts) * n > MAX_CHOICES:
-        raise ApiError(f"{len(prompts)} prompts x n={n} is {len(prompts) * n} sequences; one request makes at most "
-                       f"{MAX_CHOICES}", param="n")
+    if len(prompts) * best_of > MAX_CHOICES:
+        what = f"n={n}" if best_of == n else f"best_of={best_of}"
+        raise ApiError(f"{len(prompts)} prompts x {what} is {len(prompts) * best_of} sequences; one request makes at "
+                       f"most {MAX_CHOICES}", param="best_of" if best_of > n else "n")
     stream = _flag(body, "stream")
+    if stream and best_of > n:
+        raise ApiError("best_of above n cannot stream (the best are known at the end, as in vLLM); drop stream or "
+                       "best_of", param="best_of")
     options = body.get("stream_options", {})
     if "stream_options" in body and not stream:
         raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
@@ -182,11 +195,13 @@ def parse(body: dict, *, chat: bool, model: str, tokenizer, max_len: int, draft_
                        + f", but a sequence holds {max_len} tokens; shorten the prompt or ask for at most "
                        f"{max(0, room)} tokens", param=key if room > 0 else ("messages" if chat else "prompt"),
                        code="context_length_exceeded")
-    # Choice j samples with seed + j (as vLLM's parallel sampling), so n seeded choices differ and repeat.
-    params = [base if base.seed is None or n == 1 else replace(base, seed=base.seed + j)
-              for _ in prompts for j in range(n)]
+    if best_of > n:  # ranked by the tokens' logprobs under the adjusted logits (returned only if asked for)
+        base = replace(base, logprobs=0 if base.logprobs is None else base.logprobs, logprobs_adjusted=True)
+    # Sequence j samples with seed + j (as vLLM's parallel sampling), so n seeded choices differ and repeat.
+    params = [base if base.seed is None or best_of == 1 else replace(base, seed=base.seed + j)
+              for _ in prompts for j in range(best_of)]
     return Parsed(prompts, params, _stop(body), stream, include_usage, chat, n, texts, echo, logprobs, continuous,
-                  tool_call)
+                  tool_call, best_of if best_of > n else 0)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

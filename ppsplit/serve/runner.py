@@ -76,7 +76,7 @@ class LocalRunner:
         self.eos = split.eos_token_id
         self.k = proposer.k if proposer is not None else 0
         self.lookahead = proposer.lookahead if proposer is not None else 0
-        self.sampler = Sampler(self.layout.slots, self.device, proposer)
+        self.sampler = Sampler(self.layout.slots, self.device, proposer, max_len=self.layout.max_len)
         self.structured = True  # it takes grammar requests (the pipeline of ranks does not relay their masks yet)
         captured = sorted(n for b, n in split.graphs if b == 0)
         if cuda and cuda_graphs and not captured:

@@ -20,21 +20,22 @@ logprobs (``result_shape``).
 The sampler also keeps, per sequence slot, what a request's next window needs without the host: its sampling
 parameters (written once, at admission), the output index of its next draw (the counter its randomness hashes),
 its last token and that token's position, and its drafts (and their distributions when sampling). A request whose
-logits are adjusted (``SamplingParams.adjusted``) also keeps, over the vocabulary: its bias, the ids ``min_tokens``
-holds back, the tokens of its prompt and the counts of its output's (updated on the device as tokens commit).
+logits are adjusted (``SamplingParams.adjusted``) also keeps, over the vocabulary: the ids ``min_tokens`` holds back
+and the tokens of its prompt (bool masks), the counts of its output's (updated on the device as tokens commit; int16
+where a sequence cannot hold more tokens); and its biased ids with their biases (at most ``MAX_LOGIT_BIAS``).
 """
 from __future__ import annotations
 
 import torch
 
-from ppsplit.serve.sampling import (GREEDY_BELOW, SALT_ACCEPT, SALT_TARGET, accept_greedy, accept_sampled,
-                                    filter_batch, mask_batch, uniform)
+from ppsplit.serve.sampling import (GREEDY_BELOW, MAX_LOGIT_BIAS, SALT_ACCEPT, SALT_TARGET, accept_greedy,
+                                    accept_sampled, filter_batch, mask_batch, uniform)
 
 _U64 = (1 << 64) - 1
 
 
 PROMPT, OUTPUT, BIAS, STOP = range(4)  # what an admission mark writes into its slot's vocabulary-wide state
-FLOATS, INTS = 5, 6  # admission columns (``admission_tensors``)
+FLOATS, INTS = 5, 7  # admission columns (``admission_tensors``)
 
 
 def result_width(k: int, logprobs: int = -1) -> int:
@@ -53,8 +54,10 @@ class Sampler:
     """Slot state and the per-step draw on ``device`` for a cache of ``slots`` sequence slots; ``proposer``: the
     drafter's loop (``ppsplit.serve.speculative.Proposer``) proposing ``k`` drafts per request, or ``None``."""
 
-    def __init__(self, slots: int, device, proposer=None):
+    def __init__(self, slots: int, device, proposer=None, max_len: int = 0):
         self.device, self.proposer = torch.device(device), proposer
+        # An output count never exceeds a sequence's length (``max_len``, 0: unknown).
+        self.count_dtype = torch.int16 if 0 < max_len < 1 << 15 else torch.int32
         self.k = proposer.k if proposer is not None else 0
         zeros = lambda dtype=torch.long: torch.zeros(slots, dtype=dtype, device=self.device)  # noqa: E731
         self.temperature, self.top_p, self.top_k = zeros(torch.float32), zeros(torch.float32), zeros()
@@ -62,7 +65,9 @@ class Sampler:
         self.presence, self.frequency = zeros(torch.float32), zeros(torch.float32)
         self.repetition = zeros(torch.float32)
         self.min_tokens = zeros()
-        self.counts = self.seen = self.bias = self.stops = None  # [slots, V], once a request is adjusted
+        self.logprobs_adjusted = zeros(torch.bool)  # its logprobs are those of the adjusted logits
+        self.counts = self.seen = self.stops = None  # [slots, V + 1], once a request is adjusted
+        self.bias_ids = self.bias = None  # [slots, MAX_LOGIT_BIAS + 1]
         self.marks: list = []  # admissions' marks not written yet (the vocabulary is known at the next run)
         self.last_token, self.last_position = zeros(), zeros()
         self.drafts = torch.zeros(slots, max(self.k, 1), dtype=torch.long, device=self.device)
@@ -81,6 +86,7 @@ class Sampler:
         self.presence[slots], self.frequency[slots], self.repetition[slots] = floats[:, 2], floats[:, 3], floats[:, 4]
         self.top_k[slots], self.seed[slots], self.index[slots] = ints[:, 1], ints[:, 2], ints[:, 3]
         self.min_tokens[slots] = ints[:, 4]
+        self.logprobs_adjusted[slots] = ints[:, 6] > 0
         if marks is not None or self.counts is not None:  # an admitted slot's old state is cleared, even if unused
             if marks is None:
                 marks, values = ints.new_zeros(0, 3), floats.new_zeros(0)
@@ -88,36 +94,48 @@ class Sampler:
 
     def _write_marks(self, vocab: int) -> None:
         """The pending admissions' vocabulary-wide state: the admitted slots cleared, then their marks written."""
+        slots_n, dev = len(self.seed), self.device
         if self.counts is None:
-            size, dev = (len(self.seed), vocab), self.device
-            # int32 and float32 so that marks add up with index_put_ (no mask indexing: it would wait for the device)
-            self.counts, self.seen, self.stops = (torch.zeros(size, dtype=torch.int32, device=dev) for _ in range(3))
-            self.bias = torch.zeros(size, dtype=torch.float32, device=dev)
+            # Every mark writes each state; a mark of another kind lands in the last column, never read (no mask
+            # indexing: it would wait for the device), so duplicate ids write the same True and are harmless.
+            self.counts = torch.zeros(slots_n, vocab + 1, dtype=self.count_dtype, device=dev)
+            self.seen, self.stops = (torch.zeros(slots_n, vocab + 1, dtype=torch.bool, device=dev) for _ in range(2))
+            self.bias_ids = torch.zeros(slots_n, MAX_LOGIT_BIAS + 1, dtype=torch.long, device=dev)
+            self.bias = torch.zeros(slots_n, MAX_LOGIT_BIAS + 1, dtype=torch.float32, device=dev)
         for slots, marks, values in self.marks:
             for state in (self.counts, self.seen, self.stops, self.bias):
                 state.index_fill_(0, slots, 0)
             slot, kind, token = marks[:, 0], marks[:, 1], marks[:, 2]
-            for state, of in ((self.counts, OUTPUT), (self.seen, PROMPT), (self.stops, STOP)):
-                state.index_put_((slot, token), (kind == of).int(), accumulate=True)
-            self.bias.index_put_((slot, token), torch.where(kind == BIAS, values, 0), accumulate=True)
+            self.counts.index_put_((slot, torch.where(kind == OUTPUT, token, vocab)),
+                                   torch.ones((), dtype=self.count_dtype, device=dev), accumulate=True)
+            for state, of in ((self.seen, PROMPT), (self.stops, STOP)):
+                state.index_put_((slot, torch.where(kind == of, token, vocab)), torch.ones((), dtype=torch.bool,
+                                                                                        device=dev))
+            column = bias_columns(slot, kind)
+            self.bias_ids.index_put_((slot, column), token)
+            self.bias.index_put_((slot, column), torch.where(kind == BIAS, values, 0))
         self.marks = []
 
     def adjust(self, window: torch.Tensor, slot: torch.Tensor, drafts: torch.Tensor, num: torch.Tensor,
                index: torch.Tensor) -> torch.Tensor:
         """``sampling.adjusted_logits`` for every drawing request's window ``[D, K + 1, V]``: row ``j`` follows the
         output so far and the window's first ``j`` drafts (``drafts [D, K]``, ``num [D]`` real)."""
-        k = drafts.shape[1]
-        logits = window.float() + self.bias[slot][:, None]
+        k, vocab = drafts.shape[1], window.shape[-1]
+        if self.marks:  # admitted since the last run (called on its own, as the tests do)
+            self._write_marks(vocab)
+        bias = window.new_zeros(len(slot), vocab, dtype=torch.float32).scatter_add_(
+            1, self.bias_ids[slot, :MAX_LOGIT_BIAS], self.bias[slot, :MAX_LOGIT_BIAS])
+        logits = window.float() + bias[:, None]
         j = torch.arange(k + 1, device=logits.device)
         early = (index[:, None] + j) < self.min_tokens[slot][:, None]  # [D, K + 1]
-        logits = logits.masked_fill(early[..., None] & (self.stops[slot] > 0)[:, None], float("-inf"))
-        counts = self.counts[slot].float()[:, None].expand(-1, k + 1, -1)
+        logits = logits.masked_fill(early[..., None] & self.stops[slot, :vocab][:, None], float("-inf"))
+        counts = self.counts[slot, :vocab].float()[:, None].expand(-1, k + 1, -1)
         if k:
             valid = (j[:k] < num[:, None]).float()[..., None]
             ahead = torch.zeros(len(slot), k, logits.shape[-1], device=logits.device).scatter_(
                 2, drafts.clamp_min(0)[..., None], valid).cumsum(1)
             counts = counts + torch.cat([ahead.new_zeros(len(slot), 1, logits.shape[-1]), ahead], 1)
-        seen = (self.seen[slot] > 0)[:, None] | (counts > 0)
+        seen = self.seen[slot, :vocab][:, None] | (counts > 0)
         penalty = torch.where(seen, self.repetition[slot][:, None, None], 1.0)
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
         return (logits - self.frequency[slot][:, None, None] * counts
@@ -197,9 +215,11 @@ class Sampler:
         out[d, 2:3 + k] = committed
         if adjusted:
             rows_of = slot[:, None].expand_as(committed)
-            self.counts.index_put_((rows_of, committed.clamp_min(0)), (committed >= 0).int(), accumulate=True)
+            self.counts.index_put_((rows_of, torch.where(committed >= 0, committed, logits.shape[-1])),
+                                   torch.ones((), dtype=self.count_dtype, device=dev), accumulate=True)
         if logprobs >= 0:
-            out[d, 3 + 3 * k:result_width(k, logprobs)] = logprob_columns(window, committed, logprobs)
+            source = torch.where(self.logprobs_adjusted[slot][:, None, None], target, window) if adjusted else window
+            out[d, 3 + 3 * k:result_width(k, logprobs)] = logprob_columns(source, committed, logprobs)
         if k:
             out[d, 3 + k:3 + 2 * k] = torch.where(j[:k] < num[:, None], drafts, -1)
             proposed = self.proposer.feed(aux, ids, positions, batch, last, token, self, sampled, cut_k, cut_p)
@@ -214,9 +234,19 @@ class Sampler:
         return out
 
 
+def bias_columns(slot: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
+    """Each admission mark's column in its slot's sparse bias: ``BIAS`` marks numbered from 0 per slot (an
+    admission's marks are consecutive), other marks the unread last column."""
+    is_bias = kind == BIAS
+    at = torch.arange(len(kind), device=kind.device)
+    same = torch.cat([is_bias[:1] & False, is_bias[:-1] & (slot[1:] == slot[:-1])])
+    start = torch.where(is_bias & ~same, at, 0).cummax(0).values
+    return torch.where(is_bias, at - start, MAX_LOGIT_BIAS)
+
+
 def logprob_columns(window: torch.Tensor, committed: torch.Tensor, width: int) -> torch.Tensor:
-    """``[D, (K + 1) * (1 + 2 * width)]``: per committed token, its logprob under the model (``log_softmax`` of the
-    unadjusted logits), the ``width`` most likely ids and their logprobs (float32 bits)."""
+    """``[D, (K + 1) * (1 + 2 * width)]``: per committed token, its logprob under ``window`` (``log_softmax`` of the
+    model's logits, or of the adjusted ones), the ``width`` most likely ids and their logprobs (float32 bits)."""
     lp = torch.log_softmax(window.float(), -1)
     chosen = lp.gather(2, committed.clamp_min(0)[..., None])
     top = lp.topk(width, dim=-1)
@@ -226,14 +256,16 @@ def logprob_columns(window: torch.Tensor, committed: torch.Tensor, width: int) -
 
 def admission_tensors(admissions):
     """What a slot keeps of each admitted request (``Scheduler``'s ``Admission``), as it travels: ``floats [A, 5]``
-    (temperature, top-p, presence, frequency and repetition penalties), ``ints [A, 6]`` (slot, top-k, seed as int64
-    (its low 64 bits), output index of the next draw, min_tokens, adjusted); with an adjusted request also its marks
-    ``[E, 3]`` (slot, ``PROMPT`` / ``OUTPUT`` / ``BIAS`` / ``STOP``, token id) and their values ``float32 [E]``."""
+    (temperature, top-p, presence, frequency and repetition penalties), ``ints [A, 7]`` (slot, top-k, seed as int64
+    (its low 64 bits), output index of the next draw, min_tokens, adjusted, logprobs of the adjusted logits); with an
+    adjusted request also its marks ``[E, 3]`` (slot, ``PROMPT`` / ``OUTPUT`` / ``BIAS`` / ``STOP``, token id) and
+    their values ``float32 [E]``."""
     floats = torch.tensor([(a.params.temperature, a.params.top_p, a.params.presence_penalty,
                             a.params.frequency_penalty, a.params.repetition_penalty) for a in admissions],
                           dtype=torch.float32)
     ints = torch.tensor([(a.slot, a.params.top_k, _int64(a.seed), a.index, a.params.min_tokens,
-                          int(a.params.adjusted)) for a in admissions], dtype=torch.long)
+                          int(a.params.adjusted), int(a.params.logprobs_adjusted)) for a in admissions],
+                         dtype=torch.long)
     out = (floats.view(-1, FLOATS), ints.view(-1, INTS))
     marks, values = [], []
     for a in admissions:

@@ -10,7 +10,8 @@ penalties as vLLM defines them (``vllm/model_executor/layers/utils.py: apply_pen
 divides a positive logit (multiplies a negative one) of every token seen in the prompt or the output, and
 ``frequency_penalty * count + presence_penalty * (count > 0)`` is subtracted, ``count`` being the token's occurrences
 in the output so far (OpenAI's definition). The target distribution that greedy, sampling and the rejection rule use
-is the adjusted one; ``logprobs`` are the unadjusted model's (``log_softmax`` of the logits, as vLLM's default). A
+is the adjusted one; ``logprobs`` are the unadjusted model's (``log_softmax`` of the logits, as vLLM's default), or
+with ``logprobs_adjusted`` the adjusted logits' (vLLM's processed logprobs, before the temperature). A
 request with a grammar then has the ids it forbids masked (``mask_batch``; ``ppsplit.serve.structured``).
 
 Randomness is counter-based: the uniform a request draws with is a hash of its seed, the output index of the token
@@ -40,6 +41,8 @@ class SamplingParams:
     2), ``repetition_penalty`` (> 0, 1: none), ``logit_bias`` (``{token id: bias}``, -100 to 100): see the module
     docstring; ``logprobs``: return each new token's log-probability and the ``logprobs`` most likely alternatives
     (0 to ``MAX_LOGPROBS``), ``None``: none; ``prompt_logprobs``: the same for each prompt token after the first;
+    ``logprobs_adjusted``: the output's logprobs are those of the adjusted logits (bias, ``min_tokens``, penalties;
+    before temperature), vLLM's processed logprobs, which ``best_of`` ranks by; else the model's.
     ``grammar``: a ``ppsplit.serve.structured.Grammar`` the output follows (its token mask applied after the
     adjustments, before temperature), ending the request where the grammar ends.
 
@@ -63,6 +66,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: Grammar | None = None
+    logprobs_adjusted: bool = False
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -110,6 +114,8 @@ class SamplingParams:
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise ConfigError(f"grammar must be a ppsplit.serve.structured.Grammar (Grammars.compile), but got "
                               f"{type(self.grammar).__name__}")
+        if not isinstance(self.logprobs_adjusted, bool):
+            raise ConfigError(f"logprobs_adjusted must be true or false, but got {self.logprobs_adjusted!r}")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
 

@@ -112,19 +112,28 @@ class StepPlan:
 
 
 class BlockPool:
-    """The free blocks of the cache's pool (host bookkeeping; the stages never allocate)."""
+    """The free blocks of the cache's pool and each block's holders (host bookkeeping; the stages never allocate).
+    A block several sequences read (the prompt blocks ``n`` choices share) returns to the pool when its last holder
+    gives it back."""
 
     def __init__(self, num_blocks: int):
         self.free = list(range(num_blocks - 1, -1, -1))
         self.total = num_blocks
+        self.refs = np.zeros(num_blocks, dtype=np.int64)
 
     def take(self, n: int) -> list[int] | None:
         if n > len(self.free):
             return None
-        return [self.free.pop() for _ in range(n)]
+        blocks = [self.free.pop() for _ in range(n)]
+        self.refs[blocks] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        self.refs[blocks] += 1
 
     def give(self, blocks: list[int]) -> None:
-        self.free.extend(reversed(blocks))
+        self.refs[blocks] -= 1
+        self.free.extend(b for b in reversed(blocks) if self.refs[b] == 0)
 
     @property
     def in_use(self) -> int:
@@ -135,7 +144,8 @@ class Scheduler:
     """Requests, sequence slots and blocks, and what each step feeds (see the module docstring)."""
 
     def __init__(self, layout: CacheLayout, *, vocab: int, eos=(), k: int = 0, budget: int = 256,
-                 max_seqs: int | None = None, buckets=(), lag: bool = False, lookahead: int | None = None):
+                 max_seqs: int | None = None, buckets=(), lag: bool = False, lookahead: int | None = None,
+                 share_prompts: bool = True):
         self.layout, self.vocab, self.eos, self.k = layout, vocab, set(eos), k
         self.lookahead = k if lookahead is None else lookahead  # positions past a window the drafter writes
         self.budget, self.buckets, self.lag = budget, sorted(buckets), lag
@@ -149,12 +159,21 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.share_prompts = share_prompts  # off where a prompt leaves state outside the blocks (recurrent layers)
+        self.held: dict[str, list[Request]] = {}  # a parent's id -> the requests waiting to share its prompt blocks
+        self.shared_tokens = 0  # prompt tokens requests took from another's blocks instead of computing them
         self._ids = itertools.count()
 
     # -- requests ------------------------------------------------------------------------------------------------
-    def add(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None,
+            parent: str | None = None) -> str:
         """Queue a request; it joins at the next step. Refused with one line before anything is queued: an empty
-        prompt, an id outside the vocabulary, a prompt (plus ``max_tokens``) longer than a sequence of the cache."""
+        prompt, an id outside the vocabulary, a prompt (plus ``max_tokens``) longer than a sequence of the cache.
+
+        ``parent``: an unfinished request with the same prompt (another of ``n`` choices) whose prompt blocks this
+        one shares once they are written: it then computes only the prompt's last, partial block itself (see
+        ``_fork``). Without sharing (no full block before the prompt's last token, prompt logprobs asked for, a
+        cache with recurrent state, the parent gone) it is an independent request."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be a ppsplit SamplingParams, but got {type(params).__name__}")
@@ -188,7 +207,14 @@ class Scheduler:
         request = Request(request_id, prompt, params, seed, arrival=len(self.requests),
                           matcher=params.grammar.matcher() if params.grammar is not None else None)
         self.requests[request_id] = request
-        self.waiting.append(request)
+        source = self.requests.get(str(parent)) if parent is not None else None
+        if (source is not None and source is not request and source.finish_reason is None and self.share_prompts
+                and source.prompt == prompt and self._shareable(prompt) and params.prompt_logprobs is None):
+            self.held.setdefault(source.id, []).append(request)
+            if source.slot is not None and source.computed >= self._shareable(prompt) * self.layout.block_size:
+                self._fork(source)
+        else:
+            self.waiting.append(request)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -201,9 +227,13 @@ class Scheduler:
         self.release(request)
         if request in self.waiting:
             self.waiting.remove(request)
+        for held in self.held.values():
+            if request in held:
+                held.remove(request)
+        self.waiting.extend(self.held.pop(request.id, []))  # its children prefill on their own
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or any(self.held.values()))
 
     # -- a step --------------------------------------------------------------------------------------------------
     def schedule(self, max_seqs: int | None = None) -> StepPlan | None:
@@ -230,8 +260,9 @@ class Scheduler:
             self.generations[request.slot] += 1
             request.generation = self.generations[request.slot]
             self.running.append(request)
-            if not self._reserve(request, len(chunk), keep=None):
-                self.release(request)
+            self.table[request.slot, :len(request.blocks)] = request.blocks  # a forked request's shared blocks
+            if not self._reserve(request, request.computed + len(chunk), keep=None):
+                self._unseat(request)
                 break
             self.waiting.popleft()
             admissions.append(self._admission(request))
@@ -354,6 +385,9 @@ class Scheduler:
                 continue
             request.new = []
             request.computed += work.count
+            if request.id in self.held and \
+                    request.computed >= self._shareable(request.prompt) * self.layout.block_size:
+                self._fork(request)
             if not work.final:
                 continue
             row = results[r]
@@ -405,8 +439,8 @@ class Scheduler:
     # -- blocks and slots ----------------------------------------------------------------------------------------
     def _reserve(self, request: Request, end: int, keep: list | None) -> bool:
         """Blocks for positions ``0 .. end - 1`` (+ the drafts' positions ahead). When the pool is short, running
-        requests other than ``keep`` (already in this step) and not in flight are preempted, newest first;
-        ``keep=None``: none is."""
+        requests other than ``keep`` (already in this step) and not in flight are preempted, newest first, and then
+        waiting requests give up the blocks they share (they will prefill on their own); ``keep=None``: none is."""
         need = -(-(end + self.lookahead) // self.layout.block_size) - len(request.blocks)
         while need > 0:
             got = self.pool.take(need)
@@ -416,9 +450,15 @@ class Scheduler:
                 break
             victims = [r for r in self.running if r is not request and keep is not None and r not in keep
                        and not r.flight]
-            if not victims:
+            sharing = [r for r in self.waiting if r.blocks] if keep is not None else []
+            if victims:
+                self.preempt(max(victims, key=lambda r: r.arrival))
+            elif sharing:
+                for waiting in sharing:
+                    self.pool.give(waiting.blocks)
+                    waiting.blocks, waiting.computed = [], 0
+            else:
                 return False
-            self.preempt(max(victims, key=lambda r: r.arrival))
         return True
 
     def preempt(self, request: Request) -> None:
@@ -428,13 +468,37 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def release(self, request: Request) -> None:
+        self.pool.give(request.blocks)  # a shared block stays while another request holds it
+        self._unseat(request)
+        request.blocks, request.flight = [], []
+
+    def _unseat(self, request: Request) -> None:
+        """Give the request's slot back (its blocks stay its own)."""
         if request in self.running:
             self.running.remove(request)
         if request.slot is not None:
-            self.pool.give(request.blocks)
             self.table[request.slot] = -1
             self.free_slots.append(request.slot)
-        request.slot, request.blocks, request.flight = None, [], []
+        request.slot = None
+
+    # -- n choices of one prompt ---------------------------------------------------------------------------------
+    def _shareable(self, prompt: list[int]) -> int:
+        """The prompt's full blocks another request can read as they are: those before the block of its last token,
+        which each sharer computes itself (its logits draw its first token; a block being written is never shared)."""
+        return (len(prompt) - 1) // self.layout.block_size
+
+    def _fork(self, source: Request) -> None:
+        """The requests held for ``source``'s prompt take its first full blocks (written: ``source.computed`` is past
+        them) and wait, first in line, to compute the rest of their prompt. Recomputing the tail (one block at most)
+        rather than copying the partial block keeps sharing host bookkeeping: no copy in every stage's cache, and
+        across ranks no new message (vLLM v1's parallel sampling over prefix caching recomputes it too)."""
+        shared = self._shareable(source.prompt)
+        blocks = source.blocks[:shared]
+        for child in reversed(self.held.pop(source.id, [])):
+            self.pool.share(blocks)
+            child.blocks, child.computed = list(blocks), shared * self.layout.block_size
+            self.shared_tokens += child.computed
+            self.waiting.appendleft(child)
 
     @property
     def blocks_in_use(self) -> int:

@@ -134,8 +134,10 @@ class Server:
             for index, params in enumerate(parsed.params):
                 events = _Events()
                 self.live.add(events)
+                # A prompt's other sequences share the prompt blocks of its first (the engine prefills it once).
+                parent = choices[index - index % parsed.per].request_id if index % parsed.per else None
                 try:
-                    request_id = self.loop.submit(parsed.prompt_of(index), params, events)
+                    request_id = self.loop.submit(parsed.prompt_of(index), params, events, parent=parent)
                 except QueueFull as e:
                     raise ApiError(str(e), status=503, kind="server_error", code="queue_full") from None
                 choices.append(Choice(index, request_id, events))
@@ -262,8 +264,8 @@ def build_app(server: Server) -> FastAPI:
             return Response(status_code=499)
         gone.cancel()
         answers = whole.result()
-        use = usage(sum(len(p) for p in parsed.prompts), sum(tokens for _, tokens in answers))
-        return JSONResponse(completion_body(rid, server.model, created, [body for body, _ in answers], use, chat))
+        use = usage(sum(len(p) for p in parsed.prompts), sum(tokens for _, tokens, _ in answers))  # best_of: all
+        return JSONResponse(completion_body(rid, server.model, created, returned_choices(parsed, answers), use, chat))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -305,21 +307,36 @@ def build_app(server: Server) -> FastAPI:
 
 
 async def _collect(server: Server, parsed, choice: Choice):
-    """A choice's whole answer: ``(choice body, tokens generated)``."""
-    parts, ids, entries = [], [], []
+    """A choice's whole answer: ``(choice body, tokens generated, cumulative logprob of its tokens)``."""
+    parts, ids, entries, cumulative = [], [], [], 0.0
     async for delta in server.deltas(parsed, choice):
         if parsed.echo and not parts:  # the prompt (and its logprobs) first
             ids, entries = list(parsed.prompt_of(choice.index)), list(delta.prompt_logprobs)
         parts.append(delta.text)
         ids += delta.token_ids
         entries += delta.logprobs
+        cumulative += sum(lp for lp, _ in delta.logprobs)
         if delta.finish is not None:
-            text = (parsed.texts[choice.index // parsed.n] if parsed.echo else "") + "".join(parts)
+            text = (parsed.texts[choice.index // parsed.per] if parsed.echo else "") + "".join(parts)
             logprobs = None if parsed.logprobs is None else logprobs_body(server.tokenizer, entries, ids, parsed.chat)
             calls = tool_calls_of(text, parsed.tool_call) if parsed.tool_call and delta.finish == "stop" else None
             # OpenAI's finish: "stop" after the call it was told to make, "tool_calls" after calls it chose
             finish = delta.finish if calls is None or parsed.tool_call[0] == "function" else "tool_calls"
-            return choice_body(choice.index, text, finish, logprobs, parsed.chat, calls), delta.num_tokens
+            return (choice_body(choice.index, text, finish, logprobs, parsed.chat, calls), delta.num_tokens,
+                    cumulative)
+
+
+def returned_choices(parsed, answers: list) -> list[dict]:
+    """The choice bodies returned: with ``best_of`` above ``n``, each prompt's ``n`` sequences of the highest
+    cumulative logprob (vLLM's ``best_of``), best first, indexed ``i * n + rank``; else all, in order."""
+    if not parsed.best_of:
+        return [body for body, _, _ in answers]
+    chosen = []
+    for i in range(len(parsed.prompts)):
+        group = answers[i * parsed.per:(i + 1) * parsed.per]
+        ranked = sorted(range(len(group)), key=lambda j: -group[j][2])[:parsed.n]
+        chosen += [group[j][0] | {"index": i * parsed.n + rank} for rank, j in enumerate(ranked)]
+    return chosen
 
 
 async def _disconnected(request) -> None:
@@ -374,7 +391,7 @@ async def _chunks(server: Server, parsed, choices: list, rid: str, created: int,
             text, logprobs = delta.text, None
             ids, entries = delta.token_ids, delta.logprobs
             if parsed.echo and choice.index not in started:  # the prompt (and its logprobs) first
-                text = parsed.texts[choice.index // parsed.n] + text
+                text = parsed.texts[choice.index // parsed.per] + text
                 ids, entries = parsed.prompt_of(choice.index) + ids, delta.prompt_logprobs + entries
             if parsed.logprobs is not None and ids:
                 logprobs = logprobs_body(server.tokenizer, entries, ids, chat, choice.offset)

@@ -16,7 +16,7 @@ from ppsplit.artifact.folder import fingerprint
 from ppsplit import distributed as ppd
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.sampling import SamplingParams
-from tests.processes import generate, generate_and_fail, launch, pipelining, serve
+from tests.processes import generate, generate_and_fail, generate_choices, launch, pipelining, serve
 from tests.support import VOCAB, tiny_model
 
 TAPS = (0, 2, 4)  # all below L=5: each equals HF hidden_states[j]
@@ -142,6 +142,20 @@ def test_sampling_with_seeds_equals_single_process(folders):
     _ok(res, 4)
     single = Engine(ppsplit.load(folders["pp4"])).generate(prompts, params)
     assert [o[0] for o in res[0][1][0]] == [o.token_ids for o in single]
+
+
+def test_choices_sharing_the_prompt_blocks_equal_single_process(folders, hf):
+    """n choices across 4 ranks share the prompt's full blocks (host bookkeeping: the block tables every step
+    carries, no new message): seeded choices equal the in-process engine's, greedy ones HF's."""
+    prompt = [(7 * i) % 120 + 3 for i in range(37)]  # 2 full blocks shared
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=30 + j, ignore_eos=True) for j in range(3)]
+    params.append(SamplingParams(max_tokens=6))
+    res = launch(4, generate_choices, folders["pp4"], prompt, params, timeout=30, deadline=120)
+    _ok(res, 4)
+    tokens, shared, in_use = res[0][1]
+    assert (shared, in_use) == (3 * 32, 0)
+    assert tokens == [o.token_ids for o in Engine(ppsplit.load(folders["pp4"])).generate([prompt] * 4, params)]
+    assert tokens[3] == _expected(hf, prompt, params[3])
 
 
 def test_mismatched_ranks_fail_on_every_rank(folders):

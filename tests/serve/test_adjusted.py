@@ -1,6 +1,8 @@
 """Logits adjusted in the engine's batched sampler (logit_bias, min_tokens, presence / frequency / repetition
 penalties) and logprobs, against a per-request reference (``sampling.adjusted_logits``, written from vLLM's and
 OpenAI's definitions) over Hugging Face's logits, one request at a time (fp32, CPU)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -23,14 +25,15 @@ def llama():
 
 def reference(model, prompt, params: SamplingParams):
     """Greedy decoding of one request: argmax of ``adjusted_logits`` of HF's logits; ``(ids, logprobs)`` where
-    logprobs are ``log_softmax`` of HF's unadjusted logits at each chosen id."""
+    logprobs are ``log_softmax`` of HF's logits at each chosen id (of the adjusted ones with ``logprobs_adjusted``)."""
     out, logprobs = [], []
     with torch.no_grad():
         while len(out) < params.max_tokens:
             logits = model(torch.tensor([prompt + out])).logits[0, -1]
-            token = int(adjusted_logits(logits, params, prompt, out, () if params.ignore_eos else (EOS,)).argmax())
+            adjusted = adjusted_logits(logits, params, prompt, out, () if params.ignore_eos else (EOS,))
+            token = int(adjusted.argmax())
             out.append(token)
-            logprobs.append(torch.log_softmax(logits.float(), -1))
+            logprobs.append(torch.log_softmax((adjusted if params.logprobs_adjusted else logits).float(), -1))
             if (token == EOS and not params.ignore_eos) or token in params.stop_token_ids:
                 break
     return out, logprobs
@@ -63,6 +66,10 @@ def test_adjusted_greedy_requests_each_equal_the_reference(tmp_path, llama, pp, 
     prompts += [list(range(30, 60))]  # a prompt read in two chunks, its logprobs kept from both
     params += [SamplingParams(max_tokens=8, logprobs=2), SamplingParams(max_tokens=8, ignore_eos=True),
                SamplingParams(max_tokens=3, prompt_logprobs=0)]
+    # vLLM's processed logprobs (what best_of ranks by): penalties, and a bias with min_tokens
+    prompts += [prompts[2], prompts[3]]
+    params += [replace(params[2], prompt_logprobs=None, logprobs_adjusted=True),
+               replace(params[3], logprobs=2, logprobs_adjusted=True)]
     engine = Engine(split, drafter=drafter, num_draft_tokens=k, async_scheduling=lag, max_num_batched_tokens=24)
     outs = engine.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, outs):
@@ -181,3 +188,35 @@ def test_speculative_sampling_with_adjustments_follows_the_adjusted_distribution
     with torch.no_grad():
         unadjusted = filtered_probs(model(torch.tensor([prompt])).logits[0, -1], plain)
     assert (unadjusted - first).abs().sum() > 0.2  # the adjustment moves the distribution
+
+
+def test_the_compact_slot_state_equals_the_reference_at_its_limits():
+    """The state is bool masks, int16 counts (a sequence of 512 positions) and a sparse bias: three requests admitted
+    in one step (300 biased ids, prompts repeating ids, an output after a preemption, stop ids given twice), then one
+    slot admitted again (its old state cleared): the batched adjustment equals ``adjusted_logits`` per request."""
+    from ppsplit.serve.sampler import Sampler
+    from ppsplit.serve.scheduler import Admission
+
+    vocab, g = 1000, torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    sampler = Sampler(4, "cpu", max_len=512)
+
+    def check(requests):
+        sampler.admit([Admission(slot, p, 0, len(out), tuple(prompt), tuple(out), (EOS, EOS) + p.stop_token_ids)
+                       for slot, p, prompt, out in requests])
+        slot = torch.tensor([r[0] for r in requests])
+        logits = torch.randn(len(requests), 1, vocab, generator=g) * 3
+        got = sampler.adjust(logits, slot, torch.zeros(len(requests), 0, dtype=torch.long),
+                             torch.zeros(len(requests), dtype=torch.long), sampler.index[slot])
+        for i, (_, p, prompt, out) in enumerate(requests):
+            want = adjusted_logits(logits[i, 0], p, prompt, out, (EOS,))
+            torch.testing.assert_close(got[i, 0], want, rtol=1e-6, atol=1e-5)
+
+    biased = dict(zip(ids(300), torch.linspace(-100, 100, 300).tolist()))
+    check([(0, SamplingParams(max_tokens=60, logit_bias=biased, repetition_penalty=1.3), ids(40), []),
+           (1, SamplingParams(max_tokens=60, frequency_penalty=0.8, presence_penalty=-0.4, min_tokens=30,
+                              stop_token_ids=(5, 5, 9)), [7] * 12 + ids(5), [3, 3, 3] + ids(20)),
+           (3, SamplingParams(max_tokens=9, logit_bias={4: 2.0, 999: -3.5}, min_tokens=2), [4, 4], [])])
+    check([(0, SamplingParams(max_tokens=8, logit_bias={17: 1.5}, presence_penalty=1.0), [17, 18], [18])])
+    assert (sampler.counts.dtype, sampler.seen.dtype, sampler.stops.dtype) == (torch.int16, torch.bool, torch.bool)
+    assert Sampler(4, "cpu", max_len=1 << 15).count_dtype == torch.int32

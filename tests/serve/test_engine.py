@@ -227,6 +227,11 @@ def test_a_hybrid_speculates_per_request_like_alone(tmp_path):
         assert out.token_ids == hf(model, prompt, p)
         assert out.drafts == alone.drafts and out.accepted == alone.accepted
     assert any(sum(o.accepted) < 3 * len(o.accepted) for o in together)  # some drafts were rejected
+    # The rings keep a prompt's state per slot, outside the blocks: n choices fall back to prefilling on their own.
+    engine, prompt = Engine(split), list(range(3, 24))
+    final, fed, most = run_group(engine, prompt, [SamplingParams(max_tokens=5, ignore_eos=True)] * 2)
+    assert not engine.scheduler.share_prompts and (fed, most) == (2 * len(prompt), 1)
+    assert final[0].token_ids == final[1].token_ids == hf(model, prompt, SamplingParams(max_tokens=5, ignore_eos=True))
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
@@ -296,3 +301,141 @@ def test_a_step_reads_the_device_once_whatever_the_batch(tmp_path, llama, with_d
             engine.step()
         counts[n] = reads.count
     assert counts[16] == counts[1] <= 1, counts
+
+
+# -- n choices of one prompt: its full blocks shared, copy-on-write ----------------------------------------------
+
+def holders_match_refs(sched) -> None:
+    """Every block's reference count is the number of requests holding it, and a free block has none."""
+    held = {}
+    for request in sched.requests.values():
+        for b in request.blocks:
+            held[b] = held.get(b, 0) + 1
+    assert {b: int(r) for b, r in enumerate(sched.pool.refs) if r} == held
+    assert sorted(sched.pool.free) == sorted(set(range(sched.pool.total)) - set(held))
+
+
+def run_group(engine, prompt, params: list[SamplingParams], share=True, abort=None):
+    """Add the choices (choice 0 the parent), run to the end checking the block counts after every step; the
+    final outputs by choice, the prompt tokens scheduled and the most holders one block had."""
+    sched, fed, most = engine.scheduler, [0], [0]
+    schedule = sched.schedule
+
+    def counted(*a, **kw):
+        plan = schedule(*a, **kw)
+        if plan is not None:
+            fed[0] += sum(min(w.count, len(r.prompt) - w.position) for r, w in plan.entries
+                          if not w.fed and w.position < len(r.prompt))
+        return plan
+
+    sched.schedule = counted
+    ids = [engine.add_request(prompt, params[0])]
+    ids += [engine.add_request(prompt, p, parent=ids[0] if share else None) for p in params[1:]]
+    final, step = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[ids.index(out.request_id)] = out
+        step += 1
+        if abort is not None and step in abort:
+            engine.abort(ids[abort[step]])
+        holders_match_refs(sched)
+        most[0] = max(most[0], int(sched.pool.refs.max()))
+    assert engine.blocks_in_use == 0 and not sched.pool.refs.any()
+    return final, fed[0], most[0]
+
+
+@pytest.mark.parametrize("pp, lag", [(1, False), (2, False), (1, True)])
+def test_n_choices_prefill_the_prompt_once_and_equal_independent_requests(llama, pp, lag):
+    """A prompt of 2 blocks + 1 token: choice 0 prefills it, the other 3 share its 2 full blocks and compute only
+    the last token (33 + 3 prompt tokens, not 4 x 33); each choice equals the same request made on its own."""
+    _, traced = llama
+    split = ppsplit.split_model(traced, pp)
+    prompt = [random.Random(5).randrange(3, V) for _ in range(33)]
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=40 + j, ignore_eos=True) for j in range(4)]
+    shared, fed, most = run_group(Engine(split, async_scheduling=lag), prompt, params)
+    alone, fed_alone, most_alone = run_group(Engine(split, async_scheduling=lag), prompt, params, share=False)
+    assert (fed, most) == (33 + 3, 4) and (fed_alone, most_alone) == (4 * 33, 1)
+    assert [shared[j].token_ids for j in range(4)] == [alone[j].token_ids for j in range(4)]
+    assert len({tuple(shared[j].token_ids) for j in range(4)}) == 4
+
+
+def test_greedy_choices_equal_hf_and_survive_preemption_and_aborts(llama):
+    """Greedy choices equal each other and HF; 14 blocks for two groups of long outputs: choices are preempted
+    (recomputed on their own) while others still read the shared blocks; an abort mid-way (of the parent, then of a
+    choice) leaves the others' output alone; the counts return to zero."""
+    model, traced = llama
+    engine = Engine(ppsplit.split_model(traced, 2), max_num_batched_tokens=32)
+    preempted = []
+    preempt = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda r: (preempted.append(r.id), preempt(r))[1]
+    prompt = list(range(3, 20))  # one full block shared; 4 x 77 positions need 17 blocks
+    params = [SamplingParams(max_tokens=60, ignore_eos=True)] * 4
+    expected = hf(model, prompt, params[0])
+    final, _, most = run_group(engine, prompt, params)
+    assert [final[j].token_ids for j in range(4)] == [expected] * 4 and preempted and most == 4
+    final, _, _ = run_group(engine, prompt, params[:3], abort={4: 0, 9: 2})
+    assert list(final) == [1] and final[1].token_ids == expected
+
+
+def test_choices_held_for_a_parent_aborted_before_its_prefill_prefill_on_their_own(llama):
+    model, traced = llama
+    prompt = list(range(40, 80))
+    params = [SamplingParams(max_tokens=6, ignore_eos=True)] * 3
+    engine2 = Engine(ppsplit.split_model(traced, 1))
+    parent = engine2.add_request(prompt, params[0])
+    ids = [engine2.add_request(prompt, p, parent=parent) for p in params[1:]]
+    engine2.abort(parent)
+    outs = {}
+    while engine2.has_unfinished():
+        outs.update({o.request_id: o for o in engine2.step() if o.finished})
+    assert [outs[i].token_ids for i in ids] == [hf(model, prompt, params[0])] * 2
+    assert engine2.blocks_in_use == 0 and not engine2.scheduler.pool.refs.any()
+
+
+def test_a_request_that_needs_the_whole_pool_takes_the_blocks_waiting_choices_share(llama):
+    """A pool of 5 blocks, a request R that needs all 5, and 3 choices of a finished parent waiting (2 slots) with
+    its first block: R takes that block back (the waiting choices then prefill on their own) instead of stalling."""
+    model, _ = llama
+    traced = ppsplit.trace_model(model, cache=CacheConfig(batch_size=4, max_len=80, num_blocks=5))
+    engine = Engine(ppsplit.split_model(traced, 1), max_num_seqs=2)
+    prompt, long = list(range(3, 20)), list(range(40, 80))
+    params = [SamplingParams(max_tokens=1, ignore_eos=True)] + [SamplingParams(max_tokens=20, ignore_eos=True)] * 3
+    parent = engine.add_request(prompt, params[0])
+    ids = [parent] + [engine.add_request(prompt, p, parent=parent) for p in params[1:]]
+    ids.append(engine.add_request(long, SamplingParams(max_tokens=36, ignore_eos=True)))
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        holders_match_refs(engine.scheduler)
+    assert [final[i] for i in ids[1:4]] == [hf(model, prompt, params[1])] * 3
+    assert final[ids[4]] == hf(model, long, SamplingParams(max_tokens=36, ignore_eos=True))
+    assert engine.scheduler.shared_tokens >= 16 and engine.blocks_in_use == 0
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_choices_with_a_drafter_draft_as_independent_requests(tmp_path, family):
+    """The drafter's cache rides the target's block tables, so the shared blocks hold its entries for the prompt too:
+    each choice's drafts and acceptances are those of the same request made on its own, and its tokens HF greedy."""
+    from tests.eagle3.test_dflash import BLOCK, TAPS, small, zlab_drafter
+
+    model, traced = small()
+    split = ppsplit.split_model(traced, 2, aux=TAPS)
+    if family == "dflash":
+        zlab_drafter(tmp_path / "z", 32, seed=1, scale=0.5)
+        drafter, k = ppsplit.load_drafter(str(tmp_path / "z"), split=split), BLOCK - 1
+    else:
+        cfg = drafter_config(model.config, aux_ids=[t - 1 for t in TAPS])
+        drafter = ppsplit.load_drafter(write_drafter(str(tmp_path / "e"), cfg, random_drafter_tensors(cfg, scale=2.0)),
+                                       split=split)
+        k = 3
+    prompt = torch.randint(3, 32, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = [SamplingParams(max_tokens=30, ignore_eos=True)] * 3
+    shared, fed, _ = run_group(Engine(split, drafter=drafter, num_draft_tokens=k), prompt, params)
+    alone, _, _ = run_group(Engine(split, drafter=drafter, num_draft_tokens=k), prompt, params, share=False)
+    assert fed == 21 + 2 * 5
+    expected = hf(model, prompt, params[0])
+    for j in range(3):
+        assert shared[j].token_ids == alone[j].token_ids == expected
+        assert (shared[j].drafts, shared[j].accepted) == (alone[j].drafts, alone[j].accepted)
+    assert sum(sum(o.accepted) for o in shared.values()) > 0

@@ -129,6 +129,7 @@ def oracle(folder):
     def outputs(prompts, max_tokens):
         return engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
 
+    outputs.engine = engine
     return outputs, tok
 
 
@@ -260,11 +261,11 @@ def _wait_for(condition, seconds: float = 20):
     return False
 
 
-def _open_stream(live, max_tokens: int, chunks: int = 2):
+def _open_stream(live, max_tokens: int, chunks: int = 2, **extra):
     """A raw streaming request; returns the connection after ``chunks`` events arrived."""
     conn = live.connection()
     conn.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": "Hello", "stream": True,
-                                                             "max_tokens": max_tokens, "temperature": 0}),
+                                                             "max_tokens": max_tokens, "temperature": 0} | extra),
                  headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200
@@ -304,7 +305,9 @@ BAD = [
     ({"model": MODEL, "prompt": "a", "presence_penalty": 3}, "presence_penalty", "from -2 to 2"),
     ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 200}}, "logit_bias", "from -100 to 100"),
     ({"model": MODEL, "prompt": "a", "min_tokens": 20, "max_tokens": 5}, "min_tokens", "to max_tokens"),
-    ({"model": MODEL, "prompt": "a", "best_of": 3}, "best_of", "must equal n"),
+    ({"model": MODEL, "prompt": "a", "best_of": 2, "n": 3}, "best_of", "must be at least n (3)"),
+    ({"model": MODEL, "prompt": "a", "best_of": 3, "stream": True}, "best_of", "cannot stream"),
+    ({"model": MODEL, "prompt": ["a"] * 9, "best_of": 8}, "best_of", "at most 64"),
     ({"model": MODEL, "prompt": "a", "stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
     ({"model": MODEL, "prompt": "a", "n": 0}, "n", "from 1 to 64"),
     ({"model": MODEL, "prompt": ["a"] * 20, "n": 4}, "n", "at most 64"),
@@ -515,6 +518,49 @@ def test_batched_prompts_and_n_choices(live, oracle):
     assert echo.choices[0].text == PROMPTS[0] + text_of(tok, outputs([tok.encode(PROMPTS[0])], [4])[0].token_ids)
 
 
+def test_n_choices_share_the_prompt_and_best_of_returns_the_most_likely(live, oracle):
+    """n=4 seeded (a prompt over two blocks: the choices share its full blocks): four distinct sequences, repeated,
+    each equal to the n=1 request with seed + j; best_of=4, n=2: the two of those four with the highest cumulative
+    logprob, best first, usage counting all four. The blocks all return, also after a client drops an n=4 stream."""
+    outputs, tok = oracle
+    prompt = " ".join(PROMPTS)
+    assert len(tok.encode(prompt)) > 33
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0)
+    shared = live.metrics()["ppsplit_prompt_tokens_shared_total"]
+    four = live.client.completions.create(n=4, seed=21, logprobs=0, **kw)
+    full_blocks = (len(tok.encode(prompt)) - 1) // 16  # before the prompt's last token: choices 1..3 take them
+    assert live.metrics()["ppsplit_prompt_tokens_shared_total"] == shared + 3 * full_blocks * 16
+    again = live.client.completions.create(n=4, seed=21, logprobs=0, **kw)
+    texts = [c.text for c in four.choices]
+    assert [c.index for c in four.choices] == [0, 1, 2, 3] and len(set(texts)) == 4
+    assert [c.text for c in again.choices] == texts
+    alone = [live.client.completions.create(seed=21 + j, logprobs=0, **kw).choices[0] for j in range(4)]
+    assert [c.text for c in alone] == texts
+    cumulative = [sum(c.logprobs.token_logprobs) for c in four.choices]
+    assert all(abs(sum(a.logprobs.token_logprobs) - c) < 1e-4 for a, c in zip(alone, cumulative))
+    best = live.client.completions.create(n=2, best_of=4, seed=21, **kw)
+    order = sorted(range(4), key=lambda j: -cumulative[j])[:2]
+    assert [(c.index, c.text) for c in best.choices] == [(0, texts[order[0]]), (1, texts[order[1]])]
+    assert best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == four.usage.completion_tokens
+    assert best.usage.prompt_tokens == four.usage.prompt_tokens == len(tok.encode(prompt))
+    # With a penalty the ranking is by the adjusted logits' logprobs (vLLM's old best_of), which it then returns.
+    penalised = [SamplingParams(max_tokens=8, temperature=1.0, seed=21 + j, frequency_penalty=1.5,
+                                presence_penalty=1.0, logprobs=0, logprobs_adjusted=True) for j in range(4)]
+    ref = outputs.engine.generate([tok.encode(prompt)] * 4, penalised)
+    ranked = sorted(range(4), key=lambda j: -sum(lp for lp, _ in ref[j].logprobs))[:2]
+    best = live.client.completions.create(n=2, best_of=4, seed=21, frequency_penalty=1.5, presence_penalty=1.0,
+                                          logprobs=0, **kw)
+    assert [c.text for c in best.choices] == [text_of(tok, ref[j].token_ids) for j in ranked]
+    assert [sum(c.logprobs.token_logprobs) for c in best.choices] == \
+        pytest.approx([sum(lp for lp, _ in ref[j].logprobs) for j in ranked], abs=1e-4)
+    conn, _ = _open_stream(live, max_tokens=60, chunks=3, prompt=prompt, n=4, temperature=1.0, seed=2)
+    assert live.metrics()["ppsplit_kv_blocks_in_use"] > 0
+    conn.sock.shutdown(2)
+    conn.close()
+    assert _wait_for(lambda: live.metrics()["ppsplit_kv_blocks_in_use"] == 0)
+
+
 def test_echo_with_logprobs_gives_the_prompt_logprobs(live, oracle):
     """lm-evaluation-harness's log-likelihood request (echo, logprobs 1, max_tokens 1, temperature 0): every prompt
     token but the first has its logprob (HF's log_softmax) and its top alternative, whole and streamed."""
@@ -616,6 +662,10 @@ def test_ranks_2_gives_the_same_outputs_and_a_dead_rank_ends_the_server(folder, 
                                                      max_tokens=5, temperature=0)
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]), add_special_tokens=False)
         assert chat.choices[0].message.content == text_of(tok, outputs([ids], [5])[0].token_ids)
+        long = tok.encode(" ".join(PROMPTS))  # n choices across the ranks share its full blocks
+        two = server.client.completions.create(model=MODEL, prompt=long, max_tokens=5, temperature=0, n=2)
+        assert [c.text for c in two.choices] == [text_of(tok, outputs([long], [5])[0].token_ids)] * 2
+        assert server.metrics()["ppsplit_prompt_tokens_shared_total"] == (len(long) - 1) // 16 * 16
         (follower,) = _children(server.proc.pid, RANK)
         conn, response = _open_stream(server, max_tokens=MAX_LEN - 10)
         os.kill(follower, signal.SIGKILL)
