@@ -1,0 +1,203 @@
+"""Driver: the MTP layers of a target checkpoint as an ``MTPDrafter`` for a split (``ppsplit.load_mtp``).
+
+Each MTP layer's decoder block is traced by ppsplit's own passes: a two-layer copy of the target's config whose
+layer 1 has the MTP layer's type (DeepSeek-V3: MLA + MoE), split in two with the tap after layer 1, traced over the
+split's ``CacheConfig``; its stage 1 (layer 1, final norm, lm_head) is the block, with the MTP layer's weights
+(``model.layers.{L + k}.*``) read through transformers' own conversions (per-expert tensors fused as the model
+keeps them) under the names of layer 1 (``shared_head.norm`` -> ``model.norm``, ``shared_head.head`` ->
+``lm_head``). Every tensor under ``model.layers.{L + k}.`` is used or refused.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import torch
+
+from ppsplit.compile.checkpoint import Checkpoint
+from ppsplit.compile.conversion import Sources, read_tensor
+from ppsplit.core.errors import ConfigError
+from ppsplit.core.fx_utils import is_cache_buffer
+from ppsplit.core.options import CacheConfig, SplitOptions, StageOptions
+from ppsplit.core.ragged import CacheLayout
+from ppsplit.core.tensors import model_dtype, module_device
+from ppsplit.eagle3.mtp import MTPDrafter
+
+SUPPORTED = ("deepseek_v3",)  # the layouts built and checked against a reference (tests/eagle3/test_mtp.py)
+COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")  # DeepSeek's name, transformers 5's
+# The MTP layer's own tensors beside its decoder block (DeepSeek-V3's layout, vLLM deepseek_mtp.py).
+OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "embed_tokens.weight", "shared_head.norm.weight",
+       "shared_head.head.weight")
+
+
+def mtp_layers(cfg: dict) -> int:
+    """How many MTP layers a target ``config.json`` (a dict) declares; 0 when none."""
+    for key in COUNT_KEYS:
+        if key in cfg:
+            n = cfg[key]
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ConfigError(f"config.json's {key} must be a number of MTP layers >= 0, but is {n!r}")
+            return n
+    return 0
+
+
+def load_mtp(model: str, split, device=None) -> MTPDrafter:
+    """The MTP layers of checkpoint folder ``model`` (``num_nextn_predict_layers`` > 0, weights under
+    ``model.layers.{L}``) as a drafter for ``split``, which must carry tap ``L`` (the last layer's output) and a
+    paged cache; on the last stage's device. Refused in one line, before anything is read: a model type other than
+    DeepSeek-V3, no MTP layers, a split without tap ``L`` or a paged cache, a missing or unknown MTP tensor.
+
+    Example::
+
+        split = ppsplit.split_model(model, 2, aux=[model.config.num_hidden_layers], cache=ppsplit.CacheConfig(8, 4096))
+        drafter = ppsplit.load_mtp("DeepSeek-V3", split=split)
+        ppsplit.Engine(split, drafter=drafter, num_draft_tokens=2).generate(prompts, params)
+    """
+    from ppsplit.compile.source import load_config, resolve_model
+
+    folder = resolve_model(model)
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {folder}/config.json ({e}); pass the target's checkpoint folder") from None
+    kind = raw.get("model_type")
+    if kind not in SUPPORTED:
+        raise ConfigError(f"MTP layers of model_type {kind!r} are not supported (supported: {', '.join(SUPPORTED)})")
+    n = mtp_layers(raw)
+    if n == 0:
+        raise ConfigError(f"{model} has no MTP layers (config.json's num_nextn_predict_layers is 0 or absent)")
+    plan = split.plan
+    layers = raw["num_hidden_layers"]
+    if plan.num_layers != layers:
+        raise ConfigError(f"the split has {plan.num_layers} layers but {model} has {layers}; load the MTP layers of "
+                          "the split's own checkpoint")
+    if layers not in plan.taps:
+        raise ConfigError(f"MTP reads tap {layers} (the last layer's output) but the split carries "
+                          f"{list(plan.taps)}; split with aux including {layers}")
+    layout = CacheLayout.of(plan)
+    checkpoint = Checkpoint(folder)
+    keys = _layer_keys(checkpoint, layers, n)
+    config = load_config(folder)
+    dtype = model_dtype(plan)
+    device = torch.device(device) if device is not None else module_device(split.stages[-1])
+    block, buffers = _trace_block(config, plan, dtype)
+    blocks, own = [], []
+    for k in range(n):
+        prefix = f"model.layers.{layers + k}."
+        blocks.append(_load_block(copy.deepcopy(block), checkpoint, prefix, keys[k], buffers, config, device))
+        own.append({name: read_tensor(checkpoint, prefix + name) for name in OWN if prefix + name in checkpoint})
+    drafter = MTPDrafter(blocks, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
+                         plan.taps.index(layers), layout)
+    embed = own[0].get("embed_tokens.weight")
+    state = {"target_norm.weight": read_tensor(checkpoint, "model.norm.weight"),
+             "embed_tokens": embed if embed is not None else read_tensor(checkpoint, "model.embed_tokens.weight")}
+    for k, tensors in enumerate(own):
+        for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
+            module, leaf = name.split(".")
+            state[f"{module}.{k}.{leaf}"] = tensors[name]
+    with torch.no_grad():
+        for name, t in state.items():
+            target = drafter.get_buffer(name) if name == "embed_tokens" else drafter.get_parameter(name)
+            if tuple(t.shape) != tuple(target.shape):
+                raise ConfigError(f"{model}'s MTP tensor for {name} has shape {tuple(t.shape)}, expected "
+                                  f"{tuple(target.shape)}: the checkpoint does not match its config.json")
+            target.copy_(t.to(target.dtype))
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def _layer_keys(checkpoint: Checkpoint, layers: int, n: int) -> list[list[str]]:
+    """The checkpoint keys of each MTP layer; refuses a layer missing one of its own tensors."""
+    keys = []
+    for k in range(n):
+        prefix = f"model.layers.{layers + k}."
+        mine = sorted(key for key in checkpoint.where if key.startswith(prefix))
+        for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
+            if prefix + name not in mine:
+                raise ConfigError(f"config.json declares {n} MTP layer(s) but the checkpoint has no {prefix}{name}; "
+                                  "the MTP weights are missing (a checkpoint saved without them cannot draft)")
+        keys.append(mine)
+    return keys
+
+
+def _mini_config(config):
+    """The target's config cut to two layers, layer 1 of the type of layer ``L`` (the MTP layer's)."""
+    mini = copy.deepcopy(config)
+    layers = config.num_hidden_layers
+    mini.num_hidden_layers = 2
+    for key in COUNT_KEYS:
+        if hasattr(mini, key):
+            setattr(mini, key, 0)
+    # DeepSeek: layers from first_k_dense_replace on are MoE; the MTP layer sits at index L
+    mini.first_k_dense_replace = 1 if layers >= config.first_k_dense_replace else 2
+    return mini
+
+
+def _trace_block(config, plan, dtype):
+    """Stage 1 of the two-layer copy, traced over ``plan``'s cache, its weights on the meta device; the values of
+    the buffers the model computes in ``__init__``."""
+    from ppsplit.compile.api import split_model
+    from ppsplit.compile.source import skeleton
+
+    cache = CacheConfig(plan.max_batch, plan.max_len, state_slots=max(1, plan.state_slots),
+                        block_size=plan.block_size, num_blocks=plan.num_blocks)
+    model, buffers = skeleton(_mini_config(config), dtype)
+    off = StageOptions(fuse_projections=False, fuse_pointwise=False, gemv=False, compile=False)
+    mini = split_model(model, options=SplitOptions(pp=2, aux=[2], balance=[1, 1], cache=cache, stage=off))
+    return mini.stages[1], buffers
+
+
+class _Renamed:
+    """A checkpoint seen under other names (``{name: checkpoint key}``): what ``Sources`` and ``read_tensor`` read."""
+
+    def __init__(self, checkpoint: Checkpoint, names: dict[str, str]):
+        self.checkpoint, self.names = checkpoint, names
+        self.where = {name: checkpoint.where[key] for name, key in names.items()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def raw_range(self, name: str):
+        return self.checkpoint.raw_range(self.names[name])
+
+    def read_one(self, name: str) -> torch.Tensor:
+        return self.checkpoint.read_one(self.names[name])
+
+
+def _load_block(stage, checkpoint: Checkpoint, prefix: str, keys: list[str], buffers: dict, config, device):
+    """``stage`` (weights on meta) filled with the MTP layer at ``prefix``: its block tensors as layer 1's,
+    ``shared_head.norm`` as the final norm, ``shared_head.head`` (or the target's ``lm_head``) as the head."""
+    from ppsplit.compile.source import skeleton
+    from ppsplit.passes.rewrites import apply_rewrites
+
+    names = {"model.layers.1." + key[len(prefix):]: key for key in keys if key[len(prefix):] not in OWN}
+    names["model.norm.weight"] = prefix + "shared_head.norm.weight"
+    head = prefix + "shared_head.head.weight"
+    names["lm_head.weight"] = head if head in checkpoint else "lm_head.weight"
+    model, _ = skeleton(_mini_config(config))
+    sources = Sources(model, _Renamed(checkpoint, names))
+    used = {key for group in sources.groups.values() for key, _ in group.sources}
+    unknown = sorted(names[name] for name in names if name not in used)
+    if unknown:
+        raise ConfigError(f"the MTP layer has tensors a decoder layer of {config.model_type} does not account for: "
+                          f"{', '.join(unknown[:4])}; ppsplit refuses to drop them")
+    values = {}
+    for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
+        group = sources.group_of(name)
+        if is_cache_buffer(name):
+            values[name] = torch.zeros(t.shape, dtype=t.dtype)
+        elif group is not None:
+            values[name] = sources.run(group)[name]
+        elif name in buffers:
+            values[name] = buffers[name]
+        else:
+            raise ConfigError(f"the checkpoint has no tensor that becomes {name} of the MTP layer at {prefix[:-1]}; "
+                              "the MTP weights are incomplete")
+    stage = stage.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in values.items():
+            target = stage.get_parameter(name) if name in dict(stage.named_parameters()) else stage.get_buffer(name)
+            target.copy_(value.to(target.dtype))
+    apply_rewrites(stage, StageOptions(), device=torch.device(device))
+    return stage

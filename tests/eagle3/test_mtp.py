@@ -1,0 +1,145 @@
+"""MTP layers shipped in the target's checkpoint (DeepSeek-V3: MLA + MoE) as the drafter on the last stage.
+
+The checkpoint is written as DeepSeek-V3's is: the target's layers as transformers saves them, plus the MTP layer
+under ``model.layers.{L}`` (its decoder block with per-expert tensors, ``enorm``, ``hnorm``, ``eh_proj``,
+``embed_tokens``, ``shared_head.norm``, ``shared_head.head``), which transformers' own DeepseekV3 drops on load.
+The reference is written from the DeepSeek-V3 report (section 2.2) and vLLM's ``deepseek_mtp.py``, its decoder
+block run by transformers' own DeepseekV3 layer (a one-layer model holding the MTP block, ``shared_head`` as its
+norm and head).
+"""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import ppsplit
+from ppsplit import CacheConfig, ConfigError
+from ppsplit.core.ragged import RaggedStep, Segment
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.sampling import SamplingParams
+
+V, H, L = 64, 64, 3
+SHAPE = dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
+             max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, kv_lora_rank=16,
+             q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1,
+             tie_word_embeddings=False)
+CACHE = CacheConfig(batch_size=8, max_len=64, block_size=16)
+
+
+def _random(config, seed):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # no weight left at exactly 0 or 1: a wrong or missing one shows
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def mtp_parts(seed=1):
+    """The MTP layer: a one-layer DeepseekV3 whose layer 0 (MoE, as the MTP layer at index L is) is the block, its
+    norm ``shared_head.norm`` and its head ``shared_head.head``; and ``enorm``, ``hnorm``, ``eh_proj``."""
+    block = _random(AutoConfig.for_model("deepseek_v3", **SHAPE, num_hidden_layers=1, first_k_dense_replace=0), seed)
+    g = torch.Generator().manual_seed(seed)
+    own = {"enorm.weight": 1 + 0.1 * torch.randn(H, generator=g), "hnorm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+           "eh_proj.weight": torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5}
+    return block, own
+
+
+def write_checkpoint(folder, target, block, own, drop=(), extra=None):
+    """``target`` saved by transformers, plus the MTP layer at ``model.layers.{L}`` in DeepSeek-V3's layout."""
+    target.save_pretrained(folder)
+    tmp = f"{folder}-block"
+    block.save_pretrained(tmp)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    prefix = f"model.layers.{L}."
+    for name, t in load_file(os.path.join(tmp, "model.safetensors")).items():
+        if name.startswith("model.layers.0."):
+            tensors[prefix + name[len("model.layers.0."):]] = t
+    tensors[prefix + "shared_head.norm.weight"] = block.model.norm.weight.detach().clone()
+    tensors[prefix + "shared_head.head.weight"] = block.lm_head.weight.detach().clone()
+    tensors[prefix + "embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()  # as DeepSeek ships
+    tensors.update({prefix + k: v for k, v in own.items()})
+    tensors.update(extra or {})
+    for name in drop:
+        del tensors[prefix + name]
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["num_nextn_predict_layers"] == 1  # transformers writes DeepSeek's key
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """(target, MTP block model, own tensors, checkpoint folder, traced target)."""
+    target = _random(AutoConfig.for_model("deepseek_v3", **SHAPE, num_hidden_layers=L, first_k_dense_replace=1), 0)
+    block, own = mtp_parts()
+    folder = write_checkpoint(tmp_path_factory.mktemp("ds") / "ckpt", target, block, own)
+    return target, block, own, folder, ppsplit.trace_model(target, cache=CACHE)
+
+
+def rms(x, w, eps=1e-6):
+    return w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@torch.no_grad()
+def reference(target, block, own, ids, chain=()):
+    """Draft logits of every position of ``ids [T]`` (depth 1: position i reads the target's final hidden state of
+    i and the embedding of token i + 1, zeroed at position 0 as vLLM does), then of each token of ``chain`` in
+    turn at the positions after (each fed the previous row's block output before ``shared_head.norm``)."""
+    eps = target.config.rms_norm_eps
+    h = target(ids[None], output_hidden_states=True).hidden_states[-1][0]  # after the final norm (vLLM's output)
+    embed = target.model.embed_tokens.weight
+    nxt = torch.cat([ids[1:], torch.tensor(chain[:1], dtype=ids.dtype)])
+    x = F.embedding(nxt, embed)
+    x[0] = 0  # vLLM's DeepSeekMultiTokenPredictorLayer: inputs_embeds[positions == 0] = 0
+    rows = F.linear(torch.cat([rms(x, own["enorm.weight"], eps), rms(h, own["hnorm.weight"], eps)], -1),
+                    own["eh_proj.weight"])
+    out = {}
+    hook = block.model.layers[0].register_forward_hook(lambda m, i, o: out.update(pre=o[0] if isinstance(o, tuple) else o))
+    logits = [block(inputs_embeds=rows[None]).logits[0]]
+    for j, token in enumerate(chain[1:] + (None,)):
+        if token is None:
+            break
+        prev = out["pre"][0, -1]
+        e = F.embedding(torch.tensor([token]), embed)
+        row = F.linear(torch.cat([rms(e, own["enorm.weight"], eps), rms(prev[None], own["hnorm.weight"], eps)], -1),
+                       own["eh_proj.weight"])
+        rows = torch.cat([rows, row])
+        logits.append(block(inputs_embeds=rows[None]).logits[0, -1:])
+    hook.remove()
+    return torch.cat(logits)
+
+
+def test_draft_logits_equal_the_reference(deepseek):
+    """Prefill rows of one sequence (every position's depth-1 draft), then two chain steps with the layer reused,
+    as the engine runs them: logits equal the reference's, and the drafter holds exactly the MTP tensors."""
+    target, block, own, folder, traced = deepseek
+    split = ppsplit.split_model(traced, 2, aux=[L])
+    drafter = ppsplit.load_mtp(folder, split=split)
+    assert drafter.taps == (L,) and len(drafter.blocks) == 1
+    block_params = {n for n, _ in drafter.blocks[0].named_parameters()}
+    assert any("experts" in n for n in block_params) and any("kv_a_proj" in n for n in block_params)
+    assert all(n.startswith(("model.layers.1.", "model.norm.", "lm_head.")) for n in block_params)
+    torch.manual_seed(7)
+    ids = torch.randint(3, V, (11,))
+    T = ids.shape[0]
+    step = RaggedStep.build([Segment(0, 0, T)], {0: [0]}, split.layout)
+    _, aux = split.step(ids, step)
+    chain = (9, 21, 33)  # the token after ids, then two drafts
+    nxt = torch.cat([ids[1:], torch.tensor([chain[0]])])
+    logits, hidden = drafter(aux[:, None], nxt[None], step)
+    got = [logits[0]]
+    for j, token in enumerate(chain[1:]):
+        one = RaggedStep.build([Segment(0, T + j, 1)], {0: [0]}, split.layout)
+        logits, hidden = drafter(hidden[:, -1:], torch.tensor([[token]]), one)
+        got.append(logits[0])
+    ref = reference(target, block, own, ids, chain)
+    torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
+    assert drafter.depth == 3
