@@ -78,7 +78,7 @@ def load_mtp(model: str, split, device=None) -> MTPDrafter:
                           f"{list(plan.taps)}; split with aux including {layers}")
     layout = CacheLayout.of(plan)
     checkpoint = Checkpoint(folder)
-    keys = _layer_keys(checkpoint, layers, n)
+    keys = _layer_keys(checkpoint, raw, n)
     config = load_config(folder)
     dtype = model_dtype(plan)
     device = torch.device(device) if device is not None else module_device(split.stages[-1])
@@ -107,8 +107,14 @@ def load_mtp(model: str, split, device=None) -> MTPDrafter:
     return drafter.to(device=device, dtype=dtype).eval()
 
 
-def _layer_keys(checkpoint: Checkpoint, layers: int, n: int) -> list[list[str]]:
-    """The checkpoint keys of each MTP layer; refuses a layer missing one of its own tensors."""
+def _layer_keys(checkpoint: Checkpoint, raw: dict, n: int) -> list[list[str]]:
+    """The checkpoint keys of each MTP layer, checked before any tracing: its own tensors present, and its decoder
+    block holding exactly the tensors of the target's last layer (of the same type: MoE from
+    ``first_k_dense_replace`` on), so a missing expert or an unknown tensor is named here."""
+    layers = raw["num_hidden_layers"]
+    last = f"model.layers.{layers - 1}."
+    same_type = layers - 1 >= raw.get("first_k_dense_replace", 0)
+    expected = {key[len(last):] for key in checkpoint.where if key.startswith(last)}
     keys = []
     for k in range(n):
         prefix = f"model.layers.{layers + k}."
@@ -117,6 +123,15 @@ def _layer_keys(checkpoint: Checkpoint, layers: int, n: int) -> list[list[str]]:
             if prefix + name not in mine:
                 raise ConfigError(f"config.json declares {n} MTP layer(s) but the checkpoint has no {prefix}{name}; "
                                   "the MTP weights are missing (a checkpoint saved without them cannot draft)")
+        block = {key[len(prefix):] for key in mine} - set(OWN)
+        if same_type and block != expected:
+            missing, unknown = sorted(expected - block), sorted(block - expected)
+            if missing:
+                raise ConfigError(f"the MTP layer lacks {prefix}{missing[0]}" + (f" (and {len(missing) - 1} more)"
+                                  if len(missing) > 1 else "") + f", which its decoder block needs (as {last}"
+                                  f"{missing[0]}); the MTP weights are incomplete")
+            raise ConfigError(f"the MTP layer has tensors a decoder layer of the target does not account for: "
+                              f"{', '.join(prefix + u for u in unknown[:4])}; ppsplit refuses to drop them")
         keys.append(mine)
     return keys
 

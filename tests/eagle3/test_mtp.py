@@ -143,3 +143,51 @@ def test_draft_logits_equal_the_reference(deepseek):
     ref = reference(target, block, own, ids, chain)
     torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
     assert drafter.depth == 3
+
+
+@pytest.mark.parametrize("pp, k", [(1, 1), (2, 2), (3, 3)])
+def test_engine_output_equals_greedy(deepseek, pp, k):
+    """Requests of different lengths batched, K drafts by chaining the one MTP layer K times: each output equals
+    Hugging Face's greedy generate of the target alone."""
+    target, _, _, folder, traced = deepseek
+    split = ppsplit.split_model(traced, pp, aux=[L])
+    drafter = ppsplit.load_mtp(folder, split=split)
+    gen = torch.Generator().manual_seed(pp)
+    prompts = [torch.randint(3, V, (n,), generator=gen) for n in (4, 9, 13)]
+    outs = Engine(split, drafter=drafter, num_draft_tokens=k).generate(prompts, SamplingParams(max_tokens=12,
+                                                                                              ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            greedy = target.generate(prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None)
+        assert out.token_ids == greedy[0, len(prompt):].tolist()
+        assert all(0 <= a <= k for a in out.accepted)
+
+
+def _refused(folder, split, message):
+    with pytest.raises(ConfigError) as e:
+        ppsplit.load_mtp(folder, split=split)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_bad_checkpoints_are_refused_in_one_line(deepseek, tmp_path):
+    """A missing MTP tensor, an unknown one, a split without tap L, a model type not supported, no MTP layers."""
+    target, block, own, folder, traced = deepseek
+    split = ppsplit.split_model(traced, 2, aux=[L])
+    _refused(write_checkpoint(tmp_path / "a", target, block, own, drop=("hnorm.weight",)), split,
+             f"no model.layers.{L}.hnorm.weight")
+    _refused(write_checkpoint(tmp_path / "b", target, block, own, drop=("mlp.experts.2.up_proj.weight",)), split,
+             f"lacks model.layers.{L}.mlp.experts.2.up_proj.weight")
+    extra = {f"model.layers.{L}.mlp.mystery.weight": torch.ones(3)}
+    _refused(write_checkpoint(tmp_path / "c", target, block, own, extra=extra), split,
+             f"does not account for: model.layers.{L}.mlp.mystery.weight")
+    _refused(folder, ppsplit.split_model(traced, 2, aux=[1]), f"split with aux including {L}")
+    for change, message in (({"model_type": "llama"}, "model_type 'llama' are not supported"),
+                            ({"num_nextn_predict_layers": 0}, "has no MTP layers")):
+        bad = tmp_path / f"cfg{len(message)}"
+        os.makedirs(bad)
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+        with open(bad / "config.json", "w") as f:
+            json.dump({**cfg, **change}, f)
+        os.symlink(os.path.join(folder, "model.safetensors"), bad / "model.safetensors")
+        _refused(str(bad), split, message)
