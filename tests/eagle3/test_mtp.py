@@ -40,10 +40,11 @@ def _random(config, seed):
     return model
 
 
-def mtp_parts(seed=1):
+def mtp_parts(seed=1, **shape):
     """The MTP layer: a one-layer DeepseekV3 whose layer 0 (MoE, as the MTP layer at index L is) is the block, its
     norm ``shared_head.norm`` and its head ``shared_head.head``; and ``enorm``, ``hnorm``, ``eh_proj``."""
-    block = _random(AutoConfig.for_model("deepseek_v3", **SHAPE, num_hidden_layers=1, first_k_dense_replace=0), seed)
+    block = _random(AutoConfig.for_model("deepseek_v3", **{**SHAPE, **shape}, num_hidden_layers=1,
+                                         first_k_dense_replace=0), seed)
     g = torch.Generator().manual_seed(seed)
     own = {"enorm.weight": 1 + 0.1 * torch.randn(H, generator=g), "hnorm.weight": 1 + 0.1 * torch.randn(H, generator=g),
            "eh_proj.weight": torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5}
@@ -75,13 +76,21 @@ def write_checkpoint(folder, target, block, own, drop=(), extra=None):
     return str(folder)
 
 
+def build(folder, cache=CACHE, head_scale=1.0, **shape):
+    """(target, MTP block model, own tensors, checkpoint folder, traced target); ``head_scale`` sharpens the
+    target's next-token distributions."""
+    target = _random(AutoConfig.for_model("deepseek_v3", **{**SHAPE, **shape}, num_hidden_layers=L,
+                                          first_k_dense_replace=1), 0)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(head_scale)
+    block, own = mtp_parts(**shape)
+    folder = write_checkpoint(folder, target, block, own)
+    return target, block, own, folder, ppsplit.trace_model(target, cache=cache)
+
+
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    """(target, MTP block model, own tensors, checkpoint folder, traced target)."""
-    target = _random(AutoConfig.for_model("deepseek_v3", **SHAPE, num_hidden_layers=L, first_k_dense_replace=1), 0)
-    block, own = mtp_parts()
-    folder = write_checkpoint(tmp_path_factory.mktemp("ds") / "ckpt", target, block, own)
-    return target, block, own, folder, ppsplit.trace_model(target, cache=CACHE)
+    return build(tmp_path_factory.mktemp("ds") / "ckpt")
 
 
 def rms(x, w, eps=1e-6):
@@ -191,3 +200,83 @@ def test_bad_checkpoints_are_refused_in_one_line(deepseek, tmp_path):
             json.dump({**cfg, **change}, f)
         os.symlink(os.path.join(folder, "model.safetensors"), bad / "model.safetensors")
         _refused(str(bad), split, message)
+
+
+def test_sampling_keeps_the_target_distribution(tmp_path):
+    """600 copies of one prompt, two new tokens at T=0.8 with two MTP drafts drawn from the layer's distributions:
+    the joint distribution of (first, second) token equals the target's p(t0) p(t1 | t0), and the test has power
+    (it rejects T=1.2)."""
+    from tests.eagle3.test_eagle3 import chi2_pvalue
+
+    v = 8  # no end-of-sequence token: every copy gives two tokens
+    target, _, _, folder, traced = build(tmp_path / "ckpt", CacheConfig(batch_size=600, max_len=16), head_scale=4.0,
+                                         vocab_size=v, eos_token_id=None)
+    split = ppsplit.split_model(traced, 1, aux=[L])
+    drafter = ppsplit.load_mtp(folder, split=split)
+    prompt = torch.tensor([[5, 1, 6, 3, 4]])
+    n, temp = 600, 0.8
+    out, stats = split.generate(prompt.expand(n, -1), 2, drafter=drafter, num_draft_tokens=2, temperature=temp,
+                                generator=torch.Generator().manual_seed(1), return_stats=True)
+    assert stats.verify_passes == 1
+    with torch.no_grad():
+        first = target(prompt).logits[0, -1]
+        after = target(torch.cat([prompt.expand(v, -1), torch.arange(v)[:, None]], 1)).logits[:, -1]
+    joint = lambda t: (torch.softmax(first / t, -1)[:, None] * torch.softmax(after / t, -1)).flatten()
+    counts = torch.bincount(out[:, 5] * v + out[:, 6], minlength=v * v)
+    assert chi2_pvalue(counts, joint(temp)) > 1e-3
+    assert chi2_pvalue(counts, joint(1.2)) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def trained(deepseek, tmp_path_factory):
+    """The MTP layer trained here (300 Adam steps, transformers' own DeepseekV3 layer as its block) to predict the
+    target's greedy token at i + 2 from the target's hidden state at i and the token at i + 1; its checkpoint."""
+    target, block, own, _, traced = deepseek
+    block, own = mtp_parts(seed=2)
+    own = {k: torch.nn.Parameter(v.clone()) for k, v in own.items()}
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        seqs = target.generate(torch.randint(3, V, (64, 4), generator=g), max_new_tokens=28, do_sample=False,
+                               eos_token_id=None)
+        h = target(seqs, output_hidden_states=True).hidden_states[-1]
+    eps = target.config.rms_norm_eps
+    embed = target.model.embed_tokens.weight.detach()
+    opt = torch.optim.Adam([*block.parameters(), *own.values()], lr=3e-3)
+    block.train()
+    for _ in range(300):
+        pick = torch.randint(0, 64, (16,), generator=g)
+        s, hs = seqs[pick], h[pick, :-1]
+        e = F.embedding(s[:, 1:], embed)
+        e[:, 0] = 0  # position 0, as vLLM runs it
+        rows = F.linear(torch.cat([rms(e, own["enorm.weight"], eps), rms(hs, own["hnorm.weight"], eps)], -1),
+                        own["eh_proj.weight"])
+        logits = block(inputs_embeds=rows).logits[:, :-1]
+        loss = F.cross_entropy(logits.flatten(0, 1), s[:, 2:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    block.eval()
+    own = {k: v.detach() for k, v in own.items()}
+    folder = write_checkpoint(tmp_path_factory.mktemp("trained") / "ckpt", target, block, own)
+    return target, folder, traced
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_trained_layer_accepts_more_than_one_token_per_pass(trained, k):
+    """A batch of 8 requests, K = 1 and K = 3 (the layer chained): every request averages more than one token per
+    verify pass, each gets the acceptance it gets alone, and the outputs stay the target's greedy ones."""
+    target, folder, traced = trained
+    split = ppsplit.split_model(traced, 2, aux=[L])
+    drafter = ppsplit.load_mtp(folder, split=split)
+    prompts = torch.randint(3, V, (8, 4), generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = Engine(split, drafter=drafter, num_draft_tokens=k).generate(list(prompts), params)
+    with torch.no_grad():
+        greedy = target.generate(prompts, max_new_tokens=24, do_sample=False, eos_token_id=None)[:, 4:].tolist()
+    assert [o.token_ids for o in outs] == greedy
+    lengths = [o.mean_acceptance_length for o in outs]
+    print(f"trained MTP layer, K={k}, batch of 8: tokens per verify pass {[round(x, 2) for x in lengths]}, "
+          f"mean {sum(lengths) / len(lengths):.2f}")
+    assert min(lengths) > 1.0, lengths
+    alone = Engine(split, drafter=drafter, num_draft_tokens=k).generate([prompts[3]], params)
+    assert alone[0].accepted == outs[3].accepted
