@@ -22,7 +22,7 @@ from ppsplit.core.ragged import RaggedStep, Segment
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.sampling import SamplingParams
 
-V, H, L = 64, 64, 3
+V, H, L = 32, 64, 3
 SHAPE = dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
              max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, kv_lora_rank=16,
              q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
@@ -141,7 +141,7 @@ def test_draft_logits_equal_the_reference(deepseek):
     T = ids.shape[0]
     step = RaggedStep.build([Segment(0, 0, T)], {0: [0]}, split.layout)
     _, aux = split.step(ids, step)
-    chain = (9, 21, 33)  # the token after ids, then two drafts
+    chain = (9, 21, 30)  # the token after ids, then two drafts
     nxt = torch.cat([ids[1:], torch.tensor([chain[0]])])
     logits, hidden = drafter(aux[:, None], nxt[None], step)
     got = [logits[0]]
@@ -203,18 +203,18 @@ def test_bad_checkpoints_are_refused_in_one_line(deepseek, tmp_path):
 
 
 def test_sampling_keeps_the_target_distribution(tmp_path):
-    """600 copies of one prompt, two new tokens at T=0.8 with two MTP drafts drawn from the layer's distributions:
+    """400 copies of one prompt, two new tokens at T=0.8 with two MTP drafts drawn from the layer's distributions:
     the joint distribution of (first, second) token equals the target's p(t0) p(t1 | t0), and the test has power
     (it rejects T=1.2)."""
     from tests.eagle3.test_eagle3 import chi2_pvalue
 
     v = 8  # no end-of-sequence token: every copy gives two tokens
-    target, _, _, folder, traced = build(tmp_path / "ckpt", CacheConfig(batch_size=600, max_len=16), head_scale=4.0,
+    target, _, _, folder, traced = build(tmp_path / "ckpt", CacheConfig(batch_size=400, max_len=16), head_scale=4.0,
                                          vocab_size=v, eos_token_id=None)
     split = ppsplit.split_model(traced, 1, aux=[L])
     drafter = ppsplit.load_mtp(folder, split=split)
     prompt = torch.tensor([[5, 1, 6, 3, 4]])
-    n, temp = 600, 0.8
+    n, temp = 400, 0.8
     out, stats = split.generate(prompt.expand(n, -1), 2, drafter=drafter, num_draft_tokens=2, temperature=temp,
                                 generator=torch.Generator().manual_seed(1), return_stats=True)
     assert stats.verify_passes == 1
@@ -229,22 +229,22 @@ def test_sampling_keeps_the_target_distribution(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(deepseek, tmp_path_factory):
-    """The MTP layer trained here (300 Adam steps, transformers' own DeepseekV3 layer as its block) to predict the
+    """The MTP layer trained here (250 Adam steps, transformers' own DeepseekV3 layer as its block) to predict the
     target's greedy token at i + 2 from the target's hidden state at i and the token at i + 1; its checkpoint."""
     target, block, own, _, traced = deepseek
     block, own = mtp_parts(seed=2)
     own = {k: torch.nn.Parameter(v.clone()) for k, v in own.items()}
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        seqs = target.generate(torch.randint(3, V, (64, 4), generator=g), max_new_tokens=28, do_sample=False,
+        seqs = target.generate(torch.randint(3, V, (128, 4), generator=g), max_new_tokens=28, do_sample=False,
                                eos_token_id=None)
         h = target(seqs, output_hidden_states=True).hidden_states[-1]
     eps = target.config.rms_norm_eps
     embed = target.model.embed_tokens.weight.detach()
-    opt = torch.optim.Adam([*block.parameters(), *own.values()], lr=3e-3)
+    opt = torch.optim.Adam([*block.parameters(), *own.values()], lr=1e-2)
     block.train()
-    for _ in range(300):
-        pick = torch.randint(0, 64, (16,), generator=g)
+    for _ in range(250):
+        pick = torch.randint(0, 128, (16,), generator=g)
         s, hs = seqs[pick], h[pick, :-1]
         e = F.embedding(s[:, 1:], embed)
         e[:, 0] = 0  # position 0, as vLLM runs it
@@ -261,9 +261,9 @@ def trained(deepseek, tmp_path_factory):
     return target, folder, traced
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [3])
 def test_trained_layer_accepts_more_than_one_token_per_pass(trained, k):
-    """A batch of 8 requests, K = 1 and K = 3 (the layer chained): every request averages more than one token per
+    """A batch of 8 requests, K = 3 (the one layer chained three times): every request averages more than one token per
     verify pass, each gets the acceptance it gets alone, and the outputs stay the target's greedy ones."""
     target, folder, traced = trained
     split = ppsplit.split_model(traced, 2, aux=[L])
