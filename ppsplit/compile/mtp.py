@@ -22,10 +22,9 @@ from ppsplit.core.fx_utils import is_cache_buffer
 from ppsplit.core.options import CacheConfig, SplitOptions, StageOptions
 from ppsplit.core.ragged import CacheLayout
 from ppsplit.core.tensors import model_dtype, module_device
-from ppsplit.eagle3.mtp import MTPDrafter
+from ppsplit.eagle3.mtp import COUNT_KEYS, MTPDrafter
 
 SUPPORTED = ("deepseek_v3",)  # the layouts built and checked against a reference (tests/eagle3/test_mtp.py)
-COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")  # DeepSeek's name, transformers 5's
 # The MTP layer's own tensors beside its decoder block (DeepSeek-V3's layout, vLLM deepseek_mtp.py).
 OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "embed_tokens.weight", "shared_head.norm.weight",
        "shared_head.head.weight")

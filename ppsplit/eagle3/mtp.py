@@ -28,6 +28,14 @@ from ppsplit.core.errors import ConfigError
 from ppsplit.core.ragged import CacheLayout, RaggedStep
 from ppsplit.eagle3.drafter import RMSNorm
 
+COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")  # a target config's MTP layers: DeepSeek's, transformers 5's
+
+
+def is_mtp_target(cfg: dict) -> bool:
+    """Whether ``cfg`` (a ``config.json``) is a target's own, declaring MTP layers, rather than a drafter's."""
+    drafter = ("speculators_model_type", "eagle_config", "dflash_config", "draft_vocab_size")
+    return any(cfg.get(k) for k in COUNT_KEYS) and not any(k in cfg for k in drafter)
+
 
 class MTPDrafter(nn.Module):
     """The MTP layers of a target checkpoint, fed the split's tap ``L`` (built by ``ppsplit.load_mtp``).

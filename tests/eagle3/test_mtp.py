@@ -179,7 +179,8 @@ def _refused(folder, split, message):
 
 
 def test_bad_checkpoints_are_refused_in_one_line(deepseek, tmp_path):
-    """A missing MTP tensor, an unknown one, a split without tap L, a model type not supported, no MTP layers."""
+    """A missing MTP tensor, an unknown one, a split without tap L, a model type not supported, no MTP layers; and
+    ``load_drafter`` given the target's checkpoint says where MTP layers load."""
     target, block, own, folder, traced = deepseek
     split = ppsplit.split_model(traced, 2, aux=[L])
     _refused(write_checkpoint(tmp_path / "a", target, block, own, drop=("hnorm.weight",)), split,
@@ -190,6 +191,9 @@ def test_bad_checkpoints_are_refused_in_one_line(deepseek, tmp_path):
     _refused(write_checkpoint(tmp_path / "c", target, block, own, extra=extra), split,
              f"does not account for: model.layers.{L}.mlp.mystery.weight")
     _refused(folder, ppsplit.split_model(traced, 2, aux=[1]), f"split with aux including {L}")
+    with pytest.raises(ConfigError, match="is a target checkpoint with MTP layers, not a drafter; load them with "
+                                          r"ppsplit.load_mtp\(folder, split=split\)"):
+        ppsplit.load_drafter(folder, split=split)
     for change, message in (({"model_type": "llama"}, "model_type 'llama' are not supported"),
                             ({"num_nextn_predict_layers": 0}, "has no MTP layers")):
         bad = tmp_path / f"cfg{len(message)}"
