@@ -1,11 +1,12 @@
 """Driver: the MTP layers of a target checkpoint as an ``MTPDrafter`` for a split (``ppsplit.load_mtp``).
 
-Each MTP layer's decoder block is traced by ppsplit's own passes: a two-layer copy of the target's config whose
+The first MTP layer's decoder block is traced by ppsplit's own passes: a two-layer copy of the target's config whose
 layer 1 has the MTP layer's type (DeepSeek-V3: MLA + MoE), split in two with the tap after layer 1, traced over the
 split's ``CacheConfig``; its stage 1 (layer 1, final norm, lm_head) is the block, with the MTP layer's weights
-(``model.layers.{L + k}.*``) read through transformers' own conversions (per-expert tensors fused as the model
+(``model.layers.{L}.*``) read through transformers' own conversions (per-expert tensors fused as the model
 keeps them) under the names of layer 1 (``shared_head.norm`` -> ``model.norm``, ``shared_head.head`` ->
-``lm_head``). Every tensor under ``model.layers.{L + k}.`` is used or refused.
+``lm_head``). Every tensor under ``model.layers.{L}.`` is used or refused; layers ``L + 1 ..`` are left unused, as
+vLLM's proposer leaves them.
 """
 from __future__ import annotations
 
@@ -77,25 +78,19 @@ def load_mtp(model: str, split, device=None) -> MTPDrafter:
                           f"{list(plan.taps)}; split with aux including {layers}")
     layout = CacheLayout.of(plan)
     checkpoint = Checkpoint(folder)
+    prefix = f"model.layers.{layers}."
     keys = _layer_keys(checkpoint, raw, n)
     config = load_config(folder)
     dtype = model_dtype(plan)
     device = torch.device(device) if device is not None else module_device(split.stages[-1])
-    block, buffers = _trace_block(config, plan, dtype)
-    blocks, own = [], []
-    for k in range(n):
-        prefix = f"model.layers.{layers + k}."
-        blocks.append(_load_block(copy.deepcopy(block), checkpoint, prefix, keys[k], buffers, config, device))
-        own.append({name: read_tensor(checkpoint, prefix + name) for name in OWN if prefix + name in checkpoint})
-    drafter = MTPDrafter(blocks, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
+    block = _load_block(_trace_block(config, plan, dtype), checkpoint, prefix, keys, config, device)
+    own = {name: read_tensor(checkpoint, prefix + name) for name in OWN if prefix + name in checkpoint}
+    drafter = MTPDrafter(block, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
                          plan.taps.index(layers), layout)
-    embed = own[0].get("embed_tokens.weight")
+    embed = own.get("embed_tokens.weight")
     state = {"target_norm.weight": read_tensor(checkpoint, "model.norm.weight"),
-             "embed_tokens": embed if embed is not None else read_tensor(checkpoint, "model.embed_tokens.weight")}
-    for k, tensors in enumerate(own):
-        for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
-            module, leaf = name.split(".")
-            state[f"{module}.{k}.{leaf}"] = tensors[name]
+             "embed_tokens": embed if embed is not None else read_tensor(checkpoint, "model.embed_tokens.weight"),
+             **{name: own[name] for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight")}}
     with torch.no_grad():
         for name, t in state.items():
             target = drafter.get_buffer(name) if name == "embed_tokens" else drafter.get_parameter(name)
@@ -106,33 +101,29 @@ def load_mtp(model: str, split, device=None) -> MTPDrafter:
     return drafter.to(device=device, dtype=dtype).eval()
 
 
-def _layer_keys(checkpoint: Checkpoint, raw: dict, n: int) -> list[list[str]]:
-    """The checkpoint keys of each MTP layer, checked before any tracing: its own tensors present, and its decoder
-    block holding exactly the tensors of the target's last layer (of the same type: MoE from
-    ``first_k_dense_replace`` on), so a missing expert or an unknown tensor is named here."""
+def _layer_keys(checkpoint: Checkpoint, raw: dict, n: int) -> list[str]:
+    """The checkpoint keys of the first MTP layer (the one drafting; vLLM's proposer runs only it), checked before
+    any tracing: its own tensors present, and its decoder block holding exactly the tensors of the target's last
+    layer (of the same type: MoE from ``first_k_dense_replace`` on), so a missing expert or an unknown tensor is
+    named here. Layers ``L + 1 ..`` of ``n`` are left unused."""
     layers = raw["num_hidden_layers"]
-    last = f"model.layers.{layers - 1}."
-    same_type = layers - 1 >= raw.get("first_k_dense_replace", 0)
+    last, prefix = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    mine = sorted(key for key in checkpoint.where if key.startswith(prefix))
+    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
+        if prefix + name not in mine:
+            raise ConfigError(f"config.json declares {n} MTP layer(s) but the checkpoint has no {prefix}{name}; "
+                              "the MTP weights are missing (a checkpoint saved without them cannot draft)")
     expected = {key[len(last):] for key in checkpoint.where if key.startswith(last)}
-    keys = []
-    for k in range(n):
-        prefix = f"model.layers.{layers + k}."
-        mine = sorted(key for key in checkpoint.where if key.startswith(prefix))
-        for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
-            if prefix + name not in mine:
-                raise ConfigError(f"config.json declares {n} MTP layer(s) but the checkpoint has no {prefix}{name}; "
-                                  "the MTP weights are missing (a checkpoint saved without them cannot draft)")
-        block = {key[len(prefix):] for key in mine} - set(OWN)
-        if same_type and block != expected:
-            missing, unknown = sorted(expected - block), sorted(block - expected)
-            if missing:
-                raise ConfigError(f"the MTP layer lacks {prefix}{missing[0]}" + (f" (and {len(missing) - 1} more)"
-                                  if len(missing) > 1 else "") + f", which its decoder block needs (as {last}"
-                                  f"{missing[0]}); the MTP weights are incomplete")
-            raise ConfigError(f"the MTP layer has tensors a decoder layer of the target does not account for: "
-                              f"{', '.join(prefix + u for u in unknown[:4])}; ppsplit refuses to drop them")
-        keys.append(mine)
-    return keys
+    block = {key[len(prefix):] for key in mine} - set(OWN)
+    if layers - 1 >= raw.get("first_k_dense_replace", 0) and block != expected:
+        missing, unknown = sorted(expected - block), sorted(block - expected)
+        if missing:
+            raise ConfigError(f"the MTP layer lacks {prefix}{missing[0]}" + (f" (and {len(missing) - 1} more)"
+                              if len(missing) > 1 else "") + f", which its decoder block needs (as {last}"
+                              f"{missing[0]}); the MTP weights are incomplete")
+        raise ConfigError(f"the MTP layer has tensors a decoder layer of the target does not account for: "
+                          f"{', '.join(prefix + u for u in unknown[:4])}; ppsplit refuses to drop them")
+    return mine
 
 
 def _mini_config(config):
@@ -149,17 +140,16 @@ def _mini_config(config):
 
 
 def _trace_block(config, plan, dtype):
-    """Stage 1 of the two-layer copy, traced over ``plan``'s cache, its weights on the meta device; the values of
-    the buffers the model computes in ``__init__``."""
+    """Stage 1 of the two-layer copy, traced over ``plan``'s cache, its weights on the meta device."""
     from ppsplit.compile.api import split_model
     from ppsplit.compile.source import skeleton
 
     cache = CacheConfig(plan.max_batch, plan.max_len, state_slots=max(1, plan.state_slots),
                         block_size=plan.block_size, num_blocks=plan.num_blocks)
-    model, buffers = skeleton(_mini_config(config), dtype)
+    model, _ = skeleton(_mini_config(config), dtype)
     off = StageOptions(fuse_projections=False, fuse_pointwise=False, gemv=False, compile=False)
     mini = split_model(model, options=SplitOptions(pp=2, aux=[2], balance=[1, 1], cache=cache, stage=off))
-    return mini.stages[1], buffers
+    return mini.stages[1]
 
 
 class _Renamed:
@@ -179,7 +169,7 @@ class _Renamed:
         return self.checkpoint.read_one(self.names[name])
 
 
-def _load_block(stage, checkpoint: Checkpoint, prefix: str, keys: list[str], buffers: dict, config, device):
+def _load_block(stage, checkpoint: Checkpoint, prefix: str, keys: list[str], config, device):
     """``stage`` (weights on meta) filled with the MTP layer at ``prefix``: its block tensors as layer 1's,
     ``shared_head.norm`` as the final norm, ``shared_head.head`` (or the target's ``lm_head``) as the head."""
     from ppsplit.compile.source import skeleton
@@ -189,7 +179,7 @@ def _load_block(stage, checkpoint: Checkpoint, prefix: str, keys: list[str], buf
     names["model.norm.weight"] = prefix + "shared_head.norm.weight"
     head = prefix + "shared_head.head.weight"
     names["lm_head.weight"] = head if head in checkpoint else "lm_head.weight"
-    model, _ = skeleton(_mini_config(config))
+    model, buffers = skeleton(_mini_config(config))  # buffers: what the model computes in __init__ (rotary, ...)
     sources = Sources(model, _Renamed(checkpoint, names))
     used = {key for group in sources.groups.values() for key, _ in group.sources}
     unknown = sorted(names[name] for name in names if name not in used)

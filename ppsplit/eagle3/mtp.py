@@ -1,17 +1,19 @@
 """Multi-token prediction (MTP) layers shipped in the target's own checkpoint, run on the last stage as a drafter.
 
-DeepSeek-V3 (report section 2.2; vLLM ``deepseek_mtp.py``): MTP layer ``k`` at position ``i`` reads the hidden
-state ``h_i`` of depth ``k - 1`` and the embedding of the token at ``i + 1``::
+DeepSeek-V3 (report section 2.2: depth ``k`` at position ``i`` combines ``RMSNorm(h_i^{k-1})`` with
+``RMSNorm(Emb(t_{i+k}))``; vLLM ``deepseek_mtp.py`` at inference), for the row of position ``i``::
 
-    h_i^0 = norm(tap L of position i)                   the target's final-normed hidden (what vLLM's model returns)
+    h     = norm(tap L of position i)                   the target's final-normed hidden (what vLLM's model returns)
     e     = embed(t_{i+1}), zero at position 0          (vLLM masks position 0; the report is silent)
-    x     = eh_proj(cat(enorm(e), hnorm(h_i^{k-1})))    embedding first, as vLLM's deepseek_mtp.py concatenates
-    h_i^k = block(x at position i)                      one decoder layer of the target's own type (MLA + MoE)
-    logits = shared_head.head(shared_head.norm(h_i^k))  the draft for position i + k + 1
+    x     = eh_proj(cat(enorm(e), hnorm(h)))            embedding first, as vLLM's deepseek_mtp.py concatenates
+    out   = block(x at position i)                      one decoder layer of the target's own type (MLA + MoE)
+    logits = shared_head.head(shared_head.norm(out))    the draft for position i + 2
 
-A checkpoint with ``n`` such layers (``num_nextn_predict_layers``) drafts ``K`` tokens by chaining them, layer
-``j % n`` for draft ``j`` (vLLM's ``spec_step_idx % num_mtp_layers``; DeepSeek-V3 ships one layer, reused
-``K`` times), each later step fed the previous step's ``h^k`` before ``shared_head.norm``.
+``K`` drafts chain the first MTP layer ``K`` times, each later step at the next position, fed the previous step's
+``out`` and the previous draft: what vLLM's proposer does (it calls the MTP model without
+``spec_step_idx``, so layer ``L`` drafts every step). DeepSeek-V3 ships one layer; further layers of a checkpoint
+with ``num_nextn_predict_layers > 1`` are left unused, as vLLM leaves them (each would need its own cache filled by
+rows it never sees in a chain).
 
 The block is the target's decoder layer traced and paged by ppsplit's own passes (``ppsplit.compile.mtp`` builds
 it: the last stage of a two-layer copy of the target, its pools over the target's block tables), so MLA latents
@@ -38,10 +40,11 @@ def is_mtp_target(cfg: dict) -> bool:
 
 
 class MTPDrafter(nn.Module):
-    """The MTP layers of a target checkpoint, fed the split's tap ``L`` (built by ``ppsplit.load_mtp``).
+    """The first MTP layer of a target checkpoint, fed the split's tap ``L`` (built by ``ppsplit.load_mtp``).
 
-    ``blocks``: one traced stage per MTP layer (input ``[N, H]``, output ``(logits [N, V], aux [1, N, H])`` with the
-    block's output before ``shared_head.norm`` in the aux slot), each owning its paged pools of ``layout``.
+    ``block``: the MTP layer's decoder block as a traced stage (input ``[N, H]``, output ``(logits [N, V], aux
+    [1, N, H])`` with the block's output before ``shared_head.norm`` in the aux slot), owning its paged pools of
+    ``layout``.
 
     Example::
 
@@ -51,28 +54,26 @@ class MTPDrafter(nn.Module):
 
     family = "mtp"
 
-    def __init__(self, blocks: list, hidden: int, vocab: int, eps: float, tap: int, slot: int, layout: CacheLayout):
+    def __init__(self, block, hidden: int, vocab: int, eps: float, tap: int, slot: int, layout: CacheLayout):
         super().__init__()
-        self.blocks = nn.ModuleList(blocks)
+        self.block = block
         self.taps, self.slots = (tap,), (slot,)
         self.hidden_size, self.layout = hidden, layout
         self.target_norm = RMSNorm(hidden, eps)  # the target's final norm (model.norm)
-        self.enorm = nn.ModuleList(RMSNorm(hidden, eps) for _ in blocks)
-        self.hnorm = nn.ModuleList(RMSNorm(hidden, eps) for _ in blocks)
-        self.eh_proj = nn.ModuleList(nn.Linear(2 * hidden, hidden, bias=False) for _ in blocks)
+        self.enorm, self.hnorm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.register_buffer("embed_tokens", torch.empty(vocab, hidden), persistent=False)
         self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long))  # the full vocabulary: draft id = target id
-        self.depth = 0  # the chain step the next call computes (layer depth % len(blocks))
 
     @property
     def target_ids(self) -> torch.Tensor:
         return torch.arange(self.d2t.shape[0], device=self.d2t.device)
 
     def allocate_paged(self, layout) -> "MTPDrafter":
-        """The blocks own their pools, traced over the target's layout: ``layout`` must be that one."""
+        """The block owns its pools, traced over the target's layout: ``layout`` must be that one."""
         if layout != self.layout:
-            raise ConfigError(f"the MTP layers were built for the cache {self.layout}, but the engine runs {layout}; "
-                              "load them with ppsplit.load_mtp(..., split=split) for this split")
+            raise ConfigError(f"the MTP layer was built for the cache {self.layout}, but the engine runs {layout}; "
+                              "load it with ppsplit.load_mtp(..., split=split) for this split")
         return self
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, step: RaggedStep):
@@ -81,16 +82,13 @@ class MTPDrafter(nn.Module):
         after each position; ``step`` the rows' positions and sequences. Returns ``(logits [1, N, V], out [1, N,
         H])``, ``out`` before ``shared_head.norm``: the next step's ``hidden``."""
         if not isinstance(step, RaggedStep) or tokens.shape[0] != 1:
-            raise ConfigError("MTP layers run over the paged cache only: pass a RaggedStep and one row of tokens")
+            raise ConfigError("the MTP layer runs over the paged cache only: pass a RaggedStep and one row of tokens")
         if hidden.dim() == 4:
-            self.depth = 0
             hidden = self.target_norm(hidden[self.slots[0]])
-        k = self.depth % len(self.blocks)
-        self.depth += 1
         n = tokens.shape[1]
         emb = F.embedding(tokens[0], self.embed_tokens)
         emb = emb.masked_fill((step.positions == 0)[:, None], 0)  # vLLM zeroes position 0's embedding
-        x = self.eh_proj[k](torch.cat([self.enorm[k](emb), self.hnorm[k](hidden.reshape(n, -1))], dim=-1))
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.reshape(n, -1))], dim=-1))
         aux = x.new_empty(1, n, self.hidden_size)
-        logits, aux = self.blocks[k](x, step.positions, aux, *step.tensors()[1:])
+        logits, aux = self.block(x, step.positions, aux, *step.tensors()[1:])
         return logits[None], aux[0][None]

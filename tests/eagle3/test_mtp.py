@@ -51,7 +51,7 @@ def mtp_parts(seed=1, **shape):
     return block, own
 
 
-def write_checkpoint(folder, target, block, own, drop=(), extra=None):
+def write_checkpoint(folder, target, block, own, drop=(), extra=None, layers=1):
     """``target`` saved by transformers, plus the MTP layer at ``model.layers.{L}`` in DeepSeek-V3's layout."""
     target.save_pretrained(folder)
     tmp = f"{folder}-block"
@@ -68,11 +68,16 @@ def write_checkpoint(folder, target, block, own, drop=(), extra=None):
     tensors.update(extra or {})
     for name in drop:
         del tensors[prefix + name]
+    for k in range(1, layers):  # further MTP layers: copies of the first under model.layers.{L + k}
+        tensors.update({f"model.layers.{L + k}." + name[len(prefix):]: t.clone() for name, t in list(tensors.items())
+                        if name.startswith(prefix)})
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
     assert cfg["num_nextn_predict_layers"] == 1  # transformers writes DeepSeek's key
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**cfg, "num_nextn_predict_layers": layers}, f)
     return str(folder)
 
 
@@ -132,8 +137,8 @@ def test_draft_logits_equal_the_reference(deepseek):
     target, block, own, folder, traced = deepseek
     split = ppsplit.split_model(traced, 2, aux=[L])
     drafter = ppsplit.load_mtp(folder, split=split)
-    assert drafter.taps == (L,) and len(drafter.blocks) == 1
-    block_params = {n for n, _ in drafter.blocks[0].named_parameters()}
+    assert drafter.taps == (L,)
+    block_params = {n for n, _ in drafter.block.named_parameters()}
     assert any("experts" in n for n in block_params) and any("kv_a_proj" in n for n in block_params)
     assert all(n.startswith(("model.layers.1.", "model.norm.", "lm_head.")) for n in block_params)
     torch.manual_seed(7)
@@ -151,7 +156,6 @@ def test_draft_logits_equal_the_reference(deepseek):
         got.append(logits[0])
     ref = reference(target, block, own, ids, chain)
     torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
-    assert drafter.depth == 3
 
 
 @pytest.mark.parametrize("pp, k", [(1, 1), (2, 2), (3, 3)])
@@ -170,6 +174,21 @@ def test_engine_output_equals_greedy(deepseek, pp, k):
             greedy = target.generate(prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None)
         assert out.token_ids == greedy[0, len(prompt):].tolist()
         assert all(0 <= a <= k for a in out.accepted)
+
+
+def test_further_mtp_layers_are_left_unused(deepseek, tmp_path):
+    """A checkpoint with two MTP layers drafts with the first only, as vLLM's proposer does: the same logits as the
+    one-layer checkpoint."""
+    target, block, own, folder, traced = deepseek
+    split = ppsplit.split_model(traced, 1, aux=[L])
+    two = write_checkpoint(tmp_path / "two", target, block, own, layers=2)
+    ids = torch.randint(3, V, (7,), generator=torch.Generator().manual_seed(2))
+    step = RaggedStep.build([Segment(0, 0, 7)], {0: [0]}, split.layout)
+    _, aux = split.step(ids, step)
+    nxt = torch.cat([ids[1:], ids[:1]])[None]
+    one_logits, _ = ppsplit.load_mtp(folder, split=split)(aux[:, None], nxt, step)
+    two_logits, _ = ppsplit.load_mtp(two, split=split)(aux[:, None], nxt, step)
+    assert torch.equal(one_logits, two_logits)
 
 
 def _refused(folder, split, message):
