@@ -1,7 +1,7 @@
 """Driver: the MTP layers of a target checkpoint as an ``MTPDrafter`` for a split (``ppsplit.load_mtp``).
 
 The first MTP layer's decoder block is traced by ppsplit's own passes: a two-layer copy of the target's config whose
-layer 1 has the MTP layer's type (DeepSeek-V3: MLA + MoE), split in two with the tap after layer 1, traced over the
+layer 1 has the MTP layer's type (DeepSeek-V3: MLA + MoE; GLM-4.5: GQA + MoE), split in two with the tap after layer 1, traced over the
 split's ``CacheConfig``; its stage 1 (layer 1, final norm, lm_head) is the block, with the MTP layer's weights
 (``model.layers.{L}.*``) read through transformers' own conversions (per-expert tensors fused as the model
 keeps them) under the names of layer 1 (``shared_head.norm`` -> ``model.norm``, ``shared_head.head`` ->
@@ -25,7 +25,9 @@ from ppsplit.core.ragged import CacheLayout
 from ppsplit.core.tensors import model_dtype, module_device
 from ppsplit.eagle3.mtp import COUNT_KEYS, MTPDrafter
 
-SUPPORTED = ("deepseek_v3",)  # the layouts built and checked against a reference (tests/eagle3/test_mtp.py)
+# DeepSeek-V3 and GLM-4.5: the same MTP layout and formula (vLLM deepseek_mtp.py, glm4_moe_mtp.py), built and checked
+# against a reference (tests/eagle3/test_mtp.py)
+SUPPORTED = ("deepseek_v3", "glm4_moe")
 # The MTP layer's own tensors beside its decoder block (DeepSeek-V3's layout, vLLM deepseek_mtp.py).
 OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "embed_tokens.weight", "shared_head.norm.weight",
        "shared_head.head.weight")
@@ -45,8 +47,8 @@ def mtp_layers(cfg: dict) -> int:
 def load_mtp(model: str, split, device=None) -> MTPDrafter:
     """The MTP layers of checkpoint folder ``model`` (``num_nextn_predict_layers`` > 0, weights under
     ``model.layers.{L}``) as a drafter for ``split``, which must carry tap ``L`` (the last layer's output) and a
-    paged cache; on the last stage's device. Refused in one line, before anything is read: a model type other than
-    DeepSeek-V3, no MTP layers, a split without tap ``L`` or a paged cache, a missing or unknown MTP tensor.
+    paged cache; on the last stage's device. Refused in one line, before anything is traced: a model type other than
+    DeepSeek-V3 or GLM-4.5 (``glm4_moe``), no MTP layers, a split without tap ``L`` or a paged cache, a missing or unknown MTP tensor.
 
     Example::
 

@@ -1,12 +1,13 @@
 """Multi-token prediction (MTP) layers shipped in the target's own checkpoint, run on the last stage as a drafter.
 
 DeepSeek-V3 (report section 2.2: depth ``k`` at position ``i`` combines ``RMSNorm(h_i^{k-1})`` with
-``RMSNorm(Emb(t_{i+k}))``; vLLM ``deepseek_mtp.py`` at inference), for the row of position ``i``::
+``RMSNorm(Emb(t_{i+k}))``; vLLM ``deepseek_mtp.py`` at inference; GLM-4.5's ``glm4_moe_mtp.py`` is the same), for
+the row of position ``i``::
 
     h     = norm(tap L of position i)                   the target's final-normed hidden (what vLLM's model returns)
     e     = embed(t_{i+1}), zero at position 0          (vLLM masks position 0; the report is silent)
     x     = eh_proj(cat(enorm(e), hnorm(h)))            embedding first, as vLLM's deepseek_mtp.py concatenates
-    out   = block(x at position i)                      one decoder layer of the target's own type (MLA + MoE)
+    out   = block(x at position i)                      a decoder layer of the target's type (MLA + MoE)
     logits = shared_head.head(shared_head.norm(out))    the draft for position i + 2
 
 ``K`` drafts chain the first MTP layer ``K`` times, each later step at the next position, fed the previous step's

@@ -1,10 +1,11 @@
-"""MTP layers shipped in the target's checkpoint (DeepSeek-V3: MLA + MoE) as the drafter on the last stage.
+"""MTP layers shipped in the target's checkpoint (DeepSeek-V3: MLA + MoE; GLM-4.5: GQA + MoE) as the drafter on
+the last stage.
 
-The checkpoint is written as DeepSeek-V3's is: the target's layers as transformers saves them, plus the MTP layer
+The checkpoint is written as DeepSeek-V3's (and GLM-4.5's) is: the target's layers as transformers saves them, plus the MTP layer
 under ``model.layers.{L}`` (its decoder block with per-expert tensors, ``enorm``, ``hnorm``, ``eh_proj``,
 ``embed_tokens``, ``shared_head.norm``, ``shared_head.head``), which transformers' own DeepseekV3 drops on load.
-The reference is written from the DeepSeek-V3 report (section 2.2) and vLLM's ``deepseek_mtp.py``, its decoder
-block run by transformers' own DeepseekV3 layer (a one-layer model holding the MTP block, ``shared_head`` as its
+The reference is written from the DeepSeek-V3 report (section 2.2) and vLLM's ``deepseek_mtp.py`` (GLM-4.5's
+``glm4_moe_mtp.py`` is the same), its decoder block run by transformers' own decoder layer (a one-layer model holding the MTP block, ``shared_head`` as its
 norm and head).
 """
 import json
@@ -23,11 +24,14 @@ from ppsplit.serve.engine import Engine
 from ppsplit.serve.sampling import SamplingParams
 
 V, H, L = 32, 64, 3
-SHAPE = dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
-             max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, kv_lora_rank=16,
-             q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
-             num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1,
-             tie_word_embeddings=False)
+_COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_attention_heads=4, max_position_embeddings=256,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2, n_routed_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1, tie_word_embeddings=False)
+SHAPES = {  # the MTP layouts: DeepSeek-V3 (MLA) and GLM-4.5 (GQA with biases), both MoE
+    "deepseek_v3": dict(_COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16),
+    "glm4_moe": dict(_COMMON, num_key_value_heads=2, attention_bias=True),
+}
 CACHE = CacheConfig(batch_size=8, max_len=64, block_size=16)
 
 
@@ -40,10 +44,10 @@ def _random(config, seed):
     return model
 
 
-def mtp_parts(seed=1, **shape):
+def mtp_parts(seed=1, arch="deepseek_v3", **shape):
     """The MTP layer: a one-layer DeepseekV3 whose layer 0 (MoE, as the MTP layer at index L is) is the block, its
     norm ``shared_head.norm`` and its head ``shared_head.head``; and ``enorm``, ``hnorm``, ``eh_proj``."""
-    block = _random(AutoConfig.for_model("deepseek_v3", **{**SHAPE, **shape}, num_hidden_layers=1,
+    block = _random(AutoConfig.for_model(arch, **{**SHAPES[arch], **shape}, num_hidden_layers=1,
                                          first_k_dense_replace=0), seed)
     g = torch.Generator().manual_seed(seed)
     own = {"enorm.weight": 1 + 0.1 * torch.randn(H, generator=g), "hnorm.weight": 1 + 0.1 * torch.randn(H, generator=g),
@@ -81,21 +85,30 @@ def write_checkpoint(folder, target, block, own, drop=(), extra=None, layers=1):
     return str(folder)
 
 
-def build(folder, cache=CACHE, head_scale=1.0, **shape):
+def build(folder, cache=CACHE, head_scale=1.0, arch="deepseek_v3", **shape):
     """(target, MTP block model, own tensors, checkpoint folder, traced target); ``head_scale`` sharpens the
     target's next-token distributions."""
-    target = _random(AutoConfig.for_model("deepseek_v3", **{**SHAPE, **shape}, num_hidden_layers=L,
+    target = _random(AutoConfig.for_model(arch, **{**SHAPES[arch], **shape}, num_hidden_layers=L,
                                           first_k_dense_replace=1), 0)
     with torch.no_grad():
         target.lm_head.weight.mul_(head_scale)
-    block, own = mtp_parts(**shape)
+    block, own = mtp_parts(arch=arch, **shape)
     folder = write_checkpoint(folder, target, block, own)
     return target, block, own, folder, ppsplit.trace_model(target, cache=cache)
 
 
+_BUILT: dict = {}
+
+
+def built(arch, tmp_path_factory):
+    if arch not in _BUILT:
+        _BUILT[arch] = build(tmp_path_factory.mktemp(arch) / "ckpt", arch=arch)
+    return _BUILT[arch]
+
+
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("ds") / "ckpt")
+    return built("deepseek_v3", tmp_path_factory)
 
 
 def rms(x, w, eps=1e-6):
@@ -131,15 +144,17 @@ def reference(target, block, own, ids, chain=()):
     return torch.cat(logits)
 
 
-def test_draft_logits_equal_the_reference(deepseek):
+@pytest.mark.parametrize("arch", list(SHAPES))
+def test_draft_logits_equal_the_reference(arch, tmp_path_factory):
     """Prefill rows of one sequence (every position's depth-1 draft), then two chain steps with the layer reused,
     as the engine runs them: logits equal the reference's, and the drafter holds exactly the MTP tensors."""
-    target, block, own, folder, traced = deepseek
+    target, block, own, folder, traced = built(arch, tmp_path_factory)
     split = ppsplit.split_model(traced, 2, aux=[L])
     drafter = ppsplit.load_mtp(folder, split=split)
     assert drafter.taps == (L,)
     block_params = {n for n, _ in drafter.block.named_parameters()}
-    assert any("experts" in n for n in block_params) and any("kv_a_proj" in n for n in block_params)
+    attention = "kv_a_proj" if arch == "deepseek_v3" else "k_proj.bias"
+    assert any("experts" in n for n in block_params) and any(attention in n for n in block_params)
     assert all(n.startswith(("model.layers.1.", "model.norm.", "lm_head.")) for n in block_params)
     torch.manual_seed(7)
     ids = torch.randint(3, V, (11,))
@@ -158,11 +173,12 @@ def test_draft_logits_equal_the_reference(deepseek):
     torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("pp, k", [(1, 1), (2, 2), (3, 3)])
-def test_engine_output_equals_greedy(deepseek, pp, k):
+@pytest.mark.parametrize("arch, pp, k", [("deepseek_v3", 1, 1), ("deepseek_v3", 2, 2), ("deepseek_v3", 3, 3),
+                                         ("glm4_moe", 2, 3)])
+def test_engine_output_equals_greedy(arch, pp, k, tmp_path_factory):
     """Requests of different lengths batched, K drafts by chaining the one MTP layer K times: each output equals
     Hugging Face's greedy generate of the target alone."""
-    target, _, _, folder, traced = deepseek
+    target, _, _, folder, traced = built(arch, tmp_path_factory)
     split = ppsplit.split_model(traced, pp, aux=[L])
     drafter = ppsplit.load_mtp(folder, split=split)
     gen = torch.Generator().manual_seed(pp)
