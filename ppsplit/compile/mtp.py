@@ -5,14 +5,16 @@ layer 1 has the MTP layer's type (DeepSeek-V3: MLA + MoE; GLM-4.5: GQA + MoE), s
 split's ``CacheConfig``; its stage 1 (layer 1, final norm, lm_head) is the block, with the MTP layer's weights
 (``model.layers.{L}.*``) read through transformers' own conversions (per-expert tensors fused as the model
 keeps them) under the names of layer 1 (``shared_head.norm`` -> ``model.norm``, ``shared_head.head`` ->
-``lm_head``). Every tensor under ``model.layers.{L}.`` is used or refused; layers ``L + 1 ..`` are left unused, as
-vLLM's proposer leaves them.
+``lm_head``). Every tensor of the first MTP layer is used or refused; further layers are left unused, as vLLM's
+proposer leaves them. Qwen3-Next keeps its layer under ``mtp.`` (``mtp.fc``, ``mtp.pre_fc_norm_*``, ``mtp.layers.0``,
+``mtp.norm``; the target's embedding and ``lm_head``).
 """
 from __future__ import annotations
 
 import copy
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -25,17 +27,35 @@ from ppsplit.core.ragged import CacheLayout
 from ppsplit.core.tensors import model_dtype, module_device
 from ppsplit.eagle3.mtp import COUNT_KEYS, MTPDrafter
 
-# DeepSeek-V3 and GLM-4.5: the same MTP layout and formula (vLLM deepseek_mtp.py, glm4_moe_mtp.py), built and checked
-# against a reference (tests/eagle3/test_mtp.py)
-SUPPORTED = ("deepseek_v3", "glm4_moe")
-# The MTP layer's own tensors beside its decoder block (DeepSeek-V3's layout, vLLM deepseek_mtp.py).
-OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "embed_tokens.weight", "shared_head.norm.weight",
-       "shared_head.head.weight")
+@dataclass(frozen=True)
+class MTPLayout:
+    """Where a model type keeps its first MTP layer, and how it differs (vLLM's ``*_mtp.py`` for each)."""
+
+    prefix: str  # every MTP tensor's prefix ({L}: the target's layer count)
+    block: str  # the decoder block's prefix
+    own: dict  # role -> tensor name under ``prefix``: enorm, hnorm, eh_proj, norm; optional embed, head
+    count: str  # config.json's number of MTP layers
+    offset_norms: bool = False  # Qwen3-Next's norms scale by 1 + weight
+    zero_first: bool = True  # position 0's embedding zeroed (vLLM deepseek_mtp.py, glm4_moe_mtp.py)
+    feed_normed: bool = False  # a chain step reads the previous step's output after the MTP norm (qwen3_next_mtp.py)
+
+
+_DEEPSEEK = MTPLayout("model.layers.{L}.", "model.layers.{L}.", {
+    "enorm": "enorm.weight", "hnorm": "hnorm.weight", "eh_proj": "eh_proj.weight", "norm": "shared_head.norm.weight",
+    "embed": "embed_tokens.weight", "head": "shared_head.head.weight"}, "num_nextn_predict_layers")
+LAYOUTS = {  # each built and checked against a reference in tests/eagle3/test_mtp.py
+    "deepseek_v3": _DEEPSEEK,
+    "glm4_moe": _DEEPSEEK,  # GLM-4.5: the same layout and formula (vLLM glm4_moe_mtp.py)
+    "qwen3_next": MTPLayout("mtp.", "mtp.layers.0.", {
+        "enorm": "pre_fc_norm_embedding.weight", "hnorm": "pre_fc_norm_hidden.weight", "eh_proj": "fc.weight",
+        "norm": "norm.weight"}, "mtp_num_hidden_layers", offset_norms=True, zero_first=False, feed_normed=True),
+}
+REQUIRED = ("enorm", "hnorm", "eh_proj", "norm")
 
 
 def mtp_layers(cfg: dict) -> int:
     """How many MTP layers a target ``config.json`` (a dict) declares; 0 when none."""
-    for key in COUNT_KEYS:
+    for key in (*COUNT_KEYS, "mtp_num_hidden_layers"):
         if key in cfg:
             n = cfg[key]
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
@@ -45,10 +65,11 @@ def mtp_layers(cfg: dict) -> int:
 
 
 def load_mtp(model: str, split, device=None) -> MTPDrafter:
-    """The MTP layers of checkpoint folder ``model`` (``num_nextn_predict_layers`` > 0, weights under
-    ``model.layers.{L}``) as a drafter for ``split``, which must carry tap ``L`` (the last layer's output) and a
-    paged cache; on the last stage's device. Refused in one line, before anything is traced: a model type other than
-    DeepSeek-V3 or GLM-4.5 (``glm4_moe``), no MTP layers, a split without tap ``L`` or a paged cache, a missing or unknown MTP tensor.
+    """The first MTP layer of checkpoint folder ``model`` (DeepSeek-V3 / GLM-4.5: ``num_nextn_predict_layers`` > 0,
+    weights under ``model.layers.{L}``; Qwen3-Next: ``mtp_num_hidden_layers``, under ``mtp.``) as a drafter for
+    ``split``, which must carry tap ``L`` (the last layer's output) and a paged cache; on the last stage's device.
+    Refused in one line, before anything is traced: another model type, no MTP layers, a split without tap ``L`` or
+    a paged cache, a missing or unknown MTP tensor.
 
     Example::
 
@@ -65,11 +86,14 @@ def load_mtp(model: str, split, device=None) -> MTPDrafter:
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read {folder}/config.json ({e}); pass the target's checkpoint folder") from None
     kind = raw.get("model_type")
-    if kind not in SUPPORTED:
-        raise ConfigError(f"MTP layers of model_type {kind!r} are not supported (supported: {', '.join(SUPPORTED)})")
+    if kind not in LAYOUTS:
+        raise ConfigError(f"MTP layers of model_type {kind!r} are not supported (supported: {', '.join(LAYOUTS)})")
+    layout = LAYOUTS[kind]
+    if raw.get("mtp_use_dedicated_embeddings"):
+        raise ConfigError("mtp_use_dedicated_embeddings: true (an MTP layer with its own embedding) is not supported")
     n = mtp_layers(raw)
     if n == 0:
-        raise ConfigError(f"{model} has no MTP layers (config.json's num_nextn_predict_layers is 0 or absent)")
+        raise ConfigError(f"{model} has no MTP layers (config.json's {layout.count} is 0 or absent)")
     plan = split.plan
     layers = raw["num_hidden_layers"]
     if plan.num_layers != layers:
@@ -78,21 +102,27 @@ def load_mtp(model: str, split, device=None) -> MTPDrafter:
     if layers not in plan.taps:
         raise ConfigError(f"MTP reads tap {layers} (the last layer's output) but the split carries "
                           f"{list(plan.taps)}; split with aux including {layers}")
-    layout = CacheLayout.of(plan)
+    cache = CacheLayout.of(plan)
     checkpoint = Checkpoint(folder)
-    prefix = f"model.layers.{layers}."
-    keys = _layer_keys(checkpoint, raw, n)
+    prefix, block_prefix = layout.prefix.format(L=layers), layout.block.format(L=layers)
+    keys = _layer_keys(checkpoint, raw, layout, n)
     config = load_config(folder)
     dtype = model_dtype(plan)
     device = torch.device(device) if device is not None else module_device(split.stages[-1])
-    block = _load_block(_trace_block(config, plan, dtype), checkpoint, prefix, keys, config, device)
-    own = {name: read_tensor(checkpoint, prefix + name) for name in OWN if prefix + name in checkpoint}
+    block = _load_block(_trace_block(config, plan, dtype), checkpoint, layout, prefix, block_prefix, keys, config,
+                        device)
+    own = {role: read_tensor(checkpoint, prefix + name) for role, name in layout.own.items()
+           if prefix + name in checkpoint}
     drafter = MTPDrafter(block, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
-                         plan.taps.index(layers), layout)
-    embed = own.get("embed_tokens.weight")
+                         plan.taps.index(layers), cache, offset_norms=layout.offset_norms,
+                         zero_first=layout.zero_first, feed_normed=layout.feed_normed)
     state = {"target_norm.weight": read_tensor(checkpoint, "model.norm.weight"),
-             "embed_tokens": embed if embed is not None else read_tensor(checkpoint, "model.embed_tokens.weight"),
-             **{name: own[name] for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight")}}
+             "embed_tokens": own.get("embed", None), "enorm.weight": own["enorm"], "hnorm.weight": own["hnorm"],
+             "eh_proj.weight": own["eh_proj"]}
+    if state["embed_tokens"] is None:
+        state["embed_tokens"] = read_tensor(checkpoint, "model.embed_tokens.weight")
+    if layout.feed_normed:
+        state["norm.weight"] = own["norm"]
     with torch.no_grad():
         for name, t in state.items():
             target = drafter.get_buffer(name) if name == "embed_tokens" else drafter.get_parameter(name)
@@ -103,29 +133,40 @@ def load_mtp(model: str, split, device=None) -> MTPDrafter:
     return drafter.to(device=device, dtype=dtype).eval()
 
 
-def _layer_keys(checkpoint: Checkpoint, raw: dict, n: int) -> list[str]:
+def _layer_keys(checkpoint: Checkpoint, raw: dict, layout: MTPLayout, n: int) -> list[str]:
     """The checkpoint keys of the first MTP layer (the one drafting; vLLM's proposer runs only it), checked before
     any tracing: its own tensors present, and its decoder block holding exactly the tensors of the target's last
-    layer (of the same type: MoE from ``first_k_dense_replace`` on), so a missing expert or an unknown tensor is
-    named here. Layers ``L + 1 ..`` of ``n`` are left unused."""
+    layer of the MTP layer's type (MoE from ``first_k_dense_replace`` on; full attention), so a missing expert or
+    an unknown tensor is named here. Further MTP layers (DeepSeek: ``model.layers.{L + 1}``) are left unused."""
     layers = raw["num_hidden_layers"]
-    last, prefix = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    prefix, block_prefix = layout.prefix.format(L=layers), layout.block.format(L=layers)
     mine = sorted(key for key in checkpoint.where if key.startswith(prefix))
-    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"):
-        if prefix + name not in mine:
-            raise ConfigError(f"config.json declares {n} MTP layer(s) but the checkpoint has no {prefix}{name}; "
-                              "the MTP weights are missing (a checkpoint saved without them cannot draft)")
+    for role in REQUIRED:
+        if prefix + layout.own[role] not in mine:
+            raise ConfigError(f"config.json declares {n} MTP layer(s) but the checkpoint has no "
+                              f"{prefix}{layout.own[role]}; the MTP weights are missing (a checkpoint saved without "
+                              "them cannot draft)")
+    own = {prefix + name for name in layout.own.values()}
+    stray = [key for key in mine if key not in own and not key.startswith(block_prefix)]
+    if layout.prefix == "mtp." and stray:  # DeepSeek's further layers live under model.layers.{L + 1}, not here
+        raise ConfigError(f"the MTP layer has tensors ppsplit does not account for: {', '.join(stray[:4])}; ppsplit "
+                          "refuses to drop them (only the first MTP layer drafts)")
+    types = raw.get("layer_types") or ["full_attention"] * layers
+    same = [i for i in range(layers) if types[i] == "full_attention" and i >= raw.get("first_k_dense_replace", 0)]
+    if not same:
+        return mine
+    last = f"model.layers.{same[-1]}."
     expected = {key[len(last):] for key in checkpoint.where if key.startswith(last)}
-    block = {key[len(prefix):] for key in mine} - set(OWN)
-    if layers - 1 >= raw.get("first_k_dense_replace", 0) and block != expected:
+    block = {key[len(block_prefix):] for key in mine if key.startswith(block_prefix) and key not in own}
+    if block != expected:
         missing, unknown = sorted(expected - block), sorted(block - expected)
         if missing:
-            raise ConfigError(f"the MTP layer lacks {prefix}{missing[0]}" + (f" (and {len(missing) - 1} more)"
+            raise ConfigError(f"the MTP layer lacks {block_prefix}{missing[0]}" + (f" (and {len(missing) - 1} more)"
                               if len(missing) > 1 else "") + f", which its decoder block needs (as {last}"
                               f"{missing[0]}); the MTP weights are incomplete")
         raise ConfigError(f"the MTP layer has tensors a decoder layer of the target does not account for: "
-                          f"{', '.join(prefix + u for u in unknown[:4])}; ppsplit refuses to drop them")
-    return mine
+                          f"{', '.join(block_prefix + u for u in unknown[:4])}; ppsplit refuses to drop them")
+    return [key for key in mine if key.startswith(block_prefix) and key not in own]
 
 
 def _mini_config(config):
@@ -136,8 +177,10 @@ def _mini_config(config):
     for key in COUNT_KEYS:
         if hasattr(mini, key):
             setattr(mini, key, 0)
-    # DeepSeek: layers from first_k_dense_replace on are MoE; the MTP layer sits at index L
-    mini.first_k_dense_replace = 1 if layers >= config.first_k_dense_replace else 2
+    if hasattr(config, "first_k_dense_replace"):  # DeepSeek, GLM: MoE from this layer on; the MTP layer is at L
+        mini.first_k_dense_replace = 1 if layers >= config.first_k_dense_replace else 2
+    if getattr(config, "layer_types", None):  # Qwen3-Next: the MTP layer is a full-attention layer
+        mini.layer_types = ["full_attention", "full_attention"]
     return mini
 
 
@@ -171,15 +214,16 @@ class _Renamed:
         return self.checkpoint.read_one(self.names[name])
 
 
-def _load_block(stage, checkpoint: Checkpoint, prefix: str, keys: list[str], config, device):
-    """``stage`` (weights on meta) filled with the MTP layer at ``prefix``: its block tensors as layer 1's,
-    ``shared_head.norm`` as the final norm, ``shared_head.head`` (or the target's ``lm_head``) as the head."""
+def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, block_prefix: str, keys: list[str],
+                config, device):
+    """``stage`` (weights on meta) filled with the MTP layer: its block tensors (``keys``, under ``block_prefix``) as
+    layer 1's, its norm as the final norm, its head (or the target's ``lm_head``) as the head."""
     from ppsplit.compile.source import skeleton
     from ppsplit.passes.rewrites import apply_rewrites
 
-    names = {"model.layers.1." + key[len(prefix):]: key for key in keys if key[len(prefix):] not in OWN}
-    names["model.norm.weight"] = prefix + "shared_head.norm.weight"
-    head = prefix + "shared_head.head.weight"
+    names = {"model.layers.1." + key[len(block_prefix):]: key for key in keys}
+    names["model.norm.weight"] = prefix + layout.own["norm"]
+    head = prefix + layout.own["head"] if "head" in layout.own else None
     names["lm_head.weight"] = head if head in checkpoint else "lm_head.weight"
     model, buffers = skeleton(_mini_config(config))  # buffers: what the model computes in __init__ (rotary, ...)
     sources = Sources(model, _Renamed(checkpoint, names))
