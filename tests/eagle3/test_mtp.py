@@ -31,7 +31,20 @@ SHAPES = {  # the MTP layouts: DeepSeek-V3 (MLA) and GLM-4.5 (GQA with biases), 
     "deepseek_v3": dict(_COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
                         qk_nope_head_dim=8, v_head_dim=16),
     "glm4_moe": dict(_COMMON, num_key_value_heads=2, attention_bias=True),
+    "qwen3_next": dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32, tie_word_embeddings=False),
 }
+QWEN = "qwen3_next"  # its MTP layer under mtp.*, norms scaling by 1 + weight, the output after its norm fed back
+# (target, block) config fields: the MTP layer's type at index L (MoE; Qwen3-Next: full attention)
+_LAYER_TYPE = {"deepseek_v3": (dict(first_k_dense_replace=1), dict(first_k_dense_replace=0)),
+               "glm4_moe": (dict(first_k_dense_replace=1), dict(first_k_dense_replace=0)),
+               QWEN: (dict(layer_types=["linear_attention", "linear_attention", "full_attention"]),
+                      dict(layer_types=["full_attention"]))}
+_QWEN_NAMES = {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
+               "eh_proj.weight": "fc.weight"}
 CACHE = CacheConfig(batch_size=8, max_len=64, block_size=16)
 
 
@@ -48,19 +61,36 @@ def mtp_parts(seed=1, arch="deepseek_v3", **shape):
     """The MTP layer: a one-layer DeepseekV3 whose layer 0 (MoE, as the MTP layer at index L is) is the block, its
     norm ``shared_head.norm`` and its head ``shared_head.head``; and ``enorm``, ``hnorm``, ``eh_proj``."""
     block = _random(AutoConfig.for_model(arch, **{**SHAPES[arch], **shape}, num_hidden_layers=1,
-                                         first_k_dense_replace=0), seed)
+                                         **_LAYER_TYPE[arch][1]), seed)
     g = torch.Generator().manual_seed(seed)
-    own = {"enorm.weight": 1 + 0.1 * torch.randn(H, generator=g), "hnorm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+    one = 0 if arch == QWEN else 1  # Qwen3-Next's norms scale by 1 + weight
+    own = {"enorm.weight": one + 0.1 * torch.randn(H, generator=g),
+           "hnorm.weight": one + 0.1 * torch.randn(H, generator=g),
            "eh_proj.weight": torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5}
     return block, own
 
 
 def write_checkpoint(folder, target, block, own, drop=(), extra=None, layers=1):
-    """``target`` saved by transformers, plus the MTP layer at ``model.layers.{L}`` in DeepSeek-V3's layout."""
+    """``target`` saved by transformers, plus the MTP layer at ``model.layers.{L}`` in DeepSeek-V3's layout (or
+    under ``mtp.`` in Qwen3-Next's)."""
     target.save_pretrained(folder)
     tmp = f"{folder}-block"
     block.save_pretrained(tmp)
     tensors = load_file(os.path.join(folder, "model.safetensors"))
+    if target.config.model_type == QWEN:
+        for name, t in load_file(os.path.join(tmp, "model.safetensors")).items():
+            if name.startswith("model.layers.0."):
+                tensors["mtp.layers.0." + name[len("model.layers.0."):]] = t
+        tensors["mtp.norm.weight"] = block.model.norm.weight.detach().clone()
+        tensors.update({"mtp." + _QWEN_NAMES[k]: v for k, v in own.items()})
+        tensors.update(extra or {})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"),
+                  metadata={"format": "pt"})
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({**cfg, "mtp_num_hidden_layers": 1}, f)
+        return str(folder)
     prefix = f"model.layers.{L}."
     for name, t in load_file(os.path.join(tmp, "model.safetensors")).items():
         if name.startswith("model.layers.0."):
@@ -89,10 +119,12 @@ def build(folder, cache=CACHE, head_scale=1.0, arch="deepseek_v3", **shape):
     """(target, MTP block model, own tensors, checkpoint folder, traced target); ``head_scale`` sharpens the
     target's next-token distributions."""
     target = _random(AutoConfig.for_model(arch, **{**SHAPES[arch], **shape}, num_hidden_layers=L,
-                                          first_k_dense_replace=1), 0)
+                                          **_LAYER_TYPE[arch][0]), 0)
+    block, own = mtp_parts(arch=arch, **shape)
     with torch.no_grad():
         target.lm_head.weight.mul_(head_scale)
-    block, own = mtp_parts(arch=arch, **shape)
+        if arch == QWEN:  # Qwen3-Next's MTP layer drafts through the target's lm_head
+            block.lm_head.weight.copy_(target.lm_head.weight)
     folder = write_checkpoint(folder, target, block, own)
     return target, block, own, folder, ppsplit.trace_model(target, cache=cache)
 
@@ -111,22 +143,25 @@ def deepseek(tmp_path_factory):
     return built("deepseek_v3", tmp_path_factory)
 
 
-def rms(x, w, eps=1e-6):
-    return w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+def rms(x, w, eps=1e-6, offset=False):
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1 + w.float())).to(x.dtype) if offset else w * normed.to(x.dtype)
 
 
 @torch.no_grad()
 def reference(target, block, own, ids, chain=()):
     """Draft logits of every position of ``ids [T]`` (depth 1: position i reads the target's final hidden state of
     i and the embedding of token i + 1, zeroed at position 0 as vLLM does), then of each token of ``chain`` in
-    turn at the positions after (each fed the previous row's block output before ``shared_head.norm``)."""
-    eps = target.config.rms_norm_eps
+    turn at the positions after (each fed the previous row's block output before ``shared_head.norm``). Qwen3-Next
+    (vLLM qwen3_next_mtp.py): no zeroing, norms scaling by 1 + weight, the output after the MTP norm fed back."""
+    eps, qwen = target.config.rms_norm_eps, target.config.model_type == QWEN
     h = target(ids[None], output_hidden_states=True).hidden_states[-1][0]  # after the final norm (vLLM's output)
     embed = target.model.embed_tokens.weight
     nxt = torch.cat([ids[1:], torch.tensor(chain[:1], dtype=ids.dtype)])
     x = F.embedding(nxt, embed)
-    x[0] = 0  # vLLM's DeepSeekMultiTokenPredictorLayer: inputs_embeds[positions == 0] = 0
-    rows = F.linear(torch.cat([rms(x, own["enorm.weight"], eps), rms(h, own["hnorm.weight"], eps)], -1),
+    if not qwen:
+        x[0] = 0  # vLLM's DeepSeekMultiTokenPredictorLayer: inputs_embeds[positions == 0] = 0
+    rows = F.linear(torch.cat([rms(x, own["enorm.weight"], eps, qwen), rms(h, own["hnorm.weight"], eps, qwen)], -1),
                     own["eh_proj.weight"])
     out = {}
     hook = block.model.layers[0].register_forward_hook(lambda m, i, o: out.update(pre=o[0] if isinstance(o, tuple) else o))
@@ -135,9 +170,11 @@ def reference(target, block, own, ids, chain=()):
         if token is None:
             break
         prev = out["pre"][0, -1]
+        if qwen:
+            prev = block.model.norm(prev)
         e = F.embedding(torch.tensor([token]), embed)
-        row = F.linear(torch.cat([rms(e, own["enorm.weight"], eps), rms(prev[None], own["hnorm.weight"], eps)], -1),
-                       own["eh_proj.weight"])
+        row = F.linear(torch.cat([rms(e, own["enorm.weight"], eps, qwen), rms(prev[None], own["hnorm.weight"], eps, qwen)],
+                                 -1), own["eh_proj.weight"])
         rows = torch.cat([rows, row])
         logits.append(block(inputs_embeds=rows[None]).logits[0, -1:])
     hook.remove()
@@ -153,7 +190,7 @@ def test_draft_logits_equal_the_reference(arch, tmp_path_factory):
     drafter = ppsplit.load_mtp(folder, split=split)
     assert drafter.taps == (L,)
     block_params = {n for n, _ in drafter.block.named_parameters()}
-    attention = "kv_a_proj" if arch == "deepseek_v3" else "k_proj.bias"
+    attention = {"deepseek_v3": "kv_a_proj", "glm4_moe": "k_proj.bias", QWEN: "q_norm"}[arch]
     assert any("experts" in n for n in block_params) and any(attention in n for n in block_params)
     assert all(n.startswith(("model.layers.1.", "model.norm.", "lm_head.")) for n in block_params)
     torch.manual_seed(7)
@@ -174,7 +211,7 @@ def test_draft_logits_equal_the_reference(arch, tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch, pp, k", [("deepseek_v3", 1, 1), ("deepseek_v3", 2, 2), ("deepseek_v3", 3, 3),
-                                         ("glm4_moe", 2, 3)])
+                                         ("glm4_moe", 2, 3), (QWEN, 2, 3)])
 def test_engine_output_equals_greedy(arch, pp, k, tmp_path_factory):
     """Requests of different lengths batched, K drafts by chaining the one MTP layer K times: each output equals
     Hugging Face's greedy generate of the target alone."""
@@ -213,7 +250,7 @@ def _refused(folder, split, message):
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_bad_checkpoints_are_refused_in_one_line(deepseek, tmp_path):
+def test_bad_checkpoints_are_refused_in_one_line(deepseek, tmp_path, tmp_path_factory):
     """A missing MTP tensor, an unknown one, a split without tap L, a model type not supported, no MTP layers; and
     ``load_drafter`` given the target's checkpoint says where MTP layers load."""
     target, block, own, folder, traced = deepseek
@@ -226,6 +263,11 @@ def test_bad_checkpoints_are_refused_in_one_line(deepseek, tmp_path):
     _refused(write_checkpoint(tmp_path / "c", target, block, own, extra=extra), split,
              f"does not account for: model.layers.{L}.mlp.mystery.weight")
     _refused(folder, ppsplit.split_model(traced, 2, aux=[1]), f"split with aux including {L}")
+    qwen_target, qwen_block, qwen_own, _, qwen_traced = built(QWEN, tmp_path_factory)
+    qwen_split = ppsplit.split_model(qwen_traced, 2, aux=[L])
+    stray = {"mtp.layers.1.input_layernorm.weight": torch.ones(H)}  # a second Qwen3-Next MTP layer: not read
+    _refused(write_checkpoint(tmp_path / "q", qwen_target, qwen_block, qwen_own, extra=stray), qwen_split,
+             "tensors ppsplit does not account for: mtp.layers.1.input_layernorm.weight")
     with pytest.raises(ConfigError, match="is a target checkpoint with MTP layers, not a drafter; load them with "
                                           r"ppsplit.load_mtp\(folder, split=split\)"):
         ppsplit.load_drafter(folder, split=split)
