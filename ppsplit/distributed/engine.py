@@ -140,9 +140,10 @@ class PipelineEngine:
                 from ppsplit.serve.speculative import Proposer, check_speculation
 
                 drafter = drafter or self._folder_drafter(folder)
-                if getattr(drafter, "family", None) == "dflash":  # rank 0's scheduler would reserve one position short
-                    raise ConfigError("a DFlash drafter runs in one process (ppsplit.Engine over a split) for now, "
-                                      "not across ranks; use an EAGLE-3 drafter with ppsplit.distributed")
+                if getattr(drafter, "family", None) in ("dflash", "dspark", "dflash2"):  # rank 0 reserves too little
+                    raise ConfigError(f"a {drafter.family} drafter runs in one process (ppsplit.Engine over a "
+                                      "split) for now, not across ranks; use an EAGLE-3 drafter with "
+                                      "ppsplit.distributed")
                 check_speculation(plan, self.k, drafter)
                 proposer = Proposer(drafter, self.k, self.layout)
             self.sampler = Sampler(self.layout.slots, self.device, proposer) if self.last else None

@@ -174,9 +174,14 @@ def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = N
         embed = (embed if embed is not None else stage.get_buffer(name)).detach()
     device = device if device is not None else module_device(split.stages[-1])
     if is_dflash(cfg):
-        from ppsplit.eagle3.dflash import build_dflash, output_head
+        from ppsplit.eagle3.dflash import DFlashDrafter, build_dflash, output_head
+        from ppsplit.eagle3.dflash2 import DFlash2Drafter
+        from ppsplit.eagle3.dspark import DSparkDrafter
 
-        drafter = build_dflash(cfg, tensors, split.plan, embed, output_head(split), aux_convention, device)
+        two = cfg.get("speculators_model_type") == "dflash2" or "DFlash2DraftModel" in (cfg.get("architectures") or ())
+        cls = DSparkDrafter if cfg.get("speculators_model_type") == "dspark" else DFlash2Drafter if two \
+            else DFlashDrafter
+        drafter = build_dflash(cfg, tensors, split.plan, embed, output_head(split), aux_convention, device, cls)
     else:
         drafter = build_drafter(cfg, tensors, split.plan, embed, aux_convention, device)
     if compile:
