@@ -1,13 +1,13 @@
 """Driver: the MTP layers of a target checkpoint as an ``MTPDrafter`` for a split (``ppsplit.load_mtp``).
 
 The first MTP layer's decoder block is traced by ppsplit's own passes: a two-layer copy of the target's config whose
-layer 1 has the MTP layer's type (DeepSeek-V3: MLA + MoE; GLM-4.5: GQA + MoE), split in two with the tap after layer 1, traced over the
-split's ``CacheConfig``; its stage 1 (layer 1, final norm, lm_head) is the block, with the MTP layer's weights
-(``model.layers.{L}.*``) read through transformers' own conversions (per-expert tensors fused as the model
-keeps them) under the names of layer 1 (``shared_head.norm`` -> ``model.norm``, ``shared_head.head`` ->
-``lm_head``). Every tensor of the first MTP layer is used or refused; further layers are left unused, as vLLM's
-proposer leaves them. Qwen3-Next keeps its layer under ``mtp.`` (``mtp.fc``, ``mtp.pre_fc_norm_*``, ``mtp.layers.0``,
-``mtp.norm``; the target's embedding and ``lm_head``).
+layer 1 has the MTP layer's type (DeepSeek-V3: MLA + MoE; GLM-4.5: GQA + MoE; Qwen3-Next: full attention + MoE),
+split in two with the tap after layer 1, traced over the split's ``CacheConfig``. Its stage 1 (layer 1, final norm,
+lm_head) is the block, filled with the MTP layer's weights read through transformers' own conversions (per-expert
+tensors fused as the model keeps them) under the names of layer 1 (DeepSeek: ``model.layers.{L}.*`` as
+``model.layers.1.*``, ``shared_head.norm`` as ``model.norm``, ``shared_head.head`` as ``lm_head``; Qwen3-Next:
+``mtp.layers.0.*``, ``mtp.norm``, the target's ``lm_head``). Every tensor of the first MTP layer is used or refused;
+further layers are left unused, as vLLM's proposer leaves them.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from ppsplit.core.options import CacheConfig, SplitOptions, StageOptions
 from ppsplit.core.ragged import CacheLayout
 from ppsplit.core.tensors import model_dtype, module_device
 from ppsplit.eagle3.mtp import COUNT_KEYS, MTPDrafter
+
 
 @dataclass(frozen=True)
 class MTPLayout:
@@ -110,7 +111,7 @@ def load_mtp(model: str, split, device=None) -> MTPDrafter:
     dtype = model_dtype(plan)
     device = torch.device(device) if device is not None else module_device(split.stages[-1])
     block = _load_block(_trace_block(config, plan, dtype), checkpoint, layout, prefix, block_prefix, keys, config,
-                        device)
+                        dtype, device)
     own = {role: read_tensor(checkpoint, prefix + name) for role, name in layout.own.items()
            if prefix + name in checkpoint}
     drafter = MTPDrafter(block, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
@@ -215,7 +216,7 @@ class _Renamed:
 
 
 def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, block_prefix: str, keys: list[str],
-                config, device):
+                config, dtype, device):
     """``stage`` (weights on meta) filled with the MTP layer: its block tensors (``keys``, under ``block_prefix``) as
     layer 1's, its norm as the final norm, its head (or the target's ``lm_head``) as the head."""
     from ppsplit.compile.source import skeleton
@@ -225,7 +226,8 @@ def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, b
     names["model.norm.weight"] = prefix + layout.own["norm"]
     head = prefix + layout.own["head"] if "head" in layout.own else None
     names["lm_head.weight"] = head if head in checkpoint else "lm_head.weight"
-    model, buffers = skeleton(_mini_config(config))  # buffers: what the model computes in __init__ (rotary, ...)
+    # buffers: what the model computes in __init__ (rotary, ...); tensors converted straight to the split's dtype
+    model, buffers = skeleton(_mini_config(config), dtype)
     sources = Sources(model, _Renamed(checkpoint, names))
     used = {key for group in sources.groups.values() for key, _ in group.sources}
     unknown = sorted(names[name] for name in names if name not in used)

@@ -11,12 +11,11 @@ the row of position ``i``::
     logits = shared_head.head(shared_head.norm(out))    the draft for position i + 2
 
 ``K`` drafts chain the first MTP layer ``K`` times, each later step at the next position, fed the previous step's
-``out`` and the previous draft: what vLLM's proposer does (it calls the MTP model without
-``spec_step_idx``, so layer ``L`` drafts every step). Qwen3-Next (vLLM ``qwen3_next_mtp.py``): the same with its own names, norms scaling by ``1 + weight``, no zeroed
-embedding, the target's ``lm_head``, and ``out`` after the MTP norm fed to the next step. DeepSeek-V3 ships one
-layer; further layers of a checkpoint
-with ``num_nextn_predict_layers > 1`` are left unused, as vLLM leaves them (each would need its own cache filled by
-rows it never sees in a chain).
+``out`` and the previous draft: what vLLM's proposer does (it calls the MTP model without ``spec_step_idx``, so
+layer ``L`` drafts every step). DeepSeek-V3 ships one layer; further layers of a checkpoint with
+``num_nextn_predict_layers > 1`` are left unused, as vLLM leaves them (each would need its own cache filled by rows
+it never sees in a chain). Qwen3-Next (vLLM ``qwen3_next_mtp.py``): the same with its own names, norms scaling by
+``1 + weight``, no zeroed embedding, the target's ``lm_head``, and ``out`` after the MTP norm fed to the next step.
 
 The block is the target's decoder layer traced and paged by ppsplit's own passes (``ppsplit.compile.mtp`` builds
 it: the last stage of a two-layer copy of the target, its pools over the target's block tables), so MLA latents
@@ -33,7 +32,7 @@ from ppsplit.core.errors import ConfigError
 from ppsplit.core.ragged import CacheLayout, RaggedStep
 from ppsplit.eagle3.drafter import RMSNorm
 
-COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")  # a target config's MTP layers: DeepSeek's, transformers 5's
+COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")  # a config's MTP layers: DeepSeek's, transformers 5's
 
 
 def is_mtp_target(cfg: dict) -> bool:

@@ -1,12 +1,12 @@
-"""MTP layers shipped in the target's checkpoint (DeepSeek-V3: MLA + MoE; GLM-4.5: GQA + MoE) as the drafter on
-the last stage.
+"""MTP layers shipped in the target's checkpoint (DeepSeek-V3: MLA + MoE; GLM-4.5: GQA + MoE; Qwen3-Next: full
+attention + MoE) as the drafter on the last stage.
 
-The checkpoint is written as DeepSeek-V3's (and GLM-4.5's) is: the target's layers as transformers saves them, plus the MTP layer
+The checkpoint is written as the real ones are: the target's layers as transformers saves them, plus the MTP layer
 under ``model.layers.{L}`` (its decoder block with per-expert tensors, ``enorm``, ``hnorm``, ``eh_proj``,
-``embed_tokens``, ``shared_head.norm``, ``shared_head.head``), which transformers' own DeepseekV3 drops on load.
-The reference is written from the DeepSeek-V3 report (section 2.2) and vLLM's ``deepseek_mtp.py`` (GLM-4.5's
-``glm4_moe_mtp.py`` is the same), its decoder block run by transformers' own decoder layer (a one-layer model holding the MTP block, ``shared_head`` as its
-norm and head).
+``embed_tokens``, ``shared_head.norm``, ``shared_head.head``; Qwen3-Next: under ``mtp.``), which transformers drops
+on load. The reference is written from the DeepSeek-V3 report (section 2.2) and vLLM's ``deepseek_mtp.py`` (GLM-4.5's
+``glm4_moe_mtp.py`` is the same; ``qwen3_next_mtp.py``), its decoder block run by transformers' own decoder layer (a
+one-layer model holding the MTP block, the MTP norm and head as its norm and head).
 """
 import json
 import os
@@ -164,7 +164,8 @@ def reference(target, block, own, ids, chain=()):
     rows = F.linear(torch.cat([rms(x, own["enorm.weight"], eps, qwen), rms(h, own["hnorm.weight"], eps, qwen)], -1),
                     own["eh_proj.weight"])
     out = {}
-    hook = block.model.layers[0].register_forward_hook(lambda m, i, o: out.update(pre=o[0] if isinstance(o, tuple) else o))
+    hook = block.model.layers[0].register_forward_hook(
+        lambda m, i, o: out.update(pre=o[0] if isinstance(o, tuple) else o))
     logits = [block(inputs_embeds=rows[None]).logits[0]]
     for j, token in enumerate(chain[1:] + (None,)):
         if token is None:
@@ -173,8 +174,8 @@ def reference(target, block, own, ids, chain=()):
         if qwen:
             prev = block.model.norm(prev)
         e = F.embedding(torch.tensor([token]), embed)
-        row = F.linear(torch.cat([rms(e, own["enorm.weight"], eps, qwen), rms(prev[None], own["hnorm.weight"], eps, qwen)],
-                                 -1), own["eh_proj.weight"])
+        row = F.linear(torch.cat([rms(e, own["enorm.weight"], eps, qwen),
+                                  rms(prev[None], own["hnorm.weight"], eps, qwen)], -1), own["eh_proj.weight"])
         rows = torch.cat([rows, row])
         logits.append(block(inputs_embeds=rows[None]).logits[0, -1:])
     hook.remove()
