@@ -21,6 +21,7 @@ import torch
 from ppsplit.core.drafter_config import (DRAFTER_KEYS, FORMAT_NUMBERING, aux_ids, detect_format, dflash_drafter_config,
                                          drafter_config, is_dflash)
 from ppsplit.eagle3.drafter import Eagle3Drafter
+from ppsplit.eagle3.mtp import is_mtp_target
 from ppsplit.core.errors import ConfigError
 from ppsplit.artifact.folder import DRAFTER, FolderError, check_drafter
 from ppsplit.core.options import TAP_NUMBERINGS, eagle3_taps, to_taps
@@ -86,6 +87,9 @@ def read_drafter(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read {folder}/config.json ({e}); an EAGLE-3 drafter folder needs one") from None
+    if is_mtp_target(cfg):
+        raise ConfigError(f"{folder} is a target checkpoint with MTP layers, not a drafter; load them with "
+                          "ppsplit.load_mtp(folder, split=split)")
     for name in ("model.safetensors", "drafter.safetensors"):
         if os.path.isfile(os.path.join(folder, name)):
             from safetensors.torch import load_file

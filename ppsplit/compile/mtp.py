@@ -1,0 +1,255 @@
+"""Driver: the MTP layers of a target checkpoint as an ``MTPDrafter`` for a split (``ppsplit.load_mtp``).
+
+The first MTP layer's decoder block is traced by ppsplit's own passes: a two-layer copy of the target's config whose
+layer 1 has the MTP layer's type (DeepSeek-V3: MLA + MoE; GLM-4.5: GQA + MoE; Qwen3-Next: full attention + MoE),
+split in two with the tap after layer 1, traced over the split's ``CacheConfig``. Its stage 1 (layer 1, final norm,
+lm_head) is the block, filled with the MTP layer's weights read through transformers' own conversions (per-expert
+tensors fused as the model keeps them) under the names of layer 1 (DeepSeek: ``model.layers.{L}.*`` as
+``model.layers.1.*``, ``shared_head.norm`` as ``model.norm``, ``shared_head.head`` as ``lm_head``; Qwen3-Next:
+``mtp.layers.0.*``, ``mtp.norm``, the target's ``lm_head``). Every tensor of the first MTP layer is used or refused;
+further layers are left unused, as vLLM's proposer leaves them.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ppsplit.compile.checkpoint import Checkpoint
+from ppsplit.compile.conversion import Sources, read_tensor
+from ppsplit.core.errors import ConfigError
+from ppsplit.core.fx_utils import is_cache_buffer
+from ppsplit.core.options import CacheConfig, SplitOptions, StageOptions
+from ppsplit.core.ragged import CacheLayout
+from ppsplit.core.tensors import model_dtype, module_device
+from ppsplit.eagle3.mtp import COUNT_KEYS, MTPDrafter
+
+
+@dataclass(frozen=True)
+class MTPLayout:
+    """Where a model type keeps its first MTP layer, and how it differs (vLLM's ``*_mtp.py`` for each)."""
+
+    prefix: str  # every MTP tensor's prefix ({L}: the target's layer count)
+    block: str  # the decoder block's prefix
+    own: dict  # role -> tensor name under ``prefix``: enorm, hnorm, eh_proj, norm; optional embed, head
+    count: str  # config.json's number of MTP layers
+    offset_norms: bool = False  # Qwen3-Next's norms scale by 1 + weight
+    zero_first: bool = True  # position 0's embedding zeroed (vLLM deepseek_mtp.py, glm4_moe_mtp.py)
+    feed_normed: bool = False  # a chain step reads the previous step's output after the MTP norm (qwen3_next_mtp.py)
+
+
+_DEEPSEEK = MTPLayout("model.layers.{L}.", "model.layers.{L}.", {
+    "enorm": "enorm.weight", "hnorm": "hnorm.weight", "eh_proj": "eh_proj.weight", "norm": "shared_head.norm.weight",
+    "embed": "embed_tokens.weight", "head": "shared_head.head.weight"}, "num_nextn_predict_layers")
+LAYOUTS = {  # each built and checked against a reference in tests/eagle3/test_mtp.py
+    "deepseek_v3": _DEEPSEEK,
+    "glm4_moe": _DEEPSEEK,  # GLM-4.5: the same layout and formula (vLLM glm4_moe_mtp.py)
+    "qwen3_next": MTPLayout("mtp.", "mtp.layers.0.", {
+        "enorm": "pre_fc_norm_embedding.weight", "hnorm": "pre_fc_norm_hidden.weight", "eh_proj": "fc.weight",
+        "norm": "norm.weight"}, "mtp_num_hidden_layers", offset_norms=True, zero_first=False, feed_normed=True),
+}
+REQUIRED = ("enorm", "hnorm", "eh_proj", "norm")
+
+
+def mtp_layers(cfg: dict) -> int:
+    """How many MTP layers a target ``config.json`` (a dict) declares; 0 when none."""
+    for key in (*COUNT_KEYS, "mtp_num_hidden_layers"):
+        if key in cfg:
+            n = cfg[key]
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ConfigError(f"config.json's {key} must be a number of MTP layers >= 0, but is {n!r}")
+            return n
+    return 0
+
+
+def load_mtp(model: str, split, device=None) -> MTPDrafter:
+    """The first MTP layer of checkpoint folder ``model`` (DeepSeek-V3 / GLM-4.5: ``num_nextn_predict_layers`` > 0,
+    weights under ``model.layers.{L}``; Qwen3-Next: ``mtp_num_hidden_layers``, under ``mtp.``) as a drafter for
+    ``split``, which must carry tap ``L`` (the last layer's output) and a paged cache; on the last stage's device.
+    Refused in one line, before anything is traced: another model type, no MTP layers, a split without tap ``L`` or
+    a paged cache, a missing or unknown MTP tensor.
+
+    Example::
+
+        split = ppsplit.split_model(model, 2, aux=[model.config.num_hidden_layers], cache=ppsplit.CacheConfig(8, 4096))
+        drafter = ppsplit.load_mtp("DeepSeek-V3", split=split)
+        ppsplit.Engine(split, drafter=drafter, num_draft_tokens=2).generate(prompts, params)
+    """
+    from ppsplit.compile.source import load_config, resolve_model
+
+    folder = resolve_model(model)
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {folder}/config.json ({e}); pass the target's checkpoint folder") from None
+    kind = raw.get("model_type")
+    if kind not in LAYOUTS:
+        raise ConfigError(f"MTP layers of model_type {kind!r} are not supported (supported: {', '.join(LAYOUTS)})")
+    layout = LAYOUTS[kind]
+    if raw.get("mtp_use_dedicated_embeddings"):
+        raise ConfigError("mtp_use_dedicated_embeddings: true (an MTP layer with its own embedding) is not supported")
+    n = mtp_layers(raw)
+    if n == 0:
+        raise ConfigError(f"{model} has no MTP layers (config.json's {layout.count} is 0 or absent)")
+    plan = split.plan
+    layers = raw["num_hidden_layers"]
+    if plan.num_layers != layers:
+        raise ConfigError(f"the split has {plan.num_layers} layers but {model} has {layers}; load the MTP layers of "
+                          "the split's own checkpoint")
+    if layers not in plan.taps:
+        raise ConfigError(f"MTP reads tap {layers} (the last layer's output) but the split carries "
+                          f"{list(plan.taps)}; split with aux including {layers}")
+    cache = CacheLayout.of(plan)
+    checkpoint = Checkpoint(folder)
+    prefix, block_prefix = layout.prefix.format(L=layers), layout.block.format(L=layers)
+    keys = _layer_keys(checkpoint, raw, layout, n)
+    config = load_config(folder)
+    dtype = model_dtype(plan)
+    device = torch.device(device) if device is not None else module_device(split.stages[-1])
+    block = _load_block(_trace_block(config, plan, dtype), checkpoint, layout, prefix, block_prefix, keys, config,
+                        dtype, device)
+    own = {role: read_tensor(checkpoint, prefix + name) for role, name in layout.own.items()
+           if prefix + name in checkpoint}
+    drafter = MTPDrafter(block, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
+                         plan.taps.index(layers), cache, offset_norms=layout.offset_norms,
+                         zero_first=layout.zero_first, feed_normed=layout.feed_normed)
+    state = {"target_norm.weight": read_tensor(checkpoint, "model.norm.weight"),
+             "embed_tokens": own.get("embed", None), "enorm.weight": own["enorm"], "hnorm.weight": own["hnorm"],
+             "eh_proj.weight": own["eh_proj"]}
+    if state["embed_tokens"] is None:
+        state["embed_tokens"] = read_tensor(checkpoint, "model.embed_tokens.weight")
+    if layout.feed_normed:
+        state["norm.weight"] = own["norm"]
+    with torch.no_grad():
+        for name, t in state.items():
+            target = drafter.get_buffer(name) if name == "embed_tokens" else drafter.get_parameter(name)
+            if tuple(t.shape) != tuple(target.shape):
+                raise ConfigError(f"{model}'s MTP tensor for {name} has shape {tuple(t.shape)}, expected "
+                                  f"{tuple(target.shape)}: the checkpoint does not match its config.json")
+            target.copy_(t.to(target.dtype))
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def _layer_keys(checkpoint: Checkpoint, raw: dict, layout: MTPLayout, n: int) -> list[str]:
+    """The checkpoint keys of the first MTP layer (the one drafting; vLLM's proposer runs only it), checked before
+    any tracing: its own tensors present, and its decoder block holding exactly the tensors of the target's last
+    layer of the MTP layer's type (MoE from ``first_k_dense_replace`` on; full attention), so a missing expert or
+    an unknown tensor is named here. Further MTP layers (DeepSeek: ``model.layers.{L + 1}``) are left unused."""
+    layers = raw["num_hidden_layers"]
+    prefix, block_prefix = layout.prefix.format(L=layers), layout.block.format(L=layers)
+    mine = sorted(key for key in checkpoint.where if key.startswith(prefix))
+    for role in REQUIRED:
+        if prefix + layout.own[role] not in mine:
+            raise ConfigError(f"config.json declares {n} MTP layer(s) but the checkpoint has no "
+                              f"{prefix}{layout.own[role]}; the MTP weights are missing (a checkpoint saved without "
+                              "them cannot draft)")
+    own = {prefix + name for name in layout.own.values()}
+    stray = [key for key in mine if key not in own and not key.startswith(block_prefix)]
+    if layout.prefix == "mtp." and stray:  # DeepSeek's further layers live under model.layers.{L + 1}, not here
+        raise ConfigError(f"the MTP layer has tensors ppsplit does not account for: {', '.join(stray[:4])}; ppsplit "
+                          "refuses to drop them (only the first MTP layer drafts)")
+    types = raw.get("layer_types") or ["full_attention"] * layers
+    same = [i for i in range(layers) if types[i] == "full_attention" and i >= raw.get("first_k_dense_replace", 0)]
+    if not same:
+        return mine
+    last = f"model.layers.{same[-1]}."
+    expected = {key[len(last):] for key in checkpoint.where if key.startswith(last)}
+    block = {key[len(block_prefix):] for key in mine if key.startswith(block_prefix) and key not in own}
+    if block != expected:
+        missing, unknown = sorted(expected - block), sorted(block - expected)
+        if missing:
+            raise ConfigError(f"the MTP layer lacks {block_prefix}{missing[0]}" + (f" (and {len(missing) - 1} more)"
+                              if len(missing) > 1 else "") + f", which its decoder block needs (as {last}"
+                              f"{missing[0]}); the MTP weights are incomplete")
+        raise ConfigError(f"the MTP layer has tensors a decoder layer of the target does not account for: "
+                          f"{', '.join(block_prefix + u for u in unknown[:4])}; ppsplit refuses to drop them")
+    return [key for key in mine if key.startswith(block_prefix) and key not in own]
+
+
+def _mini_config(config):
+    """The target's config cut to two layers, layer 1 of the type of layer ``L`` (the MTP layer's)."""
+    mini = copy.deepcopy(config)
+    layers = config.num_hidden_layers
+    mini.num_hidden_layers = 2
+    for key in COUNT_KEYS:
+        if hasattr(mini, key):
+            setattr(mini, key, 0)
+    if hasattr(config, "first_k_dense_replace"):  # DeepSeek, GLM: MoE from this layer on; the MTP layer is at L
+        mini.first_k_dense_replace = 1 if layers >= config.first_k_dense_replace else 2
+    if getattr(config, "layer_types", None):  # Qwen3-Next: the MTP layer is a full-attention layer
+        mini.layer_types = ["full_attention", "full_attention"]
+    return mini
+
+
+def _trace_block(config, plan, dtype):
+    """Stage 1 of the two-layer copy, traced over ``plan``'s cache, its weights on the meta device."""
+    from ppsplit.compile.api import split_model
+    from ppsplit.compile.source import skeleton
+
+    cache = CacheConfig(plan.max_batch, plan.max_len, state_slots=max(1, plan.state_slots),
+                        block_size=plan.block_size, num_blocks=plan.num_blocks)
+    model, _ = skeleton(_mini_config(config), dtype)
+    off = StageOptions(fuse_projections=False, fuse_pointwise=False, gemv=False, compile=False)
+    mini = split_model(model, options=SplitOptions(pp=2, aux=[2], balance=[1, 1], cache=cache, stage=off))
+    return mini.stages[1]
+
+
+class _Renamed:
+    """A checkpoint seen under other names (``{name: checkpoint key}``): what ``Sources`` and ``read_tensor`` read."""
+
+    def __init__(self, checkpoint: Checkpoint, names: dict[str, str]):
+        self.checkpoint, self.names = checkpoint, names
+        self.where = {name: checkpoint.where[key] for name, key in names.items()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def raw_range(self, name: str):
+        return self.checkpoint.raw_range(self.names[name])
+
+    def read_one(self, name: str) -> torch.Tensor:
+        return self.checkpoint.read_one(self.names[name])
+
+
+def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, block_prefix: str, keys: list[str],
+                config, dtype, device):
+    """``stage`` (weights on meta) filled with the MTP layer: its block tensors (``keys``, under ``block_prefix``) as
+    layer 1's, its norm as the final norm, its head (or the target's ``lm_head``) as the head."""
+    from ppsplit.compile.source import skeleton
+    from ppsplit.passes.rewrites import apply_rewrites
+
+    names = {"model.layers.1." + key[len(block_prefix):]: key for key in keys}
+    names["model.norm.weight"] = prefix + layout.own["norm"]
+    head = prefix + layout.own["head"] if "head" in layout.own else None
+    names["lm_head.weight"] = head if head in checkpoint else "lm_head.weight"
+    # buffers: what the model computes in __init__ (rotary, ...); tensors converted straight to the split's dtype
+    model, buffers = skeleton(_mini_config(config), dtype)
+    sources = Sources(model, _Renamed(checkpoint, names))
+    used = {key for group in sources.groups.values() for key, _ in group.sources}
+    unknown = sorted(names[name] for name in names if name not in used)
+    if unknown:
+        raise ConfigError(f"the MTP layer has tensors a decoder layer of {config.model_type} does not account for: "
+                          f"{', '.join(unknown[:4])}; ppsplit refuses to drop them")
+    values = {}
+    for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
+        group = sources.group_of(name)
+        if is_cache_buffer(name):
+            values[name] = torch.zeros(t.shape, dtype=t.dtype)
+        elif group is not None:
+            values[name] = sources.run(group)[name]
+        elif name in buffers:
+            values[name] = buffers[name]
+        else:
+            raise ConfigError(f"the checkpoint has no tensor that becomes {name} of the MTP layer at {prefix[:-1]}; "
+                              "the MTP weights are incomplete")
+    stage = stage.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in values.items():
+            target = stage.get_parameter(name) if name in dict(stage.named_parameters()) else stage.get_buffer(name)
+            target.copy_(value.to(target.dtype))
+    apply_rewrites(stage, StageOptions(), device=torch.device(device))
+    return stage

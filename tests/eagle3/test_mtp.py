@@ -1,0 +1,364 @@
+"""MTP layers shipped in the target's checkpoint (DeepSeek-V3: MLA + MoE; GLM-4.5: GQA + MoE; Qwen3-Next: full
+attention + MoE) as the drafter on the last stage.
+
+The checkpoint is written as the real ones are: the target's layers as transformers saves them, plus the MTP layer
+under ``model.layers.{L}`` (its decoder block with per-expert tensors, ``enorm``, ``hnorm``, ``eh_proj``,
+``embed_tokens``, ``shared_head.norm``, ``shared_head.head``; Qwen3-Next: under ``mtp.``), which transformers drops
+on load. The reference is written from the DeepSeek-V3 report (section 2.2) and vLLM's ``deepseek_mtp.py`` (GLM-4.5's
+``glm4_moe_mtp.py`` is the same; ``qwen3_next_mtp.py``), its decoder block run by transformers' own decoder layer (a
+one-layer model holding the MTP block, the MTP norm and head as its norm and head).
+"""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import ppsplit
+from ppsplit import CacheConfig, ConfigError
+from ppsplit.core.ragged import RaggedStep, Segment
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.sampling import SamplingParams
+
+V, H, L = 32, 64, 3
+_COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_attention_heads=4, max_position_embeddings=256,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2, n_routed_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1, tie_word_embeddings=False)
+SHAPES = {  # the MTP layouts: DeepSeek-V3 (MLA) and GLM-4.5 (GQA with biases), both MoE
+    "deepseek_v3": dict(_COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16),
+    "glm4_moe": dict(_COMMON, num_key_value_heads=2, attention_bias=True),
+    "qwen3_next": dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32, tie_word_embeddings=False),
+}
+QWEN = "qwen3_next"  # its MTP layer under mtp.*, norms scaling by 1 + weight, the output after its norm fed back
+# (target, block) config fields: the MTP layer's type at index L (MoE; Qwen3-Next: full attention)
+_LAYER_TYPE = {"deepseek_v3": (dict(first_k_dense_replace=1), dict(first_k_dense_replace=0)),
+               "glm4_moe": (dict(first_k_dense_replace=1), dict(first_k_dense_replace=0)),
+               QWEN: (dict(layer_types=["linear_attention", "linear_attention", "full_attention"]),
+                      dict(layer_types=["full_attention"]))}
+_QWEN_NAMES = {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
+               "eh_proj.weight": "fc.weight"}
+CACHE = CacheConfig(batch_size=8, max_len=64, block_size=16)
+
+
+def _random(config, seed):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # no weight left at exactly 0 or 1: a wrong or missing one shows
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def mtp_parts(seed=1, arch="deepseek_v3", **shape):
+    """The MTP layer: a one-layer DeepseekV3 whose layer 0 (MoE, as the MTP layer at index L is) is the block, its
+    norm ``shared_head.norm`` and its head ``shared_head.head``; and ``enorm``, ``hnorm``, ``eh_proj``."""
+    block = _random(AutoConfig.for_model(arch, **{**SHAPES[arch], **shape}, num_hidden_layers=1,
+                                         **_LAYER_TYPE[arch][1]), seed)
+    g = torch.Generator().manual_seed(seed)
+    one = 0 if arch == QWEN else 1  # Qwen3-Next's norms scale by 1 + weight
+    own = {"enorm.weight": one + 0.1 * torch.randn(H, generator=g),
+           "hnorm.weight": one + 0.1 * torch.randn(H, generator=g),
+           "eh_proj.weight": torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5}
+    return block, own
+
+
+def write_checkpoint(folder, target, block, own, drop=(), extra=None, layers=1):
+    """``target`` saved by transformers, plus the MTP layer at ``model.layers.{L}`` in DeepSeek-V3's layout (or
+    under ``mtp.`` in Qwen3-Next's)."""
+    target.save_pretrained(folder)
+    tmp = f"{folder}-block"
+    block.save_pretrained(tmp)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    if target.config.model_type == QWEN:
+        for name, t in load_file(os.path.join(tmp, "model.safetensors")).items():
+            if name.startswith("model.layers.0."):
+                tensors["mtp.layers.0." + name[len("model.layers.0."):]] = t
+        tensors["mtp.norm.weight"] = block.model.norm.weight.detach().clone()
+        tensors.update({"mtp." + _QWEN_NAMES[k]: v for k, v in own.items()})
+        tensors.update(extra or {})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"),
+                  metadata={"format": "pt"})
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({**cfg, "mtp_num_hidden_layers": 1}, f)
+        return str(folder)
+    prefix = f"model.layers.{L}."
+    for name, t in load_file(os.path.join(tmp, "model.safetensors")).items():
+        if name.startswith("model.layers.0."):
+            tensors[prefix + name[len("model.layers.0."):]] = t
+    tensors[prefix + "shared_head.norm.weight"] = block.model.norm.weight.detach().clone()
+    tensors[prefix + "shared_head.head.weight"] = block.lm_head.weight.detach().clone()
+    tensors[prefix + "embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()  # as DeepSeek ships
+    tensors.update({prefix + k: v for k, v in own.items()})
+    tensors.update(extra or {})
+    for name in drop:
+        del tensors[prefix + name]
+    for k in range(1, layers):  # further MTP layers: copies of the first under model.layers.{L + k}
+        tensors.update({f"model.layers.{L + k}." + name[len(prefix):]: t.clone() for name, t in list(tensors.items())
+                        if name.startswith(prefix)})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["num_nextn_predict_layers"] == 1  # transformers writes DeepSeek's key
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**cfg, "num_nextn_predict_layers": layers}, f)
+    return str(folder)
+
+
+def build(folder, cache=CACHE, head_scale=1.0, arch="deepseek_v3", **shape):
+    """(target, MTP block model, own tensors, checkpoint folder, traced target); ``head_scale`` sharpens the
+    target's next-token distributions."""
+    target = _random(AutoConfig.for_model(arch, **{**SHAPES[arch], **shape}, num_hidden_layers=L,
+                                          **_LAYER_TYPE[arch][0]), 0)
+    block, own = mtp_parts(arch=arch, **shape)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(head_scale)
+        if arch == QWEN:  # Qwen3-Next's MTP layer drafts through the target's lm_head
+            block.lm_head.weight.copy_(target.lm_head.weight)
+    folder = write_checkpoint(folder, target, block, own)
+    return target, block, own, folder, ppsplit.trace_model(target, cache=cache)
+
+
+_BUILT: dict = {}
+
+
+def built(arch, tmp_path_factory):
+    if arch not in _BUILT:
+        _BUILT[arch] = build(tmp_path_factory.mktemp(arch) / "ckpt", arch=arch)
+    return _BUILT[arch]
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return built("deepseek_v3", tmp_path_factory)
+
+
+def rms(x, w, eps=1e-6, offset=False):
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1 + w.float())).to(x.dtype) if offset else w * normed.to(x.dtype)
+
+
+@torch.no_grad()
+def reference(target, block, own, ids, chain=()):
+    """Draft logits of every position of ``ids [T]`` (depth 1: position i reads the target's final hidden state of
+    i and the embedding of token i + 1, zeroed at position 0 as vLLM does), then of each token of ``chain`` in
+    turn at the positions after (each fed the previous row's block output before ``shared_head.norm``). Qwen3-Next
+    (vLLM qwen3_next_mtp.py): no zeroing, norms scaling by 1 + weight, the output after the MTP norm fed back."""
+    eps, qwen = target.config.rms_norm_eps, target.config.model_type == QWEN
+    h = target(ids[None], output_hidden_states=True).hidden_states[-1][0]  # after the final norm (vLLM's output)
+    embed = target.model.embed_tokens.weight
+    nxt = torch.cat([ids[1:], torch.tensor(chain[:1], dtype=ids.dtype)])
+    x = F.embedding(nxt, embed)
+    if not qwen:
+        x[0] = 0  # vLLM's DeepSeekMultiTokenPredictorLayer: inputs_embeds[positions == 0] = 0
+    rows = F.linear(torch.cat([rms(x, own["enorm.weight"], eps, qwen), rms(h, own["hnorm.weight"], eps, qwen)], -1),
+                    own["eh_proj.weight"])
+    out = {}
+    hook = block.model.layers[0].register_forward_hook(
+        lambda m, i, o: out.update(pre=o[0] if isinstance(o, tuple) else o))
+    logits = [block(inputs_embeds=rows[None]).logits[0]]
+    for j, token in enumerate(chain[1:] + (None,)):
+        if token is None:
+            break
+        prev = out["pre"][0, -1]
+        if qwen:
+            prev = block.model.norm(prev)
+        e = F.embedding(torch.tensor([token]), embed)
+        row = F.linear(torch.cat([rms(e, own["enorm.weight"], eps, qwen),
+                                  rms(prev[None], own["hnorm.weight"], eps, qwen)], -1), own["eh_proj.weight"])
+        rows = torch.cat([rows, row])
+        logits.append(block(inputs_embeds=rows[None]).logits[0, -1:])
+    hook.remove()
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("arch", list(SHAPES))
+def test_draft_logits_equal_the_reference(arch, tmp_path_factory):
+    """Prefill rows of one sequence (every position's depth-1 draft), then two chain steps with the layer reused,
+    as the engine runs them: logits equal the reference's, and the drafter holds exactly the MTP tensors."""
+    target, block, own, folder, traced = built(arch, tmp_path_factory)
+    split = ppsplit.split_model(traced, 2, aux=[L])
+    drafter = ppsplit.load_mtp(folder, split=split)
+    assert drafter.taps == (L,)
+    block_params = {n for n, _ in drafter.block.named_parameters()}
+    attention = {"deepseek_v3": "kv_a_proj", "glm4_moe": "k_proj.bias", QWEN: "q_norm"}[arch]
+    assert any("experts" in n for n in block_params) and any(attention in n for n in block_params)
+    assert all(n.startswith(("model.layers.1.", "model.norm.", "lm_head.")) for n in block_params)
+    torch.manual_seed(7)
+    ids = torch.randint(3, V, (11,))
+    T = ids.shape[0]
+    step = RaggedStep.build([Segment(0, 0, T)], {0: [0]}, split.layout)
+    _, aux = split.step(ids, step)
+    chain = (9, 21, 30)  # the token after ids, then two drafts
+    nxt = torch.cat([ids[1:], torch.tensor([chain[0]])])
+    logits, hidden = drafter(aux[:, None], nxt[None], step)
+    got = [logits[0]]
+    for j, token in enumerate(chain[1:]):
+        one = RaggedStep.build([Segment(0, T + j, 1)], {0: [0]}, split.layout)
+        logits, hidden = drafter(hidden[:, -1:], torch.tensor([[token]]), one)
+        got.append(logits[0])
+    ref = reference(target, block, own, ids, chain)
+    torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch, pp, k", [("deepseek_v3", 1, 1), ("deepseek_v3", 2, 2), ("deepseek_v3", 3, 3),
+                                         ("glm4_moe", 2, 3), (QWEN, 2, 3)])
+def test_engine_output_equals_greedy(arch, pp, k, tmp_path_factory):
+    """Requests of different lengths batched, K drafts by chaining the one MTP layer K times: each output equals
+    Hugging Face's greedy generate of the target alone."""
+    target, _, _, folder, traced = built(arch, tmp_path_factory)
+    split = ppsplit.split_model(traced, pp, aux=[L])
+    drafter = ppsplit.load_mtp(folder, split=split)
+    gen = torch.Generator().manual_seed(pp)
+    prompts = [torch.randint(3, V, (n,), generator=gen) for n in (4, 9, 13)]
+    outs = Engine(split, drafter=drafter, num_draft_tokens=k).generate(prompts, SamplingParams(max_tokens=12,
+                                                                                              ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            greedy = target.generate(prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None)
+        assert out.token_ids == greedy[0, len(prompt):].tolist()
+        assert all(0 <= a <= k for a in out.accepted)
+
+
+def test_further_mtp_layers_are_left_unused(deepseek, tmp_path):
+    """A checkpoint with two MTP layers drafts with the first only, as vLLM's proposer does: the same logits as the
+    one-layer checkpoint."""
+    target, block, own, folder, traced = deepseek
+    split = ppsplit.split_model(traced, 1, aux=[L])
+    two = write_checkpoint(tmp_path / "two", target, block, own, layers=2)
+    ids = torch.randint(3, V, (7,), generator=torch.Generator().manual_seed(2))
+    step = RaggedStep.build([Segment(0, 0, 7)], {0: [0]}, split.layout)
+    _, aux = split.step(ids, step)
+    nxt = torch.cat([ids[1:], ids[:1]])[None]
+    one_logits, _ = ppsplit.load_mtp(folder, split=split)(aux[:, None], nxt, step)
+    two_logits, _ = ppsplit.load_mtp(two, split=split)(aux[:, None], nxt, step)
+    assert torch.equal(one_logits, two_logits)
+
+
+def _refused(folder, split, message):
+    with pytest.raises(ConfigError) as e:
+        ppsplit.load_mtp(folder, split=split)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_bad_checkpoints_are_refused_in_one_line(deepseek, tmp_path, tmp_path_factory):
+    """A missing MTP tensor, an unknown one, a split without tap L, a model type not supported, no MTP layers; and
+    ``load_drafter`` given the target's checkpoint says where MTP layers load."""
+    target, block, own, folder, traced = deepseek
+    split = ppsplit.split_model(traced, 2, aux=[L])
+    _refused(write_checkpoint(tmp_path / "a", target, block, own, drop=("hnorm.weight",)), split,
+             f"no model.layers.{L}.hnorm.weight")
+    _refused(write_checkpoint(tmp_path / "b", target, block, own, drop=("mlp.experts.2.up_proj.weight",)), split,
+             f"lacks model.layers.{L}.mlp.experts.2.up_proj.weight")
+    extra = {f"model.layers.{L}.mlp.mystery.weight": torch.ones(3)}
+    _refused(write_checkpoint(tmp_path / "c", target, block, own, extra=extra), split,
+             f"does not account for: model.layers.{L}.mlp.mystery.weight")
+    _refused(folder, ppsplit.split_model(traced, 2, aux=[1]), f"split with aux including {L}")
+    qwen_target, qwen_block, qwen_own, _, qwen_traced = built(QWEN, tmp_path_factory)
+    qwen_split = ppsplit.split_model(qwen_traced, 2, aux=[L])
+    stray = {"mtp.layers.1.input_layernorm.weight": torch.ones(H)}  # a second Qwen3-Next MTP layer: not read
+    _refused(write_checkpoint(tmp_path / "q", qwen_target, qwen_block, qwen_own, extra=stray), qwen_split,
+             "tensors ppsplit does not account for: mtp.layers.1.input_layernorm.weight")
+    with pytest.raises(ConfigError, match="is a target checkpoint with MTP layers, not a drafter; load them with "
+                                          r"ppsplit.load_mtp\(folder, split=split\)"):
+        ppsplit.load_drafter(folder, split=split)
+    for change, message in (({"model_type": "llama"}, "model_type 'llama' are not supported"),
+                            ({"num_nextn_predict_layers": 0}, "has no MTP layers")):
+        bad = tmp_path / f"cfg{len(message)}"
+        os.makedirs(bad)
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+        with open(bad / "config.json", "w") as f:
+            json.dump({**cfg, **change}, f)
+        os.symlink(os.path.join(folder, "model.safetensors"), bad / "model.safetensors")
+        _refused(str(bad), split, message)
+
+
+def test_sampling_keeps_the_target_distribution(tmp_path):
+    """400 copies of one prompt, two new tokens at T=0.8 with two MTP drafts drawn from the layer's distributions:
+    the joint distribution of (first, second) token equals the target's p(t0) p(t1 | t0), and the test has power
+    (it rejects T=1.2)."""
+    from tests.eagle3.test_eagle3 import chi2_pvalue
+
+    v = 8  # no end-of-sequence token: every copy gives two tokens
+    target, _, _, folder, traced = build(tmp_path / "ckpt", CacheConfig(batch_size=400, max_len=16), head_scale=4.0,
+                                         vocab_size=v, eos_token_id=None)
+    split = ppsplit.split_model(traced, 1, aux=[L])
+    drafter = ppsplit.load_mtp(folder, split=split)
+    prompt = torch.tensor([[5, 1, 6, 3, 4]])
+    n, temp = 400, 0.8
+    out, stats = split.generate(prompt.expand(n, -1), 2, drafter=drafter, num_draft_tokens=2, temperature=temp,
+                                generator=torch.Generator().manual_seed(1), return_stats=True)
+    assert stats.verify_passes == 1
+    with torch.no_grad():
+        first = target(prompt).logits[0, -1]
+        after = target(torch.cat([prompt.expand(v, -1), torch.arange(v)[:, None]], 1)).logits[:, -1]
+    joint = lambda t: (torch.softmax(first / t, -1)[:, None] * torch.softmax(after / t, -1)).flatten()
+    counts = torch.bincount(out[:, 5] * v + out[:, 6], minlength=v * v)
+    assert chi2_pvalue(counts, joint(temp)) > 1e-3
+    assert chi2_pvalue(counts, joint(1.2)) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def trained(deepseek, tmp_path_factory):
+    """The MTP layer trained here (250 Adam steps, transformers' own DeepseekV3 layer as its block) to predict the
+    target's greedy token at i + 2 from the target's hidden state at i and the token at i + 1; its checkpoint."""
+    target, block, own, _, traced = deepseek
+    block, own = mtp_parts(seed=2)
+    own = {k: torch.nn.Parameter(v.clone()) for k, v in own.items()}
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        seqs = target.generate(torch.randint(3, V, (128, 4), generator=g), max_new_tokens=28, do_sample=False,
+                               eos_token_id=None)
+        h = target(seqs, output_hidden_states=True).hidden_states[-1]
+    eps = target.config.rms_norm_eps
+    embed = target.model.embed_tokens.weight.detach()
+    opt = torch.optim.Adam([*block.parameters(), *own.values()], lr=1e-2)
+    block.train()
+    for _ in range(250):
+        pick = torch.randint(0, 128, (16,), generator=g)
+        s, hs = seqs[pick], h[pick, :-1]
+        e = F.embedding(s[:, 1:], embed)
+        e[:, 0] = 0  # position 0, as vLLM runs it
+        rows = F.linear(torch.cat([rms(e, own["enorm.weight"], eps), rms(hs, own["hnorm.weight"], eps)], -1),
+                        own["eh_proj.weight"])
+        logits = block(inputs_embeds=rows).logits[:, :-1]
+        loss = F.cross_entropy(logits.flatten(0, 1), s[:, 2:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    block.eval()
+    own = {k: v.detach() for k, v in own.items()}
+    folder = write_checkpoint(tmp_path_factory.mktemp("trained") / "ckpt", target, block, own)
+    return target, folder, traced
+
+
+@pytest.mark.parametrize("k", [3])
+def test_trained_layer_accepts_more_than_one_token_per_pass(trained, k):
+    """A batch of 8 requests, K = 3 (the one layer chained three times): every request averages more than one token per
+    verify pass, each gets the acceptance it gets alone, and the outputs stay the target's greedy ones."""
+    target, folder, traced = trained
+    split = ppsplit.split_model(traced, 2, aux=[L])
+    drafter = ppsplit.load_mtp(folder, split=split)
+    prompts = torch.randint(3, V, (8, 4), generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = Engine(split, drafter=drafter, num_draft_tokens=k).generate(list(prompts), params)
+    with torch.no_grad():
+        greedy = target.generate(prompts, max_new_tokens=24, do_sample=False, eos_token_id=None)[:, 4:].tolist()
+    assert [o.token_ids for o in outs] == greedy
+    lengths = [o.mean_acceptance_length for o in outs]
+    print(f"trained MTP layer, K={k}, batch of 8: tokens per verify pass {[round(x, 2) for x in lengths]}, "
+          f"mean {sum(lengths) / len(lengths):.2f}")
+    assert min(lengths) > 1.0, lengths
+    alone = Engine(split, drafter=drafter, num_draft_tokens=k).generate([prompts[3]], params)
+    assert alone[0].accepted == outs[3].accepted
