@@ -1,0 +1,104 @@
+"""The engine's request features on CUDA (GPU only), bf16, with the stages (and a block drafter) captured: each gives
+the same tokens as the same engine run eager (``enforce_eager``): grammar masks copied beside the step, ``n``
+choices sharing their prompt's blocks, DSpark's trimmed windows through the captured drafter, MTP chains."""
+import json
+
+import pytest
+import torch
+
+import ppsplit
+from ppsplit import CacheConfig
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.sampling import SamplingParams
+from tests.support import tiny_model
+
+pytestmark = pytest.mark.gpu
+
+
+def both(build, run):
+    """``run(engine)`` for an eager and a captured engine (``build(enforce_eager)``), the captured one first."""
+    return [run(build(eager)) for eager in (False, True)]
+
+
+def test_grammar_requests_on_cuda():
+    xgrammar = pytest.importorskip("xgrammar")  # noqa: F841
+    from ppsplit.serve.structured import Grammars
+    from tests.serve.test_structured import EOS, SCHEMA, char_tokenizer_json, text
+
+    grammars = Grammars(char_tokenizer_json(), 32, [EOS])
+    model = tiny_model("llama", vocab_size=32, eos_token_id=EOS).to(device="cuda", dtype=torch.bfloat16)
+    params = [SamplingParams(max_tokens=40, grammar=grammars.compile("json", json.dumps(SCHEMA))),
+              SamplingParams(max_tokens=40, grammar=grammars.compile("regex", r"[a-f]{2,5}-[0-9]{1,3}")),
+              SamplingParams(max_tokens=12)]
+    prompts = [[5, 9, 3, 9], [7, 7, 7], [11, 20, 12]]
+
+    def build(eager):
+        split = ppsplit.split_model(model, 1, cache=CacheConfig(batch_size=8, max_len=64))
+        return Engine(split, enforce_eager=eager)
+
+    captured, eager = both(build, lambda e: [o.token_ids for o in e.generate(prompts, params)])
+    assert captured == eager
+    value = json.loads(text(captured[0]))
+    assert set(value) == {"a", "b"}
+
+
+def test_n_choices_share_prompt_blocks_on_cuda():
+    model = tiny_model("qwen3").to(device="cuda", dtype=torch.bfloat16)
+    prompt = torch.randint(3, 100, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def run(engine):
+        params = [SamplingParams(max_tokens=10, temperature=0.8, seed=7 + j) for j in range(4)]
+        first = engine.add_request(prompt, params[0])
+        ids = [first] + [engine.add_request(prompt, p, parent=first) for p in params[1:]]
+        done = {}
+        while engine.has_unfinished():
+            done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+        assert engine.blocks_in_use == 0
+        return [done[i] for i in ids], engine.scheduler.shared_tokens
+
+    def build(eager):
+        split = ppsplit.split_model(model, 2, cache=CacheConfig(batch_size=8, max_len=128, block_size=16))
+        return Engine(split, enforce_eager=eager)
+
+    (captured, shared), (eager, _) = both(build, run)
+    assert captured == eager and len({tuple(c) for c in captured}) > 1
+    assert shared == 3 * 32  # the three later choices took the prompt's two full blocks
+
+
+def test_dspark_trimmed_windows_on_cuda(tmp_path):
+    from tests.eagle3.test_dflash import TAPS, small
+    from tests.eagle3.test_dspark import BLOCK, bigram_markov, dspark_drafter
+
+    model, _ = small()
+    dspark_drafter(tmp_path / "d", model, seed=1, scale=0.5, markov_rank=32, prepare=bigram_markov(model))
+    model = model.to(device="cuda", dtype=torch.bfloat16)
+    prompts = torch.randint(6, 32, (4, 7), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def build(eager):
+        split = ppsplit.split_model(model, 2, aux=TAPS, cache=CacheConfig(batch_size=8, max_len=64))
+        drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
+        drafter.confidence_threshold = 0.3
+        engine = Engine(split, drafter=drafter, num_draft_tokens=BLOCK, enforce_eager=eager)
+        assert (engine.runner.sampler.proposer.graphs is None) == eager
+        return engine
+
+    captured, eager = both(build, lambda e: [(o.token_ids, o.accepted, o.drafts) for o in
+                                             e.generate(prompts, SamplingParams(max_tokens=24))])
+    assert captured == eager
+    assert sum(sum(a) for _, a, _ in captured) > 0
+
+
+def test_mtp_chain_on_cuda(tmp_path):
+    from tests.eagle3.test_mtp import L, V, build as build_mtp
+
+    target, _, _, folder, _ = build_mtp(tmp_path / "ckpt")
+    target = target.to(device="cuda", dtype=torch.bfloat16)
+    prompts = [torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 9, 13)]
+
+    def build(eager):
+        split = ppsplit.split_model(target, 2, aux=[L], cache=CacheConfig(batch_size=8, max_len=64))
+        return Engine(split, drafter=ppsplit.load_mtp(folder, split=split), num_draft_tokens=2, enforce_eager=eager)
+
+    captured, eager = both(build, lambda e: [(o.token_ids, o.accepted) for o in
+                                             e.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))])
+    assert captured == eager
