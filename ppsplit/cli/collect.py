@@ -24,7 +24,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from ppsplit.serve.requests import apply_cpu_threads
 
     job = prepare(args.folder, args.prompts, args.out, generate=args.generate, logits=args.logits,
-                  shard_size=args.shard_size)  # every refusal before a stage loads (the ranks check it again)
+                  shard_size=args.shard_size, layout=args.layout)  # every refusal before a stage loads (the ranks check it again)
     apply_cpu_threads(args)
     if not job.rows:
         print(f"{args.out} already holds all {job.skipped} sequences")

@@ -2,6 +2,7 @@
 loader, equal to Hugging Face's ``output_hidden_states`` at the tap ids; resumable, nothing half written, bad input
 refused in one line."""
 import json
+import math
 import os
 
 import pytest
@@ -190,3 +191,63 @@ def test_one_rank_per_stage_writes_what_one_process_writes(demo_folder, tmp_path
             # fp32 to the GEMMs' rounding: the launcher gives each rank cpu_count // pp threads (one here), the single
             # process has them all, and their matmuls may sum in another order (a few ulp; CI once saw 1.2e-6 at 1.15)
             torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-5)
+
+
+def test_dflash_layout_is_read_by_specforge_dflash_training(demo_folder, tmp_path):
+    """``--layout dflash``: SpecForge's DFlash-family offline reader, normaliser and collator read every file; the
+    ``hidden_states`` are HF's ``hidden_states`` at the taps (any number: here three), equal to the EAGLE-3 layout's
+    taps; SpecForge's own DFlash trainer (``OnlineDFlashModel`` over its ``DFlashDraftModel`` reading those taps)
+    takes a batch of them and its loss falls over a few steps."""
+    pytest.importorskip("specforge")
+    from specforge.algorithms.common.dflash_family_data import build_collator, build_offline_reader, \
+        normalize_offline_sample
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+
+    prompts = write_rows(tmp_path / "p.jsonl", ROWS[:3])
+    out, eagle = str(tmp_path / "dflash"), str(tmp_path / "eagle3")
+    assert main(["collect", demo_folder, "--prompts", prompts, "-o", out, "--layout", "dflash"]) == 0
+    assert main(["collect", demo_folder, "--prompts", prompts, "-o", eagle]) == 0
+    assert json.load(open(os.path.join(out, "collect.json")))["layout"] == "dflash"
+    refs = build_offline_reader("dflash", out, run_id="t", ttt_length=1, max_len=4096).read()
+    assert len(refs) == 3
+    hf = demo_model()
+    normalized = []
+    for ref in refs:
+        path = ref.feature_store_uri[len("file://"):]
+        raw = load_feature_file(path)
+        assert set(raw) == {"input_ids", "loss_mask", "hidden_states"}
+        sample = normalize_offline_sample(raw, max_len=4096)
+        normalized.append(sample)
+        with torch.no_grad():
+            states = hf(sample["input_ids"], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(sample["hidden_states"], torch.cat([states[j] for j in TAPS], -1), atol=1e-5,
+                                   rtol=0)
+        index = int(os.path.basename(path)[len("data_"):-len(".ckpt")])
+        other = torch.load(collect.sample_path(eagle, index, 5000), weights_only=True)
+        assert torch.equal(other["aux_hidden_state"], raw["hidden_states"])
+    batch = build_collator()(normalized)
+    assert batch["hidden_states"].shape[:2] == batch["input_ids"].shape
+
+    from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
+    from specforge.modeling.draft.dflash import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    h = hf.config.hidden_size
+    cfg = Qwen3Config(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=h // 4, vocab_size=hf.config.vocab_size,
+                      max_position_embeddings=256, block_size=4, num_target_layers=hf.config.num_hidden_layers,
+                      dflash_config={"target_layer_ids": [j - 1 for j in TAPS], "mask_token_id": 0})
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    trainer = OnlineDFlashModel(DFlashDraftModel(cfg), hf.lm_head, hf.get_input_embeddings(), mask_token_id=0,
+                                block_size=4, attention_backend="sdpa", num_anchors=8)
+    opt = torch.optim.Adam(trainer.draft_model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        loss, _, _ = trainer(input_ids=batch["input_ids"], hidden_states=batch["hidden_states"],
+                             loss_mask=batch["loss_mask"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
