@@ -4,6 +4,7 @@ inputs, greedy output and per-step acceptance equal to ``dflash_generate`` and H
 drafter trained here, and every refusal in one line."""
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -358,6 +359,14 @@ def test_compiled_folder_speculates_like_the_in_process_drafter(compiled_dflash,
     printed = capsys.readouterr().out
     assert printed.splitlines()[0] == ",".join(map(str, outs[0].token_ids))
     assert f"mean acceptance length {outs[0].mean_acceptance_length:.2f}" in printed, printed
+    # save-drafter: the folder's drafter out in speculators' dflash layout, which drafts the same again
+    out = str(Path(folders[2]).parent / "exported")
+    assert main(["save-drafter", folders[2], "-o", out]) == 0
+    assert main(["save-drafter", folders[2], "--format", "specforge", "-o", out + "-x"]) == 2
+    assert json.loads((Path(out) / "config.json").read_text())["speculators_model_type"] == "dflash"
+    again = Engine(split, drafter=ppsplit.load_drafter(out, split=split), num_draft_tokens=BLOCK - 1).generate(
+        prompts, params)
+    assert [(o.token_ids, o.drafts) for o in again] == [(o.token_ids, o.drafts) for o in outs]
 
 
 @pytest.mark.parametrize("pp", [1, 2])
