@@ -27,6 +27,9 @@ def cmd_collect(args: argparse.Namespace) -> int:
                   shard_size=args.shard_size, layout=args.layout)  # every refusal before a stage loads (the ranks check it again)
     apply_cpu_threads(args)
     if not job.rows:
+        from ppsplit.eagle3.collect import finish
+
+        finish(job)  # an interrupted run may have left the last index unwritten
         print(f"{args.out} already holds all {job.skipped} sequences")
         return 0
     if args.ranks is not None:

@@ -30,7 +30,7 @@ from ppsplit.core.ragged import CacheLayout, RaggedStep
 from ppsplit.core.tensors import model_dtype, new_aux
 from ppsplit.distributed.launch import add_collect_arguments
 from ppsplit.distributed.transport import Links, agree, backend_for
-from ppsplit.eagle3.collect import HeadInput, Job, Report, prepare, sample_tensors, write_sample
+from ppsplit.eagle3.collect import HeadInput, Job, Report, finish, prepare, sample_tensors, write_sample
 
 
 def collect_ranks(folder: str, prompts: str, out: str, *, generate: int = 0, logits: bool = False,
@@ -62,7 +62,10 @@ def collect_ranks(folder: str, prompts: str, out: str, *, generate: int = 0, log
         header["error"] = str(e)
     agree(header)
     rows = _answered(stage, opened, job, device) if job.record.generate else job.rows
-    return _Pipe(stage, opened.plan, device).run(rows, job, rank)
+    report = _Pipe(stage, opened.plan, device).run(rows, job, rank)
+    if report is not None:
+        finish(job)
+    return report
 
 
 def _answered(stage, opened: CompiledFolder, job: Job, device):
@@ -130,7 +133,7 @@ class _Pipe:
                                 "send to", receive=False)
             return
         hidden = self.stage.hidden.reshape(t, -1)
-        write_sample(job.out, index, job.record.shard_size,
+        write_sample(job.out, index, job.record,
                      sample_tensors(ids.tolist(), mask.tolist(), hidden, aux.reshape(aux.shape[0], t, -1),
                                     y.reshape(t, -1) if job.record.logits else None, job.record.layout))
         report.written += 1

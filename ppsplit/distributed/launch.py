@@ -141,8 +141,9 @@ def add_collect_arguments(p: argparse.ArgumentParser) -> None:
                    "response, greedily, N new tokens at most (needs a folder with a KV cache)")
     p.add_argument("--logits", action="store_true", help="also write the target's logits [1, T, V] per sequence")
     p.add_argument("--shard-size", type=int, default=5000, help="rows per rows_<a>-<b> subfolder")
-    p.add_argument("--layout", choices=("eagle3", "dflash"), default="eagle3", help="eagle3: SpecForge's offline "
-                   "EAGLE-3 files (taps, final hidden state); dflash: its DFlash-family files (hidden_states: the taps)")
+    p.add_argument("--layout", choices=("eagle3", "dflash", "speculators"), default="eagle3", help="eagle3: "
+                   "SpecForge's offline EAGLE-3 files (taps, final hidden state); dflash: its DFlash-family files "
+                   "(hidden_states: the taps); speculators: speculators' offline data (needs tap L)")
     p.add_argument("--timeout", type=float, default=300.0, help="one rank per stage: seconds a rank waits for a peer")
     p.add_argument("--device", default="auto", help="auto: CUDA when the machine has a GPU (one per rank with "
                    "--ranks), else the CPU; cpu; cuda; or (one process) a list cuda:0,cuda:1 (default: %(default)s)")

@@ -251,3 +251,46 @@ def test_dflash_layout_is_read_by_specforge_dflash_training(demo_folder, tmp_pat
         opt.step()
         losses.append(float(loss))
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+
+
+def test_speculators_layout_is_read_by_speculators_training_data(tmp_path):
+    """``--layout speculators``: speculators' own ``ArrowDataset`` (its file transfer) and ``CollateFn`` read the rows:
+    ``hidden_states`` are HF's ``hidden_states`` at the taps, ``verifier_last_hidden_states`` the last layer's output
+    before the final norm (tap L), loss masks as given; a folder without tap L is refused in one line."""
+    pytest.importorskip("hs_connectors")
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    hf = demo_model()
+    layers = hf.config.num_hidden_layers
+    folder = str(tmp_path / "demo-pp2")
+    assert main(["compile", "demo", "--pp", "2", "--aux", f"1,3,{layers}", "--max-batch", "2", "--max-len", "96",
+                 "-o", folder]) == 0
+    rows = ROWS[:3]
+    prompts, out = write_rows(tmp_path / "p.jsonl", rows), str(tmp_path / "data")
+    assert main(["collect", folder, "--prompts", prompts, "-o", out, "--layout", "speculators"]) == 0
+    dataset = ArrowDataset(max_len=4096, datapath=out, on_missing="raise", hidden_states_dtype=torch.float32)
+    assert len(dataset) == 3
+    samples = [dataset[i] for i in range(3)]
+    for sample, row in zip(samples, rows):
+        ids = sample["input_ids"]
+        if "input_ids" in row:
+            assert ids.tolist() == row["input_ids"] and sample["loss_mask"].tolist() == row["loss_mask"]
+        with torch.no_grad():
+            states = hf(ids[None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(sample["hidden_states"], torch.cat([states[1][0], states[3][0]], -1), atol=1e-5,
+                                   rtol=0)
+        final = hf.model.norm.weight  # tap L is the stream before the final norm: HF's last entry is after it
+        pre = states[-1][0] / final  # undo the norm's scale, then compare directions (RMSNorm keeps them)
+        got = sample["verifier_last_hidden_states"]
+        torch.testing.assert_close(got / got.norm(dim=-1, keepdim=True), pre / pre.norm(dim=-1, keepdim=True),
+                                   atol=1e-4, rtol=0)
+    batch = CollateFn(max_len=256, hidden_size=hf.config.hidden_size, num_target_layers=2,
+                      dtype=torch.float32)(samples)
+    assert batch["hidden_states"].shape == (1, 256, 2 * hf.config.hidden_size)
+    assert batch["document_ids"][0, :sum(len(s["input_ids"]) for s in samples)].unique().tolist() == [0, 1, 2]
+
+    plain = str(tmp_path / "no-last")
+    assert main(["compile", "demo", "--pp", "1", "--aux", "1,3", "--max-batch", "2", "--max-len", "96", "-o",
+                 plain]) == 0
+    with pytest.raises(ppsplit.ConfigError, match=f"compile it with --aux 1,3,{layers}"):
+        collect.prepare(plain, prompts, str(tmp_path / "x"), layout="speculators")
