@@ -276,16 +276,17 @@ def _costs(gm: fx.GraphModule, nodes: list[fx.Node], num_layers: int, head_regio
         m = _CACHE_RE.match(name)
         if m:
             cache[int(m.group(1))] += pooled_bytes(name, buf, traced)
-    params = dict(gm.named_parameters())
+    params = dict(gm.named_parameters(remove_duplicate=False))  # a tied lm_head counts on the last stage too
     embed = [0, 0]
     head = [0, 0]
+    tied = [0, 0]
     layers = [[0, 0] for _ in range(num_layers)]
+    held: dict[int, tuple[tuple[int, int], set]] = {}  # per tensor (a tied table has two names): its parts
     for node in nodes:
         if node.op != "get_attr" or node.target not in params:
             continue
         p = params[node.target]
-        cost = (p.numel(), p.numel() * p.element_size())
-        parts = set()
+        _, parts = held.setdefault(id(p), ((p.numel(), p.numel() * p.element_size()), set()))
         for region in consumers[node]:
             if region == 0:
                 parts.add(("embed", 0))
@@ -293,12 +294,16 @@ def _costs(gm: fx.GraphModule, nodes: list[fx.Node], num_layers: int, head_regio
                 parts.add(("head", 0))
             else:
                 parts.add(("layer", (region - 1) // 2))  # a between-layer region counts with the layer before
+    for cost, parts in held.values():
+        if ("embed", 0) in parts and ("head", 0) in parts:
+            parts.add(("tied", 0))
         for kind, i in parts:
-            bucket = embed if kind == "embed" else head if kind == "head" else layers[i]
+            bucket = {"embed": embed, "head": head, "tied": tied}.get(kind) or layers[i]
             bucket[0] += cost[0]
             bucket[1] += cost[1]
     return ModelCosts(
-        embed_params=embed[0], embed_bytes=embed[1], head_params=head[0], head_bytes=head[1],
+        embed_params=embed[0], embed_bytes=embed[1], head_params=head[0], head_bytes=head[1], tied_params=tied[0],
+        tied_bytes=tied[1],
         layer_params=tuple(c[0] for c in layers), layer_bytes=tuple(c[1] for c in layers),
         layer_cache_bytes=tuple(cache) if any(cache) else (),
     )

@@ -135,6 +135,8 @@ def make_plan(costs: ModelCosts, pp: int, taps: Sequence[int] = (), *, balance: 
             params, nbytes = params + costs.embed_params, nbytes + costs.embed_bytes
         if i == pp - 1:
             params, nbytes = params + costs.head_params, nbytes + costs.head_bytes
+        if pp == 1:
+            params, nbytes = params - costs.tied_params, nbytes - costs.tied_bytes
         cache = sum(costs.layer_cache_bytes[start:end]) if costs.layer_cache_bytes else 0
         stages.append(StagePlan(index=i, start=start, end=end, cost=float(stage_cost[i]), params=params,
                                 bytes=nbytes, cache_bytes=cache))

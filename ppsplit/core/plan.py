@@ -29,6 +29,10 @@ class ModelCosts:
     head_bytes: int = 0
     layer_bytes: tuple[int, ...] = ()
     layer_cache_bytes: tuple[int, ...] = ()  # static KV cache per layer, when the split has one
+    # Weights counted in both the embedding and the head (a tied lm_head): each end's stage holds a copy, but a
+    # stage holding both ends holds one.
+    tied_params: int = 0
+    tied_bytes: int = 0
     # Half layers (planned only when asked for): the layers with a cut point between their attention and MLP
     # blocks, and per layer the parameters and bytes of its attention half (its KV cache is all there too).
     mid_layers: tuple[int, ...] = ()

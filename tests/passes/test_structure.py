@@ -71,6 +71,17 @@ def test_tied_embedding_is_replicated_on_last_stage(traced_cache):
     assert last["lm_head.weight"].data_ptr() == first["transformer.wte.weight"].data_ptr()
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_plan_counts_the_parameters_each_stage_holds(traced_cache, arch, pp):
+    """The plan's per-stage counts (what ``plan`` prints and placement checks) are the tensors each stage holds: a
+    tied lm_head counts on the last stage when it is a replica, once when one stage holds both ends."""
+    _, traced = traced_cache(arch)
+    split = ppsplit.split_model(traced, pp)
+    for stage, sp in zip(split.stages, split.plan.stages):
+        held = {p.data_ptr(): p.numel() for p in stage.parameters()}
+        assert sp.params == sum(held.values()), f"stage {sp.index}"
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_boundaries_carry_only_hidden_and_aux(traced_cache, arch):
     _, traced = traced_cache(arch)
