@@ -118,7 +118,7 @@ def versions() -> dict:
            "ppsplit": ppsplit.__version__}
     for name in ("specforge", "dflash", "speculators"):
         try:
-            out[name] = md.version(name)
+            out[f"{name}_version"] = md.version(name)
         except md.PackageNotFoundError:
             pass
     return out
