@@ -86,6 +86,28 @@ def timed_steps(engine, prompts, steps: int, feed_times: list | None):
     return times
 
 
+def profile_feed(engine, prompts, feed):
+    """Kernels and host time of the drafter's part of 5 speculative steps (``feed`` is the unwrapped one)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    proposer = engine.runner.sampler.proposer
+    wrapped = proposer.feed
+
+    def marked(*args, **kw):
+        with record_function("draft"):
+            return feed(*args, **kw)
+
+    proposer.feed = marked
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed_steps(engine, prompts, 5, None)
+    proposer.feed = wrapped
+    events = prof.key_averages()
+    draft = next(e for e in events if e.key == "draft")
+    say(profile_draft_calls=draft.count, draft_cpu_ms_each=round(draft.cpu_time_total / draft.count / 1e3, 3))
+    print(events.table(sort_by="cuda_time_total", row_limit=25), flush=True)
+    print(events.table(sort_by="cpu_time_total", row_limit=25), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -94,6 +116,8 @@ def main():
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile", type=int, default=0, metavar="B",
+                    help="also profile 5 speculative steps at batch B: the drafter's CUDA kernels and host time")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times nothing")
     a = ap.parse_args()
     if a.smoke:
@@ -152,6 +176,8 @@ def main():
         ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
         draft = ms(feed_times)
         verify = ms([s - f for s, f in zip(stp, feed_times)])
+        if b == a.profile:
+            profile_feed(spec, prompts[:b], feed)
         say(batch=b, context=a.context, draft_ms=round(draft, 3), verify_step_ms=round(verify, 3),
             decode_step_ms=round(ms(dec), 3), draft_over_decode=round(draft / ms(dec), 3),
             draft_over_verify=round(draft / verify, 3))

@@ -16,6 +16,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--drafter", default=None, help="EAGLE-3 or DFlash drafter folder (default: the one compiled into DIR)")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
                    help="numbering of the drafter's tap ids (default: its format's own)")
+    p.add_argument("--confidence-threshold", type=float, default=None,
+                   help="DSpark drafters: verify only the leading drafts whose predicted survival reaches this "
+                        "(0 to 1; default 0: all)")
 
     p = sub.add_parser("save-drafter", help="write the drafter (EAGLE-3 or DFlash) of a compiled folder as a checkpoint vLLM "
                                             "(speculators format) or SGLang (SpecForge format) loads")
@@ -56,6 +59,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if args.drafter else split.drafter
         if drafter is None:
             raise ConfigError(f"{args.folder} holds no drafter: compile it with --drafter, or pass --drafter DIR")
+    if args.confidence_threshold is not None:
+        if getattr(drafter, "family", None) != "dspark":
+            raise ConfigError("--confidence-threshold trims a DSpark drafter's verify windows; pass -k and a DSpark "
+                              "--drafter, or leave it out")
+        drafter.confidence_threshold = args.confidence_threshold
     prompts, tokenizer = prompts_of(args, args.folder)
     params = [sampling_params(args, i) for i in range(len(prompts))]
     engine = Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0,
@@ -108,7 +116,8 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     scores = {}
     for convention in taps:
         drafter = ppsplit.load_drafter(args.drafter, split=split, aux_convention=convention)
-        score = block_agreement if getattr(drafter, "family", None) == "dflash" else draft_agreement
+        score = block_agreement if getattr(drafter, "family", None) in ("dflash", "dspark", "dflash2") \
+            else draft_agreement
         agree, total = score(split, drafter, sequences, start=seed_len)
         scores[convention] = agree / max(1, total)
         print(f"{convention:>7}: taps {','.join(map(str, taps[convention]))}  first-draft agreement "

@@ -234,27 +234,42 @@ _DFLASH_SPECULATORS_TOP = {"speculators_model_type", "speculators_config", "spec
                            "sample_from_anchor", "embed_requires_grad"}
 
 
+# speculators' ``dspark``: its ``dflash`` layout plus a Markov head and a confidence head (speculators'
+# ``DSparkSpeculatorConfig``); ``sample_from_anchor`` (default true) makes the anchor row draft too.
+_DSPARK_TOP = {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"}
+_MARKOV_HEADS = ("vanilla", "gated", "rnn")
+# DFlash2 (z-lab's ``DFlash2DraftModel``, speculators' ``dflash2``): convolutions around each sublayer, a candidate
+# selector after the head; the library reads these from ``dflash_config`` or the top level, speculators at the top.
+_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# DeepSpec's own DSpark folders (a flat target config, ``num_anchors``, its own ``markov_head`` module): no reader.
+_DEEPSPEC_DSPARK = {"Qwen3DSparkModel", "DeepseekV2DSparkModel", "Gemma4DSparkModel"}
+
+
 def is_dflash(cfg: dict) -> bool:
-    """Whether a drafter config is a DFlash one (z-lab's ``dflash_config`` or architecture, speculators' ``dflash``)."""
-    return bool("dflash_config" in cfg or cfg.get("speculators_model_type") == "dflash"
+    """Whether a drafter config is a DFlash-family one (z-lab's ``dflash_config`` or architecture, speculators'
+    ``dflash`` and ``dspark``, DeepSpec's DSpark architectures, which are refused)."""
+    return bool("dflash_config" in cfg or cfg.get("speculators_model_type") in ("dflash", "dspark", "dflash2")
             or cfg.get("ppsplit_family") == "dflash"
-            or {"DFlashDraftModel", "DFlash2DraftModel"} & set(cfg.get("architectures") or ()))
+            or {"DFlashDraftModel", "DFlash2DraftModel", *_DEEPSPEC_DSPARK} & set(cfg.get("architectures") or ()))
 
 
 def dflash_drafter_config(cfg: dict) -> tuple[dict, dict, list | None, str]:
     """``(flat config, rotary keys, tap ids or None, their numbering)`` of a DFlash drafter config. Every key is read,
     listed as inert, or refused naming it."""
-    if cfg.get("speculators_model_type") == "dflash":
+    if cfg.get("speculators_model_type") in ("dflash", "dspark", "dflash2"):
         return _dflash_speculators(cfg)
     if "ppsplit_taps" in cfg:
         return _dflash_stored(cfg)
-    if "DFlash2DraftModel" in (cfg.get("architectures") or ()):
-        raise ConfigError("drafter architecture DFlash2DraftModel (grouped dynamic convolutions and a candidate "
-                          "selector) is not supported; ppsplit runs plain DFlash (DFlashDraftModel)")
+    deepspec = _DEEPSPEC_DSPARK & set(cfg.get("architectures") or ())
+    if deepspec:
+        raise ConfigError(f"drafter architecture {sorted(deepspec)[0]} is DeepSpec's own DSpark folder, which ppsplit "
+                          "does not read; convert it to speculators' dspark layout (speculators_model_type \"dspark\")")
+    two = "DFlash2DraftModel" in (cfg.get("architectures") or ())
+    extra = set(_DFLASH2_KEYS) if two else set()
     inner = cfg.get("dflash_config") or {}
     if not isinstance(inner, dict):
         raise ConfigError(f"drafter config dflash_config must be an object, but got {inner!r}")
-    _refuse_unknown(inner, _DFLASH_VALUES | set(_DFLASH_FIXED), "dflash_config.")
+    _refuse_unknown(inner, _DFLASH_VALUES | set(_DFLASH_FIXED) | extra, "dflash_config.")
     for key, plain in _DFLASH_FIXED.items():
         if inner.get(key, plain) != plain:
             raise ConfigError(f"drafter config dflash_config.{key} = {inner[key]!r} asks for a DFlash variant ppsplit "
@@ -265,7 +280,7 @@ def dflash_drafter_config(cfg: dict) -> tuple[dict, dict, list | None, str]:
                               "attends within a block both ways)")
     if cfg.get("is_neox_style", True) is not True:
         raise ConfigError("drafter config is_neox_style is false: interleaved rotary is not supported")
-    _refuse_unknown(cfg, _DFLASH_TOP | _LAYER_READ, "")
+    _refuse_unknown(cfg, _DFLASH_TOP | _LAYER_READ | extra, "")
     value = lambda key, default=None: inner.get(key, cfg.get(key, default))  # noqa: E731  (the library's order)
     out, rope = _dflash_layers(cfg, "")
     out.update(block_size=value("block_size", 16), mask_token_id=value("mask_token_id"),
@@ -281,18 +296,23 @@ def dflash_drafter_config(cfg: dict) -> tuple[dict, dict, list | None, str]:
                               "num_target_layers; it cannot say which taps it reads")
         ids = [n // 2] if layers == 1 else [round(1 + i * (n - 4) / (layers - 1)) for i in range(layers)]
     out["num_target_layers"] = cfg.get("num_target_layers")
+    out["family"] = "dflash2" if two else "dflash"
+    if two:
+        out.update(_dflash2_fields(value, out))
     return _dflash_checked(out), rope, ids, "sglang"
 
 
 def _dflash_speculators(cfg: dict) -> tuple[dict, dict, list | None, str]:
-    _refuse_unknown(cfg, _DFLASH_SPECULATORS_TOP, "")
+    family = cfg["speculators_model_type"]
+    own = {"dspark": _DSPARK_TOP, "dflash2": set(_DFLASH2_KEYS)}.get(family, set())
+    _refuse_unknown(cfg, _DFLASH_SPECULATORS_TOP | own, "")
     spec = cfg.get("speculators_config") or {}
-    if not isinstance(spec, dict) or spec.get("algorithm", "dflash") != "dflash":
+    if not isinstance(spec, dict) or spec.get("algorithm", family) != family:
         raise ConfigError(f"drafter config speculators_config.algorithm is {spec.get('algorithm')!r}; a speculators "
-                          "dflash drafter has \"dflash\"")
+                          f"{family} drafter has \"{family}\"")
     _refuse_unknown(spec, {"algorithm", "proposal_methods", "default_proposal_method", "verifier"},
                     "speculators_config.")
-    if _flag(cfg, "sample_from_anchor", False):
+    if family != "dspark" and _flag(cfg, "sample_from_anchor", False):
         raise ConfigError("drafter config sample_from_anchor is true (the anchor position drafts too, DSpark's "
                           "layout); ppsplit runs DFlash blocks whose anchor is the bonus token (false)")
     layer = cfg.get("transformer_layer_config")
@@ -305,7 +325,17 @@ def _dflash_speculators(cfg: dict) -> tuple[dict, dict, list | None, str]:
     out.update(block_size=cfg.get("block_size", 8), mask_token_id=cfg.get("mask_token_id"),
                input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=0.0,
                draft_vocab_size=cfg.get("draft_vocab_size") or out["vocab_size"],
-               target_hidden_size=cfg.get("target_hidden_size") or out["hidden_size"], num_target_layers=None)
+               target_hidden_size=cfg.get("target_hidden_size") or out["hidden_size"], num_target_layers=None,
+               family=family, sample_from_anchor=False)
+    if family == "dspark":
+        out.update(_dspark_heads(cfg))
+    if family == "dflash2":
+        defaults = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+        out.update(_dflash2_fields(lambda key: cfg.get(key, defaults[key]), out))
+        if out["draft_vocab_size"] != out["vocab_size"]:
+            raise ConfigError(f"drafter config draft_vocab_size {out['draft_vocab_size']} differs from the vocabulary "
+                              f"({out['vocab_size']}); a DFlash2 selector scores target ids (speculators requires "
+                              "a full vocabulary too)")
     ids = cfg.get("aux_hidden_state_layer_ids")
     if not ids:
         raise ConfigError("the speculators dflash config has no aux_hidden_state_layer_ids; it cannot say which taps "
@@ -324,8 +354,41 @@ def _dflash_stored(cfg: dict) -> tuple[dict, dict, list | None, str]:
     if out.get("sliding_window"):
         raise ConfigError(f"the stored DFlash drafter config has sliding_window = {out['sliding_window']}; DFlash "
                           "drafters run with full attention only: compile the folder again")
-    out.update(num_target_layers=out.get("num_target_layers"), sliding_window=0)
+    out.update(num_target_layers=out.get("num_target_layers"), sliding_window=0, family="dflash",
+               sample_from_anchor=False)
     return _dflash_checked(out), dict(cfg.get("rope") or {}), list(cfg["ppsplit_taps"]), "vllm"
+
+
+def _dflash2_fields(value, out: dict) -> dict:
+    """DFlash2's convolution and selector sizes, checked (``value(key)``: the config's reading order)."""
+    got = {key: value(key) for key in _DFLASH2_KEYS}
+    for key, v in got.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"DFlash2 drafter config {key} must be an integer >= 1, but got {v!r}")
+    if out["hidden_size"] % got["conv_group_size"]:
+        raise ConfigError(f"drafter config conv_group_size {got['conv_group_size']} does not divide hidden_size "
+                          f"{out['hidden_size']}")
+    if got["selector_top_k"] > out["vocab_size"]:
+        raise ConfigError(f"drafter config selector_top_k {got['selector_top_k']} exceeds the vocabulary "
+                          f"({out['vocab_size']})")
+    return got
+
+
+def _dspark_heads(cfg: dict) -> dict:
+    """DSpark's heads, with speculators' defaults (``DSparkSpeculatorConfig``)."""
+    rank = cfg.get("markov_rank", 256)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ConfigError(f"drafter config markov_rank must be an integer >= 0 (0: no Markov head), but got {rank!r}")
+    kind = cfg.get("markov_head_type", "vanilla")
+    if kind not in _MARKOV_HEADS:
+        raise ConfigError(f"drafter config markov_head_type {kind!r} is not one of {', '.join(_MARKOV_HEADS)}")
+    confidence = _flag(cfg, "enable_confidence_head", True)
+    with_markov = confidence and _flag(cfg, "confidence_head_with_markov", True)
+    if with_markov and not rank:
+        raise ConfigError("drafter config confidence_head_with_markov is true but markov_rank is 0 (no Markov "
+                          "embedding to feed it); set confidence_head_with_markov false")
+    return dict(sample_from_anchor=_flag(cfg, "sample_from_anchor", True), markov_rank=rank, markov_head_type=kind,
+                confidence_head=confidence, confidence_with_markov=with_markov)
 
 
 def _dflash_layers(layer: dict, where: str) -> tuple[dict, dict]:

@@ -141,6 +141,10 @@ class PipelineEngine:
                 from ppsplit.serve.speculative import Proposer, check_speculation
 
                 drafter = drafter or self._folder_drafter(folder)
+                if getattr(drafter, "family", None) in ("dspark", "dflash2"):  # not run across ranks yet
+                    raise ConfigError(f"a {drafter.family} drafter runs in one process (ppsplit.Engine over a "
+                                      "split) for now, not across ranks; use an EAGLE-3 or DFlash drafter with "
+                                      "ppsplit.distributed")
                 check_speculation(plan, self.k, drafter)
                 proposer = Proposer(drafter, self.k, self.layout)
                 header["lookahead"] = proposer.lookahead  # rank 0's scheduler reserves it (a DFlash block: K + 1)

@@ -46,6 +46,43 @@ class _Attention(nn.Module):
         self.q_norm, self.k_norm = RMSNorm(hd, cfg["rms_norm_eps"]), RMSNorm(hd, cfg["rms_norm_eps"])
 
 
+class GroupedCausalConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution around a sublayer (z-lab's ``GroupedDynamicCausalConv``, the same
+    tensors): over each block's rows, ``y_i = sum_t (base[t] + dyn_i[t]) * x_{i - t}`` (``x_{<0} = 0``), the
+    per-row kernel ``dyn`` shared by the channels of a group and projected from the sublayer's input; ``prepare``
+    convolves the input (kernel set 0) and returns the output's kernels (set 1), which ``finish`` applies."""
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size, self.groups = kernel_size, group_size, hidden // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * self.groups, bias=False)
+
+    def convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, width: int) -> torch.Tensor:
+        blocks = x.view(-1, width, self.groups, self.group_size)
+        dynamic = dynamic.view(-1, width, self.kernel_size, self.groups, 1)
+        out = torch.zeros_like(blocks)
+        for t in range(min(self.kernel_size, width)):
+            shifted = blocks if t == 0 else F.pad(blocks[:, :-t], (0, 0, 0, 0, t, 0))
+            out = out + (base[t].view(self.groups, self.group_size) + dynamic[:, :, t]) * shifted
+        return out.view_as(x)
+
+    def prepare(self, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dynamic = self.kernel_projection(x).view(x.shape[0], 2, self.kernel_size, self.groups)
+        return self.convolve(x, dynamic[:, 0], self.base_kernel[0], width), dynamic[:, 1]
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor, width: int) -> torch.Tensor:
+        return self.convolve(x, dynamic, self.base_kernel[1], width)
+
+
+def _conv_in(conv, x: torch.Tensor, width: int):
+    return (x, None) if conv is None else conv.prepare(x, width)
+
+
+def _conv_out(conv, x: torch.Tensor, kernel, width: int) -> torch.Tensor:
+    return x if conv is None else conv.finish(x, kernel, width)
+
+
 class _Layer(nn.Module):
     def __init__(self, cfg: dict):
         super().__init__()
@@ -53,6 +90,9 @@ class _Layer(nn.Module):
         self.self_attn = _Attention(cfg)
         self.mlp = MLP(h, cfg["intermediate_size"], cfg["hidden_act"])
         self.input_layernorm, self.post_attention_layernorm = RMSNorm(h, eps), RMSNorm(h, eps)
+        kernel = cfg.get("conv_kernel_size")  # DFlash2: a convolution around attention and around the MLP
+        self.attention_conv = GroupedCausalConv(h, kernel, cfg["conv_group_size"]) if kernel else None
+        self.mlp_conv = GroupedCausalConv(h, kernel, cfg["conv_group_size"]) if kernel else None
 
 
 class DFlashDrafter(nn.Module):
@@ -98,8 +138,23 @@ class DFlashDrafter(nn.Module):
     def target_ids(self) -> torch.Tensor:
         return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
 
+    # The block row whose output is the first draft: the bonus token's row predicts nothing in plain DFlash (DSpark's
+    # anchor layout drafts from it: 0).
+    first_draft_row = 1
+
+    @property
+    def max_drafts(self) -> int:
+        """The drafts one block proposes: one per block row from ``first_draft_row``."""
+        return self.block_size - self.first_draft_row
+
+    architecture = "DFlashDraftModel"  # what speculators' save_pretrained writes for the family
+
+    def layout_keys(self) -> dict:
+        """The family's own top-level keys of speculators' layout (DSpark's heads)."""
+        return {}
+
     def save(self, folder: str, format: str = "speculators", verifier: str | None = None) -> str:
-        """Write the drafter in speculators' ``dflash`` layout (what vLLM loads): ``config.json`` as speculators'
+        """Write the drafter in speculators' ``dflash`` (or ``dspark``) layout (what vLLM loads): ``config.json`` as speculators'
         ``save_pretrained`` writes it, tap ids in vLLM's numbering (ppsplit's), ``model.safetensors`` without the
         target's embedding and head. ``verifier``: the target's hub id or folder, recorded in the config."""
         import json
@@ -121,17 +176,18 @@ class DFlashDrafter(nn.Module):
                  ["full_attention"] * len(self.layers), **{k: cfg[k] for k in (
                      "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "hidden_act", "rms_norm_eps", "vocab_size", "attention_bias")}, **cfg["rope"]}
-        out = {"architectures": ["DFlashDraftModel"], "speculators_model_type": "dflash",
-               "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
+        out = {"architectures": [self.architecture], "speculators_model_type": self.family,
+               "speculators_config": {"algorithm": self.family, "default_proposal_method": "greedy",
                                       "proposal_methods": [{"proposal_type": "greedy",
-                                                            "speculative_tokens": self.block_size - 1,
+                                                            "speculative_tokens": self.max_drafts,
                                                             "accept_tolerance": 0.0, "verifier_accept_k": 1}],
                                       "verifier": {"name_or_path": verifier, "architectures": []}},
                "transformer_layer_config": layer, "draft_vocab_size": cfg["draft_vocab_size"],
                "block_size": self.block_size, "mask_token_id": self.mask_token_id,
-               "aux_hidden_state_layer_ids": list(self.taps), "sample_from_anchor": False,
+               "aux_hidden_state_layer_ids": list(self.taps), "sample_from_anchor": self.first_draft_row == 0,
                "sliding_window_non_causal": False, "tie_word_embeddings": False,
-               "target_hidden_size": None if self.target_hidden_size == self.hidden_size else self.target_hidden_size}
+               "target_hidden_size": None if self.target_hidden_size == self.hidden_size else self.target_hidden_size,
+               **self.layout_keys()}
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         if self.lm_head is None:  # a full vocabulary: speculators keeps no mapping and reloads the verifier's head
             del tensors["d2t"]
@@ -198,22 +254,34 @@ class DFlashDrafter(nn.Module):
                 block_positions: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, V]`` of one block: ``aux [n_slots, T, Ht]`` the taps of the context rows at
         ``ctx_positions [T]``, ``tokens [B]`` the block (bonus token, then masks) at ``block_positions [B]``."""
+        return self.logits(self.block_rows(aux, tokens, ctx_positions, block_positions))
+
+    def block_rows(self, aux: torch.Tensor, tokens: torch.Tensor, ctx_positions: torch.Tensor,
+                   block_positions: torch.Tensor) -> torch.Tensor:
+        """``forward``'s block rows after the last layer ``[B, H]`` (before ``norm``)."""
         ctx = self.context(aux).to(self.fc.weight.dtype)
         x = self.embed(tokens).to(ctx.dtype)
         cc, cs = self._rotary(ctx_positions, x.dtype)
         bc, bs = self._rotary(block_positions, x.dtype)
+        width = x.shape[0]
         for layer in self.layers:
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            h, kernel = _conv_in(layer.attention_conv, layer.input_layernorm(x), width)
             ck, cv = self._kv(layer, ctx, cc, cs)
             bk, bv = self._kv(layer, h, bc, bs)
             q = _rope(attn.q_norm(attn.q_proj(h).view(h.shape[0], attn.heads, attn.head_dim)), bc[:, None], bs[:, None])
             k, v = torch.cat([ck, bk]).transpose(0, 1), torch.cat([cv, bv]).transpose(0, 1)
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
                                                enable_gqa=attn.heads != attn.kv_heads)
-            x = x + attn.o_proj(o[0].transpose(0, 1).reshape(h.shape[0], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.logits(x)
+            x = x + _conv_out(layer.attention_conv, attn.o_proj(o[0].transpose(0, 1).reshape(h.shape[0], -1)),
+                              kernel, width)
+            x = x + self._mlp(layer, x, width)
+        return x
+
+    @staticmethod
+    def _mlp(layer, x: torch.Tensor, width: int) -> torch.Tensor:
+        h, kernel = _conv_in(layer.mlp_conv, layer.post_attention_layernorm(x), width)
+        return _conv_out(layer.mlp_conv, layer.mlp(h), kernel, width)
 
     # -- the paged cache (the engine) --------------------------------------------------------------------------------
     def write_context(self, aux: torch.Tensor, step: RaggedStep) -> None:
@@ -226,10 +294,11 @@ class DFlashDrafter(nn.Module):
             k, v = self._kv(layer, ctx, cos, sin)
             ops.paged_write_pair(keys, values, k, v, slots)
 
-    def draft_block(self, tokens: torch.Tensor, step: RaggedStep) -> torch.Tensor:
-        """The blocks of ``D`` requests, ``tokens [D * B]`` (each: bonus token, then masks) at ``step``'s positions
-        (each request's ``B`` rows consecutive): their rows' keys/values are written, each row attends to its
-        sequence's keys up to its block's last position. Returns the rows after the last layer ``[D * B, H]``."""
+    def draft_block(self, tokens: torch.Tensor, step: RaggedStep, width: int) -> torch.Tensor:
+        """The blocks of ``D`` requests, ``tokens [D * width]`` (each: bonus token, then masks) at ``step``'s
+        positions (each request's ``width`` rows consecutive): their rows' keys/values are written, each row attends
+        to its sequence's keys up to its block's last position. Returns the rows after the last layer ``[D * width,
+        H]``."""
         ops = torch.ops.ppsplit
         x = self.embed(tokens).to(self.fc.weight.dtype)
         n = x.shape[0]
@@ -241,14 +310,14 @@ class DFlashDrafter(nn.Module):
         limit = first + count - 1  # non-causal inside the block: every row sees up to its block's last position
         for layer, (keys, values) in zip(self.layers, self.paged):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            h, kernel = _conv_in(layer.attention_conv, layer.input_layernorm(x), width)
             k, v = self._kv(layer, h, cos, sin)
             ops.paged_write_pair(keys, values, k, v, slots)
             q = _rope(attn.q_norm(attn.q_proj(h).view(n, attn.heads, attn.head_dim)), cos[:, None], sin[:, None])
             o = ops.paged_attention(q.transpose(0, 1)[None], keys, values, limit, step.seq, step.block_table,
                                     step.seq_start, step.seq_count, attn.head_dim ** -0.5, 0, 0.0, None, None)
-            x = x + attn.o_proj(o[0].transpose(0, 1).reshape(n, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + _conv_out(layer.attention_conv, attn.o_proj(o[0].transpose(0, 1).reshape(n, -1)), kernel, width)
+            x = x + self._mlp(layer, x, width)
         return x
 
 
@@ -285,9 +354,10 @@ def output_head_name(split) -> str:
 
 
 def build_dflash(cfg: dict, tensors: dict, plan, embed: torch.Tensor, head: torch.Tensor,
-                 aux_convention: str | None, device) -> DFlashDrafter:
+                 aux_convention: str | None, device, cls: type = DFlashDrafter) -> DFlashDrafter:
     """The DFlash drafter of ``(cfg, tensors)`` for a split with ``plan``, sharing the target's ``embed`` table and
-    output projection ``head``; checked before any tensor is loaded."""
+    output projection ``head``; checked before any tensor is loaded. ``cls``: the family's module (DSpark's adds
+    heads; their tensors are accounted for by its ``state_dict``)."""
     flat, rope, ids, numbering = dflash_drafter_config(cfg)
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ConfigError(f"DFlash drafter tap ids must be a list of integers, but got {ids!r}")
@@ -323,12 +393,16 @@ def build_dflash(cfg: dict, tensors: dict, plan, embed: torch.Tensor, head: torc
     dtype = model_dtype(plan)
     device = torch.empty(0, device=device).device
     with torch.device("meta"):
-        drafter = DFlashDrafter(flat, taps, tuple(plan.taps.index(t) for t in taps), n_slots=plan.n_slots)
+        drafter = cls(flat, taps, tuple(plan.taps.index(t) for t in taps), n_slots=plan.n_slots)
     drafter = drafter.to_empty(device=device)
     state = {k: v for k, v in tensors.items() if k not in ("t2d", "embed_tokens.weight", "rotary.inv_freq")}
     if drafter.lm_head is None:
         state.pop("lm_head.weight", None)  # speculators may store the verifier's head; the target's own is used
     state["d2t"] = d2t.long()
+    for name in ("predecessor_codebook", "successor_codebook"):  # z-lab saves DFlash2's codebooks as embeddings
+        key = f"candidate_selector.{name}"
+        if key + ".weight" in state:
+            state[key] = state.pop(key + ".weight")
     expected = set(drafter.state_dict())
     extra, absent = sorted(set(state) - expected), sorted(expected - set(state))
     if extra:
@@ -365,8 +439,13 @@ def block_agreement(split, drafter: DFlashDrafter, ids: torch.Tensor, start: int
     agree = total = 0
     for b in range(batch):
         for a in range(max(start, 1), tokens - 1):
-            logits = drafter(aux[:, b, :a], torch.cat([ids[b, a:a + 1], masks]), torch.arange(a, device=last),
-                             torch.arange(a, a + width, device=last))
-            agree += int(drafter.target_ids[logits[1].argmax()] == ids[b, a + 1])
+            rows = drafter.block_rows(aux[:, b, :a], torch.cat([ids[b, a:a + 1], masks]),
+                                      torch.arange(a, device=last), torch.arange(a, a + width, device=last))
+            rows = rows[None, drafter.first_draft_row:drafter.first_draft_row + 1]
+            if hasattr(drafter, "heads"):  # DSpark, DFlash2: the first draft through their heads
+                first = drafter.heads(rows, ids[b, a:a + 1], lambda x, i: drafter.target_ids[x.argmax(-1)])[0]
+            else:
+                first = drafter.target_ids[drafter.logits(rows).argmax(-1)]
+            agree += int(first.flatten()[0] == ids[b, a + 1])
             total += 1
     return agree, total

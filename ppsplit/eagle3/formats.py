@@ -170,9 +170,14 @@ def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = N
         embed = (embed if embed is not None else stage.get_buffer(name)).detach()
     device = device if device is not None else module_device(split.stages[-1])
     if is_dflash(cfg):
-        from ppsplit.eagle3.dflash import build_dflash, output_head
+        from ppsplit.eagle3.dflash import DFlashDrafter, build_dflash, output_head
+        from ppsplit.eagle3.dflash2 import DFlash2Drafter
+        from ppsplit.eagle3.dspark import DSparkDrafter
 
-        drafter = build_dflash(cfg, tensors, split.plan, embed, output_head(split), aux_convention, device)
+        two = cfg.get("speculators_model_type") == "dflash2" or "DFlash2DraftModel" in (cfg.get("architectures") or ())
+        cls = DSparkDrafter if cfg.get("speculators_model_type") == "dspark" else DFlash2Drafter if two \
+            else DFlashDrafter
+        drafter = build_dflash(cfg, tensors, split.plan, embed, output_head(split), aux_convention, device, cls)
     else:
         drafter = build_drafter(cfg, tensors, split.plan, embed, aux_convention, device)
     if compile:
@@ -302,6 +307,11 @@ def compile_taps(drafter: str, config, aux, aux_convention: str) -> tuple[int, .
     if aux is not None:
         raise ConfigError("pass either --aux or --drafter: with a drafter the taps come from its config")
     cfg, _ = read_drafter(resolve_drafter(drafter))
+    family = cfg.get("speculators_model_type")
+    if family in ("dspark", "dflash2") or "DFlash2DraftModel" in (cfg.get("architectures") or ()):
+        raise ConfigError(f"ppsplit compile --drafter stores EAGLE-3 and DFlash drafters; this is a "
+                          f"{family or 'dflash2'} drafter: compile with its taps (--aux) and load it with "
+                          "ppsplit.load_drafter(DRAFTER, split=split)")
     return drafter_taps(cfg, config.num_hidden_layers, aux_convention)
 
 

@@ -85,6 +85,8 @@ class LocalRunner:
                      "s" * (len(devices) != 1), len(buckets), buckets[-1], time.perf_counter() - start)
             captured = sorted(n for b, n in split.graphs if b == 0)
         self.buckets = captured
+        if cuda and cuda_graphs and proposer is not None and captured:
+            proposer.capture(split.plan, captured)
 
     def launch(self, plan) -> Pending:
         batch = plan.batch.to(self.device, non_blocking=True)

@@ -8,7 +8,8 @@ step, ``[R, 3 + 3K]`` int64, a row per request in plan order::
     0          tokens committed (0: a prefill chunk that draws nothing)
     1          drafts accepted (-1: nothing verified)
     2 .. K+2   the committed tokens (accepted drafts, then the drawn one; -1 after them)
-    K+3 ..     the drafts this window verified (K columns), then the next window's drafts (K columns)
+    K+3 ..     the drafts this window verified (K columns), then the next window's drafts (K columns; -1 past those
+               a trimming drafter, DSpark, keeps: the next window verifies only the kept ones)
     3K+3 ..    when a request of the step wants logprobs (``L`` alternatives at most), per committed token (K + 1):
                its logprob, the ``L`` most likely ids, their logprobs (logprobs as float32 bits)
 
@@ -65,6 +66,7 @@ class Sampler:
         self.marks: list = []  # admissions' marks not written yet (the vocabulary is known at the next run)
         self.last_token, self.last_position = zeros(), zeros()
         self.drafts = torch.zeros(slots, max(self.k, 1), dtype=torch.long, device=self.device)
+        self.kept = None  # [slots]: how many of its drafts each slot's next window verifies (a trimming drafter)
 
     def admit(self, admissions) -> None:
         """Write each admitted request's parameters into its slot (a few tensor writes, ordered with the steps)."""
@@ -156,8 +158,10 @@ class Sampler:
                 self.proposer.feed(aux, ids, positions, batch, None, None, self, False)
             return out
         slot = batch.slot[d]
-        num = batch.num_drafts[d]
+        num = scheduled = batch.num_drafts[d]
         first = batch.start[d] + batch.count[d] - 1 - num  # the row of each request's last known token
+        if self.kept is not None:  # a window the device fed holds all K drafts: verify only those the drafter kept
+            num = torch.where(batch.fed[first] >= 0, torch.minimum(num, self.kept[slot]), num)
         j = torch.arange(k + 1, device=dev)
         window = logits[(first[:, None] + j).clamp(max=logits.shape[0] - 1)]  # [D, K + 1, V]
         drafts = ids[(first[:, None] + 1 + j[:k]).clamp(max=ids.shape[0] - 1)]  # [D, K]: those verified
@@ -182,7 +186,7 @@ class Sampler:
         self.last_position[slot] = positions[last] + 1
         self.index[slot] = index + n + 1
         out[d, 0] = n + 1
-        out[d, 1] = torch.where(num > 0, n, -1)
+        out[d, 1] = torch.where(scheduled > 0, n, -1)
         out[d, 2:3 + k] = committed
         if adjusted:
             rows_of = slot[:, None].expand_as(committed)
@@ -193,6 +197,12 @@ class Sampler:
             out[d, 3 + k:3 + 2 * k] = torch.where(j[:k] < num[:, None], drafts, -1)
             proposed = self.proposer.feed(aux, ids, positions, batch, last, token, self, sampled, cut_k, cut_p)
             self.drafts[slot] = proposed
+            kept = getattr(self.proposer, "kept", None)
+            if kept is not None:  # drafts past the kept ones come back as -1: the next window leaves them out
+                if self.kept is None:
+                    self.kept = torch.full_like(self.index, k)
+                self.kept[slot] = kept
+                proposed = torch.where(j[:k] < kept[:, None], proposed, -1)
             out[d, 3 + 2 * k:3 + 3 * k] = proposed
         return out
 

@@ -350,9 +350,10 @@ class Scheduler:
             count, accepted = int(row[0]), int(row[1])
             if accepted >= 0:  # a verify window: the rejected drafts' entries stay behind, overwritten later
                 request.accepted.append(accepted)
-                request.verified.append(row[2 + k + 1:2 + k + 1 + work.num_drafts].tolist())
+                request.verified.append([t for t in row[2 + k + 1:2 + k + 1 + work.num_drafts].tolist() if t >= 0])
                 request.computed -= work.num_drafts - accepted
-            request.drafts = row[2 + 2 * k + 1:2 + 3 * k + 1].tolist() if k else []
+            # -1 past the drafts a trimming drafter kept: the next window is the last token and the kept drafts
+            request.drafts = [t for t in row[2 + 2 * k + 1:2 + 3 * k + 1].tolist() if t >= 0] if k else []
             logprobs = token_logprobs(row, k, plan.logprobs, request.params.logprobs)
             for i, token in enumerate(row[2:2 + count].tolist()):
                 request.output.append(token)

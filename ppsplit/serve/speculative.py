@@ -68,17 +68,29 @@ class Proposer:
 
     def __init__(self, drafter, k: int, layout):
         check_num_draft_tokens(k)
-        self.block = getattr(drafter, "family", None) == "dflash"
-        if self.block and k > drafter.block_size - 1:
-            raise ConfigError(f"num_draft_tokens={k} exceeds what one block of the DFlash drafter proposes "
-                              f"({drafter.block_size - 1}: block_size {drafter.block_size} minus the bonus token); use "
-                              f"num_draft_tokens <= {drafter.block_size - 1}")
+        self.block = getattr(drafter, "family", None) in ("dflash", "dspark", "dflash2")
+        if self.block and k > drafter.max_drafts:
+            raise ConfigError(f"num_draft_tokens={k} exceeds what one block of the {drafter.family} drafter proposes "
+                              f"({drafter.max_drafts}: block_size {drafter.block_size}, drafting from block row "
+                              f"{drafter.first_draft_row}); use num_draft_tokens <= {drafter.max_drafts}")
         self.drafter, self.k = drafter, k
-        # Positions past a window's end the drafter writes: a chain's last draft, or a block's last mask row.
-        self.lookahead = k + 1 if self.block else k
+        # Positions past a window's end the drafter writes: a chain's last draft, or a block's last row.
+        self.lookahead = k + drafter.first_draft_row if self.block else k
+        self.kept = None  # [D]: the drafts of the last proposal each drawing request verifies (DSpark), None: all K
         drafter.allocate_paged(layout)
-        self.slots = layout.slots
+        self.layout, self.slots = layout, layout.slots
+        self.graphs = None  # a block drafter's CUDA graphs (``capture``)
         self.q = None  # [S, K, draft vocab]: each slot's draft distributions, once a request samples
+
+    def capture(self, plan, token_buckets) -> None:
+        """Capture a block drafter's parts as CUDA graphs for ``token_buckets`` (the stages' buckets) and every count
+        of drawing requests (``ppsplit.serve.draft_graphs``). A chain drafter runs eager."""
+        if self.block:
+            from ppsplit.serve.draft_graphs import BlockGraphs
+
+            with torch.no_grad():
+                self.graphs = BlockGraphs(self.drafter, self.k + self.drafter.first_draft_row, plan, self.layout,
+                                          token_buckets)
 
     @torch.no_grad()
     def feed(self, aux, ids, positions, batch, last, token, sampler, sampled: bool, cut_k: bool = False,
@@ -109,22 +121,30 @@ class Proposer:
         return torch.stack(drafts, 1)
 
     def _feed_block(self, aux, positions, batch, last, token, sampler, sampled: bool, cut_k: bool, cut_p: bool):
-        """DFlash: write every row's context, then one forward over each drawing request's block ``[token, mask x
-        K]`` at the positions after its last committed token; the K drafts are the block's rows 1 .. K."""
+        """DFlash / DSpark: write every row's context, then one forward over each drawing request's block ``[token,
+        mask, ...]`` at the positions after its last committed token; the K drafts are the block's rows 1 .. K
+        (DSpark's anchor layout: 0 .. K - 1, through its heads, which also set ``kept``)."""
         drafter, k = self.drafter, self.k
-        drafter.write_context(aux, batch.step(positions))
+        run = self.graphs or drafter
+        run.write_context(aux, batch.step(positions))
         if last is None:
             return None
         slot = batch.slot[batch.drawing]
-        width = k + 1
+        skip = drafter.first_draft_row  # 1: the bonus token's row drafts nothing; 0: DSpark's anchor row drafts
+        width = k + skip
         j = torch.arange(width, device=slot.device)
         tokens = torch.where(j == 0, token[:, None], drafter.mask_token_id).reshape(-1)
         start = positions[last] + 1
         step = RaggedStep((start[:, None] + j).reshape(-1), slot[:, None].expand(-1, width).reshape(-1),
                           batch.block_table, batch.chain_start * width, batch.chain_count * width)
-        rows = drafter.draft_block(tokens, step).view(slot.shape[0], width, -1)
-        logits = drafter.logits(rows[:, 1:])
-        params = self._params(slot, sampler, sampled, logits.device)
+        rows = run.draft_block(tokens, step, width).view(slot.shape[0], width, -1)[:, skip:]
+        params = self._params(slot, sampler, sampled, rows.device)
+        if hasattr(drafter, "heads"):  # DSpark's Markov head, DFlash2's selector: each draft follows the one before
+            drafts, _, confidence = drafter.heads(rows, token, lambda x, i: self._pick(x, i, slot, params, cut_k,
+                                                                                      cut_p))
+            self.kept = drafter.kept(confidence) if confidence is not None else None
+            return drafts
+        logits = drafter.logits(rows)
         return torch.stack([self._pick(logits[:, i], i, slot, params, cut_k, cut_p) for i in range(k)], 1)
 
     def _params(self, slot, sampler, sampled: bool, device):

@@ -424,7 +424,7 @@ def _edit(folder, change):
     (lambda c: c["dflash_config"].update(swa_window_size=8), "dflash_config.swa_window_size"),
     (lambda c: c["dflash_config"].update(causal=True), "dflash_config.causal"),
     (lambda c: c.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8), "layer_types"),
-    (lambda c: c.update(architectures=["DFlash2DraftModel"]), "DFlash2DraftModel"),
+    (lambda c: c.update(architectures=["DFlash2DraftModel"]), "DFlash2 drafter config conv_kernel_size must be"),
     (lambda c: c["dflash_config"].update(target_layer_ids=[0, 2, 5]), "DFlash drafter tap id 5 is out of range"),
     (lambda c: c["dflash_config"].update(target_layer_ids=[3, 0, 2]), "distinct and ascending"),
     (lambda c: c.update(num_target_layers=7), "trained on a 7-layer target"),

@@ -1,0 +1,102 @@
+"""Serving: a block drafter's (DFlash's) two parts captured as CUDA graphs, replayed whenever a step fits a bucket.
+
+Eager, a draft step of an 8B-shaped DFlash drafter launched about 600 kernels one by one: about 10 ms of host time
+for 3.6 ms of kernels on an H100. Captured, each part is one launch:
+
+- writing the step's context rows into the drafter's paged cache: one graph per token bucket (the stages' buckets,
+  so every step of the engine fits one);
+- the drawing requests' blocks: one graph per count of requests (powers of two up to the cache's slots), the last
+  layer's rows as output; the head and the picks stay eager (a few launches, and the sampling ones change per step).
+
+Steps are padded as the stages' are: a padding row has sequence slot -1, which writes no cache entry and reads none.
+The static inputs are one buffer per field at the largest bucket, each graph capturing a prefix of it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ppsplit.core.graphs import capture
+from ppsplit.core.ragged import RaggedStep
+from ppsplit.core.tensors import model_dtype
+
+log = logging.getLogger("ppsplit")
+
+
+def request_buckets(slots: int) -> list[int]:
+    """Powers of two below ``slots``, then ``slots``."""
+    out, d = [], 1
+    while d < slots:
+        out.append(d)
+        d *= 2
+    return out + [slots]
+
+
+class BlockGraphs:
+    """``drafter``'s ``write_context`` captured per token count in ``token_buckets`` and ``draft_block`` per count of
+    requests (``request_buckets``) of ``width`` rows each, over ``plan``'s aux layout and the drafter's cache of
+    ``layout``. ``capture_fn``: ``ppsplit.core.graphs.capture`` (tests pass an eager stand-in)."""
+
+    def __init__(self, drafter, width: int, plan, layout, token_buckets, *, capture_fn=capture):
+        dev = drafter.fc.weight.device
+        self.drafter, self.width = drafter, width
+        n, d = max(token_buckets), layout.slots
+        self.aux = torch.zeros(plan.n_slots, n, plan.hidden_size, dtype=model_dtype(plan), device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.seq = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.table = torch.zeros(layout.slots, layout.blocks_per_seq, dtype=torch.long, device=dev)
+        self.seq_start = torch.zeros(layout.slots, dtype=torch.long, device=dev)
+        self.seq_count = torch.zeros(layout.slots, dtype=torch.long, device=dev)
+        self.tokens = torch.zeros(d * width, dtype=torch.long, device=dev)
+        self.block_positions = torch.zeros(d * width, dtype=torch.long, device=dev)
+        self.block_seq = torch.full((d * width,), -1, dtype=torch.long, device=dev)
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
+        self.context = {t: capture_fn(lambda t=t: drafter.write_context(self.aux[:, :t], self._context_step(t)), dev,
+                                      pool=pool)[0] for t in sorted(token_buckets)}
+        self.blocks = {r: capture_fn(lambda r=r: drafter.draft_block(self.tokens[:r * width], self._block_step(r),
+                                                                     width), dev, pool=pool)
+                       for r in request_buckets(d)}
+        log.info("captured the block drafter for %d token buckets and %d request buckets in %.1fs",
+                 len(self.context), len(self.blocks), time.perf_counter() - start)
+
+    def _context_step(self, t: int) -> RaggedStep:
+        return RaggedStep(self.positions[:t], self.seq[:t], self.table, self.seq_start, self.seq_count)
+
+    def _block_step(self, r: int) -> RaggedStep:
+        rows = r * self.width
+        return RaggedStep(self.block_positions[:rows], self.block_seq[:rows], self.table, self.seq_start,
+                          self.seq_count)
+
+    def write_context(self, aux: torch.Tensor, step: RaggedStep) -> None:
+        """``drafter.write_context(aux, step)``, replayed when the step's token count is a bucket."""
+        t = aux.shape[1]
+        graph = self.context.get(t)
+        if graph is None:
+            return self.drafter.write_context(aux, step)
+        self.aux[:, :t].copy_(aux)
+        self.positions[:t].copy_(step.positions)
+        self.seq[:t].copy_(step.seq)
+        self.table.copy_(step.block_table)
+        graph.replay()
+
+    def draft_block(self, tokens: torch.Tensor, step: RaggedStep, width: int) -> torch.Tensor:
+        """``drafter.draft_block(tokens, step, width)`` for ``tokens [D * width]`` (``width`` the captured one),
+        replayed in the smallest request bucket that holds ``D`` (the padding rows write and read nothing)."""
+        rows = tokens.shape[0]
+        d = rows // self.width
+        bucket = next((r for r in self.blocks if r >= d), None)
+        if bucket is None:
+            return self.drafter.draft_block(tokens, step, width)
+        graph, out = self.blocks[bucket]
+        self.tokens[:rows].copy_(tokens)
+        self.block_positions[:rows].copy_(step.positions)
+        self.block_seq[:rows].copy_(step.seq)
+        self.block_seq[rows:bucket * self.width].fill_(-1)
+        self.table.copy_(step.block_table)
+        self.seq_start.copy_(step.seq_start)
+        self.seq_count.copy_(step.seq_count)
+        graph.replay()
+        return out[:rows]

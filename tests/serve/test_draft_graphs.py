@@ -1,0 +1,85 @@
+"""A block drafter's (DFlash's) captured parts: the static buffers, the padding of requests to a bucket and the
+fallbacks give the eager engine's tokens and acceptance; on the CPU through an eager stand-in for capture (each
+``replay`` reruns the captured function on the static buffers), on CUDA through real graphs (GPU only)."""
+import pytest
+import torch
+
+import ppsplit
+from ppsplit.serve.draft_graphs import BlockGraphs, request_buckets
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.sampling import SamplingParams
+from tests.eagle3.test_dflash import BLOCK, TAPS, small, zlab_drafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class EagerGraph:
+    """What ``capture`` returns, eager: ``replay`` reruns ``fn`` and writes its result into the first output."""
+
+    def __init__(self, fn):
+        self.fn, self.out, self.replays = fn, fn(), 0
+
+    def replay(self):
+        self.replays += 1
+        out = self.fn()
+        if out is not None:
+            self.out.copy_(out)
+
+
+def eager_capture(fn, device, pool=None):
+    graph = EagerGraph(fn)
+    return graph, graph.out
+
+
+def test_request_buckets():
+    assert request_buckets(1) == [1]
+    assert request_buckets(8) == [1, 2, 4, 8]
+    assert request_buckets(12) == [1, 2, 4, 8, 12]
+
+
+def run(split, drafter, prompts, graphs: bool, **params):
+    engine = Engine(split, drafter=drafter, num_draft_tokens=BLOCK - 1)
+    proposer = engine.runner.sampler.proposer
+    if graphs:
+        proposer.graphs = BlockGraphs(drafter, BLOCK, split.plan, split.layout, range(1, 65), capture_fn=eager_capture)
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=24, seed=i, **params) for i in range(len(prompts))])
+    return outs, proposer.graphs
+
+
+@pytest.mark.parametrize("params", [{}, {"temperature": 0.8}], ids=["greedy", "sampled"])
+def test_stand_in_replays_equal_the_eager_engine(tmp_path, params):
+    """Three requests (3 is padded to the 4-request bucket) through the static buffers: the same tokens and the
+    same acceptance per verify pass as the eager drafter, and every part went through a replay."""
+    _, graph = small()
+    zlab_drafter(tmp_path / "z", 32, seed=1, scale=0.5)
+    split = ppsplit.split_model(graph, 2, aux=TAPS)
+    drafter = ppsplit.load_drafter(str(tmp_path / "z"), split=split)
+    torch.manual_seed(3)
+    prompts = [torch.randint(3, 32, (n,)).tolist() for n in (7, 5, 9)]
+    eager, _ = run(split, drafter, prompts, False, **params)
+    graphed, graphs = run(split, drafter, prompts, True, **params)
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+    assert [o.accepted for o in graphed] == [o.accepted for o in eager]
+    assert sum(sum(o.accepted) for o in eager) > 0  # drafts were accepted, so the blocks' rows mattered
+    assert sum(g.replays for g in graphs.context.values()) > 0
+    assert graphs.blocks[4][0].replays > 0  # three drawing requests ran padded to four
+
+
+@pytest.mark.gpu
+def test_captured_drafter_equals_eager_on_cuda(tmp_path):
+    """bf16 on CUDA: the engine captures the drafter with the stages; its tokens and acceptance equal the eager
+    engine's (``enforce_eager``) for four greedy requests."""
+    model, _ = small()
+    model = model.to(device="cuda", dtype=torch.bfloat16)
+    zlab_drafter(tmp_path / "z", 32, seed=1, scale=0.5)
+    cache = ppsplit.CacheConfig(batch_size=8, max_len=64)
+    outs = {}
+    for eager in (True, False):
+        split = ppsplit.split_model(model, 2, aux=TAPS, cache=cache)
+        drafter = ppsplit.load_drafter(str(tmp_path / "z"), split=split)
+        engine = Engine(split, drafter=drafter, num_draft_tokens=BLOCK - 1, enforce_eager=eager)
+        assert (engine.runner.sampler.proposer.graphs is None) == eager
+        torch.manual_seed(3)
+        prompts = [torch.randint(3, 32, (7,)).tolist() for _ in range(4)]
+        outs[eager] = [(o.token_ids, o.accepted) for o in engine.generate(prompts, SamplingParams(max_tokens=24))]
+    assert outs[False] == outs[True]
