@@ -409,6 +409,14 @@ def test_compiled_dflash_refusals(compiled_dflash, tmp_path):
         with pytest.raises(ppsplit.PpsplitError, match=message) as e:
             ppsplit.load(str(copy))
         assert "\n" not in str(e.value)
+    # DFlash2 and DSpark drafters stay in one process: compile --drafter refuses them before the trace
+    from ppsplit.eagle3.formats import compile_taps
+
+    model, _ = small()
+    zlab_drafter(tmp_path / "two", 32)
+    _edit(tmp_path / "two", lambda c: c.update(architectures=["DFlash2DraftModel"]))
+    with pytest.raises(ConfigError, match="compile --drafter stores EAGLE-3 and DFlash drafters; this is a dflash2"):
+        compile_taps(str(tmp_path / "two"), model.config, None, None)
 
 
 # -- refusals: one line, before anything loads ----------------------------------------------------------------------
