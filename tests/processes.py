@@ -236,6 +236,24 @@ class AbortInFlight:
             self.seen = (self.slot, requests["new"].slot, self.in_pipe)
 
 
+class TryAdd:
+    """A ``serve`` script: at step 0, add request ``"big"`` (``prompt``, ``params``) and record the one-line error the
+    engine raises (or ``None``) in ``self.error``."""
+
+    def __init__(self, prompt, params):
+        self.prompt, self.params, self.error = prompt, params, "not tried"
+
+    def __call__(self, engine, step):
+        from ppsplit.core.errors import ConfigError
+
+        if step == 0:
+            try:
+                engine.add_request(self.prompt, self.params, request_id="big")
+                self.error = None
+            except ConfigError as e:
+                self.error = str(e)
+
+
 def tp_generate(rank, folder, prompts, max_tokens, k=0):
     """Every rank of a ``pp x tp`` world runs ``tensor_parallel.engine(folder)``; pipeline rank 0 generates greedily
     ``max_tokens`` tokens for ``prompts`` and returns ``(token_ids, accepted, drafts)`` per prompt; the other leaders

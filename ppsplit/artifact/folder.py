@@ -30,7 +30,7 @@ from ppsplit.core.plan import SplitPlan
 from ppsplit.core.quant import SCALE_DTYPES, WEIGHT_DTYPES, Quantization
 from ppsplit.core.shards import Shard
 from ppsplit.core.tensors import DTYPES, MODEL_DTYPES
-from ppsplit.core.drafter_config import DRAFTER_KEYS  # pure data: the drafter config a compiled folder stores
+from ppsplit.core.drafter_config import DFLASH_KEYS, DRAFTER_KEYS  # pure data: the drafter config a compiled folder stores
 
 PLAN = "plan.json"
 MANIFEST = "manifest.json"
@@ -319,7 +319,8 @@ class CompiledFolder:
             heads = cfg["num_attention_heads"]
             kv_heads, head_dim = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or \
                 cfg["hidden_size"] // max(1, heads)
-            pool = 2 * self.plan.num_blocks * self.plan.block_size * kv_heads * head_dim * \
+            layers = cfg.get("num_hidden_layers") or 1  # DFlash: a pool per draft layer
+            pool = 2 * layers * self.plan.num_blocks * self.plan.block_size * kv_heads * head_dim * \
                 DTYPES[self.plan.dtype].itemsize
             weights = os.path.getsize(regular_file(os.path.join(self.drafter, "drafter.safetensors")))
             out[-1] = dataclasses.replace(out[-1], drafter=weights + pool)
@@ -340,7 +341,7 @@ class CompiledFolder:
 
 # What the config of a drafter stored in a compiled folder may hold, by type (ppsplit writes it: save_drafter).
 _FOREIGN_DRAFTER_FILES = ("model.safetensors", "pytorch_model.bin")
-_STORED_CONFIG = {**DRAFTER_KEYS, "ppsplit_rope_scale": float, "ppsplit_taps": tuple[int, ...]}
+_STORED_CONFIG = {**DRAFTER_KEYS, **DFLASH_KEYS, "ppsplit_rope_scale": float, "ppsplit_taps": tuple[int, ...]}
 
 
 def check_drafter(path: str, plan) -> tuple[dict, dict]:

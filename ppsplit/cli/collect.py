@@ -24,9 +24,12 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from ppsplit.serve.requests import apply_cpu_threads
 
     job = prepare(args.folder, args.prompts, args.out, generate=args.generate, logits=args.logits,
-                  shard_size=args.shard_size)  # every refusal before a stage loads (the ranks check it again)
+                  shard_size=args.shard_size, layout=args.layout)  # every refusal before a stage loads (the ranks check it again)
     apply_cpu_threads(args)
     if not job.rows:
+        from ppsplit.eagle3.collect import finish
+
+        finish(job)  # an interrupted run may have left the last index unwritten
         print(f"{args.out} already holds all {job.skipped} sequences")
         return 0
     if args.ranks is not None:

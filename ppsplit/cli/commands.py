@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                    help="fuse sibling projections (q/k/v, gate/up) into one linear each when the stages are loaded "
                    "(the files keep the checkpoint's names); default: on CUDA devices")
-    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder or hub id: taps from its config, "
+    p.add_argument("--drafter", default=None, help="EAGLE-3 or DFlash drafter folder or hub id: taps from its config, "
                    "stored in DIR/drafter")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
                    help="numbering of the drafter's tap ids (default: its format's own; speculators: vllm, "

@@ -13,14 +13,14 @@ def add_parsers(sub) -> None:
     p.add_argument("folder", help="a folder written by ppsplit compile")
     add_request_arguments(p)
     add_runtime_arguments(p)
-    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder (default: the one compiled into DIR)")
+    p.add_argument("--drafter", default=None, help="EAGLE-3 or DFlash drafter folder (default: the one compiled into DIR)")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
                    help="numbering of the drafter's tap ids (default: its format's own)")
     p.add_argument("--confidence-threshold", type=float, default=None,
                    help="DSpark drafters: verify only the leading drafts whose predicted survival reaches this "
                         "(0 to 1; default 0: all)")
 
-    p = sub.add_parser("save-drafter", help="write the EAGLE-3 drafter of a compiled folder as a checkpoint vLLM "
+    p = sub.add_parser("save-drafter", help="write the drafter (EAGLE-3 or DFlash) of a compiled folder as a checkpoint vLLM "
                                             "(speculators format) or SGLang (SpecForge format) loads")
     p.add_argument("folder", help="a folder compiled with --drafter")
     p.add_argument("--format", choices=("speculators", "specforge"), default="speculators",

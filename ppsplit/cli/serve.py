@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
                    "interface)")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the log line says which)")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
-                   help="EAGLE-3 speculative decoding with K drafts per verify pass (the folder's drafter)")
+                   help="speculative decoding with K drafts per verify pass (the folder's drafter: EAGLE-3 or DFlash)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in flight (default: the cache's slots)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step")
     p.add_argument("--max-queue", type=int, default=256,

@@ -221,6 +221,13 @@ _DFLASH_VALUES = {"target_layer_ids", "block_size", "mask_token_id", "input_embe
 # dflash_config keys vLLM reads that must keep their plain-DFlash value (anything else is a variant ppsplit refuses).
 _DFLASH_FIXED = {"causal": False, "use_swa": False, "attention_sink_bias": False, "use_aux_hidden_state": True}
 _DFLASH_TOP = {"dflash_config", "num_target_layers", "is_causal", "is_neox_style", *_DFLASH_VALUES}
+# What a compiled folder's DFlash drafter config holds beside the flat layer keys (``DRAFTER_KEYS``), by type.
+DFLASH_KEYS = {"num_hidden_layers": int, "block_size": int, "mask_token_id": int, "input_embedding_scale": float,
+               "output_multiplier": float, "final_logit_softcapping": float, "num_target_layers": int,
+               "ppsplit_family": str}
+_DFLASH_STORED_NEEDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                        "rms_norm_eps", "hidden_act", "attention_bias", "target_hidden_size", "draft_vocab_size",
+                        "vocab_size", *[k for k in DFLASH_KEYS if k not in ("num_target_layers", "ppsplit_family")])
 _DFLASH_SPECULATORS_TOP = {"speculators_model_type", "speculators_config", "speculators_version",
                            "transformer_layer_config", "draft_vocab_size", "block_size", "target_hidden_size",
                            "aux_hidden_state_layer_ids", "mask_token_id", "sliding_window_non_causal",
@@ -242,6 +249,7 @@ def is_dflash(cfg: dict) -> bool:
     """Whether a drafter config is a DFlash-family one (z-lab's ``dflash_config`` or architecture, speculators'
     ``dflash`` and ``dspark``, DeepSpec's DSpark architectures, which are refused)."""
     return bool("dflash_config" in cfg or cfg.get("speculators_model_type") in ("dflash", "dspark", "dflash2")
+            or cfg.get("ppsplit_family") == "dflash"
             or {"DFlashDraftModel", "DFlash2DraftModel", *_DEEPSPEC_DSPARK} & set(cfg.get("architectures") or ()))
 
 
@@ -250,6 +258,8 @@ def dflash_drafter_config(cfg: dict) -> tuple[dict, dict, list | None, str]:
     listed as inert, or refused naming it."""
     if cfg.get("speculators_model_type") in ("dflash", "dspark", "dflash2"):
         return _dflash_speculators(cfg)
+    if "ppsplit_taps" in cfg:
+        return _dflash_stored(cfg)
     deepspec = _DEEPSPEC_DSPARK & set(cfg.get("architectures") or ())
     if deepspec:
         raise ConfigError(f"drafter architecture {sorted(deepspec)[0]} is DeepSpec's own DSpark folder, which ppsplit "
@@ -331,6 +341,22 @@ def _dflash_speculators(cfg: dict) -> tuple[dict, dict, list | None, str]:
         raise ConfigError("the speculators dflash config has no aux_hidden_state_layer_ids; it cannot say which taps "
                           "it reads")
     return _dflash_checked(out), rope, ids, "vllm"
+
+
+def _dflash_stored(cfg: dict) -> tuple[dict, dict, list | None, str]:
+    """What ``ppsplit compile --drafter`` wrote into a folder: the flat config, taps resolved (ppsplit numbering)."""
+    _refuse_unknown(cfg, {*_PPSPLIT_TOP, *DFLASH_KEYS}, "")
+    missing = [k for k in _DFLASH_STORED_NEEDS if k not in cfg]
+    if missing:
+        raise ConfigError(f"the stored DFlash drafter config lacks {', '.join(missing)}; compile the folder again "
+                          "with ppsplit compile --drafter")
+    out = {k: v for k, v in cfg.items() if k not in ("rope", "ppsplit_taps", "ppsplit_family")}
+    if out.get("sliding_window"):
+        raise ConfigError(f"the stored DFlash drafter config has sliding_window = {out['sliding_window']}; DFlash "
+                          "drafters run with full attention only: compile the folder again")
+    out.update(num_target_layers=out.get("num_target_layers"), sliding_window=0, family="dflash",
+               sample_from_anchor=False)
+    return _dflash_checked(out), dict(cfg.get("rope") or {}), list(cfg["ppsplit_taps"]), "vllm"
 
 
 def _dflash2_fields(value, out: dict) -> dict:

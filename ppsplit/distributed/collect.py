@@ -30,11 +30,11 @@ from ppsplit.core.ragged import CacheLayout, RaggedStep
 from ppsplit.core.tensors import model_dtype, new_aux
 from ppsplit.distributed.launch import add_collect_arguments
 from ppsplit.distributed.transport import Links, agree, backend_for
-from ppsplit.eagle3.collect import HeadInput, Job, Report, prepare, sample_tensors, write_sample
+from ppsplit.eagle3.collect import HeadInput, Job, Report, finish, prepare, sample_tensors, write_sample
 
 
 def collect_ranks(folder: str, prompts: str, out: str, *, generate: int = 0, logits: bool = False,
-                  shard_size: int = 5000) -> Report | None:
+                  shard_size: int = 5000, layout: str = "eagle3") -> Report | None:
     """This rank's part (a collective call, every rank with the same arguments); the last rank returns the
     ``Report``, the others ``None``."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -42,7 +42,8 @@ def collect_ranks(folder: str, prompts: str, out: str, *, generate: int = 0, log
     box: list = [None]
     if last:
         try:
-            box[0] = prepare(folder, prompts, out, generate=generate, logits=logits, shard_size=shard_size)
+            box[0] = prepare(folder, prompts, out, generate=generate, logits=logits, shard_size=shard_size,
+                             layout=layout)
         except PpsplitError as e:
             box[0] = str(e)
     dist.broadcast_object_list(box, src=world - 1)  # the job, or the reason there is none (the same on every rank)
@@ -61,7 +62,10 @@ def collect_ranks(folder: str, prompts: str, out: str, *, generate: int = 0, log
         header["error"] = str(e)
     agree(header)
     rows = _answered(stage, opened, job, device) if job.record.generate else job.rows
-    return _Pipe(stage, opened.plan, device).run(rows, job, rank)
+    report = _Pipe(stage, opened.plan, device).run(rows, job, rank)
+    if report is not None:
+        finish(job)
+    return report
 
 
 def _answered(stage, opened: CompiledFolder, job: Job, device):
@@ -129,9 +133,9 @@ class _Pipe:
                                 "send to", receive=False)
             return
         hidden = self.stage.hidden.reshape(t, -1)
-        write_sample(job.out, index, job.record.shard_size,
+        write_sample(job.out, index, job.record,
                      sample_tensors(ids.tolist(), mask.tolist(), hidden, aux.reshape(aux.shape[0], t, -1),
-                                    y.reshape(t, -1) if job.record.logits else None))
+                                    y.reshape(t, -1) if job.record.logits else None, job.record.layout))
         report.written += 1
         report.tokens += t
 
@@ -166,7 +170,7 @@ def rank_main(argv: list[str] | None = None) -> None:
         backend = init(backend_for(args.device), timeout=args.timeout)
         start = time.perf_counter()
         report = collect_ranks(args.folder, args.prompts, args.out, generate=args.generate, logits=args.logits,
-                               shard_size=args.shard_size)
+                               shard_size=args.shard_size, layout=args.layout)
         if report is not None:
             print(f"wrote {report.written} sequences ({report.tokens} tokens) to {args.out} in "
                   f"{time.perf_counter() - start:.1f}s ({dist.get_world_size()} stages, {backend})"

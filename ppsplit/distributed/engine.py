@@ -29,7 +29,8 @@ micro-step is in flight (an abort) and given to a new request is written by the 
 is done with it; a result whose slot generation no longer matches its request is dropped.
 
 Before any tensor moves the ranks exchange a header (plan fingerprint, world size, dtype, cache layout, ``K``,
-token budget, buckets); a mismatch raises the same ``ConfigError`` on every rank. A rank that dies or stalls makes
+token budget, buckets; the last rank adds its drafter's lookahead, the positions past a verify window rank 0's
+scheduler reserves: ``K``, or ``K + 1`` for a DFlash block); a mismatch raises the same ``ConfigError`` on every rank. A rank that dies or stalls makes
 the others fail with a ``PipelineError`` naming it, within ``init(timeout=...)``.
 
 Example (``torchrun --nproc-per-node 2 script.py``)::
@@ -141,18 +142,20 @@ class PipelineEngine:
                 from ppsplit.serve.speculative import Proposer, check_speculation
 
                 drafter = drafter or self._folder_drafter(folder)
-                if getattr(drafter, "family", None) in ("dflash", "dspark", "dflash2"):  # rank 0 reserves too little
+                if getattr(drafter, "family", None) in ("dspark", "dflash2"):  # not run across ranks yet
                     raise ConfigError(f"a {drafter.family} drafter runs in one process (ppsplit.Engine over a "
-                                      "split) for now, not across ranks; use an EAGLE-3 drafter with "
+                                      "split) for now, not across ranks; use an EAGLE-3 or DFlash drafter with "
                                       "ppsplit.distributed")
                 check_speculation(plan, self.k, drafter)
                 proposer = Proposer(drafter, self.k, self.layout)
+                header["lookahead"] = proposer.lookahead  # rank 0's scheduler reserves it (a DFlash block: K + 1)
             self.sampler = Sampler(self.layout.slots, self.device, proposer,
                                    max_len=self.layout.max_len) if self.last else None
         except PpsplitError as e:
             header["error"] = str(e)
 
-        agree(header, group)
+        headers = agree(header, group)
+        self.lookahead = headers[-1].get("lookahead", self.k)
         self.dtype, self.eos = model_dtype(plan), eos
         self.received = plan.filled(self.rank - 1) if self.rank else 0
         self.sends = plan.filled(self.rank)
@@ -192,7 +195,7 @@ class PipelineEngine:
 
     def _folder_drafter(self, folder):
         if folder is None or folder.drafter is None:
-            raise ConfigError("speculative decoding needs an EAGLE-3 drafter on the last rank: compile the folder "
+            raise ConfigError("speculative decoding needs a drafter on the last rank: compile the folder "
                               "with --drafter, or pass PipelineEngine(..., drafter=ppsplit.load_drafter(...)) there")
         from ppsplit.eagle3.formats import load_folder_drafter
 
@@ -223,7 +226,7 @@ class PipelineEngine:
         a scheduler of its own. What they write (slot 0's first blocks) is overwritten by any request before it is
         read."""
         for params in (SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, top_k=4)):
-            sched = Scheduler(self.layout, vocab=1, k=self.k, budget=max(self.k + 1, 1))
+            sched = Scheduler(self.layout, vocab=1, k=self.k, budget=max(self.k + 1, 1), lookahead=self.lookahead)
             sched.add([0], params)
             while sched.has_unfinished() and (plan := sched.schedule()) is not None:
                 batch = plan.batch.to(self.device)

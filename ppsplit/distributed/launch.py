@@ -141,6 +141,9 @@ def add_collect_arguments(p: argparse.ArgumentParser) -> None:
                    "response, greedily, N new tokens at most (needs a folder with a KV cache)")
     p.add_argument("--logits", action="store_true", help="also write the target's logits [1, T, V] per sequence")
     p.add_argument("--shard-size", type=int, default=5000, help="rows per rows_<a>-<b> subfolder")
+    p.add_argument("--layout", choices=("eagle3", "dflash", "speculators"), default="eagle3", help="eagle3: "
+                   "SpecForge's offline EAGLE-3 files (taps, final hidden state); dflash: its DFlash-family files "
+                   "(hidden_states: the taps); speculators: speculators' offline data (needs tap L)")
     p.add_argument("--timeout", type=float, default=300.0, help="one rank per stage: seconds a rank waits for a peer")
     p.add_argument("--device", default="auto", help="auto: CUDA when the machine has a GPU (one per rank with "
                    "--ranks), else the CPU; cpu; cuda; or (one process) a list cuda:0,cuda:1 (default: %(default)s)")
@@ -151,7 +154,8 @@ def add_collect_arguments(p: argparse.ArgumentParser) -> None:
 def collect_argv(args) -> list[str]:
     """The command line of one collect rank for ``args`` (every option passed on as given)."""
     return [args.folder, "--prompts", args.prompts, "-o", args.out, "--generate", str(args.generate),
-            "--shard-size", str(args.shard_size), "--timeout", str(args.timeout), "--device", args.device] + \
+            "--shard-size", str(args.shard_size), "--layout", args.layout, "--timeout", str(args.timeout),
+            "--device", args.device] + \
         (["--logits"] if args.logits else [])
 
 

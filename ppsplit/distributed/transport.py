@@ -61,7 +61,7 @@ def agree(header: dict, group=None) -> list[dict]:
     rank if they disagree.
 
     A header may carry ``"error"`` (the rank could not load its stage): then every rank raises it. Keys
-    ``stage`` and ``rank`` may differ.
+    ``stage``, ``rank`` and ``lookahead`` (the last rank's drafter tells rank 0) may differ.
     """
     headers: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(headers, header, group=group)
@@ -71,7 +71,7 @@ def agree(header: dict, group=None) -> list[dict]:
     ref = headers[0]
     for r, h in enumerate(headers[1:], 1):
         diff = [f"{key} {h.get(key)!r} (rank 0: {ref.get(key)!r})" for key in sorted(set(ref) | set(h))
-                if key not in ("stage", "rank") and h.get(key) != ref.get(key)]
+                if key not in ("stage", "rank", "lookahead") and h.get(key) != ref.get(key)]
         if diff:
             raise ConfigError(f"rank {r} disagrees with rank 0 on {', '.join(diff)}: every rank must load the same "
                               "compiled folder with the same options")

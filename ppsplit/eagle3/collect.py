@@ -1,4 +1,4 @@
-"""EAGLE-3 training data from a compiled pipeline (``ppsplit collect``): every sequence of a JSONL file goes through
+"""Drafter training data from a compiled pipeline (``ppsplit collect``): every sequence of a JSONL file goes through
 the stages once and is written in the layout SpecForge's offline training reads (its ``OfflineEagle3Dataset`` /
 ``build_offline_eagle3_dataset``; SpecForge's ``scripts/prepare_hidden_states.py`` writes the same)::
 
@@ -9,6 +9,22 @@ the stages once and is written in the layout SpecForge's offline training reads 
         hidden_state      [1, T, H]            the target's last hidden state after the final norm (lm_head's input)
         aux_hidden_state  [1, T, n_taps * H]   the taps, ascending; tap j = HF hidden_states[j] (SpecForge's id j - 1)
         logits            [1, T, V]            only with ``logits=True``
+
+``layout="dflash"`` writes the files SpecForge's DFlash-family offline training reads (``algorithms.common.
+dflash_family_data``: ``normalize_offline_sample``): ``input_ids``, ``loss_mask`` and ``hidden_states [1, T, n_taps
+* H]``, the taps ascending (any number; a DFlash drafter's ``target_layer_ids`` ``i`` is tap ``i + 1``), no final
+hidden state.
+
+``layout="speculators"`` writes what speculators' offline training reads (``speculators.train.data.ArrowDataset``
+with its ``file`` hidden-states transfer, the layout its ``generate_offline_data`` writes from vLLM)::
+
+    OUT/hidden_states/hs_<i>.safetensors   token_ids int64 [T], hidden_states [T, n_taps, H] (taps ascending; the
+                                           last is tap L, the last layer's output before the final norm, which
+                                           speculators reads as the verifier's last hidden state), loss_mask [T]
+    OUT/data-*.arrow, state.json, ...      a ``datasets`` folder of input_ids, loss_mask, seq_len per row (torch
+                                           format), written once every row is there
+
+The folder must carry tap L (compile with ``--aux`` listing the drafter's taps and L).
 
 Rows (one JSON object per line): ``{"prompt": str, "response": str}`` (one user turn and the assistant's reply under
 the folder's chat template; without ``response`` the target answers greedily, ``generate`` new tokens at most),
@@ -35,6 +51,8 @@ from ppsplit.core.fx_utils import fresh_copy, stage_vocab
 log = logging.getLogger("ppsplit")
 RECORD = "collect.json"
 SHARD_SIZE = 5000  # rows per shard folder, as SpecForge's own writer groups them
+LAYOUTS = ("eagle3", "dflash", "speculators")  # SpecForge's EAGLE-3 files; its DFlash-family files; speculators'
+HIDDEN_STATES = "hidden_states"  # speculators' subfolder
 _ROW_KEYS = ({"prompt"}, {"prompt", "response"}, {"text"}, {"input_ids"}, {"input_ids", "loss_mask"})
 # The ops an lm_head runs as (traced; ppsplit's GEMV on a GPU; an FP8 head): the final hidden state is their input.
 _HEAD_OPS = ("aten::linear", "aten::matmul", "aten::mm", "ppsplit::linear", "ppsplit::fp8_linear")
@@ -64,6 +82,7 @@ class Record:
     generate: int
     logits: bool
     shard_size: int
+    layout: str = "eagle3"
 
 
 def read_rows(path: str, tokenizer_folder: str | None = None) -> list[Row]:
@@ -158,7 +177,8 @@ def check_rows(rows: list[Row], plan, generate: int) -> None:
 
 # -- the output folder --------------------------------------------------------------------------------------------
 
-def record_of(folder, rows_path: str, rows: int, generate: int, logits: bool, shard_size: int) -> Record:
+def record_of(folder, rows_path: str, rows: int, generate: int, logits: bool, shard_size: int,
+              layout: str = "eagle3") -> Record:
     from ppsplit.core.options import TAP_NUMBERINGS
 
     plan = folder.plan
@@ -167,7 +187,7 @@ def record_of(folder, rows_path: str, rows: int, generate: int, logits: bool, sh
     return Record(plan=folder.fingerprint, taps=tuple(plan.taps),
                   specforge_layer_ids=tuple(j - TAP_NUMBERINGS["specforge"] for j in plan.taps),
                   hidden_size=plan.hidden_size, dtype=plan.dtype, prompts_sha256=digest, rows=rows,
-                  generate=generate, logits=logits, shard_size=shard_size)
+                  generate=generate, logits=logits, shard_size=shard_size, layout=layout)
 
 
 def open_output(out: str, record: Record) -> set[int]:
@@ -182,6 +202,7 @@ def open_output(out: str, record: Record) -> set[int]:
             raise ConfigError(f"{path} is not the record collect writes (a JSON object); pass another -o, or remove "
                               f"{out} to start again") from None
         ours = json.loads(json.dumps(dataclasses.asdict(record)))
+        old.setdefault("layout", "eagle3")  # written before there was a choice
         diff = [k for k in sorted(set(old) | set(ours)) if old.get(k) != ours.get(k)]
         if diff:
             raise ConfigError(f"{out} was collected with another {', '.join(diff)} ({RECORD}); pass another -o, or "
@@ -192,29 +213,61 @@ def open_output(out: str, record: Record) -> set[int]:
         os.makedirs(out, exist_ok=True)
         _publish(path, lambda tmp: _write_json(tmp, dataclasses.asdict(record)))
     _remove_stale(out)
-    return {i for i in range(record.rows) if os.path.isfile(sample_path(out, i, record.shard_size))}
+    return {i for i in range(record.rows) if os.path.isfile(sample_path(out, i, record.shard_size, record.layout))}
 
 
 def _remove_stale(out: str) -> None:
     """A killed run's temporary files (one collect writes into OUT at a time)."""
     for shard in os.listdir(out):
-        if shard.startswith("rows_") and os.path.isdir(os.path.join(out, shard)):
+        if (shard.startswith("rows_") or shard == HIDDEN_STATES) and os.path.isdir(os.path.join(out, shard)):
             for name in os.listdir(os.path.join(out, shard)):
-                if ".ckpt.tmp-" in name:
+                if ".ckpt.tmp-" in name or ".safetensors.tmp-" in name:
                     os.remove(os.path.join(out, shard, name))
 
 
-def sample_path(out: str, index: int, shard_size: int) -> str:
+def sample_path(out: str, index: int, shard_size: int, layout: str = "eagle3") -> str:
+    if layout == "speculators":
+        return os.path.join(out, HIDDEN_STATES, f"hs_{index}.safetensors")
     start = index // shard_size * shard_size
     return os.path.join(out, f"rows_{start}-{start + shard_size}", f"data_{index}.ckpt")
 
 
-def write_sample(out: str, index: int, shard_size: int, tensors: dict[str, torch.Tensor]) -> None:
-    """One row's file, whole or not at all (SpecForge lists only names ending ``.ckpt``)."""
-    path = sample_path(out, index, shard_size)
+def write_sample(out: str, index: int, record: Record, tensors: dict[str, torch.Tensor]) -> None:
+    """One row's file, whole or not at all (SpecForge lists only names ending ``.ckpt``, speculators reads
+    ``hs_<i>.safetensors``)."""
+    path = sample_path(out, index, record.shard_size, record.layout)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    # clone: torch.save writes a view's whole storage
-    _publish(path, lambda tmp: torch.save({k: v.detach().cpu().clone() for k, v in tensors.items()}, tmp))
+    # clone / contiguous: torch.save writes a view's whole storage, safetensors wants contiguous tensors
+    if record.layout == "speculators":
+        from safetensors.torch import save_file
+
+        _publish(path, lambda tmp: save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp))
+    else:
+        _publish(path, lambda tmp: torch.save({k: v.detach().cpu().clone() for k, v in tensors.items()}, tmp))
+
+
+def finish(job: "Job") -> None:
+    """speculators' layout: once every row's file is there, the ``datasets`` folder its trainer indexes them by."""
+    record = job.record
+    if record.layout != "speculators":
+        return
+    from safetensors import safe_open
+
+    columns: dict = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    for i in range(record.rows):
+        path = sample_path(job.out, i, record.shard_size, record.layout)
+        if not os.path.isfile(path):
+            return  # an interrupted run: the next one writes the index
+        with safe_open(path, framework="pt") as f:
+            ids, mask = f.get_tensor("token_ids"), f.get_tensor("loss_mask")
+        columns["input_ids"].append(ids.tolist())
+        columns["loss_mask"].append(mask.tolist())
+        columns["seq_len"].append(len(ids))
+    import datasets
+
+    index = datasets.Dataset.from_dict(columns)
+    index.set_format(type="torch")  # as speculators' preprocessing leaves it: its dataset compares tensors
+    index.save_to_disk(job.out)
 
 
 def _publish(path: str, write) -> None:
@@ -233,12 +286,18 @@ def _write_json(path: str, data) -> None:
 
 
 def sample_tensors(row_ids: list[int], mask: list[int], hidden: torch.Tensor, aux: torch.Tensor,
-                   logits: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                   logits: torch.Tensor | None, layout: str = "eagle3") -> dict[str, torch.Tensor]:
     """The file of one sequence of ``T`` tokens from the last stage's ``hidden [T, H]``, ``aux [n_slots, T, H]``
-    and ``logits [T, V]``."""
+    and ``logits [T, V]``, in ``layout`` (``LAYOUTS``)."""
     n, t, h = aux.shape
-    out = {"input_ids": torch.tensor(row_ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long),
-           "hidden_state": hidden.reshape(1, t, -1), "aux_hidden_state": aux.permute(1, 0, 2).reshape(1, t, n * h)}
+    out = {"input_ids": torch.tensor(row_ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
+    taps = aux.permute(1, 0, 2).reshape(1, t, n * h)
+    if layout == "dflash":
+        out["hidden_states"] = taps
+    elif layout == "speculators":
+        out = {"token_ids": out["input_ids"], "hidden_states": aux.permute(1, 0, 2), "loss_mask": out["loss_mask"]}
+    else:
+        out.update(hidden_state=hidden.reshape(1, t, -1), aux_hidden_state=taps)
     if logits is not None:
         out["logits"] = logits.reshape(1, t, -1)
     return out
@@ -309,7 +368,7 @@ class Report:
 
 
 def prepare(folder: str, prompts: str, out: str, *, generate: int = 0, logits: bool = False,
-            shard_size: int = SHARD_SIZE) -> Job:
+            shard_size: int = SHARD_SIZE, layout: str = "eagle3") -> Job:
     """Everything that can be refused, before a stage loads: the folder's plan, the rows, ``out`` (created, or resumed
     when it holds the same collection). The rows already in ``out`` are left out of the job."""
     from ppsplit.artifact.folder import CompiledFolder
@@ -320,9 +379,16 @@ def prepare(folder: str, prompts: str, out: str, *, generate: int = 0, logits: b
                           f"compile the model without --tp for collecting")
     if shard_size < 1:
         raise ConfigError(f"--shard-size must be at least 1, but got {shard_size}")
+    if layout not in LAYOUTS:
+        raise ConfigError(f"--layout must be one of {', '.join(LAYOUTS)}, but got {layout!r}")
+    plan = opened.plan
+    if layout == "speculators" and plan.num_layers not in plan.taps:
+        raise ConfigError(f"--layout speculators stores the last layer's output (tap {plan.num_layers}) beside the "
+                          f"taps, and {folder} carries {list(plan.taps)}: compile it with --aux "
+                          f"{','.join(map(str, [*plan.taps, plan.num_layers]))}")
     rows = read_rows(prompts, folder)
     check_rows(rows, opened.plan, generate)
-    record = record_of(opened, prompts, len(rows), generate, logits, shard_size)
+    record = record_of(opened, prompts, len(rows), generate, logits, shard_size, layout)
     done = open_output(out, record)
     return Job(out, record, [r for r in rows if r.index not in done], len(done))
 
@@ -350,18 +416,19 @@ def run(job: Job, split) -> Report:
             log.info("collect: the target answers rows %d to %d (%d new tokens at most)", rows[0].index,
                      rows[-1].index, job.record.generate)
         for row in answered(split, rows, job.record.generate):
-            write_sample(job.out, row.index, job.record.shard_size, forward(split, row, job.record.logits))
+            write_sample(job.out, row.index, job.record, forward(split, row, job.record.logits, job.record.layout))
             report.written += 1
             report.tokens += len(row.ids)
             if time.perf_counter() - last_log > 10:
                 last_log = time.perf_counter()
                 log.info("collect: %d of %d rows written (%d were already in %s), %.2f rows/s", report.written,
                          len(job.rows), job.skipped, job.out, report.written / (last_log - start))
+    finish(job)
     report.seconds = time.perf_counter() - start
     return report
 
 
-def forward(split, row: Row, logits: bool) -> dict[str, torch.Tensor]:
+def forward(split, row: Row, logits: bool, layout: str = "eagle3") -> dict[str, torch.Tensor]:
     """One row through every stage, the last one keeping its final hidden state: the row's file."""
     last = split.stages[-1]
     split.stages[-1] = head = HeadInput(last)
@@ -376,7 +443,7 @@ def forward(split, row: Row, logits: bool) -> dict[str, torch.Tensor]:
         raise ConfigError(f"the last stage's head reads a tensor of width {hidden.shape[-1]}, not the hidden state's "
                           f"{split.plan.hidden_size}; collect cannot find the final hidden state of this model")
     return sample_tensors(list(row.ids), list(row.mask), hidden, aux.reshape(aux.shape[0], t, -1),
-                          y.reshape(t, -1) if logits else None)
+                          y.reshape(t, -1) if logits else None, layout)
 
 
 def answered(split, rows: list[Row], generate: int) -> list[Row]:

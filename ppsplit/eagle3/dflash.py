@@ -153,7 +153,7 @@ class DFlashDrafter(nn.Module):
         """The family's own top-level keys of speculators' layout (DSpark's heads)."""
         return {}
 
-    def save(self, folder: str, verifier: str | None = None) -> str:
+    def save(self, folder: str, format: str = "speculators", verifier: str | None = None) -> str:
         """Write the drafter in speculators' ``dflash`` (or ``dspark``) layout (what vLLM loads): ``config.json`` as speculators'
         ``save_pretrained`` writes it, tap ids in vLLM's numbering (ppsplit's), ``model.safetensors`` without the
         target's embedding and head. ``verifier``: the target's hub id or folder, recorded in the config."""
@@ -161,6 +161,10 @@ class DFlashDrafter(nn.Module):
         import os
 
         from safetensors.torch import save_file
+
+        if format != "speculators":
+            raise ConfigError(f"a DFlash drafter is written in speculators' dflash layout (format speculators), not "
+                              f"{format!r}; SGLang's SpecForge format holds EAGLE-3 drafters only")
 
         plain_values = (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", 0.0))
         for key, plain in plain_values:
@@ -330,6 +334,14 @@ def output_head(split) -> torch.Tensor:
     """The target's output projection weight ``[V, H]`` on the last stage: the ``aten.linear`` the logits come
     from (through views only). A drafter that borrows it must see plain ``lm_head(x)`` logits."""
     stage = split.stages[-1]
+    name = output_head_name(split)
+    weight = dict(stage.named_parameters()).get(name)
+    return (weight if weight is not None else stage.get_buffer(name)).detach()
+
+
+def output_head_name(split) -> str:
+    """The FQN of the target's output projection weight (see ``output_head``)."""
+    stage = split.stages[-1]
     out = next(n for n in stage.graph.nodes if n.op == "output").args[0]
     node = out[0] if isinstance(out, (tuple, list)) else out
     while node.op == "call_function" and any(v in str(node.target) for v in _VIEWS):
@@ -338,9 +350,7 @@ def output_head(split) -> torch.Tensor:
             or getattr(node.args[1], "op", None) != "get_attr" or (len(node.args) > 2 and node.args[2] is not None):
         raise ConfigError(f"the target's logits are not a plain lm_head projection (they come from {node.target}); a "
                           "DFlash drafter without its own lm_head reads the target's, so this target is not supported")
-    name = node.args[1].target
-    weight = dict(stage.named_parameters()).get(name)
-    return (weight if weight is not None else stage.get_buffer(name)).detach()
+    return node.args[1].target
 
 
 def build_dflash(cfg: dict, tensors: dict, plan, embed: torch.Tensor, head: torch.Tensor,

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from ppsplit.core.drafter_config import (DRAFTER_KEYS, FORMAT_NUMBERING, aux_ids, detect_format, dflash_drafter_config,
+from ppsplit.core.drafter_config import (DFLASH_KEYS, DRAFTER_KEYS, FORMAT_NUMBERING, aux_ids, detect_format, dflash_drafter_config,
                                          drafter_config, is_dflash)
 from ppsplit.eagle3.drafter import Eagle3Drafter
 from ppsplit.eagle3.mtp import is_mtp_target
@@ -282,19 +282,26 @@ def draft_map(cfg: dict, tensors: dict, vocab: int) -> torch.Tensor:
     return d2t
 
 
-def save_drafter(drafter: Eagle3Drafter, folder: str) -> None:
-    """Write ``drafter`` as ``folder/config.json`` + ``folder/drafter.safetensors``: resolved taps, the rotary
-    frequencies and its embedding table, so loading it needs neither transformers nor the target's stage 0."""
+def save_drafter(drafter, folder: str) -> None:
+    """Write ``drafter`` (EAGLE-3 or DFlash) as ``folder/config.json`` + ``folder/drafter.safetensors``: resolved
+    taps, the rotary frequencies and its embedding table (a DFlash drafter: the target's output head too), so loading
+    it needs neither transformers nor the target's stage 0."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
-    cfg = {k: drafter.cfg[k] for k in (*DRAFTER_KEYS, "rope") if k in drafter.cfg}
+    dflash = getattr(drafter, "family", None) == "dflash"
+    keys = (*DRAFTER_KEYS, *DFLASH_KEYS, "rope") if dflash else (*DRAFTER_KEYS, "rope")
+    cfg = {k: drafter.cfg[k] for k in keys if drafter.cfg.get(k) is not None}
     cfg.update(ppsplit_taps=list(drafter.taps), ppsplit_rope_scale=drafter.rope_scale)
+    if dflash:
+        cfg["ppsplit_family"] = "dflash"
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     tensors["embed_tokens.weight"] = drafter.embed_tokens.detach().contiguous().cpu()
     tensors["rotary.inv_freq"] = drafter.inv_freq.detach().cpu()
+    if dflash:
+        tensors["head.weight"] = drafter.head.detach().contiguous().cpu()
     save_file(tensors, os.path.join(folder, "drafter.safetensors"), metadata={"format": "pt"})
 
 
@@ -304,9 +311,11 @@ def compile_taps(drafter: str, config, aux, aux_convention: str) -> tuple[int, .
     if aux is not None:
         raise ConfigError("pass either --aux or --drafter: with a drafter the taps come from its config")
     cfg, _ = read_drafter(resolve_drafter(drafter))
-    if is_dflash(cfg):
-        raise ConfigError("ppsplit compile --drafter stores EAGLE-3 drafters only; compile with the DFlash drafter's "
-                          "taps (--aux) and load it with ppsplit.load_drafter(folder, split=split)")
+    family = cfg.get("speculators_model_type")
+    if family in ("dspark", "dflash2") or "DFlash2DraftModel" in (cfg.get("architectures") or ()):
+        raise ConfigError(f"ppsplit compile --drafter stores EAGLE-3 and DFlash drafters; this is a "
+                          f"{family or 'dflash2'} drafter: compile with its taps (--aux) and load it with "
+                          "ppsplit.load_drafter(DRAFTER, split=split)")
     return drafter_taps(cfg, config.num_hidden_layers, aux_convention)
 
 
@@ -314,20 +323,33 @@ def write_compiled_drafter(folder: str, drafter: str, split, checkpoint, tied: d
     """Store the drafter, its embedding copy included, in ``folder/drafter`` beside the last stage's artifact.
     ``split`` is the compile's skeleton (weights on meta): the embedding is read from the target's checkpoint."""
     cfg, tensors = read_drafter(resolve_drafter(drafter))
+    read = lambda name: checkpoint.read_one(next((n for n in tied.get(name, ()) if n in checkpoint), name))  # noqa: E731
     embed = tensors.get("embed_tokens.weight")
     if embed is None:
-        name = embedding_name(split)
-        embed = checkpoint.read_one(next((n for n in tied.get(name, ()) if n in checkpoint), name))
-    built = build_drafter(cfg, tensors, split.plan, embed, aux_convention, "cpu")
+        embed = read(embedding_name(split))
+    if is_dflash(cfg):
+        from ppsplit.eagle3.dflash import build_dflash, output_head_name
+
+        built = build_dflash(cfg, tensors, split.plan, embed, read(output_head_name(split)), aux_convention, "cpu")
+    else:
+        built = build_drafter(cfg, tensors, split.plan, embed, aux_convention, "cpu")
     save_drafter(built, os.path.join(folder, DRAFTER))
 
 
-def load_folder_drafter(path: str, plan, device) -> Eagle3Drafter:
+def load_folder_drafter(path: str, plan, device):
     """The drafter a compiled folder stores in ``path`` (``ppsplit compile --drafter``), built for one process that
-    holds only the last stage (its embedding copy is in the drafter's own file)."""
+    holds only the last stage (its embedding copy, and a DFlash drafter's output head, are in the drafter's file)."""
     cfg, _ = check_drafter(path, plan)
     _, tensors = read_drafter(path)
     try:
+        if is_dflash(cfg):
+            from ppsplit.eagle3.dflash import build_dflash
+
+            if "head.weight" not in tensors:
+                raise ConfigError("its drafter.safetensors has no head.weight (the target's output head); compile "
+                                  "the folder again")
+            head = tensors.pop("head.weight")
+            return build_dflash(cfg, tensors, plan, tensors["embed_tokens.weight"], head, None, device)
         return build_drafter(cfg, tensors, plan, tensors["embed_tokens.weight"], None, device)
     except ConfigError as e:
         raise FolderError(f"{path}: {e}") from None

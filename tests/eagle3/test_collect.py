@@ -2,6 +2,7 @@
 loader, equal to Hugging Face's ``output_hidden_states`` at the tap ids; resumable, nothing half written, bad input
 refused in one line."""
 import json
+import math
 import os
 
 import pytest
@@ -190,3 +191,106 @@ def test_one_rank_per_stage_writes_what_one_process_writes(demo_folder, tmp_path
             # fp32 to the GEMMs' rounding: the launcher gives each rank cpu_count // pp threads (one here), the single
             # process has them all, and their matmuls may sum in another order (a few ulp; CI once saw 1.2e-6 at 1.15)
             torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-5)
+
+
+def test_dflash_layout_is_read_by_specforge_dflash_training(demo_folder, tmp_path):
+    """``--layout dflash``: SpecForge's DFlash-family offline reader, normaliser and collator read every file; the
+    ``hidden_states`` are HF's ``hidden_states`` at the taps (any number: here three), equal to the EAGLE-3 layout's
+    taps; SpecForge's own DFlash trainer (``OnlineDFlashModel`` over its ``DFlashDraftModel`` reading those taps)
+    takes a batch of them and its loss falls over a few steps."""
+    pytest.importorskip("specforge")
+    from specforge.algorithms.common.dflash_family_data import build_collator, build_offline_reader, \
+        normalize_offline_sample
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+
+    prompts = write_rows(tmp_path / "p.jsonl", ROWS[:3])
+    out, eagle = str(tmp_path / "dflash"), str(tmp_path / "eagle3")
+    assert main(["collect", demo_folder, "--prompts", prompts, "-o", out, "--layout", "dflash"]) == 0
+    assert main(["collect", demo_folder, "--prompts", prompts, "-o", eagle]) == 0
+    assert json.load(open(os.path.join(out, "collect.json")))["layout"] == "dflash"
+    refs = build_offline_reader("dflash", out, run_id="t", ttt_length=1, max_len=4096).read()
+    assert len(refs) == 3
+    hf = demo_model()
+    normalized = []
+    for ref in refs:
+        path = ref.feature_store_uri[len("file://"):]
+        raw = load_feature_file(path)
+        assert set(raw) == {"input_ids", "loss_mask", "hidden_states"}
+        sample = normalize_offline_sample(raw, max_len=4096)
+        normalized.append(sample)
+        with torch.no_grad():
+            states = hf(sample["input_ids"], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(sample["hidden_states"], torch.cat([states[j] for j in TAPS], -1), atol=1e-5,
+                                   rtol=0)
+        index = int(os.path.basename(path)[len("data_"):-len(".ckpt")])
+        other = torch.load(collect.sample_path(eagle, index, 5000), weights_only=True)
+        assert torch.equal(other["aux_hidden_state"], raw["hidden_states"])
+    batch = build_collator()(normalized)
+    assert batch["hidden_states"].shape[:2] == batch["input_ids"].shape
+
+    from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
+    from specforge.modeling.draft.dflash import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    h = hf.config.hidden_size
+    cfg = Qwen3Config(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=h // 4, vocab_size=hf.config.vocab_size,
+                      max_position_embeddings=256, block_size=4, num_target_layers=hf.config.num_hidden_layers,
+                      dflash_config={"target_layer_ids": [j - 1 for j in TAPS], "mask_token_id": 0})
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    trainer = OnlineDFlashModel(DFlashDraftModel(cfg), hf.lm_head, hf.get_input_embeddings(), mask_token_id=0,
+                                block_size=4, attention_backend="sdpa", num_anchors=8)
+    opt = torch.optim.Adam(trainer.draft_model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        loss, _, _ = trainer(input_ids=batch["input_ids"], hidden_states=batch["hidden_states"],
+                             loss_mask=batch["loss_mask"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+
+
+def test_speculators_layout_is_read_by_speculators_training_data(tmp_path):
+    """``--layout speculators``: speculators' own ``ArrowDataset`` (its file transfer) and ``CollateFn`` read the rows:
+    ``hidden_states`` are HF's ``hidden_states`` at the taps, ``verifier_last_hidden_states`` the last layer's output
+    before the final norm (tap L), loss masks as given; a folder without tap L is refused in one line."""
+    pytest.importorskip("hs_connectors")
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    hf = demo_model()
+    layers = hf.config.num_hidden_layers
+    folder = str(tmp_path / "demo-pp2")
+    assert main(["compile", "demo", "--pp", "2", "--aux", f"1,3,{layers}", "--max-batch", "2", "--max-len", "96",
+                 "-o", folder]) == 0
+    rows = ROWS[:3]
+    prompts, out = write_rows(tmp_path / "p.jsonl", rows), str(tmp_path / "data")
+    assert main(["collect", folder, "--prompts", prompts, "-o", out, "--layout", "speculators"]) == 0
+    dataset = ArrowDataset(max_len=4096, datapath=out, on_missing="raise", hidden_states_dtype=torch.float32)
+    assert len(dataset) == 3
+    samples = [dataset[i] for i in range(3)]
+    for sample, row in zip(samples, rows):
+        ids = sample["input_ids"]
+        if "input_ids" in row:
+            assert ids.tolist() == row["input_ids"] and sample["loss_mask"].tolist() == row["loss_mask"]
+        with torch.no_grad():
+            states = hf(ids[None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(sample["hidden_states"], torch.cat([states[1][0], states[3][0]], -1), atol=1e-5,
+                                   rtol=0)
+        final = hf.model.norm.weight  # tap L is the stream before the final norm: HF's last entry is after it
+        pre = states[-1][0] / final  # undo the norm's scale, then compare directions (RMSNorm keeps them)
+        got = sample["verifier_last_hidden_states"]
+        torch.testing.assert_close(got / got.norm(dim=-1, keepdim=True), pre / pre.norm(dim=-1, keepdim=True),
+                                   atol=1e-4, rtol=0)
+    batch = CollateFn(max_len=256, hidden_size=hf.config.hidden_size, num_target_layers=2,
+                      dtype=torch.float32)(samples)
+    assert batch["hidden_states"].shape == (1, 256, 2 * hf.config.hidden_size)
+    assert batch["document_ids"][0, :sum(len(s["input_ids"]) for s in samples)].unique().tolist() == [0, 1, 2]
+
+    plain = str(tmp_path / "no-last")
+    assert main(["compile", "demo", "--pp", "1", "--aux", "1,3", "--max-batch", "2", "--max-len", "96", "-o",
+                 plain]) == 0
+    with pytest.raises(ppsplit.ConfigError, match=f"compile it with --aux 1,3,{layers}"):
+        collect.prepare(plain, prompts, str(tmp_path / "x"), layout="speculators")
