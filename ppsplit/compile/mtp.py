@@ -131,7 +131,16 @@ def load_mtp(model: str, split, device=None) -> MTPDrafter:
                 raise ConfigError(f"{model}'s MTP tensor for {name} has shape {tuple(t.shape)}, expected "
                                   f"{tuple(target.shape)}: the checkpoint does not match its config.json")
             target.copy_(t.to(target.dtype))
-    return drafter.to(device=device, dtype=dtype).eval()
+    # The block is built in the split's dtype already, its buffers as traced (the rotary's inv_freq stays float32:
+    # its graph multiplies it by float32 positions); the drafter's own tensors take the split's dtype.
+    drafter.to(device=device)
+    for name, child in drafter.named_children():
+        if child is not block:
+            child.to(dtype=dtype)
+    for name, t in [*drafter.named_parameters(recurse=False), *drafter.named_buffers(recurse=False)]:
+        if t is not None and t.is_floating_point():
+            t.data = t.data.to(dtype)
+    return drafter.eval()
 
 
 def _layer_keys(checkpoint: Checkpoint, raw: dict, layout: MTPLayout, n: int) -> list[str]:
