@@ -541,7 +541,7 @@ def test_speculative_through_processes_errors(compiled_with_drafter, tmp_path):
     bare = shutil.copytree(folders[2], tmp_path / "no-drafter", ignore=shutil.ignore_patterns("drafter"))
     res = launch(2, generate, str(bare), [[5, 6, 7]], None, 2, timeout=10, deadline=40)
     for r in range(2):
-        assert res[r][:2] == ("error", "ConfigError") and "needs an EAGLE-3 drafter on the last rank" in res[r][2]
+        assert res[r][:2] == ("error", "ConfigError") and "needs a drafter on the last rank" in res[r][2]
     res = launch(2, generate, folders[2], [[5, 6, 7]], None, -1, timeout=10, deadline=40)
     for r in range(2):
         assert res[r][:2] == ("error", "ConfigError") and "num_draft_tokens must be an integer >= 1" in res[r][2]
