@@ -25,22 +25,14 @@ import torch
 from ppsplit.core.graphs import capture
 from ppsplit.core.ragged import RaggedStep
 from ppsplit.core.tensors import model_dtype
+from ppsplit.serve.runner import buckets_up_to
 
 log = logging.getLogger("ppsplit")
 
 
-def request_buckets(slots: int) -> list[int]:
-    """Powers of two below ``slots``, then ``slots``."""
-    out, d = [], 1
-    while d < slots:
-        out.append(d)
-        d *= 2
-    return out + [slots]
-
-
 class BlockGraphs:
     """``drafter``'s ``write_context`` captured per token count in ``token_buckets`` and ``draft_block`` per count of
-    requests (``request_buckets``) of ``width`` rows each, over ``plan``'s aux layout and the drafter's cache of
+    requests (``buckets_up_to``) of ``width`` rows each, over ``plan``'s aux layout and the drafter's cache of
     ``layout``. ``capture_fn``: ``ppsplit.core.graphs.capture`` (tests pass an eager stand-in)."""
 
     def __init__(self, drafter, width: int, plan, layout, token_buckets, *, capture_fn=capture):
@@ -62,7 +54,7 @@ class BlockGraphs:
                                       pool=pool)[0] for t in sorted(token_buckets)}
         self.blocks = {r: capture_fn(lambda r=r: drafter.draft_block(self.tokens[:r * width], self._block_step(r),
                                                                      width), dev, pool=pool)
-                       for r in request_buckets(d)}
+                       for r in buckets_up_to(d)}
         log.info("captured the block drafter for %d token buckets and %d request buckets in %.1fs",
                  len(self.context), len(self.blocks), time.perf_counter() - start)
 
@@ -108,7 +100,7 @@ class BlockGraphs:
 
 class ChainGraphs:
     """One chained step of ``drafter`` (``drafter(hidden [1, D, H], tokens [1, D], step) -> (logits, hidden)``)
-    captured per count of requests (``request_buckets`` of the cache's slots); ``__call__`` takes the same arguments
+    captured per count of requests (``buckets_up_to`` of the cache's slots); ``__call__`` takes the same arguments
     and replays the smallest bucket that holds ``D`` (the padding rows write and read nothing)."""
 
     def __init__(self, drafter, layout, *, capture_fn=capture):
@@ -126,7 +118,7 @@ class ChainGraphs:
         pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         self.steps = {r: capture_fn(lambda r=r: drafter(self.hidden[None, :r], self.tokens[None, :r], RaggedStep(
             self.positions[:r], self.seq[:r], self.table, self.seq_start, self.seq_count)), dev, pool=pool)
-            for r in request_buckets(d)}
+            for r in buckets_up_to(d)}
         log.info("captured the chain drafter for %d request buckets in %.1fs", len(self.steps),
                  time.perf_counter() - start)
 

@@ -7,7 +7,7 @@ import torch
 
 import ppsplit
 from ppsplit import CacheConfig
-from ppsplit.serve.draft_graphs import BlockGraphs, ChainGraphs, request_buckets
+from ppsplit.serve.draft_graphs import BlockGraphs, ChainGraphs
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.sampling import SamplingParams
 from tests.eagle3.test_dflash import BLOCK, TAPS, small, zlab_drafter
@@ -35,12 +35,6 @@ class EagerGraph:
 def eager_capture(fn, device, pool=None):
     graph = EagerGraph(fn)
     return graph, graph.out
-
-
-def test_request_buckets():
-    assert request_buckets(1) == [1]
-    assert request_buckets(8) == [1, 2, 4, 8]
-    assert request_buckets(12) == [1, 2, 4, 8, 12]
 
 
 def run(split, drafter, prompts, graphs: bool, **params):
