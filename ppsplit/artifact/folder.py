@@ -399,6 +399,10 @@ class CompiledFolder:
         if hidden <= 0 or vocab <= 0 or not cfg["rms_norm_eps"] > 0:
             raise FolderError(f"{where}: hidden_size, vocab_size and rms_norm_eps must be positive")
         program = self.mtp_program()
+        head = next((tuple(t.shape) for t in program.tensors if t.name == "lm_head.weight"), None)
+        if head != (vocab, hidden):
+            raise FolderError(f"{where}: hidden_size {hidden} and vocab_size {vocab} do not match the block's "
+                              f"lm_head.weight {head}; compile the folder again with ppsplit compile --mtp")
         self.check_weights(program)
         weights = os.path.join(path, MTP_OWN_WEIGHTS)
         try:

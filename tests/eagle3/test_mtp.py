@@ -395,6 +395,12 @@ def test_compiled_folder_speculates_with_its_mtp_layer(trained, tmp_path, capsys
     printed = capsys.readouterr().out
     assert printed.splitlines()[0] == ",".join(map(str, outs[0].token_ids))
     assert f"mean acceptance length {outs[0].mean_acceptance_length:.2f}" in printed, printed
+    assert main(["inspect", out]) == 0
+    for command, message in ((["save-drafter", out, "-o", str(tmp_path / "x")], "no drafter checkpoint to save"),
+                             (["run", out, "--prompt-ids", "3,4", "-k", "2"], "runs in one process for now")):
+        capsys.readouterr()
+        assert main(command) == 2
+        assert message in capsys.readouterr().err
     # a tampered stored config is refused in one line, by inspect and by load
     where = os.path.join(out, "mtp", "config.json")
     cfg = json.loads(open(where).read())
