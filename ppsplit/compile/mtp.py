@@ -145,7 +145,7 @@ def _build(model: str, plan, device) -> MTPDrafter:
         drafter.fill(state)
     except ConfigError as e:
         raise ConfigError(f"{model}: {e}; the checkpoint does not match its config.json") from None
-    return drafter.to(device=device, dtype=dtype).eval()
+    return drafter.placed(device, dtype)
 
 
 def write_mtp(folder: str, model: str, split) -> None:

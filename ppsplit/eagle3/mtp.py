@@ -101,6 +101,18 @@ class MTPDrafter(nn.Module):
                                       f"{tuple(target.shape)}")
                 target.copy_(t.to(target.dtype))
 
+    def placed(self, device, dtype: torch.dtype) -> "MTPDrafter":
+        """On ``device``, its own tensors in ``dtype``; the block is built in the split's dtype already and keeps its
+        buffers as traced (the rotary's inv_freq stays float32: its graph multiplies it by float32 positions)."""
+        self.to(device=device)
+        for child in self.children():
+            if child is not self.block:
+                child.to(dtype=dtype)
+        for t in [*self.parameters(recurse=False), *self.buffers(recurse=False)]:
+            if t.is_floating_point():
+                t.data = t.data.to(dtype)
+        return self.eval()
+
     def own_tensors(self) -> dict[str, torch.Tensor]:
         """The drafter's tensors outside its block, by name (what a compiled folder stores beside the block)."""
         out = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()
@@ -169,4 +181,4 @@ def load_folder_mtp(folder, device, options) -> MTPDrafter:
         drafter.fill(load_file(regular_file(path, folder.path)))
     except ConfigError as e:
         raise FolderError(f"{path}: {e}; compile the folder again") from None
-    return drafter.to(device=device, dtype=model_dtype(plan)).eval()
+    return drafter.placed(device, model_dtype(plan))

@@ -1,4 +1,4 @@
-"""Serving: a block drafter's (DFlash's) two parts captured as CUDA graphs, replayed whenever a step fits a bucket.
+"""Serving: the drafter's steps captured as CUDA graphs, replayed whenever a step fits a bucket.
 
 Eager, a draft step of an 8B-shaped DFlash drafter launched about 600 kernels one by one: about 10 ms of host time
 for 3.6 ms of kernels on an H100. Captured, each part is one launch:
@@ -7,6 +7,10 @@ for 3.6 ms of kernels on an H100. Captured, each part is one launch:
   so every step of the engine fits one);
 - the drawing requests' blocks: one graph per count of requests (powers of two up to the cache's slots), the last
   layer's rows as output; the head and the picks stay eager (a few launches, and the sampling ones change per step).
+
+A chain drafter (EAGLE-3, MTP) is captured as one step over the drawing requests' rows, per count of requests,
+replayed for each of its ``K - 1`` chained steps (its first step, over every row of the target's step, and the picks
+between steps stay eager).
 
 Steps are padded as the stages' are: a padding row has sequence slot -1, which writes no cache entry and reads none.
 The static inputs are one buffer per field at the largest bucket, each graph capturing a prefix of it.
@@ -100,3 +104,45 @@ class BlockGraphs:
         self.seq_count.copy_(step.seq_count)
         graph.replay()
         return out[:rows]
+
+
+class ChainGraphs:
+    """One chained step of ``drafter`` (``drafter(hidden [1, D, H], tokens [1, D], step) -> (logits, hidden)``)
+    captured per count of requests (``request_buckets`` of the cache's slots); ``__call__`` takes the same arguments
+    and replays the smallest bucket that holds ``D`` (the padding rows write and read nothing)."""
+
+    def __init__(self, drafter, layout, *, capture_fn=capture):
+        table = drafter.embed_tokens
+        dev, d = table.device, layout.slots
+        self.drafter = drafter
+        self.hidden = torch.zeros(d, drafter.hidden_size, dtype=table.dtype, device=dev)
+        self.tokens = torch.zeros(d, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(d, dtype=torch.long, device=dev)
+        self.seq = torch.full((d,), -1, dtype=torch.long, device=dev)
+        self.table = torch.zeros(layout.slots, layout.blocks_per_seq, dtype=torch.long, device=dev)
+        self.seq_start = torch.zeros(layout.slots, dtype=torch.long, device=dev)
+        self.seq_count = torch.zeros(layout.slots, dtype=torch.long, device=dev)
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
+        self.steps = {r: capture_fn(lambda r=r: drafter(self.hidden[None, :r], self.tokens[None, :r], RaggedStep(
+            self.positions[:r], self.seq[:r], self.table, self.seq_start, self.seq_count)), dev, pool=pool)
+            for r in request_buckets(d)}
+        log.info("captured the chain drafter for %d request buckets in %.1fs", len(self.steps),
+                 time.perf_counter() - start)
+
+    def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor, step: RaggedStep):
+        d = tokens.shape[1]
+        bucket = next((r for r in self.steps if r >= d), None)
+        if bucket is None:
+            return self.drafter(hidden, tokens, step)
+        graph, (logits, out) = self.steps[bucket]
+        self.hidden[:d].copy_(hidden[0])
+        self.tokens[:d].copy_(tokens[0])
+        self.positions[:d].copy_(step.positions)
+        self.seq[:d].copy_(step.seq)
+        self.seq[d:bucket].fill_(-1)
+        self.table.copy_(step.block_table)
+        self.seq_start.copy_(step.seq_start)
+        self.seq_count.copy_(step.seq_count)
+        graph.replay()
+        return logits[:, :d], out[:, :d]

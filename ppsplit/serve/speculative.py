@@ -83,14 +83,17 @@ class Proposer:
         self.q = None  # [S, K, draft vocab]: each slot's draft distributions, once a request samples
 
     def capture(self, plan, token_buckets) -> None:
-        """Capture a block drafter's parts as CUDA graphs for ``token_buckets`` (the stages' buckets) and every count
-        of drawing requests (``ppsplit.serve.draft_graphs``). A chain drafter runs eager."""
-        if self.block:
-            from ppsplit.serve.draft_graphs import BlockGraphs
+        """Capture the drafter as CUDA graphs (``ppsplit.serve.draft_graphs``): a block drafter's parts for
+        ``token_buckets`` (the stages' buckets) and every count of drawing requests; a chain drafter's chained step
+        for every count of drawing requests (with ``K`` = 1 there is none)."""
+        from ppsplit.serve.draft_graphs import BlockGraphs, ChainGraphs
 
-            with torch.no_grad():
+        with torch.no_grad():
+            if self.block:
                 self.graphs = BlockGraphs(self.drafter, self.k + self.drafter.first_draft_row, plan, self.layout,
                                           token_buckets)
+            elif self.k > 1:
+                self.graphs = ChainGraphs(self.drafter, self.layout)
 
     @torch.no_grad()
     def feed(self, aux, ids, positions, batch, last, token, sampler, sampled: bool, cut_k: bool = False,
@@ -116,7 +119,7 @@ class Proposer:
             if j == self.k - 1:
                 break
             step = RaggedStep(position + j + 1, slot, batch.block_table, batch.chain_start, batch.chain_count)
-            logits, hidden = drafter(hidden[None], drafts[-1][None], step)
+            logits, hidden = (self.graphs or drafter)(hidden[None], drafts[-1][None], step)
             logits, hidden = logits[0], hidden[0]
         return torch.stack(drafts, 1)
 

@@ -459,3 +459,16 @@ def test_compile_mtp_refuses_a_checkpoint_without_mtp_layers(deepseek, tmp_path,
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
         assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_bf16_split_of_a_float32_checkpoint(tmp_path):
+    """The split in bf16, the checkpoint in float32: the layer's tensors take the split's dtype, the block's rotary
+    buffers stay as traced (float32), and the engine runs (it failed with a dtype mismatch before)."""
+    target, _, _, folder, _ = build(tmp_path / "ckpt")
+    target = target.to(torch.bfloat16)
+    split = ppsplit.split_model(target, 2, aux=[L], cache=CacheConfig(batch_size=4, max_len=48))
+    drafter = ppsplit.load_mtp(folder, split=split)
+    assert drafter.eh_proj.weight.dtype == drafter.embed_tokens.dtype == torch.bfloat16
+    assert any(b.dtype == torch.float32 for name, b in drafter.block.named_buffers() if "inv_freq" in name)
+    out = Engine(split, drafter=drafter, num_draft_tokens=2).generate([[5, 9, 3]], SamplingParams(max_tokens=6))
+    assert len(out[0].token_ids) == 6

@@ -1,20 +1,23 @@
-"""A block drafter's (DFlash's) captured parts: the static buffers, the padding of requests to a bucket and the
-fallbacks give the eager engine's tokens and acceptance; on the CPU through an eager stand-in for capture (each
-``replay`` reruns the captured function on the static buffers), on CUDA through real graphs (GPU only)."""
+"""The drafter's captured steps (a block drafter's two parts, a chain drafter's chained step): the static buffers, the
+padding of requests to a bucket and the fallbacks give the eager engine's tokens, drafts and acceptance; on the CPU
+through an eager stand-in for capture (each ``replay`` reruns the captured function on the static buffers), on CUDA
+through real graphs (GPU only)."""
 import pytest
 import torch
 
 import ppsplit
-from ppsplit.serve.draft_graphs import BlockGraphs, request_buckets
+from ppsplit import CacheConfig
+from ppsplit.serve.draft_graphs import BlockGraphs, ChainGraphs, request_buckets
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.sampling import SamplingParams
 from tests.eagle3.test_dflash import BLOCK, TAPS, small, zlab_drafter
+from tests.support import drafter_config, random_drafter_tensors, tiny_model, write_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class EagerGraph:
-    """What ``capture`` returns, eager: ``replay`` reruns ``fn`` and writes its result into the first output."""
+    """What ``capture`` returns, eager: ``replay`` reruns ``fn`` and writes its results into the first call's."""
 
     def __init__(self, fn):
         self.fn, self.out, self.replays = fn, fn(), 0
@@ -22,7 +25,10 @@ class EagerGraph:
     def replay(self):
         self.replays += 1
         out = self.fn()
-        if out is not None:
+        if isinstance(out, tuple):
+            for static, value in zip(self.out, out):
+                static.copy_(value)
+        elif out is not None:
             self.out.copy_(out)
 
 
@@ -63,6 +69,26 @@ def test_stand_in_replays_equal_the_eager_engine(tmp_path, params):
     assert sum(sum(o.accepted) for o in eager) > 0  # drafts were accepted, so the blocks' rows mattered
     assert sum(g.replays for g in graphs.context.values()) > 0
     assert graphs.blocks[4][0].replays > 0  # three drawing requests ran padded to four
+
+
+@pytest.mark.parametrize("params", [{}, {"temperature": 0.8}], ids=["greedy", "sampled"])
+def test_chain_stand_in_replays_equal_the_eager_engine(tmp_path, params):
+    """An EAGLE-3 drafter, K = 3: three drawing requests (padded to the 4-request bucket) through the chained step's
+    static buffers give the eager drafter's drafts, tokens and acceptance."""
+    model = tiny_model("llama")
+    split = ppsplit.split_model(model, 2, aux=[1, 2, 4], cache=CacheConfig(batch_size=8, max_len=64))
+    cfg = drafter_config(model.config, aux_ids=[0, 1, 3])
+    drafter = ppsplit.load_drafter(write_drafter(str(tmp_path / "d"), cfg, random_drafter_tensors(cfg)), split=split)
+    prompts = [torch.randint(3, 100, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 5, 9)]
+    runs = []
+    for graphs in (False, True):
+        engine = Engine(split, drafter=drafter, num_draft_tokens=3)
+        if graphs:
+            engine.runner.sampler.proposer.graphs = ChainGraphs(drafter, split.layout, capture_fn=eager_capture)
+        sp = [SamplingParams(max_tokens=16, seed=i, **params) for i in range(3)]
+        runs.append([(o.token_ids, o.drafts, o.accepted) for o in engine.generate(prompts, sp)])
+    assert runs[1] == runs[0]
+    assert engine.runner.sampler.proposer.graphs.steps[4][0].replays > 0
 
 
 @pytest.mark.gpu

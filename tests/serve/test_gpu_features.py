@@ -1,6 +1,7 @@
 """The engine's request features on CUDA (GPU only), bf16, with the stages (and a block drafter) captured: each gives
 the same tokens as the same engine run eager (``enforce_eager``): grammar masks copied beside the step, ``n``
-choices sharing their prompt's blocks, DSpark's trimmed windows through the captured drafter, MTP chains."""
+choices sharing their prompt's blocks, DSpark's trimmed windows through the captured drafter, MTP chains through the
+captured chained step."""
 import json
 
 import pytest
@@ -97,7 +98,9 @@ def test_mtp_chain_on_cuda(tmp_path):
 
     def build(eager):
         split = ppsplit.split_model(target, 2, aux=[L], cache=CacheConfig(batch_size=8, max_len=64))
-        return Engine(split, drafter=ppsplit.load_mtp(folder, split=split), num_draft_tokens=2, enforce_eager=eager)
+        engine = Engine(split, drafter=ppsplit.load_mtp(folder, split=split), num_draft_tokens=2, enforce_eager=eager)
+        assert (engine.runner.sampler.proposer.graphs is None) == eager  # the chained step captured
+        return engine
 
     captured, eager = both(build, lambda e: [(o.token_ids, o.accepted) for o in
                                              e.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))])
