@@ -50,8 +50,9 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     or in ``drafter_convention``)
     and the drafter, with its embedding copy, is stored in ``out/drafter`` (``ppsplit.load`` attaches it as
     ``split.drafter``). ``mtp``: store the checkpoint's own first MTP layer in ``out/mtp`` instead (the taps
-    then include the last layer's output, ``L``), attached the same way. ``default_cache`` (what ``ppsplit compile`` passes): without ``cache``, give the stages
-    ``default_cache_for(...)``'s paged cache, so the folder can generate and serve as written.
+    then include the last layer's output, ``L``), attached the same way. ``default_cache`` (what ``ppsplit compile``
+    passes): without ``cache``, give the stages ``default_cache_for(...)``'s paged cache, so the folder can generate
+    and serve as written.
 
     Example::
 

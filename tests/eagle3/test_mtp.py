@@ -472,3 +472,12 @@ def test_a_bf16_split_of_a_float32_checkpoint(tmp_path):
     assert any(b.dtype == torch.float32 for name, b in drafter.block.named_buffers() if "inv_freq" in name)
     out = Engine(split, drafter=drafter, num_draft_tokens=2).generate([[5, 9, 3]], SamplingParams(max_tokens=6))
     assert len(out[0].token_ids) == 6
+    # compiled in bf16 with --mtp: the stored block keeps the float32 rotary buffers, and drafts as load_mtp does
+    from ppsplit.cli import main
+
+    assert main(["compile", folder, "--pp", "2", "--mtp", "--dtype", "bfloat16", "-o", str(tmp_path / "bf16"),
+                 "--max-batch", "4", "--max-len", "48"]) == 0
+    loaded = ppsplit.load(str(tmp_path / "bf16"))
+    assert loaded.drafter.eh_proj.weight.dtype == torch.bfloat16
+    again = Engine(loaded, drafter=loaded.drafter, num_draft_tokens=2).generate([[5, 9, 3]], SamplingParams(max_tokens=6))
+    assert (again[0].token_ids, again[0].drafts) == (out[0].token_ids, out[0].drafts)
