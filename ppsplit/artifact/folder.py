@@ -8,6 +8,9 @@ readers that check everything a folder holds before anything is built from it.
     DIR/stage_<k>.tp<r>.safetensors   instead, with tensor parallelism (plan.tp > 1): TP rank r's pieces of them
                                 (the program, shared by the ranks, says how each tensor is cut: its ``shard``)
     DIR/drafter/                the EAGLE-3 drafter (``ppsplit compile --drafter``), if any
+    DIR/mtp/                    the target's own MTP layer (``ppsplit compile --mtp``), if any: config.json,
+                                block.json (its decoder block's program, as a stage's), block.safetensors,
+                                drafter.safetensors (its own small tensors)
     DIR/tokenizer.json, ...     tokenizer and generation files, copied from the source (read as data only)
 
 A folder is untrusted input. ``CompiledFolder`` reads ``plan.json`` and ``manifest.json`` once, checks every
@@ -35,6 +38,7 @@ from ppsplit.core.drafter_config import DFLASH_KEYS, DRAFTER_KEYS  # pure data: 
 PLAN = "plan.json"
 MANIFEST = "manifest.json"
 DRAFTER = "drafter"
+MTP = "mtp"
 # Tokenizer and generation files a folder carries beside the weights, copied from the source checkpoint; all data
 # (JSON, a tokenizer model, Jinja templates), never Python.
 SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -241,23 +245,38 @@ class CompiledFolder:
     @property
     def drafter(self) -> str | None:
         """The drafter folder inside, or ``None``."""
-        path = self.file(DRAFTER)
+        return self._subfolder(DRAFTER)
+
+    @property
+    def mtp(self) -> str | None:
+        """The MTP layer's folder inside (``ppsplit compile --mtp``), or ``None``."""
+        return self._subfolder(MTP)
+
+    def _subfolder(self, name: str) -> str | None:
+        path = self.file(name)
         if not os.path.lexists(path):
             return None
         _inside(path, self.path)
         if not os.path.isdir(path):
-            raise FolderError(f"{path} is not a folder; a compiled folder keeps its drafter in {DRAFTER}/: compile "
-                              "the folder again")
+            raise FolderError(f"{path} is not a folder; a compiled folder keeps it in {name}/: compile the folder "
+                              "again")
         return path
 
     def program(self, k: int) -> StageProgram:
         """Stage ``k``'s program, checked: its tensor list, its graph (``ppsplit.artifact.program``) and that it
         was written with this folder's plan."""
-        from ppsplit.artifact.program import ProgramError, graph_from_json, tensor_path
-
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < self.plan.pp:
             raise FolderError(f"stage {k} does not exist: {self.path} has stages 0 to {self.plan.pp - 1}")
-        where = self.file(program_name(k))
+        return self._program(self.file(program_name(k)), k)
+
+    def mtp_program(self) -> StageProgram:
+        """The program of the MTP layer's decoder block (``mtp/block.json``), checked as a stage's is; its index is
+        the number of stages (it runs after the last one)."""
+        return self._program(os.path.join(self.file(MTP), MTP_BLOCK), self.plan.pp)
+
+    def _program(self, where: str, k: int) -> StageProgram:
+        from ppsplit.artifact.program import ProgramError, graph_from_json, tensor_path
+
         data = _json(read_file(where, MAX_JSON_BYTES, self.path), where)
         if not isinstance(data, dict):
             raise FolderError(f"{where} must be a JSON object")
@@ -280,13 +299,19 @@ class CompiledFolder:
         _check_quantized(graph, {t.name: t for t in tensors}, self.manifest.quantization, where)
         return StageProgram(k, tensors, graph)
 
+    def program_weights(self, program: StageProgram, tp_rank: int | None = None) -> str:
+        """The weights file of ``program``: stage ``program.index``'s, or the MTP block's (index ``plan.pp``)."""
+        if program.index == self.plan.pp:
+            return regular_file(os.path.join(self.file(MTP), MTP_BLOCK_WEIGHTS), self.path)
+        return self.weights(program.index, tp_rank)
+
     def check_weights(self, program: StageProgram, tp_rank: int | None = None) -> None:
         """The weights file of ``program``'s stage (of TP rank ``tp_rank``: with tensor parallelism) holds exactly
         its stored tensors, with their shapes and dtypes (read from the safetensors header; no tensor data is
         read)."""
         from safetensors import safe_open
 
-        path = self.weights(program.index, tp_rank)
+        path = self.program_weights(program, tp_rank)
         expected = program.stored
         try:
             with safe_open(path, framework="pt") as f:
@@ -324,6 +349,10 @@ class CompiledFolder:
                 DTYPES[self.plan.dtype].itemsize
             weights = os.path.getsize(regular_file(os.path.join(self.drafter, "drafter.safetensors")))
             out[-1] = dataclasses.replace(out[-1], drafter=weights + pool)
+        if self.mtp is not None and out:  # the MTP block's weights and pools, and its own tensors
+            own = os.path.getsize(regular_file(os.path.join(self.mtp, MTP_OWN_WEIGHTS), self.path))
+            block = stage_memory(self.mtp_program()).total
+            out[-1] = dataclasses.replace(out[-1], drafter=out[-1].drafter + block + own)
         return out
 
     def check(self) -> list[StageProgram]:
@@ -336,7 +365,69 @@ class CompiledFolder:
                 self.check_weights(program, r)
         if self.drafter is not None:
             check_drafter(self.drafter, self.plan)
+        if self.mtp is not None:
+            self.check_mtp()
         return programs
+
+    def check_mtp(self) -> tuple[dict, StageProgram, dict]:
+        """The stored MTP layer (``ppsplit compile --mtp``), checked without reading tensor data: its config by
+        type and against the plan (tap ``L``), its block's program and weights header, and the names and shapes of
+        its own tensors. Returns ``(config, block program, {name: shape})``."""
+        from safetensors import safe_open
+
+        path = self.mtp
+        where = os.path.join(path, "config.json")
+        raw = read_json_object(where, root=self.path)
+        unknown = sorted(set(raw) - set(_MTP_CONFIG))
+        if unknown:
+            raise FolderError(f"{where} has {unknown[0]!r}, which ppsplit does not write there; compile the folder "
+                              "again with ppsplit compile --mtp")
+        cfg = {}
+        for key, kind in _MTP_CONFIG.items():
+            if key not in raw:
+                raise FolderError(f"{where} lacks {key}; compile the folder again with ppsplit compile --mtp")
+            cfg[key] = check(kind, raw[key], f"{where}: {key}")
+        if cfg["ppsplit_family"] != "mtp":
+            raise FolderError(f"{where}: ppsplit_family is {cfg['ppsplit_family']!r}, not 'mtp'; compile the folder "
+                              "again with ppsplit compile --mtp")
+        layers = self.plan.num_layers
+        if cfg["ppsplit_taps"] != (layers,) or layers not in self.plan.taps:
+            raise FolderError(f"{where}: the MTP layer reads taps {list(cfg['ppsplit_taps'])}, but it reads tap "
+                              f"{layers} (the last layer's output) and the plan carries {list(self.plan.taps)}; "
+                              "compile the folder again with ppsplit compile --mtp")
+        hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+        if hidden <= 0 or vocab <= 0 or not cfg["rms_norm_eps"] > 0:
+            raise FolderError(f"{where}: hidden_size, vocab_size and rms_norm_eps must be positive")
+        program = self.mtp_program()
+        head = next((tuple(t.shape) for t in program.tensors if t.name == "lm_head.weight"), None)
+        if head != (vocab, hidden):
+            raise FolderError(f"{where}: hidden_size {hidden} and vocab_size {vocab} do not match the block's "
+                              f"lm_head.weight {head}; compile the folder again with ppsplit compile --mtp")
+        self.check_weights(program)
+        weights = os.path.join(path, MTP_OWN_WEIGHTS)
+        try:
+            with safe_open(regular_file(weights, self.path), framework="pt") as f:
+                shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        except FolderError:
+            raise
+        except Exception as e:  # a missing, truncated or oversized file (safetensors' own error type)
+            raise FolderError(f"cannot read {weights} ({str(e).splitlines()[0][:120]}); compile the folder "
+                              "again") from None
+        expected = {"target_norm.weight": (hidden,), "enorm.weight": (hidden,), "hnorm.weight": (hidden,),
+                    "eh_proj.weight": (hidden, 2 * hidden), "embed_tokens": (vocab, hidden)}
+        if cfg["feed_normed"]:
+            expected["norm.weight"] = (hidden,)
+        if shapes != expected:
+            wrong = sorted(set(shapes) ^ set(expected)) or sorted(n for n in shapes if shapes[n] != expected[n])
+            raise FolderError(f"{weights} does not hold the MTP layer's tensors for hidden_size {hidden} and "
+                              f"vocab_size {vocab} ({wrong[0]} differs); compile the folder again")
+        return cfg, program, shapes
+
+
+MTP_BLOCK, MTP_BLOCK_WEIGHTS, MTP_OWN_WEIGHTS = "block.json", "block.safetensors", "drafter.safetensors"
+# The config of a stored MTP layer, every key required (ppsplit writes it: ppsplit.compile.mtp.write_mtp).
+_MTP_CONFIG = {"ppsplit_family": str, "ppsplit_taps": tuple[int, ...], "hidden_size": int, "vocab_size": int,
+               "rms_norm_eps": float, "offset_norms": bool, "zero_first": bool, "feed_normed": bool}
 
 
 # What the config of a drafter stored in a compiled folder may hold, by type (ppsplit writes it: save_drafter).

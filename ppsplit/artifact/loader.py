@@ -110,7 +110,7 @@ def _tensors(folder: CompiledFolder, program: StageProgram, device: torch.device
     from safetensors import safe_open
 
     root = torch.nn.Module()
-    path = folder.weights(program.index, tp_rank)
+    path = folder.program_weights(program, tp_rank)
     try:
         with safe_open(path, framework="pt", device=str(device)) as f:
             for t in program.tensors:

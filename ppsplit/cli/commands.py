@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the files keep the checkpoint's names); default: on CUDA devices")
     p.add_argument("--drafter", default=None, help="EAGLE-3 or DFlash drafter folder or hub id: taps from its config, "
                    "stored in DIR/drafter")
+    p.add_argument("--mtp", action="store_true", help="store the checkpoint's own MTP layer (DeepSeek-V3, GLM-4.5, "
+                   "Qwen3-Next) in DIR/mtp as the drafter; adds tap L (the last layer's output)")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
                    help="numbering of the drafter's tap ids (default: its format's own; speculators: vllm, "
                         "SpecForge/EAGLE: sglang): sglang (SpecForge layer outputs, +1) or vllm (as written)")
@@ -184,7 +186,7 @@ def cmd_compile(args) -> int:
         drafter, options = demo_drafter(options), dataclasses.replace(options, aux=None)
     path = compile_model(args.model, out, options=options, dtype=args.dtype, force=args.force,
                          progress=sys.stderr.isatty(), drafter=drafter, drafter_convention=convention,
-                         default_cache=cache is None and not args.no_cache)
+                         default_cache=cache is None and not args.no_cache, mtp=args.mtp)
     print(CompiledFolder(path).plan.describe())
     print(f"wrote {path}")
     return 0

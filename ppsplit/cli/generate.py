@@ -58,7 +58,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         drafter = ppsplit.load_drafter(args.drafter, split=split, aux_convention=args.drafter_convention) \
             if args.drafter else split.drafter
         if drafter is None:
-            raise ConfigError(f"{args.folder} holds no drafter: compile it with --drafter, or pass --drafter DIR")
+            raise ConfigError(f"{args.folder} holds no drafter: compile it with --drafter or --mtp, or pass "
+                              "--drafter DIR")
     if args.confidence_threshold is not None:
         if getattr(drafter, "family", None) != "dspark":
             raise ConfigError("--confidence-threshold trims a DSpark drafter's verify windows; pass -k and a DSpark "
@@ -139,6 +140,9 @@ def cmd_save_drafter(args: argparse.Namespace) -> int:
     split = ppsplit.load(args.folder)
     if split.drafter is None:
         raise ConfigError(f"{args.folder} holds no drafter: compile it with --drafter")
+    if getattr(split.drafter, "family", None) == "mtp":
+        raise ConfigError(f"{args.folder}'s drafter is the target's own MTP layer, which vLLM and SGLang read from the "
+                          "target's checkpoint: there is no drafter checkpoint to save")
     split.drafter.save(args.out, format=args.format, verifier=args.verifier)
     print(f"wrote the drafter to {args.out} ({args.format} format, taps {','.join(map(str, split.drafter.taps))})")
     return 0

@@ -144,7 +144,8 @@ def _check_servable(plan, args) -> None:
 
         check_num_draft_tokens(args.num_draft_tokens)
         if not has_drafter(args.folder):
-            raise ConfigError(f"-k needs a drafter, and {args.folder} holds none: compile it with --drafter")
+            raise ConfigError(f"-k needs a drafter, and {args.folder} holds none: compile it with --drafter or "
+                              "--mtp")
 
 
 def _engine(split, args):

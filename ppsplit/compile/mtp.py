@@ -78,7 +78,18 @@ def load_mtp(model: str, split, device=None) -> MTPDrafter:
         drafter = ppsplit.load_mtp("DeepSeek-V3", split=split)
         ppsplit.Engine(split, drafter=drafter, num_draft_tokens=2).generate(prompts, params)
     """
-    from ppsplit.compile.source import load_config, resolve_model
+    from ppsplit.passes.rewrites import apply_rewrites
+
+    device = torch.device(device) if device is not None else module_device(split.stages[-1])
+    drafter = _build(model, split.plan, device)
+    apply_rewrites(drafter.block, StageOptions(), device=device)
+    return drafter
+
+
+def mtp_checkpoint(model: str) -> tuple[str, dict, MTPLayout, int]:
+    """``(folder, config.json, layout, MTP layer count)`` of checkpoint ``model``, or one ``ConfigError`` when it
+    has no MTP layers ppsplit can run (what ``ppsplit compile --mtp`` checks before tracing the target)."""
+    from ppsplit.compile.source import resolve_model
 
     folder = resolve_model(model)
     try:
@@ -95,7 +106,14 @@ def load_mtp(model: str, split, device=None) -> MTPDrafter:
     n = mtp_layers(raw)
     if n == 0:
         raise ConfigError(f"{model} has no MTP layers (config.json's {layout.count} is 0 or absent)")
-    plan = split.plan
+    return folder, raw, layout, n
+
+
+def _build(model: str, plan, device) -> MTPDrafter:
+    """The drafter of checkpoint ``model`` for ``plan`` on ``device``, its block as traced (no stage rewrites)."""
+    from ppsplit.compile.source import load_config
+
+    folder, raw, layout, n = mtp_checkpoint(model)
     layers = raw["num_hidden_layers"]
     if plan.num_layers != layers:
         raise ConfigError(f"the split has {plan.num_layers} layers but {model} has {layers}; load the MTP layers of "
@@ -109,7 +127,6 @@ def load_mtp(model: str, split, device=None) -> MTPDrafter:
     keys = _layer_keys(checkpoint, raw, layout, n)
     config = load_config(folder)
     dtype = model_dtype(plan)
-    device = torch.device(device) if device is not None else module_device(split.stages[-1])
     block = _load_block(_trace_block(config, plan, dtype), checkpoint, layout, prefix, block_prefix, keys, config,
                         dtype, device)
     own = {role: read_tensor(checkpoint, prefix + name) for role, name in layout.own.items()
@@ -124,23 +141,44 @@ def load_mtp(model: str, split, device=None) -> MTPDrafter:
         state["embed_tokens"] = read_tensor(checkpoint, "model.embed_tokens.weight")
     if layout.feed_normed:
         state["norm.weight"] = own["norm"]
-    with torch.no_grad():
-        for name, t in state.items():
-            target = drafter.get_buffer(name) if name == "embed_tokens" else drafter.get_parameter(name)
-            if tuple(t.shape) != tuple(target.shape):
-                raise ConfigError(f"{model}'s MTP tensor for {name} has shape {tuple(t.shape)}, expected "
-                                  f"{tuple(target.shape)}: the checkpoint does not match its config.json")
-            target.copy_(t.to(target.dtype))
-    # The block is built in the split's dtype already, its buffers as traced (the rotary's inv_freq stays float32:
-    # its graph multiplies it by float32 positions); the drafter's own tensors take the split's dtype.
-    drafter.to(device=device)
-    for name, child in drafter.named_children():
-        if child is not block:
-            child.to(dtype=dtype)
-    for name, t in [*drafter.named_parameters(recurse=False), *drafter.named_buffers(recurse=False)]:
-        if t is not None and t.is_floating_point():
-            t.data = t.data.to(dtype)
-    return drafter.eval()
+    try:
+        drafter.fill(state)
+    except ConfigError as e:
+        raise ConfigError(f"{model}: {e}; the checkpoint does not match its config.json") from None
+    return drafter.placed(device, dtype)
+
+
+def write_mtp(folder: str, model: str, split) -> None:
+    """Store the first MTP layer of checkpoint ``model`` for ``split`` (the compile's skeleton) in
+    ``folder/mtp``: the block's traced program and tensors as a stage's are stored, and the drafter's own
+    tensors and settings (``ppsplit.eagle3.mtp.load_folder_mtp`` reads them back)."""
+    from safetensors.torch import save_file
+
+    from ppsplit.artifact.folder import MTP, MTP_BLOCK, MTP_BLOCK_WEIGHTS, MTP_OWN_WEIGHTS, fingerprint, write_json
+    from ppsplit.artifact.program import graph_to_json
+    from ppsplit.compile.checkpoint import write_safetensors
+    from ppsplit.core.tensors import dtype_name
+
+    drafter = _build(model, split.plan, torch.device("cpu"))
+    block = drafter.block
+    persistent = set(block.state_dict().keys())
+    specs, stored = [], []
+    for kind, items in (("parameter", block.named_parameters(remove_duplicate=False)),
+                        ("buffer", block.named_buffers(remove_duplicate=False))):
+        for name, t in items:
+            init = "zeros" if is_cache_buffer(name) else "file"
+            specs.append({"name": name, "kind": kind, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                          "persistent": kind == "parameter" or name in persistent, "init": init})
+            if init == "file":
+                stored.append((name, t.detach().contiguous()))
+    path = os.path.join(folder, MTP)
+    os.makedirs(path)
+    write_json(os.path.join(path, MTP_BLOCK), {"stage": split.plan.pp, "plan_sha256": fingerprint(split.plan.to_json()),
+                                               "tensors": specs, "program": graph_to_json(block.graph)})
+    write_safetensors(os.path.join(path, MTP_BLOCK_WEIGHTS), [(n, tuple(t.shape), t.dtype) for n, t in stored],
+                      iter(stored), metadata={"format": "pt", "ppsplit_stage": "mtp"})
+    write_json(os.path.join(path, "config.json"), drafter.settings())
+    save_file(drafter.own_tensors(), os.path.join(path, MTP_OWN_WEIGHTS), metadata={"format": "pt"})
 
 
 def _layer_keys(checkpoint: Checkpoint, raw: dict, layout: MTPLayout, n: int) -> list[str]:
@@ -229,7 +267,6 @@ def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, b
     """``stage`` (weights on meta) filled with the MTP layer: its block tensors (``keys``, under ``block_prefix``) as
     layer 1's, its norm as the final norm, its head (or the target's ``lm_head``) as the head."""
     from ppsplit.compile.source import skeleton
-    from ppsplit.passes.rewrites import apply_rewrites
 
     names = {"model.layers.1." + key[len(block_prefix):]: key for key in keys}
     names["model.norm.weight"] = prefix + layout.own["norm"]
@@ -260,5 +297,4 @@ def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, b
         for name, value in values.items():
             target = stage.get_parameter(name) if name in dict(stage.named_parameters()) else stage.get_buffer(name)
             target.copy_(value.to(target.dtype))
-    apply_rewrites(stage, StageOptions(), device=torch.device(device))
     return stage

@@ -39,7 +39,8 @@ _PROBE_TAG = ".ppsplit-probe-"
 
 def compile_model(model: str, out: str, *, options: SplitOptions | None = None, dtype: str | None = None,
                   force: bool = False, progress: bool = False, drafter: str | None = None,
-                  drafter_convention: str | None = None, default_cache: bool = False, **split_options) -> str:
+                  drafter_convention: str | None = None, default_cache: bool = False, mtp: bool = False,
+                  **split_options) -> str:
     """Split the checkpoint ``model`` and write the artifacts to ``out``. Returns ``out``.
 
     The split is described by ``options`` (a ``SplitOptions``) or by the same keywords as ``split_model``
@@ -48,8 +49,10 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     ``drafter`` (an EAGLE-3 checkpoint), the taps come from its config (ids numbered as its format writes them,
     or in ``drafter_convention``)
     and the drafter, with its embedding copy, is stored in ``out/drafter`` (``ppsplit.load`` attaches it as
-    ``split.drafter``). ``default_cache`` (what ``ppsplit compile`` passes): without ``cache``, give the stages
-    ``default_cache_for(...)``'s paged cache, so the folder can generate and serve as written.
+    ``split.drafter``). ``mtp``: store the checkpoint's own first MTP layer in ``out/mtp`` instead (the taps
+    then include the last layer's output, ``L``), attached the same way. ``default_cache`` (what ``ppsplit compile``
+    passes): without ``cache``, give the stages ``default_cache_for(...)``'s paged cache, so the folder can generate
+    and serve as written.
 
     Example::
 
@@ -77,6 +80,8 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
         from ppsplit.eagle3.formats import compile_taps
         aux = compile_taps(drafter, config, options.aux, drafter_convention)
         options = dataclasses.replace(options, aux=aux, aux_convention="vllm")
+    if mtp:
+        options = _mtp_options(model, options, drafter, scheme, default_cache)
     checkpoint = Checkpoint(folder)
     torch_dtype = DTYPES[dtype] if dtype else _config_dtype(config)
 
@@ -115,6 +120,9 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
         if drafter is not None:
             from ppsplit.eagle3.formats import write_compiled_drafter
             write_compiled_drafter(tmp, drafter, split, checkpoint, tied, drafter_convention)
+        if mtp:
+            from ppsplit.compile.mtp import write_mtp
+            write_mtp(tmp, folder, split)
         if os.path.exists(out):
             backup = tmp + "-old"
             os.rename(out, backup)
@@ -127,6 +135,27 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
         raise
     log.info("wrote %s in %.1fs", out, time.perf_counter() - start)
     return out
+
+
+def _mtp_options(model: str, options: SplitOptions, drafter: str | None, scheme, default_cache: bool) -> SplitOptions:
+    """``options`` with tap ``L`` (what the MTP layer reads) added, or one ``ConfigError`` before anything is traced
+    when ``model`` has no MTP layers ppsplit runs or the split cannot store one."""
+    from ppsplit.compile.mtp import mtp_checkpoint
+    from ppsplit.core.options import parse_aux, to_taps
+
+    if drafter is not None:
+        raise ConfigError("pass either --drafter or --mtp: a compiled folder stores one drafter")
+    if options.tp > 1 or scheme is not None:
+        raise ConfigError("--mtp stores the MTP layer of an unquantised checkpoint without tensor parallelism; "
+                          "leave out --tp (or --mtp)")
+    if options.cache is None and not default_cache:
+        raise ConfigError("the MTP layer drafts over the stages' paged KV cache: leave out --no-cache (or --mtp)")
+    if options.aux == "eagle3":
+        raise ConfigError("--mtp adds its tap to explicit --aux ids only: pass them as numbers, or leave --aux out")
+    _, raw, _, _ = mtp_checkpoint(model)
+    layers = raw["num_hidden_layers"]
+    taps = to_taps(parse_aux(options.aux), options.aux_convention, layers) if options.aux else ()
+    return dataclasses.replace(options, aux=",".join(map(str, sorted({*taps, layers}))), aux_convention="vllm")
 
 
 DEFAULT_SEQUENCES = 8  # sequence slots of the cache ``ppsplit compile`` gives a folder when none is asked for

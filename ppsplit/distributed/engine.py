@@ -194,6 +194,9 @@ class PipelineEngine:
             raise ConfigError(f"rank {self.rank} was given stage {self.stage.meta['ppsplit.stage']}")
 
     def _folder_drafter(self, folder):
+        if folder is not None and folder.mtp is not None:
+            raise ConfigError("a folder's MTP layer runs in one process for now (ppsplit generate / serve without "
+                              "--ranks), not across ranks")
         if folder is None or folder.drafter is None:
             raise ConfigError("speculative decoding needs a drafter on the last rank: compile the folder "
                               "with --drafter, or pass PipelineEngine(..., drafter=ppsplit.load_drafter(...)) there")

@@ -30,6 +30,7 @@ from torch import nn
 
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.ragged import CacheLayout, RaggedStep
+from ppsplit.core.tensors import model_dtype
 from ppsplit.eagle3.drafter import RMSNorm
 
 COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")  # a config's MTP layers: DeepSeek's, transformers 5's
@@ -86,6 +87,46 @@ class MTPDrafter(nn.Module):
         self.register_buffer("embed_tokens", torch.empty(vocab, hidden), persistent=False)
         self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long))  # the full vocabulary: draft id = target id
 
+    def fill(self, tensors: dict) -> None:
+        """Copy the drafter's own tensors (``own_tensors``' names) in; a name or shape that differs is refused."""
+        own = self.own_tensors()
+        if set(tensors) != set(own):
+            wrong = sorted(set(tensors) ^ set(own))[0]
+            raise ConfigError(f"the MTP layer's own tensors differ from what it holds ({wrong})")
+        with torch.no_grad():
+            for name, t in tensors.items():
+                target = self.get_buffer(name) if name == "embed_tokens" else self.get_parameter(name)
+                if tuple(t.shape) != tuple(target.shape):
+                    raise ConfigError(f"the MTP tensor for {name} has shape {tuple(t.shape)}, expected "
+                                      f"{tuple(target.shape)}")
+                target.copy_(t.to(target.dtype))
+
+    def placed(self, device, dtype: torch.dtype) -> "MTPDrafter":
+        """On ``device``, its own tensors in ``dtype``; the block is built in the split's dtype already and keeps its
+        buffers as traced (the rotary's inv_freq stays float32: its graph multiplies it by float32 positions)."""
+        self.to(device=device)
+        for child in self.children():
+            if child is not self.block:
+                child.to(dtype=dtype)
+        for t in [*self.parameters(recurse=False), *self.buffers(recurse=False)]:
+            if t.is_floating_point():
+                t.data = t.data.to(dtype)
+        return self.eval()
+
+    def own_tensors(self) -> dict[str, torch.Tensor]:
+        """The drafter's tensors outside its block, by name (what a compiled folder stores beside the block)."""
+        out = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()
+               if not k.startswith("block.") and k != "d2t"}
+        out["embed_tokens"] = self.embed_tokens.detach().contiguous().cpu()
+        return out
+
+    def settings(self) -> dict:
+        """What rebuilding it around a stored block needs (a compiled folder's ``mtp/config.json``)."""
+        return {"ppsplit_family": "mtp", "ppsplit_taps": list(self.taps), "hidden_size": self.hidden_size,
+                "vocab_size": self.embed_tokens.shape[0], "rms_norm_eps": self.enorm.eps,
+                "offset_norms": isinstance(self.enorm, OffsetRMSNorm), "zero_first": self.zero_first,
+                "feed_normed": self.norm is not None}
+
     @property
     def target_ids(self) -> torch.Tensor:
         return torch.arange(self.d2t.shape[0], device=self.d2t.device)
@@ -115,3 +156,29 @@ class MTPDrafter(nn.Module):
         logits, aux = self.block(x, step.positions, aux, *step.tensors()[1:])
         out = aux[0] if self.norm is None else self.norm(aux[0])
         return logits[None], out[None]
+
+
+def load_folder_mtp(folder, device, options) -> MTPDrafter:
+    """The MTP layer a compiled folder stores (``ppsplit compile --mtp``), on ``device``: its block built from the
+    checked program as a stage is (``options``: the stage rewrites), its own tensors from ``mtp/drafter.safetensors``.
+    ``folder``: a ``CompiledFolder``."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from ppsplit.artifact.folder import MTP_OWN_WEIGHTS, FolderError, regular_file
+    from ppsplit.artifact.loader import build_stage
+
+    cfg, program, _ = folder.check_mtp()
+    plan = folder.plan
+    block = build_stage(folder, program, device, options)
+    layers = plan.num_layers
+    drafter = MTPDrafter(block, cfg["hidden_size"], cfg["vocab_size"], cfg["rms_norm_eps"], layers,
+                         plan.taps.index(layers), CacheLayout.of(plan), offset_norms=cfg["offset_norms"],
+                         zero_first=cfg["zero_first"], feed_normed=cfg["feed_normed"])
+    path = os.path.join(folder.mtp, MTP_OWN_WEIGHTS)
+    try:
+        drafter.fill(load_file(regular_file(path, folder.path)))
+    except ConfigError as e:
+        raise FolderError(f"{path}: {e}; compile the folder again") from None
+    return drafter.placed(device, model_dtype(plan))

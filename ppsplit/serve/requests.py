@@ -182,6 +182,6 @@ def print_outputs(outputs, tokenizer, seconds: float, what: str) -> None:
 
 
 def has_drafter(folder: str) -> bool:
-    from ppsplit.artifact.folder import DRAFTER
+    from ppsplit.artifact.folder import DRAFTER, MTP
 
-    return os.path.isdir(os.path.join(folder, DRAFTER))
+    return any(os.path.isdir(os.path.join(folder, name)) for name in (DRAFTER, MTP))

@@ -240,7 +240,7 @@ def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, co
          gemv: bool | None = None) -> SplitModel:
     """The whole ``SplitModel`` of a compiled folder; stage ``k`` on ``devices[k]`` (default: all on the CPU).
     ``compile``, ``fuse_projections``, ``fuse_pointwise`` and ``gemv`` as in ``load_stage``. A drafter compiled into the folder
-    (``ppsplit compile --drafter``) is attached as ``split.drafter``.
+    (``ppsplit compile --drafter``), or its MTP layer (``--mtp``), is attached as ``split.drafter``.
 
     Example::
 
@@ -262,6 +262,10 @@ def load(folder: str, devices: Sequence[torch.device | str] | None = None, *, co
         from ppsplit.eagle3.formats import load_folder_drafter
 
         split.drafter = load_folder_drafter(opened.drafter, plan, module_device(stages[-1]))
+    if opened.mtp is not None:  # the target's own MTP layer (ppsplit compile --mtp)
+        from ppsplit.eagle3.mtp import load_folder_mtp
+
+        split.drafter = load_folder_mtp(opened, module_device(stages[-1]), options)
     return split
 
 

@@ -364,6 +364,103 @@ def test_trained_layer_accepts_more_than_one_token_per_pass(trained, k):
     assert alone[0].accepted == outs[3].accepted
 
 
+def test_compiled_folder_speculates_with_its_mtp_layer(trained, tmp_path, capsys):
+    """``ppsplit compile CKPT --pp 2 --mtp`` stores the MTP layer in DIR/mtp (the block's program and tensors, its
+    own tensors beside them); ``ppsplit.load`` attaches it, and the folder's greedy output equals Hugging Face's with
+    the acceptance of ``load_mtp`` over an in-process split; ``ppsplit generate -k`` prints the same."""
+    from ppsplit.cli import main
+
+    target, folder, traced = trained
+    out = str(tmp_path / "pp2")
+    assert main(["compile", folder, "--pp", "2", "--mtp", "-o", out, "--max-batch", "8", "--max-len", "64"]) == 0
+    assert sorted(os.listdir(os.path.join(out, "mtp"))) == ["block.json", "block.safetensors", "config.json",
+                                                            "drafter.safetensors"]
+    loaded = ppsplit.load(out)
+    assert loaded.plan.taps == (L,) and loaded.drafter.family == "mtp"
+    prompts = [p.tolist() for p in torch.randint(3, V, (4, 4), generator=torch.Generator().manual_seed(5))]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    outs = Engine(loaded, drafter=loaded.drafter, num_draft_tokens=3).generate(prompts, params)
+    split = ppsplit.split_model(traced, 2, aux=[L])
+    ref = Engine(split, drafter=ppsplit.load_mtp(folder, split=split), num_draft_tokens=3).generate(prompts, params)
+    for prompt, got, expected in zip(prompts, outs, ref):
+        with torch.no_grad():
+            greedy = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                                     eos_token_id=None)[0, 4:].tolist()
+        assert got.token_ids == greedy == expected.token_ids
+        assert got.accepted == expected.accepted and got.drafts == expected.drafts
+    lengths = [o.mean_acceptance_length for o in outs]
+    with capsys.disabled():
+        print(f"MTP layer from the compiled folder, K=3: tokens per verify pass {[round(x, 2) for x in lengths]}")
+    assert sum(lengths) / len(lengths) > 1.2
+    capsys.readouterr()
+    assert main(["generate", out, "--prompt-ids", ",".join(map(str, prompts[0])), "--max-new-tokens", "16",
+                 "--ignore-eos", "-k", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0] == ",".join(map(str, outs[0].token_ids))
+    assert f"mean acceptance length {outs[0].mean_acceptance_length:.2f}" in printed, printed
+    assert main(["inspect", out]) == 0
+    for command, message in ((["save-drafter", out, "-o", str(tmp_path / "x")], "no drafter checkpoint to save"),
+                             (["run", out, "--prompt-ids", "3,4", "-k", "2"], "runs in one process for now")):
+        capsys.readouterr()
+        assert main(command) == 2
+        assert message in capsys.readouterr().err
+    # a tampered stored config is refused in one line, by inspect and by load
+    where = os.path.join(out, "mtp", "config.json")
+    cfg = json.loads(open(where).read())
+    for change, message in (({"ppsplit_taps": [1]}, "the MTP layer reads taps [1]"),
+                            ({"hidden_size": "64"}, "hidden_size must be"),
+                            ({"run": "os.system"}, "'run', which ppsplit does not write there")):
+        with open(where, "w") as f:
+            json.dump({**cfg, **change}, f)
+        with pytest.raises(ConfigError) as e:
+            ppsplit.load(out)
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert main(["inspect", out]) == 2
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", QWEN])
+def test_compiled_folder_keeps_each_layout(arch, tmp_path, tmp_path_factory):
+    """GLM-4.5 (GQA + biases) and Qwen3-Next (offset norms, the target's head, the normed output fed back) stored by
+    ``compile --mtp`` draft exactly what ``load_mtp`` drafts, and the output stays Hugging Face's greedy one."""
+    from ppsplit.cli import main
+
+    target, _, _, folder, traced = built(arch, tmp_path_factory)
+    out = str(tmp_path / "pp2")
+    assert main(["compile", folder, "--pp", "2", "--mtp", "-o", out, "--max-batch", "8", "--max-len", "64"]) == 0
+    loaded = ppsplit.load(out)
+    prompts = [p.tolist() for p in torch.randint(3, V, (3, 6), generator=torch.Generator().manual_seed(3))]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = Engine(loaded, drafter=loaded.drafter, num_draft_tokens=3).generate(prompts, params)
+    split = ppsplit.split_model(traced, 2, aux=[L])
+    ref = Engine(split, drafter=ppsplit.load_mtp(folder, split=split), num_draft_tokens=3).generate(prompts, params)
+    for prompt, got, expected in zip(prompts, outs, ref):
+        with torch.no_grad():
+            greedy = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                     eos_token_id=None)[0, 6:].tolist()
+        assert got.token_ids == greedy == expected.token_ids
+        assert got.drafts == expected.drafts and got.accepted == expected.accepted
+
+
+def test_compile_mtp_refuses_a_checkpoint_without_mtp_layers(deepseek, tmp_path, capsys):
+    """``--mtp`` on a checkpoint with no MTP layers, or of a model type without a layout, is one line and writes
+    nothing."""
+    from ppsplit.cli import main
+
+    target, _, _, folder, _ = deepseek
+    for change, message in (({"num_nextn_predict_layers": 0}, "has no MTP layers"),
+                            ({"model_type": "llama"}, "model_type 'llama' are not supported")):
+        bad = tmp_path / f"cfg{len(message)}"
+        os.makedirs(bad)
+        cfg = json.loads(open(os.path.join(folder, "config.json")).read())
+        (bad / "config.json").write_text(json.dumps({**cfg, **change}))
+        os.symlink(os.path.join(folder, "model.safetensors"), bad / "model.safetensors")
+        capsys.readouterr()
+        assert main(["compile", str(bad), "--pp", "2", "--mtp", "-o", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+        assert not os.path.exists(tmp_path / "out")
+
+
 def test_a_bf16_split_of_a_float32_checkpoint(tmp_path):
     """The split in bf16, the checkpoint in float32: the layer's tensors take the split's dtype, the block's rotary
     buffers stay as traced (float32), and the engine runs (it failed with a dtype mismatch before)."""
@@ -375,3 +472,12 @@ def test_a_bf16_split_of_a_float32_checkpoint(tmp_path):
     assert any(b.dtype == torch.float32 for name, b in drafter.block.named_buffers() if "inv_freq" in name)
     out = Engine(split, drafter=drafter, num_draft_tokens=2).generate([[5, 9, 3]], SamplingParams(max_tokens=6))
     assert len(out[0].token_ids) == 6
+    # compiled in bf16 with --mtp: the stored block keeps the float32 rotary buffers, and drafts as load_mtp does
+    from ppsplit.cli import main
+
+    assert main(["compile", folder, "--pp", "2", "--mtp", "--dtype", "bfloat16", "-o", str(tmp_path / "bf16"),
+                 "--max-batch", "4", "--max-len", "48"]) == 0
+    loaded = ppsplit.load(str(tmp_path / "bf16"))
+    assert loaded.drafter.eh_proj.weight.dtype == torch.bfloat16
+    again = Engine(loaded, drafter=loaded.drafter, num_draft_tokens=2).generate([[5, 9, 3]], SamplingParams(max_tokens=6))
+    assert (again[0].token_ids, again[0].drafts) == (out[0].token_ids, out[0].drafts)
