@@ -30,6 +30,38 @@ from ppsplit.serve.runner import buckets_up_to
 log = logging.getLogger("ppsplit")
 
 
+class _StaticStep:
+    """A ragged step's metadata in static buffers of ``rows`` rows over the cache of ``layout``: each graph captures
+    a prefix (``step(n)``); ``fill`` writes a step of ``n`` rows into it, the rest of ``padded`` rows padding.
+    ``spans``: the graph reads the sequences' spans (``seq_start`` / ``seq_count``: attention), so ``fill`` copies
+    them (a context write reads only positions, sequences and blocks)."""
+
+    def __init__(self, rows: int, layout, device, spans: bool = True):
+        self.spans = spans
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.seq = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.table = torch.zeros(layout.slots, layout.blocks_per_seq, dtype=torch.long, device=device)
+        self.seq_start = torch.zeros(layout.slots, dtype=torch.long, device=device)
+        self.seq_count = torch.zeros(layout.slots, dtype=torch.long, device=device)
+
+    def step(self, n: int) -> RaggedStep:
+        return RaggedStep(self.positions[:n], self.seq[:n], self.table, self.seq_start, self.seq_count)
+
+    def fill(self, step: RaggedStep, n: int, padded: int) -> None:
+        self.positions[:n].copy_(step.positions)
+        self.seq[:n].copy_(step.seq)
+        self.seq[n:padded].fill_(-1)
+        self.table.copy_(step.block_table)
+        if self.spans:
+            self.seq_start.copy_(step.seq_start)
+            self.seq_count.copy_(step.seq_count)
+
+
+def _bucket(buckets, n: int) -> int | None:
+    """The smallest of ``buckets`` (ascending) that holds ``n``."""
+    return next((b for b in buckets if b >= n), None)
+
+
 class BlockGraphs:
     """``drafter``'s ``write_context`` captured per token count in ``token_buckets`` and ``draft_block`` per count of
     requests (``buckets_up_to``) of ``width`` rows each, over ``plan``'s aux layout and the drafter's cache of
@@ -40,31 +72,19 @@ class BlockGraphs:
         self.drafter, self.width = drafter, width
         n, d = max(token_buckets), layout.slots
         self.aux = torch.zeros(plan.n_slots, n, plan.hidden_size, dtype=model_dtype(plan), device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.seq = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.table = torch.zeros(layout.slots, layout.blocks_per_seq, dtype=torch.long, device=dev)
-        self.seq_start = torch.zeros(layout.slots, dtype=torch.long, device=dev)
-        self.seq_count = torch.zeros(layout.slots, dtype=torch.long, device=dev)
+        self.context_step = _StaticStep(n, layout, dev, spans=False)
         self.tokens = torch.zeros(d * width, dtype=torch.long, device=dev)
-        self.block_positions = torch.zeros(d * width, dtype=torch.long, device=dev)
-        self.block_seq = torch.full((d * width,), -1, dtype=torch.long, device=dev)
+        self.block_step = _StaticStep(d * width, layout, dev)
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
-        self.context = {t: capture_fn(lambda t=t: drafter.write_context(self.aux[:, :t], self._context_step(t)), dev,
-                                      pool=pool)[0] for t in sorted(token_buckets)}
-        self.blocks = {r: capture_fn(lambda r=r: drafter.draft_block(self.tokens[:r * width], self._block_step(r),
-                                                                     width), dev, pool=pool)
+        self.context = {t: capture_fn(lambda t=t: drafter.write_context(self.aux[:, :t], self.context_step.step(t)),
+                                      dev, pool=pool)[0] for t in sorted(token_buckets)}
+        self.blocks = {r: capture_fn(lambda r=r: drafter.draft_block(self.tokens[:r * width],
+                                                                     self.block_step.step(r * width), width),
+                                     dev, pool=pool)
                        for r in buckets_up_to(d)}
         log.info("captured the block drafter for %d token buckets and %d request buckets in %.1fs",
                  len(self.context), len(self.blocks), time.perf_counter() - start)
-
-    def _context_step(self, t: int) -> RaggedStep:
-        return RaggedStep(self.positions[:t], self.seq[:t], self.table, self.seq_start, self.seq_count)
-
-    def _block_step(self, r: int) -> RaggedStep:
-        rows = r * self.width
-        return RaggedStep(self.block_positions[:rows], self.block_seq[:rows], self.table, self.seq_start,
-                          self.seq_count)
 
     def write_context(self, aux: torch.Tensor, step: RaggedStep) -> None:
         """``drafter.write_context(aux, step)``, replayed when the step's token count is a bucket."""
@@ -73,27 +93,19 @@ class BlockGraphs:
         if graph is None:
             return self.drafter.write_context(aux, step)
         self.aux[:, :t].copy_(aux)
-        self.positions[:t].copy_(step.positions)
-        self.seq[:t].copy_(step.seq)
-        self.table.copy_(step.block_table)
+        self.context_step.fill(step, t, t)
         graph.replay()
 
     def draft_block(self, tokens: torch.Tensor, step: RaggedStep, width: int) -> torch.Tensor:
         """``drafter.draft_block(tokens, step, width)`` for ``tokens [D * width]`` (``width`` the captured one),
         replayed in the smallest request bucket that holds ``D`` (the padding rows write and read nothing)."""
         rows = tokens.shape[0]
-        d = rows // self.width
-        bucket = next((r for r in self.blocks if r >= d), None)
+        bucket = _bucket(self.blocks, rows // self.width)
         if bucket is None:
             return self.drafter.draft_block(tokens, step, width)
         graph, out = self.blocks[bucket]
         self.tokens[:rows].copy_(tokens)
-        self.block_positions[:rows].copy_(step.positions)
-        self.block_seq[:rows].copy_(step.seq)
-        self.block_seq[rows:bucket * self.width].fill_(-1)
-        self.table.copy_(step.block_table)
-        self.seq_start.copy_(step.seq_start)
-        self.seq_count.copy_(step.seq_count)
+        self.block_step.fill(step, rows, bucket * self.width)
         graph.replay()
         return out[:rows]
 
@@ -109,32 +121,23 @@ class ChainGraphs:
         self.drafter = drafter
         self.hidden = torch.zeros(d, drafter.hidden_size, dtype=table.dtype, device=dev)
         self.tokens = torch.zeros(d, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(d, dtype=torch.long, device=dev)
-        self.seq = torch.full((d,), -1, dtype=torch.long, device=dev)
-        self.table = torch.zeros(layout.slots, layout.blocks_per_seq, dtype=torch.long, device=dev)
-        self.seq_start = torch.zeros(layout.slots, dtype=torch.long, device=dev)
-        self.seq_count = torch.zeros(layout.slots, dtype=torch.long, device=dev)
+        self.static = _StaticStep(d, layout, dev)
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
-        self.steps = {r: capture_fn(lambda r=r: drafter(self.hidden[None, :r], self.tokens[None, :r], RaggedStep(
-            self.positions[:r], self.seq[:r], self.table, self.seq_start, self.seq_count)), dev, pool=pool)
-            for r in buckets_up_to(d)}
+        self.steps = {r: capture_fn(lambda r=r: drafter(self.hidden[None, :r], self.tokens[None, :r],
+                                                        self.static.step(r)), dev, pool=pool)
+                      for r in buckets_up_to(d)}
         log.info("captured the chain drafter for %d request buckets in %.1fs", len(self.steps),
                  time.perf_counter() - start)
 
     def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor, step: RaggedStep):
         d = tokens.shape[1]
-        bucket = next((r for r in self.steps if r >= d), None)
+        bucket = _bucket(self.steps, d)
         if bucket is None:
             return self.drafter(hidden, tokens, step)
         graph, (logits, out) = self.steps[bucket]
         self.hidden[:d].copy_(hidden[0])
         self.tokens[:d].copy_(tokens[0])
-        self.positions[:d].copy_(step.positions)
-        self.seq[:d].copy_(step.seq)
-        self.seq[d:bucket].fill_(-1)
-        self.table.copy_(step.block_table)
-        self.seq_start.copy_(step.seq_start)
-        self.seq_count.copy_(step.seq_count)
+        self.static.fill(step, d, bucket)
         graph.replay()
         return logits[:, :d], out[:, :d]

@@ -79,7 +79,7 @@ class Proposer:
         self.kept = None  # [D]: the drafts of the last proposal each drawing request verifies (DSpark), None: all K
         drafter.allocate_paged(layout)
         self.layout, self.slots = layout, layout.slots
-        self.graphs = None  # a block drafter's CUDA graphs (``capture``)
+        self.graphs = None  # the drafter's CUDA graphs (``capture``)
         self.q = None  # [S, K, draft vocab]: each slot's draft distributions, once a request samples
 
     def capture(self, plan, token_buckets) -> None:
