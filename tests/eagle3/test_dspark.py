@@ -415,26 +415,14 @@ def test_stand_in_graphs_equal_the_eager_engine(trained_dspark):
 def test_dspark_sampling_matches_target_distribution(tmp_path):
     """2000 copies of one prompt on a Llama target, drafts drawn one at a time through the Markov head, windows
     trimmed by confidence: the joint distribution of the first two tokens equals the target's p(t0) p(t1 | t0)."""
-    from tests.eagle3.test_eagle3 import chi2_pvalue, traced
+    from tests.eagle3.test_eagle3 import check_joint_sampling, traced
 
     model, graph = traced("small")
     split = ppsplit.split_model(graph, 2, aux=TAPS, fuse=False)
     dspark_drafter(tmp_path / "d", model, seed=3, scale=0.5)
     drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
     drafter.confidence_threshold = 0.2
-    prompt = torch.tensor([[5, 9, 17, 3, 11]])
-    N, V, temp = 2000, 32, 0.8
-    out = split.generate(prompt.expand(N, -1), 2, drafter=drafter, num_draft_tokens=3, temperature=temp,
-                         generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        p0 = torch.softmax(model(prompt).logits[0, -1] / temp, -1)
-        after = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)
-        p1 = torch.softmax(model(after).logits[:, -1] / temp, -1)
-        hot = torch.softmax(model(prompt).logits[0, -1] / 1.2, -1)[:, None] \
-            * torch.softmax(model(after).logits[:, -1] / 1.2, -1)
-    counts = torch.bincount(out[:, 5] * V + out[:, 6], minlength=V * V)
-    assert chi2_pvalue(counts, (p0[:, None] * p1).flatten()) > 1e-3
-    assert chi2_pvalue(counts, hot.flatten()) < 1e-3  # the test has power
+    check_joint_sampling(model, split, drafter, 3)
 
 
 # -- refusals: one line, before anything loads ----------------------------------------------------------------------

@@ -298,6 +298,26 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float =
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
 
 
+def check_joint_sampling(model, split, drafter, k: int):
+    """2000 copies of one prompt, two new tokens sampled at temperature 0.8 with ``k`` drafts: the joint distribution
+    of (first, second) token equals the target's p(t0) p(t1 | t0) (chi-square), and the test has power: the same
+    samples are told apart from the target at temperature 1.2. Returns the run's ``SpeculativeStats``."""
+    prompt = torch.tensor([[5, 9, 17, 3, 11]])
+    N, V, temp = 2000, 32, 0.8
+    out, stats = split.generate(prompt.expand(N, -1), 2, drafter=drafter, num_draft_tokens=k, temperature=temp,
+                                generator=torch.Generator().manual_seed(1), return_stats=True)
+    with torch.no_grad():
+        p0 = torch.softmax(model(prompt).logits[0, -1] / temp, -1)
+        after = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)
+        p1 = torch.softmax(model(after).logits[:, -1] / temp, -1)
+        hot = torch.softmax(model(prompt).logits[0, -1] / 1.2, -1)[:, None] \
+            * torch.softmax(model(after).logits[:, -1] / 1.2, -1)
+    counts = torch.bincount(out[:, 5] * V + out[:, 6], minlength=V * V)
+    assert chi2_pvalue(counts, (p0[:, None] * p1).flatten()) > 1e-3
+    assert chi2_pvalue(counts, hot.flatten()) < 1e-3
+    return stats
+
+
 def test_acceptance_rule_is_lossless_at_every_index():
     g = torch.Generator().manual_seed(0)
     V, K, N = 8, 3, 200_000
@@ -326,21 +346,8 @@ def test_speculative_sampling_matches_target_distribution(tmp_path):
     split = ppsplit.split_model(graph, 2, aux=TAPS, fuse=False)
     folder, _, _ = drafter_on_disk(tmp_path, model, "safetensors", seed=3)
     drafter = ppsplit.load_drafter(folder, split=split)
-    prompt = torch.tensor([[5, 9, 17, 3, 11]])
-    N, V, temp = 2000, 32, 0.8
-    out, stats = split.generate(prompt.expand(N, -1), 2, drafter=drafter, num_draft_tokens=2, temperature=temp,
-                                generator=torch.Generator().manual_seed(1), return_stats=True)
+    stats = check_joint_sampling(model, split, drafter, 2)
     assert stats.verify_passes == 1
-    with torch.no_grad():
-        p0 = torch.softmax(model(prompt).logits[0, -1] / temp, -1)
-        after = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)
-        p1 = torch.softmax(model(after).logits[:, -1] / temp, -1)
-        hot = torch.softmax(model(prompt).logits[0, -1] / 1.2, -1)[:, None] \
-            * torch.softmax(model(after).logits[:, -1] / 1.2, -1)
-    counts = torch.bincount(out[:, 5] * V + out[:, 6], minlength=V * V)
-    assert chi2_pvalue(counts, (p0[:, None] * p1).flatten()) > 1e-3
-    # The test has power: the same samples are told apart from the target at another temperature.
-    assert chi2_pvalue(counts, hot.flatten()) < 1e-3
 
 
 # -- errors -------------------------------------------------------------------------------------------------------
