@@ -405,7 +405,7 @@ def test_compiled_dflash_refusals(compiled_dflash, tmp_path):
         copy = tmp_path / "copy"
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(folders[1], copy)
-        _edit(copy / "drafter", change)
+        edit_config(copy / "drafter", change)
         with pytest.raises(ppsplit.PpsplitError, match=message) as e:
             ppsplit.load(str(copy))
         assert "\n" not in str(e.value)
@@ -414,13 +414,14 @@ def test_compiled_dflash_refusals(compiled_dflash, tmp_path):
 
     model, _ = small()
     zlab_drafter(tmp_path / "two", 32)
-    _edit(tmp_path / "two", lambda c: c.update(architectures=["DFlash2DraftModel"]))
+    edit_config(tmp_path / "two", lambda c: c.update(architectures=["DFlash2DraftModel"]))
     with pytest.raises(ConfigError, match="compile --drafter stores EAGLE-3 and DFlash drafters; this is a dflash2"):
         compile_taps(str(tmp_path / "two"), model.config, None, None)
 
 
 # -- refusals: one line, before anything loads ----------------------------------------------------------------------
-def _edit(folder, change):
+def edit_config(folder, change):
+    """Apply ``change`` to the ``config.json`` of ``folder`` (a drafter folder) in place."""
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     change(cfg)
@@ -442,7 +443,7 @@ def _edit(folder, change):
 def test_bad_dflash_configs_are_refused_in_one_line(tmp_path, change, message):
     model, graph = cached("qwen3")
     zlab_drafter(tmp_path / "z", 128)
-    _edit(tmp_path / "z", change)
+    edit_config(tmp_path / "z", change)
     split = ppsplit.split_model(graph, 1, aux=[1, 2, 3, 4])
     with pytest.raises(ConfigError, match=message) as e:
         ppsplit.load_drafter(str(tmp_path / "z"), split=split)

@@ -12,7 +12,7 @@ import ppsplit
 from ppsplit import ConfigError
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.sampling import SamplingParams
-from tests.eagle3.test_dflash import small
+from tests.eagle3.test_dflash import edit_config, small
 from tests.serve.test_decode import cached
 
 dflash = pytest.importorskip("dflash.model")
@@ -199,13 +199,6 @@ def test_dflash2_sampling_matches_target_distribution(tmp_path):
     check_joint_sampling(model, split, drafter, 2)
 
 
-def _edit(folder, change):
-    path = folder / "config.json"
-    cfg = json.loads(path.read_text())
-    change(cfg)
-    path.write_text(json.dumps(cfg))
-
-
 @pytest.mark.parametrize("change, message", [
     (lambda c: c["dflash_config"].update(conv_group_size=24), "conv_group_size 24 does not divide hidden_size 64"),
     (lambda c: c["dflash_config"].update(selector_top_k=0), "selector_top_k must be an integer >= 1"),
@@ -217,7 +210,7 @@ def _edit(folder, change):
 def test_bad_dflash2_configs_are_refused_in_one_line(tmp_path, change, message):
     model, graph = cached("qwen3")
     zlab_dflash2(tmp_path / "z", 128)
-    _edit(tmp_path / "z", change)
+    edit_config(tmp_path / "z", change)
     split = ppsplit.split_model(graph, 1, aux=TAPS)
     with pytest.raises(ConfigError, match=message) as e:
         ppsplit.load_drafter(str(tmp_path / "z"), split=split)

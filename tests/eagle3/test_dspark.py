@@ -11,7 +11,7 @@ import ppsplit
 from ppsplit import ConfigError
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.sampling import SamplingParams
-from tests.eagle3.test_dflash import small
+from tests.eagle3.test_dflash import edit_config, small
 from tests.serve.test_decode import cached
 
 pytest.importorskip("speculators")
@@ -426,13 +426,6 @@ def test_dspark_sampling_matches_target_distribution(tmp_path):
 
 
 # -- refusals: one line, before anything loads ----------------------------------------------------------------------
-def _edit(folder, change):
-    path = folder / "config.json"
-    cfg = json.loads(path.read_text())
-    change(cfg)
-    path.write_text(json.dumps(cfg))
-
-
 @pytest.mark.parametrize("change, message", [
     (lambda c: c.update(frobnicate=1), "drafter config key frobnicate"),
     (lambda c: c.update(markov_head_type="lstm"), "markov_head_type 'lstm'"),
@@ -446,7 +439,7 @@ def _edit(folder, change):
 def test_bad_dspark_configs_are_refused_in_one_line(tmp_path, change, message):
     model, graph = cached("qwen3")
     dspark_drafter(tmp_path / "d", model)
-    _edit(tmp_path / "d", change)
+    edit_config(tmp_path / "d", change)
     split = ppsplit.split_model(graph, 1, aux=TAPS)
     with pytest.raises(ConfigError, match=message) as e:
         ppsplit.load_drafter(str(tmp_path / "d"), split=split)
