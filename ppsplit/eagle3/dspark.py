@@ -1,4 +1,4 @@
-"""The DSpark drafter on the last stage (speculators' ``dspark``): DFlash's block backbone (``ppsplit.eagle3.dflash``),
+"""The DSpark drafter on the last stage (speculators' ``dspark``, DeepSpec's ``Qwen3DSparkModel``): DFlash's block backbone (``ppsplit.eagle3.dflash``),
 then two light heads run left to right over the block's rows.
 
 For a request whose bonus token ``b`` sits at position ``P``, the block is ``[b, mask, ...]`` from ``P``; with
@@ -19,6 +19,10 @@ The drafts a request's next verify window carries are the leading ones whose sur
 sigmoid(c_j)`` reaches ``confidence_threshold`` (vLLM's ``dspark_confidence_threshold``: 0, the default, keeps all
 ``K``); the count can be 0. Whether draft ``i`` is verified depends only on the drafts before it, which are the
 committed tokens when it is reached, so trimming keeps the rejection rule lossless.
+
+DeepSpec's folders (deepseek-ai/DeepSpec ``deepspec/modeling/dspark``) hold the same model under the same tensor
+names (its ``VanillaMarkov`` / ``GatedMarkovHead`` / ``RNNHead`` and ``AcceptRatePredictor``), every row drafting,
+plus frozen copies of the target's ``embed_tokens`` and ``lm_head``, which are checked and then shared.
 """
 from __future__ import annotations
 
@@ -62,10 +66,28 @@ class _ConfidenceHead(nn.Module):
         self.proj = nn.Linear(width, 1)
 
 
+def drop_target_copies(tensors: dict, embed: torch.Tensor, head: torch.Tensor) -> dict:
+    """``tensors`` without DeepSpec's copies of the target's input embedding and output head (its trainer copies both
+    from the target and freezes them), each checked to be the target's ``embed`` / ``head`` at the copy's precision,
+    so the drafter shares the target's tables instead of holding second ones."""
+    out = dict(tensors)
+    for name, table, what in (("embed_tokens.weight", embed, "input embedding"), ("lm_head.weight", head, "lm_head")):
+        copy = out.pop(name, None)
+        if copy is None:
+            raise ConfigError(f"the DeepSpec DSpark drafter lacks {name} (its copy of the target's {what}); this "
+                              "folder was not written by DeepSpec's save_pretrained")
+        if tuple(copy.shape) != tuple(table.shape) \
+                or not torch.equal(table.detach().to(device=copy.device, dtype=copy.dtype), copy):
+            raise ConfigError(f"the DeepSpec DSpark drafter's {name} {tuple(copy.shape)} is not this target's {what} "
+                              f"{tuple(table.shape)} (DeepSpec trains with a frozen copy of it); use a drafter trained "
+                              "for this target")
+    return out
+
+
 class DSparkDrafter(DFlashDrafter):
     """A DSpark drafter (see the module docstring), built by ``ppsplit.load_drafter`` from speculators' ``dspark``
-    layout. ``confidence_threshold`` (0 to 1, default 0: no trimming) trims each request's verify window to the drafts
-    the confidence head expects to survive.
+    layout or a DeepSpec folder. ``confidence_threshold`` (0 to 1, default 0: no trimming) trims each request's verify
+    window to the drafts the confidence head expects to survive.
 
     Example::
 
