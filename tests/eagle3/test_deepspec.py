@@ -236,13 +236,27 @@ def test_deepspec_folder_drafts_like_the_reference(tmp_path, kind, rank, confide
 
 
 # -- through the engine ----------------------------------------------------------------------------------------------
+def knows_the_target(model, strength):
+    """test_dspark's bigram Markov head scaled to ``strength`` (its bias is 20 there): weak enough that the
+    backbone's context features still decide drafts (the tiny target's head gives logits of a few tenths; at 4 the
+    head alone decides every draft, and the context could be read from the wrong taps unnoticed), strong enough
+    that some are accepted."""
+    bigram = bigram_markov(model)
+
+    def prepare(ref):
+        bigram(ref)
+        with torch.no_grad():
+            ref.markov_head.markov_w2.weight.mul_(strength / 20.0)
+    return prepare
+
+
 @pytest.mark.parametrize("pp", [1, 2])
 def test_engine_drafts_like_the_reference_and_equals_greedy(tmp_path, pp):
     """Four requests batched, K = block size (every row drafts): each output equals Hugging Face greedy, and every
     verify window carries exactly the drafts DeepSpec's proposal makes for its context; some are accepted."""
     model, graph = small()
     ref = deepspec_folder(tmp_path / "d", model, rank=model.config.vocab_size, seed=1, scale=0.5,
-                          prepare=bigram_markov(model))
+                          prepare=knows_the_target(model, 0.5))
     split = ppsplit.split_model(graph, pp, aux=TAPS)
     drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
     prompts = torch.randint(6, 32, (4, 7), generator=torch.Generator().manual_seed(3))
