@@ -383,7 +383,7 @@ def _deepspec(cfg: dict) -> tuple[dict, dict, list | None, str]:
     out.update(block_size=cfg["block_size"], mask_token_id=cfg["mask_token_id"], input_embedding_scale=1.0,
                output_multiplier=1.0, final_logit_softcapping=0.0, draft_vocab_size=out["vocab_size"],
                target_hidden_size=out["hidden_size"], num_target_layers=cfg.get("num_target_layers"),
-               family="dspark")
+               family="dspark", confidence_rule="each")  # DeepSpec's evaluator trims at the first low confidence
     kind = cfg.get("markov_head_type", "vanilla")
     heads = {**cfg, "markov_head_type": kind.lower() if isinstance(kind, str) else kind, "sample_from_anchor": True}
     if not _flag(cfg, "enable_confidence_head", False):

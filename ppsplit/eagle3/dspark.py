@@ -17,7 +17,8 @@ drafts take ``K`` rows), without it the bonus row drafts nothing (``K + 1`` rows
 
 The drafts a request's next verify window carries are the leading ones whose survival ``prod_{j <= i}
 sigmoid(c_j)`` reaches ``confidence_threshold`` (vLLM's ``dspark_confidence_threshold``: 0, the default, keeps all
-``K``); the count can be 0. Whether draft ``i`` is verified depends only on the drafts before it, which are the
+``K``); the count can be 0. ``confidence_rule = "each"`` (the default for DeepSpec's folders, as its evaluator's
+``_confident_prefix_length`` trims) keeps instead the leading drafts whose own ``sigmoid(c_i)`` reaches it. Whether draft ``i`` is verified depends only on the drafts before it, which are the
 committed tokens when it is reached, so trimming keeps the rejection rule lossless.
 
 DeepSpec's folders (deepseek-ai/DeepSpec ``deepspec/modeling/dspark``) hold the same model under the same tensor
@@ -114,6 +115,7 @@ class DSparkDrafter(DFlashDrafter):
         self.confidence_head = _ConfidenceHead(h + (rank if cfg["confidence_with_markov"] else 0)) \
             if cfg["confidence_head"] else None
         self._threshold = 0.0
+        self._rule = cfg.get("confidence_rule", "survival")
 
     @property
     def confidence_threshold(self) -> float:
@@ -128,6 +130,18 @@ class DSparkDrafter(DFlashDrafter):
             raise ConfigError("confidence_threshold needs the drafter's confidence head, and this DSpark drafter has "
                               "none (enable_confidence_head false); leave it at 0")
         self._threshold = float(value)
+
+    @property
+    def confidence_rule(self) -> str:
+        """How ``confidence_threshold`` reads the confidences: ``survival`` (vLLM's) or ``each`` (DeepSpec's)."""
+        return self._rule
+
+    @confidence_rule.setter
+    def confidence_rule(self, value: str) -> None:
+        if value not in ("survival", "each"):
+            raise ConfigError(f"confidence_rule must be 'survival' (vLLM: the product of the confidences so far) or "
+                              f"'each' (DeepSpec: every confidence so far), but got {value!r}")
+        self._rule = value
 
     def heads(self, rows: torch.Tensor, prev: torch.Tensor, pick=None):
         """The drafting rows ``rows [D, K, H]`` (after the last layer) through the Markov and confidence heads, left to
@@ -158,11 +172,13 @@ class DSparkDrafter(DFlashDrafter):
                 torch.stack(confidence, 1) if confidence else None)
 
     def kept(self, confidence: torch.Tensor | None) -> torch.Tensor | None:
-        """Per request, the leading drafts whose survival reaches ``confidence_threshold`` ``[D]`` (``None``: all)."""
+        """Per request, the leading drafts ``confidence_rule`` keeps at ``confidence_threshold`` ``[D]`` (``None``:
+        all)."""
         if confidence is None or self._threshold <= 0:
             return None
-        survival = torch.sigmoid(confidence.float()).cumprod(-1)
-        return (survival >= self._threshold).sum(-1)
+        p = torch.sigmoid(confidence.float())
+        reach = p.cumprod(-1) if self._rule == "survival" else p.cummin(-1).values
+        return (reach >= self._threshold).sum(-1)
 
     def forward(self, aux: torch.Tensor, tokens: torch.Tensor, ctx_positions: torch.Tensor,
                 block_positions: torch.Tensor, prev: torch.Tensor | None = None):

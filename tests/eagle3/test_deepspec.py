@@ -250,30 +250,77 @@ def knows_the_target(model, strength):
     return prepare
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_engine_drafts_like_the_reference_and_equals_greedy(tmp_path, pp):
+def confident_prefix(conf, threshold):
+    """DeepSpec's ``_confident_prefix_length``: the drafts before the first whose own confidence is below."""
+    low = (torch.sigmoid(conf) < threshold).nonzero()
+    return len(conf) if threshold <= 0 or len(low) == 0 else int(low[0, 0])
+
+
+@pytest.mark.parametrize("pp, threshold", [(1, 0.0), (2, 0.0), (2, 0.4)])
+def test_engine_drafts_like_the_reference_and_equals_greedy(tmp_path, pp, threshold):
     """Four requests batched, K = block size (every row drafts): each output equals Hugging Face greedy, and every
-    verify window carries exactly the drafts DeepSpec's proposal makes for its context; some are accepted."""
+    verify window carries exactly the drafts DeepSpec's proposal makes for its context, cut where its evaluator
+    cuts them (the first confidence below the threshold; vLLM's survival rule would cut some elsewhere); some are
+    accepted."""
     model, graph = small()
     ref = deepspec_folder(tmp_path / "d", model, rank=model.config.vocab_size, seed=1, scale=0.5,
                           prepare=knows_the_target(model, 0.5))
     split = ppsplit.split_model(graph, pp, aux=TAPS)
     drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
+    drafter.confidence_threshold = threshold
+    assert drafter.confidence_rule == "each"
     prompts = torch.randint(6, 32, (4, 7), generator=torch.Generator().manual_seed(3))
     outs = Engine(split, drafter=drafter, num_draft_tokens=BLOCK).generate(list(prompts),
                                                                            SamplingParams(max_tokens=24))
-    full_windows = 0
+    full_windows, counts, rules_differ = 0, set(), False
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
             greedy = model.generate(prompt[None], max_new_tokens=24, do_sample=False)[0, 7:].tolist()
         assert out.token_ids == greedy
-        full, at = torch.tensor(prompt.tolist() + out.token_ids), 7
-        for accepted, verified in zip(out.accepted, out.drafts):
-            drafts = ref.propose(model, full[:at], int(full[at]))[0].tolist()
-            assert verified == drafts[:len(verified)], (at, verified, drafts)
+        full, at, records = torch.tensor(prompt.tolist() + out.token_ids), 7, list(zip(out.accepted, out.drafts))
+        while records:
+            drafts, _, conf = ref.propose(model, full[:at], int(full[at]))
+            kept = confident_prefix(conf, threshold)
+            counts.add(kept)
+            rules_differ |= kept != int((torch.sigmoid(conf).cumprod(0) >= threshold).sum())
+            if kept == 0:  # a plain decode step, which verifies nothing
+                at += 1
+                continue
+            accepted, verified = records.pop(0)
+            assert verified == drafts.tolist()[:kept], (at, verified, drafts, kept)
             full_windows += len(verified) == BLOCK
             at += accepted + 1
-    assert full_windows > 0 and sum(sum(o.accepted) for o in outs) > 0
+    assert sum(sum(o.accepted) for o in outs) > 0
+    if threshold:
+        assert len(counts) > 2 and rules_differ, counts
+    else:
+        assert full_windows > 0
+
+
+def test_save_converts_to_speculators_dspark(tmp_path):
+    """``drafter.save`` writes a DeepSpec drafter in speculators' dspark layout: speculators' own modules, read by its
+    ``from_pretrained``, give the reference's logits and confidences (taps now in vLLM's numbering)."""
+    pytest.importorskip("speculators")
+    from speculators.models.dspark import DSparkDraftModel
+    from tests.eagle3.test_dspark import library_block
+
+    model, graph = cached("qwen3")
+    ref = deepspec_folder(tmp_path / "d", model, "gated")
+    split = ppsplit.split_model(graph, 1, aux=TAPS)
+    ppsplit.load_drafter(str(tmp_path / "d"), split=split).save(str(tmp_path / "out"))
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["aux_hidden_state_layer_ids"] == TAPS and cfg["sample_from_anchor"] is True
+    lib = DSparkDraftModel.from_pretrained(str(tmp_path / "out")).eval()
+    lib.lm_head.weight.data.copy_(model.lm_head.weight)  # a full vocabulary: speculators takes the verifier's head
+    lib.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
+    ids, prev = torch.randint(6, 128, (9,), generator=torch.Generator().manual_seed(4)), torch.tensor([7, 8, 9, 10])
+    with torch.no_grad():
+        _, ref_logits, ref_conf = ref.heads(ref.block(model, ids, 7), prev, greedy=False)
+    with pytest.MonkeyPatch.context() as mp:  # library_block reads test_dspark's tap ids
+        mp.setattr("tests.eagle3.test_dspark.TAPS", TAPS)
+        logits, conf = library_block(lib, model, ids, 7, prev)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(conf, ref_conf, rtol=1e-4, atol=1e-4)
 
 
 def test_check_drafter_names_deepspec_numbering(tmp_path, capsys):
