@@ -165,7 +165,7 @@ class Qwen3DSparkModel(Qwen3PreTrainedModel):
 
 
 def deepspec_folder(folder, target, kind="vanilla", rank=8, confidence=True, with_markov=True, seed=0, scale=0.1,
-                    prepare=None, layers=2):
+                    prepare=None, layers=2, ids=IDS):
     """A DeepSpec DSpark folder for ``target``: the draft config as ``build_draft_config`` writes it, random weights,
     the target's embedding and head copied (``initialize_embeddings_and_head``), ``save_pretrained``."""
     c = copy.deepcopy(target.config)
@@ -173,7 +173,7 @@ def deepspec_folder(folder, target, kind="vanilla", rank=8, confidence=True, wit
     c.num_target_layers = c.num_hidden_layers
     c.num_hidden_layers = layers
     c.block_size, c.tie_word_embeddings, c.layer_types = BLOCK, False, ["full_attention"] * layers
-    c.mask_token_id, c.target_layer_ids, c.num_anchors = MASK, IDS, 512
+    c.mask_token_id, c.target_layer_ids, c.num_anchors = MASK, ids, 512
     c.enable_confidence_head, c.markov_rank = confidence, rank
     if confidence:
         c.confidence_head_with_markov = with_markov
@@ -233,6 +233,33 @@ def test_deepspec_folder_drafts_like_the_reference(tmp_path, kind, rank, confide
         torch.testing.assert_close(seq_logits[0], ref_seq_logits, rtol=1e-4, atol=1e-4)
         if confidence:
             torch.testing.assert_close(seq_conf[0], ref_seq_conf, rtol=1e-4, atol=1e-4)
+
+
+def test_the_last_layer_id_reads_the_raw_output_deepspec_trains_on(tmp_path):
+    """DeepSpec's evaluator refuses the last layer's id (transformers' ``hidden_states[L]`` is after the final norm),
+    while its target cache (``scripts/data/prepare_target_cache.py``) stores that layer's raw output through a forward
+    hook. ppsplit's tap L is that raw output, so id L - 1 is read as tap L: the drafter sees what it was trained on."""
+    model, graph = cached("qwen3")
+    last = model.config.num_hidden_layers - 1
+    ref = deepspec_folder(tmp_path / "d", model, ids=[1, last])
+    split = ppsplit.split_model(graph, 2, aux=[2, last + 1])
+    drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
+    assert drafter.taps == (2, last + 1)
+    ids, prev = torch.randint(6, 128, (9,), generator=torch.Generator().manual_seed(6)), torch.tensor([7, 8, 9, 10])
+    raw = {}
+    hooks = [model.model.layers[i].register_forward_hook(
+        lambda module, args, out, i=i: raw.__setitem__(i, out[0] if isinstance(out, tuple) else out)) for i in (1, last)]
+    with torch.no_grad():
+        model(ids[None])
+        for hook in hooks:
+            hook.remove()
+        ref.context = lambda target, ids: torch.cat([raw[1], raw[last]], -1)  # the target cache's features
+        _, ref_logits, ref_conf = ref.heads(ref.block(model, ids, 7), prev, greedy=False)
+        _, aux = split(ids[None], torch.arange(9))
+        logits, conf = drafter(aux[:, 0], torch.tensor([7] + [MASK] * (BLOCK - 1)), torch.arange(9),
+                               torch.arange(9, 9 + BLOCK), prev)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(conf, ref_conf, rtol=1e-4, atol=1e-4)
 
 
 # -- through the engine ----------------------------------------------------------------------------------------------
