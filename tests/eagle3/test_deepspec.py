@@ -324,6 +324,20 @@ def test_engine_drafts_like_the_reference_and_equals_greedy(tmp_path, pp, thresh
         assert full_windows > 0
 
 
+def test_sampling_with_deepspec_trimming_keeps_the_target_distribution(tmp_path):
+    """2000 copies of one prompt at T = 0.8, drafts drawn through the Markov head, windows cut by DeepSpec's rule: the
+    joint distribution of the first two tokens is the target's (chi-square, with power)."""
+    from tests.eagle3.test_eagle3 import check_joint_sampling
+
+    model, _ = small()
+    graph = ppsplit.trace_model(model, cache=ppsplit.CacheConfig(batch_size=2000, max_len=48))
+    split = ppsplit.split_model(graph, 2, aux=TAPS, fuse=False)
+    deepspec_folder(tmp_path / "d", model, seed=3, scale=0.5)
+    drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
+    drafter.confidence_threshold = 0.2
+    check_joint_sampling(model, split, drafter, 3)
+
+
 def test_save_converts_to_speculators_dspark(tmp_path):
     """``drafter.save`` writes a DeepSpec drafter in speculators' dspark layout: speculators' own modules, read by its
     ``from_pretrained``, give the reference's logits and confidences (taps now in vLLM's numbering)."""
@@ -413,6 +427,14 @@ def test_malformed_deepspec_folders_are_refused_in_one_line(tmp_path, change, me
     with pytest.raises(ConfigError, match=message) as e:
         ppsplit.load_drafter(str(tmp_path / "d"), split=split)
     assert "\n" not in str(e.value)
+
+
+def test_confidence_rule_refusal(tmp_path):
+    model, graph = cached("qwen3")
+    deepspec_folder(tmp_path / "d", model)
+    drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=ppsplit.split_model(graph, 1, aux=TAPS))
+    with pytest.raises(ConfigError, match="confidence_rule must be 'survival'"):
+        drafter.confidence_rule = "min"
 
 
 def test_compile_with_a_deepspec_drafter_is_refused(tmp_path):
