@@ -579,3 +579,42 @@ def test_mtp_failures_across_ranks_end_every_rank(tmp_path_factory, request, tmp
     assert res[1] == ("exit", -9), res[1]
     assert res[0][:2] == ("error", "PipelineError") and "rank 1 died" in res[0][2], res[0]
     assert res["alive"] == []
+
+
+def test_serve_ranks_with_an_mtp_folder(trained, tmp_path):
+    """``ppsplit serve DIR --ranks 2 -k 3`` on a folder compiled with ``--mtp`` (a word-level tokenizer added): a
+    batch of four prompts in one request gives the in-process engine's text, and the server counts its drafts and
+    acceptances."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from ppsplit.cli import main
+    from tests.serve.test_server import MODEL, Live
+
+    _, ckpt, _ = trained
+    shutil.copytree(ckpt, tmp_path / "ckpt")
+    word = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w3"))
+    word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=word, unk_token="w3", eos_token="w2", pad_token="w0")
+    tok.save_pretrained(tmp_path / "ckpt")
+    folder = str(tmp_path / "pp2")
+    assert main(["compile", str(tmp_path / "ckpt"), "--pp", "2", "--mtp", "-o", folder, "--max-batch", "4",
+                 "--max-len", "64"]) == 0
+    prompts, params = _rank_prompts(), SamplingParams(max_tokens=14)
+    single = ppsplit.load(folder)
+    ref = Engine(single, drafter=single.drafter, num_draft_tokens=3).generate(prompts, params)
+    server = Live(folder, "--ranks", "2", "-k", "3")
+    try:
+        status, data = server.post("/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 14,
+                                                       "temperature": 0})
+        assert status == 200, data
+        texts = [c["text"] for c in sorted(data["choices"], key=lambda c: c["index"])]
+        assert texts == [tok.decode(r.token_ids, skip_special_tokens=True) for r in ref]
+        metrics = server.metrics()
+        assert metrics["ppsplit_spec_decode_accepted_tokens_total"] == sum(sum(r.accepted) for r in ref) > 0
+        assert metrics["ppsplit_spec_decode_draft_tokens_total"] == sum(len(d) for r in ref for d in r.drafts)
+    finally:
+        server.proc.terminate()
+        server.proc.wait(30)
