@@ -1,13 +1,15 @@
 """Driver: the MTP layers of a target checkpoint as an ``MTPDrafter`` for a split (``ppsplit.load_mtp``).
 
 The first MTP layer's decoder block is traced by ppsplit's own passes: a two-layer copy of the target's config whose
-layer 1 has the MTP layer's type (DeepSeek-V3: MLA + MoE; GLM-4.5: GQA + MoE; Qwen3-Next: full attention + MoE),
-split in two with the tap after layer 1, traced over the split's ``CacheConfig``. Its stage 1 (layer 1, final norm,
-lm_head) is the block, filled with the MTP layer's weights read through transformers' own conversions (per-expert
-tensors fused as the model keeps them) under the names of layer 1 (DeepSeek: ``model.layers.{L}.*`` as
-``model.layers.1.*``, ``shared_head.norm`` as ``model.norm``, ``shared_head.head`` as ``lm_head``; Qwen3-Next:
-``mtp.layers.0.*``, ``mtp.norm``, the target's ``lm_head``). Every tensor of the first MTP layer is used or refused;
-further layers are left unused, as vLLM's proposer leaves them.
+layer 1 has the MTP layer's type (DeepSeek-V3: MLA + MoE; GLM-4.5: GQA + MoE; Qwen3-Next: full attention + MoE;
+MiMo-V2-Flash: sliding-window attention with sinks + a dense MLP), split in two with the tap after layer 1, traced
+over the split's ``CacheConfig``. Its stage 1 (layer 1, final norm, lm_head) is the block, filled with the MTP
+layer's weights read through transformers' own conversions (per-expert tensors fused as the model keeps them) under
+the names of layer 1 (DeepSeek: ``model.layers.{L}.*`` as ``model.layers.1.*``, ``shared_head.norm`` as
+``model.norm``, ``shared_head.head`` as ``lm_head``; Qwen3-Next: ``mtp.layers.0.*``, ``mtp.norm``, the target's
+``lm_head``; MiMo-V2-Flash: ``model.mtp.layers.0.*`` with ``pre_mlp_layernorm`` as ``post_attention_layernorm``,
+``final_layernorm`` as ``model.norm``). Every tensor of the first MTP layer is used or refused; further layers are
+left unused, as vLLM's proposer leaves them.
 """
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ LAYOUTS = {  # each built and checked against a reference in tests/eagle3/test_m
 }
 # model types whose MTP layers need modeling code transformers does not have: refused, with the reason
 REFUSED = {"mimo": "MiMo-7B's MTP layers (model.mtp_layers.*) run on its own modeling code (MiMoForCausalLM, "
-                   "shipped in the checkpoint folder, not in transformers), and ppsplit never runs code from a folder"}
+                   "shipped in the checkpoint folder, not in transformers), and ppsplit never runs code from a "
+                   "folder, so it cannot draft with them"}
 REQUIRED = ("enorm", "hnorm", "eh_proj", "norm")
 
 
@@ -82,8 +85,9 @@ def mtp_layers(cfg: dict) -> int:
 
 def load_mtp(model: str, split, device=None) -> MTPDrafter:
     """The first MTP layer of checkpoint folder ``model`` (DeepSeek-V3 / GLM-4.5: ``num_nextn_predict_layers`` > 0,
-    weights under ``model.layers.{L}``; Qwen3-Next: ``mtp_num_hidden_layers``, under ``mtp.``) as a drafter for
-    ``split``, which must carry tap ``L`` (the last layer's output) and a paged cache; on the last stage's device.
+    weights under ``model.layers.{L}``; Qwen3-Next: ``mtp_num_hidden_layers``, under ``mtp.``; MiMo-V2-Flash: under
+    ``model.mtp.layers.0``) as a drafter for ``split``, which must carry tap ``L`` (the last layer's output) and a
+    paged cache; on the last stage's device.
     Refused in one line, before anything is traced: another model type, no MTP layers, a split without tap ``L`` or
     a paged cache, a missing or unknown MTP tensor.
 
@@ -114,7 +118,7 @@ def mtp_checkpoint(model: str) -> tuple[str, dict, MTPLayout, int]:
         raise ConfigError(f"cannot read {folder}/config.json ({e}); pass the target's checkpoint folder") from None
     kind = raw.get("model_type")
     if kind in REFUSED:
-        raise ConfigError(f"{REFUSED[kind]}: ppsplit cannot run them (model_type {kind!r})")
+        raise ConfigError(f"{REFUSED[kind]} (model_type {kind!r})")
     if kind not in LAYOUTS:
         raise ConfigError(f"MTP layers of model_type {kind!r} are not supported (supported: {', '.join(LAYOUTS)})")
     layout = LAYOUTS[kind]
@@ -153,8 +157,8 @@ def _build(model: str, plan, device) -> MTPDrafter:
     config = load_config(folder)
     keys = _layer_keys(checkpoint, config, layout, n)
     dtype = model_dtype(plan)
-    block = _load_block(_trace_block(config, layout, plan, dtype), checkpoint, layout, prefix, block_prefix, keys, config,
-                        dtype, device)
+    block = _load_block(_trace_block(config, layout, plan, dtype), checkpoint, layout, prefix, block_prefix, keys,
+                        config, dtype, device)
     own = {role: read_tensor(checkpoint, prefix + name) for role, name in layout.own.items()
            if prefix + name in checkpoint}
     drafter = MTPDrafter(block, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
@@ -210,8 +214,9 @@ def write_mtp(folder: str, model: str, split) -> None:
 def _layer_keys(checkpoint: Checkpoint, config, layout: MTPLayout, n: int) -> list[str]:
     """The checkpoint keys of the first MTP layer (the one drafting; vLLM's proposer runs only it), checked before
     any tracing: its own tensors present, and its decoder block holding exactly the tensors of the target's last
-    layer of the MTP layer's type (MoE from ``first_k_dense_replace`` on; full attention), so a missing expert or
-    an unknown tensor is named here. Further MTP layers (DeepSeek: ``model.layers.{L + 1}``) are left unused."""
+    layer of the MTP layer's type (``_expected_block``), so a missing expert or an unknown tensor is named here;
+    MiMo-V2-Flash: no tensor under ``model.mtp.`` outside a layer. Further MTP layers (DeepSeek:
+    ``model.layers.{L + 1}``; MiMo-V2-Flash: ``model.mtp.layers.1..``) are left unused."""
     layers = config.num_hidden_layers
     prefix, block_prefix = layout.prefix.format(L=layers), layout.block.format(L=layers)
     mine = sorted(key for key in checkpoint.where if key.startswith(prefix))
@@ -263,9 +268,10 @@ def _expected_block(checkpoint: Checkpoint, config, layout: MTPLayout) -> dict[s
     if not same or not mlp:
         return None
     expected = {}
-    for i, part in ((same[-1], lambda name: not name.startswith("mlp.")), (mlp[-1], lambda name: name.startswith("mlp."))):
+    for i, is_mlp in ((same[-1], False), (mlp[-1], True)):
         last = f"model.layers.{i}."
-        expected.update({key[len(last):]: key for key in checkpoint.where if key.startswith(last) and part(key[len(last):])})
+        expected.update({key[len(last):]: key for key in checkpoint.where
+                         if key.startswith(last) and key[len(last):].startswith("mlp.") == is_mlp})
     return expected
 
 

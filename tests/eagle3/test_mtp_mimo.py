@@ -232,9 +232,11 @@ def test_bad_checkpoints_are_refused_in_one_line(mimo, tmp_path, capsys):
     load = lambda where: lambda: ppsplit.load_mtp(where, split=split)
     _one_line(load(write_checkpoint(tmp_path / "a", target, layers[:1], drop=("pre_mlp_layernorm.weight",))),
               f"lacks {PREFIX}0.pre_mlp_layernorm.weight")
-    _one_line(load(write_checkpoint(tmp_path / "b", target, layers[:1], extra={f"{PREFIX}0.mlp.mystery": torch.ones(3)})),
+    mystery = {f"{PREFIX}0.mlp.mystery": torch.ones(3)}
+    _one_line(load(write_checkpoint(tmp_path / "b", target, layers[:1], extra=mystery)),
               f"does not account for: {PREFIX}0.mlp.mystery")
-    _one_line(load(write_checkpoint(tmp_path / "c", target, layers[:1], extra={"model.mtp.norm.weight": torch.ones(H)})),
+    stray = {"model.mtp.norm.weight": torch.ones(H)}
+    _one_line(load(write_checkpoint(tmp_path / "c", target, layers[:1], extra=stray)),
               "MTP tensors outside its layers (model.mtp.norm.weight)")
     _one_line(load(write_checkpoint(tmp_path / "d", target, layers[:1], count=0)), "has no MTP layers")
     # MiMo-7B: a Qwen2-like decoder with MTP layers under model.mtp_layers, MiMoForCausalLM from its own folder
