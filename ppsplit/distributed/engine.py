@@ -222,6 +222,8 @@ class PipelineEngine:
             else:
                 step = RaggedStep.build([], {}, self.layout, pad_to=n).to(self.device)
                 self._run(self._input(n), step, self._aux(n))
+        if self.last and self.cuda_graphs and self.sampler.proposer is not None:
+            self.sampler.proposer.capture(self.plan, buckets_up_to(budget))  # as the one-process runner does
         if self.last:
             self._warm_sampler()
         torch.cuda.synchronize(self.device)
