@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ppsplit
 from ppsplit import ConfigError
@@ -185,6 +186,64 @@ def test_stand_in_graphs_equal_the_eager_engine(tmp_path):
     (eager, _), (graphed, blocks) = runs
     assert [(o.token_ids, o.accepted) for o in graphed] == [(o.token_ids, o.accepted) for o in eager]
     assert sum(sum(o.accepted) for o in eager) > 0 and blocks.greedy[4][0].replays > 0  # the selector in the graph
+
+
+@pytest.fixture(scope="module")
+def trained_dflash2(tmp_path_factory):
+    """z-lab's ``DFlash2DraftModel`` trained here, as ``test_dflash.trained_dflash`` trains DFlash (300 Adam steps on
+    the 32-token target's greedy continuations, blocks at random anchors): cross-entropy on the head's logits and on
+    the selector's scores over its candidates (predecessors teacher-forced); saved by its ``save_pretrained``."""
+    tmp_path = tmp_path_factory.mktemp("dflash2")
+    model, _ = small()
+    lib = zlab_dflash2(tmp_path / "z", 32, seed=2, scale=0.02)
+    selector = lib.candidate_selector
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        seqs = model.generate(torch.randint(3, 32, (64, 4), generator=g), max_new_tokens=36, do_sample=False)
+        feats = dflash.extract_context_feature(model(seqs, output_hidden_states=True).hidden_states, ZLAB_IDS)
+    embed, head = model.get_input_embeddings(), model.lm_head
+    opt = torch.optim.Adam(lib.parameters(), lr=3e-3)
+    lib.train()
+    for _ in range(300):
+        pick = torch.randint(0, 64, (16,), generator=g)
+        anchor = int(torch.randint(4, seqs.shape[1] - BLOCK + 1, (1,), generator=g))
+        s = seqs[pick]
+        block = torch.cat([s[:, anchor:anchor + 1], torch.full((16, BLOCK - 1), MASK)], 1)
+        hidden = lib(position_ids=torch.arange(anchor + BLOCK)[None], target_hidden=feats[pick, :anchor],
+                     noise_embedding=embed(block).detach())[:, 1:]
+        logits, gold = head(hidden), s[:, anchor + 1:anchor + BLOCK]
+        unary, candidates = logits.topk(selector.top_k, dim=-1)
+        pair = selector.predecessor_codebook(s[:, anchor:anchor + BLOCK - 1]) * selector.hidden_projection(hidden)
+        scores = unary + torch.einsum("bpr,bpkr->bpk", pair, selector.successor_codebook(candidates))
+        hit = candidates == gold[..., None]
+        loss = F.cross_entropy(logits.flatten(0, 1), gold.flatten())
+        if hit.any():
+            loss = loss - (scores.log_softmax(-1) * hit).sum(-1)[hit.any(-1)].mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    lib.eval()
+    lib.save_pretrained(str(tmp_path / "trained"))
+    return model, str(tmp_path / "trained")
+
+
+def test_trained_dflash2_accepts_more_than_one_token_per_pass(trained_dflash2):
+    """Every request of a batch of 8 averages more than one token per verify pass through the trained drafter's
+    convolutions and selector, and the outputs stay the target's greedy ones."""
+    model, folder = trained_dflash2
+    _, graph = small()
+    split = ppsplit.split_model(graph, 2, aux=TAPS)
+    drafter = ppsplit.load_drafter(folder, split=split)
+    prompts = torch.randint(3, 32, (8, 4), generator=torch.Generator().manual_seed(5))
+    outs = Engine(split, drafter=drafter, num_draft_tokens=BLOCK - 1).generate(list(prompts),
+                                                                               SamplingParams(max_tokens=24))
+    with torch.no_grad():
+        greedy = model.generate(prompts, max_new_tokens=24, do_sample=False)[:, 4:].tolist()
+    assert [o.token_ids for o in outs] == greedy
+    lengths = [o.mean_acceptance_length for o in outs]
+    print(f"trained DFlash2 drafter, block {BLOCK}, batch of 8: tokens per verify pass "
+          f"{[round(x, 2) for x in lengths]}, mean {sum(lengths) / len(lengths):.2f}")
+    assert min(lengths) > 1.0 and sum(lengths) / len(lengths) >= 1.5, lengths
 
 
 def test_dflash2_sampling_matches_target_distribution(tmp_path):
