@@ -103,6 +103,9 @@ def mtp_checkpoint(model: str) -> tuple[str, dict, MTPLayout, int]:
     layout = LAYOUTS[kind]
     if raw.get("mtp_use_dedicated_embeddings"):
         raise ConfigError("mtp_use_dedicated_embeddings: true (an MTP layer with its own embedding) is not supported")
+    quant = raw.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
+        raise ConfigError(f"{model}: MTP layers of an MXFP4 checkpoint are not supported (FP8 ones are)")
     n = mtp_layers(raw)
     if n == 0:
         raise ConfigError(f"{model} has no MTP layers (config.json's {layout.count} is 0 or absent)")
@@ -112,6 +115,8 @@ def mtp_checkpoint(model: str) -> tuple[str, dict, MTPLayout, int]:
 def _build(model: str, plan, device) -> MTPDrafter:
     """The drafter of checkpoint ``model`` for ``plan`` on ``device``, its block as traced (no stage rewrites)."""
     from ppsplit.compile.source import load_config
+
+    from ppsplit.compile.quantized import read_scheme
 
     folder, raw, layout, n = mtp_checkpoint(model)
     layers = raw["num_hidden_layers"]
@@ -126,9 +131,10 @@ def _build(model: str, plan, device) -> MTPDrafter:
     prefix, block_prefix = layout.prefix.format(L=layers), layout.block.format(L=layers)
     keys = _layer_keys(checkpoint, raw, layout, n)
     config = load_config(folder)
+    scheme = read_scheme(config, model)
     dtype = model_dtype(plan)
     block = _load_block(_trace_block(config, plan, dtype), checkpoint, layout, prefix, block_prefix, keys, config,
-                        dtype, device)
+                        dtype, device, scheme)
     own = {role: read_tensor(checkpoint, prefix + name) for role, name in layout.own.items()
            if prefix + name in checkpoint}
     drafter = MTPDrafter(block, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
@@ -195,6 +201,10 @@ def _layer_keys(checkpoint: Checkpoint, raw: dict, layout: MTPLayout, n: int) ->
                               f"{prefix}{layout.own[role]}; the MTP weights are missing (a checkpoint saved without "
                               "them cannot draft)")
     own = {prefix + name for name in layout.own.values()}
+    fp8 = sorted(key for key in own if key in checkpoint and checkpoint.raw_range(key).dtype.startswith("F8"))
+    if fp8:  # vLLM's MTP layers hold them unquantised (DeepSeek-V3 and R1 ship them in BF16)
+        raise ConfigError(f"the MTP layer's {fp8[0]} is stored in FP8; ppsplit reads the MTP layer's own tensors "
+                          "(enorm, hnorm, eh_proj, its norm and head) unquantised, as vLLM does")
     stray = [key for key in mine if key not in own and not key.startswith(block_prefix)]
     if layout.prefix == "mtp." and stray:  # DeepSeek's further layers live under model.layers.{L + 1}, not here
         raise ConfigError(f"the MTP layer has tensors ppsplit does not account for: {', '.join(stray[:4])}; ppsplit "
@@ -263,10 +273,14 @@ class _Renamed:
 
 
 def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, block_prefix: str, keys: list[str],
-                config, dtype, device):
+                config, dtype, device, scheme=None):
     """``stage`` (weights on meta) filled with the MTP layer: its block tensors (``keys``, under ``block_prefix``) as
-    layer 1's, its norm as the final norm, its head (or the target's ``lm_head``) as the head."""
+    layer 1's, its norm as the final norm, its head (or the target's ``lm_head``) as the head. With ``scheme`` (an
+    FP8 checkpoint) its linears run on their FP8 weights and scales as stored, through the pass the compile's
+    stages go through (``quantize_stage``); a weight that pass leaves is dequantised, as a stage's is."""
+    from ppsplit.compile.checkpoint import ST_DTYPES
     from ppsplit.compile.source import skeleton
+    from ppsplit.compile.writer import quantize_stage
 
     names = {"model.layers.1." + key[len(block_prefix):]: key for key in keys}
     names["model.norm.weight"] = prefix + layout.own["norm"]
@@ -274,17 +288,23 @@ def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, b
     names["lm_head.weight"] = head if head in checkpoint else "lm_head.weight"
     # buffers: what the model computes in __init__ (rotary, ...); tensors converted straight to the split's dtype
     model, buffers = skeleton(_mini_config(config), dtype)
-    sources = Sources(model, _Renamed(checkpoint, names))
-    used = {key for group in sources.groups.values() for key, _ in group.sources}
+    view = _Renamed(checkpoint, names)
+    sources = Sources(model, view, scheme)
+    used = {key for group in sources.groups.values() for key, _ in group.sources} | set(sources.scales.values())
     unknown = sorted(names[name] for name in names if name not in used)
     if unknown:
         raise ConfigError(f"the MTP layer has tensors a decoder layer of {config.model_type} does not account for: "
                           f"{', '.join(unknown[:4])}; ppsplit refuses to drop them")
+    if scheme is not None:
+        quantize_stage(stage, sources)
     values = {}
     for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
         group = sources.group_of(name)
+        key = group is not None and sources.plain_source(group)
         if is_cache_buffer(name):
             values[name] = torch.zeros(t.shape, dtype=t.dtype)
+        elif key and view.raw_range(key).dtype == ST_DTYPES.get(t.dtype):  # kept as stored (FP8 weights, their scales)
+            values[name] = read_tensor(view, key)
         elif group is not None:
             values[name] = sources.run(group)[name]
         elif name in buffers:

@@ -1,0 +1,182 @@
+"""The MTP layer of a block-FP8 checkpoint (DeepSeek-V3/R1 ship theirs so): its decoder block's linears stay FP8
+with their scales, as stored, through the FP8 pass the target's stages go through, in ``load_mtp`` and in a folder
+compiled with ``--mtp``.
+
+The checkpoint is the tiny DeepSeek-V3 with an MTP layer of ``tests/eagle3/test_mtp.py``, its projections quantised
+in 16 x 16 blocks by the FP8 tests' own quantiser (``tests/artifact/test_quantized.py``), ``eh_proj`` and the MTP
+layer's head left in float as DeepSeek-V3 ships them. The reference is ``test_mtp``'s (the DeepSeek-V3 report and
+vLLM's ``deepseek_mtp.py``) over weights dequantised in fp64, one block at a time, as vLLM's block-FP8 linear
+dequantises them: the target loaded by transformers from the FP8 checkpoint, the block by transformers from the
+dequantised tensors.
+"""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import ppsplit
+from ppsplit import ConfigError
+from ppsplit.cli import main
+from ppsplit.core.ragged import RaggedStep, Segment
+from ppsplit.serve.engine import Engine
+from ppsplit.serve.sampling import SamplingParams
+from tests.artifact.test_quantized import FP8, quantize_blocks, reference_dequant
+from tests.eagle3.test_mtp import L, V, build, reference
+
+BLOCK = 16
+# MLA parts in whole 16-blocks (each block one head's key or value rows, as DeepSeek-V3's 128-blocks are), so the
+# paged latent attention reads kv_b_proj as stored too (tests/artifact/test_quantized.py: mla_config)
+MLA = dict(kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+PREFIX = f"model.layers.{L}."
+
+
+def quantize(folder, block=BLOCK):
+    """Every projection of the checkpoint (the target's layers and the MTP layer's block) as block FP8 with a
+    ``weight_scale_inv`` beside it, as DeepSeek-V3 ships them; the MTP layer's ``eh_proj`` and head stay float."""
+    path = os.path.join(folder, "model.safetensors")
+    out = {}
+    for name, w in load_file(path).items():
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if name.endswith(".weight") and "proj" in module and module != "eh_proj" and w.dim() == 2:
+            out[name], out[name[:-len("weight")] + "weight_scale_inv"] = quantize_blocks(w, block, block)
+        else:
+            out[name] = w
+    save_file(out, path, metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": [block, block]}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return out
+
+
+def dequantised_block(block, stored: dict):
+    """``block`` (the one-layer model holding the MTP block) with each of its weights the checkpoint stores in FP8
+    replaced by its fp64 block dequantisation (``reference_dequant``), loaded by transformers' own conversions."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        block.save_pretrained(tmp)
+        path = os.path.join(tmp, "model.safetensors")
+        tensors = load_file(path)
+        swapped = 0
+        for name in tensors:
+            key = PREFIX + name[len("model.layers.0."):]
+            if name.startswith("model.layers.0.") and stored.get(key) is not None and stored[key].dtype == FP8:
+                tensors[name] = reference_dequant(stored[key], stored[key[:-len("weight")] + "weight_scale_inv"],
+                                                  BLOCK, BLOCK).float()
+                swapped += 1
+        assert swapped == 5 + 3 + 3 * 4  # 5 attention projections, 3 shared-expert linears, 3 per routed expert
+        save_file(tensors, path, metadata={"format": "pt"})
+        return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory):
+    """(transformers' FP8 target, reference block, own tensors, FP8 checkpoint, its stored tensors, a folder compiled
+    from it with --pp 2 --mtp)."""
+    root = tmp_path_factory.mktemp("fp8")
+    _, block, own, folder, _ = build(root / "ckpt", **MLA)
+    stored = quantize(folder)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # dequantises on the CPU
+    out = str(root / "pp2")
+    assert main(["compile", folder, "--pp", "2", "--mtp", "-o", out, "--max-batch", "8", "--max-len", "64"]) == 0
+    return target, dequantised_block(block, stored), own, folder, stored, out
+
+
+def _fp8_names(module, layer: str) -> set[str]:
+    """The FP8 tensors of decoder layer ``layer`` (``model.layers.{i}.``) in ``module``, without that prefix."""
+    return {n[len(layer):] for n, t in [*module.named_parameters(), *module.named_buffers()]
+            if n.startswith(layer) and t.dtype == FP8}
+
+
+def test_fp8_mtp_layer_is_kept_as_stored_and_drafts_as_the_reference(fp8):
+    """``load_mtp`` over the FP8 folder's split and the drafter the folder stores: the block holds the same FP8
+    weights as the target's MoE layer does (through the same pass), the stored block holds the checkpoint's FP8
+    bytes and scales, and the draft logits of a prefill and two chain steps equal the dequantised reference."""
+    target, block, own, folder, stored, out = fp8
+    split = ppsplit.load(out)
+    assert split.drafter.family == "mtp"
+    loaded = ppsplit.load_mtp(folder, split=split)
+    last = f"model.layers.{L - 1}."  # the target's last layer: MoE, as the MTP layer is
+    kept = _fp8_names(split.stages[-1], last)
+    assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj", "self_attn.kv_b_proj.weight",
+            "self_attn.q_a_proj.weight"} <= kept, kept
+    assert json.load(open(os.path.join(out, "manifest.json")))["quantization"]["dequantized"] == [0, 0]
+    for drafter in (loaded, split.drafter):
+        assert _fp8_names(drafter.block, "model.layers.1.") == kept
+        assert drafter.eh_proj.weight.dtype == torch.float32
+    files = load_file(os.path.join(out, "mtp", "block.safetensors"))
+    for name in ("self_attn.q_a_proj.weight", "self_attn.kv_b_proj.weight", "mlp.shared_experts.down_proj.weight"):
+        assert files["model.layers.1." + name].dtype == FP8
+        assert torch.equal(files["model.layers.1." + name].view(torch.uint8), stored[PREFIX + name].view(torch.uint8))
+        scale = name[:-len("weight")] + "weight_scale_inv"
+        assert torch.equal(files["model.layers.1." + scale], stored[PREFIX + scale])
+    expert = files["model.layers.1.mlp.experts.down_proj"]
+    assert expert.dtype == FP8 and torch.equal(expert[2].view(torch.uint8),
+                                               stored[PREFIX + "mlp.experts.2.down_proj.weight"].view(torch.uint8))
+
+    torch.manual_seed(7)
+    ids = torch.randint(3, V, (11,))
+    T = ids.shape[0]
+    chain = (9, 21, 30)  # the token after ids, then two drafts
+    ref = reference(target, block, own, ids, chain)
+    got = {}
+    for which, drafter in (("load_mtp", loaded), ("folder", split.drafter)):
+        step = RaggedStep.build([Segment(0, 0, T)], {0: [0]}, split.layout)
+        _, aux = split.step(ids, step)
+        logits, hidden = drafter(aux[:, None], torch.cat([ids[1:], torch.tensor([chain[0]])])[None], step)
+        rows = [logits[0]]
+        for j, token in enumerate(chain[1:]):
+            one = RaggedStep.build([Segment(0, T + j, 1)], {0: [0]}, split.layout)
+            logits, hidden = drafter(hidden[:, -1:], torch.tensor([[token]]), one)
+            rows.append(logits[0])
+        got[which] = torch.cat(rows)
+        torch.testing.assert_close(got[which], ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got["folder"], got["load_mtp"], rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_mtp_output_equals_greedy_at_pp2(fp8):
+    """Three requests of different lengths, K = 2 and 3, the FP8 folder's own MTP layer and ``load_mtp``'s: the
+    output equals transformers' greedy decoding of the FP8 checkpoint, and the two drafters draft alike."""
+    target, _, _, folder, _, out = fp8
+    split = ppsplit.load(out)
+    loaded = ppsplit.load_mtp(folder, split=split)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, V, (n,), generator=gen).tolist() for n in (4, 9, 13)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for k in (2, 3):
+        outs = Engine(split, drafter=split.drafter, num_draft_tokens=k).generate(prompts, params)
+        again = Engine(split, drafter=loaded, num_draft_tokens=k).generate(prompts, params)
+        for prompt, got, expected in zip(prompts, outs, again):
+            with torch.no_grad():
+                greedy = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                         eos_token_id=None)[0, len(prompt):].tolist()
+            assert got.token_ids == greedy == expected.token_ids
+            assert got.drafts == expected.drafts and got.accepted == expected.accepted
+
+
+def test_fp8_mtp_refusals(fp8, tmp_path, capsys):
+    """An MTP layer whose own ``eh_proj`` is FP8 (vLLM holds it unquantised), and ``--mtp`` with ``--tp``: one line
+    each, nothing written."""
+    _, _, _, folder, stored, _ = fp8
+    bad = tmp_path / "eh"
+    os.makedirs(bad)
+    os.symlink(os.path.join(folder, "config.json"), bad / "config.json")
+    tensors = dict(stored)
+    name = PREFIX + "eh_proj.weight"
+    tensors[name], tensors[name[:-len("weight")] + "weight_scale_inv"] = quantize_blocks(stored[name], BLOCK, BLOCK)
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    for args, message in (([str(bad)], f"{name} is stored in FP8"),
+                          ([folder, "--tp", "2"], "--mtp stores the MTP layer without tensor parallelism")):
+        capsys.readouterr()
+        assert main(["compile", *args, "--pp", "2", "--mtp", "-o", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+        assert not os.path.exists(tmp_path / "out")
+    with pytest.raises(ConfigError, match="is stored in FP8"):
+        ppsplit.load_mtp(str(bad), split=ppsplit.load(fp8[5]))
