@@ -145,8 +145,6 @@ def _mtp_options(model: str, options: SplitOptions, drafter: str | None, default
 
     if drafter is not None:
         raise ConfigError("pass either --drafter or --mtp: a compiled folder stores one drafter")
-    if options.tp > 1:
-        raise ConfigError("--mtp stores the MTP layer without tensor parallelism; leave out --tp (or --mtp)")
     if options.cache is None and not default_cache:
         raise ConfigError("the MTP layer drafts over the stages' paged KV cache: leave out --no-cache (or --mtp)")
     if options.aux == "eagle3":
