@@ -164,7 +164,7 @@ def _build(model: str, plan, device) -> MTPDrafter:
     dtype = model_dtype(plan)
     block = _load_block(_trace_block(config, layout, plan, dtype), checkpoint, layout, prefix, block_prefix, keys,
                         config, dtype, device, scheme)
-    own = {role: read_tensor(checkpoint, prefix + name) for role, name in layout.own.items()
+    own = {role: _own_tensor(checkpoint, prefix + name, scheme) for role, name in layout.own.items()
            if prefix + name in checkpoint}
     drafter = MTPDrafter(block, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
                          plan.taps.index(layers), cache, offset_norms=layout.offset_norms,
@@ -231,10 +231,7 @@ def _layer_keys(checkpoint: Checkpoint, config, layout: MTPLayout, n: int) -> li
                               f"{prefix}{layout.own[role]}; the MTP weights are missing (a checkpoint saved without "
                               "them cannot draft)")
     own = {prefix + name for name in layout.own.values()}
-    fp8 = sorted(key for key in own if key in checkpoint and checkpoint.raw_range(key).dtype.startswith("F8"))
-    if fp8:  # vLLM's MTP layers hold them unquantised (DeepSeek-V3 and R1 ship them in BF16)
-        raise ConfigError(f"the MTP layer's {fp8[0]} is stored in FP8; ppsplit reads the MTP layer's own tensors "
-                          "(enorm, hnorm, eh_proj, its norm and head) unquantised, as vLLM does")
+    own |= {key[:-len("weight")] + suffix for key in own for suffix in _SCALES} & set(mine)  # read with their weight
     stray = [key for key in mine if key not in own and not key.startswith(block_prefix)]
     if layout.prefix == "mtp." and stray:  # DeepSeek's further layers live under model.layers.{L + 1}, not here
         raise ConfigError(f"the MTP layer has tensors ppsplit does not account for: {', '.join(stray[:4])}; ppsplit "
@@ -298,6 +295,29 @@ def _as_block(name: str, layout: MTPLayout) -> str:
         if name.startswith(theirs):
             return mine + name[len(theirs):]
     return name
+
+
+_SCALES = ("weight_scale_inv", "weight_scale")  # an FP8 weight's scale beside it (fp8; compressed-tensors)
+
+
+def _own_tensor(checkpoint: Checkpoint, key: str, scheme) -> torch.Tensor:
+    """One of the MTP layer's own tensors (``enorm``, ``eh_proj``, ...), which the drafter holds in the model dtype:
+    as stored, or an FP8 one (some checkpoints quantise ``eh_proj``; DeepSeek-V3 ships it in BF16) dequantised with
+    its scale, as a stage's FP8 weight that cannot stay FP8 is."""
+    from ppsplit.compile.quantized import check_pair, dequantized, exponent_values, is_exponents
+
+    raw = checkpoint.raw_range(key)
+    if not raw.dtype.startswith("F8"):
+        return read_tensor(checkpoint, key)
+    scale_key = key[:-len("weight")] + (scheme.suffix if scheme is not None else _SCALES[0])
+    if scheme is None or scheme.method == "mxfp4" or scale_key not in checkpoint:
+        raise ConfigError(f"the checkpoint stores the MTP layer's {key} in {raw.dtype} without a {scale_key} and "
+                          "a quantization_config saying how to scale it; the checkpoint is incomplete")
+    stored = checkpoint.raw_range(scale_key)
+    check_pair(key, raw.shape, scale_key, stored, scheme)
+    scale = read_tensor(checkpoint, scale_key)
+    scale = exponent_values(scale) if scheme.exponents and is_exponents(stored.dtype) else scale.float()
+    return dequantized(read_tensor(checkpoint, key), scale, scheme, torch.float32)
 
 
 def _mini_config(config, layout: MTPLayout):

@@ -161,30 +161,38 @@ def test_fp8_mtp_output_equals_greedy_at_pp2(fp8):
             assert got.drafts == expected.drafts and got.accepted == expected.accepted
 
 
-def test_fp8_mtp_refusals(fp8, tmp_path, capsys):
-    """An MTP layer whose own ``eh_proj`` is FP8 (vLLM holds it unquantised), and an MXFP4 checkpoint: one line
-    each, nothing written."""
-    _, _, _, folder, stored, _ = fp8
-    bad, mxfp4 = tmp_path / "eh", tmp_path / "mxfp4"
-    os.makedirs(bad)
-    os.symlink(os.path.join(folder, "config.json"), bad / "config.json")
+def test_an_fp8_eh_proj_is_dequantised_and_mxfp4_is_refused(fp8, tmp_path, capsys):
+    """Some checkpoints store the MTP layer's own ``eh_proj`` in FP8 too (DeepSeek-V3 ships it in BF16): the drafter
+    holds it dequantised with its scale (it runs outside the block, as a float linear), in ``load_mtp`` and in the
+    folder ``--mtp`` writes. An MXFP4 checkpoint is refused in one line, nothing written."""
+    _, _, _, folder, stored, out = fp8
+    quantised, mxfp4 = tmp_path / "eh", tmp_path / "mxfp4"
+    os.makedirs(quantised)
+    os.symlink(os.path.join(folder, "config.json"), quantised / "config.json")
     tensors = dict(stored)
     name = PREFIX + "eh_proj.weight"
-    tensors[name], tensors[name[:-len("weight")] + "weight_scale_inv"] = quantize_blocks(stored[name], BLOCK, BLOCK)
-    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    q, scale = quantize_blocks(stored[name], BLOCK, BLOCK)
+    tensors[name], tensors[name[:-len("weight")] + "weight_scale_inv"] = q, scale
+    save_file(tensors, quantised / "model.safetensors", metadata={"format": "pt"})
+    want = reference_dequant(q, scale, BLOCK, BLOCK).float()
+    drafter = ppsplit.load_mtp(str(quantised), split=ppsplit.load(out))
+    torch.testing.assert_close(drafter.eh_proj.weight, want, rtol=0, atol=0)
+    assert main(["compile", str(quantised), "--pp", "2", "--mtp", "-o", str(tmp_path / "eh-pp2"), "--max-batch", "8",
+                 "--max-len", "64"]) == 0
+    own = load_file(tmp_path / "eh-pp2" / "mtp" / "drafter.safetensors")
+    assert torch.equal(own["eh_proj.weight"], want)
+
     os.makedirs(mxfp4)
     os.symlink(os.path.join(folder, "model.safetensors"), mxfp4 / "model.safetensors")
     cfg = json.load(open(os.path.join(folder, "config.json")))
     (mxfp4 / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
-    for args, message in (([str(bad)], f"{name} is stored in FP8"),
-                          ([str(mxfp4)], "MTP layers of an MXFP4 checkpoint are not supported")):
-        capsys.readouterr()
-        assert main(["compile", *args, "--pp", "2", "--mtp", "-o", str(tmp_path / "out")]) == 2
-        err = capsys.readouterr().err.strip()
-        assert message in err and len(err.splitlines()) == 1, err
-        assert not os.path.exists(tmp_path / "out")
-    with pytest.raises(ConfigError, match="is stored in FP8"):
-        ppsplit.load_mtp(str(bad), split=ppsplit.load(fp8[5]))
+    capsys.readouterr()
+    assert main(["compile", str(mxfp4), "--pp", "2", "--mtp", "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "MTP layers of an MXFP4 checkpoint are not supported" in err and len(err.splitlines()) == 1, err
+    assert not os.path.exists(tmp_path / "out")
+    with pytest.raises(ConfigError, match="MXFP4"):
+        ppsplit.load_mtp(str(mxfp4), split=ppsplit.load(out))
 
 
 def test_fp8_mtp_folder_cut_for_tensor_parallelism(fp8, tmp_path_factory):
