@@ -34,30 +34,43 @@ MLA = dict(kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_di
 PREFIX = f"model.layers.{L}."
 
 
-def quantize(folder, block=BLOCK):
+def quantize(folder, block=BLOCK, channel=False):
     """Every projection of the checkpoint (the target's layers and the MTP layer's block) as block FP8 with a
-    ``weight_scale_inv`` beside it, as DeepSeek-V3 ships them; the MTP layer's ``eh_proj`` and head stay float."""
+    ``weight_scale_inv`` beside it, as DeepSeek-V3 ships them (``channel``: compressed-tensors FP8, one
+    ``weight_scale`` per output row); the MTP layer's ``eh_proj`` and head stay float."""
     path = os.path.join(folder, "model.safetensors")
     out = {}
     for name, w in load_file(path).items():
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
         if name.endswith(".weight") and "proj" in module and module != "eh_proj" and w.dim() == 2:
-            out[name], out[name[:-len("weight")] + "weight_scale_inv"] = quantize_blocks(w, block, block)
+            if channel:
+                q, scale = quantize_blocks(w, 1, w.shape[1])
+                out[name], out[name[:-len("weight")] + "weight_scale"] = q, scale.reshape(-1, 1)
+            else:
+                out[name], out[name[:-len("weight")] + "weight_scale_inv"] = quantize_blocks(w, block, block)
         else:
             out[name] = w
     save_file(out, path, metadata={"format": "pt"})
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                  "weight_block_size": [block, block]}
+    if channel:
+        weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                      "quantization_status": "compressed", "config_groups": {"group_0": {
+                                          "targets": ["Linear"], "weights": weights, "input_activations": None}},
+                                      "ignore": ["lm_head"], "kv_cache_scheme": None}
+    else:
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                      "weight_block_size": [block, block]}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
     return out
 
 
-def dequantised_block(block, stored: dict):
-    """``block`` (the one-layer model holding the MTP block) with each of its weights the checkpoint stores in FP8
-    replaced by its fp64 block dequantisation (``reference_dequant``), loaded by transformers' own conversions."""
+def dequantised_block(block, stored: dict, linears: int):
+    """``block`` (the one-layer model holding the MTP block) with each of its ``linears`` weights the checkpoint
+    stores in FP8 replaced by its fp64 dequantisation (``reference_dequant``: per block, or per row for a
+    ``weight_scale``), loaded by transformers' own conversions."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,12 +81,28 @@ def dequantised_block(block, stored: dict):
         for name in tensors:
             key = PREFIX + name[len("model.layers.0."):]
             if name.startswith("model.layers.0.") and stored.get(key) is not None and stored[key].dtype == FP8:
-                tensors[name] = reference_dequant(stored[key], stored[key[:-len("weight")] + "weight_scale_inv"],
-                                                  BLOCK, BLOCK).float()
+                base, (n, k) = key[:-len("weight")], stored[key].shape
+                blocks = (BLOCK, BLOCK) if base + "weight_scale_inv" in stored else (1, k)
+                scale = stored.get(base + "weight_scale_inv", stored.get(base + "weight_scale"))
+                tensors[name] = reference_dequant(stored[key], scale, *blocks).float()
                 swapped += 1
-        assert swapped == 5 + 3 + 3 * 4  # 5 attention projections, 3 shared-expert linears, 3 per routed expert
+        assert swapped == linears
         save_file(tensors, path, metadata={"format": "pt"})
         return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+
+
+def chain_logits(split, drafter, ids, chain):
+    """The draft logits of a prefill of ``ids`` and of each chained step after it (``test_mtp``'s order)."""
+    T = ids.shape[0]
+    step = RaggedStep.build([Segment(0, 0, T)], {0: [0]}, split.layout)
+    _, aux = split.step(ids, step)
+    logits, hidden = drafter(aux[:, None], torch.cat([ids[1:], torch.tensor([chain[0]])])[None], step)
+    rows = [logits[0]]
+    for j, token in enumerate(chain[1:]):
+        one = RaggedStep.build([Segment(0, T + j, 1)], {0: [0]}, split.layout)
+        logits, hidden = drafter(hidden[:, -1:], torch.tensor([[token]]), one)
+        rows.append(logits[0])
+    return torch.cat(rows)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +115,8 @@ def fp8(tmp_path_factory):
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # dequantises on the CPU
     out = str(root / "pp2")
     assert main(["compile", folder, "--pp", "2", "--mtp", "-o", out, "--max-batch", "8", "--max-len", "64"]) == 0
-    return target, dequantised_block(block, stored), own, folder, stored, out
+    # 5 attention projections, 3 shared-expert linears, 3 per routed expert
+    return target, dequantised_block(block, stored, 5 + 3 + 3 * 4), own, folder, stored, out
 
 
 def _fp8_names(module, layer: str) -> set[str]:
@@ -123,22 +153,36 @@ def test_fp8_mtp_layer_is_kept_as_stored_and_drafts_as_the_reference(fp8):
 
     torch.manual_seed(7)
     ids = torch.randint(3, V, (11,))
-    T = ids.shape[0]
     chain = (9, 21, 30)  # the token after ids, then two drafts
     ref = reference(target, block, own, ids, chain)
-    got = {}
-    for which, drafter in (("load_mtp", loaded), ("folder", split.drafter)):
-        step = RaggedStep.build([Segment(0, 0, T)], {0: [0]}, split.layout)
-        _, aux = split.step(ids, step)
-        logits, hidden = drafter(aux[:, None], torch.cat([ids[1:], torch.tensor([chain[0]])])[None], step)
-        rows = [logits[0]]
-        for j, token in enumerate(chain[1:]):
-            one = RaggedStep.build([Segment(0, T + j, 1)], {0: [0]}, split.layout)
-            logits, hidden = drafter(hidden[:, -1:], torch.tensor([[token]]), one)
-            rows.append(logits[0])
-        got[which] = torch.cat(rows)
-        torch.testing.assert_close(got[which], ref, rtol=1e-4, atol=1e-4)
+    got = {which: chain_logits(split, drafter, ids, chain) for which, drafter in (("load_mtp", loaded),
+                                                                                   ("folder", split.drafter))}
+    for logits in got.values():
+        torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got["folder"], got["load_mtp"], rtol=1e-5, atol=1e-5)
+
+
+def test_compressed_tensors_glm_mtp_layer_stays_fp8(tmp_path):
+    """GLM-4.5 (GQA with biases, MoE) in compressed-tensors FP8, one scale per output row: the MTP block keeps the
+    FP8 weights the target's MoE layer keeps, and the drafts of ``load_mtp`` and of the ``--mtp`` folder equal the
+    reference over the dequantised weights."""
+    _, block, own, folder, _ = build(tmp_path / "ckpt", arch="glm4_moe")
+    stored = quantize(folder, channel=True)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = str(tmp_path / "pp2")
+    assert main(["compile", folder, "--pp", "2", "--mtp", "-o", out, "--max-batch", "8", "--max-len", "64"]) == 0
+    split = ppsplit.load(out)
+    loaded = ppsplit.load_mtp(folder, split=split)
+    kept = _fp8_names(split.stages[-1], f"model.layers.{L - 1}.")
+    assert {"mlp.experts.gate_up_proj", "self_attn.q_proj.weight", "mlp.shared_experts.up_proj.weight"} <= kept
+    for drafter in (loaded, split.drafter):
+        assert _fp8_names(drafter.block, "model.layers.1.") == kept
+    ids = torch.randint(3, V, (9,), generator=torch.Generator().manual_seed(3))
+    chain = (5, 17, 26)
+    # 4 attention projections, 3 shared-expert linears, 3 per routed expert
+    ref = reference(target, dequantised_block(block, stored, 4 + 3 + 3 * 4), own, ids, chain)
+    for drafter in (loaded, split.drafter):
+        torch.testing.assert_close(chain_logits(split, drafter, ids, chain), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_fp8_mtp_output_equals_greedy_at_pp2(fp8):
