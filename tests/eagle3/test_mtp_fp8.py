@@ -162,6 +162,28 @@ def test_fp8_mtp_layer_is_kept_as_stored_and_drafts_as_the_reference(fp8):
     torch.testing.assert_close(got["folder"], got["load_mtp"], rtol=1e-5, atol=1e-5)
 
 
+def test_a_tampered_fp8_mtp_block_is_refused(fp8, tmp_path, capsys):
+    """``mtp/block.json`` is checked as a stage program is: an FP8 weight fed to a plain linear is one line from
+    ``inspect`` and ``load``."""
+    import shutil
+
+    out = str(tmp_path / "f")
+    shutil.copytree(fp8[5], out)
+    capsys.readouterr()
+    assert main(["inspect", out]) == 0
+    where = os.path.join(out, "mtp", "block.json")
+    program = json.load(open(where))
+    node = next(n for n in program["program"]["nodes"] if n.get("target") == "ppsplit::fp8_linear.default")
+    node["target"], node["args"] = "aten::linear.default", node["args"][:2]
+    json.dump(program, open(where, "w"))
+    capsys.readouterr()
+    assert main(["inspect", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "read by something other than ppsplit's FP8 ops" in err and "mtp" in err and len(err.splitlines()) == 1, err
+    with pytest.raises(ConfigError, match="read by something other than ppsplit's FP8 ops"):
+        ppsplit.load(out)
+
+
 def test_compressed_tensors_glm_mtp_layer_stays_fp8(tmp_path):
     """GLM-4.5 (GQA with biases, MoE) in compressed-tensors FP8, one scale per output row: the MTP block keeps the
     FP8 weights the target's MoE layer keeps, and the drafts of ``load_mtp`` and of the ``--mtp`` folder equal the
@@ -258,6 +280,7 @@ def test_fp8_mtp_folder_cut_for_tensor_parallelism(fp8, tmp_path_factory):
     stored, alone = (load_file(os.path.join(f, "mtp", "block.safetensors")) for f in (cut, whole))
     assert stored.keys() == alone.keys() and all(torch.equal(stored[n].view(torch.uint8), alone[n].view(torch.uint8))
                                                  for n in stored if stored[n].dtype == FP8)
+    assert main(["inspect", cut]) == 0
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, V, (n,), generator=gen).tolist() for n in (3, 7, 12)]
     new, k = 10, 3
