@@ -261,12 +261,12 @@ def test_an_fp8_eh_proj_is_dequantised_and_mxfp4_is_refused(fp8, tmp_path, capsy
         ppsplit.load_mtp(str(mxfp4), split=ppsplit.load(out))
 
 
-def test_fp8_mtp_folder_cut_for_tensor_parallelism(fp8, tmp_path_factory):
+def test_fp8_mtp_folder_cut_for_tensor_parallelism(fp8, tmp_path_factory, capfd):
     """``compile --pp 2 --tp 2 --mtp`` of the FP8 checkpoint: the stages (FP8 blocks and scales) are cut over two TP
     ranks, the MTP block is stored whole (no collective in its program) and runs on the last stage's TP rank 0,
     beside the pipeline, as an EAGLE-3 drafter does. On 4 gloo ranks every output equals transformers' greedy one,
     and each request's drafts and acceptance equal the in-process engine's over the folder compiled without
-    ``--tp``."""
+    ``--tp``; ``ppsplit run DIR -k 3`` prints the same."""
     from tests.processes import launch, tp_generate
 
     target, _, _, folder, _, whole = fp8
@@ -295,3 +295,11 @@ def test_fp8_mtp_folder_cut_for_tensor_parallelism(fp8, tmp_path_factory):
                                      eos_token_id=None)[0, len(prompt):]
         assert tokens == greedy.tolist() == expected.token_ids
         assert len(drafts) >= 3 and (accepted, drafts) == (expected.accepted, expected.drafts)
+    # ppsplit run starts the 4 ranks itself (torch's elastic launcher): the same tokens and acceptance
+    capfd.readouterr()
+    code = main(["run", cut, "--prompt-ids", ",".join(map(str, prompts[1])), "--max-new-tokens", str(new),
+                 "--ignore-eos", "-k", str(k), "--timeout", "60"])
+    printed, err = capfd.readouterr()
+    assert code == 0, err[-2000:]
+    assert printed.splitlines()[0] == ",".join(map(str, ref[1].token_ids)), printed
+    assert f"K={k}, mean acceptance length {ref[1].mean_acceptance_length:.2f}" in printed, printed
