@@ -263,7 +263,7 @@ class TryAdd:
                 self.error = str(e)
 
 
-def tp_generate(rank, folder, prompts, max_tokens, k=0):
+def tp_generate(rank, folder, prompts, max_tokens, k=0, ignore_eos=False):
     """Every rank of a ``pp x tp`` world runs ``tensor_parallel.engine(folder)``; pipeline rank 0 generates greedily
     ``max_tokens`` tokens for ``prompts`` and returns ``(token_ids, accepted, drafts)`` per prompt; the other leaders
     return their engine's ``Stats``, the followers ``None``."""
@@ -273,7 +273,8 @@ def tp_generate(rank, folder, prompts, max_tokens, k=0):
     engine = tensor_parallel.engine(folder, num_draft_tokens=k)
     if engine is None:
         return None
-    out = engine.generate(prompts if engine.rank == 0 else None, SamplingParams(max_tokens=max_tokens))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    out = engine.generate(prompts if engine.rank == 0 else None, params)
     if engine.rank:
         return engine.stats
     return [(o.token_ids, o.accepted, o.drafts) for o in out]

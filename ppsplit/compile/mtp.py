@@ -124,6 +124,9 @@ def mtp_checkpoint(model: str) -> tuple[str, dict, MTPLayout, int]:
     layout = LAYOUTS[kind]
     if raw.get("mtp_use_dedicated_embeddings"):
         raise ConfigError("mtp_use_dedicated_embeddings: true (an MTP layer with its own embedding) is not supported")
+    quant = raw.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
+        raise ConfigError(f"{model}: MTP layers of an MXFP4 checkpoint are not supported (FP8 ones are)")
     n = mtp_layers(raw)
     if layout.counted and not any(key in raw for key in (*COUNT_KEYS, "mtp_num_hidden_layers")):
         n = _counted_layers(folder, layout.counted)
@@ -141,6 +144,7 @@ def _counted_layers(folder: str, prefix: str) -> int:
 
 def _build(model: str, plan, device) -> MTPDrafter:
     """The drafter of checkpoint ``model`` for ``plan`` on ``device``, its block as traced (no stage rewrites)."""
+    from ppsplit.compile.quantized import read_scheme
     from ppsplit.compile.source import load_config
 
     folder, raw, layout, n = mtp_checkpoint(model)
@@ -156,10 +160,11 @@ def _build(model: str, plan, device) -> MTPDrafter:
     prefix, block_prefix = layout.prefix.format(L=layers), layout.block.format(L=layers)
     config = load_config(folder)
     keys = _layer_keys(checkpoint, config, layout, n)
+    scheme = read_scheme(config, model)
     dtype = model_dtype(plan)
     block = _load_block(_trace_block(config, layout, plan, dtype), checkpoint, layout, prefix, block_prefix, keys,
-                        config, dtype, device)
-    own = {role: read_tensor(checkpoint, prefix + name) for role, name in layout.own.items()
+                        config, dtype, device, scheme)
+    own = {role: _own_tensor(checkpoint, prefix + name, scheme) for role, name in layout.own.items()
            if prefix + name in checkpoint}
     drafter = MTPDrafter(block, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
                          plan.taps.index(layers), cache, offset_norms=layout.offset_norms,
@@ -226,6 +231,7 @@ def _layer_keys(checkpoint: Checkpoint, config, layout: MTPLayout, n: int) -> li
                               f"{prefix}{layout.own[role]}; the MTP weights are missing (a checkpoint saved without "
                               "them cannot draft)")
     own = {prefix + name for name in layout.own.values()}
+    own |= {key[:-len("weight")] + suffix for key in own for suffix in _SCALES} & set(mine)  # read with their weight
     stray = [key for key in mine if key not in own and not key.startswith(block_prefix)]
     if layout.prefix == "mtp." and stray:  # DeepSeek's further layers live under model.layers.{L + 1}, not here
         raise ConfigError(f"the MTP layer has tensors ppsplit does not account for: {', '.join(stray[:4])}; ppsplit "
@@ -291,6 +297,29 @@ def _as_block(name: str, layout: MTPLayout) -> str:
     return name
 
 
+_SCALES = ("weight_scale_inv", "weight_scale")  # an FP8 weight's scale beside it (fp8; compressed-tensors)
+
+
+def _own_tensor(checkpoint: Checkpoint, key: str, scheme) -> torch.Tensor:
+    """One of the MTP layer's own tensors (``enorm``, ``eh_proj``, ...), which the drafter holds in the model dtype:
+    as stored, or an FP8 one (some checkpoints quantise ``eh_proj``; DeepSeek-V3 ships it in BF16) dequantised with
+    its scale, as a stage's FP8 weight that cannot stay FP8 is."""
+    from ppsplit.compile.quantized import check_pair, dequantized, exponent_values, is_exponents
+
+    raw = checkpoint.raw_range(key)
+    if not raw.dtype.startswith("F8"):
+        return read_tensor(checkpoint, key)
+    scale_key = key[:-len("weight")] + (scheme.suffix if scheme is not None else _SCALES[0])
+    if scheme is None or scheme.method == "mxfp4" or scale_key not in checkpoint:
+        raise ConfigError(f"the checkpoint stores the MTP layer's {key} in {raw.dtype} without a {scale_key} and "
+                          "a quantization_config saying how to scale it; the checkpoint is incomplete")
+    stored = checkpoint.raw_range(scale_key)
+    check_pair(key, raw.shape, scale_key, stored, scheme)
+    scale = read_tensor(checkpoint, scale_key)
+    scale = exponent_values(scale) if scheme.exponents and is_exponents(stored.dtype) else scale.float()
+    return dequantized(read_tensor(checkpoint, key), scale, scheme, torch.float32)
+
+
 def _mini_config(config, layout: MTPLayout):
     """The target's config cut to two layers, layer 1 of the type of layer ``L`` (the MTP layer's)."""
     mini = copy.deepcopy(config)
@@ -339,10 +368,14 @@ class _Renamed:
 
 
 def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, block_prefix: str, keys: list[str],
-                config, dtype, device):
+                config, dtype, device, scheme=None):
     """``stage`` (weights on meta) filled with the MTP layer: its block tensors (``keys``, under ``block_prefix``) as
-    layer 1's, its norm as the final norm, its head (or the target's ``lm_head``) as the head."""
+    layer 1's, its norm as the final norm, its head (or the target's ``lm_head``) as the head. With ``scheme`` (an
+    FP8 checkpoint) its linears run on their FP8 weights and scales as stored, through the pass the compile's
+    stages go through (``quantize_stage``); a weight that pass leaves is dequantised, as a stage's is."""
+    from ppsplit.compile.checkpoint import ST_DTYPES
     from ppsplit.compile.source import skeleton
+    from ppsplit.compile.writer import quantize_stage
 
     names = {"model.layers.1." + _as_layer(key[len(block_prefix):], layout): key for key in keys}
     names["model.norm.weight"] = prefix + layout.own["norm"]
@@ -350,17 +383,23 @@ def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, b
     names["lm_head.weight"] = head if head in checkpoint else "lm_head.weight"
     # buffers: what the model computes in __init__ (rotary, ...); tensors converted straight to the split's dtype
     model, buffers = skeleton(_mini_config(config, layout), dtype)
-    sources = Sources(model, _Renamed(checkpoint, names))
-    used = {key for group in sources.groups.values() for key, _ in group.sources}
+    view = _Renamed(checkpoint, names)
+    sources = Sources(model, view, scheme)
+    used = {key for group in sources.groups.values() for key, _ in group.sources} | set(sources.scales.values())
     unknown = sorted(names[name] for name in names if name not in used)
     if unknown:
         raise ConfigError(f"the MTP layer has tensors a decoder layer of {config.model_type} does not account for: "
                           f"{', '.join(unknown[:4])}; ppsplit refuses to drop them")
+    if scheme is not None:
+        quantize_stage(stage, sources)
     values = {}
     for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
         group = sources.group_of(name)
+        key = group is not None and sources.plain_source(group)
         if is_cache_buffer(name):
             values[name] = torch.zeros(t.shape, dtype=t.dtype)
+        elif key and view.raw_range(key).dtype == ST_DTYPES.get(t.dtype):  # kept as stored (FP8 weights, their scales)
+            values[name] = read_tensor(view, key)
         elif group is not None:
             values[name] = sources.run(group)[name]
         elif name in buffers:

@@ -84,7 +84,7 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
         aux = compile_taps(drafter, config, options.aux, drafter_convention)
         options = dataclasses.replace(options, aux=aux, aux_convention="vllm")
     if mtp:
-        options = _mtp_options(model, options, drafter, scheme, default_cache)
+        options = _mtp_options(model, options, drafter, default_cache)
     checkpoint = Checkpoint(folder)
     torch_dtype = DTYPES[dtype] if dtype else _config_dtype(config)
 
@@ -105,7 +105,7 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     split = split_model(planned(model_obj, sources, options), options=options)
     log.info("split into %d stages in %.1fs", split.plan.pp, time.perf_counter() - start)
     tied = tied_names(tied_parameters(model_obj))  # name -> every name sharing its tensor
-    fp8 = [_quantize(stage, sources) for stage in split.stages] if scheme is not None else None
+    fp8 = [quantize_stage(stage, sources) for stage in split.stages] if scheme is not None else None
     sharded = None
     if tp > 1:
         from ppsplit.passes.tp import shard_stage
@@ -140,7 +140,7 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     return out
 
 
-def _mtp_options(model: str, options: SplitOptions, drafter: str | None, scheme, default_cache: bool) -> SplitOptions:
+def _mtp_options(model: str, options: SplitOptions, drafter: str | None, default_cache: bool) -> SplitOptions:
     """``options`` with tap ``L`` (what the MTP layer reads) added, or one ``ConfigError`` before anything is traced
     when ``model`` has no MTP layers ppsplit runs or the split cannot store one."""
     from ppsplit.compile.mtp import mtp_checkpoint
@@ -148,9 +148,6 @@ def _mtp_options(model: str, options: SplitOptions, drafter: str | None, scheme,
 
     if drafter is not None:
         raise ConfigError("pass either --drafter or --mtp: a compiled folder stores one drafter")
-    if options.tp > 1 or scheme is not None:
-        raise ConfigError("--mtp stores the MTP layer of an unquantised checkpoint without tensor parallelism; "
-                          "leave out --tp (or --mtp)")
     if options.cache is None and not default_cache:
         raise ConfigError("the MTP layer drafts over the stages' paged KV cache: leave out --no-cache (or --mtp)")
     if options.aux == "eagle3":
@@ -306,8 +303,9 @@ def _stored_bytes(node: fx.Node, p: torch.Tensor, group, sources: Sources) -> in
     return stored
 
 
-def _quantize(stage: fx.GraphModule, sources: Sources):
-    """Stage linears over the checkpoint's FP8 weights run on them as stored (``ppsplit.passes.quantize``)."""
+def quantize_stage(stage: fx.GraphModule, sources: Sources):
+    """Stage linears over the checkpoint's FP8 weights run on them as stored (``ppsplit.passes.quantize``); the
+    scales become tensors of ``sources`` (the stages of a compile, and the MTP block: ``ppsplit.compile.mtp``)."""
     from ppsplit.passes.quantize import QuantizedWeight, quantize_linears
 
     scheme: Scheme = sources.scheme

@@ -218,11 +218,17 @@ def engine(folder: str, *, device=None, **options) -> TensorParallelEngine | Non
         return None
     k = options.get("num_draft_tokens", 0)
     if k and tpar.stage == plan.pp - 1 and options.get("drafter") is None:
-        if opened.drafter is None:
-            raise ConfigError("speculative decoding needs an EAGLE-3 drafter: compile the folder with --drafter")
-        from ppsplit.eagle3.formats import load_folder_drafter
+        if opened.mtp is not None:  # compile --mtp: the block is stored whole and runs on this leader alone
+            from ppsplit.artifact.loader import stage_options
+            from ppsplit.eagle3.mtp import load_folder_mtp
 
-        options["drafter"] = load_folder_drafter(opened.drafter, plan, torch.device(device))
+            options["drafter"] = load_folder_mtp(opened, torch.device(device), stage_options(opened))
+        elif opened.drafter is None:
+            raise ConfigError("speculative decoding needs a drafter: compile the folder with --drafter or --mtp")
+        else:
+            from ppsplit.eagle3.formats import load_folder_drafter
+
+            options["drafter"] = load_folder_drafter(opened.drafter, plan, torch.device(device))
     # A captured graph cannot hold the leader's host-side broadcasts: TP stages run eagerly.
     options["cuda_graphs"] = False
     return TensorParallelEngine(Leader(stage, tpar), group=tpar.pipe, device=device,
