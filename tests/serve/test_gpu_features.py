@@ -1,7 +1,7 @@
 """The engine's request features on CUDA (GPU only), bf16, with the stages (and a block drafter) captured: each gives
 the same tokens as the same engine run eager (``enforce_eager``): grammar masks copied beside the step, ``n``
 choices sharing their prompt's blocks, DSpark's trimmed windows through the captured drafter, MTP chains through the
-captured chained step."""
+captured chained step (an FP8 one too, and across ranks)."""
 import json
 
 import pytest
@@ -11,6 +11,7 @@ import ppsplit
 from ppsplit import CacheConfig
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.sampling import SamplingParams
+from tests.eagle3.test_mtp_fp8 import fp8  # noqa: F401  (the fixture: a block-FP8 DeepSeek-V3 folder with --mtp)
 from tests.support import tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -135,3 +136,20 @@ def test_mtp_captured_across_ranks_on_cuda(tmp_path_factory, request):
     single = ppsplit.load(folder, ["cuda"])
     expected = Engine(single, drafter=single.drafter, num_draft_tokens=3, enforce_eager=True).generate(prompts, params)
     assert [outputs[str(i)][0::2] for i in range(3)] == [(e.token_ids, e.accepted) for e in expected]
+
+
+def test_fp8_mtp_chain_on_cuda(fp8):  # noqa: F811
+    """A block-FP8 DeepSeek-V3 folder compiled with --mtp, on CUDA: the MTP block's FP8 linears run the stages' FP8
+    kernels in the captured chained step, with the eager engine's tokens and acceptance."""
+    out = fp8[-1]
+    prompts = [torch.randint(3, 32, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 9, 13)]
+
+    def build(eager):
+        split = ppsplit.load(out, ["cuda", "cuda"])
+        engine = Engine(split, drafter=split.drafter, num_draft_tokens=3, enforce_eager=eager)
+        assert (engine.runner.sampler.proposer.graphs is None) == eager
+        return engine
+
+    captured, eager = both(build, lambda e: [(o.token_ids, o.accepted) for o in
+                                             e.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))])
+    assert captured == eager
