@@ -152,3 +152,13 @@ class DSparkDrafter(DFlashDrafter):
             prev = tokens if self.first_draft_row == 0 else torch.cat([tokens[:1], tokens[:-1]])
         _, logits, confidence = self.heads(rows[None], prev[None])
         return logits[0], None if confidence is None else confidence[0]
+
+
+def set_confidence_threshold(drafter, value: float) -> None:
+    """``drafter.confidence_threshold = value`` (``--confidence-threshold``), refused in one line for a drafter that
+    is not DSpark."""
+    family = getattr(drafter, "family", None)
+    if family != "dspark":
+        raise ConfigError(f"--confidence-threshold trims a DSpark drafter's verify windows (the drafter here: "
+                          f"{family or 'none'}); pass -k and a DSpark drafter, or leave it out")
+    drafter.confidence_threshold = value

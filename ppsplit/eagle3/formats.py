@@ -18,8 +18,8 @@ import os
 
 import torch
 
-from ppsplit.core.drafter_config import (DFLASH_KEYS, DRAFTER_KEYS, FORMAT_NUMBERING, aux_ids, detect_format, dflash_drafter_config,
-                                         drafter_config, is_dflash)
+from ppsplit.core.drafter_config import (DFLASH_KEYS, DRAFTER_KEYS, FAMILY_KEYS, FORMAT_NUMBERING, aux_ids, detect_format,
+                                         dflash_drafter_config, drafter_config, is_dflash)
 from ppsplit.eagle3.drafter import Eagle3Drafter
 from ppsplit.eagle3.mtp import is_mtp_target
 from ppsplit.core.errors import ConfigError
@@ -174,19 +174,28 @@ def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = N
         embed = (embed if embed is not None else stage.get_buffer(name)).detach()
     device = device if device is not None else module_device(split.stages[-1])
     if is_dflash(cfg):
-        from ppsplit.eagle3.dflash import DFlashDrafter, build_dflash, output_head
-        from ppsplit.eagle3.dflash2 import DFlash2Drafter
-        from ppsplit.eagle3.dspark import DSparkDrafter
+        from ppsplit.eagle3.dflash import build_dflash, output_head
 
-        two = cfg.get("speculators_model_type") == "dflash2" or "DFlash2DraftModel" in (cfg.get("architectures") or ())
-        cls = DSparkDrafter if cfg.get("speculators_model_type") == "dspark" else DFlash2Drafter if two \
-            else DFlashDrafter
-        drafter = build_dflash(cfg, tensors, split.plan, embed, output_head(split), aux_convention, device, cls)
+        drafter = build_dflash(cfg, tensors, split.plan, embed, output_head(split), aux_convention, device,
+                               dflash_class(cfg))
     else:
         drafter = build_drafter(cfg, tensors, split.plan, embed, aux_convention, device)
     if compile:
         drafter.compile(dynamic=False)
     return drafter
+
+
+def dflash_class(cfg: dict) -> type:
+    """The module of a DFlash-family drafter config (a checkpoint's, or a compiled folder's ``ppsplit_family``):
+    ``DFlashDrafter``, ``DFlash2Drafter`` or ``DSparkDrafter``."""
+    from ppsplit.eagle3.dflash import DFlashDrafter
+    from ppsplit.eagle3.dflash2 import DFlash2Drafter
+    from ppsplit.eagle3.dspark import DSparkDrafter
+
+    family = cfg.get("ppsplit_family") or cfg.get("speculators_model_type")
+    if "DFlash2DraftModel" in (cfg.get("architectures") or ()):
+        family = "dflash2"
+    return {"dspark": DSparkDrafter, "dflash2": DFlash2Drafter}.get(family, DFlashDrafter)
 
 
 def build_drafter(cfg: dict, tensors: dict, plan, embed: torch.Tensor, aux_convention: str | None,
@@ -283,18 +292,20 @@ def draft_map(cfg: dict, tensors: dict, vocab: int) -> torch.Tensor:
 
 
 def save_drafter(drafter, folder: str) -> None:
-    """Write ``drafter`` (EAGLE-3 or DFlash) as ``folder/config.json`` + ``folder/drafter.safetensors``: resolved
-    taps, the rotary frequencies and its embedding table (a DFlash drafter: the target's output head too), so loading
-    it needs neither transformers nor the target's stage 0."""
+    """Write ``drafter`` (EAGLE-3, DFlash, DFlash2 or DSpark) as ``folder/config.json`` +
+    ``folder/drafter.safetensors``: resolved taps, the rotary frequencies and its embedding table (a DFlash-family
+    drafter: the target's output head too, its family's own keys and every tensor of its heads), so loading it needs
+    neither transformers nor the target's stage 0."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
-    dflash = getattr(drafter, "family", None) == "dflash"
-    keys = (*DRAFTER_KEYS, *DFLASH_KEYS, "rope") if dflash else (*DRAFTER_KEYS, "rope")
+    family = getattr(drafter, "family", None)
+    dflash = family in FAMILY_KEYS
+    keys = (*DRAFTER_KEYS, *DFLASH_KEYS, *FAMILY_KEYS[family], "rope") if dflash else (*DRAFTER_KEYS, "rope")
     cfg = {k: drafter.cfg[k] for k in keys if drafter.cfg.get(k) is not None}
     cfg.update(ppsplit_taps=list(drafter.taps), ppsplit_rope_scale=drafter.rope_scale)
     if dflash:
-        cfg["ppsplit_family"] = "dflash"
+        cfg["ppsplit_family"] = family
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
@@ -311,11 +322,6 @@ def compile_taps(drafter: str, config, aux, aux_convention: str) -> tuple[int, .
     if aux is not None:
         raise ConfigError("pass either --aux or --drafter: with a drafter the taps come from its config")
     cfg, _ = read_drafter(resolve_drafter(drafter))
-    family = cfg.get("speculators_model_type")
-    if family in ("dspark", "dflash2") or "DFlash2DraftModel" in (cfg.get("architectures") or ()):
-        raise ConfigError(f"ppsplit compile --drafter stores EAGLE-3 and DFlash drafters; this is a "
-                          f"{family or 'dflash2'} drafter: compile with its taps (--aux) and load it with "
-                          "ppsplit.load_drafter(DRAFTER, split=split)")
     return drafter_taps(cfg, config.num_hidden_layers, aux_convention)
 
 
@@ -330,7 +336,8 @@ def write_compiled_drafter(folder: str, drafter: str, split, checkpoint, tied: d
     if is_dflash(cfg):
         from ppsplit.eagle3.dflash import build_dflash, output_head_name
 
-        built = build_dflash(cfg, tensors, split.plan, embed, read(output_head_name(split)), aux_convention, "cpu")
+        built = build_dflash(cfg, tensors, split.plan, embed, read(output_head_name(split)), aux_convention, "cpu",
+                             dflash_class(cfg))
     else:
         built = build_drafter(cfg, tensors, split.plan, embed, aux_convention, "cpu")
     save_drafter(built, os.path.join(folder, DRAFTER))
@@ -338,18 +345,17 @@ def write_compiled_drafter(folder: str, drafter: str, split, checkpoint, tied: d
 
 def load_folder_drafter(path: str, plan, device):
     """The drafter a compiled folder stores in ``path`` (``ppsplit compile --drafter``), built for one process that
-    holds only the last stage (its embedding copy, and a DFlash drafter's output head, are in the drafter's file)."""
+    holds only the last stage (its embedding copy, and a DFlash-family drafter's output head, are in the drafter's
+    file)."""
     cfg, _ = check_drafter(path, plan)
     _, tensors = read_drafter(path)
     try:
         if is_dflash(cfg):
             from ppsplit.eagle3.dflash import build_dflash
 
-            if "head.weight" not in tensors:
-                raise ConfigError("its drafter.safetensors has no head.weight (the target's output head); compile "
-                                  "the folder again")
-            head = tensors.pop("head.weight")
-            return build_dflash(cfg, tensors, plan, tensors["embed_tokens.weight"], head, None, device)
+            head = tensors.pop("head.weight")  # check_drafter saw it
+            return build_dflash(cfg, tensors, plan, tensors["embed_tokens.weight"], head, None, device,
+                                dflash_class(cfg))
         return build_drafter(cfg, tensors, plan, tensors["embed_tokens.weight"], None, device)
     except ConfigError as e:
         raise FolderError(f"{path}: {e}") from None

@@ -88,6 +88,13 @@ def add_runtime_arguments(p: argparse.ArgumentParser, ranks: bool = False) -> No
                    "far faster on a busy machine; more pays off for large models on many idle cores)")
 
 
+def add_confidence_argument(p: argparse.ArgumentParser) -> None:
+    """``--confidence-threshold`` (``generate``, ``serve``, ``run``): a DSpark drafter's window trimming."""
+    p.add_argument("--confidence-threshold", type=float, default=None,
+                   help="DSpark drafters: verify only the leading drafts whose predicted survival reaches this "
+                        "(0 to 1; default 0: all)")
+
+
 def apply_cpu_threads(args) -> None:
     """``--cpu-threads``, else ``OMP_NUM_THREADS``, else 1, for this process and (through ``OMP_NUM_THREADS``) the
     rank processes it starts. Measured here (SmolLM2-135M, one request, 2 cores with one busy): 8.2 tokens/s on one

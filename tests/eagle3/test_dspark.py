@@ -3,6 +3,7 @@ folders written by speculators' own ``save_pretrained``, logits / confidences / 
 modules, greedy output equal to Hugging Face's at pp 1, 2, 3 with confidence-trimmed verify windows of different
 lengths in one step, the target's distribution kept when sampling, and every refusal in one line."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -409,6 +410,71 @@ def test_stand_in_graphs_equal_the_eager_engine(trained_dspark):
     (eager, _), (graphed, blocks) = runs
     assert [(o.token_ids, o.accepted, o.drafts) for o in graphed] == [(o.token_ids, o.accepted, o.drafts) for o in eager]
     assert sum(sum(o.accepted) for o in eager) > 0 and blocks.blocks[4][0].replays > 0
+
+
+# -- inside a compiled folder, and across ranks ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compiled_dspark(trained_dspark, tmp_path_factory):
+    """``ppsplit compile TARGET --pp N --drafter DSPARK`` of the trained drafter at pp 1 and 2."""
+    from tests.eagle3.test_dflash import compile_with_drafter
+
+    model, folder = trained_dspark
+    return model, folder, compile_with_drafter(model, folder, tmp_path_factory.mktemp("compiled-dspark"))
+
+
+def test_compiled_folder_speculates_like_the_in_process_drafter(compiled_dspark, capsys):
+    """The folder stores every DSpark tensor (Markov and confidence heads included) and its heads' config: with the
+    threshold on, its drafter gives Hugging Face's greedy output and the same trimmed windows (drafts, acceptance)
+    as the drafter loaded from speculators' folder over an in-process split; ``ppsplit generate DIR -k 4
+    --confidence-threshold 0.5`` prints the same."""
+    from safetensors import safe_open
+
+    from tests.eagle3.test_dflash import check_compiled_folder
+
+    model, folder, folders = compiled_dspark
+    with safe_open(str(Path(folders[2]) / "drafter" / "drafter.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+            "confidence_head.proj.bias", "head.weight", "embed_tokens.weight"} <= names
+    stored = json.loads((Path(folders[2]) / "drafter" / "config.json").read_text())
+    assert stored["ppsplit_family"] == "dspark" and stored["markov_rank"] == 16 and stored["sample_from_anchor"]
+    loaded = ppsplit.load(folders[2]).drafter
+    assert loaded.family == "dspark" and loaded.markov_head is not None and loaded.confidence_head is not None
+    outs, _ = check_compiled_folder(model, folder, folders[2], BLOCK, capsys, threshold=0.5)
+    assert any(len(d) < BLOCK for o in outs for d in o.drafts) and sum(sum(o.accepted) for o in outs) > 0
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_dspark_across_ranks_equals_the_in_process_engine(pp, compiled_dspark):
+    """``check_across_ranks`` with the DSpark drafter and its threshold on the last rank: the kept drafts' count
+    comes back to rank 0 in the step's results, so the windows it schedules are trimmed as in one process."""
+    from tests.eagle3.test_dflash import check_across_ranks
+
+    _, _, folders = compiled_dspark
+    ref = check_across_ranks(pp, folders[pp], BLOCK, threshold=0.5)
+    assert any(len(d) < BLOCK for o in ref for d in o.drafts)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(markov_head_type="lstm"), "markov_head_type 'lstm'"),
+    (lambda c: c.pop("confidence_head"), "lacks confidence_head"),
+    (lambda c: c.update(markov_rank="16"), "markov_rank"),
+    (lambda c: c.update(conv_kernel_size=2), "conv_kernel_size"),
+    (lambda c: c.update(ppsplit_family="dspark2"), "ppsplit_family is 'dspark2'"),
+])
+def test_stored_dspark_config_refused_before_tensors(compiled_dspark, tmp_path, change, message):
+    """A stored DSpark config edited by hand: ``ppsplit inspect`` and ``ppsplit.load`` refuse it in one line."""
+    import shutil
+
+    from ppsplit.cli import main
+
+    _, _, folders = compiled_dspark
+    shutil.copytree(folders[1], tmp_path / "copy")
+    edit_config(tmp_path / "copy" / "drafter", change)
+    with pytest.raises(ppsplit.PpsplitError, match=message) as e:
+        ppsplit.load(str(tmp_path / "copy"))
+    assert "\n" not in str(e.value)
+    assert main(["inspect", str(tmp_path / "copy")]) == 2
 
 
 # -- sampling stays lossless ----------------------------------------------------------------------------------------
