@@ -455,6 +455,31 @@ def test_dspark_across_ranks_equals_the_in_process_engine(pp, compiled_dspark):
     assert any(len(d) < BLOCK for o in ref for d in o.drafts)
 
 
+def test_run_command_trims_on_the_last_rank(compiled_dspark, capfd):
+    """``ppsplit run DIR -k 4 --confidence-threshold 0.5`` (one process per stage): the tokens and the mean
+    acceptance length of the in-process engine with that threshold (without it, the acceptance differs); the flag
+    without -k is refused in one line."""
+    from ppsplit.cli import main
+    from tests.eagle3.test_dflash import _folder_prompts, folder_engine
+
+    _, _, folders = compiled_dspark
+    prompts, params = _folder_prompts()[:2], SamplingParams(max_tokens=20)
+    runs = {t: folder_engine(folders[2], BLOCK, t)[1].generate(prompts, params) for t in (0.0, 0.5)}
+    mean = {t: 1 + sum(a for o in outs for a in o.accepted) / sum(len(o.accepted) for o in outs)
+            for t, outs in runs.items()}
+    assert f"{mean[0.0]:.2f}" != f"{mean[0.5]:.2f}"
+    code = main(["run", folders[2], *[x for p in prompts for x in ("--prompt-ids", ",".join(map(str, p)))],
+                 "--max-new-tokens", "20", "-k", str(BLOCK), "--confidence-threshold", "0.5", "--timeout", "30"])
+    out, err = capfd.readouterr()
+    assert code == 0, err[-2000:]
+    lines = out.splitlines()
+    assert lines[:2] == [f"[{i}] " + ",".join(map(str, o.token_ids)) for i, o in enumerate(runs[0.5])], out
+    assert f"K={BLOCK}, mean acceptance length {mean[0.5]:.2f})" in lines[2], out
+    assert main(["run", folders[2], "--prompt-ids", "7,8", "--confidence-threshold", "0.5", "--timeout", "30"]) == 2
+    assert "--confidence-threshold trims a DSpark drafter's verify windows (the drafter here: none)" in \
+        capfd.readouterr().err
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda c: c.update(markov_head_type="lstm"), "markov_head_type 'lstm'"),
     (lambda c: c.pop("confidence_head"), "lacks confidence_head"),
