@@ -34,7 +34,7 @@ def dspark_drafter(folder, model, draft_vocab=None, seed=0, scale=0.1, prepare=N
 
     vocab = model.config.vocab_size
     draft_vocab = draft_vocab or vocab
-    layer = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+    layer = Qwen3Config(hidden_size=model.config.hidden_size, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=16, num_hidden_layers=2, vocab_size=vocab, max_position_embeddings=256,
                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
                         layer_types=["full_attention"] * 2)
@@ -478,6 +478,47 @@ def test_run_command_trims_on_the_last_rank(compiled_dspark, capfd):
     assert main(["run", folders[2], "--prompt-ids", "7,8", "--confidence-threshold", "0.5", "--timeout", "30"]) == 2
     assert "--confidence-threshold trims a DSpark drafter's verify windows (the drafter here: none)" in \
         capfd.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def served_dspark(tmp_path_factory):
+    """The demo target (it has a tokenizer) compiled at pp 2 with a DSpark drafter whose Markov head knows the
+    target's bigrams."""
+    from ppsplit.compile.demo import demo_model
+
+    tmp_path = tmp_path_factory.mktemp("served-dspark")
+    model = demo_model()
+    dspark_drafter(tmp_path / "d", model, seed=1, scale=0.5, markov_rank=model.config.vocab_size,
+                   prepare=bigram_markov(model))
+    return ppsplit.compile_model("demo", str(tmp_path / "demo-dspark"), pp=2, drafter=str(tmp_path / "d"),
+                                 cache=ppsplit.CacheConfig(batch_size=4, max_len=128))
+
+
+def test_serve_speculates_with_the_folder_dspark(served_dspark):
+    """``ppsplit serve DIR -k 4 --confidence-threshold 0.5``, in one process and with ``--ranks 2``: completions
+    equal the in-process engine's over the same folder with that threshold, and the server's draft counters equal
+    its verified and accepted drafts (the trimmed windows', fewer than K per window)."""
+    from ppsplit.artifact.tokenizer import FolderTokenizer
+    from tests.eagle3.test_dflash import folder_engine
+    from tests.serve.test_server import MODEL, Live
+
+    tok = FolderTokenizer(served_dspark)
+    prompts = ["Hello world", "Once upon a time there was a", "1 2 3 4 5"]
+    _, engine = folder_engine(served_dspark, BLOCK, 0.5)
+    ref = [engine.generate([tok.encode(p)], SamplingParams(max_tokens=12))[0] for p in prompts]
+    verified, accepted = sum(len(d) for o in ref for d in o.drafts), sum(sum(o.accepted) for o in ref)
+    assert 0 < accepted and verified < BLOCK * sum(len(o.drafts) for o in ref)
+    for ranks in ((), ("--ranks", "2")):
+        server = Live(served_dspark, "-k", str(BLOCK), "--confidence-threshold", "0.5", *ranks)
+        try:
+            for prompt, expected in zip(prompts, ref):  # one at a time: the counters are then exactly the reference's
+                done = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+                assert done.choices[0].text == tok.decode(expected.token_ids, skip_special_tokens=True)
+            metrics = server.metrics()
+            assert (metrics["ppsplit_spec_decode_draft_tokens_total"],
+                    metrics["ppsplit_spec_decode_accepted_tokens_total"]) == (verified, accepted), ranks
+        finally:
+            server.stop()
 
 
 @pytest.mark.parametrize("change, message", [
