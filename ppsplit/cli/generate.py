@@ -19,8 +19,8 @@ def add_parsers(sub) -> None:
                    help="numbering of the drafter's tap ids (default: its format's own)")
     add_confidence_argument(p)
 
-    p = sub.add_parser("save-drafter", help="write the drafter (EAGLE-3 or DFlash) of a compiled folder as a checkpoint vLLM "
-                                            "(speculators format) or SGLang (SpecForge format) loads")
+    p = sub.add_parser("save-drafter", help="write the drafter (EAGLE-3 or DFlash family) of a compiled folder as a "
+                                            "checkpoint vLLM (speculators format) or SGLang (SpecForge format) loads")
     p.add_argument("folder", help="a folder compiled with --drafter")
     p.add_argument("--format", choices=("speculators", "specforge"), default="speculators",
                    help="speculators: vLLM's format; specforge: SGLang's (default: %(default)s)")

@@ -30,8 +30,9 @@ is done with it; a result whose slot generation no longer matches its request is
 
 Before any tensor moves the ranks exchange a header (plan fingerprint, world size, dtype, cache layout, ``K``,
 token budget, buckets; the last rank adds its drafter's lookahead, the positions past a verify window rank 0's
-scheduler reserves: ``K``, or ``K + 1`` for a DFlash or DFlash2 block); a mismatch raises the same ``ConfigError`` on every rank. A rank that dies or stalls makes
-the others fail with a ``PipelineError`` naming it, within ``init(timeout=...)``.
+scheduler reserves: ``K``, or ``K + 1`` for a DFlash or DFlash2 block); a mismatch raises the same ``ConfigError``
+on every rank. A rank that dies or stalls makes the others fail with a ``PipelineError`` naming it, within
+``init(timeout=...)``.
 
 Example (``torchrun --nproc-per-node 2 script.py``)::
 

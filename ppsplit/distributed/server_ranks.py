@@ -38,8 +38,8 @@ def beat_period(stall_timeout: float) -> float:
 
 def engine_options(args) -> dict:
     return {"num_draft_tokens": args.num_draft_tokens or 0,
-            "max_num_batched_tokens": args.max_num_batched_tokens or DEFAULT_BUDGET, "max_num_seqs": args.max_num_seqs, "cuda_graphs": not args.enforce_eager,
-            "confidence_threshold": args.confidence_threshold}
+            "max_num_batched_tokens": args.max_num_batched_tokens or DEFAULT_BUDGET, "max_num_seqs": args.max_num_seqs,
+            "cuda_graphs": not args.enforce_eager, "confidence_threshold": args.confidence_threshold}
 
 
 def _free_port() -> int:

@@ -18,8 +18,8 @@ import os
 
 import torch
 
-from ppsplit.core.drafter_config import (DFLASH_KEYS, DRAFTER_KEYS, FAMILY_KEYS, FORMAT_NUMBERING, aux_ids, detect_format,
-                                         dflash_drafter_config, drafter_config, is_dflash)
+from ppsplit.core.drafter_config import (DFLASH_KEYS, DRAFTER_KEYS, FAMILY_KEYS, FORMAT_NUMBERING, aux_ids,
+                                         detect_format, dflash_drafter_config, drafter_config, is_dflash)
 from ppsplit.eagle3.drafter import Eagle3Drafter
 from ppsplit.eagle3.mtp import is_mtp_target
 from ppsplit.core.errors import ConfigError
