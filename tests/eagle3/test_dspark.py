@@ -35,8 +35,8 @@ def dspark_drafter(folder, model, draft_vocab=None, seed=0, scale=0.1, prepare=N
     vocab = model.config.vocab_size
     draft_vocab = draft_vocab or vocab
     layer = Qwen3Config(hidden_size=model.config.hidden_size, intermediate_size=96, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=vocab, max_position_embeddings=256,
-                        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+                        num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=vocab,
+                        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
                         layer_types=["full_attention"] * 2)
     layer._attn_implementation = "sdpa"
     options = {"markov_rank": 8, **options}
