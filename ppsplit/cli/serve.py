@@ -130,8 +130,9 @@ def _grammars(engine, tokenizer):
 
 def _check_servable(plan, args) -> None:
     from ppsplit.core.errors import ConfigError
-    from ppsplit.serve.requests import has_drafter
+    from ppsplit.serve.requests import check_confidence, has_drafter
 
+    check_confidence(args)
     if args.ranks > 1:
         from ppsplit.distributed.transport import backend_for
 

@@ -223,11 +223,17 @@ def test_compiled_folder_speculates_like_the_in_process_drafter(compiled_dflash2
 
 @pytest.mark.parametrize("pp", [1, 2])
 def test_dflash2_across_ranks_equals_the_in_process_engine(pp, compiled_dflash2):
-    """``check_across_ranks`` with the DFlash2 drafter on the last rank (a K + 1 block, as DFlash)."""
+    """``check_across_ranks`` with the DFlash2 drafter on the last rank (a K + 1 block, as DFlash); a confidence
+    threshold for it (not DSpark) ends every rank with the same one-line error."""
     from tests.eagle3.test_dflash import check_across_ranks
+    from tests.processes import launch, serve
 
     _, _, folders = compiled_dflash2
     check_across_ranks(pp, folders[pp], BLOCK - 1)
+    res = launch(pp, serve, folders[pp], [], BLOCK - 1, {"confidence_threshold": 0.5}, timeout=30, deadline=90)
+    for r in range(pp):
+        assert res[r][:2] == ("error", "ConfigError"), res[r]
+        assert "--confidence-threshold trims a DSpark drafter's verify windows (the drafter here: dflash2)" in res[r][2]
 
 
 def test_dflash2_sampling_matches_target_distribution(tmp_path):

@@ -459,7 +459,7 @@ def test_dspark_across_ranks_equals_the_in_process_engine(pp, compiled_dspark):
 def test_run_command_trims_on_the_last_rank(compiled_dspark, capfd):
     """``ppsplit run DIR -k 4 --confidence-threshold 0.5`` (one process per stage): the tokens and the mean
     acceptance length of the in-process engine with that threshold (without it, the acceptance differs); the flag
-    without -k is refused in one line."""
+    without -k, or out of range, is refused in one line before any process starts."""
     from ppsplit.cli import main
     from tests.eagle3.test_dflash import _folder_prompts, folder_engine
 
@@ -477,8 +477,10 @@ def test_run_command_trims_on_the_last_rank(compiled_dspark, capfd):
     assert lines[:2] == [f"[{i}] " + ",".join(map(str, o.token_ids)) for i, o in enumerate(runs[0.5])], out
     assert f"K={BLOCK}, mean acceptance length {mean[0.5]:.2f})" in lines[2], out
     assert main(["run", folders[2], "--prompt-ids", "7,8", "--confidence-threshold", "0.5", "--timeout", "30"]) == 2
-    assert "--confidence-threshold trims a DSpark drafter's verify windows (the drafter here: none)" in \
+    assert "--confidence-threshold trims a DSpark drafter's verify windows, and without -k no drafter runs" in \
         capfd.readouterr().err
+    assert main(["run", folders[2], "--prompt-ids", "7,8", "-k", "4", "--confidence-threshold", "1.5"]) == 2
+    assert "--confidence-threshold must be from 0 to 1" in capfd.readouterr().err
 
 
 @pytest.fixture(scope="module")
