@@ -219,7 +219,7 @@ def engine(folder: str, *, device=None, **options) -> TensorParallelEngine | Non
     k = options.get("num_draft_tokens", 0)
     if k and tpar.stage == plan.pp - 1 and options.get("drafter") is None:
         if opened.drafter is None:
-            raise ConfigError("speculative decoding needs an EAGLE-3 drafter: compile the folder with --drafter")
+            raise ConfigError("speculative decoding needs a drafter: compile the folder with --drafter")
         from ppsplit.eagle3.formats import load_folder_drafter
 
         options["drafter"] = load_folder_drafter(opened.drafter, plan, torch.device(device))
