@@ -28,12 +28,14 @@ import stat
 from dataclasses import dataclass
 
 from ppsplit.core.checked import FolderError, check, from_json
+# pure data: the drafter config a compiled folder stores, and its checks
+from ppsplit.core.drafter_config import DFLASH_KEYS, DRAFTER_KEYS, FAMILY_KEYS, dflash_drafter_config
+from ppsplit.core.errors import ConfigError
 from ppsplit.core.options import StageOptions
 from ppsplit.core.plan import SplitPlan
 from ppsplit.core.quant import SCALE_DTYPES, WEIGHT_DTYPES, Quantization
 from ppsplit.core.shards import Shard
 from ppsplit.core.tensors import DTYPES, MODEL_DTYPES
-from ppsplit.core.drafter_config import DFLASH_KEYS, DRAFTER_KEYS  # pure data: the drafter config a compiled folder stores
 
 PLAN = "plan.json"
 MANIFEST = "manifest.json"
@@ -432,7 +434,8 @@ _MTP_CONFIG = {"ppsplit_family": str, "ppsplit_taps": tuple[int, ...], "hidden_s
 
 # What the config of a drafter stored in a compiled folder may hold, by type (ppsplit writes it: save_drafter).
 _FOREIGN_DRAFTER_FILES = ("model.safetensors", "pytorch_model.bin")
-_STORED_CONFIG = {**DRAFTER_KEYS, **DFLASH_KEYS, "ppsplit_rope_scale": float, "ppsplit_taps": tuple[int, ...]}
+_STORED_CONFIG = {**DRAFTER_KEYS, **DFLASH_KEYS, **{k: t for own in FAMILY_KEYS.values() for k, t in own.items()},
+                  "ppsplit_rope_scale": float, "ppsplit_taps": tuple[int, ...]}
 
 
 def check_drafter(path: str, plan) -> tuple[dict, dict]:
@@ -455,6 +458,12 @@ def check_drafter(path: str, plan) -> tuple[dict, dict]:
     if any(t not in plan.taps for t in cfg["ppsplit_taps"]):
         raise FolderError(f"{where}: the drafter reads taps {list(cfg['ppsplit_taps'])}, but the folder's plan "
                           f"carries {list(plan.taps)}; compile the folder again")
+    family = cfg.get("ppsplit_family")
+    if family is not None:  # a DFlash-family drafter: every key read and checked as loading does
+        try:
+            dflash_drafter_config(cfg)
+        except ConfigError as e:
+            raise FolderError(f"{where}: {e}") from None
     weights = os.path.join(path, "drafter.safetensors")
     try:
         with safe_open(regular_file(weights), framework="pt") as f:
@@ -463,8 +472,9 @@ def check_drafter(path: str, plan) -> tuple[dict, dict]:
         raise
     except Exception as e:  # a missing, truncated or oversized file (safetensors' own error type)
         raise FolderError(f"cannot read {weights} ({str(e).splitlines()[0][:120]}); compile the folder again") from None
-    if "embed_tokens.weight" not in shapes:
-        raise FolderError(f"{weights} has no embed_tokens.weight; recompile the folder with ppsplit compile --drafter")
+    for name in ("embed_tokens.weight", "head.weight") if family is not None else ("embed_tokens.weight",):
+        if name not in shapes:
+            raise FolderError(f"{weights} has no {name}; recompile the folder with ppsplit compile --drafter")
     return cfg, shapes
 
 

@@ -6,7 +6,7 @@ import time
 
 
 def add_parsers(sub) -> None:
-    from ppsplit.serve.requests import add_request_arguments, add_runtime_arguments
+    from ppsplit.serve.requests import add_confidence_argument, add_request_arguments, add_runtime_arguments
 
     p = sub.add_parser("generate", help="decode requests through a compiled folder in this process (the engine: "
                                         "continuous batching; speculatively with -k)")
@@ -17,12 +17,10 @@ def add_parsers(sub) -> None:
                    "compiled into DIR)")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
                    help="numbering of the drafter's tap ids (default: its format's own)")
-    p.add_argument("--confidence-threshold", type=float, default=None,
-                   help="DSpark drafters: verify only the leading drafts whose predicted survival reaches this "
-                        "(0 to 1; default 0: all)")
+    add_confidence_argument(p)
 
-    p = sub.add_parser("save-drafter", help="write the drafter (EAGLE-3 or DFlash) of a compiled folder as a checkpoint vLLM "
-                                            "(speculators format) or SGLang (SpecForge format) loads")
+    p = sub.add_parser("save-drafter", help="write the drafter (EAGLE-3 or DFlash family) of a compiled folder as a "
+                                            "checkpoint vLLM (speculators format) or SGLang (SpecForge format) loads")
     p.add_argument("folder", help="a folder compiled with --drafter")
     p.add_argument("--format", choices=("speculators", "specforge"), default="speculators",
                    help="speculators: vLLM's format; specforge: SGLang's (default: %(default)s)")
@@ -62,10 +60,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ConfigError(f"{args.folder} holds no drafter: compile it with --drafter or --mtp, or pass "
                               "--drafter DIR")
     if args.confidence_threshold is not None:
-        if getattr(drafter, "family", None) != "dspark":
-            raise ConfigError("--confidence-threshold trims a DSpark drafter's verify windows; pass -k and a DSpark "
-                              "--drafter, or leave it out")
-        drafter.confidence_threshold = args.confidence_threshold
+        from ppsplit.eagle3.dspark import set_confidence_threshold
+
+        set_confidence_threshold(drafter, args.confidence_threshold)
     prompts, tokenizer = prompts_of(args, args.folder)
     params = [sampling_params(args, i) for i in range(len(prompts))]
     engine = Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0,

@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
                    "interface)")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the log line says which)")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None,
-                   help="speculative decoding with K drafts per verify pass (the folder's drafter: EAGLE-3 or DFlash)")
+                   help="speculative decoding with K drafts per verify pass (the folder's drafter)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences in flight (default: the cache's slots)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one engine step")
     p.add_argument("--max-queue", type=int, default=256,
@@ -21,9 +21,10 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: DIR's name)")
     p.add_argument("--ranks", type=int, default=1, help="processes: 1, or one per stage of DIR (per stage and TP "
                    "rank with --tp: pp x tp; rank 0 serves HTTP and schedules; the others run their stage)")
-    from ppsplit.serve.requests import add_runtime_arguments
+    from ppsplit.serve.requests import add_confidence_argument, add_runtime_arguments
 
     add_runtime_arguments(p)
+    add_confidence_argument(p)
     p.add_argument("--rank-timeout", type=float, default=None,
                    help="seconds a rank waits on a peer (--ranks > 1; default: a day, as followers wait while idle)")
     p.add_argument("--rank-stall-timeout", type=float, default=None,
@@ -129,8 +130,9 @@ def _grammars(engine, tokenizer):
 
 def _check_servable(plan, args) -> None:
     from ppsplit.core.errors import ConfigError
-    from ppsplit.serve.requests import has_drafter
+    from ppsplit.serve.requests import check_confidence, has_drafter
 
+    check_confidence(args)
     if args.ranks > 1:
         from ppsplit.distributed.transport import backend_for
 
@@ -152,6 +154,10 @@ def _engine(split, args):
     from ppsplit.serve.engine import Engine
 
     drafter = split.drafter if args.num_draft_tokens is not None else None
+    if args.confidence_threshold is not None:
+        from ppsplit.eagle3.dspark import set_confidence_threshold
+
+        set_confidence_threshold(drafter, args.confidence_threshold)
     return Engine(split, drafter=drafter, num_draft_tokens=args.num_draft_tokens or 0,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                   enforce_eager=args.enforce_eager)

@@ -225,6 +225,13 @@ _DFLASH_TOP = {"dflash_config", "num_target_layers", "is_causal", "is_neox_style
 DFLASH_KEYS = {"num_hidden_layers": int, "block_size": int, "mask_token_id": int, "input_embedding_scale": float,
                "output_multiplier": float, "final_logit_softcapping": float, "num_target_layers": int,
                "ppsplit_family": str}
+# DSpark's and DFlash2's own keys in a compiled folder's flat config (beside ``DFLASH_KEYS``), by type, per family.
+FAMILY_KEYS = {"dflash": {},
+               "dspark": {"sample_from_anchor": bool, "markov_rank": int, "markov_head_type": str,
+                          "confidence_head": bool, "confidence_with_markov": bool, "confidence_rule": str},
+               "dflash2": {"conv_kernel_size": int, "conv_group_size": int, "selector_rank": int,
+                           "selector_top_k": int}}
+CONFIDENCE_RULES = ("survival", "each")  # vLLM's running product of the confidences; DeepSpec's each one alone
 _DFLASH_STORED_NEEDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                         "rms_norm_eps", "hidden_act", "attention_bias", "target_hidden_size", "draft_vocab_size",
                         "vocab_size", *[k for k in DFLASH_KEYS if k not in ("num_target_layers", "ppsplit_family")])
@@ -254,13 +261,16 @@ def is_dflash(cfg: dict) -> bool:
     """Whether a drafter config is a DFlash-family one (z-lab's ``dflash_config`` or architecture, speculators'
     ``dflash`` and ``dspark``, DeepSpec's DSpark architectures)."""
     return bool("dflash_config" in cfg or cfg.get("speculators_model_type") in ("dflash", "dspark", "dflash2")
-            or cfg.get("ppsplit_family") == "dflash"
+            or cfg.get("ppsplit_family") in FAMILY_KEYS
             or {"DFlashDraftModel", "DFlash2DraftModel", DEEPSPEC_DSPARK, *_DEEPSPEC_OTHERS}
             & set(cfg.get("architectures") or ()))
 
 
 def dflash_family(cfg: dict) -> str:
-    """``dflash``, ``dflash2`` or ``dspark``: the drafter module a DFlash-family config (``is_dflash``) builds."""
+    """``dflash``, ``dflash2`` or ``dspark``: the drafter module a DFlash-family config (``is_dflash``) builds (a
+    compiled folder's ``ppsplit_family``, speculators' type, or the architecture)."""
+    if cfg.get("ppsplit_family") in FAMILY_KEYS:
+        return cfg["ppsplit_family"]
     archs = set(cfg.get("architectures") or ())
     if cfg.get("speculators_model_type") == "dspark" or DEEPSPEC_DSPARK in archs:
         return "dspark"
@@ -393,9 +403,15 @@ def _deepspec(cfg: dict) -> tuple[dict, dict, list | None, str]:
 
 
 def _dflash_stored(cfg: dict) -> tuple[dict, dict, list | None, str]:
-    """What ``ppsplit compile --drafter`` wrote into a folder: the flat config, taps resolved (ppsplit numbering)."""
-    _refuse_unknown(cfg, {*_PPSPLIT_TOP, *DFLASH_KEYS}, "")
-    missing = [k for k in _DFLASH_STORED_NEEDS if k not in cfg]
+    """What ``ppsplit compile --drafter`` wrote into a folder: the flat config, taps resolved (ppsplit numbering), and
+    the family's own keys (``FAMILY_KEYS``), checked as the checkpoint's were."""
+    family = cfg.get("ppsplit_family", "dflash")
+    if family not in FAMILY_KEYS:
+        raise ConfigError(f"the stored drafter config's ppsplit_family is {family!r}, not one of "
+                          f"{', '.join(FAMILY_KEYS)}; compile the folder again with ppsplit compile --drafter")
+    own = FAMILY_KEYS[family]
+    _refuse_unknown(cfg, {*_PPSPLIT_TOP, *DFLASH_KEYS, *own}, "")
+    missing = [k for k in (*_DFLASH_STORED_NEEDS, *own) if k not in cfg]
     if missing:
         raise ConfigError(f"the stored DFlash drafter config lacks {', '.join(missing)}; compile the folder again "
                           "with ppsplit compile --drafter")
@@ -403,8 +419,18 @@ def _dflash_stored(cfg: dict) -> tuple[dict, dict, list | None, str]:
     if out.get("sliding_window"):
         raise ConfigError(f"the stored DFlash drafter config has sliding_window = {out['sliding_window']}; DFlash "
                           "drafters run with full attention only: compile the folder again")
-    out.update(num_target_layers=out.get("num_target_layers"), sliding_window=0, family="dflash",
+    out.update(num_target_layers=out.get("num_target_layers"), sliding_window=0, family=family,
                sample_from_anchor=False)
+    if family == "dspark":  # the checkpoint's names, to be checked by the same rules
+        out.update(_dspark_heads({"markov_rank": cfg["markov_rank"], "markov_head_type": cfg["markov_head_type"],
+                                  "enable_confidence_head": cfg["confidence_head"],
+                                  "confidence_head_with_markov": cfg["confidence_with_markov"],
+                                  "sample_from_anchor": cfg["sample_from_anchor"]}))
+        if cfg["confidence_rule"] not in CONFIDENCE_RULES:
+            raise ConfigError(f"the stored DSpark drafter config's confidence_rule is {cfg['confidence_rule']!r}, not "
+                              f"one of {', '.join(CONFIDENCE_RULES)}; compile the folder again")
+    if family == "dflash2":
+        out.update(_dflash2_fields(cfg.get, out))
     return _dflash_checked(out), dict(cfg.get("rope") or {}), list(cfg["ppsplit_taps"]), "vllm"
 
 

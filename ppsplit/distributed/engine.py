@@ -30,8 +30,9 @@ is done with it; a result whose slot generation no longer matches its request is
 
 Before any tensor moves the ranks exchange a header (plan fingerprint, world size, dtype, cache layout, ``K``,
 token budget, buckets; the last rank adds its drafter's lookahead, the positions past a verify window rank 0's
-scheduler reserves: ``K``, or ``K + 1`` for a DFlash block); a mismatch raises the same ``ConfigError`` on every rank. A rank that dies or stalls makes
-the others fail with a ``PipelineError`` naming it, within ``init(timeout=...)``.
+scheduler reserves: ``K``, or ``K + 1`` for a DFlash or DFlash2 block); a mismatch raises the same ``ConfigError``
+on every rank. A rank that dies or stalls makes the others fail with a ``PipelineError`` naming it, within
+``init(timeout=...)``.
 
 Example (``torchrun --nproc-per-node 2 script.py``)::
 
@@ -102,7 +103,9 @@ class PipelineEngine:
     or its ``--mtp`` layer, when ``num_draft_tokens`` > 0). ``cuda_graphs``: capture every bucket on every rank at start (``buckets_up_to`` the
     token budget; default: on CUDA). ``device`` defaults to ``cuda:<LOCAL_RANK>`` under NCCL, else the CPU.
     ``group``: the pipeline's ranks when the world holds more (``ppsplit.distributed.tensor_parallel``: the stages'
-    TP rank 0s); default the world.
+    TP rank 0s); default the world. ``confidence_threshold``: a DSpark drafter's, set on the last rank; the kept
+    drafts' count reaches rank 0's scheduler in the step's results (draft columns -1 past it), so each next window
+    is ``1 + kept`` rows.
 
     Rank 0 drives the ``Engine`` (``engine``) and is its runner: ``add_request``, ``abort``, ``step``, ``stream``,
     ``generate``, ``close`` (ends the job on every rank). The other ranks call ``follow()``, which runs micro-steps
@@ -112,7 +115,8 @@ class PipelineEngine:
 
     def __init__(self, source: str | fx.GraphModule, *, drafter=None, num_draft_tokens: int = 0,
                  max_num_batched_tokens: int = DEFAULT_BUDGET, max_num_seqs: int | None = None, cuda_graphs: bool | None = None,
-                 device: torch.device | str | None = None, eos_token_id=(), group=None):
+                 device: torch.device | str | None = None, eos_token_id=(), group=None,
+                 confidence_threshold: float | None = None):
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.backend = dist.get_backend()
         if device is None:
@@ -138,14 +142,18 @@ class PipelineEngine:
             self._check(plan)
             self.layout = CacheLayout.of(plan)
             proposer = None
+            if self.last and confidence_threshold is not None and not self.k:
+                from ppsplit.eagle3.dspark import set_confidence_threshold
+
+                set_confidence_threshold(None, confidence_threshold)  # refused: no drafter runs without -k
             if self.last and self.k:
                 from ppsplit.serve.speculative import Proposer, check_speculation
 
                 drafter = drafter or self._folder_drafter(folder)
-                if getattr(drafter, "family", None) in ("dspark", "dflash2"):  # not run across ranks yet
-                    raise ConfigError(f"a {drafter.family} drafter runs in one process (ppsplit.Engine over a "
-                                      "split) for now, not across ranks; use an EAGLE-3 or DFlash drafter with "
-                                      "ppsplit.distributed")
+                if confidence_threshold is not None:
+                    from ppsplit.eagle3.dspark import set_confidence_threshold
+
+                    set_confidence_threshold(drafter, confidence_threshold)
                 check_speculation(plan, self.k, drafter)
                 proposer = Proposer(drafter, self.k, self.layout)
                 header["lookahead"] = proposer.lookahead  # rank 0's scheduler reserves it (a DFlash block: K + 1)

@@ -15,11 +15,12 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ppsplit.serve.requests import add_request_arguments, add_runtime_arguments
+    from ppsplit.serve.requests import add_confidence_argument, add_request_arguments, add_runtime_arguments
 
     p.add_argument("folder", help="a folder written by ppsplit compile (with its cache)")
     add_request_arguments(p)
     add_runtime_arguments(p, ranks=True)
+    add_confidence_argument(p)
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests in flight at most (default: the "
                                                                   "cache's sequence slots)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -66,7 +67,8 @@ def rank_main(argv: list[str] | None = None) -> int:
         check(args)
         ppd.init(ppd.backend_for(args.device), timeout=args.timeout)
         options = dict(num_draft_tokens=args.num_draft_tokens or 0, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_num_seqs=args.max_num_seqs, cuda_graphs=not args.enforce_eager)
+                       max_num_seqs=args.max_num_seqs, cuda_graphs=not args.enforce_eager,
+                       confidence_threshold=args.confidence_threshold)
         engine = pipeline_engine(args.folder, **options)
         if engine is None:  # a TP follower whose job is over
             os._exit(0)
@@ -166,7 +168,7 @@ def run_argv(args) -> list[str]:
             str(args.timeout), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--device", args.device]
     argv += [x for t in args.prompt for x in ("--prompt", t)] + [x for t in args.prompt_ids for x in ("--prompt-ids", t)]
     for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--stop-token-ids", args.stop_token_ids),
-                        ("-k", args.num_draft_tokens)):
+                        ("-k", args.num_draft_tokens), ("--confidence-threshold", args.confidence_threshold)):
         if value is not None:
             argv += [flag, str(value)]
     return argv + (["--ignore-eos"] if args.ignore_eos else []) + (["--enforce-eager"] if args.enforce_eager else [])

@@ -38,7 +38,8 @@ def beat_period(stall_timeout: float) -> float:
 
 def engine_options(args) -> dict:
     return {"num_draft_tokens": args.num_draft_tokens or 0,
-            "max_num_batched_tokens": args.max_num_batched_tokens or DEFAULT_BUDGET, "max_num_seqs": args.max_num_seqs, "cuda_graphs": not args.enforce_eager}
+            "max_num_batched_tokens": args.max_num_batched_tokens or DEFAULT_BUDGET, "max_num_seqs": args.max_num_seqs,
+            "cuda_graphs": not args.enforce_eager, "confidence_threshold": args.confidence_threshold}
 
 
 def _free_port() -> int:
@@ -67,7 +68,8 @@ def start(args, world: int):
     argv = [args.folder, "--timeout", str(args.rank_timeout), "--max-num-batched-tokens",
             str(engine_options(args)["max_num_batched_tokens"]), "--device", args.device,
             "--heartbeat", str(beat_period(stall))] + (["--enforce-eager"] if args.enforce_eager else [])
-    for flag, value in (("-k", args.num_draft_tokens), ("--max-num-seqs", args.max_num_seqs)):
+    for flag, value in (("-k", args.num_draft_tokens), ("--max-num-seqs", args.max_num_seqs),
+                        ("--confidence-threshold", args.confidence_threshold)):
         if value is not None:
             argv += [flag, str(value)]
     children = []
@@ -164,6 +166,7 @@ def follower_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=DEFAULT_RANK_TIMEOUT)
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--confidence-threshold", type=float, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--heartbeat", type=float, default=beat_period(DEFAULT_STALL_TIMEOUT))
     parser.add_argument("--device", default="auto")

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ppsplit.core.drafter_config import CONFIDENCE_RULES
 from ppsplit.core.errors import ConfigError
 from ppsplit.eagle3.dflash import DFlashDrafter
 
@@ -138,7 +139,7 @@ class DSparkDrafter(DFlashDrafter):
 
     @confidence_rule.setter
     def confidence_rule(self, value: str) -> None:
-        if value not in ("survival", "each"):
+        if value not in CONFIDENCE_RULES:
             raise ConfigError(f"confidence_rule must be 'survival' (vLLM: the product of the confidences so far) or "
                               f"'each' (DeepSpec: every confidence so far), but got {value!r}")
         self._rule = value
@@ -190,3 +191,13 @@ class DSparkDrafter(DFlashDrafter):
             prev = tokens if self.first_draft_row == 0 else torch.cat([tokens[:1], tokens[:-1]])
         _, logits, confidence = self.heads(rows[None], prev[None])
         return logits[0], None if confidence is None else confidence[0]
+
+
+def set_confidence_threshold(drafter, value: float) -> None:
+    """``drafter.confidence_threshold = value`` (``--confidence-threshold``), refused in one line for a drafter that
+    is not DSpark."""
+    family = getattr(drafter, "family", None)
+    if family != "dspark":
+        raise ConfigError(f"--confidence-threshold trims a DSpark drafter's verify windows (the drafter here: "
+                          f"{family or 'none'}); pass -k and a DSpark drafter, or leave it out")
+    drafter.confidence_threshold = value

@@ -18,8 +18,9 @@ import os
 
 import torch
 
-from ppsplit.core.drafter_config import (DFLASH_KEYS, DRAFTER_KEYS, FORMAT_NUMBERING, aux_ids, detect_format, dflash_drafter_config,
-                                         dflash_family, drafter_config, is_deepspec, is_dflash)
+from ppsplit.core.drafter_config import (DFLASH_KEYS, DRAFTER_KEYS, FAMILY_KEYS, FORMAT_NUMBERING, aux_ids,
+                                         detect_format, dflash_drafter_config, dflash_family, drafter_config,
+                                         is_deepspec, is_dflash)
 from ppsplit.eagle3.drafter import Eagle3Drafter
 from ppsplit.eagle3.mtp import is_mtp_target
 from ppsplit.core.errors import ConfigError
@@ -174,20 +175,28 @@ def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = N
         embed = (embed if embed is not None else stage.get_buffer(name)).detach()
     device = device if device is not None else module_device(split.stages[-1])
     if is_dflash(cfg):
-        from ppsplit.eagle3.dflash import DFlashDrafter, build_dflash, output_head
-        from ppsplit.eagle3.dflash2 import DFlash2Drafter
-        from ppsplit.eagle3.dspark import DSparkDrafter, drop_target_copies
+        from ppsplit.eagle3.dflash import build_dflash, output_head
+        from ppsplit.eagle3.dspark import drop_target_copies
 
-        cls = {"dspark": DSparkDrafter, "dflash2": DFlash2Drafter}.get(dflash_family(cfg), DFlashDrafter)
         head = output_head(split)
         if is_deepspec(cfg):
             tensors = drop_target_copies(tensors, embed, head)
-        drafter = build_dflash(cfg, tensors, split.plan, embed, head, aux_convention, device, cls)
+        drafter = build_dflash(cfg, tensors, split.plan, embed, head, aux_convention, device, dflash_class(cfg))
     else:
         drafter = build_drafter(cfg, tensors, split.plan, embed, aux_convention, device)
     if compile:
         drafter.compile(dynamic=False)
     return drafter
+
+
+def dflash_class(cfg: dict) -> type:
+    """The module of a DFlash-family drafter config (a checkpoint's, or a compiled folder's ``ppsplit_family``):
+    ``DFlashDrafter``, ``DFlash2Drafter`` or ``DSparkDrafter``."""
+    from ppsplit.eagle3.dflash import DFlashDrafter
+    from ppsplit.eagle3.dflash2 import DFlash2Drafter
+    from ppsplit.eagle3.dspark import DSparkDrafter
+
+    return {"dspark": DSparkDrafter, "dflash2": DFlash2Drafter}.get(dflash_family(cfg), DFlashDrafter)
 
 
 def build_drafter(cfg: dict, tensors: dict, plan, embed: torch.Tensor, aux_convention: str | None,
@@ -284,18 +293,22 @@ def draft_map(cfg: dict, tensors: dict, vocab: int) -> torch.Tensor:
 
 
 def save_drafter(drafter, folder: str) -> None:
-    """Write ``drafter`` (EAGLE-3 or DFlash) as ``folder/config.json`` + ``folder/drafter.safetensors``: resolved
-    taps, the rotary frequencies and its embedding table (a DFlash drafter: the target's output head too), so loading
-    it needs neither transformers nor the target's stage 0."""
+    """Write ``drafter`` (EAGLE-3, DFlash, DFlash2 or DSpark) as ``folder/config.json`` +
+    ``folder/drafter.safetensors``: resolved taps, the rotary frequencies and its embedding table (a DFlash-family
+    drafter: the target's output head too, its family's own keys and every tensor of its heads), so loading it needs
+    neither transformers nor the target's stage 0."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
-    dflash = getattr(drafter, "family", None) == "dflash"
-    keys = (*DRAFTER_KEYS, *DFLASH_KEYS, "rope") if dflash else (*DRAFTER_KEYS, "rope")
+    family = getattr(drafter, "family", None)
+    dflash = family in FAMILY_KEYS
+    keys = (*DRAFTER_KEYS, *DFLASH_KEYS, *FAMILY_KEYS[family], "rope") if dflash else (*DRAFTER_KEYS, "rope")
     cfg = {k: drafter.cfg[k] for k in keys if drafter.cfg.get(k) is not None}
+    if family == "dspark":
+        cfg["confidence_rule"] = drafter.confidence_rule  # speculators' configs leave it to the default
     cfg.update(ppsplit_taps=list(drafter.taps), ppsplit_rope_scale=drafter.rope_scale)
     if dflash:
-        cfg["ppsplit_family"] = "dflash"
+        cfg["ppsplit_family"] = family
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
@@ -312,11 +325,6 @@ def compile_taps(drafter: str, config, aux, aux_convention: str) -> tuple[int, .
     if aux is not None:
         raise ConfigError("pass either --aux or --drafter: with a drafter the taps come from its config")
     cfg, _ = read_drafter(resolve_drafter(drafter))
-    family = dflash_family(cfg) if is_dflash(cfg) else "eagle3"
-    if family in ("dspark", "dflash2"):
-        raise ConfigError(f"ppsplit compile --drafter stores EAGLE-3 and DFlash drafters; this is a "
-                          f"{family} drafter: compile with its taps (--aux) and load it with "
-                          "ppsplit.load_drafter(DRAFTER, split=split)")
     return drafter_taps(cfg, config.num_hidden_layers, aux_convention)
 
 
@@ -330,8 +338,12 @@ def write_compiled_drafter(folder: str, drafter: str, split, checkpoint, tied: d
         embed = read(embedding_name(split))
     if is_dflash(cfg):
         from ppsplit.eagle3.dflash import build_dflash, output_head_name
+        from ppsplit.eagle3.dspark import drop_target_copies
 
-        built = build_dflash(cfg, tensors, split.plan, embed, read(output_head_name(split)), aux_convention, "cpu")
+        head = read(output_head_name(split))
+        if is_deepspec(cfg):
+            tensors = drop_target_copies(tensors, embed, head)
+        built = build_dflash(cfg, tensors, split.plan, embed, head, aux_convention, "cpu", dflash_class(cfg))
     else:
         built = build_drafter(cfg, tensors, split.plan, embed, aux_convention, "cpu")
     save_drafter(built, os.path.join(folder, DRAFTER))
@@ -339,18 +351,17 @@ def write_compiled_drafter(folder: str, drafter: str, split, checkpoint, tied: d
 
 def load_folder_drafter(path: str, plan, device):
     """The drafter a compiled folder stores in ``path`` (``ppsplit compile --drafter``), built for one process that
-    holds only the last stage (its embedding copy, and a DFlash drafter's output head, are in the drafter's file)."""
+    holds only the last stage (its embedding copy, and a DFlash-family drafter's output head, are in the drafter's
+    file)."""
     cfg, _ = check_drafter(path, plan)
     _, tensors = read_drafter(path)
     try:
         if is_dflash(cfg):
             from ppsplit.eagle3.dflash import build_dflash
 
-            if "head.weight" not in tensors:
-                raise ConfigError("its drafter.safetensors has no head.weight (the target's output head); compile "
-                                  "the folder again")
-            head = tensors.pop("head.weight")
-            return build_dflash(cfg, tensors, plan, tensors["embed_tokens.weight"], head, None, device)
+            head = tensors.pop("head.weight")  # check_drafter saw it
+            return build_dflash(cfg, tensors, plan, tensors["embed_tokens.weight"], head, None, device,
+                                dflash_class(cfg))
         return build_drafter(cfg, tensors, plan, tensors["embed_tokens.weight"], None, device)
     except ConfigError as e:
         raise FolderError(f"{path}: {e}") from None

@@ -82,8 +82,8 @@ class Metrics:
                     ("counter", "prompt_tokens_shared_total", "prompt tokens read from another choice's blocks, not "
                      "computed", self.prompt_tokens_shared),
                     ("counter", "generation_tokens_total", "tokens generated", self.generation_tokens),
-                    ("counter", "spec_decode_draft_tokens_total", "EAGLE-3 drafts verified", self.drafts_proposed),
-                    ("counter", "spec_decode_accepted_tokens_total", "EAGLE-3 drafts accepted", self.drafts_accepted),
+                    ("counter", "spec_decode_draft_tokens_total", "drafts verified", self.drafts_proposed),
+                    ("counter", "spec_decode_accepted_tokens_total", "drafts accepted", self.drafts_accepted),
                     ("counter", "engine_steps_total", "engine steps run", self.steps)]
             lines = []
             for kind, name, what, value in rows:

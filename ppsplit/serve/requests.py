@@ -88,6 +88,26 @@ def add_runtime_arguments(p: argparse.ArgumentParser, ranks: bool = False) -> No
                    "far faster on a busy machine; more pays off for large models on many idle cores)")
 
 
+def add_confidence_argument(p: argparse.ArgumentParser) -> None:
+    """``--confidence-threshold`` (``generate``, ``serve``, ``run``): a DSpark drafter's window trimming."""
+    p.add_argument("--confidence-threshold", type=float, default=None,
+                   help="DSpark drafters: verify only the leading drafts whose predicted survival reaches this "
+                        "(0 to 1; default 0: all)")
+
+
+def check_confidence(args) -> None:
+    """``--confidence-threshold`` fails before anything loads: it needs ``-k`` and a value from 0 to 1 (whether the
+    drafter is DSpark is known once it loads)."""
+    value = args.confidence_threshold
+    if value is None:
+        return
+    if args.num_draft_tokens is None:
+        raise ConfigError("--confidence-threshold trims a DSpark drafter's verify windows, and without -k no drafter "
+                          "runs; pass -k K, or leave it out")
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"--confidence-threshold must be from 0 to 1 (0: verify every draft), but got {value}")
+
+
 def apply_cpu_threads(args) -> None:
     """``--cpu-threads``, else ``OMP_NUM_THREADS``, else 1, for this process and (through ``OMP_NUM_THREADS``) the
     rank processes it starts. Measured here (SmolLM2-135M, one request, 2 cores with one busy): 8.2 tokens/s on one
@@ -118,6 +138,7 @@ def check_requests(args, folder: str) -> None:
     for text in args.prompt_ids:
         parse_ids(text, "--prompt-ids")
     sampling_params(args, 0)
+    check_confidence(args)
     if args.num_draft_tokens is not None:
         from ppsplit.serve.speculative import check_num_draft_tokens
 

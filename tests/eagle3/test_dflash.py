@@ -311,87 +311,124 @@ def test_block_agreement_and_check_drafter(trained_dflash, capsys):
 
 
 # -- inside a compiled folder, and across ranks ----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def compiled_dflash(trained_dflash):
-    """``ppsplit compile TARGET --pp N --drafter DFLASH`` of the trained z-lab drafter at pp 1 and 2."""
+def compile_with_drafter(model, drafter, tmp_path):
+    """``ppsplit compile TARGET --pp N --drafter DRAFTER`` at pp 1 and 2: ``{pp: folder}``."""
     from ppsplit.cli import main
 
-    model, folder, tmp_path = trained_dflash
     model.save_pretrained(str(tmp_path / "target"))
     folders = {}
     for pp in (1, 2):
         folders[pp] = str(tmp_path / f"pp{pp}")
-        assert main(["compile", str(tmp_path / "target"), "--pp", str(pp), "--drafter", folder, "-o", folders[pp],
+        assert main(["compile", str(tmp_path / "target"), "--pp", str(pp), "--drafter", drafter, "-o", folders[pp],
                      "--max-batch", "4", "--max-len", "64"]) == 0
-    return model, folder, folders
+    return folders
+
+
+@pytest.fixture(scope="module")
+def compiled_dflash(trained_dflash):
+    """``ppsplit compile TARGET --pp N --drafter DFLASH`` of the trained z-lab drafter at pp 1 and 2."""
+    model, folder, tmp_path = trained_dflash
+    return model, folder, compile_with_drafter(model, folder, tmp_path)
 
 
 def _folder_prompts():
     return [p.tolist() for p in torch.randint(3, 32, (4, 5), generator=torch.Generator().manual_seed(8))]
 
 
+def folder_engine(folder, k, threshold=None):
+    """``ppsplit.load(folder)`` and an ``Engine`` over it speculating with the folder's drafter."""
+    loaded = ppsplit.load(folder)
+    if threshold is not None:
+        loaded.drafter.confidence_threshold = threshold
+    return loaded, Engine(loaded, drafter=loaded.drafter, num_draft_tokens=k)
+
+
+def check_compiled_folder(model, drafter, folder, k, capsys, threshold=None):
+    """The drafter a compiled folder stores (read from DIR/drafter only) against the same drafter loaded from its
+    own folder over an in-process split of the same target: greedy output equals Hugging Face's, every request's
+    drafts and acceptance per verify pass are equal; ``ppsplit generate DIR -k K [--confidence-threshold T]``
+    prints the same. Returns ``(the folder's outputs, the in-process split)``."""
+    from ppsplit.cli import main
+
+    loaded, engine = folder_engine(folder, k, threshold)
+    prompts, params = _folder_prompts(), SamplingParams(max_tokens=20)
+    outs = engine.generate(prompts, params)
+    _, graph = small()
+    split = ppsplit.split_model(graph, loaded.plan.pp, aux=list(loaded.plan.taps))
+    reference = ppsplit.load_drafter(drafter, split=split)
+    if threshold is not None:
+        reference.confidence_threshold = threshold
+    ref = Engine(split, drafter=reference, num_draft_tokens=k).generate(prompts, params)
+    for prompt, out, expected in zip(prompts, outs, ref):
+        with torch.no_grad():
+            greedy = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, 5:].tolist()
+        assert out.token_ids == greedy == expected.token_ids
+        assert out.accepted == expected.accepted and out.drafts == expected.drafts
+    capsys.readouterr()
+    flags = ["--confidence-threshold", str(threshold)] if threshold is not None else []
+    assert main(["generate", folder, "--prompt-ids", ",".join(map(str, prompts[0])), "--max-new-tokens", "20",
+                 "-k", str(k), *flags]) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0] == ",".join(map(str, outs[0].token_ids))
+    assert f"mean acceptance length {outs[0].mean_acceptance_length:.2f}" in printed, printed
+    return outs, split
+
+
 def test_compiled_folder_speculates_like_the_in_process_drafter(compiled_dflash, capsys):
     """The folder's drafter reads the taps its z-lab ids name (+1), stored with the target's embedding and head in
-    the last stage's drafter file: greedy output equals Hugging Face's, each step's acceptance equals the drafter
-    loaded from its own folder over an in-process split; ``ppsplit generate -k`` prints the same acceptance."""
+    the last stage's drafter file, and drafts as the in-process drafter (``check_compiled_folder``); save-drafter
+    writes it out in speculators' layout, which drafts the same again."""
     from ppsplit.cli import main
 
     model, folder, folders = compiled_dflash
     loaded = ppsplit.load(folders[2])
     assert loaded.plan.taps == tuple(TAPS) and loaded.drafter.family == "dflash"
     assert loaded.drafter.taps == tuple(TAPS) and loaded.drafter.block_size == BLOCK
-    prompts, params = _folder_prompts(), SamplingParams(max_tokens=20)
-    outs = Engine(loaded, drafter=loaded.drafter, num_draft_tokens=BLOCK - 1).generate(prompts, params)
-    _, graph = small()
-    split = ppsplit.split_model(graph, 2, aux=TAPS)
-    ref = Engine(split, drafter=ppsplit.load_drafter(folder, split=split), num_draft_tokens=BLOCK - 1).generate(
-        prompts, params)
-    for prompt, out, expected in zip(prompts, outs, ref):
-        with torch.no_grad():
-            greedy = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, 5:].tolist()
-        assert out.token_ids == greedy == expected.token_ids
-        assert out.accepted == expected.accepted and out.drafts == expected.drafts
+    outs, split = check_compiled_folder(model, folder, folders[2], BLOCK - 1, capsys)
     mean = sum(o.mean_acceptance_length for o in outs) / len(outs)
     assert mean > 1.5, mean
-    capsys.readouterr()
-    assert main(["generate", folders[2], "--prompt-ids", ",".join(map(str, prompts[0])), "--max-new-tokens", "20",
-                 "-k", str(BLOCK - 1)]) == 0
-    printed = capsys.readouterr().out
-    assert printed.splitlines()[0] == ",".join(map(str, outs[0].token_ids))
-    assert f"mean acceptance length {outs[0].mean_acceptance_length:.2f}" in printed, printed
     # save-drafter: the folder's drafter out in speculators' dflash layout, which drafts the same again
     out = str(Path(folders[2]).parent / "exported")
     assert main(["save-drafter", folders[2], "-o", out]) == 0
     assert main(["save-drafter", folders[2], "--format", "specforge", "-o", out + "-x"]) == 2
     assert json.loads((Path(out) / "config.json").read_text())["speculators_model_type"] == "dflash"
     again = Engine(split, drafter=ppsplit.load_drafter(out, split=split), num_draft_tokens=BLOCK - 1).generate(
-        prompts, params)
+        _folder_prompts(), SamplingParams(max_tokens=20))
     assert [(o.token_ids, o.drafts) for o in again] == [(o.token_ids, o.drafts) for o in outs]
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_dflash_across_ranks_equals_the_in_process_engine(pp, compiled_dflash):
-    """One gloo process per stage, the DFlash drafter on the last rank (rank 0's scheduler reserves the block's
-    K + 1 positions, which the last rank's header tells it): tokens, drafts and acceptances equal the in-process
-    engine over the same folder."""
+def check_across_ranks(pp, folder, k, threshold=None):
+    """One gloo process per stage, the folder's drafter on the last rank (rank 0's scheduler reserves the
+    lookahead the last rank's header tells it: K + 1 for a DFlash block), a DSpark drafter's ``threshold`` set
+    there: tokens, drafts and acceptances equal the in-process engine over the same folder. Returns its outputs."""
     from tests.processes import TryAdd, launch, serve
 
-    _, _, folders = compiled_dflash
     prompts, params = _folder_prompts(), SamplingParams(max_tokens=20)
-    # fits the cache's 64 positions with K draft positions ahead, not with a block's K + 1
-    big = TryAdd([5] * 5, SamplingParams(max_tokens=64 - 5 - (BLOCK - 1)))
-    res = launch(pp, serve, folders[pp], [(p, params, i // 2) for i, p in enumerate(prompts)], BLOCK - 1, None, big,
+    _, engine = folder_engine(folder, k, threshold)
+    lookahead = k + engine.runner.sampler.proposer.drafter.first_draft_row
+    # fits the cache's 64 positions with lookahead - 1 draft positions ahead, not with lookahead
+    big = TryAdd([5] * 5, SamplingParams(max_tokens=64 - 5 - (lookahead - 1)))
+    options = {"confidence_threshold": threshold} if threshold is not None else None
+    res = launch(pp, serve, folder, [(p, params, i // 2) for i, p in enumerate(prompts)], k, options, big,
                  timeout=30, deadline=150)
     assert all(res[r][0] == "ok" for r in range(pp)), {r: res[r][-1][-800:] for r in range(pp)}
     outputs, in_use, _, big = res[0][1]
-    assert f"+ {BLOCK} draft positions needs 65 positions" in big.error, big.error
-    single = ppsplit.load(folders[pp])
-    ref = Engine(single, drafter=single.drafter, num_draft_tokens=BLOCK - 1).generate(prompts, params)
+    assert f"+ {lookahead} draft positions needs 65 positions" in big.error, big.error
+    ref = engine.generate(prompts, params)
     assert in_use == 0 and sorted(outputs) == ["0", "1", "2", "3"]
     for i, expected in enumerate(ref):
         tokens, _, accepted, drafts = outputs[str(i)]
         assert (tokens, accepted, drafts) == (expected.token_ids, expected.accepted, expected.drafts)
     assert sum(sum(o.accepted) for o in ref) > 0
+    return ref
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_dflash_across_ranks_equals_the_in_process_engine(pp, compiled_dflash):
+    """``check_across_ranks`` with the DFlash drafter; without the header's lookahead rank 0 would admit the
+    request that only fits K positions ahead."""
+    _, _, folders = compiled_dflash
+    check_across_ranks(pp, folders[pp], BLOCK - 1)
 
 
 def test_compiled_dflash_refusals(compiled_dflash, tmp_path):
@@ -409,14 +446,6 @@ def test_compiled_dflash_refusals(compiled_dflash, tmp_path):
         with pytest.raises(ppsplit.PpsplitError, match=message) as e:
             ppsplit.load(str(copy))
         assert "\n" not in str(e.value)
-    # DFlash2 and DSpark drafters stay in one process: compile --drafter refuses them before the trace
-    from ppsplit.eagle3.formats import compile_taps
-
-    model, _ = small()
-    zlab_drafter(tmp_path / "two", 32)
-    edit_config(tmp_path / "two", lambda c: c.update(architectures=["DFlash2DraftModel"]))
-    with pytest.raises(ConfigError, match="compile --drafter stores EAGLE-3 and DFlash drafters; this is a dflash2"):
-        compile_taps(str(tmp_path / "two"), model.config, None, None)
 
 
 # -- refusals: one line, before anything loads ----------------------------------------------------------------------

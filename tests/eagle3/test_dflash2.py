@@ -246,6 +246,55 @@ def test_trained_dflash2_accepts_more_than_one_token_per_pass(trained_dflash2):
     assert min(lengths) > 1.0 and sum(lengths) / len(lengths) >= 1.5, lengths
 
 
+# -- inside a compiled folder, and across ranks ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compiled_dflash2(tmp_path_factory):
+    """``ppsplit compile TARGET --pp N --drafter DFLASH2`` (a z-lab DFlash2 folder) at pp 1 and 2."""
+    from tests.eagle3.test_dflash import compile_with_drafter
+
+    tmp_path = tmp_path_factory.mktemp("compiled-dflash2")
+    model, _ = small()
+    zlab_dflash2(tmp_path / "z", 32, seed=1, scale=0.5)
+    return model, str(tmp_path / "z"), compile_with_drafter(model, str(tmp_path / "z"), tmp_path)
+
+
+def test_compiled_folder_speculates_like_the_in_process_drafter(compiled_dflash2, capsys):
+    """The folder stores every DFlash2 tensor (convolutions, candidate selector) and their sizes: its drafter gives
+    Hugging Face's greedy output and the same drafts and acceptance per verify pass as the drafter loaded from
+    z-lab's folder over an in-process split; ``ppsplit generate DIR -k 3`` prints the same."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from tests.eagle3.test_dflash import check_compiled_folder
+
+    model, folder, folders = compiled_dflash2
+    with safe_open(str(Path(folders[2]) / "drafter" / "drafter.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"layers.0.attention_conv.base_kernel", "layers.1.mlp_conv.kernel_projection.weight",
+            "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight"} <= names
+    stored = json.loads((Path(folders[2]) / "drafter" / "config.json").read_text())
+    assert stored["ppsplit_family"] == "dflash2" and all(stored[k] == v for k, v in CONV.items())
+    outs, _ = check_compiled_folder(model, folder, folders[2], BLOCK - 1, capsys)
+    assert sum(sum(o.accepted) for o in outs) > 0
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_dflash2_across_ranks_equals_the_in_process_engine(pp, compiled_dflash2):
+    """``check_across_ranks`` with the DFlash2 drafter on the last rank (a K + 1 block, as DFlash); a confidence
+    threshold for it (not DSpark) ends every rank with the same one-line error."""
+    from tests.eagle3.test_dflash import check_across_ranks
+    from tests.processes import launch, serve
+
+    _, _, folders = compiled_dflash2
+    check_across_ranks(pp, folders[pp], BLOCK - 1)
+    res = launch(pp, serve, folders[pp], [], BLOCK - 1, {"confidence_threshold": 0.5}, timeout=30, deadline=90)
+    for r in range(pp):
+        assert res[r][:2] == ("error", "ConfigError"), res[r]
+        assert "--confidence-threshold trims a DSpark drafter's verify windows (the drafter here: dflash2)" in res[r][2]
+
+
 def test_dflash2_sampling_matches_target_distribution(tmp_path):
     """2000 copies of one prompt on a Llama target, drafts drawn from the selector's candidates: the joint
     distribution of the first two tokens equals the target's."""

@@ -3,6 +3,7 @@ folders written by speculators' own ``save_pretrained``, logits / confidences / 
 modules, greedy output equal to Hugging Face's at pp 1, 2, 3 with confidence-trimmed verify windows of different
 lengths in one step, the target's distribution kept when sampling, and every refusal in one line."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,9 +34,9 @@ def dspark_drafter(folder, model, draft_vocab=None, seed=0, scale=0.1, prepare=N
 
     vocab = model.config.vocab_size
     draft_vocab = draft_vocab or vocab
-    layer = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, num_hidden_layers=2, vocab_size=vocab, max_position_embeddings=256,
-                        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    layer = Qwen3Config(hidden_size=model.config.hidden_size, intermediate_size=96, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=vocab,
+                        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
                         layer_types=["full_attention"] * 2)
     layer._attn_implementation = "sdpa"
     options = {"markov_rank": 8, **options}
@@ -410,6 +411,139 @@ def test_stand_in_graphs_equal_the_eager_engine(trained_dspark):
     (eager, _), (graphed, blocks) = runs
     assert [(o.token_ids, o.accepted, o.drafts) for o in graphed] == [(o.token_ids, o.accepted, o.drafts) for o in eager]
     assert sum(sum(o.accepted) for o in eager) > 0 and blocks.greedy[4][0].replays > 0
+
+
+# -- inside a compiled folder, and across ranks ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compiled_dspark(trained_dspark, tmp_path_factory):
+    """``ppsplit compile TARGET --pp N --drafter DSPARK`` of the trained drafter at pp 1 and 2."""
+    from tests.eagle3.test_dflash import compile_with_drafter
+
+    model, folder = trained_dspark
+    return model, folder, compile_with_drafter(model, folder, tmp_path_factory.mktemp("compiled-dspark"))
+
+
+def test_compiled_folder_speculates_like_the_in_process_drafter(compiled_dspark, capsys):
+    """The folder stores every DSpark tensor (Markov and confidence heads included) and its heads' config: with the
+    threshold on, its drafter gives Hugging Face's greedy output and the same trimmed windows (drafts, acceptance)
+    as the drafter loaded from speculators' folder over an in-process split; ``ppsplit generate DIR -k 4
+    --confidence-threshold 0.5`` prints the same."""
+    from safetensors import safe_open
+
+    from tests.eagle3.test_dflash import check_compiled_folder
+
+    model, folder, folders = compiled_dspark
+    with safe_open(str(Path(folders[2]) / "drafter" / "drafter.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+            "confidence_head.proj.bias", "head.weight", "embed_tokens.weight"} <= names
+    stored = json.loads((Path(folders[2]) / "drafter" / "config.json").read_text())
+    assert stored["ppsplit_family"] == "dspark" and stored["markov_rank"] == 16 and stored["sample_from_anchor"]
+    loaded = ppsplit.load(folders[2]).drafter
+    assert loaded.family == "dspark" and loaded.markov_head is not None and loaded.confidence_head is not None
+    outs, _ = check_compiled_folder(model, folder, folders[2], BLOCK, capsys, threshold=0.5)
+    assert any(len(d) < BLOCK for o in outs for d in o.drafts) and sum(sum(o.accepted) for o in outs) > 0
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_dspark_across_ranks_equals_the_in_process_engine(pp, compiled_dspark):
+    """``check_across_ranks`` with the DSpark drafter and its threshold on the last rank: the kept drafts' count
+    comes back to rank 0 in the step's results, so the windows it schedules are trimmed as in one process."""
+    from tests.eagle3.test_dflash import check_across_ranks
+
+    _, _, folders = compiled_dspark
+    ref = check_across_ranks(pp, folders[pp], BLOCK, threshold=0.5)
+    assert any(len(d) < BLOCK for o in ref for d in o.drafts)
+
+
+def test_run_command_trims_on_the_last_rank(compiled_dspark, capfd):
+    """``ppsplit run DIR -k 4 --confidence-threshold 0.5`` (one process per stage): the tokens and the mean
+    acceptance length of the in-process engine with that threshold (without it, the acceptance differs); the flag
+    without -k, or out of range, is refused in one line before any process starts."""
+    from ppsplit.cli import main
+    from tests.eagle3.test_dflash import _folder_prompts, folder_engine
+
+    _, _, folders = compiled_dspark
+    prompts, params = _folder_prompts()[:2], SamplingParams(max_tokens=20)
+    runs = {t: folder_engine(folders[2], BLOCK, t)[1].generate(prompts, params) for t in (0.0, 0.5)}
+    mean = {t: 1 + sum(a for o in outs for a in o.accepted) / sum(len(o.accepted) for o in outs)
+            for t, outs in runs.items()}
+    assert f"{mean[0.0]:.2f}" != f"{mean[0.5]:.2f}"
+    code = main(["run", folders[2], *[x for p in prompts for x in ("--prompt-ids", ",".join(map(str, p)))],
+                 "--max-new-tokens", "20", "-k", str(BLOCK), "--confidence-threshold", "0.5", "--timeout", "30"])
+    out, err = capfd.readouterr()
+    assert code == 0, err[-2000:]
+    lines = out.splitlines()
+    assert lines[:2] == [f"[{i}] " + ",".join(map(str, o.token_ids)) for i, o in enumerate(runs[0.5])], out
+    assert f"K={BLOCK}, mean acceptance length {mean[0.5]:.2f})" in lines[2], out
+    assert main(["run", folders[2], "--prompt-ids", "7,8", "--confidence-threshold", "0.5", "--timeout", "30"]) == 2
+    assert "--confidence-threshold trims a DSpark drafter's verify windows, and without -k no drafter runs" in \
+        capfd.readouterr().err
+    assert main(["run", folders[2], "--prompt-ids", "7,8", "-k", "4", "--confidence-threshold", "1.5"]) == 2
+    assert "--confidence-threshold must be from 0 to 1" in capfd.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def served_dspark(tmp_path_factory):
+    """The demo target (it has a tokenizer) compiled at pp 2 with a DSpark drafter whose Markov head knows the
+    target's bigrams."""
+    from ppsplit.compile.demo import demo_model
+
+    tmp_path = tmp_path_factory.mktemp("served-dspark")
+    model = demo_model()
+    dspark_drafter(tmp_path / "d", model, seed=1, scale=0.5, markov_rank=model.config.vocab_size,
+                   prepare=bigram_markov(model))
+    return ppsplit.compile_model("demo", str(tmp_path / "demo-dspark"), pp=2, drafter=str(tmp_path / "d"),
+                                 cache=ppsplit.CacheConfig(batch_size=4, max_len=128))
+
+
+def test_serve_speculates_with_the_folder_dspark(served_dspark):
+    """``ppsplit serve DIR -k 4 --confidence-threshold 0.5``, in one process and with ``--ranks 2``: completions
+    equal the in-process engine's over the same folder with that threshold, and the server's draft counters equal
+    its verified and accepted drafts (the trimmed windows', fewer than K per window)."""
+    from ppsplit.artifact.tokenizer import FolderTokenizer
+    from tests.eagle3.test_dflash import folder_engine
+    from tests.serve.test_server import MODEL, Live
+
+    tok = FolderTokenizer(served_dspark)
+    prompts = ["Hello world", "Once upon a time there was a", "1 2 3 4 5"]
+    _, engine = folder_engine(served_dspark, BLOCK, 0.5)
+    ref = [engine.generate([tok.encode(p)], SamplingParams(max_tokens=12))[0] for p in prompts]
+    verified, accepted = sum(len(d) for o in ref for d in o.drafts), sum(sum(o.accepted) for o in ref)
+    assert 0 < accepted and verified < BLOCK * sum(len(o.drafts) for o in ref)
+    for ranks in ((), ("--ranks", "2")):
+        server = Live(served_dspark, "-k", str(BLOCK), "--confidence-threshold", "0.5", *ranks)
+        try:
+            for prompt, expected in zip(prompts, ref):  # one at a time: the counters are then exactly the reference's
+                done = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+                assert done.choices[0].text == tok.decode(expected.token_ids, skip_special_tokens=True)
+            metrics = server.metrics()
+            assert (metrics["ppsplit_spec_decode_draft_tokens_total"],
+                    metrics["ppsplit_spec_decode_accepted_tokens_total"]) == (verified, accepted), ranks
+        finally:
+            server.stop()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(markov_head_type="lstm"), "markov_head_type 'lstm'"),
+    (lambda c: c.pop("confidence_head"), "lacks confidence_head"),
+    (lambda c: c.update(markov_rank="16"), "markov_rank"),
+    (lambda c: c.update(conv_kernel_size=2), "conv_kernel_size"),
+    (lambda c: c.update(ppsplit_family="dspark2"), "ppsplit_family is 'dspark2'"),
+])
+def test_stored_dspark_config_refused_before_tensors(compiled_dspark, tmp_path, change, message):
+    """A stored DSpark config edited by hand: ``ppsplit inspect`` and ``ppsplit.load`` refuse it in one line."""
+    import shutil
+
+    from ppsplit.cli import main
+
+    _, _, folders = compiled_dspark
+    shutil.copytree(folders[1], tmp_path / "copy")
+    edit_config(tmp_path / "copy" / "drafter", change)
+    with pytest.raises(ppsplit.PpsplitError, match=message) as e:
+        ppsplit.load(str(tmp_path / "copy"))
+    assert "\n" not in str(e.value)
+    assert main(["inspect", str(tmp_path / "copy")]) == 2
 
 
 # -- sampling stays lossless ----------------------------------------------------------------------------------------
