@@ -437,10 +437,18 @@ def test_confidence_rule_refusal(tmp_path):
         drafter.confidence_rule = "min"
 
 
-def test_compile_with_a_deepspec_drafter_is_refused(tmp_path):
-    from ppsplit.eagle3.formats import compile_taps
+def test_compiled_folder_keeps_deepspec_trimming(tmp_path, capsys):
+    """``ppsplit compile --drafter DEEPSPEC``: the folder stores the drafter without DeepSpec's copies of the target's
+    tables (checked equal on the way in) and keeps its trimming rule (``each``); at pp 2 with threshold 0.4 its
+    drafts, acceptance and greedy output equal the drafter loaded from DeepSpec's folder, in one process and as
+    ``ppsplit generate DIR -k K --confidence-threshold 0.4`` prints them."""
+    from tests.eagle3.test_dflash import check_compiled_folder, compile_with_drafter
 
-    model, _ = cached("qwen3")
-    deepspec_folder(tmp_path / "d", model)
-    with pytest.raises(ConfigError, match="this is a dspark drafter"):
-        compile_taps(str(tmp_path / "d"), model.config, None, "sglang")
+    model, _ = small()
+    deepspec_folder(tmp_path / "d", model, rank=model.config.vocab_size, seed=1, scale=0.5,
+                    prepare=knows_the_target(model, 0.5))
+    folders = compile_with_drafter(model, str(tmp_path / "d"), tmp_path)
+    loaded = ppsplit.load(folders[2])
+    assert loaded.drafter.family == "dspark" and loaded.drafter.confidence_rule == "each"
+    outs, _ = check_compiled_folder(model, str(tmp_path / "d"), folders[2], BLOCK, capsys, threshold=0.4)
+    assert sum(sum(o.accepted) for o in outs) > 0
