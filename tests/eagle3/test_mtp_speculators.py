@@ -201,3 +201,60 @@ def test_check_drafter_scores_a_speculators_folder(qwen, capsys):
     out = capsys.readouterr().out
     assert f"mtp: tap {L} (the last layer's output, any numbering)  first-draft agreement" in out, out
     assert "/16)" in out  # 2 sequences x 8 scored positions (i + 1 >= 4, i + 2 <= 11)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A dense Qwen3 target and an MTP layer built with speculators' own classes (``MTPDraftModel`` over the
+    target's config, random weights: a layer no checkpoint ships, as speculators trains one), saved by its
+    ``save_pretrained``."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.mtp import MTPSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import AutoConfig
+
+    from tests.eagle3.test_mtp import _random
+
+    where = tmp_path_factory.mktemp("qwen3")
+    config = AutoConfig.for_model("qwen3", vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=L,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                                  tie_word_embeddings=False)
+    target = _random(config, 0)
+    target.save_pretrained(where / "target")
+    spec = SpeculatorsConfig(algorithm="mtp", default_proposal_method="greedy",
+                             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+                             verifier=VerifierConfig(name_or_path=str(where / "target"),
+                                                     architectures=["Qwen3ForCausalLM"]))
+    torch.manual_seed(3)
+    model = MTPDraftModel(MTPSpeculatorConfig(transformer_layer_config=config, speculators_config=spec))
+    with torch.no_grad():
+        for p in model.mtp_layers.parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    model.load_verifier_weights()
+    model.save_pretrained(where / "mtp")
+    return target, str(where / "mtp"), ppsplit.trace_model(target, cache=ppsplit.CacheConfig(8, 64, block_size=16))
+
+
+@torch.no_grad()
+def test_a_dense_qwen3_layer_from_speculators_drafts_as_its_model(qwen3):
+    """speculators' Qwen3 MTP layer (plain ``weight * x`` norms, Qwen3's decoder layer), reloaded by its
+    ``from_pretrained``: its first-step logits equal ppsplit's draft at every position; the engine's output at pp 2,
+    K = 2, equals Hugging Face's greedy generate."""
+    target, folder, traced = qwen3
+    theirs = MTPDraftModel.from_pretrained(folder).eval()
+    split = ppsplit.split_model(traced, 2, aux=[L])
+    drafter = ppsplit.load_drafter(folder, split=split)
+    ids = torch.randint(3, V, (10,), generator=torch.Generator().manual_seed(6))
+    hidden = target(ids[None], output_hidden_states=True).hidden_states[-1]
+    logits, _, _ = theirs(input_ids=ids[None], hidden_states=hidden)
+    step = RaggedStep.build([Segment(0, 0, len(ids))], {0: [0]}, split.layout)
+    _, aux = split.step(ids, step)
+    mine, _ = drafter(aux[:, None], torch.cat([ids[1:], ids[:1]])[None], step)
+    valid = logits[0].shape[1]
+    torch.testing.assert_close(mine[0, :valid], logits[0][0], rtol=1e-4, atol=1e-4)
+    prompts = [torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 11)]
+    outs = Engine(split, drafter=drafter, num_draft_tokens=2).generate(prompts, SamplingParams(max_tokens=10,
+                                                                                              ignore_eos=True))
+    for prompt, got in zip(prompts, outs):
+        greedy = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
+        assert got.token_ids == greedy[0, len(prompt):].tolist()
