@@ -21,13 +21,14 @@ def add_parsers(sub) -> None:
                    help="DSpark drafters: verify only the leading drafts whose predicted survival reaches this "
                         "(0 to 1; default 0: all)")
 
-    p = sub.add_parser("save-drafter", help="write the drafter (EAGLE-3, DFlash, or an MTP layer) of a compiled folder as a "
-                                            "checkpoint vLLM (speculators format) or SGLang (SpecForge format) loads")
+    p = sub.add_parser("save-drafter", help="write the drafter (EAGLE-3, DFlash, or an MTP layer) of a compiled folder "
+                                            "as a checkpoint vLLM (speculators format) or SGLang (SpecForge format) "
+                                            "loads")
     p.add_argument("folder", help="a folder compiled with --drafter or --mtp")
     p.add_argument("--format", choices=("speculators", "specforge"), default="speculators",
                    help="speculators: vLLM's format; specforge: SGLang's (default: %(default)s)")
-    p.add_argument("--verifier", default=None, help="the target's hub id or folder (recorded by the speculators format; "
-                   "required for an MTP layer, whose config is the target's)")
+    p.add_argument("--verifier", default=None, help="the target's hub id or folder (recorded by the speculators "
+                   "format; required for an MTP layer, whose config is the target's)")
     p.add_argument("-o", "--out", required=True, help="the drafter checkpoint folder to write")
 
     p = sub.add_parser("check-drafter",

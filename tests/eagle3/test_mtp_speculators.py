@@ -48,6 +48,10 @@ def test_save_drafter_writes_what_speculators_converter_writes(qwen):
     """The same tensors, bit for bit, under the same names, and the same config (less the converter's pointer to its
     config class's source, its version, and its NaN placeholder for the verifier's head)."""
     _, _, _, _, saved, converted = qwen
+    _same_as_converter(saved, converted)
+
+
+def _same_as_converter(saved, converted):
     assert sorted(os.listdir(saved)) == ["config.json", "model.safetensors"]
     mine, theirs = load_file(os.path.join(saved, "model.safetensors")), load_file(os.path.join(converted,
                                                                                                "model.safetensors"))
@@ -81,6 +85,29 @@ def test_speculators_own_model_drafts_as_ppsplit(qwen):
     for drafter in (ppsplit.load_mtp(folder, split=split), ppsplit.load_drafter(saved, split=split)):
         mine, _ = drafter(aux[:, None], nxt, step)
         torch.testing.assert_close(mine[0, :valid], logits[0][0], rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_a_qwen3_5_moe_layer_saves_as_the_converter_does(tmp_path_factory, tmp_path):
+    """Qwen3.5-MoE (its text model): ``save-drafter`` of a ``--mtp`` folder equals ``MTPConverter``'s output, and
+    speculators' model of it drafts as ppsplit does at every position."""
+    from ppsplit.cli import main
+
+    target, _, _, folder, traced = built("qwen3_5_moe_text", tmp_path_factory)
+    compiled, saved, converted = (str(tmp_path / n) for n in ("pp1", "saved", "converted"))
+    assert main(["compile", folder, "--pp", "1", "--mtp", "-o", compiled, "--max-batch", "8", "--max-len", "64"]) == 0
+    assert main(["save-drafter", compiled, "--verifier", folder, "-o", saved]) == 0
+    MTPConverter().convert(folder, converted, base_model=folder, num_speculative_steps=3, validate=False)
+    _same_as_converter(saved, converted)
+    theirs = MTPDraftModel.from_pretrained(saved).eval()
+    ids = torch.randint(3, V, (9,), generator=torch.Generator().manual_seed(8))
+    hidden = target(ids[None], output_hidden_states=True).hidden_states[-1]
+    logits, _, _ = theirs(input_ids=ids[None], hidden_states=hidden)
+    split = ppsplit.split_model(traced, 1, aux=[L])
+    step = RaggedStep.build([Segment(0, 0, len(ids))], {0: [0]}, split.layout)
+    _, aux = split.step(ids, step)
+    mine, _ = ppsplit.load_drafter(saved, split=split)(aux[:, None], torch.cat([ids[1:], ids[:1]])[None], step)
+    torch.testing.assert_close(mine[0, :logits[0].shape[1]], logits[0][0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("pp", [1, 2])
@@ -217,8 +244,8 @@ def qwen3(tmp_path_factory):
 
     where = tmp_path_factory.mktemp("qwen3")
     config = AutoConfig.for_model("qwen3", vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=L,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                                  tie_word_embeddings=False)
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  max_position_embeddings=256, tie_word_embeddings=False)
     target = _random(config, 0)
     target.save_pretrained(where / "target")
     spec = SpeculatorsConfig(algorithm="mtp", default_proposal_method="greedy",
