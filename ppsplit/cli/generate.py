@@ -159,7 +159,7 @@ def _check_mtp_drafter(args: argparse.Namespace, model) -> int:
     import torch
 
     import ppsplit
-    from ppsplit.eagle3.mtp import mtp_agreement
+    from ppsplit.eagle3.drafter import mtp_agreement
 
     seed_len, layers = 4, model.config.num_hidden_layers
     cache = ppsplit.CacheConfig(batch_size=args.prompts, max_len=seed_len + args.tokens + 1)
