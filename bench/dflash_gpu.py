@@ -17,6 +17,8 @@ JSON object a line (medians, ms):
     verify_step_ms    a speculative step less its draft part (the target over B windows of ``--block`` rows)
     decode_step_ms    a plain decode step (the target over B rows), no drafter
     draft_over_decode draft_ms / decode_step_ms (the issue's goal: <= 0.10)
+    first_capture_ms  with ``--compare``: the same drafter as first captured (section 55 of bench/RESULTS.md: ATen
+                      norms, rotations and activation in the draft layers, greedy picks eager), in the same run
 """
 import argparse
 import json
@@ -118,6 +120,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", type=int, default=0, metavar="B",
                     help="also profile 5 speculative steps at batch B: the drafter's CUDA kernels and host time")
+    ap.add_argument("--compare", action="store_true",
+                    help="also time the drafter as first captured (ATen layers, eager greedy picks), side by side")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times nothing")
     a = ap.parse_args()
     if a.smoke:
@@ -151,14 +155,36 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         zlab_drafter(d, a.layers, a.draft_layers, a.block, zlab_ids)
         drafter = ppsplit.load_drafter(d, split=split)
+        first = ppsplit.load_drafter(d, split=split) if a.compare else None  # its own paged cache, its own graphs
     say(drafter_params=sum(p.numel() for p in drafter.parameters()), block=a.block, draft_layers=a.draft_layers)
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, LLAMA8B["vocab_size"] - 3, (a.context,), generator=g).tolist() for _ in range(max(batches))]
     plain = Engine(split, async_scheduling=False)
-    spec = Engine(split, drafter=drafter, num_draft_tokens=a.block - 1, async_scheduling=False)
-    proposer = spec.runner.sampler.proposer
-    feed_times: list = []
+    engines = {"draft": timed(Engine(split, drafter=drafter, num_draft_tokens=a.block - 1, async_scheduling=False))}
+    if a.compare:
+        engines["first_capture"] = timed(first_capture_engine(split, first, a.block - 1))
+    for b in batches:
+        ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+        dec = ms(timed_steps(plain, prompts[:b], a.steps, None))
+        row = dict(batch=b, context=a.context, decode_step_ms=round(dec, 3))
+        for name, (engine, feed_times, feed) in engines.items():
+            stp = timed_steps(engine, prompts[:b], a.steps, feed_times)
+            draft = ms(feed_times)
+            row[f"{name}_ms"] = round(draft, 3)
+            row[f"{name}_over_decode"] = round(draft / dec, 3)
+            if name == "draft":
+                row["verify_step_ms"] = round(ms([s - f for s, f in zip(stp, feed_times)]), 3)
+                if b == a.profile:
+                    profile_feed(engine, prompts[:b], feed)
+        say(**row)
+
+
+def timed(engine):
+    """``(engine, times, feed)``: the engine with its proposer's ``feed`` timed between two synchronisations into
+    ``times`` (``feed``: the untimed one)."""
+    proposer = engine.runner.sampler.proposer
+    times: list = []
     feed = proposer.feed
 
     def timed_feed(*args, **kw):
@@ -166,22 +192,30 @@ def main():
         t0 = time.perf_counter()
         out = feed(*args, **kw)
         torch.cuda.synchronize()
-        feed_times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
         return out
 
     proposer.feed = timed_feed
-    for b in batches:
-        dec = timed_steps(plain, prompts[:b], a.steps, None)
-        stp = timed_steps(spec, prompts[:b], a.steps, feed_times)
-        ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
-        draft = ms(feed_times)
-        verify = ms([s - f for s, f in zip(stp, feed_times)])
-        if b == a.profile:
-            profile_feed(spec, prompts[:b], feed)
-        say(batch=b, context=a.context, draft_ms=round(draft, 3), verify_step_ms=round(verify, 3),
-            decode_step_ms=round(ms(dec), 3), draft_over_decode=round(draft / ms(dec), 3),
-            draft_over_verify=round(draft / verify, 3))
+    return engine, times, feed
 
+
+def first_capture_engine(split, drafter, k: int):
+    """The drafter as section 55 of bench/RESULTS.md captured it, for a side-by-side figure: the draft layers' ATen
+    norms, rotations and activation (no fused kernels) and the greedy picks eager after the captured block."""
+    import ppsplit.eagle3.dflash as dflash
+    import ppsplit.eagle3.drafter as layers
+    from ppsplit.serve.engine import Engine
+
+    fused = layers.fused_kernels
+    layers.fused_kernels = dflash.fused_kernels = lambda x: None
+    try:
+        engine = Engine(split, drafter=drafter, num_draft_tokens=k, async_scheduling=False)
+    finally:
+        layers.fused_kernels = dflash.fused_kernels = fused
+    graphs = engine.runner.sampler.proposer.graphs
+    if graphs is not None:  # (none on the CPU of --smoke)
+        graphs.greedy = {}  # every step through the rows' graph and the eager picks
+    return engine
 
 if __name__ == "__main__":
     main()

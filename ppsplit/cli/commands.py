@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None, help="EAGLE-3 or DFlash drafter folder or hub id: taps from its config, "
                    "stored in DIR/drafter")
     p.add_argument("--mtp", action="store_true", help="store the checkpoint's own MTP layer (DeepSeek-V3, GLM-4.5, "
-                   "Qwen3-Next) in DIR/mtp as the drafter; adds tap L (the last layer's output)")
+                   "Qwen3-Next, MiMo-V2-Flash) in DIR/mtp as the drafter; adds tap L (the last layer's output)")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
                    help="numbering of the drafter's tap ids (default: its format's own; speculators: vllm, "
                         "SpecForge/EAGLE: sglang): sglang (SpecForge layer outputs, +1) or vllm (as written)")

@@ -1,13 +1,15 @@
 """Driver: the MTP layers of a target checkpoint as an ``MTPDrafter`` for a split (``ppsplit.load_mtp``).
 
 The first MTP layer's decoder block is traced by ppsplit's own passes: a two-layer copy of the target's config whose
-layer 1 has the MTP layer's type (DeepSeek-V3: MLA + MoE; GLM-4.5: GQA + MoE; Qwen3-Next: full attention + MoE),
-split in two with the tap after layer 1, traced over the split's ``CacheConfig``. Its stage 1 (layer 1, final norm,
-lm_head) is the block, filled with the MTP layer's weights read through transformers' own conversions (per-expert
-tensors fused as the model keeps them) under the names of layer 1 (DeepSeek: ``model.layers.{L}.*`` as
-``model.layers.1.*``, ``shared_head.norm`` as ``model.norm``, ``shared_head.head`` as ``lm_head``; Qwen3-Next:
-``mtp.layers.0.*``, ``mtp.norm``, the target's ``lm_head``). Every tensor of the first MTP layer is used or refused;
-further layers are left unused, as vLLM's proposer leaves them.
+layer 1 has the MTP layer's type (DeepSeek-V3: MLA + MoE; GLM-4.5: GQA + MoE; Qwen3-Next: full attention + MoE;
+MiMo-V2-Flash: sliding-window attention with sinks + a dense MLP), split in two with the tap after layer 1, traced
+over the split's ``CacheConfig``. Its stage 1 (layer 1, final norm, lm_head) is the block, filled with the MTP
+layer's weights read through transformers' own conversions (per-expert tensors fused as the model keeps them) under
+the names of layer 1 (DeepSeek: ``model.layers.{L}.*`` as ``model.layers.1.*``, ``shared_head.norm`` as
+``model.norm``, ``shared_head.head`` as ``lm_head``; Qwen3-Next: ``mtp.layers.0.*``, ``mtp.norm``, the target's
+``lm_head``; MiMo-V2-Flash: ``model.mtp.layers.0.*`` with ``pre_mlp_layernorm`` as ``post_attention_layernorm``,
+``final_layernorm`` as ``model.norm``). Every tensor of the first MTP layer is used or refused; further layers are
+left unused, as vLLM's proposer leaves them.
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ class MTPLayout:
     offset_norms: bool = False  # Qwen3-Next's norms scale by 1 + weight
     zero_first: bool = True  # position 0's embedding zeroed (vLLM deepseek_mtp.py, glm4_moe_mtp.py)
     feed_normed: bool = False  # a chain step reads the previous step's output after the MTP norm (qwen3_next_mtp.py)
+    attention: str = "full_attention"  # the block's layer type (config.layer_types)
+    mlp: str | None = None  # the block's MLP type (config.mlp_layer_types), when the config has one
+    renames: tuple = ()  # (block tensor name, the same tensor's name in a target layer) pairs
+    counted: str | None = None  # a config.json declaring no count: the MTP layers are the indices under this prefix
 
 
 _DEEPSEEK = MTPLayout("model.layers.{L}.", "model.layers.{L}.", {
@@ -54,7 +60,19 @@ LAYOUTS = {  # each built and checked against a reference in tests/eagle3/test_m
     # Qwen3.5 text checkpoints, dense and MoE: Qwen3-Next's layout and formula (vLLM qwen3_5_mtp.py)
     "qwen3_5_text": _QWEN_NEXT,
     "qwen3_5_moe_text": _QWEN_NEXT,
+    # MiMo-V2-Flash (vLLM mimo_v2_mtp.py): a sliding-window attention layer with a dense MLP, its post-attention norm
+    # named pre_mlp_layernorm, final_layernorm as its norm, the target's embedding and lm_head, no position zeroed,
+    # the output after final_layernorm fed back
+    "mimo_v2_flash": MTPLayout("model.mtp.layers.0.", "model.mtp.layers.0.", {
+        "enorm": "enorm.weight", "hnorm": "hnorm.weight", "eh_proj": "eh_proj.weight",
+        "norm": "final_layernorm.weight"}, "num_nextn_predict_layers", zero_first=False, feed_normed=True,
+        attention="sliding_attention", mlp="dense", renames=(("pre_mlp_layernorm.", "post_attention_layernorm."),),
+        counted="model.mtp.layers."),
 }
+# model types whose MTP layers need modeling code transformers does not have: refused, with the reason
+REFUSED = {"mimo": "MiMo-7B's MTP layers (model.mtp_layers.*) run on its own modeling code (MiMoForCausalLM, "
+                   "shipped in the checkpoint folder, not in transformers), and ppsplit never runs code from a "
+                   "folder, so it cannot draft with them"}
 REQUIRED = ("enorm", "hnorm", "eh_proj", "norm")
 
 
@@ -71,8 +89,9 @@ def mtp_layers(cfg: dict) -> int:
 
 def load_mtp(model: str, split, device=None) -> MTPDrafter:
     """The first MTP layer of checkpoint folder ``model`` (DeepSeek-V3 / GLM-4.5: ``num_nextn_predict_layers`` > 0,
-    weights under ``model.layers.{L}``; Qwen3-Next: ``mtp_num_hidden_layers``, under ``mtp.``) as a drafter for
-    ``split``, which must carry tap ``L`` (the last layer's output) and a paged cache; on the last stage's device.
+    weights under ``model.layers.{L}``; Qwen3-Next: ``mtp_num_hidden_layers``, under ``mtp.``; MiMo-V2-Flash: under
+    ``model.mtp.layers.0``) as a drafter for ``split``, which must carry tap ``L`` (the last layer's output) and a
+    paged cache; on the last stage's device.
     Refused in one line, before anything is traced: another model type, no MTP layers, a split without tap ``L`` or
     a paged cache, a missing or unknown MTP tensor.
 
@@ -102,15 +121,26 @@ def mtp_checkpoint(model: str) -> tuple[str, dict, MTPLayout, int]:
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read {folder}/config.json ({e}); pass the target's checkpoint folder") from None
     kind = raw.get("model_type")
+    if kind in REFUSED:
+        raise ConfigError(f"{REFUSED[kind]} (model_type {kind!r})")
     if kind not in LAYOUTS:
         raise ConfigError(f"MTP layers of model_type {kind!r} are not supported (supported: {', '.join(LAYOUTS)})")
     layout = LAYOUTS[kind]
     if raw.get("mtp_use_dedicated_embeddings"):
         raise ConfigError("mtp_use_dedicated_embeddings: true (an MTP layer with its own embedding) is not supported")
     n = mtp_layers(raw)
+    if layout.counted and not any(key in raw for key in (*COUNT_KEYS, "mtp_num_hidden_layers")):
+        n = _counted_layers(folder, layout.counted)
     if n == 0:
         raise ConfigError(f"{model} has no MTP layers (config.json's {layout.count} is 0 or absent)")
     return folder, raw, layout, n
+
+
+def _counted_layers(folder: str, prefix: str) -> int:
+    """How many MTP layers the checkpoint in ``folder`` holds under ``prefix`` (``prefix`` + index + ``.``), for a
+    config that declares none (vLLM and SGLang read MiMo-V2-Flash's first layer without a count)."""
+    indices = {key[len(prefix):].split(".", 1)[0] for key in Checkpoint(folder).where if key.startswith(prefix)}
+    return len({i for i in indices if i.isdigit()})
 
 
 def _build(model: str, plan, device) -> MTPDrafter:
@@ -128,11 +158,11 @@ def _build(model: str, plan, device) -> MTPDrafter:
     cache = CacheLayout.of(plan)
     checkpoint = Checkpoint(folder)
     prefix, block_prefix = layout.prefix.format(L=layers), layout.block.format(L=layers)
-    keys = _layer_keys(checkpoint, raw, layout, n)
     config = load_config(folder)
+    keys = _layer_keys(checkpoint, config, layout, n)
     dtype = model_dtype(plan)
-    block = _load_block(_trace_block(config, plan, dtype), checkpoint, layout, prefix, block_prefix, keys, config,
-                        dtype, device)
+    block = _load_block(_trace_block(config, layout, plan, dtype), checkpoint, layout, prefix, block_prefix, keys,
+                        config, dtype, device)
     own = {role: read_tensor(checkpoint, prefix + name) for role, name in layout.own.items()
            if prefix + name in checkpoint}
     drafter = MTPDrafter(block, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
@@ -185,12 +215,13 @@ def write_mtp(folder: str, model: str, split) -> None:
     save_file(drafter.own_tensors(), os.path.join(path, MTP_OWN_WEIGHTS), metadata={"format": "pt"})
 
 
-def _layer_keys(checkpoint: Checkpoint, raw: dict, layout: MTPLayout, n: int) -> list[str]:
+def _layer_keys(checkpoint: Checkpoint, config, layout: MTPLayout, n: int) -> list[str]:
     """The checkpoint keys of the first MTP layer (the one drafting; vLLM's proposer runs only it), checked before
     any tracing: its own tensors present, and its decoder block holding exactly the tensors of the target's last
-    layer of the MTP layer's type (MoE from ``first_k_dense_replace`` on; full attention), so a missing expert or
-    an unknown tensor is named here. Further MTP layers (DeepSeek: ``model.layers.{L + 1}``) are left unused."""
-    layers = raw["num_hidden_layers"]
+    layer of the MTP layer's type (``_expected_block``), so a missing expert or an unknown tensor is named here;
+    MiMo-V2-Flash: no tensor under ``model.mtp.`` outside a layer. Further MTP layers (DeepSeek:
+    ``model.layers.{L + 1}``; MiMo-V2-Flash: ``model.mtp.layers.1..``) are left unused."""
+    layers = config.num_hidden_layers
     prefix, block_prefix = layout.prefix.format(L=layers), layout.block.format(L=layers)
     mine = sorted(key for key in checkpoint.where if key.startswith(prefix))
     for role in REQUIRED:
@@ -203,25 +234,68 @@ def _layer_keys(checkpoint: Checkpoint, raw: dict, layout: MTPLayout, n: int) ->
     if layout.prefix == "mtp." and stray:  # DeepSeek's further layers live under model.layers.{L + 1}, not here
         raise ConfigError(f"the MTP layer has tensors ppsplit does not account for: {', '.join(stray[:4])}; ppsplit "
                           "refuses to drop them (only the first MTP layer drafts)")
-    types = raw.get("layer_types") or ["full_attention"] * layers
-    same = [i for i in range(layers) if types[i] == "full_attention" and i >= raw.get("first_k_dense_replace", 0)]
-    if not same:
+    if layout.counted:  # MiMo-V2-Flash: every tensor under model.mtp. belongs to a layer model.mtp.layers.N
+        root = layout.counted[:layout.counted.index("layers.")]
+        stray = [key for key in checkpoint.where if key.startswith(root) and not (key.startswith(layout.counted)
+                 and key[len(layout.counted):].split(".", 1)[0].isdigit())]
+        if stray:
+            raise ConfigError(f"the checkpoint has MTP tensors outside its layers ({', '.join(sorted(stray)[:4])}) "
+                              "that ppsplit does not account for; it refuses to drop them")
+    expected = _expected_block(checkpoint, config, layout)
+    if expected is None:
         return mine
-    last = f"model.layers.{same[-1]}."
-    expected = {key[len(last):] for key in checkpoint.where if key.startswith(last)}
-    block = {key[len(block_prefix):] for key in mine if key.startswith(block_prefix) and key not in own}
-    if block != expected:
-        missing, unknown = sorted(expected - block), sorted(block - expected)
+    block = {_as_layer(key[len(block_prefix):], layout) for key in mine if key.startswith(block_prefix)
+             and key not in own}
+    if block != set(expected):
+        missing, unknown = sorted(set(expected) - block), sorted(block - set(expected))
         if missing:
-            raise ConfigError(f"the MTP layer lacks {block_prefix}{missing[0]}" + (f" (and {len(missing) - 1} more)"
-                              if len(missing) > 1 else "") + f", which its decoder block needs (as {last}"
-                              f"{missing[0]}); the MTP weights are incomplete")
+            raise ConfigError(f"the MTP layer lacks {block_prefix}{_as_block(missing[0], layout)}" +
+                              (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + ", which its decoder "
+                              f"block needs (as {expected[missing[0]]}); the MTP weights are incomplete")
         raise ConfigError(f"the MTP layer has tensors a decoder layer of the target does not account for: "
-                          f"{', '.join(block_prefix + u for u in unknown[:4])}; ppsplit refuses to drop them")
+                          f"{', '.join(block_prefix + _as_block(u, layout) for u in unknown[:4])}; ppsplit refuses "
+                          "to drop them")
     return [key for key in mine if key.startswith(block_prefix) and key not in own]
 
 
-def _mini_config(config):
+def _expected_block(checkpoint: Checkpoint, config, layout: MTPLayout) -> dict[str, str] | None:
+    """The tensors the MTP block must hold, by name under a layer's prefix, each with the target tensor of that name
+    it is checked against: those of the target's last layer of the block's type (attention type, MoE from
+    ``first_k_dense_replace`` on); with ``layout.mlp``, the MLP's from the last layer of that MLP type (MiMo-V2-Flash:
+    a sliding-window layer's attention, layer 0's dense MLP). None when the target has no such layer."""
+    layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    first = getattr(config, "first_k_dense_replace", 0)
+    same = [i for i in range(layers) if types[i] == layout.attention and i >= first]
+    mlps = getattr(config, "mlp_layer_types", None) or []
+    mlp = [i for i in range(len(mlps)) if mlps[i] == layout.mlp] if layout.mlp else same
+    if not same or not mlp:
+        return None
+    expected = {}
+    for i, is_mlp in ((same[-1], False), (mlp[-1], True)):
+        last = f"model.layers.{i}."
+        expected.update({key[len(last):]: key for key in checkpoint.where
+                         if key.startswith(last) and key[len(last):].startswith("mlp.") == is_mlp})
+    return expected
+
+
+def _as_layer(name: str, layout: MTPLayout) -> str:
+    """A block tensor's name under the MTP layer's prefix as a target layer names it (``layout.renames``)."""
+    for mine, theirs in layout.renames:
+        if name.startswith(mine):
+            return theirs + name[len(mine):]
+    return name
+
+
+def _as_block(name: str, layout: MTPLayout) -> str:
+    """``_as_layer`` undone: a target layer's tensor name as the MTP layer names it."""
+    for mine, theirs in layout.renames:
+        if name.startswith(theirs):
+            return mine + name[len(theirs):]
+    return name
+
+
+def _mini_config(config, layout: MTPLayout):
     """The target's config cut to two layers, layer 1 of the type of layer ``L`` (the MTP layer's)."""
     mini = copy.deepcopy(config)
     layers = config.num_hidden_layers
@@ -231,19 +305,21 @@ def _mini_config(config):
             setattr(mini, key, 0)
     if hasattr(config, "first_k_dense_replace"):  # DeepSeek, GLM: MoE from this layer on; the MTP layer is at L
         mini.first_k_dense_replace = 1 if layers >= config.first_k_dense_replace else 2
-    if getattr(config, "layer_types", None):  # Qwen3-Next: the MTP layer is a full-attention layer
-        mini.layer_types = ["full_attention", "full_attention"]
+    if getattr(config, "layer_types", None):  # Qwen3-Next: full attention; MiMo-V2-Flash: sliding window
+        mini.layer_types = [layout.attention, layout.attention]
+    if layout.mlp:  # MiMo-V2-Flash: a dense MLP
+        mini.mlp_layer_types = [layout.mlp, layout.mlp]
     return mini
 
 
-def _trace_block(config, plan, dtype):
+def _trace_block(config, layout: MTPLayout, plan, dtype):
     """Stage 1 of the two-layer copy, traced over ``plan``'s cache, its weights on the meta device."""
     from ppsplit.compile.api import split_model
     from ppsplit.compile.source import skeleton
 
     cache = CacheConfig(plan.max_batch, plan.max_len, state_slots=max(1, plan.state_slots),
                         block_size=plan.block_size, num_blocks=plan.num_blocks)
-    model, _ = skeleton(_mini_config(config), dtype)
+    model, _ = skeleton(_mini_config(config, layout), dtype)
     off = StageOptions(fuse_projections=False, fuse_pointwise=False, gemv=False, compile=False)
     mini = split_model(model, options=SplitOptions(pp=2, aux=[2], balance=[1, 1], cache=cache, stage=off))
     return mini.stages[1]
@@ -273,13 +349,13 @@ def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, b
     without the target's tensors) as the head."""
     from ppsplit.compile.source import skeleton
 
-    names = {"model.layers.1." + key[len(block_prefix):]: key for key in keys}
+    names = {"model.layers.1." + _as_layer(key[len(block_prefix):], layout): key for key in keys}
     names["model.norm.weight"] = prefix + layout.own["norm"]
     if head is None:
         own_head = prefix + layout.own["head"] if "head" in layout.own else None
         names["lm_head.weight"] = own_head if own_head in checkpoint else "lm_head.weight"
     # buffers: what the model computes in __init__ (rotary, ...); tensors converted straight to the split's dtype
-    model, buffers = skeleton(_mini_config(config), dtype)
+    model, buffers = skeleton(_mini_config(config, layout), dtype)
     sources = Sources(model, _Renamed(checkpoint, names))
     used = {key for group in sources.groups.values() for key, _ in group.sources}
     unknown = sorted(names[name] for name in names if name not in used)
@@ -431,7 +507,7 @@ def load_speculators_mtp(folder: str, split, device=None) -> MTPDrafter:
     keys = sorted(k for k in checkpoint.where if k.startswith(_SPECULATORS_PREFIX) and k not in own)
     device = torch.device(device) if device is not None else module_device(split.stages[-1])
     dtype = model_dtype(plan)
-    block = _load_block(_trace_block(config, plan, dtype), checkpoint, layout, _SPECULATORS_PREFIX,
+    block = _load_block(_trace_block(config, layout, plan, dtype), checkpoint, layout, _SPECULATORS_PREFIX,
                         _SPECULATORS_PREFIX, keys, config, dtype, device, head=head.to("cpu"))
     drafter = MTPDrafter(block, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
                          plan.taps.index(layers), CacheLayout.of(plan), offset_norms=layout.offset_norms,

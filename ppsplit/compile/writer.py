@@ -74,6 +74,9 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     if dtype is not None and dtype not in MODEL_DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPES + tuple(DTYPE_ALIASES))}, but got {dtype!r}")
     folder = resolve_model(model)
+    if mtp:  # first: a model type whose MTP layers ppsplit refuses (MiMo-7B) is told why, before transformers is asked
+        from ppsplit.compile.mtp import mtp_checkpoint
+        mtp_checkpoint(folder)
     config = load_config(folder)
     scheme = read_scheme(config, model)
     if drafter is not None:

@@ -30,7 +30,7 @@ from ppsplit.core.errors import ConfigError
 from ppsplit.core.options import to_taps
 from ppsplit.core.ragged import RaggedStep
 from ppsplit.core.tensors import model_dtype
-from ppsplit.eagle3.drafter import MLP, RMSNorm
+from ppsplit.eagle3.drafter import MLP, RMSNorm, fused_kernels
 from ppsplit.eagle3.formats import draft_map, drafter_rope
 
 
@@ -245,6 +245,21 @@ class DFlashDrafter(nn.Module):
             out = torch.tanh(out / self.softcap) * self.softcap
         return out
 
+    def block_drafts(self, rows: torch.Tensor, prev: torch.Tensor, pick=None):
+        """The drafts ``[D, K]`` (target ids) of the drafting rows ``rows [D, K, H]`` (after the last layer) and their
+        confidence logits ``[D, K]`` (``None``: the family has none). ``prev [D]``: the token before the first draft;
+        ``pick(logits [D, V], i)`` chooses draft ``i`` from its logits, ``None``: the argmax. Families with heads
+        (DSpark's Markov head, DFlash2's selector) pick left to right, each draft after the one before; plain DFlash
+        drafts every row at once. Device-only, so the engine captures the greedy picks with the block."""
+        if hasattr(self, "heads"):
+            greedy = lambda logits, i: self.target_ids[logits.argmax(-1)]  # noqa: E731
+            drafts, _, confidence = self.heads(rows, prev, pick or greedy)
+            return drafts, confidence
+        logits = self.logits(rows)
+        if pick is None:
+            return self.target_ids[logits.argmax(-1)], None
+        return torch.stack([pick(logits[:, i], i) for i in range(rows.shape[1])], 1), None
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = F.embedding(tokens, self.embed_tokens)
         return x * self.embed_scale if self.embed_scale != 1.0 else x
@@ -322,6 +337,11 @@ class DFlashDrafter(nn.Module):
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [N, heads, D]`` rotated by ``cos`` / ``sin [N, 1, D]``."""
+    ops = fused_kernels(x)
+    if ops is not None:  # the stages' layout: [1, heads, N, D]
+        return ops.rope(x.transpose(0, 1)[None], cos.transpose(0, 1)[None], sin.transpose(0, 1)[None])[0] \
+            .transpose(0, 1)
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 

@@ -140,15 +140,15 @@ class Proposer:
         start = positions[last] + 1
         step = RaggedStep((start[:, None] + j).reshape(-1), slot[:, None].expand(-1, width).reshape(-1),
                           batch.block_table, batch.chain_start * width, batch.chain_count * width)
-        rows = run.draft_block(tokens, step, width).view(slot.shape[0], width, -1)[:, skip:]
-        params = self._params(slot, sampler, sampled, rows.device)
-        if hasattr(drafter, "heads"):  # DSpark's Markov head, DFlash2's selector: each draft follows the one before
-            drafts, _, confidence = drafter.heads(rows, token, lambda x, i: self._pick(x, i, slot, params, cut_k,
-                                                                                      cut_p))
-            self.kept = drafter.kept(confidence) if confidence is not None else None
-            return drafts
-        logits = drafter.logits(rows)
-        return torch.stack([self._pick(logits[:, i], i, slot, params, cut_k, cut_p) for i in range(k)], 1)
+        params = self._params(slot, sampler, sampled, token.device)
+        if params is None and self.graphs is not None:  # greedy: the picks are captured with the block
+            drafts, confidence = self.graphs.greedy_drafts(tokens, step, width)
+        else:
+            rows = run.draft_block(tokens, step, width).view(slot.shape[0], width, -1)[:, skip:]
+            pick = None if params is None else lambda x, i: self._pick(x, i, slot, params, cut_k, cut_p)
+            drafts, confidence = drafter.block_drafts(rows, token, pick)
+        self.kept = drafter.kept(confidence) if confidence is not None else None
+        return drafts
 
     def _params(self, slot, sampler, sampled: bool, device):
         """The drawing requests' sampling parameters (``None`` for a greedy step)."""

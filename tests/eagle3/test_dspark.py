@@ -388,7 +388,8 @@ def test_generate_command_with_a_dspark_drafter(trained_dspark, tmp_path, capsys
 
 def test_stand_in_graphs_equal_the_eager_engine(trained_dspark):
     """The captured drafter's parts (``ppsplit.serve.draft_graphs``, through the eager stand-in for capture) with the
-    anchor layout's K-row blocks and the threshold on: the same tokens, acceptance and verified drafts as eager."""
+    anchor layout's K-row blocks and the threshold on: the same tokens, acceptance and verified drafts as eager, the
+    Markov and confidence heads replayed inside the greedy block graph."""
     from ppsplit.serve.draft_graphs import BlockGraphs
     from tests.serve.test_draft_graphs import eager_capture
 
@@ -408,7 +409,7 @@ def test_stand_in_graphs_equal_the_eager_engine(trained_dspark):
         runs.append((engine.generate(prompts, SamplingParams(max_tokens=20)), proposer.graphs))
     (eager, _), (graphed, blocks) = runs
     assert [(o.token_ids, o.accepted, o.drafts) for o in graphed] == [(o.token_ids, o.accepted, o.drafts) for o in eager]
-    assert sum(sum(o.accepted) for o in eager) > 0 and blocks.blocks[4][0].replays > 0
+    assert sum(sum(o.accepted) for o in eager) > 0 and blocks.greedy[4][0].replays > 0
 
 
 # -- sampling stays lossless ----------------------------------------------------------------------------------------
