@@ -285,3 +285,22 @@ def test_a_dense_qwen3_layer_from_speculators_drafts_as_its_model(qwen3):
     for prompt, got in zip(prompts, outs):
         greedy = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
         assert got.token_ids == greedy[0, len(prompt):].tolist()
+
+
+def test_generate_takes_a_speculators_folder_as_drafter(qwen, tmp_path, capsys):
+    """``ppsplit generate DIR --drafter OUT -k 3`` over a folder compiled with tap L (no MTP layer inside): the tokens
+    of Hugging Face's greedy generate."""
+    from ppsplit.cli import main
+
+    target, folder, _, _, _, converted = qwen
+    out = str(tmp_path / "pp2")
+    assert main(["compile", folder, "--pp", "2", "--aux", str(L), "-o", out, "--max-batch", "2", "--max-len", "48"]) == 0
+    prompt = [5, 9, 3, 17, 4]
+    capsys.readouterr()
+    assert main(["generate", out, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "10", "--ignore-eos",
+                 "--drafter", converted, "-k", "3"]) == 0
+    printed = capsys.readouterr().out
+    with torch.no_grad():
+        greedy = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assert printed.splitlines()[0] == ",".join(map(str, greedy[0, len(prompt):].tolist()))
+    assert "mean acceptance length" in printed, printed
