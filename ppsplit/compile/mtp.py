@@ -576,8 +576,8 @@ def save_speculators_mtp(folder: str, out: str, verifier: str, speculative_token
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read {source}/config.json ({e}); pass the target's checkpoint as the verifier") \
             from None
-    text = raw.get("text_config", raw)  # as MTPConverter reads a composite config
-    kind = text.get("model_type")
+    text = raw.get("text_config", raw) if isinstance(raw, dict) else None  # as MTPConverter reads a composite one
+    kind = text.get("model_type") if isinstance(text, dict) else None
     if kind not in SPECULATORS_MTP_TYPES:
         raise ConfigError(f"speculators' mtp layout holds MTP layers of {', '.join(SPECULATORS_MTP_TYPES)} only, and "
                           f"this target is {kind!r}: vLLM reads its MTP layer from the target's own checkpoint")
@@ -603,7 +603,12 @@ def save_speculators_mtp(folder: str, out: str, verifier: str, speculative_token
     with safe_open(regular_file(os.path.join(compiled.mtp, MTP_OWN_WEIGHTS), compiled.path), framework="pt") as f:
         for role in ("enorm", "hnorm", "eh_proj"):
             tensors[_SPECULATORS_PREFIX + _SPECULATORS_OWN[role]] = f.get_tensor(f"{role}.weight")
-    layer = AutoConfig.for_model(**text).to_diff_dict()  # what MTPSpeculatorConfig serialises
+    try:
+        layer = AutoConfig.for_model(**text).to_diff_dict()  # what MTPSpeculatorConfig serialises
+    except Exception as e:  # transformers' validators raise their own types
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()[:160]
+        raise ConfigError(f"transformers cannot read {source}/config.json ({first}); pass the target's checkpoint") \
+            from None
     dtype = dtype_name(next(iter(tensors.values())).dtype)
     cfg = {"architectures": ["MTPDraftModel"], "dtype": dtype, "num_nextn_predict_layers": 1,
            "speculators_config": {"algorithm": "mtp", "default_proposal_method": "greedy",
