@@ -526,9 +526,17 @@ def load_speculators_mtp(folder: str, split, device=None) -> MTPDrafter:
 
 def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = None, device=None,
                  compile: bool = False):
-    """``ppsplit.load_drafter``: a drafter folder for ``split``. speculators' ``mtp`` folders load here (their decoder
-    block is traced by the passes, as ``load_mtp``'s is); every other family is
-    ``ppsplit.eagle3.formats.load_drafter``'s (see there)."""
+    """``ppsplit.load_drafter``: a drafter folder (or hub id) for ``split``, on its last stage's device. EAGLE-3,
+    DFlash, DFlash2 and DSpark folders are read by ``ppsplit.eagle3.formats.load_drafter`` (see there for the
+    formats and ``aux_convention`` / ``compile``); speculators' ``mtp`` folders load here, because their decoder
+    block is traced by the passes as ``load_mtp``'s is (``load_speculators_mtp``).
+
+    Example::
+
+        L = model.config.num_hidden_layers
+        split = ppsplit.split_model(model, pp=2, aux=[L], cache=ppsplit.CacheConfig(8, 4096))
+        drafter = ppsplit.load_drafter("path/to/qwen3-next-mtp", split=split)   # speculators_model_type "mtp"
+    """
     from ppsplit.eagle3 import formats
 
     if split is not None:
