@@ -165,6 +165,11 @@ class Fragile:
     def __init__(self, stage, at: int, how: str):
         self.stage, self.at, self.how, self.calls = stage, at, how, 0
 
+    def __getattr__(self, name):  # a drafter's other attributes (taps, d2t, ...)
+        if name == "stage":
+            raise AttributeError(name)
+        return getattr(self.stage, name)
+
     def __call__(self, *args):
         import signal
 
@@ -176,13 +181,17 @@ class Fragile:
         return self.stage(*args)
 
 
-def generate_and_fail(rank, folder, prompts, params, victim, at, how):
-    """Like ``generate`` (once), but rank ``victim``'s stage fails at its ``at``-th micro-step (see ``Fragile``)."""
+def generate_and_fail(rank, folder, prompts, params, victim, at, how, k=0, part="stage"):
+    """Like ``generate`` (once, ``k`` drafts), but rank ``victim``'s stage (or, ``part="drafter"``, the last rank's
+    drafter) fails at its ``at``-th call (see ``Fragile``)."""
     from ppsplit import distributed as ppd
 
-    engine = ppd.PipelineEngine(folder)
-    if rank == victim:
+    engine = ppd.PipelineEngine(folder, num_draft_tokens=k)
+    if rank == victim and part == "stage":
         engine.stage = Fragile(engine.stage, at, how)
+    elif rank == victim:
+        proposer = engine.sampler.proposer
+        proposer.drafter = Fragile(proposer.drafter, at, how)
     out = engine.generate(prompts if rank == 0 else None, params)
     return None if out is None else [o.token_ids for o in out]
 

@@ -241,16 +241,35 @@ _MARKOV_HEADS = ("vanilla", "gated", "rnn")
 # DFlash2 (z-lab's ``DFlash2DraftModel``, speculators' ``dflash2``): convolutions around each sublayer, a candidate
 # selector after the head; the library reads these from ``dflash_config`` or the top level, speculators at the top.
 _DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-# DeepSpec's own DSpark folders (a flat target config, ``num_anchors``, its own ``markov_head`` module): no reader.
-_DEEPSPEC_DSPARK = {"Qwen3DSparkModel", "DeepseekV2DSparkModel", "Gemma4DSparkModel"}
+# DeepSpec's own DSpark folders (deepseek-ai/DeepSpec ``deepspec/modeling/dspark``: ``build_draft_config`` deep-copies
+# the target's config and sets the keys below, ``save_pretrained`` writes the draft model's own tensors). Qwen3's is
+# read; Gemma4's (DeepSpec) and DeepseekV2's (a fork) have other draft layers and are refused.
+DEEPSPEC_DSPARK = "Qwen3DSparkModel"
+_DEEPSPEC_OTHERS = {"Gemma4DSparkModel", "DeepseekV2DSparkModel"}
+_DEEPSPEC_TOP = {"target_layer_ids", "num_target_layers", "block_size", "mask_token_id", "num_anchors",
+                 "enable_confidence_head", "confidence_head_with_markov", "markov_rank", "markov_head_type"}
 
 
 def is_dflash(cfg: dict) -> bool:
     """Whether a drafter config is a DFlash-family one (z-lab's ``dflash_config`` or architecture, speculators'
-    ``dflash`` and ``dspark``, DeepSpec's DSpark architectures, which are refused)."""
+    ``dflash`` and ``dspark``, DeepSpec's DSpark architectures)."""
     return bool("dflash_config" in cfg or cfg.get("speculators_model_type") in ("dflash", "dspark", "dflash2")
             or cfg.get("ppsplit_family") == "dflash"
-            or {"DFlashDraftModel", "DFlash2DraftModel", *_DEEPSPEC_DSPARK} & set(cfg.get("architectures") or ()))
+            or {"DFlashDraftModel", "DFlash2DraftModel", DEEPSPEC_DSPARK, *_DEEPSPEC_OTHERS}
+            & set(cfg.get("architectures") or ()))
+
+
+def dflash_family(cfg: dict) -> str:
+    """``dflash``, ``dflash2`` or ``dspark``: the drafter module a DFlash-family config (``is_dflash``) builds."""
+    archs = set(cfg.get("architectures") or ())
+    if cfg.get("speculators_model_type") == "dspark" or DEEPSPEC_DSPARK in archs:
+        return "dspark"
+    return "dflash2" if cfg.get("speculators_model_type") == "dflash2" or "DFlash2DraftModel" in archs else "dflash"
+
+
+def is_deepspec(cfg: dict) -> bool:
+    """Whether a drafter config is DeepSpec's own DSpark folder (``Qwen3DSparkModel``)."""
+    return DEEPSPEC_DSPARK in (cfg.get("architectures") or ()) and not cfg.get("speculators_model_type")
 
 
 def dflash_drafter_config(cfg: dict) -> tuple[dict, dict, list | None, str]:
@@ -260,10 +279,12 @@ def dflash_drafter_config(cfg: dict) -> tuple[dict, dict, list | None, str]:
         return _dflash_speculators(cfg)
     if "ppsplit_taps" in cfg:
         return _dflash_stored(cfg)
-    deepspec = _DEEPSPEC_DSPARK & set(cfg.get("architectures") or ())
-    if deepspec:
-        raise ConfigError(f"drafter architecture {sorted(deepspec)[0]} is DeepSpec's own DSpark folder, which ppsplit "
-                          "does not read; convert it to speculators' dspark layout (speculators_model_type \"dspark\")")
+    other = _DEEPSPEC_OTHERS & set(cfg.get("architectures") or ())
+    if other:
+        raise ConfigError(f"drafter architecture {sorted(other)[0]} is a DSpark drafter with {sorted(other)[0][:-11]} "
+                          f"draft layers; ppsplit reads DeepSpec's {DEEPSPEC_DSPARK} (Qwen3 draft layers) only")
+    if is_deepspec(cfg):
+        return _deepspec(cfg)
     two = "DFlash2DraftModel" in (cfg.get("architectures") or ())
     extra = set(_DFLASH2_KEYS) if two else set()
     inner = cfg.get("dflash_config") or {}
@@ -341,6 +362,34 @@ def _dflash_speculators(cfg: dict) -> tuple[dict, dict, list | None, str]:
         raise ConfigError("the speculators dflash config has no aux_hidden_state_layer_ids; it cannot say which taps "
                           "it reads")
     return _dflash_checked(out), rope, ids, "vllm"
+
+
+def _deepspec(cfg: dict) -> tuple[dict, dict, list | None, str]:
+    """DeepSpec's ``Qwen3DSparkModel`` folder: the target's Qwen3 config with the draft layers' count and DSpark's
+    keys. Tap ids (``target_layer_ids``) name layer outputs (``hidden_states[id + 1]``, -1: the embedding output).
+    Every block row drafts (row ``i`` predicts ``P + i + 1``), so ``K <= block_size``."""
+    _refuse_unknown(cfg, _DEEPSPEC_TOP | _LAYER_READ, "")
+    needed = ["block_size", "mask_token_id", "target_layer_ids", "enable_confidence_head", "markov_rank"]
+    if cfg.get("markov_rank"):
+        needed.append("markov_head_type")
+    if cfg.get("enable_confidence_head"):
+        needed.append("confidence_head_with_markov")
+    missing = [key for key in needed if cfg.get(key) is None]
+    if missing:
+        raise ConfigError(f"the DeepSpec DSpark config lacks {', '.join(missing)}, which its {DEEPSPEC_DSPARK} "
+                          "requires; this folder was not written by DeepSpec's save_pretrained")
+    out, rope = _dflash_layers(cfg, "")
+    # num_anchors: how many blocks a training sample draws (DeepSpec's sampler), nothing at inference.
+    out.update(block_size=cfg["block_size"], mask_token_id=cfg["mask_token_id"], input_embedding_scale=1.0,
+               output_multiplier=1.0, final_logit_softcapping=0.0, draft_vocab_size=out["vocab_size"],
+               target_hidden_size=out["hidden_size"], num_target_layers=cfg.get("num_target_layers"),
+               family="dspark", confidence_rule="each")  # DeepSpec's evaluator trims at the first low confidence
+    kind = cfg.get("markov_head_type", "vanilla")
+    heads = {**cfg, "markov_head_type": kind.lower() if isinstance(kind, str) else kind, "sample_from_anchor": True}
+    if not _flag(cfg, "enable_confidence_head", False):
+        heads["confidence_head_with_markov"] = False  # DeepSpec reads it only beside a confidence head
+    out.update(_dspark_heads(heads))
+    return _dflash_checked(out), rope, cfg["target_layer_ids"], "sglang"
 
 
 def _dflash_stored(cfg: dict) -> tuple[dict, dict, list | None, str]:

@@ -51,7 +51,7 @@ from torch import fx
 
 from ppsplit.artifact.folder import CompiledFolder
 from ppsplit.artifact.folder import fingerprint as plan_fingerprint
-from ppsplit.artifact.loader import load_stage
+from ppsplit.artifact.loader import load_stage, stage_options
 from ppsplit.core.errors import ConfigError, PpsplitError
 from ppsplit.core.fx_utils import stage_vocab
 from ppsplit.core.ragged import CacheLayout, RaggedStep
@@ -98,8 +98,8 @@ class PipelineEngine:
     """This rank's part of the engine. Every rank constructs it with the same options (a collective call).
 
     ``source``: a compiled folder (this rank loads its stage) or this rank's stage module from an in-process split
-    (then pass ``eos_token_id``). ``drafter``: an ``Eagle3Drafter`` for the last rank (default: the folder's, when
-    ``num_draft_tokens`` > 0). ``cuda_graphs``: capture every bucket on every rank at start (``buckets_up_to`` the
+    (then pass ``eos_token_id``). ``drafter``: a drafter for the last rank (default: the folder's, its ``--drafter``
+    or its ``--mtp`` layer, when ``num_draft_tokens`` > 0). ``cuda_graphs``: capture every bucket on every rank at start (``buckets_up_to`` the
     token budget; default: on CUDA). ``device`` defaults to ``cuda:<LOCAL_RANK>`` under NCCL, else the CPU.
     ``group``: the pipeline's ranks when the world holds more (``ppsplit.distributed.tensor_parallel``: the stages'
     TP rank 0s); default the world.
@@ -194,12 +194,14 @@ class PipelineEngine:
             raise ConfigError(f"rank {self.rank} was given stage {self.stage.meta['ppsplit.stage']}")
 
     def _folder_drafter(self, folder):
-        if folder is not None and folder.mtp is not None:
-            raise ConfigError("a folder's MTP layer runs in one process for now (ppsplit generate / serve without "
-                              "--ranks), not across ranks")
+        if folder is not None and folder.mtp is not None:  # compile --mtp: the block and its own embedding copy
+            from ppsplit.eagle3.mtp import load_folder_mtp
+
+            return load_folder_mtp(folder, self.device, stage_options(folder))
         if folder is None or folder.drafter is None:
             raise ConfigError("speculative decoding needs a drafter on the last rank: compile the folder "
-                              "with --drafter, or pass PipelineEngine(..., drafter=ppsplit.load_drafter(...)) there")
+                              "with --drafter or --mtp, or pass PipelineEngine(..., drafter=ppsplit.load_drafter(...)) "
+                              "there")
         from ppsplit.eagle3.formats import load_folder_drafter
 
         return load_folder_drafter(folder.drafter, self.plan, self.device)
@@ -220,6 +222,8 @@ class PipelineEngine:
             else:
                 step = RaggedStep.build([], {}, self.layout, pad_to=n).to(self.device)
                 self._run(self._input(n), step, self._aux(n))
+        if self.last and self.cuda_graphs and self.sampler.proposer is not None:
+            self.sampler.proposer.capture(self.plan, buckets_up_to(budget))  # as the one-process runner does
         if self.last:
             self._warm_sampler()
         torch.cuda.synchronize(self.device)

@@ -30,7 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check(args) -> None:
     """Fail fast, before any process starts: options, folder, tokenizer, drafter."""
     from ppsplit.core.errors import ConfigError
-    from ppsplit.artifact.folder import MTP
     from ppsplit.serve.requests import check_requests, has_drafter
 
     from ppsplit.distributed.transport import backend_for
@@ -38,10 +37,7 @@ def check(args) -> None:
     check_requests(args, args.folder)
     backend_for(args.device)
     if args.num_draft_tokens is not None and not has_drafter(args.folder):
-        raise ConfigError(f"{args.folder} holds no drafter; compile it with --drafter DRAFTER to use -k")
-    if args.num_draft_tokens is not None and os.path.isdir(os.path.join(args.folder, MTP)):
-        raise ConfigError(f"{args.folder}'s drafter is an MTP layer, which runs in one process for now: use ppsplit "
-                          "generate, or ppsplit serve without --ranks")
+        raise ConfigError(f"{args.folder} holds no drafter; compile it with --drafter DRAFTER or --mtp to use -k")
     if args.max_num_batched_tokens is None:
         from ppsplit.serve.scheduler import DEFAULT_BUDGET
 

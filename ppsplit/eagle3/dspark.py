@@ -1,4 +1,4 @@
-"""The DSpark drafter on the last stage (speculators' ``dspark``): DFlash's block backbone (``ppsplit.eagle3.dflash``),
+"""The DSpark drafter on the last stage (speculators' ``dspark``, DeepSpec's ``Qwen3DSparkModel``): DFlash's block backbone (``ppsplit.eagle3.dflash``),
 then two light heads run left to right over the block's rows.
 
 For a request whose bonus token ``b`` sits at position ``P``, the block is ``[b, mask, ...]`` from ``P``; with
@@ -17,8 +17,13 @@ drafts take ``K`` rows), without it the bonus row drafts nothing (``K + 1`` rows
 
 The drafts a request's next verify window carries are the leading ones whose survival ``prod_{j <= i}
 sigmoid(c_j)`` reaches ``confidence_threshold`` (vLLM's ``dspark_confidence_threshold``: 0, the default, keeps all
-``K``); the count can be 0. Whether draft ``i`` is verified depends only on the drafts before it, which are the
+``K``); the count can be 0. ``confidence_rule = "each"`` (the default for DeepSpec's folders, as its evaluator's
+``_confident_prefix_length`` trims) keeps instead the leading drafts whose own ``sigmoid(c_i)`` reaches it. Whether draft ``i`` is verified depends only on the drafts before it, which are the
 committed tokens when it is reached, so trimming keeps the rejection rule lossless.
+
+DeepSpec's folders (deepseek-ai/DeepSpec ``deepspec/modeling/dspark``) hold the same model under the same tensor
+names (its ``VanillaMarkov`` / ``GatedMarkovHead`` / ``RNNHead`` and ``AcceptRatePredictor``), every row drafting,
+plus frozen copies of the target's ``embed_tokens`` and ``lm_head``, which are checked and then shared.
 """
 from __future__ import annotations
 
@@ -62,10 +67,28 @@ class _ConfidenceHead(nn.Module):
         self.proj = nn.Linear(width, 1)
 
 
+def drop_target_copies(tensors: dict, embed: torch.Tensor, head: torch.Tensor) -> dict:
+    """``tensors`` without DeepSpec's copies of the target's input embedding and output head (its trainer copies both
+    from the target and freezes them), each checked to be the target's ``embed`` / ``head`` at the copy's precision,
+    so the drafter shares the target's tables instead of holding second ones."""
+    out = dict(tensors)
+    for name, table, what in (("embed_tokens.weight", embed, "input embedding"), ("lm_head.weight", head, "lm_head")):
+        copy = out.pop(name, None)
+        if copy is None:
+            raise ConfigError(f"the DeepSpec DSpark drafter lacks {name} (its copy of the target's {what}); this "
+                              "folder was not written by DeepSpec's save_pretrained")
+        if tuple(copy.shape) != tuple(table.shape) \
+                or not torch.equal(table.detach().to(device=copy.device, dtype=copy.dtype), copy):
+            raise ConfigError(f"the DeepSpec DSpark drafter's {name} {tuple(copy.shape)} is not this target's {what} "
+                              f"{tuple(table.shape)} (DeepSpec trains with a frozen copy of it); use a drafter trained "
+                              "for this target")
+    return out
+
+
 class DSparkDrafter(DFlashDrafter):
     """A DSpark drafter (see the module docstring), built by ``ppsplit.load_drafter`` from speculators' ``dspark``
-    layout. ``confidence_threshold`` (0 to 1, default 0: no trimming) trims each request's verify window to the drafts
-    the confidence head expects to survive.
+    layout or a DeepSpec folder. ``confidence_threshold`` (0 to 1, default 0: no trimming) trims each request's verify
+    window to the drafts the confidence head expects to survive.
 
     Example::
 
@@ -92,6 +115,7 @@ class DSparkDrafter(DFlashDrafter):
         self.confidence_head = _ConfidenceHead(h + (rank if cfg["confidence_with_markov"] else 0)) \
             if cfg["confidence_head"] else None
         self._threshold = 0.0
+        self._rule = cfg.get("confidence_rule", "survival")
 
     @property
     def confidence_threshold(self) -> float:
@@ -106,6 +130,18 @@ class DSparkDrafter(DFlashDrafter):
             raise ConfigError("confidence_threshold needs the drafter's confidence head, and this DSpark drafter has "
                               "none (enable_confidence_head false); leave it at 0")
         self._threshold = float(value)
+
+    @property
+    def confidence_rule(self) -> str:
+        """How ``confidence_threshold`` reads the confidences: ``survival`` (vLLM's) or ``each`` (DeepSpec's)."""
+        return self._rule
+
+    @confidence_rule.setter
+    def confidence_rule(self, value: str) -> None:
+        if value not in ("survival", "each"):
+            raise ConfigError(f"confidence_rule must be 'survival' (vLLM: the product of the confidences so far) or "
+                              f"'each' (DeepSpec: every confidence so far), but got {value!r}")
+        self._rule = value
 
     def heads(self, rows: torch.Tensor, prev: torch.Tensor, pick=None):
         """The drafting rows ``rows [D, K, H]`` (after the last layer) through the Markov and confidence heads, left to
@@ -136,11 +172,13 @@ class DSparkDrafter(DFlashDrafter):
                 torch.stack(confidence, 1) if confidence else None)
 
     def kept(self, confidence: torch.Tensor | None) -> torch.Tensor | None:
-        """Per request, the leading drafts whose survival reaches ``confidence_threshold`` ``[D]`` (``None``: all)."""
+        """Per request, the leading drafts ``confidence_rule`` keeps at ``confidence_threshold`` ``[D]`` (``None``:
+        all)."""
         if confidence is None or self._threshold <= 0:
             return None
-        survival = torch.sigmoid(confidence.float()).cumprod(-1)
-        return (survival >= self._threshold).sum(-1)
+        p = torch.sigmoid(confidence.float())
+        reach = p.cumprod(-1) if self._rule == "survival" else p.cummin(-1).values
+        return (reach >= self._threshold).sum(-1)
 
     def forward(self, aux: torch.Tensor, tokens: torch.Tensor, ctx_positions: torch.Tensor,
                 block_positions: torch.Tensor, prev: torch.Tensor | None = None):

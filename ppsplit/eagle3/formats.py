@@ -19,7 +19,7 @@ import os
 import torch
 
 from ppsplit.core.drafter_config import (DFLASH_KEYS, DRAFTER_KEYS, FORMAT_NUMBERING, aux_ids, detect_format, dflash_drafter_config,
-                                         drafter_config, is_dflash)
+                                         dflash_family, drafter_config, is_deepspec, is_dflash)
 from ppsplit.eagle3.drafter import Eagle3Drafter
 from ppsplit.eagle3.mtp import is_mtp_target
 from ppsplit.core.errors import ConfigError
@@ -170,7 +170,7 @@ def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = N
                           "target with the drafter's taps first (ppsplit compile MODEL --drafter DRAFTER does it)")
     cfg, tensors = read_drafter(resolve_drafter(path_or_hub_id))
     embed = tensors.get("embed_tokens.weight")
-    if embed is None:
+    if embed is None or is_deepspec(cfg):
         name = embedding_name(split)
         stage = split.stages[0]
         embed = dict(stage.named_parameters()).get(name)
@@ -179,12 +179,13 @@ def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = N
     if is_dflash(cfg):
         from ppsplit.eagle3.dflash import DFlashDrafter, build_dflash, output_head
         from ppsplit.eagle3.dflash2 import DFlash2Drafter
-        from ppsplit.eagle3.dspark import DSparkDrafter
+        from ppsplit.eagle3.dspark import DSparkDrafter, drop_target_copies
 
-        two = cfg.get("speculators_model_type") == "dflash2" or "DFlash2DraftModel" in (cfg.get("architectures") or ())
-        cls = DSparkDrafter if cfg.get("speculators_model_type") == "dspark" else DFlash2Drafter if two \
-            else DFlashDrafter
-        drafter = build_dflash(cfg, tensors, split.plan, embed, output_head(split), aux_convention, device, cls)
+        cls = {"dspark": DSparkDrafter, "dflash2": DFlash2Drafter}.get(dflash_family(cfg), DFlashDrafter)
+        head = output_head(split)
+        if is_deepspec(cfg):
+            tensors = drop_target_copies(tensors, embed, head)
+        drafter = build_dflash(cfg, tensors, split.plan, embed, head, aux_convention, device, cls)
     else:
         drafter = build_drafter(cfg, tensors, split.plan, embed, aux_convention, device)
     if compile:
@@ -314,10 +315,10 @@ def compile_taps(drafter: str, config, aux, aux_convention: str) -> tuple[int, .
     if aux is not None:
         raise ConfigError("pass either --aux or --drafter: with a drafter the taps come from its config")
     cfg, _ = read_drafter(resolve_drafter(drafter))
-    family = cfg.get("speculators_model_type")
-    if family in ("dspark", "dflash2") or "DFlash2DraftModel" in (cfg.get("architectures") or ()):
+    family = dflash_family(cfg) if is_dflash(cfg) else "eagle3"
+    if family in ("dspark", "dflash2"):
         raise ConfigError(f"ppsplit compile --drafter stores EAGLE-3 and DFlash drafters; this is a "
-                          f"{family or 'dflash2'} drafter: compile with its taps (--aux) and load it with "
+                          f"{family} drafter: compile with its taps (--aux) and load it with "
                           "ppsplit.load_drafter(DRAFTER, split=split)")
     return drafter_taps(cfg, config.num_hidden_layers, aux_convention)
 

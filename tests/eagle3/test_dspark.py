@@ -433,7 +433,6 @@ def test_dspark_sampling_matches_target_distribution(tmp_path):
     (lambda c: c.update(markov_rank=-1), "markov_rank must be an integer >= 0"),
     (lambda c: c.update(markov_rank=0), "confidence_head_with_markov is true but markov_rank is 0"),
     (lambda c: c["speculators_config"].update(algorithm="dflash"), "a speculators dspark drafter"),
-    (lambda c: c.update(architectures=["Qwen3DSparkModel"], speculators_model_type=None), "DeepSpec"),
     (lambda c: c.update(enable_confidence_head=False), "tensors its config does not account for"),
     (lambda c: c.update(aux_hidden_state_layer_ids=[1, 3, 9]), "tap id 9 is out of range"),
 ])

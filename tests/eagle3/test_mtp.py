@@ -409,8 +409,7 @@ def test_compiled_folder_speculates_with_its_mtp_layer(trained, tmp_path, capsys
     assert printed.splitlines()[0] == ",".join(map(str, outs[0].token_ids))
     assert f"mean acceptance length {outs[0].mean_acceptance_length:.2f}" in printed, printed
     assert main(["inspect", out]) == 0
-    for command, message in ((["save-drafter", out, "-o", str(tmp_path / "x")], "--format speculators --verifier"),
-                             (["run", out, "--prompt-ids", "3,4", "-k", "2"], "runs in one process for now")):
+    for command, message in ((["save-drafter", out, "-o", str(tmp_path / "x")], "--format speculators --verifier"),):
         capsys.readouterr()
         assert main(command) == 2
         assert message in capsys.readouterr().err
@@ -491,3 +490,142 @@ def test_a_bf16_split_of_a_float32_checkpoint(tmp_path):
     assert loaded.drafter.eh_proj.weight.dtype == torch.bfloat16
     again = Engine(loaded, drafter=loaded.drafter, num_draft_tokens=2).generate([[5, 9, 3]], SamplingParams(max_tokens=6))
     assert (again[0].token_ids, again[0].drafts) == (out[0].token_ids, out[0].drafts)
+
+
+# -- across ranks: the MTP layer on the last rank ---------------------------------------------------------------------
+_FOLDERS: dict = {}
+
+
+def mtp_folder(arch, pp, tmp_path_factory, request):
+    """``ppsplit compile CKPT --pp N --mtp`` (DeepSeek-V3: the trained layer, so drafts get accepted); (target,
+    folder)."""
+    from ppsplit.cli import main
+
+    if (arch, pp) not in _FOLDERS:
+        if arch == "deepseek_v3":
+            target, ckpt, _ = request.getfixturevalue("trained")
+        else:
+            target, _, _, ckpt, _ = built(arch, tmp_path_factory)
+        out = str(tmp_path_factory.mktemp(f"{arch}-pp{pp}") / "folder")
+        assert main(["compile", ckpt, "--pp", str(pp), "--mtp", "-o", out, "--max-batch", "4", "--max-len", "64"]) == 0
+        _FOLDERS[arch, pp] = target, out
+    return _FOLDERS[arch, pp]
+
+
+def _rank_prompts():
+    return [p.tolist() for p in torch.randint(3, V, (4, 5), generator=torch.Generator().manual_seed(11))]
+
+
+@pytest.mark.parametrize("arch, pp", [("deepseek_v3", 2), ("deepseek_v3", 1), (QWEN, 2)])
+def test_mtp_across_ranks_equals_the_in_process_engine(arch, pp, tmp_path_factory, request):
+    """One gloo process per stage, the folder's MTP layer (its block, own tensors and embedding copy from DIR/mtp) on
+    the last rank reading the tap L the pipe carries: requests arriving over several steps give Hugging Face's greedy
+    output, and each step's drafts and acceptance equal the in-process engine's over the same folder."""
+    from tests.processes import launch, serve
+
+    target, folder = mtp_folder(arch, pp, tmp_path_factory, request)
+    prompts, params = _rank_prompts(), SamplingParams(max_tokens=14, ignore_eos=True)
+    res = launch(pp, serve, folder, [(p, params, i // 2) for i, p in enumerate(prompts)], 3, timeout=60, deadline=240)
+    assert all(res[r][0] == "ok" for r in range(pp)), {r: res[r][-1][-800:] for r in range(pp)}
+    outputs, in_use, _, _ = res[0][1]
+    assert in_use == 0 and sorted(outputs) == ["0", "1", "2", "3"]
+    single = ppsplit.load(folder)
+    assert single.drafter.family == "mtp"
+    ref = Engine(single, drafter=single.drafter, num_draft_tokens=3).generate(prompts, params)
+    for i, (prompt, expected) in enumerate(zip(prompts, ref)):
+        tokens, _, accepted, drafts = outputs[str(i)]
+        with torch.no_grad():
+            greedy = target.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False,
+                                     eos_token_id=None)[0, len(prompt):].tolist()
+        assert tokens == greedy == expected.token_ids
+        assert (accepted, drafts) == (expected.accepted, expected.drafts)
+    if arch == "deepseek_v3":  # the trained layer: the drafts the ranks compare are mostly accepted ones
+        lengths = [1 + sum(outputs[str(i)][2]) / len(outputs[str(i)][2]) for i in range(4)]
+        print(f"MTP across {pp} ranks, K=3: tokens per verify pass {[round(x, 2) for x in lengths]}")
+        assert sum(lengths) / len(lengths) > 1.2, lengths
+
+
+def test_cli_run_with_an_mtp_folder(tmp_path_factory, request, capfd):
+    """``ppsplit run DIR -k 3`` on a folder compiled with ``--mtp``: one process per stage, the MTP layer on the last;
+    it prints Hugging Face's greedy tokens and the in-process engine's acceptance."""
+    from ppsplit.cli import main
+
+    target, folder = mtp_folder("deepseek_v3", 2, tmp_path_factory, request)
+    prompt = _rank_prompts()[0]
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    single = ppsplit.load(folder)
+    expected = Engine(single, drafter=single.drafter, num_draft_tokens=3).generate([prompt], params)[0]
+    capfd.readouterr()
+    code = main(["run", folder, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "14", "--ignore-eos",
+                 "-k", "3", "--timeout", "60"])
+    out, err = capfd.readouterr()
+    assert code == 0, err[-2000:]
+    lines = out.splitlines()
+    assert lines[0] == ",".join(map(str, expected.token_ids)), out
+    assert f"K=3, mean acceptance length {expected.mean_acceptance_length:.2f}" in lines[1], out
+
+
+def test_mtp_failures_across_ranks_end_every_rank(tmp_path_factory, request, tmp_path):
+    """A stored MTP config tampered with fails the last rank's load, and every rank ends with that one-line error; the
+    last rank dying inside the MTP chain mid-run ends rank 0 with an error naming it. Nothing hangs."""
+    import shutil
+
+    from tests.processes import generate_and_fail, launch
+
+    _, folder = mtp_folder("deepseek_v3", 2, tmp_path_factory, request)
+    bad = str(tmp_path / "bad")
+    shutil.copytree(folder, bad)
+    where = os.path.join(bad, "mtp", "config.json")
+    cfg = json.loads(open(where).read())
+    with open(where, "w") as f:
+        json.dump({**cfg, "ppsplit_taps": [1]}, f)
+    prompts, params = _rank_prompts(), SamplingParams(max_tokens=14, ignore_eos=True)
+    res = launch(2, generate_and_fail, bad, prompts, params, 1, 0, "kill", 3, timeout=30, deadline=120)
+    for r in (0, 1):
+        assert res[r][:2] == ("error", "ConfigError"), res[r]
+        assert "the MTP layer reads taps [1]" in res[r][2] and "\n" not in res[r][2], res[r][2]
+    assert res["alive"] == []
+    # the chain's third call on the last rank kills it: rank 0 fails naming rank 1
+    res = launch(2, generate_and_fail, folder, prompts, params, 1, 3, "kill", 3, "drafter", timeout=15, deadline=120)
+    assert res[1] == ("exit", -9), res[1]
+    assert res[0][:2] == ("error", "PipelineError") and "rank 1 died" in res[0][2], res[0]
+    assert res["alive"] == []
+
+
+def test_serve_ranks_with_an_mtp_folder(trained, tmp_path):
+    """``ppsplit serve DIR --ranks 2 -k 3`` on a folder compiled with ``--mtp`` (a word-level tokenizer added): a
+    batch of four prompts in one request gives the in-process engine's text, and the server counts its drafts and
+    acceptances."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from ppsplit.cli import main
+    from tests.serve.test_server import MODEL, Live
+
+    _, ckpt, _ = trained
+    shutil.copytree(ckpt, tmp_path / "ckpt")
+    word = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w3"))
+    word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=word, unk_token="w3", eos_token="w2", pad_token="w0")
+    tok.save_pretrained(tmp_path / "ckpt")
+    folder = str(tmp_path / "pp2")
+    assert main(["compile", str(tmp_path / "ckpt"), "--pp", "2", "--mtp", "-o", folder, "--max-batch", "4",
+                 "--max-len", "64"]) == 0
+    prompts, params = _rank_prompts(), SamplingParams(max_tokens=14)
+    single = ppsplit.load(folder)
+    ref = Engine(single, drafter=single.drafter, num_draft_tokens=3).generate(prompts, params)
+    server = Live(folder, "--ranks", "2", "-k", "3")
+    try:
+        status, data = server.post("/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 14,
+                                                       "temperature": 0})
+        assert status == 200, data
+        texts = [c["text"] for c in sorted(data["choices"], key=lambda c: c["index"])]
+        assert texts == [tok.decode(r.token_ids, skip_special_tokens=True) for r in ref]
+        metrics = server.metrics()
+        assert metrics["ppsplit_spec_decode_accepted_tokens_total"] == sum(sum(r.accepted) for r in ref) > 0
+        assert metrics["ppsplit_spec_decode_draft_tokens_total"] == sum(len(d) for r in ref for d in r.drafts)
+    finally:
+        server.proc.terminate()
+        server.proc.wait(30)

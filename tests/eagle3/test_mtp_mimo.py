@@ -196,7 +196,8 @@ def test_engine_output_equals_greedy(mimo, pp, k):
 
 def test_compiled_folder_drafts_as_load_mtp(mimo, tmp_path):
     """``ppsplit compile --mtp`` stores the MiMo-V2-Flash layer; the folder drafts and accepts exactly what
-    ``load_mtp`` does over an in-process split, and its output is Hugging Face's greedy one."""
+    ``load_mtp`` does over an in-process split, in one process and across two ranks, and its output is Hugging
+    Face's greedy one."""
     from ppsplit.cli import main
 
     target, _, folder, traced = mimo
@@ -214,6 +215,14 @@ def test_compiled_folder_drafts_as_load_mtp(mimo, tmp_path):
                                      eos_token_id=None)[0, 6:].tolist()
         assert got.token_ids == greedy == expected.token_ids
         assert got.drafts == expected.drafts and got.accepted == expected.accepted
+    # across two gloo ranks, the layer on the last: the same tokens, drafts and acceptance per step
+    from tests.processes import launch, serve
+
+    res = launch(2, serve, out, [(p, params, i) for i, p in enumerate(prompts)], 3, timeout=60, deadline=240)
+    assert all(res[r][0] == "ok" for r in range(2)), {r: res[r][-1][-800:] for r in range(2)}
+    ranks = res[0][1][0]
+    assert [(ranks[str(i)][0], ranks[str(i)][2], ranks[str(i)][3]) for i in range(3)] == \
+        [(o.token_ids, o.accepted, o.drafts) for o in outs]
 
 
 def _one_line(call, message):

@@ -105,3 +105,33 @@ def test_mtp_chain_on_cuda(tmp_path):
     captured, eager = both(build, lambda e: [(o.token_ids, o.accepted) for o in
                                              e.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))])
     assert captured == eager
+
+
+class _Captured:
+    """A ``tests.processes.serve`` script: whether the rank's drafter was captured (read before the first step)."""
+
+    def __init__(self):
+        self.graphs = None
+
+    def __call__(self, engine, step):
+        if self.graphs is None:
+            self.graphs = engine.sampler.proposer.graphs is not None
+
+
+def test_mtp_captured_across_ranks_on_cuda(tmp_path_factory, request):
+    """``PipelineEngine`` on CUDA (one NCCL rank) captures its MTP drafter with its stage, as the one-process engine
+    does, and gives that engine's eager tokens, drafts and acceptance."""
+    from tests.eagle3.test_mtp import V, mtp_folder
+    from tests.processes import launch, serve
+
+    _, folder = mtp_folder("deepseek_v3", 1, tmp_path_factory, request)
+    prompts = torch.randint(3, V, (3, 6), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    res = launch(1, serve, folder, [(p, params, 0) for p in prompts], 3, None, _Captured(), backend="nccl",
+                 timeout=120, deadline=300)
+    assert res[0][0] == "ok", res[0][-1][-800:]
+    outputs, in_use, _, script = res[0][1]
+    assert script.graphs and in_use == 0
+    single = ppsplit.load(folder, ["cuda"])
+    expected = Engine(single, drafter=single.drafter, num_draft_tokens=3, enforce_eager=True).generate(prompts, params)
+    assert [outputs[str(i)][0::2] for i in range(3)] == [(e.token_ids, e.accepted) for e in expected]
