@@ -13,8 +13,8 @@ def add_parsers(sub) -> None:
     p.add_argument("folder", help="a folder written by ppsplit compile")
     add_request_arguments(p)
     add_runtime_arguments(p)
-    p.add_argument("--drafter", default=None, help="a drafter folder: EAGLE-3, DFlash, DFlash2 or DSpark (default: the one "
-                   "compiled into DIR)")
+    p.add_argument("--drafter", default=None, help="a drafter folder: EAGLE-3, DFlash, DFlash2, DSpark or speculators' "
+                   "mtp (default: the one compiled into DIR)")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
                    help="numbering of the drafter's tap ids (default: its format's own)")
     p.add_argument("--confidence-threshold", type=float, default=None,
