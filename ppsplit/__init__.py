@@ -33,7 +33,7 @@ _EXPORTS = {
     "load": "ppsplit.serve.runtime", "load_stage": "ppsplit.artifact.loader",
     "backend": "ppsplit.compile.dynamo_backend", "TapBackend": "ppsplit.compile.dynamo_backend",
     "last_taps": "ppsplit.compile.dynamo_backend",
-    "Eagle3Drafter": "ppsplit.eagle3.drafter", "load_drafter": "ppsplit.eagle3.formats",
+    "Eagle3Drafter": "ppsplit.eagle3.drafter", "load_drafter": "ppsplit.compile.mtp",
     "MTPDrafter": "ppsplit.eagle3.mtp", "load_mtp": "ppsplit.compile.mtp",
     "SpeculativeStats": "ppsplit.serve.speculative",
     "Engine": "ppsplit.serve.engine", "RequestOutput": "ppsplit.serve.engine", "SamplingParams": "ppsplit.serve.sampling",

@@ -13,22 +13,25 @@ def add_parsers(sub) -> None:
     p.add_argument("folder", help="a folder written by ppsplit compile")
     add_request_arguments(p)
     add_runtime_arguments(p)
-    p.add_argument("--drafter", default=None, help="a drafter folder: EAGLE-3, DFlash, DFlash2 or DSpark (default: the one "
-                   "compiled into DIR)")
+    p.add_argument("--drafter", default=None, help="a drafter folder: EAGLE-3, DFlash, DFlash2, DSpark or speculators' "
+                   "mtp (default: the one compiled into DIR)")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,
                    help="numbering of the drafter's tap ids (default: its format's own)")
     add_confidence_argument(p)
 
-    p = sub.add_parser("save-drafter", help="write the drafter (EAGLE-3 or DFlash family) of a compiled folder as a "
-                                            "checkpoint vLLM (speculators format) or SGLang (SpecForge format) loads")
-    p.add_argument("folder", help="a folder compiled with --drafter")
+    p = sub.add_parser("save-drafter", help="write the drafter (EAGLE-3, DFlash, or an MTP layer) of a compiled folder "
+                                            "as a checkpoint vLLM (speculators format) or SGLang (SpecForge format) "
+                                            "loads")
+    p.add_argument("folder", help="a folder compiled with --drafter or --mtp")
     p.add_argument("--format", choices=("speculators", "specforge"), default="speculators",
                    help="speculators: vLLM's format; specforge: SGLang's (default: %(default)s)")
-    p.add_argument("--verifier", default=None, help="the target's hub id or folder (recorded by the speculators format)")
+    p.add_argument("--verifier", default=None, help="the target's hub id or folder (recorded by the speculators "
+                   "format; required for an MTP layer, whose config is the target's)")
     p.add_argument("-o", "--out", required=True, help="the drafter checkpoint folder to write")
 
     p = sub.add_parser("check-drafter",
-                       help="first-draft agreement of an EAGLE-3 or DFlash drafter under both tap numberings")
+                       help="first-draft agreement of an EAGLE-3 or DFlash drafter under both tap numberings (an MTP "
+                            "layer in speculators' mtp layout: under its one numbering)")
     p.add_argument("model", help="the target: 'demo', a checkpoint folder or a hub id")
     p.add_argument("drafter", help="EAGLE-3 drafter folder or hub id")
     p.add_argument("--prompts", type=int, default=4, help="number of sequences the target generates to score on")
@@ -97,7 +100,10 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
 
         model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=torch.float32).eval()
     num_layers = model.config.num_hidden_layers
-    cfg, _ = read_drafter(resolve_drafter(args.drafter))
+    folder = resolve_drafter(args.drafter)
+    if _speculators_mtp(folder):
+        return _check_mtp_drafter(args, model)
+    cfg, _ = read_drafter(folder)
     taps = {}
     for convention in ("sglang", "vllm"):
         try:
@@ -131,16 +137,62 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _speculators_mtp(folder: str) -> bool:
+    import json
+    import os
+
+    from ppsplit.compile.mtp import is_speculators_mtp
+
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False  # read_drafter says what is wrong
+    return isinstance(cfg, dict) and is_speculators_mtp(cfg)
+
+
+def _check_mtp_drafter(args: argparse.Namespace, model) -> int:
+    """An MTP layer reads tap L under any numbering: one agreement, on the target's own continuations."""
+    import torch
+
+    import ppsplit
+    from ppsplit.eagle3.drafter import mtp_agreement
+
+    seed_len, layers = 4, model.config.num_hidden_layers
+    cache = ppsplit.CacheConfig(batch_size=args.prompts, max_len=seed_len + args.tokens + 1)
+    split = ppsplit.split_model(model, 1, [layers], cache=cache, fuse=False)
+    gen = torch.Generator().manual_seed(args.seed)
+    seeds = torch.randint(0, model.config.vocab_size, (args.prompts, seed_len), generator=gen)
+    sequences = split.generate(seeds, args.tokens)
+    drafter = ppsplit.load_drafter(args.drafter, split=split)
+    agree, total = mtp_agreement(split, drafter, sequences, start=seed_len)
+    score = agree / max(1, total)
+    print(f"    mtp: tap {layers} (the last layer's output, any numbering)  first-draft agreement {score:.3f} "
+          f"({agree}/{total})")
+    if score < 0.2:
+        print(f"low agreement ({score:.3f}): is the MTP layer trained for this target?")
+    return 0
+
+
 def cmd_save_drafter(args: argparse.Namespace) -> int:
     import ppsplit
     from ppsplit.core.errors import ConfigError
 
+    from ppsplit.artifact.folder import CompiledFolder
+
+    if CompiledFolder(args.folder).mtp is not None:
+        from ppsplit.compile.mtp import save_speculators_mtp
+
+        if args.format != "speculators" or args.verifier is None:
+            raise ConfigError(f"{args.folder}'s drafter is the target's own MTP layer: save it with --format "
+                              "speculators --verifier TARGET (the target's checkpoint, whose config speculators' mtp "
+                              "layout records and whose embedding and head it reads)")
+        save_speculators_mtp(args.folder, args.out, args.verifier)
+        print(f"wrote the MTP layer to {args.out} (speculators mtp format, verifier {args.verifier})")
+        return 0
     split = ppsplit.load(args.folder)
     if split.drafter is None:
-        raise ConfigError(f"{args.folder} holds no drafter: compile it with --drafter")
-    if getattr(split.drafter, "family", None) == "mtp":
-        raise ConfigError(f"{args.folder}'s drafter is the target's own MTP layer, which vLLM and SGLang read from the "
-                          "target's checkpoint: there is no drafter checkpoint to save")
+        raise ConfigError(f"{args.folder} holds no drafter: compile it with --drafter or --mtp")
     split.drafter.save(args.out, format=args.format, verifier=args.verifier)
     print(f"wrote the drafter to {args.out} ({args.format} format, taps {','.join(map(str, split.drafter.taps))})")
     return 0

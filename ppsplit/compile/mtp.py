@@ -50,12 +50,16 @@ class MTPLayout:
 _DEEPSEEK = MTPLayout("model.layers.{L}.", "model.layers.{L}.", {
     "enorm": "enorm.weight", "hnorm": "hnorm.weight", "eh_proj": "eh_proj.weight", "norm": "shared_head.norm.weight",
     "embed": "embed_tokens.weight", "head": "shared_head.head.weight"}, "num_nextn_predict_layers")
+_QWEN_NEXT = MTPLayout("mtp.", "mtp.layers.0.", {
+    "enorm": "pre_fc_norm_embedding.weight", "hnorm": "pre_fc_norm_hidden.weight", "eh_proj": "fc.weight",
+    "norm": "norm.weight"}, "mtp_num_hidden_layers", offset_norms=True, zero_first=False, feed_normed=True)
 LAYOUTS = {  # each built and checked against a reference in tests/eagle3/test_mtp.py
     "deepseek_v3": _DEEPSEEK,
     "glm4_moe": _DEEPSEEK,  # GLM-4.5: the same layout and formula (vLLM glm4_moe_mtp.py)
-    "qwen3_next": MTPLayout("mtp.", "mtp.layers.0.", {
-        "enorm": "pre_fc_norm_embedding.weight", "hnorm": "pre_fc_norm_hidden.weight", "eh_proj": "fc.weight",
-        "norm": "norm.weight"}, "mtp_num_hidden_layers", offset_norms=True, zero_first=False, feed_normed=True),
+    "qwen3_next": _QWEN_NEXT,
+    # Qwen3.5 text checkpoints, dense and MoE: Qwen3-Next's layout and formula (vLLM qwen3_5_mtp.py)
+    "qwen3_5_text": _QWEN_NEXT,
+    "qwen3_5_moe_text": _QWEN_NEXT,
     # MiMo-V2-Flash (vLLM mimo_v2_mtp.py): a sliding-window attention layer with a dense MLP, its post-attention norm
     # named pre_mlp_layernorm, final_layernorm as its norm, the target's embedding and lm_head, no position zeroed,
     # the output after final_layernorm fed back
@@ -368,19 +372,21 @@ class _Renamed:
 
 
 def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, block_prefix: str, keys: list[str],
-                config, dtype, device, scheme=None):
+                config, dtype, device, scheme=None, head: torch.Tensor | None = None):
     """``stage`` (weights on meta) filled with the MTP layer: its block tensors (``keys``, under ``block_prefix``) as
-    layer 1's, its norm as the final norm, its head (or the target's ``lm_head``) as the head. With ``scheme`` (an
-    FP8 checkpoint) its linears run on their FP8 weights and scales as stored, through the pass the compile's
-    stages go through (``quantize_stage``); a weight that pass leaves is dequantised, as a stage's is."""
+    layer 1's, its norm as the final norm, its head (or the target's ``lm_head``; ``head`` when given: a checkpoint
+    without the target's tensors) as the head. With ``scheme`` (an FP8 checkpoint) its linears run on their FP8
+    weights and scales as stored, through the pass the compile's stages go through (``quantize_stage``); a weight
+    that pass leaves is dequantised, as a stage's is."""
     from ppsplit.compile.checkpoint import ST_DTYPES
     from ppsplit.compile.source import skeleton
     from ppsplit.compile.writer import quantize_stage
 
     names = {"model.layers.1." + _as_layer(key[len(block_prefix):], layout): key for key in keys}
     names["model.norm.weight"] = prefix + layout.own["norm"]
-    head = prefix + layout.own["head"] if "head" in layout.own else None
-    names["lm_head.weight"] = head if head in checkpoint else "lm_head.weight"
+    if head is None:
+        own_head = prefix + layout.own["head"] if "head" in layout.own else None
+        names["lm_head.weight"] = own_head if own_head in checkpoint else "lm_head.weight"
     # buffers: what the model computes in __init__ (rotary, ...); tensors converted straight to the split's dtype
     model, buffers = skeleton(_mini_config(config, layout), dtype)
     view = _Renamed(checkpoint, names)
@@ -402,6 +408,8 @@ def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, b
             values[name] = read_tensor(view, key)
         elif group is not None:
             values[name] = sources.run(group)[name]
+        elif name == "lm_head.weight" and head is not None:
+            values[name] = head
         elif name in buffers:
             values[name] = buffers[name]
         else:
@@ -413,3 +421,254 @@ def _load_block(stage, checkpoint: Checkpoint, layout: MTPLayout, prefix: str, b
             target = stage.get_parameter(name) if name in dict(stage.named_parameters()) else stage.get_buffer(name)
             target.copy_(value.to(target.dtype))
     return stage
+
+
+# -- speculators' ``mtp`` layout (``MTPSpeculatorConfig`` / ``MTPDraftModel``; ``MTPConverter`` writes it) ----------
+# speculators 0.9.0's MTP layer classes (``models/mtp/model_definitions.py: mtp_model_classes``); a folder's
+# ``transformer_layer_config.model_type`` is one of them. Its formula is Qwen3-Next's (vLLM loads a qwen3_next one as
+# ``Qwen3NextMTP``): ``final_layernorm(layer(input_proj(cat(token_layernorm(embed(t[i+1])), hidden_layernorm(h)))))``
+# then the verifier's ``lm_head``, the normed output fed to the next step, no zeroed position; norms of the model
+# type's own class (Qwen3: ``weight * x``; the others: ``(1 + weight) * x``).
+SPECULATORS_MTP_TYPES = ("qwen3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+_SPECULATORS_OWN = {"enorm": "token_layernorm.weight", "hnorm": "hidden_layernorm.weight",
+                    "eh_proj": "input_proj.weight", "norm": "final_layernorm.weight"}
+_SPECULATORS_PREFIX = "mtp_layers.0."
+# Top-level config keys: read, or inert (written by save_pretrained, or what the engine decides: the number of drafts
+# is ``num_draft_tokens``; the verifier is the split, whose embedding and head the layer uses).
+_SPECULATORS_READ = ("speculators_model_type", "speculators_config", "transformer_layer_config",
+                     "num_nextn_predict_layers")
+_SPECULATORS_INERT = ("architectures", "auto_map", "dtype", "torch_dtype", "speculators_version",
+                      "transformers_version", "tie_word_embeddings")
+_SPECULATORS_CONFIG = {"algorithm": "read", "proposal_methods": "inert", "default_proposal_method": "inert",
+                       "verifier": "inert"}
+# Tensors speculators replaces with the verifier's on load (``load_verifier_weights``; ``MTPConverter`` writes a NaN
+# ``verifier_lm_head.weight``): ppsplit uses the split's embedding and head instead.
+_SPECULATORS_VERIFIER_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight")
+
+
+def is_speculators_mtp(cfg: dict) -> bool:
+    """Whether a drafter ``config.json`` (a dict) is speculators' ``mtp`` layout."""
+    return cfg.get("speculators_model_type") == "mtp"
+
+
+def speculators_mtp_config(cfg: dict, where: str):
+    """The transformers config of the MTP layer of speculators config ``cfg``, every key checked: read, known inert,
+    or refused naming it."""
+    from transformers import AutoConfig
+
+    unknown = sorted(set(cfg) - set(_SPECULATORS_READ) - set(_SPECULATORS_INERT))
+    if unknown:
+        raise ConfigError(f"{where}: speculators' mtp config has {unknown[0]!r}, which ppsplit does not know; remove "
+                          f"it or use a folder written by speculators 0.9 (keys: {', '.join(_SPECULATORS_READ)})")
+    if cfg.get("num_nextn_predict_layers", 1) != 1:
+        raise ConfigError(f"{where}: num_nextn_predict_layers is {cfg['num_nextn_predict_layers']!r}; speculators' mtp "
+                          "layout holds one MTP layer (1)")
+    spec = cfg.get("speculators_config") or {}
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{where}: speculators_config must be an object, but is {spec!r}")
+    unknown = sorted(set(spec) - set(_SPECULATORS_CONFIG))
+    if unknown:
+        raise ConfigError(f"{where}: speculators_config has {unknown[0]!r}, which ppsplit does not know; remove it")
+    if spec.get("algorithm", "mtp") != "mtp":
+        raise ConfigError(f"{where}: speculators_config.algorithm is {spec['algorithm']!r}, but the folder is an mtp "
+                          "one (speculators_model_type 'mtp')")
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict) or layer.get("model_type") not in SPECULATORS_MTP_TYPES:
+        kind = layer.get("model_type") if isinstance(layer, dict) else layer
+        raise ConfigError(f"{where}: transformer_layer_config.model_type is {kind!r}; speculators' mtp layout holds "
+                          f"layers of {', '.join(SPECULATORS_MTP_TYPES)}")
+    try:
+        return AutoConfig.for_model(**layer)
+    except Exception as e:  # transformers' validators raise their own types
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()[:160]
+        raise ConfigError(f"{where}: transformers cannot read transformer_layer_config ({first})") from None
+
+
+def final_norm(split) -> torch.Tensor:
+    """The target's final norm weight on the last stage (``model.norm.weight``): the first MTP step reads tap ``L``
+    through it."""
+    stage = split.stages[-1]
+    weight = dict(stage.named_parameters()).get("model.norm.weight")
+    if weight is None:
+        raise ConfigError("the split's last stage has no model.norm.weight (the target's final norm, which an MTP "
+                          "layer reads the last hidden state through); this target is not supported")
+    return weight.detach()
+
+
+def load_speculators_mtp(folder: str, split, device=None) -> MTPDrafter:
+    """The MTP layer of a speculators ``mtp`` folder (``MTPDraftModel.save_pretrained``, ``MTPConverter``) as a
+    drafter for ``split`` (tap ``L``, paged cache), using the split's embedding, final norm and ``lm_head`` as
+    speculators uses the verifier's. Refused in one line before tracing: an unknown key, a model type speculators
+    has no MTP class for, a layer config that is not the split's target, a missing or unknown tensor."""
+    from ppsplit.eagle3.dflash import output_head
+    from ppsplit.eagle3.formats import embedding_name
+    from ppsplit.passes.rewrites import apply_rewrites
+
+    where = os.path.join(folder, "config.json")
+    try:
+        with open(where) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {where} ({e}); pass a speculators mtp folder") from None
+    config = speculators_mtp_config(cfg, where)
+    plan = split.plan
+    if (config.num_hidden_layers, config.hidden_size) != (plan.num_layers, plan.hidden_size):
+        raise ConfigError(f"{where}: the MTP layer is for a target of {config.num_hidden_layers} layers x hidden "
+                          f"{config.hidden_size}, but the split's has {plan.num_layers} x {plan.hidden_size}; use "
+                          "the MTP layer of this target")
+    layers = plan.num_layers
+    if layers not in plan.taps:
+        raise ConfigError(f"MTP reads tap {layers} (the last layer's output) but the split carries "
+                          f"{list(plan.taps)}; split with aux including {layers}")
+    stage0 = split.stages[0]
+    name = embedding_name(split)
+    embed = dict(stage0.named_parameters()).get(name)
+    embed = (embed if embed is not None else stage0.get_buffer(name)).detach()
+    head = output_head(split)
+    if config.vocab_size != embed.shape[0]:
+        raise ConfigError(f"{where}: the MTP layer's vocabulary ({config.vocab_size}) is not the target's "
+                          f"({embed.shape[0]}); use the MTP layer of this target")
+    layout = MTPLayout(_SPECULATORS_PREFIX, _SPECULATORS_PREFIX, _SPECULATORS_OWN, "num_nextn_predict_layers",
+                       offset_norms=config.model_type != "qwen3", zero_first=False, feed_normed=True)
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")) \
+            and not os.path.isfile(os.path.join(folder, "model.safetensors.index.json")):
+        raise ConfigError(f"{folder} has no model.safetensors; a speculators mtp folder holds its layer there")
+    checkpoint = Checkpoint(folder)
+    own = {_SPECULATORS_PREFIX + n for n in _SPECULATORS_OWN.values()}
+    for key in sorted(own):
+        if key not in checkpoint:
+            raise ConfigError(f"{folder} has no {key}; the MTP layer is incomplete")
+    stray = sorted(k for k in checkpoint.where if not k.startswith(_SPECULATORS_PREFIX)
+                   and k not in _SPECULATORS_VERIFIER_TENSORS)
+    if stray:
+        raise ConfigError(f"{folder} has tensors speculators' mtp layout does not hold: {', '.join(stray[:4])}; "
+                          "ppsplit refuses to drop them")
+    keys = sorted(k for k in checkpoint.where if k.startswith(_SPECULATORS_PREFIX) and k not in own)
+    device = torch.device(device) if device is not None else module_device(split.stages[-1])
+    dtype = model_dtype(plan)
+    block = _load_block(_trace_block(config, layout, plan, dtype), checkpoint, layout, _SPECULATORS_PREFIX,
+                        _SPECULATORS_PREFIX, keys, config, dtype, device, head=head.to("cpu"))
+    drafter = MTPDrafter(block, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
+                         plan.taps.index(layers), CacheLayout.of(plan), offset_norms=layout.offset_norms,
+                         zero_first=False, feed_normed=True)
+    read = lambda role: read_tensor(checkpoint, _SPECULATORS_PREFIX + _SPECULATORS_OWN[role])  # noqa: E731
+    try:
+        drafter.fill({"target_norm.weight": final_norm(split).cpu(), "embed_tokens": embed.cpu(),
+                      "enorm.weight": read("enorm"), "hnorm.weight": read("hnorm"), "eh_proj.weight": read("eh_proj"),
+                      "norm.weight": read("norm")})
+    except ConfigError as e:
+        raise ConfigError(f"{folder}: {e}; the folder does not match its config.json") from None
+    drafter = drafter.placed(device, dtype)
+    apply_rewrites(drafter.block, StageOptions(), device=device)
+    return drafter
+
+
+def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = None, device=None,
+                 compile: bool = False):
+    """``ppsplit.load_drafter``: a drafter folder (or hub id) for ``split``, on its last stage's device. EAGLE-3,
+    DFlash, DFlash2 and DSpark folders are read by ``ppsplit.eagle3.formats.load_drafter`` (see there for the
+    formats and ``aux_convention`` / ``compile``); speculators' ``mtp`` folders load here, because their decoder
+    block is traced by the passes as ``load_mtp``'s is (``load_speculators_mtp``).
+
+    Example::
+
+        L = model.config.num_hidden_layers
+        split = ppsplit.split_model(model, pp=2, aux=[L], cache=ppsplit.CacheConfig(8, 4096))
+        drafter = ppsplit.load_drafter("path/to/qwen3-next-mtp", split=split)   # speculators_model_type "mtp"
+    """
+    from ppsplit.eagle3 import formats
+
+    if split is not None:
+        folder = formats.resolve_drafter(path_or_hub_id)
+        try:
+            with open(os.path.join(folder, "config.json")) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError):
+            cfg = None  # formats.load_drafter says what is wrong
+        if isinstance(cfg, dict) and is_speculators_mtp(cfg):
+            if aux_convention is not None:
+                raise ConfigError("an MTP drafter reads tap L (the last layer's output) under any numbering; leave "
+                                  "aux_convention (--drafter-convention) out")
+            if compile:
+                raise ConfigError("compile=True compiles EAGLE-3 and DFlash drafters; an MTP layer runs as traced: "
+                                  "leave it out")
+            return load_speculators_mtp(folder, split, device)
+    return formats.load_drafter(path_or_hub_id, split=split, aux_convention=aux_convention, device=device,
+                                compile=compile)
+
+
+def save_speculators_mtp(folder: str, out: str, verifier: str, speculative_tokens: int = 3) -> str:
+    """Write the MTP layer a compiled folder stores (``ppsplit compile --mtp``) as speculators' ``mtp`` layout in
+    ``out``: what ``MTPConverter`` writes from the target's checkpoint (``config.json`` with the verifier's config as
+    ``transformer_layer_config``, ``model.safetensors`` with the layer under ``mtp_layers.0.``, experts fused), and
+    what vLLM and ``MTPDraftModel.from_pretrained`` load. ``verifier``: the target's checkpoint folder (its config
+    is recorded; speculators reads the embedding and head from it). Other model types are refused in one line."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    import transformers
+
+    from ppsplit.artifact.folder import MTP_BLOCK_WEIGHTS, MTP_OWN_WEIGHTS, CompiledFolder, regular_file
+    from ppsplit.compile.source import resolve_model
+    from ppsplit.core.tensors import dtype_name
+
+    compiled = CompiledFolder(folder)
+    if compiled.mtp is None:
+        raise ConfigError(f"{folder} holds no MTP layer; compile it with --mtp")
+    settings, program, _ = compiled.check_mtp()
+    source = resolve_model(verifier)
+    try:
+        with open(os.path.join(source, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {source}/config.json ({e}); pass the target's checkpoint as the verifier") \
+            from None
+    text = raw.get("text_config", raw) if isinstance(raw, dict) else None  # as MTPConverter reads a composite one
+    kind = text.get("model_type") if isinstance(text, dict) else None
+    if kind not in SPECULATORS_MTP_TYPES:
+        raise ConfigError(f"speculators' mtp layout holds MTP layers of {', '.join(SPECULATORS_MTP_TYPES)} only, and "
+                          f"this target is {kind!r}: vLLM reads its MTP layer from the target's own checkpoint")
+    plan = compiled.plan
+    if (text.get("num_hidden_layers"), text.get("hidden_size"), text.get("vocab_size")) != \
+            (plan.num_layers, plan.hidden_size, settings["vocab_size"]):
+        raise ConfigError(f"the verifier {verifier} ({text.get('num_hidden_layers')} layers, hidden "
+                          f"{text.get('hidden_size')}, vocabulary {text.get('vocab_size')}) is not the target {folder} "
+                          f"was compiled from ({plan.num_layers}, {plan.hidden_size}, {settings['vocab_size']})")
+    if settings["zero_first"] or not settings["feed_normed"]:
+        raise ConfigError(f"{folder}'s MTP layer does not follow speculators' formula (position 0 zeroed, or the "
+                          "output fed back before its norm); compile it again with --mtp")
+    params = {t.name for t in program.tensors if t.kind == "parameter" and t.init == "file"}
+    tensors = {}
+    with safe_open(regular_file(os.path.join(compiled.mtp, MTP_BLOCK_WEIGHTS), compiled.path), framework="pt") as f:
+        for name in sorted(params):
+            if name.startswith("model.layers.1."):
+                tensors[_SPECULATORS_PREFIX + name[len("model.layers.1."):]] = f.get_tensor(name)
+            elif name == "model.norm.weight":
+                tensors[_SPECULATORS_PREFIX + _SPECULATORS_OWN["norm"]] = f.get_tensor(name)
+            elif name != "lm_head.weight":  # the verifier's head
+                raise ConfigError(f"{folder}'s MTP block holds {name}, which speculators' layout has no place for")
+    with safe_open(regular_file(os.path.join(compiled.mtp, MTP_OWN_WEIGHTS), compiled.path), framework="pt") as f:
+        for role in ("enorm", "hnorm", "eh_proj"):
+            tensors[_SPECULATORS_PREFIX + _SPECULATORS_OWN[role]] = f.get_tensor(f"{role}.weight")
+    try:
+        layer = AutoConfig.for_model(**text).to_diff_dict()  # what MTPSpeculatorConfig serialises
+    except Exception as e:  # transformers' validators raise their own types
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()[:160]
+        raise ConfigError(f"transformers cannot read {source}/config.json ({first}); pass the target's checkpoint") \
+            from None
+    dtype = dtype_name(next(iter(tensors.values())).dtype)
+    cfg = {"architectures": ["MTPDraftModel"], "dtype": dtype, "num_nextn_predict_layers": 1,
+           "speculators_config": {"algorithm": "mtp", "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
+                                                        "speculative_tokens": speculative_tokens,
+                                                        "verifier_accept_k": 1}],
+                                  "verifier": {"architectures": raw.get("architectures", []),
+                                               "name_or_path": verifier}},
+           "speculators_model_type": "mtp", "tie_word_embeddings": False, "transformer_layer_config": layer,
+           "transformers_version": transformers.__version__}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    return out

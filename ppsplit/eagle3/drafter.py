@@ -267,3 +267,29 @@ def draft_agreement(split, drafter, ids: torch.Tensor, start: int = 1) -> tuple[
     lo = max(start - 1, 0)
     hits = drafts[:, lo:tokens - 1] == target_next[:, lo + 1:]
     return int(hits.sum()), hits.numel()
+
+
+@torch.no_grad()
+def mtp_agreement(split, drafter, ids: torch.Tensor, start: int = 1) -> tuple[int, int]:
+    """Teacher-forced first-draft agreement of an MTP layer (``MTPDrafter``) on ``ids [B, T]``, ``draft_agreement``'s
+    measure: how often its draft for position ``i + 2``, fed tap ``L`` of position ``i`` and token ``i + 1``, is the
+    target's own greedy token there (``i + 1 >= start``). Each row is prefilled alone in sequence slot 0. Returns
+    ``(agreeing, total)``."""
+    from ppsplit.core.ragged import RaggedStep, Segment
+
+    agree = total = 0
+    last = drafter.eh_proj.weight.device
+    for row in ids:
+        tokens = row.shape[0]
+        blocks = list(range(-(-tokens // split.layout.block_size)))
+        step = RaggedStep.build([Segment(0, 0, tokens)], {0: blocks}, split.layout)
+        logits, aux = split.step(row, step)
+        target_next = logits.argmax(-1).to(last)  # [T]: the target's token for position i + 1
+        row = row.to(last)
+        draft_logits, _ = drafter(aux.to(last)[:, None], torch.cat([row[1:], target_next[-1:]])[None],
+                                  step.to(last))
+        drafts = draft_logits[0].argmax(-1)  # [T]: the draft for position i + 2
+        lo = max(start - 1, 0)
+        hits = drafts[lo:tokens - 1] == target_next[lo + 1:]
+        agree, total = agree + int(hits.sum()), total + hits.numel()
+    return agree, total

@@ -37,12 +37,20 @@ SHAPES = {  # the MTP layouts: DeepSeek-V3 (MLA) and GLM-4.5 (GQA with biases), 
                        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=32, tie_word_embeddings=False),
 }
+_QWEN35 = dict(vocab_size=V, hidden_size=H, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+               linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+               tie_word_embeddings=False)
+SHAPES.update({"qwen3_5_text": _QWEN35,  # Qwen3.5's text models, dense and MoE: Qwen3-Next's MTP layout
+               "qwen3_5_moe_text": dict(_QWEN35, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        shared_expert_intermediate_size=32)})
 QWEN = "qwen3_next"  # its MTP layer under mtp.*, norms scaling by 1 + weight, the output after its norm fed back
+QWENS = (QWEN, "qwen3_5_text", "qwen3_5_moe_text")
 # (target, block) config fields: the MTP layer's type at index L (MoE; Qwen3-Next: full attention)
 _LAYER_TYPE = {"deepseek_v3": (dict(first_k_dense_replace=1), dict(first_k_dense_replace=0)),
                "glm4_moe": (dict(first_k_dense_replace=1), dict(first_k_dense_replace=0)),
-               QWEN: (dict(layer_types=["linear_attention", "linear_attention", "full_attention"]),
-                      dict(layer_types=["full_attention"]))}
+               **{q: (dict(layer_types=["linear_attention", "linear_attention", "full_attention"]),
+                      dict(layer_types=["full_attention"])) for q in QWENS}}
 _QWEN_NAMES = {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
                "eh_proj.weight": "fc.weight"}
 CACHE = CacheConfig(batch_size=8, max_len=64, block_size=16)
@@ -63,7 +71,7 @@ def mtp_parts(seed=1, arch="deepseek_v3", **shape):
     block = _random(AutoConfig.for_model(arch, **{**SHAPES[arch], **shape}, num_hidden_layers=1,
                                          **_LAYER_TYPE[arch][1]), seed)
     g = torch.Generator().manual_seed(seed)
-    one = 0 if arch == QWEN else 1  # Qwen3-Next's norms scale by 1 + weight
+    one = 0 if arch in QWENS else 1  # Qwen3-Next's norms scale by 1 + weight
     own = {"enorm.weight": one + 0.1 * torch.randn(H, generator=g),
            "hnorm.weight": one + 0.1 * torch.randn(H, generator=g),
            "eh_proj.weight": torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5}
@@ -77,7 +85,7 @@ def write_checkpoint(folder, target, block, own, drop=(), extra=None, layers=1):
     tmp = f"{folder}-block"
     block.save_pretrained(tmp)
     tensors = load_file(os.path.join(folder, "model.safetensors"))
-    if target.config.model_type == QWEN:
+    if target.config.model_type in QWENS:
         for name, t in load_file(os.path.join(tmp, "model.safetensors")).items():
             if name.startswith("model.layers.0."):
                 tensors["mtp.layers.0." + name[len("model.layers.0."):]] = t
@@ -123,7 +131,7 @@ def build(folder, cache=CACHE, head_scale=1.0, arch="deepseek_v3", **shape):
     block, own = mtp_parts(arch=arch, **shape)
     with torch.no_grad():
         target.lm_head.weight.mul_(head_scale)
-        if arch == QWEN:  # Qwen3-Next's MTP layer drafts through the target's lm_head
+        if arch in QWENS:  # Qwen3-Next's MTP layer drafts through the target's lm_head
             block.lm_head.weight.copy_(target.lm_head.weight)
     folder = write_checkpoint(folder, target, block, own)
     return target, block, own, folder, ppsplit.trace_model(target, cache=cache)
@@ -154,7 +162,7 @@ def reference(target, block, own, ids, chain=()):
     i and the embedding of token i + 1, zeroed at position 0 as vLLM does), then of each token of ``chain`` in
     turn at the positions after (each fed the previous row's block output before ``shared_head.norm``). Qwen3-Next
     (vLLM qwen3_next_mtp.py): no zeroing, norms scaling by 1 + weight, the output after the MTP norm fed back."""
-    eps, qwen = target.config.rms_norm_eps, target.config.model_type == QWEN
+    eps, qwen = target.config.rms_norm_eps, target.config.model_type in QWENS
     h = target(ids[None], output_hidden_states=True).hidden_states[-1][0]  # after the final norm (vLLM's output)
     embed = target.model.embed_tokens.weight
     nxt = torch.cat([ids[1:], torch.tensor(chain[:1], dtype=ids.dtype)])
@@ -191,8 +199,9 @@ def test_draft_logits_equal_the_reference(arch, tmp_path_factory):
     drafter = ppsplit.load_mtp(folder, split=split)
     assert drafter.taps == (L,)
     block_params = {n for n, _ in drafter.block.named_parameters()}
-    attention = {"deepseek_v3": "kv_a_proj", "glm4_moe": "k_proj.bias", QWEN: "q_norm"}[arch]
-    assert any("experts" in n for n in block_params) and any(attention in n for n in block_params)
+    attention = {"deepseek_v3": "kv_a_proj", "glm4_moe": "k_proj.bias"}.get(arch, "q_norm")
+    assert any("experts" in n for n in block_params) == (arch != "qwen3_5_text")
+    assert any(attention in n for n in block_params)
     assert all(n.startswith(("model.layers.1.", "model.norm.", "lm_head.")) for n in block_params)
     torch.manual_seed(7)
     ids = torch.randint(3, V, (11,))
@@ -212,7 +221,8 @@ def test_draft_logits_equal_the_reference(arch, tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch, pp, k", [("deepseek_v3", 1, 1), ("deepseek_v3", 2, 2), ("deepseek_v3", 3, 3),
-                                         ("glm4_moe", 2, 3), (QWEN, 2, 3)])
+                                         ("glm4_moe", 2, 3), (QWEN, 2, 3), ("qwen3_5_text", 2, 3),
+                                         ("qwen3_5_moe_text", 1, 2)])
 def test_engine_output_equals_greedy(arch, pp, k, tmp_path_factory):
     """Requests of different lengths batched, K drafts by chaining the one MTP layer K times: each output equals
     Hugging Face's greedy generate of the target alone."""
@@ -399,9 +409,10 @@ def test_compiled_folder_speculates_with_its_mtp_layer(trained, tmp_path, capsys
     assert printed.splitlines()[0] == ",".join(map(str, outs[0].token_ids))
     assert f"mean acceptance length {outs[0].mean_acceptance_length:.2f}" in printed, printed
     assert main(["inspect", out]) == 0
-    capsys.readouterr()
-    assert main(["save-drafter", out, "-o", str(tmp_path / "x")]) == 2
-    assert "no drafter checkpoint to save" in capsys.readouterr().err
+    for command, message in ((["save-drafter", out, "-o", str(tmp_path / "x")], "--format speculators --verifier"),):
+        capsys.readouterr()
+        assert main(command) == 2
+        assert message in capsys.readouterr().err
     # a tampered stored config is refused in one line, by inspect and by load
     where = os.path.join(out, "mtp", "config.json")
     cfg = json.loads(open(where).read())
@@ -416,7 +427,7 @@ def test_compiled_folder_speculates_with_its_mtp_layer(trained, tmp_path, capsys
         assert main(["inspect", out]) == 2
 
 
-@pytest.mark.parametrize("arch", ["glm4_moe", QWEN])
+@pytest.mark.parametrize("arch", ["glm4_moe", QWEN, "qwen3_5_moe_text"])
 def test_compiled_folder_keeps_each_layout(arch, tmp_path, tmp_path_factory):
     """GLM-4.5 (GQA + biases) and Qwen3-Next (offset norms, the target's head, the normed output fed back) stored by
     ``compile --mtp`` draft exactly what ``load_mtp`` drafts, and the output stays Hugging Face's greedy one."""
