@@ -278,3 +278,20 @@ def first_drafts(split, drafter, prompt, k: int) -> list[int]:
     out = Engine(split, drafter=drafter, num_draft_tokens=k).generate(
         [prompt], SamplingParams(max_tokens=2, ignore_eos=True))[0]
     return out.drafts[0]
+
+
+def bigram_markov(model):
+    """A Markov head that knows the target: its bias (rank = vocabulary) favours the token that most often follows
+    the previous one in the target's greedy continuations of 32 random prompts."""
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        seqs = model.generate(torch.randint(6, vocab, (32, 4), generator=torch.Generator().manual_seed(0)),
+                              max_new_tokens=24, do_sample=False)
+    counts = torch.zeros(vocab, vocab).index_put_((seqs[:, :-1].flatten(), seqs[:, 1:].flatten()),
+                                                  torch.ones(seqs[:, 1:].numel()), accumulate=True)
+
+    def prepare(lib):
+        with torch.no_grad():
+            lib.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
+            lib.markov_head.markov_w2.weight.copy_(20.0 * torch.nn.functional.one_hot(counts.argmax(1), vocab).T)
+    return prepare

@@ -70,7 +70,7 @@ class _ConfidenceHead(nn.Module):
 
 def drop_target_copies(tensors: dict, embed: torch.Tensor, head: torch.Tensor) -> dict:
     """``tensors`` without DeepSpec's copies of the target's input embedding and output head (its trainer copies both
-    from the target and freezes them), each checked to be the target's ``embed`` / ``head`` at the copy's precision,
+    from the target and freezes them), each checked to be the target's ``embed`` / ``head`` at the coarser precision,
     so the drafter shares the target's tables instead of holding second ones."""
     out = dict(tensors)
     for name, table, what in (("embed_tokens.weight", embed, "input embedding"), ("lm_head.weight", head, "lm_head")):
@@ -78,8 +78,10 @@ def drop_target_copies(tensors: dict, embed: torch.Tensor, head: torch.Tensor) -
         if copy is None:
             raise ConfigError(f"the DeepSpec DSpark drafter lacks {name} (its copy of the target's {what}); this "
                               "folder was not written by DeepSpec's save_pretrained")
-        if tuple(copy.shape) != tuple(table.shape) \
-                or not torch.equal(table.detach().to(device=copy.device, dtype=copy.dtype), copy):
+        table = table.detach().to(device=copy.device)
+        # equal at the coarser of the two precisions (a float32 copy beside a bf16 split, or the other way)
+        if tuple(copy.shape) != tuple(table.shape) or not (torch.equal(table.to(copy.dtype), copy)
+                                                           or torch.equal(copy.to(table.dtype), table)):
             raise ConfigError(f"the DeepSpec DSpark drafter's {name} {tuple(copy.shape)} is not this target's {what} "
                               f"{tuple(table.shape)} (DeepSpec trains with a frozen copy of it); use a drafter trained "
                               "for this target")

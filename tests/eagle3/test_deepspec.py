@@ -20,7 +20,7 @@ from ppsplit import ConfigError
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.sampling import SamplingParams
 from tests.eagle3.test_dflash import edit_config, small
-from tests.eagle3.test_dspark import bigram_markov
+from tests.support import bigram_markov
 from tests.serve.test_decode import cached
 
 IDS = [-1, 1, 3]  # DeepSpec's target_layer_ids: layer outputs (hidden_states[id + 1]), -1 the embedding output
@@ -452,3 +452,14 @@ def test_compiled_folder_keeps_deepspec_trimming(tmp_path, capsys):
     assert loaded.drafter.family == "dspark" and loaded.drafter.confidence_rule == "each"
     outs, _ = check_compiled_folder(model, str(tmp_path / "d"), folders[2], BLOCK, capsys, threshold=0.4)
     assert sum(sum(o.accepted) for o in outs) > 0
+
+def test_a_bf16_split_takes_the_float32_copies(tmp_path):
+    """DeepSpec saves its frozen copies of the target's tables in float32; over a bf16 split they are compared at
+    bf16 (the coarser precision) and accepted; a copy that differs at bf16 is still refused."""
+    model, _ = small()
+    deepspec_folder(tmp_path / "d", model)
+    split = ppsplit.split_model(model.to(torch.bfloat16), 1, aux=TAPS)
+    assert ppsplit.load_drafter(str(tmp_path / "d"), split=split).family == "dspark"
+    _scale_tensor("embed_tokens.weight")(tmp_path / "d")
+    with pytest.raises(ConfigError, match="is not this target's input embedding"):
+        ppsplit.load_drafter(str(tmp_path / "d"), split=split)

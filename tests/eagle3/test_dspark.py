@@ -14,6 +14,7 @@ from ppsplit.serve.engine import Engine
 from ppsplit.serve.sampling import SamplingParams
 from tests.eagle3.test_dflash import edit_config, small
 from tests.serve.test_decode import cached
+from tests.support import bigram_markov
 
 pytest.importorskip("speculators")
 
@@ -86,23 +87,6 @@ def library_block(lib, model, ids, bonus, prev):
             logits = logits + lib.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden, prev_emb=emb)
         features = torch.cat([hidden, emb], -1) if lib.config.confidence_head_with_markov else hidden
         return logits[0], lib.confidence_head(features)[0]
-
-
-def bigram_markov(model):
-    """A Markov head that knows the target: its bias (rank = vocabulary) favours the token that most often follows
-    the previous one in the target's greedy continuations of 32 random prompts."""
-    vocab = model.config.vocab_size
-    with torch.no_grad():
-        seqs = model.generate(torch.randint(6, vocab, (32, 4), generator=torch.Generator().manual_seed(0)),
-                              max_new_tokens=24, do_sample=False)
-    counts = torch.zeros(vocab, vocab).index_put_((seqs[:, :-1].flatten(), seqs[:, 1:].flatten()),
-                                                  torch.ones(seqs[:, 1:].numel()), accumulate=True)
-
-    def prepare(lib):
-        with torch.no_grad():
-            lib.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
-            lib.markov_head.markov_w2.weight.copy_(20.0 * torch.nn.functional.one_hot(counts.argmax(1), vocab).T)
-    return prepare
 
 
 def ppsplit_taps(model, ids):

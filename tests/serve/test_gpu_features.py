@@ -69,7 +69,8 @@ def test_n_choices_share_prompt_blocks_on_cuda():
 
 def test_dspark_trimmed_windows_on_cuda(tmp_path):
     from tests.eagle3.test_dflash import TAPS, small
-    from tests.eagle3.test_dspark import BLOCK, bigram_markov, dspark_drafter
+    from tests.eagle3.test_dspark import BLOCK, dspark_drafter
+    from tests.support import bigram_markov
 
     model, _ = small()
     dspark_drafter(tmp_path / "d", model, seed=1, scale=0.5, markov_rank=32, prepare=bigram_markov(model))
@@ -88,6 +89,34 @@ def test_dspark_trimmed_windows_on_cuda(tmp_path):
                                              e.generate(prompts, SamplingParams(max_tokens=24))])
     assert captured == eager
     assert sum(sum(a) for _, a, _ in captured) > 0
+
+
+@pytest.mark.parametrize("rule", ["each", "survival"])
+def test_deepspec_dspark_trimmed_windows_on_cuda(tmp_path, rule):
+    """A DeepSpec DSpark folder (no speculators needed), threshold 0.4 under each trimming rule: the captured
+    drafter (block, Markov and confidence heads in one greedy graph) gives the eager engine's tokens, drafts and
+    acceptance."""
+    from tests.eagle3.test_deepspec import BLOCK, TAPS, deepspec_folder, knows_the_target
+    from tests.eagle3.test_dflash import small
+
+    model, _ = small()
+    deepspec_folder(tmp_path / "d", model, rank=model.config.vocab_size, seed=1, scale=0.5,
+                    prepare=knows_the_target(model, 0.5))
+    model = model.to(device="cuda", dtype=torch.bfloat16)
+    prompts = torch.randint(6, 32, (4, 7), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def build(eager):
+        split = ppsplit.split_model(model, 2, aux=TAPS, cache=CacheConfig(batch_size=8, max_len=64))
+        drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
+        drafter.confidence_threshold, drafter.confidence_rule = 0.4, rule
+        engine = Engine(split, drafter=drafter, num_draft_tokens=BLOCK, enforce_eager=eager)
+        assert (engine.runner.sampler.proposer.graphs is None) == eager
+        return engine
+
+    captured, eager = both(build, lambda e: [(o.token_ids, o.accepted, o.drafts) for o in
+                                             e.generate(prompts, SamplingParams(max_tokens=24))])
+    assert captured == eager
+    assert len({len(d) for _, _, drafts in captured for d in drafts}) > 1  # windows of several lengths
 
 
 def test_mtp_chain_on_cuda(tmp_path):
