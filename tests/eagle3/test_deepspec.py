@@ -458,7 +458,7 @@ def test_a_bf16_split_takes_the_float32_copies(tmp_path):
     bf16 (the coarser precision) and accepted; a copy that differs at bf16 is still refused."""
     model, _ = small()
     deepspec_folder(tmp_path / "d", model)
-    split = ppsplit.split_model(model.to(torch.bfloat16), 1, aux=TAPS)
+    split = ppsplit.split_model(copy.deepcopy(model).to(torch.bfloat16), 1, aux=TAPS)  # the cached target stays fp32
     assert ppsplit.load_drafter(str(tmp_path / "d"), split=split).family == "dspark"
     _scale_tensor("embed_tokens.weight")(tmp_path / "d")
     with pytest.raises(ConfigError, match="is not this target's input embedding"):

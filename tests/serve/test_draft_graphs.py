@@ -2,6 +2,8 @@
 padding of requests to a bucket and the fallbacks give the eager engine's tokens, drafts and acceptance; on the CPU
 through an eager stand-in for capture (each ``replay`` reruns the captured function on the static buffers), on CUDA
 through real graphs (GPU only)."""
+import copy
+
 import pytest
 import torch
 
@@ -93,7 +95,7 @@ def test_captured_drafter_equals_eager_on_cuda(tmp_path):
     """bf16 on CUDA: the engine captures the drafter with the stages; its tokens and acceptance equal the eager
     engine's (``enforce_eager``) for four greedy requests."""
     model, _ = small()
-    model = model.to(device="cuda", dtype=torch.bfloat16)
+    model = copy.deepcopy(model).to(device="cuda", dtype=torch.bfloat16)  # small() is cached: leave it on the CPU
     zlab_drafter(tmp_path / "z", 32, seed=1, scale=0.5)
     cache = ppsplit.CacheConfig(batch_size=8, max_len=64)
     outs = {}
@@ -113,7 +115,7 @@ def test_fused_draft_kernels_equal_aten_on_cuda(tmp_path):
     """bf16 on CUDA: a DFlash block through the stages' fused norm, rotation and gated-activation kernels (inference)
     gives the rows of the ATen ops (grad mode, where the kernels step aside) to bf16 rounding."""
     model, _ = small()
-    model = model.to(device="cuda", dtype=torch.bfloat16)
+    model = copy.deepcopy(model).to(device="cuda", dtype=torch.bfloat16)  # small() is cached: leave it on the CPU
     zlab_drafter(tmp_path / "z", 32, seed=1, scale=0.5)
     split = ppsplit.split_model(model, 2, aux=TAPS)
     drafter = ppsplit.load_drafter(str(tmp_path / "z"), split=split)

@@ -2,6 +2,7 @@
 the same tokens as the same engine run eager (``enforce_eager``): grammar masks copied beside the step, ``n``
 choices sharing their prompt's blocks, DSpark's trimmed windows through the captured drafter, MTP chains through the
 captured chained step (an FP8 one too, and across ranks)."""
+import copy
 import json
 
 import pytest
@@ -74,7 +75,7 @@ def test_dspark_trimmed_windows_on_cuda(tmp_path):
 
     model, _ = small()
     dspark_drafter(tmp_path / "d", model, seed=1, scale=0.5, markov_rank=32, prepare=bigram_markov(model))
-    model = model.to(device="cuda", dtype=torch.bfloat16)
+    model = copy.deepcopy(model).to(device="cuda", dtype=torch.bfloat16)  # small() is cached: leave it on the CPU
     prompts = torch.randint(6, 32, (4, 7), generator=torch.Generator().manual_seed(3)).tolist()
 
     def build(eager):
@@ -102,7 +103,7 @@ def test_deepspec_dspark_trimmed_windows_on_cuda(tmp_path, rule):
     model, _ = small()
     deepspec_folder(tmp_path / "d", model, rank=model.config.vocab_size, seed=1, scale=0.5,
                     prepare=knows_the_target(model, 0.5))
-    model = model.to(device="cuda", dtype=torch.bfloat16)
+    model = copy.deepcopy(model).to(device="cuda", dtype=torch.bfloat16)  # small() is cached: leave it on the CPU
     prompts = torch.randint(6, 32, (4, 7), generator=torch.Generator().manual_seed(3)).tolist()
 
     def build(eager):
