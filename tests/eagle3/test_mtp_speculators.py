@@ -384,10 +384,12 @@ def test_the_converters_folder_is_stored_as_compile_mtp_stores_the_checkpoints_l
         assert all(torch.equal(mine[n], theirs[n]) for n in mine), name
 
 
-def test_a_speculators_mtp_folder_across_ranks_equals_the_in_process_engine(qwen3, request, tmp_path_factory):
+def test_a_speculators_mtp_folder_across_ranks_equals_the_in_process_engine(qwen3, request, tmp_path_factory, capfd):
     """Two gloo ranks over the folder compiled with the dense Qwen3 speculators layer (``PipelineEngine``, what
     ``ppsplit run`` and ``serve --ranks`` run): requests arriving over several steps give Hugging Face's greedy
-    output, and each request's drafts and acceptance equal the in-process engine's over the same folder."""
+    output, and each request's drafts and acceptance equal the in-process engine's over the same folder; ``ppsplit
+    run DIR -k 3`` prints the same tokens and acceptance."""
+    from ppsplit.cli import main
     from tests.eagle3.test_mtp import _rank_prompts
     from tests.processes import launch, serve
 
@@ -406,6 +408,14 @@ def test_a_speculators_mtp_folder_across_ranks_equals_the_in_process_engine(qwen
                                      eos_token_id=None)[0, len(prompt):].tolist()
         assert tokens == greedy == expected.token_ids
         assert (accepted, drafts) == (expected.accepted, expected.drafts)
+    capfd.readouterr()
+    code = main(["run", out, "--prompt-ids", ",".join(map(str, prompts[0])), "--max-new-tokens", "14", "--ignore-eos",
+                 "-k", "3", "--timeout", "60"])
+    printed, err = capfd.readouterr()
+    assert code == 0, err[-2000:]
+    lines = printed.splitlines()
+    assert lines[0] == ",".join(map(str, ref[0].token_ids)), printed
+    assert f"K=3, mean acceptance length {ref[0].mean_acceptance_length:.2f}" in lines[1], printed
 
 
 def test_compile_refuses_a_bad_speculators_mtp_drafter_in_one_line(qwen3, tmp_path, capsys):
