@@ -439,3 +439,19 @@ def test_compile_refuses_a_bad_speculators_mtp_drafter_in_one_line(qwen3, tmp_pa
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
         assert not os.path.exists(tmp_path / "out")
+
+
+def test_save_drafter_gives_back_the_speculators_layer_a_folder_stores(qwen3, request, tmp_path_factory, tmp_path):
+    """Round trip: ``save-drafter --verifier`` of the folder compiled with speculators' dense Qwen3 layer writes that
+    layer's tensors back bit for bit (speculators' folder also holds the verifier's embedding and head, which the
+    layout leaves to the verifier)."""
+    from ppsplit.cli import main
+
+    _, folder, _, drafter = _speculators_pair("qwen3", request)
+    _, _, _, out = _compiled_with_drafter("qwen3", request, tmp_path_factory)
+    assert main(["save-drafter", out, "--verifier", folder, "-o", str(tmp_path / "back")]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    original = {n: t for n, t in load_file(os.path.join(drafter, "model.safetensors")).items()
+                if n.startswith("mtp_layers.")}
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[n], original[n]) for n in back)
