@@ -156,9 +156,7 @@ def _build(model: str, plan, device) -> MTPDrafter:
     if plan.num_layers != layers:
         raise ConfigError(f"the split has {plan.num_layers} layers but {model} has {layers}; load the MTP layers of "
                           "the split's own checkpoint")
-    if layers not in plan.taps:
-        raise ConfigError(f"MTP reads tap {layers} (the last layer's output) but the split carries "
-                          f"{list(plan.taps)}; split with aux including {layers}")
+    _check_tap(plan)
     cache = CacheLayout.of(plan)
     checkpoint = Checkpoint(folder)
     prefix, block_prefix = layout.prefix.format(L=layers), layout.block.format(L=layers)
@@ -525,6 +523,7 @@ def load_speculators_mtp(folder: str, split, device=None) -> MTPDrafter:
 
 
 def _check_tap(plan) -> None:
+    """An MTP layer reads tap ``L``: refuse a plan without it."""
     layers = plan.num_layers
     if layers not in plan.taps:
         raise ConfigError(f"MTP reads tap {layers} (the last layer's output) but the split carries "
