@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fuse sibling projections (q/k/v, gate/up) into one linear each when the stages are loaded "
                    "(the files keep the checkpoint's names); default: on CUDA devices")
     p.add_argument("--drafter", default=None, help="EAGLE-3, DFlash, DFlash2 or DSpark drafter folder or hub id: "
-                   "taps from its config, stored in DIR/drafter")
+                   "taps from its config, stored in DIR/drafter; a speculators mtp folder: stored in DIR/mtp as --mtp "
+                   "stores a layer")
     p.add_argument("--mtp", action="store_true", help="store the checkpoint's own MTP layer (DeepSeek-V3, GLM-4.5, "
                    "Qwen3-Next, MiMo-V2-Flash) in DIR/mtp as the drafter; adds tap L (the last layer's output)")
     p.add_argument("--drafter-convention", choices=("sglang", "vllm"), default=None,

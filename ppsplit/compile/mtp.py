@@ -156,9 +156,7 @@ def _build(model: str, plan, device) -> MTPDrafter:
     if plan.num_layers != layers:
         raise ConfigError(f"the split has {plan.num_layers} layers but {model} has {layers}; load the MTP layers of "
                           "the split's own checkpoint")
-    if layers not in plan.taps:
-        raise ConfigError(f"MTP reads tap {layers} (the last layer's output) but the split carries "
-                          f"{list(plan.taps)}; split with aux including {layers}")
+    _check_tap(plan)
     cache = CacheLayout.of(plan)
     checkpoint = Checkpoint(folder)
     prefix, block_prefix = layout.prefix.format(L=layers), layout.block.format(L=layers)
@@ -191,6 +189,12 @@ def write_mtp(folder: str, model: str, split) -> None:
     """Store the first MTP layer of checkpoint ``model`` for ``split`` (the compile's skeleton) in
     ``folder/mtp``: the block's traced program and tensors as a stage's are stored, and the drafter's own
     tensors and settings (``ppsplit.eagle3.mtp.load_folder_mtp`` reads them back)."""
+    _store(folder, _build(model, split.plan, torch.device("cpu")), split)
+
+
+def _store(folder: str, drafter: MTPDrafter, split) -> None:
+    """``drafter`` (its block as traced) in ``folder/mtp``: the block as a stage is stored, its own tensors and
+    settings beside it."""
     from safetensors.torch import save_file
 
     from ppsplit.artifact.folder import MTP, MTP_BLOCK, MTP_BLOCK_WEIGHTS, MTP_OWN_WEIGHTS, fingerprint, write_json
@@ -198,7 +202,6 @@ def write_mtp(folder: str, model: str, split) -> None:
     from ppsplit.compile.checkpoint import write_safetensors
     from ppsplit.core.tensors import dtype_name
 
-    drafter = _build(model, split.plan, torch.device("cpu"))
     block = drafter.block
     persistent = set(block.state_dict().keys())
     specs, stored = [], []
@@ -504,6 +507,32 @@ def load_speculators_mtp(folder: str, split, device=None) -> MTPDrafter:
     from ppsplit.eagle3.formats import embedding_name
     from ppsplit.passes.rewrites import apply_rewrites
 
+    plan = split.plan
+    _check_tap(plan)
+    stage0 = split.stages[0]
+    name = embedding_name(split)
+    embed = dict(stage0.named_parameters()).get(name)
+    embed = (embed if embed is not None else stage0.get_buffer(name)).detach()
+    head = output_head(split)
+    config, checkpoint, keys = speculators_mtp_folder(folder, plan.num_layers, plan.hidden_size, embed.shape[0])
+    device = torch.device(device) if device is not None else module_device(split.stages[-1])
+    drafter = _speculators_drafter(folder, config, checkpoint, keys, plan, embed.cpu(), final_norm(split).cpu(),
+                                   head.cpu(), device)
+    apply_rewrites(drafter.block, StageOptions(), device=device)
+    return drafter
+
+
+def _check_tap(plan) -> None:
+    """An MTP layer reads tap ``L``: refuse a plan without it."""
+    layers = plan.num_layers
+    if layers not in plan.taps:
+        raise ConfigError(f"MTP reads tap {layers} (the last layer's output) but the split carries "
+                          f"{list(plan.taps)}; split with aux including {layers}")
+
+
+def speculators_mtp_folder(folder: str, layers: int, hidden: int, vocab: int):
+    """``(layer config, checkpoint, block tensor keys)`` of speculators ``mtp`` folder ``folder`` for a target of
+    ``layers`` x ``hidden`` and vocabulary ``vocab``: its config and tensor names checked, no tensor data read."""
     where = os.path.join(folder, "config.json")
     try:
         with open(where) as f:
@@ -511,25 +540,13 @@ def load_speculators_mtp(folder: str, split, device=None) -> MTPDrafter:
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read {where} ({e}); pass a speculators mtp folder") from None
     config = speculators_mtp_config(cfg, where)
-    plan = split.plan
-    if (config.num_hidden_layers, config.hidden_size) != (plan.num_layers, plan.hidden_size):
+    if (config.num_hidden_layers, config.hidden_size) != (layers, hidden):
         raise ConfigError(f"{where}: the MTP layer is for a target of {config.num_hidden_layers} layers x hidden "
-                          f"{config.hidden_size}, but the split's has {plan.num_layers} x {plan.hidden_size}; use "
-                          "the MTP layer of this target")
-    layers = plan.num_layers
-    if layers not in plan.taps:
-        raise ConfigError(f"MTP reads tap {layers} (the last layer's output) but the split carries "
-                          f"{list(plan.taps)}; split with aux including {layers}")
-    stage0 = split.stages[0]
-    name = embedding_name(split)
-    embed = dict(stage0.named_parameters()).get(name)
-    embed = (embed if embed is not None else stage0.get_buffer(name)).detach()
-    head = output_head(split)
-    if config.vocab_size != embed.shape[0]:
+                          f"{config.hidden_size}, but the split's has {layers} x {hidden}; use the MTP layer of this "
+                          "target")
+    if config.vocab_size != vocab:
         raise ConfigError(f"{where}: the MTP layer's vocabulary ({config.vocab_size}) is not the target's "
-                          f"({embed.shape[0]}); use the MTP layer of this target")
-    layout = MTPLayout(_SPECULATORS_PREFIX, _SPECULATORS_PREFIX, _SPECULATORS_OWN, "num_nextn_predict_layers",
-                       offset_norms=config.model_type != "qwen3", zero_first=False, feed_normed=True)
+                          f"({vocab}); use the MTP layer of this target")
     if not os.path.isfile(os.path.join(folder, "model.safetensors")) \
             and not os.path.isfile(os.path.join(folder, "model.safetensors.index.json")):
         raise ConfigError(f"{folder} has no model.safetensors; a speculators mtp folder holds its layer there")
@@ -544,23 +561,69 @@ def load_speculators_mtp(folder: str, split, device=None) -> MTPDrafter:
         raise ConfigError(f"{folder} has tensors speculators' mtp layout does not hold: {', '.join(stray[:4])}; "
                           "ppsplit refuses to drop them")
     keys = sorted(k for k in checkpoint.where if k.startswith(_SPECULATORS_PREFIX) and k not in own)
-    device = torch.device(device) if device is not None else module_device(split.stages[-1])
+    return config, checkpoint, keys
+
+
+def _speculators_drafter(folder, config, checkpoint, keys, plan, embed, norm, head, device) -> MTPDrafter:
+    """The drafter of a checked speculators folder with the target's ``embed``, final ``norm`` and ``head`` (CPU
+    tensors), placed on ``device``, its block as traced (no stage rewrites)."""
+    layout = MTPLayout(_SPECULATORS_PREFIX, _SPECULATORS_PREFIX, _SPECULATORS_OWN, "num_nextn_predict_layers",
+                       offset_norms=config.model_type != "qwen3", zero_first=False, feed_normed=True)
     dtype = model_dtype(plan)
     block = _load_block(_trace_block(config, layout, plan, dtype), checkpoint, layout, _SPECULATORS_PREFIX,
-                        _SPECULATORS_PREFIX, keys, config, dtype, device, head=head.to("cpu"))
+                        _SPECULATORS_PREFIX, keys, config, dtype, device, head=head)
+    layers = plan.num_layers
     drafter = MTPDrafter(block, config.hidden_size, config.vocab_size, config.rms_norm_eps, layers,
                          plan.taps.index(layers), CacheLayout.of(plan), offset_norms=layout.offset_norms,
                          zero_first=False, feed_normed=True)
     read = lambda role: read_tensor(checkpoint, _SPECULATORS_PREFIX + _SPECULATORS_OWN[role])  # noqa: E731
     try:
-        drafter.fill({"target_norm.weight": final_norm(split).cpu(), "embed_tokens": embed.cpu(),
-                      "enorm.weight": read("enorm"), "hnorm.weight": read("hnorm"), "eh_proj.weight": read("eh_proj"),
-                      "norm.weight": read("norm")})
+        drafter.fill({"target_norm.weight": norm, "embed_tokens": embed, "enorm.weight": read("enorm"),
+                      "hnorm.weight": read("hnorm"), "eh_proj.weight": read("eh_proj"), "norm.weight": read("norm")})
     except ConfigError as e:
         raise ConfigError(f"{folder}: {e}; the folder does not match its config.json") from None
-    drafter = drafter.placed(device, dtype)
-    apply_rewrites(drafter.block, StageOptions(), device=device)
-    return drafter
+    return drafter.placed(device, dtype)
+
+
+def speculators_mtp_source(drafter: str) -> str | None:
+    """The folder of ``drafter`` (a path or hub id) when it is speculators' ``mtp`` layout, else None (another
+    family: ``ppsplit.eagle3.formats`` reads it and says what is wrong)."""
+    from ppsplit.eagle3.formats import resolve_drafter
+
+    folder = resolve_drafter(drafter)
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return folder if isinstance(cfg, dict) and is_speculators_mtp(cfg) else None
+
+
+def check_compiled_speculators_mtp(folder: str, config, convention: str | None) -> int:
+    """What ``ppsplit compile --drafter`` checks of speculators ``mtp`` folder ``folder`` for target ``config``
+    before tracing; returns the tap it reads (``L``)."""
+    if convention is not None:
+        raise ConfigError("an MTP drafter reads tap L (the last layer's output) under any numbering; leave out "
+                          "--drafter-convention")
+    speculators_mtp_folder(folder, config.num_hidden_layers, config.hidden_size, config.vocab_size)
+    return config.num_hidden_layers
+
+
+def write_speculators_mtp(out: str, folder: str, split, checkpoint: Checkpoint, tied: dict) -> None:
+    """Store the MTP layer of speculators ``mtp`` folder ``folder`` in ``out/mtp`` as ``write_mtp`` stores a
+    checkpoint's own (``ppsplit compile --drafter``): the target's embedding, final norm and head it uses are read
+    from the target's ``checkpoint`` (``split`` is the compile's skeleton, weights on meta)."""
+    from ppsplit.eagle3.dflash import output_head_name
+    from ppsplit.eagle3.formats import embedding_name
+
+    plan = split.plan
+    final_norm(split)  # a target without model.norm.weight: its one-line refusal
+    read = lambda name: read_tensor(checkpoint, next((n for n in tied.get(name, ()) if n in checkpoint), name))  # noqa: E731
+    embed, head = read(embedding_name(split)), read(output_head_name(split))
+    config, layer, keys = speculators_mtp_folder(folder, plan.num_layers, plan.hidden_size, embed.shape[0])
+    drafter = _speculators_drafter(folder, config, layer, keys, plan, embed, read("model.norm.weight"), head,
+                                   torch.device("cpu"))
+    _store(out, drafter, split)
 
 
 def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = None, device=None,
@@ -578,21 +641,15 @@ def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = N
     """
     from ppsplit.eagle3 import formats
 
-    if split is not None:
-        folder = formats.resolve_drafter(path_or_hub_id)
-        try:
-            with open(os.path.join(folder, "config.json")) as f:
-                cfg = json.load(f)
-        except (OSError, ValueError):
-            cfg = None  # formats.load_drafter says what is wrong
-        if isinstance(cfg, dict) and is_speculators_mtp(cfg):
-            if aux_convention is not None:
-                raise ConfigError("an MTP drafter reads tap L (the last layer's output) under any numbering; leave "
-                                  "aux_convention (--drafter-convention) out")
-            if compile:
-                raise ConfigError("compile=True compiles EAGLE-3 and DFlash drafters; an MTP layer runs as traced: "
-                                  "leave it out")
-            return load_speculators_mtp(folder, split, device)
+    folder = speculators_mtp_source(path_or_hub_id) if split is not None else None
+    if folder is not None:
+        if aux_convention is not None:
+            raise ConfigError("an MTP drafter reads tap L (the last layer's output) under any numbering; leave "
+                              "aux_convention (--drafter-convention) out")
+        if compile:
+            raise ConfigError("compile=True compiles EAGLE-3 and DFlash drafters; an MTP layer runs as traced: "
+                              "leave it out")
+        return load_speculators_mtp(folder, split, device)
     return formats.load_drafter(path_or_hub_id, split=split, aux_convention=aux_convention, device=device,
                                 compile=compile)
 

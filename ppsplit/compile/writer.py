@@ -76,15 +76,24 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     folder = resolve_model(model)
     if mtp:  # first: a model type whose MTP layers ppsplit refuses (MiMo-7B) is told why, before transformers is asked
         from ppsplit.compile.mtp import mtp_checkpoint
+        if drafter is not None:
+            raise ConfigError("pass either --drafter or --mtp: a compiled folder stores one drafter")
         mtp_checkpoint(folder)
     config = load_config(folder)
     scheme = read_scheme(config, model)
+    speculators_mtp = None  # a speculators mtp folder as --drafter: stored in out/mtp as --mtp stores a layer
     if drafter is not None:
+        from ppsplit.compile.mtp import check_compiled_speculators_mtp, speculators_mtp_source
         from ppsplit.eagle3.formats import compile_taps
-        aux = compile_taps(drafter, config, options.aux, drafter_convention)
-        options = dataclasses.replace(options, aux=aux, aux_convention="vllm")
+        speculators_mtp = speculators_mtp_source(drafter)
+        if speculators_mtp is None:
+            aux = compile_taps(drafter, config, options.aux, drafter_convention)
+            options = dataclasses.replace(options, aux=aux, aux_convention="vllm")
+        else:
+            layers = check_compiled_speculators_mtp(speculators_mtp, config, drafter_convention)
+            options = _mtp_options(options, layers, default_cache, "--drafter")
     if mtp:
-        options = _mtp_options(model, options, drafter, default_cache)
+        options = _mtp_options(options, mtp_checkpoint(model)[1]["num_hidden_layers"], default_cache, "--mtp")
     checkpoint = Checkpoint(folder)
     torch_dtype = DTYPES[dtype] if dtype else _config_dtype(config)
 
@@ -120,7 +129,10 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     try:
         _write(tmp, split, stage_specs, sources, buffers, model, torch_dtype, progress, stage_options, quantization,
                sharded)
-        if drafter is not None:
+        if speculators_mtp is not None:
+            from ppsplit.compile.mtp import write_speculators_mtp
+            write_speculators_mtp(tmp, speculators_mtp, split, checkpoint, tied)
+        elif drafter is not None:
             from ppsplit.eagle3.formats import write_compiled_drafter
             write_compiled_drafter(tmp, drafter, split, checkpoint, tied, drafter_convention)
         if mtp:
@@ -140,20 +152,15 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     return out
 
 
-def _mtp_options(model: str, options: SplitOptions, drafter: str | None, default_cache: bool) -> SplitOptions:
-    """``options`` with tap ``L`` (what the MTP layer reads) added, or one ``ConfigError`` before anything is traced
-    when ``model`` has no MTP layers ppsplit runs or the split cannot store one."""
-    from ppsplit.compile.mtp import mtp_checkpoint
+def _mtp_options(options: SplitOptions, layers: int, default_cache: bool, flag: str) -> SplitOptions:
+    """``options`` with tap ``layers`` (``L``: what an MTP layer reads) added, or one ``ConfigError`` before anything
+    is traced when the split cannot store an MTP layer (``flag``: the option that asked for one)."""
     from ppsplit.core.options import parse_aux, to_taps
 
-    if drafter is not None:
-        raise ConfigError("pass either --drafter or --mtp: a compiled folder stores one drafter")
     if options.cache is None and not default_cache:
-        raise ConfigError("the MTP layer drafts over the stages' paged KV cache: leave out --no-cache (or --mtp)")
+        raise ConfigError(f"the MTP layer drafts over the stages' paged KV cache: leave out --no-cache (or {flag})")
     if options.aux == "eagle3":
-        raise ConfigError("--mtp adds its tap to explicit --aux ids only: pass them as numbers, or leave --aux out")
-    _, raw, _, _ = mtp_checkpoint(model)
-    layers = raw["num_hidden_layers"]
+        raise ConfigError(f"{flag} adds its tap to explicit --aux ids only: pass them as numbers, or leave --aux out")
     taps = to_taps(parse_aux(options.aux), options.aux_convention, layers) if options.aux else ()
     return dataclasses.replace(options, aux=",".join(map(str, sorted({*taps, layers}))), aux_convention="vllm")
 

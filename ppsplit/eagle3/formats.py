@@ -93,8 +93,7 @@ def read_drafter(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
                           "ppsplit.load_mtp(folder, split=split)")
     if cfg.get("speculators_model_type") == "mtp":  # its block is traced: ppsplit.compile.mtp loads it
         raise ConfigError(f"{folder} is a speculators MTP layer; load it with ppsplit.load_drafter(folder, "
-                          "split=split) in one process (compile --drafter stores EAGLE-3 and DFlash drafters; "
-                          "compile the target with --mtp)")
+                          "split=split), or store it in a folder with ppsplit compile TARGET --drafter FOLDER")
     for name in ("model.safetensors", "drafter.safetensors"):
         if os.path.isfile(os.path.join(folder, name)):
             from safetensors.torch import load_file

@@ -304,3 +304,154 @@ def test_generate_takes_a_speculators_folder_as_drafter(qwen, tmp_path, capsys):
         greedy = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
     assert printed.splitlines()[0] == ",".join(map(str, greedy[0, len(prompt):].tolist()))
     assert "mean acceptance length" in printed, printed
+
+
+# -- a speculators mtp folder stored in a compiled folder (``ppsplit compile --drafter``) ------------------------------
+def _speculators_pair(which, request):
+    """(target, its checkpoint folder, traced target, speculators mtp folder): the converter's Qwen3-Next layer, or
+    speculators' own dense Qwen3 one."""
+    if which == "qwen3_next":
+        target, folder, traced, _, _, converted = request.getfixturevalue("qwen")
+        return target, folder, traced, converted
+    target, mtp, traced = request.getfixturevalue("qwen3")
+    return target, os.path.join(os.path.dirname(mtp), "target"), traced, mtp
+
+
+_COMPILED: dict = {}
+
+
+def _compiled_with_drafter(which, request, tmp_path_factory):
+    """``ppsplit compile TARGET --pp 2 --drafter SPECULATORS_MTP``, once per target."""
+    from ppsplit.cli import main
+
+    if which not in _COMPILED:
+        target, folder, traced, drafter = _speculators_pair(which, request)
+        out = str(tmp_path_factory.mktemp(f"{which}-drafter") / "pp2")
+        assert main(["compile", folder, "--pp", "2", "--drafter", drafter, "-o", out, "--max-batch", "8",
+                     "--max-len", "64"]) == 0
+        _COMPILED[which] = target, traced, drafter, out
+    return _COMPILED[which]
+
+
+@pytest.mark.parametrize("which", ["qwen3_next", "qwen3"])
+def test_a_folder_compiled_with_a_speculators_mtp_drafter_speculates_with_it(which, request, tmp_path_factory,
+                                                                             capsys):
+    """The layer is stored in DIR/mtp as ``--mtp`` stores one (tap L added); ``ppsplit.load`` attaches it, and the
+    engine over the folder gives Hugging Face's greedy output with each request's drafts and acceptance equal to
+    ``load_drafter``'s in one process; ``ppsplit generate DIR -k 3`` prints the same tokens."""
+    from ppsplit.cli import main
+
+    target, traced, drafter, out = _compiled_with_drafter(which, request, tmp_path_factory)
+    assert sorted(os.listdir(os.path.join(out, "mtp"))) == ["block.json", "block.safetensors", "config.json",
+                                                            "drafter.safetensors"]
+    assert not os.path.exists(os.path.join(out, "drafter"))
+    assert main(["inspect", out]) == 0
+    loaded = ppsplit.load(out)
+    assert loaded.drafter.family == "mtp" and loaded.plan.taps == (L,)
+    prompts = [torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (4, 9, 13)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = Engine(loaded, drafter=loaded.drafter, num_draft_tokens=3).generate(prompts, params)
+    split = ppsplit.split_model(traced, 2, aux=[L])
+    ref = Engine(split, drafter=ppsplit.load_drafter(drafter, split=split), num_draft_tokens=3).generate(prompts,
+                                                                                                         params)
+    for prompt, got, expected in zip(prompts, outs, ref):
+        with torch.no_grad():
+            greedy = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                     eos_token_id=None)[0, len(prompt):].tolist()
+        assert got.token_ids == greedy == expected.token_ids
+        assert (got.drafts, got.accepted) == (expected.drafts, expected.accepted)
+    capsys.readouterr()
+    assert main(["generate", out, "--prompt-ids", ",".join(map(str, prompts[1])), "--max-new-tokens", "12",
+                 "--ignore-eos", "-k", "3"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == ",".join(map(str, outs[1].token_ids))
+    assert f"mean acceptance length {outs[1].mean_acceptance_length:.2f}" in printed[1], printed
+
+
+def test_the_converters_folder_is_stored_as_compile_mtp_stores_the_checkpoints_layer(qwen, request, tmp_path_factory):
+    """The converter's folder holds the checkpoint's own Qwen3-Next MTP layer: compiled with ``--drafter`` it is
+    stored exactly as ``--mtp`` stores that layer (the same settings, block program and tensors, bit for bit)."""
+    from safetensors.torch import load_file as read
+
+    _, _, _, by_mtp, _, _ = qwen
+    _, _, _, out = _compiled_with_drafter("qwen3_next", request, tmp_path_factory)
+    for name in ("config.json", "block.json"):
+        assert json.loads(open(os.path.join(out, "mtp", name)).read()) == \
+            json.loads(open(os.path.join(by_mtp, "mtp", name)).read()), name
+    for name in ("block.safetensors", "drafter.safetensors"):
+        mine, theirs = read(os.path.join(out, "mtp", name)), read(os.path.join(by_mtp, "mtp", name))
+        assert sorted(mine) == sorted(theirs)
+        assert all(torch.equal(mine[n], theirs[n]) for n in mine), name
+
+
+def test_a_speculators_mtp_folder_across_ranks_equals_the_in_process_engine(qwen3, request, tmp_path_factory, capfd):
+    """Two gloo ranks over the folder compiled with the dense Qwen3 speculators layer (``PipelineEngine``, what
+    ``ppsplit run`` and ``serve --ranks`` run): requests arriving over several steps give Hugging Face's greedy
+    output, and each request's drafts and acceptance equal the in-process engine's over the same folder; ``ppsplit
+    run DIR -k 3`` prints the same tokens and acceptance."""
+    from ppsplit.cli import main
+    from tests.eagle3.test_mtp import _rank_prompts
+    from tests.processes import launch, serve
+
+    target, _, drafter, out = _compiled_with_drafter("qwen3", request, tmp_path_factory)
+    prompts, params = _rank_prompts(), SamplingParams(max_tokens=14, ignore_eos=True)
+    res = launch(2, serve, out, [(p, params, i // 2) for i, p in enumerate(prompts)], 3, timeout=60, deadline=240)
+    assert all(res[r][0] == "ok" for r in range(2)), {r: res[r][-1][-800:] for r in range(2)}
+    outputs, in_use, _, _ = res[0][1]
+    assert in_use == 0 and sorted(outputs) == ["0", "1", "2", "3"]
+    single = ppsplit.load(out)
+    ref = Engine(single, drafter=single.drafter, num_draft_tokens=3).generate(prompts, params)
+    for i, (prompt, expected) in enumerate(zip(prompts, ref)):
+        tokens, _, accepted, drafts = outputs[str(i)]
+        with torch.no_grad():
+            greedy = target.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False,
+                                     eos_token_id=None)[0, len(prompt):].tolist()
+        assert tokens == greedy == expected.token_ids
+        assert (accepted, drafts) == (expected.accepted, expected.drafts)
+    capfd.readouterr()
+    code = main(["run", out, "--prompt-ids", ",".join(map(str, prompts[0])), "--max-new-tokens", "14", "--ignore-eos",
+                 "-k", "3", "--timeout", "60"])
+    printed, err = capfd.readouterr()
+    assert code == 0, err[-2000:]
+    lines = printed.splitlines()
+    assert lines[0] == ",".join(map(str, ref[0].token_ids)), printed
+    assert f"K=3, mean acceptance length {ref[0].mean_acceptance_length:.2f}" in lines[1], printed
+
+
+def test_compile_refuses_a_bad_speculators_mtp_drafter_in_one_line(qwen3, tmp_path, capsys):
+    """An unknown config key, a layer of another target, ``--drafter-convention``, ``--no-cache`` or ``--mtp`` beside
+    it: one line each, before tracing, nothing written."""
+    from ppsplit.cli import main
+
+    _, mtp, _ = qwen3
+    folder = os.path.join(os.path.dirname(mtp), "target")
+    layer = json.loads(open(os.path.join(mtp, "config.json")).read())["transformer_layer_config"]
+    mystery = _edited(mtp, tmp_path / "mystery", {"mystery": 1})
+    wider = _edited(mtp, tmp_path / "wider", {"transformer_layer_config": {**layer, "vocab_size": V + 1}})
+    for extra, message in (
+            (["--drafter", mystery], "has 'mystery', which ppsplit does not know"),
+            (["--drafter", wider], f"vocabulary ({V + 1}) is not the target's ({V})"),
+            (["--drafter", mtp, "--drafter-convention", "vllm"], "leave out --drafter-convention"),
+            (["--drafter", mtp, "--no-cache"], "leave out --no-cache (or --drafter)"),
+            (["--drafter", mtp, "--mtp"], "pass either --drafter or --mtp")):
+        capsys.readouterr()
+        assert main(["compile", folder, "--pp", "2", *extra, "-o", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+        assert not os.path.exists(tmp_path / "out")
+
+
+def test_save_drafter_gives_back_the_speculators_layer_a_folder_stores(qwen3, request, tmp_path_factory, tmp_path):
+    """Round trip: ``save-drafter --verifier`` of the folder compiled with speculators' dense Qwen3 layer writes that
+    layer's tensors back bit for bit (speculators' folder also holds the verifier's embedding and head, which the
+    layout leaves to the verifier)."""
+    from ppsplit.cli import main
+
+    _, folder, _, drafter = _speculators_pair("qwen3", request)
+    _, _, _, out = _compiled_with_drafter("qwen3", request, tmp_path_factory)
+    assert main(["save-drafter", out, "--verifier", folder, "-o", str(tmp_path / "back")]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    original = {n: t for n, t in load_file(os.path.join(drafter, "model.safetensors")).items()
+                if n.startswith("mtp_layers.")}
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[n], original[n]) for n in back)
