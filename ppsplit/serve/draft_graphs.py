@@ -7,9 +7,10 @@ for 3.6 ms of kernels on an H100. Captured, each part is one launch:
   so every step of the engine fits one);
 - the drawing requests' blocks: two graphs per count of requests (powers of two up to the cache's slots). For a
   greedy step the head and the picks are captured with the block (DSpark's Markov and confidence heads, DFlash2's
-  selector included), so the drafts come out of one replay; fifteen argmax launches over a 128k vocabulary were
-  0.5 ms of a 3.3 ms draft step at batch 1. For a step with sampling requests the graph ends at the last layer's
-  rows and the sampling picks run eager (they read the requests' parameters).
+  selector included), so the drafts come out of one replay; eager, the fifteen argmax launches over a 128k
+  vocabulary took 0.5 ms of a 3.4 ms draft step at batch 1 (an H100 profile, ``bench/dflash_gpu.py --profile 1``).
+  For a step with sampling requests the graph ends at the last layer's rows and the sampling picks run eager (they
+  read the requests' parameters).
 
 A chain drafter (EAGLE-3, MTP) is captured as one step over the drawing requests' rows, per count of requests,
 replayed for each of its ``K - 1`` chained steps (its first step, over every row of the target's step, and the picks
