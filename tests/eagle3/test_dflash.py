@@ -254,19 +254,25 @@ def trained_dflash(tmp_path_factory):
     return model, str(tmp_path / "trained"), tmp_path
 
 
+def batch_of_eight(model, folder, taps, k):
+    """Eight 4-token prompts at once through the engine at pp 2 with the drafter in ``folder`` (``k`` drafts), the
+    outputs checked to be the target's greedy tokens: ``(outputs, split, drafter, prompts)``."""
+    _, graph = small()
+    split = ppsplit.split_model(graph, 2, aux=taps)
+    drafter = ppsplit.load_drafter(folder, split=split)
+    prompts = torch.randint(3, 32, (8, 4), generator=torch.Generator().manual_seed(5))
+    outs = Engine(split, drafter=drafter, num_draft_tokens=k).generate(list(prompts), SamplingParams(max_tokens=24))
+    with torch.no_grad():
+        greedy = model.generate(prompts, max_new_tokens=24, do_sample=False)[:, 4:].tolist()
+    assert [o.token_ids for o in outs] == greedy
+    return outs, split, drafter, prompts
+
+
 def test_trained_drafter_accepts_more_than_one_token_per_pass(trained_dflash):
     """Every request of a batch of 8 averages more than one token per verify pass (the batch at least 2), each gets
     its own acceptance, and the outputs stay the target's greedy ones."""
     model, folder, _ = trained_dflash
-    _, graph = small()
-    split = ppsplit.split_model(graph, 2, aux=TAPS)
-    drafter = ppsplit.load_drafter(folder, split=split)
-    prompts = torch.randint(3, 32, (8, 4), generator=torch.Generator().manual_seed(5))
-    outs = Engine(split, drafter=drafter, num_draft_tokens=BLOCK - 1).generate(list(prompts),
-                                                                               SamplingParams(max_tokens=24))
-    with torch.no_grad():
-        greedy = model.generate(prompts, max_new_tokens=24, do_sample=False)[:, 4:].tolist()
-    assert [o.token_ids for o in outs] == greedy
+    outs, split, drafter, prompts = batch_of_eight(model, folder, TAPS, BLOCK - 1)
     lengths = [o.mean_acceptance_length for o in outs]
     print(f"trained DFlash drafter, block {BLOCK}, batch of 8: tokens per verify pass {[round(x, 2) for x in lengths]}"
           f", mean {sum(lengths) / len(lengths):.2f}")
