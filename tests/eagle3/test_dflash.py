@@ -220,6 +220,32 @@ def test_speculators_drafter_through_the_engine_is_lossless(tmp_path):
         assert len(out.accepted) >= 1 and all(0 <= a <= 2 for a in out.accepted)
 
 
+def train_blocks(lib, model, block_loss, steps: int = 300):
+    """Train z-lab's drafter ``lib`` (DFlash or DFlash2) on ``model``'s greedy continuations of 64 random 4-token
+    prompts: Adam at 3e-3, ``steps`` batches of 16 sequences, one block at a random anchor each (the bonus token,
+    then masks), the context the taps of the positions before it. ``block_loss(logits, hidden, s, anchor)`` is the
+    family's loss of the block's drafting rows (``hidden``, and the target's head over them) for sequences ``s``."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        seqs = model.generate(torch.randint(3, 32, (64, 4), generator=g), max_new_tokens=36, do_sample=False)
+        feats = dflash.extract_context_feature(model(seqs, output_hidden_states=True).hidden_states, ZLAB_IDS)
+    embed, head = model.get_input_embeddings(), model.lm_head
+    opt = torch.optim.Adam(lib.parameters(), lr=3e-3)
+    lib.train()
+    for _ in range(steps):
+        pick = torch.randint(0, 64, (16,), generator=g)
+        anchor = int(torch.randint(4, seqs.shape[1] - BLOCK + 1, (1,), generator=g))
+        s = seqs[pick]
+        block = torch.cat([s[:, anchor:anchor + 1], torch.full((16, BLOCK - 1), MASK)], 1)
+        hidden = lib(position_ids=torch.arange(anchor + BLOCK)[None], target_hidden=feats[pick, :anchor],
+                     noise_embedding=embed(block).detach())[:, 1:]
+        loss = block_loss(head(hidden), hidden, s, anchor)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    lib.eval()
+
+
 # -- a drafter trained here accepts ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained_dflash(tmp_path_factory):
@@ -228,28 +254,8 @@ def trained_dflash(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("dflash")
     model, _ = small()
     lib = zlab_drafter(tmp_path / "z", 32, seed=2, scale=0.02)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        seqs = model.generate(torch.randint(3, 32, (64, 4), generator=g), max_new_tokens=36, do_sample=False)
-        feats = dflash.extract_context_feature(model(seqs, output_hidden_states=True).hidden_states, ZLAB_IDS)
-    embed, head = model.get_input_embeddings(), model.lm_head
-    params = [p for p in lib.parameters()]
-    opt = torch.optim.Adam(params, lr=3e-3)
-    lib.train()
-    T = seqs.shape[1]
-    for _ in range(300):
-        pick = torch.randint(0, 64, (16,), generator=g)
-        anchor = int(torch.randint(4, T - BLOCK + 1, (1,), generator=g))
-        s = seqs[pick]
-        block = torch.cat([s[:, anchor:anchor + 1], torch.full((16, BLOCK - 1), MASK)], 1)
-        hidden = lib(position_ids=torch.arange(anchor + BLOCK)[None], target_hidden=feats[pick, :anchor],
-                     noise_embedding=embed(block).detach())
-        logits = head(hidden[:, 1:])
-        loss = F.cross_entropy(logits.flatten(0, 1), s[:, anchor + 1:anchor + BLOCK].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    lib.eval()
+    train_blocks(lib, model, lambda logits, hidden, s, anchor: F.cross_entropy(
+        logits.flatten(0, 1), s[:, anchor + 1:anchor + BLOCK].flatten()))
     lib.save_pretrained(str(tmp_path / "trained"))
     return model, str(tmp_path / "trained"), tmp_path
 

@@ -13,7 +13,7 @@ import ppsplit
 from ppsplit import ConfigError
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.sampling import SamplingParams
-from tests.eagle3.test_dflash import edit_config, small
+from tests.eagle3.test_dflash import edit_config, small, train_blocks
 from tests.serve.test_decode import cached
 
 dflash = pytest.importorskip("dflash.model")
@@ -197,21 +197,9 @@ def trained_dflash2(tmp_path_factory):
     model, _ = small()
     lib = zlab_dflash2(tmp_path / "z", 32, seed=2, scale=0.02)
     selector = lib.candidate_selector
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        seqs = model.generate(torch.randint(3, 32, (64, 4), generator=g), max_new_tokens=36, do_sample=False)
-        feats = dflash.extract_context_feature(model(seqs, output_hidden_states=True).hidden_states, ZLAB_IDS)
-    embed, head = model.get_input_embeddings(), model.lm_head
-    opt = torch.optim.Adam(lib.parameters(), lr=3e-3)
-    lib.train()
-    for _ in range(300):
-        pick = torch.randint(0, 64, (16,), generator=g)
-        anchor = int(torch.randint(4, seqs.shape[1] - BLOCK + 1, (1,), generator=g))
-        s = seqs[pick]
-        block = torch.cat([s[:, anchor:anchor + 1], torch.full((16, BLOCK - 1), MASK)], 1)
-        hidden = lib(position_ids=torch.arange(anchor + BLOCK)[None], target_hidden=feats[pick, :anchor],
-                     noise_embedding=embed(block).detach())[:, 1:]
-        logits, gold = head(hidden), s[:, anchor + 1:anchor + BLOCK]
+
+    def block_loss(logits, hidden, s, anchor):
+        gold = s[:, anchor + 1:anchor + BLOCK]
         unary, candidates = logits.topk(selector.top_k, dim=-1)
         pair = selector.predecessor_codebook(s[:, anchor:anchor + BLOCK - 1]) * selector.hidden_projection(hidden)
         scores = unary + torch.einsum("bpr,bpkr->bpk", pair, selector.successor_codebook(candidates))
@@ -219,10 +207,9 @@ def trained_dflash2(tmp_path_factory):
         loss = F.cross_entropy(logits.flatten(0, 1), gold.flatten())
         if hit.any():
             loss = loss - (scores.log_softmax(-1) * hit).sum(-1)[hit.any(-1)].mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    lib.eval()
+        return loss
+
+    train_blocks(lib, model, block_loss)
     lib.save_pretrained(str(tmp_path / "trained"))
     return model, str(tmp_path / "trained")
 

@@ -374,6 +374,23 @@ def test_trained_layer_accepts_more_than_one_token_per_pass(trained, k):
     assert alone[0].accepted == outs[3].accepted
 
 
+def check_folder_drafts_as_load_mtp(target, folder, traced, loaded, prompts, max_tokens: int):
+    """The MTP layer of a compiled folder (``loaded``, K = 3) against ``load_mtp(folder)`` over a pp-2 split of
+    ``traced``: every prompt's output is Hugging Face's greedy one, and its drafts and acceptance per verify pass are
+    the in-process layer's. Returns the folder's outputs."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outs = Engine(loaded, drafter=loaded.drafter, num_draft_tokens=3).generate(prompts, params)
+    split = ppsplit.split_model(traced, 2, aux=[L])
+    ref = Engine(split, drafter=ppsplit.load_mtp(folder, split=split), num_draft_tokens=3).generate(prompts, params)
+    for prompt, got, expected in zip(prompts, outs, ref):
+        with torch.no_grad():
+            greedy = target.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                     eos_token_id=None)[0, len(prompt):].tolist()
+        assert got.token_ids == greedy == expected.token_ids
+        assert got.accepted == expected.accepted and got.drafts == expected.drafts
+    return outs
+
+
 def test_compiled_folder_speculates_with_its_mtp_layer(trained, tmp_path, capsys):
     """``ppsplit compile CKPT --pp 2 --mtp`` stores the MTP layer in DIR/mtp (the block's program and tensors, its
     own tensors beside them); ``ppsplit.load`` attaches it, and the folder's greedy output equals Hugging Face's with
@@ -388,16 +405,7 @@ def test_compiled_folder_speculates_with_its_mtp_layer(trained, tmp_path, capsys
     loaded = ppsplit.load(out)
     assert loaded.plan.taps == (L,) and loaded.drafter.family == "mtp"
     prompts = [p.tolist() for p in torch.randint(3, V, (4, 4), generator=torch.Generator().manual_seed(5))]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    outs = Engine(loaded, drafter=loaded.drafter, num_draft_tokens=3).generate(prompts, params)
-    split = ppsplit.split_model(traced, 2, aux=[L])
-    ref = Engine(split, drafter=ppsplit.load_mtp(folder, split=split), num_draft_tokens=3).generate(prompts, params)
-    for prompt, got, expected in zip(prompts, outs, ref):
-        with torch.no_grad():
-            greedy = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                                     eos_token_id=None)[0, 4:].tolist()
-        assert got.token_ids == greedy == expected.token_ids
-        assert got.accepted == expected.accepted and got.drafts == expected.drafts
+    outs = check_folder_drafts_as_load_mtp(target, folder, traced, loaded, prompts, 16)
     lengths = [o.mean_acceptance_length for o in outs]
     with capsys.disabled():
         print(f"MTP layer from the compiled folder, K=3: tokens per verify pass {[round(x, 2) for x in lengths]}")
@@ -436,18 +444,8 @@ def test_compiled_folder_keeps_each_layout(arch, tmp_path, tmp_path_factory):
     target, _, _, folder, traced = built(arch, tmp_path_factory)
     out = str(tmp_path / "pp2")
     assert main(["compile", folder, "--pp", "2", "--mtp", "-o", out, "--max-batch", "8", "--max-len", "64"]) == 0
-    loaded = ppsplit.load(out)
     prompts = [p.tolist() for p in torch.randint(3, V, (3, 6), generator=torch.Generator().manual_seed(3))]
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
-    outs = Engine(loaded, drafter=loaded.drafter, num_draft_tokens=3).generate(prompts, params)
-    split = ppsplit.split_model(traced, 2, aux=[L])
-    ref = Engine(split, drafter=ppsplit.load_mtp(folder, split=split), num_draft_tokens=3).generate(prompts, params)
-    for prompt, got, expected in zip(prompts, outs, ref):
-        with torch.no_grad():
-            greedy = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                     eos_token_id=None)[0, 6:].tolist()
-        assert got.token_ids == greedy == expected.token_ids
-        assert got.drafts == expected.drafts and got.accepted == expected.accepted
+    check_folder_drafts_as_load_mtp(target, folder, traced, ppsplit.load(out), prompts, 10)
 
 
 def test_compile_mtp_refuses_a_checkpoint_without_mtp_layers(deepseek, tmp_path, capsys):
@@ -516,14 +514,13 @@ def _rank_prompts():
     return [p.tolist() for p in torch.randint(3, V, (4, 5), generator=torch.Generator().manual_seed(11))]
 
 
-@pytest.mark.parametrize("arch, pp", [("deepseek_v3", 2), ("deepseek_v3", 1), (QWEN, 2)])
-def test_mtp_across_ranks_equals_the_in_process_engine(arch, pp, tmp_path_factory, request):
-    """One gloo process per stage, the folder's MTP layer (its block, own tensors and embedding copy from DIR/mtp) on
-    the last rank reading the tap L the pipe carries: requests arriving over several steps give Hugging Face's greedy
-    output, and each step's drafts and acceptance equal the in-process engine's over the same folder."""
+def check_mtp_across_ranks(target, folder, pp: int):
+    """``_rank_prompts`` on ``pp`` gloo ranks of a folder holding an MTP layer (K = 3, requests arriving over two
+    steps): tokens are Hugging Face's greedy ones, each request's drafts and acceptance per step the in-process
+    engine's over the same folder, and no block is left in use. Returns rank 0's outputs and the in-process
+    engine's."""
     from tests.processes import launch, serve
 
-    target, folder = mtp_folder(arch, pp, tmp_path_factory, request)
     prompts, params = _rank_prompts(), SamplingParams(max_tokens=14, ignore_eos=True)
     res = launch(pp, serve, folder, [(p, params, i // 2) for i, p in enumerate(prompts)], 3, timeout=60, deadline=240)
     assert all(res[r][0] == "ok" for r in range(pp)), {r: res[r][-1][-800:] for r in range(pp)}
@@ -539,6 +536,16 @@ def test_mtp_across_ranks_equals_the_in_process_engine(arch, pp, tmp_path_factor
                                      eos_token_id=None)[0, len(prompt):].tolist()
         assert tokens == greedy == expected.token_ids
         assert (accepted, drafts) == (expected.accepted, expected.drafts)
+    return outputs, ref
+
+
+@pytest.mark.parametrize("arch, pp", [("deepseek_v3", 2), ("deepseek_v3", 1), (QWEN, 2)])
+def test_mtp_across_ranks_equals_the_in_process_engine(arch, pp, tmp_path_factory, request):
+    """One gloo process per stage, the folder's MTP layer (its block, own tensors and embedding copy from DIR/mtp) on
+    the last rank reading the tap L the pipe carries: requests arriving over several steps give Hugging Face's greedy
+    output, and each step's drafts and acceptance equal the in-process engine's over the same folder."""
+    target, folder = mtp_folder(arch, pp, tmp_path_factory, request)
+    outputs, _ = check_mtp_across_ranks(target, folder, pp)
     if arch == "deepseek_v3":  # the trained layer: the drafts the ranks compare are mostly accepted ones
         lengths = [1 + sum(outputs[str(i)][2]) / len(outputs[str(i)][2]) for i in range(4)]
         print(f"MTP across {pp} ranks, K=3: tokens per verify pass {[round(x, 2) for x in lengths]}")

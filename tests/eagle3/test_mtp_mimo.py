@@ -17,11 +17,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 import ppsplit
-from ppsplit import CacheConfig, ConfigError
+from ppsplit import ConfigError
 from ppsplit.core.ragged import RaggedStep, Segment
 from ppsplit.serve.engine import Engine
 from ppsplit.serve.sampling import SamplingParams
-from tests.eagle3.test_mtp import CACHE, rms
+from tests.eagle3.test_mtp import CACHE, check_folder_drafts_as_load_mtp, rms
 from tests.support import random_model
 
 V, H, L, HEADS, KV, D, DV, FFN = 32, 64, 3, 4, 1, 16, 8, 96
@@ -203,18 +203,9 @@ def test_compiled_folder_drafts_as_load_mtp(mimo, tmp_path):
     target, _, folder, traced = mimo
     out = str(tmp_path / "pp2")
     assert main(["compile", folder, "--pp", "2", "--mtp", "-o", out, "--max-batch", "8", "--max-len", "64"]) == 0
-    loaded = ppsplit.load(out)
     prompts = [p.tolist() for p in torch.randint(3, V, (3, 6), generator=torch.Generator().manual_seed(3))]
+    outs = check_folder_drafts_as_load_mtp(target, folder, traced, ppsplit.load(out), prompts, 10)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    outs = Engine(loaded, drafter=loaded.drafter, num_draft_tokens=3).generate(prompts, params)
-    split = ppsplit.split_model(traced, 2, aux=[L])
-    ref = Engine(split, drafter=ppsplit.load_mtp(folder, split=split), num_draft_tokens=3).generate(prompts, params)
-    for prompt, got, expected in zip(prompts, outs, ref):
-        with torch.no_grad():
-            greedy = target.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                     eos_token_id=None)[0, 6:].tolist()
-        assert got.token_ids == greedy == expected.token_ids
-        assert got.drafts == expected.drafts and got.accepted == expected.accepted
     # across two gloo ranks, the layer on the last: the same tokens, drafts and acceptance per step
     from tests.processes import launch, serve
 

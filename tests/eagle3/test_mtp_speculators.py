@@ -390,24 +390,11 @@ def test_a_speculators_mtp_folder_across_ranks_equals_the_in_process_engine(qwen
     output, and each request's drafts and acceptance equal the in-process engine's over the same folder; ``ppsplit
     run DIR -k 3`` prints the same tokens and acceptance."""
     from ppsplit.cli import main
-    from tests.eagle3.test_mtp import _rank_prompts
-    from tests.processes import launch, serve
+    from tests.eagle3.test_mtp import _rank_prompts, check_mtp_across_ranks
 
     target, _, drafter, out = _compiled_with_drafter("qwen3", request, tmp_path_factory)
-    prompts, params = _rank_prompts(), SamplingParams(max_tokens=14, ignore_eos=True)
-    res = launch(2, serve, out, [(p, params, i // 2) for i, p in enumerate(prompts)], 3, timeout=60, deadline=240)
-    assert all(res[r][0] == "ok" for r in range(2)), {r: res[r][-1][-800:] for r in range(2)}
-    outputs, in_use, _, _ = res[0][1]
-    assert in_use == 0 and sorted(outputs) == ["0", "1", "2", "3"]
-    single = ppsplit.load(out)
-    ref = Engine(single, drafter=single.drafter, num_draft_tokens=3).generate(prompts, params)
-    for i, (prompt, expected) in enumerate(zip(prompts, ref)):
-        tokens, _, accepted, drafts = outputs[str(i)]
-        with torch.no_grad():
-            greedy = target.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False,
-                                     eos_token_id=None)[0, len(prompt):].tolist()
-        assert tokens == greedy == expected.token_ids
-        assert (accepted, drafts) == (expected.accepted, expected.drafts)
+    _, ref = check_mtp_across_ranks(target, out, 2)
+    prompts = _rank_prompts()
     capfd.readouterr()
     code = main(["run", out, "--prompt-ids", ",".join(map(str, prompts[0])), "--max-new-tokens", "14", "--ignore-eos",
                  "-k", "3", "--timeout", "60"])

@@ -68,6 +68,27 @@ def test_n_choices_share_prompt_blocks_on_cuda():
     assert shared == 3 * 32  # the three later choices took the prompt's two full blocks
 
 
+def dspark_captured_and_eager(model, folder: str, taps, k: int, threshold: float, rule: str | None = None):
+    """A DSpark drafter from ``folder`` over a pp-2 split of ``model`` (the cached CPU target, copied to CUDA in
+    bf16), windows trimmed at ``threshold`` (under ``rule`` if given): the captured engine's and the eager engine's
+    ``(tokens, accepted, drafts)`` of four greedy requests."""
+    model = copy.deepcopy(model).to(device="cuda", dtype=torch.bfloat16)  # small() is cached: leave it on the CPU
+    prompts = torch.randint(6, 32, (4, 7), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def build(eager):
+        split = ppsplit.split_model(model, 2, aux=taps, cache=CacheConfig(batch_size=8, max_len=64))
+        drafter = ppsplit.load_drafter(folder, split=split)
+        drafter.confidence_threshold = threshold
+        if rule is not None:
+            drafter.confidence_rule = rule
+        engine = Engine(split, drafter=drafter, num_draft_tokens=k, enforce_eager=eager)
+        assert (engine.runner.sampler.proposer.graphs is None) == eager
+        return engine
+
+    return both(build, lambda e: [(o.token_ids, o.accepted, o.drafts) for o in
+                                  e.generate(prompts, SamplingParams(max_tokens=24))])
+
+
 def test_dspark_trimmed_windows_on_cuda(tmp_path):
     from tests.eagle3.test_dflash import TAPS, small
     from tests.eagle3.test_dspark import BLOCK, dspark_drafter
@@ -75,19 +96,7 @@ def test_dspark_trimmed_windows_on_cuda(tmp_path):
 
     model, _ = small()
     dspark_drafter(tmp_path / "d", model, seed=1, scale=0.5, markov_rank=32, prepare=bigram_markov(model))
-    model = copy.deepcopy(model).to(device="cuda", dtype=torch.bfloat16)  # small() is cached: leave it on the CPU
-    prompts = torch.randint(6, 32, (4, 7), generator=torch.Generator().manual_seed(3)).tolist()
-
-    def build(eager):
-        split = ppsplit.split_model(model, 2, aux=TAPS, cache=CacheConfig(batch_size=8, max_len=64))
-        drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
-        drafter.confidence_threshold = 0.3
-        engine = Engine(split, drafter=drafter, num_draft_tokens=BLOCK, enforce_eager=eager)
-        assert (engine.runner.sampler.proposer.graphs is None) == eager
-        return engine
-
-    captured, eager = both(build, lambda e: [(o.token_ids, o.accepted, o.drafts) for o in
-                                             e.generate(prompts, SamplingParams(max_tokens=24))])
+    captured, eager = dspark_captured_and_eager(model, str(tmp_path / "d"), TAPS, BLOCK, 0.3)
     assert captured == eager
     assert sum(sum(a) for _, a, _ in captured) > 0
 
@@ -103,19 +112,7 @@ def test_deepspec_dspark_trimmed_windows_on_cuda(tmp_path, rule):
     model, _ = small()
     deepspec_folder(tmp_path / "d", model, rank=model.config.vocab_size, seed=1, scale=0.5,
                     prepare=knows_the_target(model, 0.5))
-    model = copy.deepcopy(model).to(device="cuda", dtype=torch.bfloat16)  # small() is cached: leave it on the CPU
-    prompts = torch.randint(6, 32, (4, 7), generator=torch.Generator().manual_seed(3)).tolist()
-
-    def build(eager):
-        split = ppsplit.split_model(model, 2, aux=TAPS, cache=CacheConfig(batch_size=8, max_len=64))
-        drafter = ppsplit.load_drafter(str(tmp_path / "d"), split=split)
-        drafter.confidence_threshold, drafter.confidence_rule = 0.4, rule
-        engine = Engine(split, drafter=drafter, num_draft_tokens=BLOCK, enforce_eager=eager)
-        assert (engine.runner.sampler.proposer.graphs is None) == eager
-        return engine
-
-    captured, eager = both(build, lambda e: [(o.token_ids, o.accepted, o.drafts) for o in
-                                             e.generate(prompts, SamplingParams(max_tokens=24))])
+    captured, eager = dspark_captured_and_eager(model, str(tmp_path / "d"), TAPS, BLOCK, 0.4, rule)
     assert captured == eager
     assert len({len(d) for _, _, drafts in captured for d in drafts}) > 1  # windows of several lengths
 
