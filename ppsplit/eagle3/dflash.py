@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ppsplit.core.drafter_config import dflash_drafter_config
+from ppsplit.core.drafter_config import dflash_drafter_config, is_deepspec
 from ppsplit.core.errors import ConfigError
 from ppsplit.core.options import to_taps
 from ppsplit.core.ragged import RaggedStep
@@ -377,7 +377,12 @@ def build_dflash(cfg: dict, tensors: dict, plan, embed: torch.Tensor, head: torc
                  aux_convention: str | None, device, cls: type = DFlashDrafter) -> DFlashDrafter:
     """The DFlash drafter of ``(cfg, tensors)`` for a split with ``plan``, sharing the target's ``embed`` table and
     output projection ``head``; checked before any tensor is loaded. ``cls``: the family's module (DSpark's adds
-    heads; their tensors are accounted for by its ``state_dict``)."""
+    heads; their tensors are accounted for by its ``state_dict``). A DeepSpec folder's copies of ``embed`` and
+    ``head`` are checked equal to them and dropped."""
+    if is_deepspec(cfg):
+        from ppsplit.eagle3.dspark import drop_target_copies
+
+        tensors = drop_target_copies(tensors, embed, head)
     flat, rope, ids, numbering = dflash_drafter_config(cfg)
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ConfigError(f"DFlash drafter tap ids must be a list of integers, but got {ids!r}")

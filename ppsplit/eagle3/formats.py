@@ -179,12 +179,9 @@ def load_drafter(path_or_hub_id: str, split=None, aux_convention: str | None = N
     device = device if device is not None else module_device(split.stages[-1])
     if is_dflash(cfg):
         from ppsplit.eagle3.dflash import build_dflash, output_head
-        from ppsplit.eagle3.dspark import drop_target_copies
 
-        head = output_head(split)
-        if is_deepspec(cfg):
-            tensors = drop_target_copies(tensors, embed, head)
-        drafter = build_dflash(cfg, tensors, split.plan, embed, head, aux_convention, device, dflash_class(cfg))
+        drafter = build_dflash(cfg, tensors, split.plan, embed, output_head(split), aux_convention, device,
+                               dflash_class(cfg))
     else:
         drafter = build_drafter(cfg, tensors, split.plan, embed, aux_convention, device)
     if compile:
@@ -337,16 +334,13 @@ def write_compiled_drafter(folder: str, drafter: str, split, checkpoint, tied: d
     cfg, tensors = read_drafter(resolve_drafter(drafter))
     read = lambda name: checkpoint.read_one(next((n for n in tied.get(name, ()) if n in checkpoint), name))  # noqa: E731
     embed = tensors.get("embed_tokens.weight")
-    if embed is None:
+    if embed is None or is_deepspec(cfg):  # DeepSpec's copy is checked against the target's, not taken for it
         embed = read(embedding_name(split))
     if is_dflash(cfg):
         from ppsplit.eagle3.dflash import build_dflash, output_head_name
-        from ppsplit.eagle3.dspark import drop_target_copies
 
-        head = read(output_head_name(split))
-        if is_deepspec(cfg):
-            tensors = drop_target_copies(tensors, embed, head)
-        built = build_dflash(cfg, tensors, split.plan, embed, head, aux_convention, "cpu", dflash_class(cfg))
+        built = build_dflash(cfg, tensors, split.plan, embed, read(output_head_name(split)), aux_convention, "cpu",
+                             dflash_class(cfg))
     else:
         built = build_drafter(cfg, tensors, split.plan, embed, aux_convention, "cpu")
     save_drafter(built, os.path.join(folder, DRAFTER))

@@ -463,3 +463,20 @@ def test_a_bf16_split_takes_the_float32_copies(tmp_path):
     _scale_tensor("embed_tokens.weight")(tmp_path / "d")
     with pytest.raises(ConfigError, match="is not this target's input embedding"):
         ppsplit.load_drafter(str(tmp_path / "d"), split=split)
+
+
+def test_compile_checks_the_copies_against_the_target(tmp_path, capsys):
+    """``compile --drafter`` reads the target's embedding from its checkpoint to check DeepSpec's copy against (not
+    the copy itself): a copy that is not the target's is refused in one line and nothing is written."""
+    from ppsplit.cli import main
+
+    model, _ = small()
+    deepspec_folder(tmp_path / "d", model)
+    _scale_tensor("embed_tokens.weight")(tmp_path / "d")
+    model.save_pretrained(str(tmp_path / "target"))
+    capsys.readouterr()
+    assert main(["compile", str(tmp_path / "target"), "--pp", "2", "--drafter", str(tmp_path / "d"), "-o",
+                 str(tmp_path / "out"), "--max-batch", "4", "--max-len", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not this target's input embedding" in err and "\n" not in err, err
+    assert not (tmp_path / "out").exists()
