@@ -125,8 +125,9 @@ def compile_model(model: str, out: str, *, options: SplitOptions | None = None, 
     stage_specs = [_stage_tensors(stage, k, sources, buffers, tied) for k, stage in enumerate(split.stages)]
     quantization = None if scheme is None else _quantization(scheme, fp8, stage_specs, sources)
 
-    tmp = _make_tmp(out)
-    try:
+    tmp = _tmp_name(out)
+    try:  # from before the folder exists: a SIGTERM just after its creation still removes it
+        _make_tmp(out)
         _write(tmp, split, stage_specs, sources, buffers, model, torch_dtype, progress, stage_options, quantization,
                sharded)
         if speculators_mtp is not None:
@@ -185,11 +186,17 @@ def default_cache_for(model_obj) -> CacheConfig | None:
     return CacheConfig(batch_size=DEFAULT_SEQUENCES, max_len=min(context, DEFAULT_MAX_LEN))
 
 
+def _tmp_name(out: str, probe: bool = False) -> str:
+    """The hidden temporary folder beside ``out`` (``_make_tmp`` creates it)."""
+    tag = _PROBE_TAG if probe else _TMP_TAG
+    return os.path.join(os.path.dirname(out), f".{os.path.basename(out)}{tag}{os.getpid()}")
+
+
 def _make_tmp(out: str, probe: bool = False) -> str:
     """The hidden temporary folder beside ``out``; fails with a one-line error if that place is not writable.
     ``probe=True`` creates and removes it at once (the check before slow work, leaving nothing behind)."""
     parent = os.path.dirname(out)
-    tmp = os.path.join(parent, f".{os.path.basename(out)}{_PROBE_TAG if probe else _TMP_TAG}{os.getpid()}")
+    tmp = _tmp_name(out, probe)
     try:
         os.makedirs(parent, exist_ok=True)
         _remove_stale_tmp(parent)
